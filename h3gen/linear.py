@@ -1,0 +1,42 @@
+"""The one place model code gets its linear layers from.
+
+Models never call `nn.Linear` directly: they describe each projection with a `LinearSpec` and ask a factory for the
+module. The default factory returns a plain `nn.Linear`; tensor parallel (`h3gen.parallel`) and quantized
+(`h3gen.quant`) factories return modules with the same parameter names, so state-dict keys never change.
+"""
+
+from dataclasses import dataclass
+from typing import Callable, Literal
+
+import torch.nn as nn
+
+# How a projection may be split across tensor-parallel ranks (Megatron style):
+#   "column"     - output features sharded (q/k/v, SwiGLU up): no communication, feeds a "row" layer.
+#   "row"        - input features sharded (attention out, SwiGLU down): partial sums all-reduced.
+#   "replicated" - every rank holds the whole layer (embedders, heads, AdaLN, fp32 islands).
+ParallelRole = Literal["column", "row", "replicated"]
+
+
+@dataclass(frozen=True)
+class LinearSpec:
+    """What a model asks of one linear layer.
+
+    `kind` says what the projection is for (e.g. "attn.qkv", "attn.out", "ffn.up", "ffn.down", "adaln", "embed",
+    "head", "time"), so factories can treat classes of layers alike (quantize the block GEMMs, never the heads).
+    `fp32` marks the checkpoint's float32 islands, which every factory must keep dense and float32.
+    """
+
+    in_features: int
+    out_features: int
+    bias: bool
+    role: ParallelRole = "replicated"
+    kind: str = "other"
+    fp32: bool = False
+
+
+LinearFactory = Callable[[LinearSpec], nn.Module]
+
+
+def dense_linear(spec: LinearSpec) -> nn.Linear:
+    """The default factory: a plain `nn.Linear(in_features, out_features, bias)`."""
+    return nn.Linear(spec.in_features, spec.out_features, bias=spec.bias)

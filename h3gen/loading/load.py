@@ -1,0 +1,153 @@
+"""Streamed safetensors loading into a model built on the meta device.
+
+The model's parameters are created on the meta device (no memory), then every tensor is read from its file, cast
+straight from the file dtype to its target dtype (float32 for the islands, the requested dtype elsewhere) and moved
+to the target device, one tensor at a time: a full-precision copy of the model never exists.
+"""
+
+from collections.abc import Iterable
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+from safetensors import safe_open
+
+from h3gen.errors import CheckpointError
+from h3gen.loading.files import safetensors_files
+
+_MAX_LISTED = 12
+
+
+@contextmanager
+def meta_parameters():
+    """Create tensors on the meta device inside this block: no memory is allocated and no initialisation runs.
+
+    Buffers that are computed rather than loaded (RoPE frequencies) must be created with an explicit `device=`.
+    """
+    with torch.device("meta"):
+        yield
+
+
+def keeps_fp32(name: str, keep_fp32_modules: Iterable[str]) -> bool:
+    """True if a dotted parameter name has a component in `keep_fp32_modules` (diffusers' rule at load time)."""
+    parts = name.split(".")
+    return any(module in parts for module in keep_fp32_modules)
+
+
+def read_tensors(folder: Path) -> Iterable[tuple[str, torch.Tensor]]:
+    """Yield `(key, cpu tensor)` for every tensor of a component folder, one at a time."""
+    for path, keys in safetensors_files(folder).items():
+        try:
+            with safe_open(str(path), framework="pt", device="cpu") as handle:
+                for key in keys if keys is not None else handle.keys():
+                    yield key, handle.get_tensor(key)
+        except (OSError, ValueError, RuntimeError) as error:  # safetensors raises SafetensorError (a subclass)
+            if isinstance(error, CheckpointError):
+                raise
+            raise CheckpointError(f"Cannot read {path}: {error}") from None
+
+
+def _listing(names: list[str]) -> str:
+    shown = ", ".join(names[:_MAX_LISTED])
+    return shown + (f" ... ({len(names) - _MAX_LISTED} more)" if len(names) > _MAX_LISTED else "")
+
+
+def assign_tensors(
+    model: nn.Module,
+    tensors: Iterable[tuple[str, str, torch.Tensor]],
+    *,
+    dtype: torch.dtype,
+    device: torch.device,
+    keep_fp32_modules: Iterable[str] = (),
+    source: str = "checkpoint",
+) -> None:
+    """Fill a meta-initialised model from `(source key, target key, tensor)` triples.
+
+    Floating tensors become `dtype` (float32 for names matching `keep_fp32_modules`); other dtypes (packed
+    quantized weights, integer buffers) are kept. Raises `CheckpointError` listing missing keys, unexpected keys and
+    shape mismatches together.
+    """
+    keep_fp32_modules = tuple(keep_fp32_modules)
+    slots = dict(model.named_parameters()) | dict(model.named_buffers())
+    unexpected, mismatched, loaded = [], [], set()
+    for source_key, target_key, tensor in tensors:
+        slot = slots.get(target_key)
+        if slot is None:
+            unexpected.append(source_key if source_key == target_key else f"{source_key} (as {target_key})")
+            continue
+        if tuple(slot.shape) != tuple(tensor.shape):
+            mismatched.append(f"{target_key}: checkpoint {tuple(tensor.shape)}, model {tuple(slot.shape)}")
+            continue
+        target_dtype = tensor.dtype
+        if tensor.is_floating_point():
+            target_dtype = torch.float32 if keeps_fp32(target_key, keep_fp32_modules) else dtype
+        module_name, _, leaf = target_key.rpartition(".")
+        module = model.get_submodule(module_name)
+        value = tensor.to(device=device, dtype=target_dtype)
+        if leaf in module._parameters:
+            module._parameters[leaf] = nn.Parameter(value, requires_grad=False)
+        else:
+            module._buffers[leaf] = value
+        loaded.add(target_key)
+    missing = [name for name, param in model.named_parameters() if name not in loaded]
+    problems = []
+    if missing:
+        problems.append(f"missing keys: {_listing(missing)}")
+    if unexpected:
+        problems.append(f"unexpected keys: {_listing(unexpected)}")
+    if mismatched:
+        problems.append(f"shape mismatches: {_listing(mismatched)}")
+    if problems:
+        raise CheckpointError(f"{source} does not match the model; " + "; ".join(problems) + ".")
+
+
+def load_transformer(
+    cls,
+    folder,
+    *,
+    torch_dtype: torch.dtype = torch.bfloat16,
+    device: torch.device | str | None = None,
+    linear_factory=None,
+    qkv_layout: str = "interleaved",
+):
+    """Build `cls` (an `H3Transformer`) from `folder/config.json` on the meta device and stream its weights in.
+
+    Accepts the diffusers key layout and the original release's (detected from the keys). Returns the model in
+    eval mode on `device` (default CPU).
+    """
+    from h3gen.loading.files import read_json
+    from h3gen.loading.layouts import detect_layout, iter_converted
+
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise CheckpointError(f"Checkpoint folder {folder} does not exist.")
+    config = read_json(folder / "config.json")
+    class_name = config.get("_class_name")
+    if class_name not in (None, "MiniMaxH3Transformer3DModel", cls.__name__):
+        raise CheckpointError(f"{folder} holds a {class_name}, not a MiniMax-H3 transformer.")
+    device = torch.device(device) if device is not None else torch.device("cpu")
+    with meta_parameters():
+        model = cls.from_config(config, linear_factory=linear_factory)
+
+    files = safetensors_files(folder)
+    keys = []
+    for path, listed in files.items():
+        if listed is None:
+            with safe_open(str(path), framework="pt", device="cpu") as handle:
+                listed = list(handle.keys())
+        keys += listed
+    layout = detect_layout(keys)
+    cfg = model.config
+    tensors = iter_converted(
+        read_tensors(folder), layout, cfg.num_attention_heads, cfg.attention_head_dim, qkv_layout
+    )
+    assign_tensors(
+        model,
+        tensors,
+        dtype=torch_dtype,
+        device=device,
+        keep_fp32_modules=cls.keep_fp32_modules,
+        source=f"{folder} ({layout} layout)",
+    )
+    return model.to(device).eval().requires_grad_(False)

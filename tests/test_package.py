@@ -1,0 +1,38 @@
+"""The installed package: one `h3gen` namespace, the console script, the environment report."""
+
+import subprocess
+import sys
+
+import h3gen
+
+IMPORTS = "import h3gen, h3gen.kernels, h3gen.pipelines, h3gen.offload, h3gen.ui, h3gen.loading, h3gen.pipelines.h3"
+
+
+def _python(code: str, cwd) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code], cwd=cwd, capture_output=True, text=True, timeout=120)
+
+
+def test_one_namespace_and_no_top_level_packages(tmp_path):
+    # Run from an empty folder so the source tree on the current directory cannot satisfy the imports.
+    result = _python(IMPORTS + "; import sys; print(sys.modules[\"h3gen.kernels.attention\"].__name__)", tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "h3gen.kernels.attention"
+    check = "import importlib.util as u; print([n for n in ('kernels','pipelines','offload','ui') if u.find_spec(n)])"
+    result = _python(check, tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]"
+
+
+def test_cli_version_and_env(tmp_path):
+    version = subprocess.run([sys.executable, "-m", "h3gen.cli", "--version"], capture_output=True, text=True)
+    assert version.returncode == 0 and version.stdout.strip() == f"h3gen {h3gen.__version__}"
+    env = subprocess.run([sys.executable, "-m", "h3gen.cli", "env"], capture_output=True, text=True, timeout=120)
+    assert env.returncode == 0, env.stderr
+    labels = [line.split()[0] for line in env.stdout.splitlines()]
+    for label in ("h3gen", "python", "torch", "diffusers", "cuda", "encoders"):
+        assert label in labels
+
+
+def test_public_api_exports():
+    assert issubclass(h3gen.RequestError, ValueError)
+    assert h3gen.H3Transformer.__module__ == "h3gen.pipelines.h3.transformer"

@@ -1,0 +1,1 @@
+"""The Gradio web UI (`h3gen.ui`)."""
