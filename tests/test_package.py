@@ -36,3 +36,20 @@ def test_cli_version_and_env(tmp_path):
 def test_public_api_exports():
     assert issubclass(h3gen.RequestError, ValueError)
     assert h3gen.H3Transformer.__module__ == "h3gen.pipelines.h3.transformer"
+
+
+def test_regular_install_has_the_same_namespace(tmp_path):
+    # A non-editable install copies the mapped folders under h3gen/ and nothing else at the top level.
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    target = tmp_path / "site"
+    build = subprocess.run(
+        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target), str(root)],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert build.returncode == 0, build.stderr[-2000:]
+    top_level = sorted(p.name for p in target.iterdir() if not p.name.endswith(".dist-info") and p.name != "bin")
+    assert top_level == ["h3gen"]
+    for sub in ("kernels", "pipelines/h3", "offload", "ui", "loading"):
+        assert (target / "h3gen" / sub / "__init__.py").exists(), sub
