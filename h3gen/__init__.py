@@ -1,6 +1,7 @@
 """h3gen: a serving system for MiniMax-H3 (joint video + stereo-audio diffusion).
 
-Public API: `RequestError`, `CheckpointError`, `H3Transformer` (imported lazily so `import h3gen` stays light).
+Public API: `H3Pipeline` / `H3Output` (generation), `H3Transformer`, `tiny_checkpoint` (the demo model),
+`RequestError`, `CheckpointError`. Heavy modules are imported lazily so `import h3gen` stays light.
 """
 
 from importlib.metadata import PackageNotFoundError, version
@@ -13,8 +14,11 @@ except PackageNotFoundError:  # running from a source tree that is not installed
     __version__ = "0.0.0+unknown"
 
 _LAZY = {
+    "H3Pipeline": "h3gen.pipelines.h3.pipeline",
+    "H3Output": "h3gen.pipelines.h3.pipeline",
     "H3Transformer": "h3gen.pipelines.h3.transformer",
     "H3TransformerConfig": "h3gen.pipelines.h3.transformer",
+    "tiny_checkpoint": "h3gen.pipelines.h3.tiny",
 }
 
 __all__ = ["CheckpointError", "RequestError", "__version__", *_LAZY]

@@ -5,6 +5,8 @@ import sys
 
 from h3gen.errors import CheckpointError, RequestError
 
+DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
+
 
 def _cmd_env(args: argparse.Namespace) -> int:
     from h3gen.envreport import environment_report
@@ -16,14 +18,113 @@ def _cmd_env(args: argparse.Namespace) -> int:
     return 0
 
 
+def _progress_bar(total: int):
+    """A tqdm bar over stages and denoising steps, and the `callback(stage, step, total)` that feeds it."""
+    from tqdm import tqdm
+
+    bar = tqdm(total=total, unit="step", dynamic_ncols=True, file=sys.stderr)
+    last = {}
+
+    def callback(stage: str, step: int, stage_total: int) -> None:
+        bar.set_description(stage)
+        bar.update(step - last.get(stage, 0))
+        last[stage] = step
+
+    return bar, callback
+
+
+def _quiet_libraries() -> None:
+    """Keep the CLI's output to our own bar and messages: no per-library progress bars or deprecation chatter."""
+    import warnings
+
+    from diffusers.utils import logging as diffusers_logging
+    from transformers.utils import logging as transformers_logging
+
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    for library in (transformers_logging, diffusers_logging):
+        library.set_verbosity_error()
+        library.disable_progress_bar()
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    import torch
+
+    _quiet_libraries()
+
+    from h3gen.media import MediaError
+    from h3gen.pipelines.h3.checkpoint import H3Checkpoint
+    from h3gen.pipelines.h3.request import prepare_request, read_transformer_config
+
+    if args.model is None:
+        from h3gen.pipelines.h3.tiny import tiny_checkpoint
+
+        print("h3gen: no --model given: using the built-in tiny demo model. Its weights are random, so the picture "
+              "and sound are noise.", file=sys.stderr)
+        args.model = str(tiny_checkpoint())
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise RequestError("--device cuda was asked for but no CUDA device is available.", "device")
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    dtype_name = args.dtype or ("bf16" if device.startswith("cuda") else "fp32")
+    workflow = "fl2va" if (args.image or args.last_image) else "t2va"
+    call = dict(image=args.image, last_image=args.last_image, aspect_ratio=args.aspect, seconds=args.seconds,
+                num_inference_steps=args.steps, seed=args.seed)
+
+    # Check the request against the checkpoint before loading any weights.
+    checkpoint = H3Checkpoint.open(args.model)
+    checkpoint.require(workflow)
+    request = prepare_request(checkpoint, read_transformer_config(checkpoint), args.prompt, **call)
+    if args.audio_rate not in (32000, 48000):
+        raise RequestError(f"--audio-rate must be 32000 or 48000 (got {args.audio_rate}).", "audio_rate")
+
+    from h3gen.pipelines.h3.pipeline import H3Pipeline
+
+    print(f"h3gen: loading {args.model} on {device} ({dtype_name})", file=sys.stderr)
+    pipe = H3Pipeline.from_pretrained(args.model, device=device, torch_dtype=getattr(torch, DTYPES[dtype_name]),
+                                      workflow=workflow)
+    if args.seed is None:
+        call["seed"] = request.seed  # the seed drawn during the check, so it can be reported
+    total = 1 + len(request.keyframes) + (args.steps - 1) + 3
+    bar, callback = _progress_bar(total)
+    try:
+        output = pipe(args.prompt, callback=callback, **call)
+        callback("write_mp4", 0, 1)
+        info = output.save(args.out, audio_sample_rate=args.audio_rate)
+        callback("write_mp4", 1, 1)
+    except torch.cuda.OutOfMemoryError:
+        raise RequestError("the GPU ran out of memory: try fewer seconds, a smaller canvas or --dtype bf16.") from None
+    except MediaError as error:
+        raise RequestError(str(error)) from None
+    finally:
+        bar.close()
+    print(f"h3gen: wrote {args.out}: {info.num_frames} frames {info.width}x{info.height} at {info.fps:g} fps, "
+          f"stereo AAC {info.sample_rate} Hz, {info.video_seconds:.2f} s, seed {output.seed}", file=sys.stderr)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     import h3gen
 
     parser = argparse.ArgumentParser(prog="h3gen", description="MiniMax-H3 video + audio generation.")
     parser.add_argument("--version", action="version", version=f"h3gen {h3gen.__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+
     env = commands.add_parser("env", help="print versions, devices and codecs")
     env.set_defaults(run=_cmd_env)
+
+    gen = commands.add_parser("generate", help="generate an MP4 with stereo audio from a prompt (and keyframes)")
+    gen.add_argument("prompt", help="what to generate, used verbatim")
+    gen.add_argument("--model", help="local MiniMax-H3 checkpoint folder (default: the tiny random demo model)")
+    gen.add_argument("--image", help="keyframe the video starts on (fl2va)")
+    gen.add_argument("--last-image", dest="last_image", help="keyframe the video ends on (fl2va)")
+    gen.add_argument("--aspect", default=None, help="W:H from 1:4 to 4:1 (default 16:9, or the keyframe's)")
+    gen.add_argument("--seconds", type=float, default=5.0, help="length, 5 to 15 s (default 5)")
+    gen.add_argument("--steps", type=int, default=50, help="sigma grid points, 2 to 1000 (default 50)")
+    gen.add_argument("--seed", type=int, default=None, help="noise seed (default: random, printed at the end)")
+    gen.add_argument("--device", choices=("cuda", "cpu"), default=None, help="default: cuda if available")
+    gen.add_argument("--dtype", choices=tuple(DTYPES), default=None, help="default: bf16 on cuda, fp32 on cpu")
+    gen.add_argument("--audio-rate", dest="audio_rate", type=int, default=32000, help="AAC rate, 32000 or 48000")
+    gen.add_argument("--out", required=True, help="output .mp4 path")
+    gen.set_defaults(run=_cmd_generate)
     return parser
 
 

@@ -414,6 +414,12 @@ class H3Transformer(nn.Module):
             cls, folder, torch_dtype=torch_dtype, device=device, linear_factory=linear_factory, qkv_layout=qkv_layout
         )
 
+    def save_pretrained(self, folder, max_shard_bytes: int | None = None):
+        """Write `config.json` and the weights in diffusers' layout (loadable by diffusers and by us)."""
+        from h3gen.loading import save_component
+
+        return save_component(folder, self.config.to_dict(), self.state_dict(), max_shard_bytes=max_shard_bytes)
+
     @property
     def dtype(self) -> torch.dtype:
         """Dtype of the block stack (the model's working precision)."""

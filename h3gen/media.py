@@ -1,0 +1,203 @@
+"""MP4 in and out: H.264 yuv420p + AAC stereo, muxed with PyAV and verified by decoding it back; keyframe images.
+
+Every MP4 h3gen writes is read back before it is handed out: frame count, size, frame rate, audio channels and
+sample rate, and the audio and video durations (within one frame of each other). A file that fails is deleted and
+the call raises `MediaError`.
+"""
+
+import os
+from dataclasses import dataclass
+from fractions import Fraction
+from pathlib import Path
+
+import numpy as np
+
+from h3gen.errors import RequestError
+
+AUDIO_RATES = (32000, 48000)
+_AUDIO_CHUNK = 1024  # AAC frame size
+
+
+class MediaError(RuntimeError):
+    """An MP4 could not be written or did not decode back as written."""
+
+
+@dataclass(frozen=True)
+class MediaInfo:
+    """What decoding an MP4 back found."""
+
+    num_frames: int
+    width: int
+    height: int
+    fps: float
+    video_seconds: float
+    audio_channels: int
+    sample_rate: int
+    audio_seconds: float
+
+
+def _to_uint8_frames(video: np.ndarray) -> np.ndarray:
+    if video.ndim != 4 or video.shape[-1] != 3:
+        raise ValueError(f"video must be (frames, height, width, 3), got {video.shape}.")
+    if video.dtype == np.uint8:
+        return np.ascontiguousarray(video)
+    return np.ascontiguousarray((np.clip(video, 0.0, 1.0) * 255.0).round().astype(np.uint8))
+
+
+def _fit_audio(audio: np.ndarray, num_samples: int) -> np.ndarray:
+    """Trim or zero-pad `(2, N)` audio to exactly `num_samples`, so the sound lasts as long as the picture."""
+    audio = np.asarray(audio, dtype=np.float32)
+    if audio.ndim != 2 or audio.shape[0] != 2:
+        raise ValueError(f"audio must be stereo (2, samples), got {audio.shape}.")
+    if audio.shape[1] >= num_samples:
+        return np.ascontiguousarray(audio[:, :num_samples])
+    return np.pad(audio, ((0, 0), (0, num_samples - audio.shape[1])))
+
+
+def write_mp4(
+    path,
+    video: np.ndarray,
+    audio: np.ndarray,
+    *,
+    fps: int = 24,
+    sample_rate: int = 32000,
+    audio_sample_rate: int | None = None,
+    crf: int = 18,
+    preset: str = "medium",
+    verify: bool = True,
+) -> MediaInfo | None:
+    """Write an MP4 with H.264 video and AAC stereo audio, then (by default) check it by decoding it back.
+
+    Args:
+        path: output file; written to a temporary name first and moved into place only when complete.
+        video: `(F, H, W, 3)` float in [0, 1] (or uint8); H and W must be even.
+        audio: `(2, N)` float in [-1, 1] at `sample_rate`; trimmed or padded to the video's duration.
+        audio_sample_rate: rate of the AAC stream, 32000 or 48000 (default: `sample_rate`); resampled if different.
+    Returns:
+        `MediaInfo` of the decoded file when `verify`.
+    """
+    import av
+
+    frames = _to_uint8_frames(video)
+    num_frames, height, width, _ = frames.shape
+    if height % 2 or width % 2:
+        raise ValueError(f"H.264 yuv420p needs even sizes, got {width}x{height}.")
+    out_rate = audio_sample_rate or sample_rate
+    if out_rate not in AUDIO_RATES:
+        raise RequestError(f"audio_sample_rate must be one of {AUDIO_RATES} (got {out_rate}).", "audio_sample_rate")
+    audio = _fit_audio(audio, round(num_frames * sample_rate / fps))
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(f".{path.name}.partial-{os.getpid()}")
+    try:
+        with av.open(str(partial), mode="w", format="mp4", options={"movflags": "+faststart"}) as container:
+            video_stream = container.add_stream("libx264", rate=fps)
+            video_stream.width, video_stream.height = width, height
+            video_stream.pix_fmt = "yuv420p"
+            video_stream.options = {"crf": str(crf), "preset": preset}
+            audio_stream = container.add_stream("aac", rate=out_rate, layout="stereo")
+            audio_stream.bit_rate = 192_000
+
+            for frame in frames:
+                container.mux(video_stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")))
+            container.mux(video_stream.encode())
+
+            resampler = av.AudioResampler(format="fltp", layout="stereo", rate=out_rate)
+            for start in range(0, audio.shape[1], _AUDIO_CHUNK):
+                chunk = np.ascontiguousarray(audio[:, start : start + _AUDIO_CHUNK])
+                frame = av.AudioFrame.from_ndarray(chunk, format="fltp", layout="stereo")
+                frame.sample_rate = sample_rate
+                frame.pts = start
+                frame.time_base = Fraction(1, sample_rate)
+                for resampled in resampler.resample(frame):
+                    container.mux(audio_stream.encode(resampled))
+            for resampled in resampler.resample(None):
+                container.mux(audio_stream.encode(resampled))
+            container.mux(audio_stream.encode())
+        info = None
+        if verify:
+            info = probe_mp4(partial)
+            check_mp4(info, num_frames=num_frames, width=width, height=height, fps=fps, sample_rate=out_rate)
+        partial.replace(path)
+        return info
+    except Exception:
+        partial.unlink(missing_ok=True)
+        raise
+
+
+def probe_mp4(path) -> MediaInfo:
+    """Decode an MP4 fully and report what it holds (raises `MediaError` if it cannot be decoded)."""
+    import av
+
+    try:
+        with av.open(str(path)) as container:
+            if not container.streams.video:
+                raise MediaError(f"{path} has no video stream.")
+            video_stream = container.streams.video[0]
+            fps = float(video_stream.average_rate or video_stream.guessed_rate or 0)
+            num_frames, width, height = 0, video_stream.codec_context.width, video_stream.codec_context.height
+            for _ in container.decode(video=0):
+                num_frames += 1
+        channels, rate, samples = 0, 0, 0
+        with av.open(str(path)) as container:
+            if container.streams.audio:
+                audio_stream = container.streams.audio[0]
+                channels, rate = audio_stream.codec_context.channels, audio_stream.codec_context.sample_rate
+                for frame in container.decode(audio=0):
+                    samples += frame.samples
+    except av.error.FFmpegError as error:
+        raise MediaError(f"{path} does not decode: {error}") from None
+    return MediaInfo(
+        num_frames=num_frames,
+        width=width,
+        height=height,
+        fps=fps,
+        video_seconds=num_frames / fps if fps else 0.0,
+        audio_channels=channels,
+        sample_rate=rate,
+        audio_seconds=samples / rate if rate else 0.0,
+    )
+
+
+def check_mp4(info: MediaInfo, *, num_frames: int, width: int, height: int, fps: int, sample_rate: int) -> None:
+    """Raise `MediaError` unless the decoded file matches what was written (durations within one frame)."""
+    problems = []
+    if info.num_frames != num_frames:
+        problems.append(f"{info.num_frames} frames instead of {num_frames}")
+    if (info.width, info.height) != (width, height):
+        problems.append(f"size {info.width}x{info.height} instead of {width}x{height}")
+    if abs(info.fps - fps) > 1e-3:
+        problems.append(f"{info.fps:g} fps instead of {fps}")
+    if info.audio_channels != 2:
+        problems.append(f"{info.audio_channels} audio channels instead of 2")
+    if info.sample_rate != sample_rate:
+        problems.append(f"audio at {info.sample_rate} Hz instead of {sample_rate}")
+    if abs(info.audio_seconds - info.video_seconds) > 1.0 / fps:
+        problems.append(f"audio lasts {info.audio_seconds:.3f} s but video {info.video_seconds:.3f} s")
+    if problems:
+        raise MediaError("MP4 check failed: " + "; ".join(problems) + ".")
+
+
+def read_image(source, field: str = "image"):
+    """A keyframe as an RGB PIL image, from a path, PIL image or `(H, W, 3)` uint8 array.
+
+    Raises `RequestError` naming `field` for a missing, unreadable, truncated or non-image file.
+    """
+    from PIL import Image, UnidentifiedImageError
+
+    if isinstance(source, Image.Image):
+        return source.convert("RGB")
+    if isinstance(source, np.ndarray):
+        if source.ndim != 3 or source.shape[-1] not in (3, 4) or source.dtype != np.uint8:
+            raise RequestError(f"{field} array must be (height, width, 3) uint8 (got {source.shape}, {source.dtype}).", field)
+        return Image.fromarray(source[..., :3])
+    path = Path(source)
+    if not path.is_file():
+        raise RequestError(f"{field} file {path} does not exist.", field)
+    try:
+        with Image.open(path) as image:
+            image.load()
+            return image.convert("RGB")
+    except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError) as error:
+        raise RequestError(f"{field} file {path} is not a readable image ({type(error).__name__}).", field) from None

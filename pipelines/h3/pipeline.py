@@ -1,0 +1,247 @@
+"""`H3Pipeline`: prompt (and keyframes) -> video frames + stereo audio, identical to diffusers' MiniMax-H3 blocks.
+
+Stages, each handing one value to the next:
+  validate -> encode text -> encode keyframes -> draw noise -> denoise (one transformer forward per step, two
+  schedules) -> decode video -> decode audio.
+`callback(stage, step, total)` reports progress from outside the stages; they know nothing about HTTP or bars.
+"""
+
+import logging
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+import torch
+
+from h3gen.errors import RequestError
+from h3gen.pipelines.h3 import geometry
+from h3gen.pipelines.h3.checkpoint import H3Checkpoint
+from h3gen.pipelines.h3.packing import build_layout, patchify_video, row_timesteps, unpatchify_video
+from h3gen.pipelines.h3.request import KEYFRAME_NOISE_AUG, WORKFLOWS, H3Request, prepare_request
+from h3gen.pipelines.h3.schedules import AUDIO_SHIFT, VIDEO_SHIFT, FlowSchedule, noise_to, read_shift
+from h3gen.pipelines.h3.text_encoder import H3TextEncoder
+from h3gen.pipelines.h3.transformer import H3Transformer
+from h3gen.pipelines.h3.vae import decode_audio, decode_video, encode_keyframe, load_audio_vae, load_video_vae
+
+logger = logging.getLogger(__name__)
+
+STAGES = ("encode_text", "encode_conditions", "denoise", "decode_video", "decode_audio")
+
+ProgressCallback = Callable[[str, int, int], None]
+
+
+@dataclass
+class Noise:
+    """A request's initial noise: per-keyframe draws, video latents `(1, C, F, h, w)`, audio rows `(2A, C)`."""
+
+    condition: list[torch.Tensor]
+    video: torch.Tensor
+    audio_rows: torch.Tensor
+
+
+@dataclass
+class H3Output:
+    """A generated clip. `video` `(F, H, W, 3)` float32 in [0, 1]; `audio` `(2, samples)` float32 in [-1, 1]."""
+
+    video: np.ndarray
+    audio: np.ndarray
+    fps: int = geometry.FPS
+    sample_rate: int = 32000
+    seed: int | None = None
+    timings: dict[str, float] = field(default_factory=dict)
+
+    def save(self, path, audio_sample_rate: int | None = None):
+        """Write an MP4 (H.264 + AAC stereo at `audio_sample_rate`, default 32000) and verify it decodes back.
+        Returns the decoded file's `MediaInfo`."""
+        from h3gen.media import write_mp4
+
+        return write_mp4(
+            path, self.video, self.audio, fps=self.fps, sample_rate=self.sample_rate,
+            audio_sample_rate=audio_sample_rate,
+        )
+
+
+def _resolve_device(device) -> torch.device:
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+class H3Pipeline:
+    """MiniMax-H3 text(+keyframes)-to-video-and-audio. Build with `from_pretrained`."""
+
+    def __init__(self, transformer, text_encoder, vae, audio_vae, *, checkpoint: H3Checkpoint, device,
+                 video_shift: float = VIDEO_SHIFT, audio_shift: float = AUDIO_SHIFT, workflow: str = "t2va"):
+        self.transformer = transformer
+        self.text_encoder = text_encoder
+        self.vae = vae
+        self.audio_vae = audio_vae
+        self.checkpoint = checkpoint
+        self.device = torch.device(device)
+        self.video_shift = video_shift
+        self.audio_shift = audio_shift
+        self.workflow = workflow
+
+    @classmethod
+    def from_pretrained(cls, path, device=None, torch_dtype: torch.dtype = torch.bfloat16,
+                        workflow: str = "t2va") -> "H3Pipeline":
+        """Load every component of a local checkpoint folder in diffusers' layout.
+
+        `torch_dtype` applies to the transformer, the text encoder and the video VAE (their float32 islands stay
+        float32); the audio VAE is always float32. `workflow` is "t2va" or "fl2va" (both load the same components;
+        fl2va also requires `processor/`). A missing component raises `CheckpointError` naming it.
+        """
+        if workflow not in WORKFLOWS:
+            raise RequestError(f"workflow must be one of {', '.join(WORKFLOWS)} (got {workflow!r}).", "workflow")
+        device = _resolve_device(device)
+        checkpoint = H3Checkpoint.open(path)
+        checkpoint.require(workflow)
+        transformer = H3Transformer.from_pretrained(checkpoint.folder("transformer"), torch_dtype=torch_dtype,
+                                                    device=device)
+        text_encoder = H3TextEncoder.from_pretrained(
+            checkpoint.folder("text_encoder"), checkpoint.folder("tokenizer"), checkpoint.components.get("processor"),
+            dtype=torch_dtype, device=device,
+        )
+        vae = load_video_vae(checkpoint.folder("vae"), dtype=torch_dtype, device=device)
+        audio_vae = load_audio_vae(checkpoint.folder("audio_vae"), device=device)
+        return cls(
+            transformer, text_encoder, vae, audio_vae, checkpoint=checkpoint, device=device,
+            video_shift=read_shift(checkpoint.folder("scheduler"), VIDEO_SHIFT),
+            audio_shift=read_shift(checkpoint.folder("audio_scheduler"), AUDIO_SHIFT), workflow=workflow,
+        )
+
+    def validate(self, prompt, **kwargs) -> H3Request:
+        """Check a request against this pipeline's checkpoint (see `prepare_request`), before any model work."""
+        return prepare_request(self.checkpoint, self.transformer.config, prompt, **kwargs)
+
+    # ------------------------------------------------------------------ stages
+
+    def _draw(self, shape, generator: torch.Generator) -> torch.Tensor:
+        # Drawn on the generator's device, then moved: a CPU generator gives the same noise on every device.
+        return torch.randn(shape, generator=generator, device=generator.device, dtype=torch.float32).to(self.device)
+
+    def draw_noise(self, request: H3Request) -> Noise:
+        """All of a request's noise, in the reference's order from its one generator: one draw per keyframe
+        `(1, C, 1, h, w)`, then video `(1, C, F, h, w)`, then audio in row layout `(2A, C)`. Given `latents` /
+        `audio_latents` skip their draw."""
+        shape, cfg = request.shape, self.transformer.config
+        frame = (1, cfg.in_channels, 1, shape.latent_height, shape.latent_width)
+        condition = [self._draw(frame, request.generator) for _ in request.keyframes]
+        video = request.latents
+        if video is None:
+            video = self._draw((1, cfg.in_channels, shape.num_latent_frames, shape.latent_height, shape.latent_width),
+                               request.generator)
+        if request.audio_latents is None:
+            audio_rows = self._draw((shape.num_audio_latents * 2, cfg.audio_in_channels), request.generator)
+        else:
+            audio_rows = request.audio_latents.permute(0, 2, 1).reshape(-1, cfg.audio_in_channels)
+        return Noise(condition, video.to(self.device, torch.float32), audio_rows.to(self.device, torch.float32))
+
+    def initial_noise(self, *, seed: int, **request) -> tuple[torch.Tensor, torch.Tensor]:
+        """The `(latents (1, C, F, h, w), audio_latents (2, C, A))` a seed draws for a request (same keyword
+        arguments as `__call__`, without the prompt). Passing them back reproduces that seed's output."""
+        noise = self.draw_noise(self.validate("noise", seed=seed, **request))
+        audio = noise.audio_rows.reshape(2, -1, noise.audio_rows.shape[-1]).permute(0, 2, 1).contiguous()
+        return noise.video, audio
+
+    def _condition_rows(self, request: H3Request, noise: Noise, report: ProgressCallback) -> torch.Tensor | None:
+        """Encode each keyframe, noise it to t = 0.999 with its draw, pack into rows (packed order)."""
+        if not request.keyframes:
+            return None
+        rows = []
+        for index, (keyframe, draw) in enumerate(zip(request.keyframes, noise.condition)):
+            latents = encode_keyframe(self.vae, keyframe).to(self.device)
+            rows.append(patchify_video(noise_to(latents, KEYFRAME_NOISE_AUG, draw), self.transformer.config.patch_size))
+            report("encode_conditions", index + 1, len(request.keyframes))
+        return torch.cat(rows)
+
+    @torch.no_grad()
+    def _denoise(self, request: H3Request, text, video_rows, audio_rows, report: ProgressCallback):
+        """The loop: one transformer forward per step; video and audio rows step their own schedules; conditioning
+        rows are never written."""
+        shape = request.shape
+        layout = build_layout(text.token_tags, shape.num_latent_frames, shape.latent_height, shape.latent_width,
+                              shape.num_audio_latents, patch_size=self.transformer.config.patch_size,
+                              keyframe_anchors=request.anchors)
+        video_schedule = FlowSchedule.make(request.num_inference_steps, self.video_shift)
+        audio_schedule = FlowSchedule.make(request.num_inference_steps, self.audio_shift)
+        on_device = layout.to(self.device)
+        cond = layout.num_condition_video_rows
+        total = len(video_schedule)
+        for i in range(total):
+            video_t = float(video_schedule.timesteps[i])
+            timestep, timestep_indices = row_timesteps(layout, video_t, float(audio_schedule.timesteps[i]),
+                                                       max(video_t, KEYFRAME_NOISE_AUG))
+            video_v, audio_v = self.transformer(
+                hidden_states=video_rows[None], audio_hidden_states=audio_rows[None],
+                encoder_hidden_states=text.embeds, timestep=timestep.to(self.device),
+                timestep_indices=timestep_indices.to(self.device), token_tags=on_device.token_tags,
+                position_ids=on_device.position_ids, video_indices=on_device.video_indices,
+                audio_indices=on_device.audio_indices, text_indices=on_device.text_indices, return_dict=False,
+            )
+            video_rows[cond:] = video_schedule.step(i, video_v[0, cond:].float(), video_rows[cond:])
+            audio_rows[:] = audio_schedule.step(i, audio_v[0].float(), audio_rows)
+            report("denoise", i + 1, total)
+        latents = unpatchify_video(video_rows[cond:], shape.num_latent_frames, shape.latent_height,
+                                   shape.latent_width, self.transformer.config.patch_size)
+        audio = audio_rows.reshape(2, shape.num_audio_latents, -1).permute(0, 2, 1).contiguous()
+        return latents, audio
+
+    # ------------------------------------------------------------------ call
+
+    def __call__(self, prompt: str, *, image=None, last_image=None, aspect_ratio: str | None = None,
+                 seconds: float | None = 5.0, num_frames: int | None = None, height: int | None = None,
+                 width: int | None = None, num_inference_steps: int = 50, seed: int | None = None,
+                 generator: torch.Generator | None = None, latents: torch.Tensor | None = None,
+                 audio_latents: torch.Tensor | None = None, callback: ProgressCallback | None = None) -> H3Output:
+        """Generate a clip.
+
+        Args:
+            prompt: the description, used verbatim.
+            image, last_image: fl2va keyframes (path, PIL image or uint8 array) the video starts / ends on.
+            aspect_ratio: "W:H" in 1:4 .. 4:1; default 16:9 for t2va and the first keyframe's ratio for fl2va.
+            seconds: 5 to 15 (rounded to a 17n+5 frame count at 24 fps); `num_frames` overrides it.
+            height, width: explicit canvas in pixels, multiples of 32 (both or neither).
+            num_inference_steps: sigma grid points as in diffusers (N points = N - 1 transformer forwards).
+            seed / generator: noise source; a seed makes a fresh CPU generator. Neither: a random seed.
+            latents `(1, 24, F_lat, H/16, W/16)`, audio_latents `(2, 32, A)`: initial noise instead of drawing it.
+            callback: `callback(stage, step, total)` after each unit of work.
+        Returns:
+            `H3Output`.
+        """
+        import time
+
+        report = callback or (lambda stage, step, total: None)
+        request = self.validate(prompt, image=image, last_image=last_image, aspect_ratio=aspect_ratio,
+                                seconds=seconds, num_frames=num_frames, height=height, width=width,
+                                num_inference_steps=num_inference_steps, seed=seed, generator=generator,
+                                latents=latents, audio_latents=audio_latents)
+        timings = {}
+        started = time.perf_counter()
+
+        def lap(stage: str):
+            nonlocal started
+            now = time.perf_counter()
+            timings[stage] = now - started
+            started = now
+
+        text = self.text_encoder.encode(request.prompt, request.keyframes)
+        report("encode_text", 1, 1)
+        lap("encode_text")
+        noise = self.draw_noise(request)
+        condition_rows = self._condition_rows(request, noise, report)
+        lap("encode_conditions")
+        video_rows = patchify_video(noise.video, self.transformer.config.patch_size)
+        if condition_rows is not None:
+            video_rows = torch.cat([condition_rows, video_rows])
+        audio_rows = noise.audio_rows.clone()
+        video_latents, audio_latents = self._denoise(request, text, video_rows, audio_rows, report)
+        lap("denoise")
+        video = decode_video(self.vae, video_latents)
+        report("decode_video", 1, 1)
+        lap("decode_video")
+        audio = decode_audio(self.audio_vae, audio_latents)
+        report("decode_audio", 1, 1)
+        lap("decode_audio")
+        return H3Output(video=video, audio=audio, fps=geometry.FPS,
+                        sample_rate=int(self.audio_vae.config.sampling_rate), seed=request.seed, timings=timings)

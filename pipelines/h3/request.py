@@ -1,0 +1,113 @@
+"""Validating a generation request once, before any model work: prompt, keyframes, geometry, steps, seed, noise.
+
+`prepare_request` needs only the checkpoint index and the transformer config, so the CLI and the server can reject
+a bad request before loading tens of gigabytes of weights.
+"""
+
+import secrets
+from dataclasses import dataclass
+
+import torch
+
+from h3gen.errors import RequestError
+from h3gen.pipelines.h3 import geometry
+from h3gen.pipelines.h3.checkpoint import H3Checkpoint
+from h3gen.pipelines.h3.tasks import place_keyframes
+from h3gen.pipelines.h3.transformer import H3TransformerConfig
+
+WORKFLOWS = ("t2va", "fl2va")
+KEYFRAME_NOISE_AUG = 0.999  # conditioning rows are held just short of clean
+MAX_SEED = 2**63 - 1
+MAX_STEPS = 1000
+
+
+@dataclass
+class H3Request:
+    """A validated request: everything the stages need, nothing they must re-check."""
+
+    prompt: str
+    keyframes: list  # RGB PIL images already on the canvas, in packed order
+    anchors: tuple[str, ...]  # "first" / "last" per keyframe
+    shape: geometry.Geometry
+    num_inference_steps: int
+    generator: torch.Generator
+    seed: int | None  # None when the caller brought its own generator
+    latents: torch.Tensor | None
+    audio_latents: torch.Tensor | None
+
+
+def _check_int(value, name: str, low: int, high: int, what: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise RequestError(f"{name} must be an integer from {low} to {what} (got {value!r}).", name)
+
+
+def prepare_request(
+    checkpoint: H3Checkpoint,
+    config: H3TransformerConfig,
+    prompt,
+    *,
+    image=None,
+    last_image=None,
+    aspect_ratio=None,
+    seconds=5.0,
+    num_frames=None,
+    height=None,
+    width=None,
+    num_inference_steps=50,
+    seed=None,
+    generator=None,
+    latents=None,
+    audio_latents=None,
+) -> H3Request:
+    """Check every argument of `H3Pipeline.__call__` and resolve the geometry; raise `RequestError` naming the
+    field and the allowed range. Keyframes are read and placed on the canvas here."""
+    from h3gen.media import read_image
+
+    if not isinstance(prompt, str) or not prompt.strip():
+        raise RequestError("prompt must be a non-empty string.", "prompt")
+    _check_int(num_inference_steps, "num_inference_steps", 2, MAX_STEPS, str(MAX_STEPS))
+    if seed is not None:
+        _check_int(seed, "seed", 0, MAX_SEED, "2**63-1")
+        if generator is not None:
+            raise RequestError("give seed or generator, not both.", "seed")
+
+    keyframes, anchors = [], []
+    for anchor, source, name in (("first", image, "image"), ("last", last_image, "last_image")):
+        if source is not None:
+            keyframes.append(read_image(source, name))
+            anchors.append(anchor)
+    if keyframes and "processor" not in checkpoint.components:
+        raise RequestError(f"{checkpoint.root} has no processor/ folder, so it cannot take keyframes.", "image")
+
+    if aspect_ratio is None and height is None:
+        # t2va generates on 16:9; fl2va on the first keyframe's own aspect ratio, as the reference does.
+        aspect_ratio = keyframes[0].size if keyframes else "16:9"
+    shape = geometry.resolve_geometry(
+        aspect_ratio=aspect_ratio, seconds=seconds, num_frames=num_frames, height=height, width=width,
+        multiple=geometry.SPATIAL_COMPRESSION * config.patch_size[2], short_edge=checkpoint.canvas_short_edge,
+        max_pixels=checkpoint.canvas_max_pixels,
+    )
+    keyframes = place_keyframes(keyframes, shape.height, shape.width)
+
+    expected = (1, config.in_channels, shape.num_latent_frames, shape.latent_height, shape.latent_width)
+    if latents is not None and tuple(latents.shape) != expected:
+        raise RequestError(f"latents must have shape {expected} for this request (got {tuple(latents.shape)}).",
+                           "latents")
+    expected = (2, config.audio_in_channels, shape.num_audio_latents)
+    if audio_latents is not None and tuple(audio_latents.shape) != expected:
+        raise RequestError(
+            f"audio_latents must have shape {expected} for this request (got {tuple(audio_latents.shape)}).",
+            "audio_latents",
+        )
+    if generator is None:
+        seed = secrets.randbelow(2**31) if seed is None else seed
+        generator = torch.Generator().manual_seed(seed)
+    return H3Request(prompt, keyframes, tuple(anchors), shape, num_inference_steps, generator, seed, latents,
+                     audio_latents)
+
+
+def read_transformer_config(checkpoint: H3Checkpoint) -> H3TransformerConfig:
+    """The transformer's config from `transformer/config.json`, without loading any weights."""
+    from h3gen.loading.files import read_json
+
+    return H3TransformerConfig.from_dict(read_json(checkpoint.folder("transformer") / "config.json"))

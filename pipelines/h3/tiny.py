@@ -1,0 +1,184 @@
+"""A tiny random-weight MiniMax-H3 checkpoint in the real on-disk (diffusers) layout.
+
+Every component of the released repository is there, shrunk: the transformer, both VAEs (released compression
+geometry, thin widths), a Qwen3-VL text encoder with 51 thin decoder layers (so `hidden_states[50]` exists), a
+byte-level tokenizer built locally with `tokenizers`, the image processor config and both schedulers. Weights are
+random, so generated pictures and sound are noise; the point is that every code path runs, fast, on a CPU.
+
+The checkpoint is fully determined by its seed and is cached after the first build (`tiny_checkpoint()`).
+"""
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+# Bump when the builder changes what it writes, so stale caches are rebuilt.
+TINY_FORMAT = 1
+
+TRANSFORMER = dict(
+    num_attention_heads=2, attention_head_dim=32, hidden_size=64, num_layers=2, num_refiner_layers=2, ffn_dim=128,
+    in_channels=24, audio_in_channels=32, patch_size=[1, 2, 2], text_dim=64, freq_dim=32, time_embed_hidden_dim=64,
+    time_embed_dim=32, rope_freq_dim=4,
+)
+VIDEO_VAE = dict(
+    block_out_channels=[8] * 6, layers_per_block=1, norm_num_groups=4, decoder_num_layers=1,
+    decoder_num_attention_heads=2, decoder_attention_head_dim=16, decoder_num_register_tokens=4, decoder_ffn_mult=2,
+)
+AUDIO_VAE = dict(encoder_dim=4, latent_dim=64, num_attention_heads=2, decoder_dim=128)
+TEXT_HIDDEN, TEXT_LAYERS = 64, 51
+TINY_CANVAS_SHORT_EDGE, TINY_CANVAS_MAX_PIXELS = 64, 64 * 112
+SPECIAL_TOKENS = ["<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+# The index diffusers' ModularPipeline reads: which library and class each component folder holds.
+COMPONENTS = {
+    "transformer": ("diffusers", "MiniMaxH3Transformer3DModel"),
+    "vae": ("diffusers", "AutoencoderKLMiniMaxH3"),
+    "audio_vae": ("diffusers", "AutoencoderKLMiniMaxH3Audio"),
+    "text_encoder": ("transformers", "Qwen3VLForConditionalGeneration"),
+    "tokenizer": ("transformers", "Qwen2Tokenizer"),
+    "processor": ("transformers", "Qwen3VLProcessor"),
+    "scheduler": ("diffusers", "MiniMaxH3Scheduler"),
+    "audio_scheduler": ("diffusers", "MiniMaxH3Scheduler"),
+}
+
+
+def build_tokenizer():
+    """A byte-level BPE with no merges (one token per byte) plus Qwen's special tokens: 263 tokens, offline."""
+    from transformers import Qwen2TokenizerFast
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    vocab = {"<|endoftext|>": 0}
+    for index, symbol in enumerate(bytes_to_unicode().values()):
+        vocab[symbol] = index + 1
+    tokenizer = Qwen2TokenizerFast(vocab=vocab, merges=[])
+    tokenizer.add_special_tokens({"additional_special_tokens": SPECIAL_TOKENS})
+    return tokenizer
+
+
+def build_text_encoder(tokenizer):
+    """Qwen3-VL with a 64-wide, 51-layer text model and a 2-block vision tower (random weights)."""
+    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+
+    ids = {name: tokenizer.convert_tokens_to_ids(name) for name in SPECIAL_TOKENS}
+    config = Qwen3VLConfig(
+        text_config=dict(
+            vocab_size=len(tokenizer), hidden_size=TEXT_HIDDEN, intermediate_size=128, num_hidden_layers=TEXT_LAYERS,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=4096,
+            rope_parameters=dict(rope_type="default", rope_theta=5_000_000.0, mrope_section=[4, 2, 2],
+                                 mrope_interleaved=True),
+        ),
+        vision_config=dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=16,
+                           spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=TEXT_HIDDEN,
+                           num_position_embeddings=256, deepstack_visual_indexes=[0, 1]),
+        image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
+    )
+    return Qwen3VLForConditionalGeneration(config).eval()
+
+
+def build_image_processor():
+    """Qwen3-VL's image processing (patch 16, merge 2), PIL backend so no torchvision is needed."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    return Qwen2VLImageProcessorPil(
+        patch_size=16, temporal_patch_size=2, merge_size=2, image_mean=[0.5] * 3, image_std=[0.5] * 3,
+        size={"shortest_edge": 64 * 64, "longest_edge": 1024 * 1024},
+    )
+
+
+def _write_index(folder: Path) -> None:
+    index = {
+        "_class_name": "MiniMaxH3ModularPipeline",
+        "_diffusers_version": "0.42.1",
+        "_blocks_class_name": "MiniMaxH3Blocks",
+        # A small canvas (64 px short edge) keeps demo runs fast; released checkpoints say 768 and 768 * 1344.
+        "canvas_short_edge": TINY_CANVAS_SHORT_EDGE,
+        "canvas_max_pixels": TINY_CANVAS_MAX_PIXELS,
+    }
+    for name, (library, class_name) in COMPONENTS.items():
+        spec = dict(pretrained_model_name_or_path=str(folder), subfolder=name, type_hint=[library, class_name],
+                    revision=None, variant=None)
+        index[name] = [library, class_name, spec]
+    (folder / "modular_model_index.json").write_text(json.dumps(index, indent=2))
+
+
+def build_tiny_checkpoint(folder, seed: int = 0) -> Path:
+    """Write the tiny checkpoint into `folder` (created). Same seed, same bytes (for one torch version)."""
+    from diffusers import AutoencoderKLMiniMaxH3, AutoencoderKLMiniMaxH3Audio
+
+    from h3gen.pipelines.h3.schedules import write_scheduler_config
+    from h3gen.pipelines.h3.transformer import H3Transformer, H3TransformerConfig
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        H3Transformer(H3TransformerConfig(**TRANSFORMER)).save_pretrained(folder / "transformer")
+
+        generator = torch.Generator().manual_seed(seed + 1)
+        mean = (torch.randn(24, generator=generator) * 0.1).tolist()
+        std = (0.5 + torch.rand(24, generator=generator)).tolist()
+        AutoencoderKLMiniMaxH3(**VIDEO_VAE, latents_mean=mean, latents_std=std).save_pretrained(folder / "vae")
+        mean = (torch.randn(32, generator=generator) * 0.1).tolist()
+        std = (0.5 + torch.rand(32, generator=generator)).tolist()
+        AutoencoderKLMiniMaxH3Audio(**AUDIO_VAE, latents_mean=mean, latents_std=std).save_pretrained(
+            folder / "audio_vae"
+        )
+
+        tokenizer = build_tokenizer()
+        tokenizer.save_pretrained(folder / "tokenizer")
+        build_text_encoder(tokenizer).save_pretrained(folder / "text_encoder")
+    tokenizer.save_pretrained(folder / "processor")
+    build_image_processor().save_pretrained(folder / "processor")
+    write_scheduler_config(folder / "scheduler", shift=12.0)
+    write_scheduler_config(folder / "audio_scheduler", shift=3.0)
+    _write_index(folder)
+    (folder / "README.md").write_text(
+        f"Tiny random-weight MiniMax-H3 checkpoint (seed {seed}) built by h3gen for tests and demos.\n"
+        "Its pictures and sound are noise.\n"
+    )
+    return folder
+
+
+def default_cache_dir() -> Path:
+    """`$H3GEN_CACHE` or `~/.cache/h3gen`."""
+    return Path(os.environ.get("H3GEN_CACHE") or Path.home() / ".cache" / "h3gen")
+
+
+def tiny_checkpoint(seed: int = 0, cache_dir=None) -> Path:
+    """The cached tiny checkpoint for `seed`, built on first use (atomically, so a crash leaves no half folder)."""
+    import diffusers
+    import transformers
+
+    cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    tag = f"tiny-h3-f{TINY_FORMAT}-s{seed}-t{torch.__version__.split('+')[0]}-d{diffusers.__version__}-tf{transformers.__version__}"
+    target = cache_dir / tag
+    if (target / "modular_model_index.json").exists():
+        return target
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{tag}-", dir=cache_dir))
+    try:
+        build_tiny_checkpoint(staging, seed)
+        # The index records its own folder; point it at the final location before the move.
+        _write_index_location(staging, target)
+        try:
+            staging.rename(target)
+        except OSError:  # another process finished first
+            if not (target / "modular_model_index.json").exists():
+                raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+def _write_index_location(folder: Path, location: Path) -> None:
+    index_path = folder / "modular_model_index.json"
+    index = json.loads(index_path.read_text())
+    for name in COMPONENTS:
+        index[name][2]["pretrained_model_name_or_path"] = str(location)
+    index_path.write_text(json.dumps(index, indent=2))

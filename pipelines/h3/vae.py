@@ -1,0 +1,73 @@
+"""MiniMax-H3's video and audio VAEs (diffusers' classes) and the reference's recipes around them.
+
+Video latents are normalised per channel, `(z - mean) / std`; pixels are ImageNet-normalised RGB over [0, 1].
+The audio VAE is mono and float32 only: the two stereo channels are two batch items.
+"""
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+PIXEL_MEAN = (0.485, 0.456, 0.406)
+PIXEL_STD = (0.229, 0.224, 0.225)
+KEYFRAME_ENCODE_SEED = 42  # the conditioning posterior is sampled under its own fixed seed
+
+
+def load_video_vae(folder: Path, *, dtype: torch.dtype, device):
+    """`AutoencoderKLMiniMaxH3` in `dtype` (its encoder and norms stay float32, as the class pins them)."""
+    from diffusers import AutoencoderKLMiniMaxH3
+
+    return AutoencoderKLMiniMaxH3.from_pretrained(str(folder), torch_dtype=dtype).to(device).eval().requires_grad_(False)
+
+
+def load_audio_vae(folder: Path, *, device):
+    """`AutoencoderKLMiniMaxH3Audio`, always float32 (bf16 decodes are ~20 dB quieter)."""
+    from diffusers import AutoencoderKLMiniMaxH3Audio
+
+    vae = AutoencoderKLMiniMaxH3Audio.from_pretrained(str(folder), torch_dtype=torch.float32)
+    if vae.config.latents_mean is None or vae.config.latents_std is None:
+        from h3gen.errors import CheckpointError
+
+        raise CheckpointError(f"{folder}/config.json must give latents_mean and latents_std (32 floats each).")
+    return vae.to(device).eval().requires_grad_(False)
+
+
+def _stat(values, device, ndim: int) -> torch.Tensor:
+    return torch.tensor(values, device=device).view(1, -1, *([1] * (ndim - 2)))
+
+
+@torch.no_grad()
+def encode_keyframe(vae, image) -> torch.Tensor:
+    """One RGB PIL keyframe (already on the canvas) -> normalised latents `(1, C, 1, h, w)` float32 on the CPU.
+
+    The reference recipe: ImageNet-normalise, encode spatially (one frame), *sample* the posterior under seed 42,
+    round to float16, normalise per channel.
+    """
+    device = next(vae.parameters()).device
+    pixels = torch.from_numpy(np.array(image)).to(device).permute(2, 0, 1)[None, :, None]
+    pixels = (pixels.to(torch.float32).div(255.0) - _stat(PIXEL_MEAN, device, 5)) / _stat(PIXEL_STD, device, 5)
+    posterior = vae.encode(pixels, return_dict=False)[0]
+    latents = posterior.sample(generator=torch.Generator().manual_seed(KEYFRAME_ENCODE_SEED))
+    latents = latents.to(torch.float16).float().cpu()
+    mean, std = _stat(vae.config.latents_mean, "cpu", 5), _stat(vae.config.latents_std, "cpu", 5)
+    return (latents - mean) / std
+
+
+@torch.no_grad()
+def decode_video(vae, latents: torch.Tensor) -> np.ndarray:
+    """Normalised latents `(1, C, F, h, w)` float32 -> frames `(frames, H, W, 3)` float32 numpy in [0, 1]."""
+    device = latents.device
+    z = latents * _stat(vae.config.latents_std, device, 5) + _stat(vae.config.latents_mean, device, 5)
+    video = vae.decode(z, return_dict=False)[0]
+    video = (video.float() * _stat(PIXEL_STD, device, 5) + _stat(PIXEL_MEAN, device, 5)).clamp(0, 1)
+    return video[0].permute(1, 2, 3, 0).cpu().numpy()
+
+
+@torch.no_grad()
+def decode_audio(vae, latents: torch.Tensor) -> np.ndarray:
+    """Normalised latents `(2, C, A)` float32 (two channels as batch) -> waveform `(2, A * 800)` float32 in [-1, 1]."""
+    device = latents.device
+    z = latents * _stat(vae.config.latents_std, device, 3) + _stat(vae.config.latents_mean, device, 3)
+    audio = vae.decode(z, return_dict=False)[0]
+    return audio.float()[:, 0].cpu().numpy()
