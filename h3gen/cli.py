@@ -101,6 +101,42 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_serve(args: argparse.Namespace) -> int:
+    import os
+
+    for name, value in (("GRADIO_ANALYTICS_ENABLED", "False"), ("HF_HUB_OFFLINE", "1"),
+                        ("HF_HUB_DISABLE_TELEMETRY", "1"), ("DO_NOT_TRACK", "1")):
+        os.environ.setdefault(name, value)
+    _quiet_libraries()
+    import torch
+    import uvicorn
+
+    from h3gen.server.app import create_app
+    from h3gen.server.engine import H3Engine
+    from h3gen.server.jobs import JobManager
+
+    if args.model is None:
+        from h3gen.pipelines.h3.tiny import tiny_checkpoint
+
+        print("h3gen: no --model given: serving the built-in tiny demo model (random weights: pictures and sound "
+              "are noise).", file=sys.stderr)
+        args.model = str(tiny_checkpoint())
+    if args.max_queue < 1:
+        raise RequestError(f"--max-queue must be at least 1 (got {args.max_queue}).", "max_queue")
+    api_key = args.api_key or os.environ.get("H3GEN_API_KEY") or None
+    dtype = getattr(torch, DTYPES[args.dtype]) if args.dtype else None
+    engine = H3Engine(args.model, device=args.device, dtype=dtype)
+    manager = JobManager(engine, args.results_dir, max_queue=args.max_queue,
+                         retention_seconds=args.retention_hours * 3600,
+                         max_results_bytes=int(args.max_results_gb * 2**30))
+    app = create_app(manager, api_key=api_key, max_upload_bytes=int(args.max_upload_mb * 2**20),
+                     model_name=args.model, ui=not args.no_ui)
+    print(f"h3gen: serving {args.model} on http://{args.host}:{args.port} (UI at /ui; API key "
+          f"{'required' if api_key else 'not set'}; results in {args.results_dir})", file=sys.stderr)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     import h3gen
 
@@ -125,6 +161,22 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--audio-rate", dest="audio_rate", type=int, default=32000, help="AAC rate, 32000 or 48000")
     gen.add_argument("--out", required=True, help="output .mp4 path")
     gen.set_defaults(run=_cmd_generate)
+
+    serve = commands.add_parser("serve", help="run the REST API and web UI")
+    serve.add_argument("--model", help="local MiniMax-H3 checkpoint folder (default: the tiny random demo model)")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--api-key", dest="api_key", help="require Authorization: Bearer <key> (or $H3GEN_API_KEY)")
+    serve.add_argument("--max-queue", dest="max_queue", type=int, default=16, help="waiting jobs before 429")
+    serve.add_argument("--results-dir", dest="results_dir", default="h3gen-results", help="jobs database and MP4s")
+    serve.add_argument("--retention-hours", dest="retention_hours", type=float, default=168.0)
+    serve.add_argument("--max-results-gb", dest="max_results_gb", type=float, default=50.0)
+    serve.add_argument("--max-upload-mb", dest="max_upload_mb", type=float, default=20.0)
+    serve.add_argument("--device", choices=("cuda", "cpu"), default=None)
+    serve.add_argument("--dtype", choices=tuple(DTYPES), default=None)
+    serve.add_argument("--no-ui", dest="no_ui", action="store_true", help="do not mount the web UI at /ui")
+    serve.add_argument("--log-level", dest="log_level", default="info")
+    serve.set_defaults(run=_cmd_serve)
     return parser
 
 

@@ -1,0 +1,115 @@
+"""A small Python client for the h3gen REST API.
+
+    client = H3Client("http://127.0.0.1:8000", api_key=None)
+    job = client.generate("a red fox in the snow", seconds=5, seed=7, out="fox.mp4")
+"""
+
+import time
+from pathlib import Path
+
+import httpx
+
+
+class H3ClientError(RuntimeError):
+    """The server refused a call or a job did not succeed; `status` is the HTTP status (or None) and `detail` the
+    server's explanation."""
+
+    def __init__(self, message: str, status: int | None = None, detail=None):
+        super().__init__(message)
+        self.status = status
+        self.detail = detail
+
+
+class H3Client:
+    """Create, follow, download and cancel generation jobs."""
+
+    def __init__(self, base_url: str, api_key: str | None = None, timeout: float = 60.0):
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._http = httpx.Client(base_url=base_url.rstrip("/"), headers=headers, timeout=timeout)
+
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def _check(self, response: httpx.Response) -> httpx.Response:
+        if response.is_success:
+            return response
+        try:
+            detail = response.json().get("detail")
+        except ValueError:
+            detail = response.text
+        if isinstance(detail, list):
+            message = "; ".join(f"{'.'.join(map(str, d.get('loc', [])[1:]))}: {d.get('msg')}" for d in detail)
+        else:
+            message = str(detail)
+        raise H3ClientError(f"HTTP {response.status_code}: {message}", response.status_code, detail)
+
+    def health(self) -> dict:
+        return self._check(self._http.get("/health")).json()
+
+    def create(self, prompt: str, *, image=None, last_image=None, **fields) -> dict:
+        """Queue a job (`task` defaults to fl2va when a keyframe is given). Returns `{id, status, created_at}`."""
+        files = {name: Path(path) for name, path in (("image", image), ("last_image", last_image)) if path}
+        body = {"prompt": prompt, **{k: v for k, v in fields.items() if v is not None}}
+        if files:
+            body.setdefault("task", "fl2va")
+            handles = {name: (path.name, path.open("rb")) for name, path in files.items()}
+            try:
+                response = self._http.post("/v1/videos", data={k: str(v) for k, v in body.items()}, files=handles)
+            finally:
+                for _, handle in handles.values():
+                    handle.close()
+        else:
+            response = self._http.post("/v1/videos", json=body)
+        return self._check(response).json()
+
+    def get(self, job_id: str) -> dict:
+        return self._check(self._http.get(f"/v1/videos/{job_id}")).json()
+
+    def list(self, limit: int = 20, after: str | None = None) -> dict:
+        params = {"limit": limit, **({"after": after} if after else {})}
+        return self._check(self._http.get("/v1/videos", params=params)).json()
+
+    def cancel(self, job_id: str) -> dict:
+        return self._check(self._http.delete(f"/v1/videos/{job_id}")).json()
+
+    def wait(self, job_id: str, *, poll: float = 0.5, timeout: float | None = None, on_progress=None) -> dict:
+        """Poll until the job is finished; `on_progress(view)` sees every poll. Raises on failure or cancel."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            view = self.get(job_id)
+            if on_progress:
+                on_progress(view)
+            if view["status"] == "succeeded":
+                return view
+            if view["status"] in ("failed", "cancelled"):
+                raise H3ClientError(f"job {job_id} {view['status']}: {view.get('error') or ''}".strip(), None, view)
+            if deadline is not None and time.monotonic() > deadline:
+                raise H3ClientError(f"job {job_id} still {view['status']} after {timeout} s", None, view)
+            time.sleep(poll)
+
+    def download(self, job_id: str, out) -> Path:
+        out = Path(out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with self._http.stream("GET", f"/v1/videos/{job_id}/content") as response:
+            if not response.is_success:
+                response.read()
+                self._check(response)
+            partial = out.with_name(f".{out.name}.partial")
+            with open(partial, "wb") as handle:
+                for chunk in response.iter_bytes():
+                    handle.write(chunk)
+        partial.replace(out)
+        return out
+
+    def generate(self, prompt: str, *, out, timeout: float | None = None, on_progress=None, **fields) -> dict:
+        """Create a job, wait for it and download the MP4 to `out`. Returns the finished job's view."""
+        job = self.create(prompt, **fields)
+        view = self.wait(job["id"], timeout=timeout, on_progress=on_progress)
+        self.download(job["id"], out)
+        return view

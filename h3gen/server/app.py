@@ -1,0 +1,232 @@
+"""The FastAPI app: `/v1/videos` jobs (create, status, content, cancel, list), `/health`, `/metrics`, and the
+Gradio UI at `/ui`. Every bad request is a 4xx naming what was wrong; nothing a client sends reaches the engine
+unvalidated, and no failure of one job affects another."""
+
+import json
+import logging
+import re
+import secrets
+import shutil
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+from fastapi import Depends, FastAPI, HTTPException, Query, Request
+from fastapi.concurrency import run_in_threadpool
+from fastapi.encoders import jsonable_encoder
+from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse
+from pydantic import ValidationError
+from starlette.datastructures import UploadFile
+
+from h3gen.errors import RequestError
+from h3gen.server.jobs import JobManager, QueueFull
+from h3gen.server.schemas import IMAGE_FIELDS, GenerationRequest, Health, JobCreated, JobList, JobView
+
+logger = logging.getLogger(__name__)
+
+JOB_ID = re.compile(r"^[0-9a-f]{32}$")
+MAX_JSON_BYTES = 64 * 1024
+_MULTIPART_FIELDS = tuple(GenerationRequest.model_fields)
+
+
+def _field_error(field: str, message: str, kind: str = "value_error") -> JSONResponse:
+    return JSONResponse({"detail": [{"loc": ["body", field], "msg": message, "type": kind}]}, status_code=422)
+
+
+def _request_body_schema() -> dict:
+    json_schema = GenerationRequest.model_json_schema()
+    multipart = json.loads(json.dumps(json_schema))
+    multipart["additionalProperties"] = False
+    for name in IMAGE_FIELDS:
+        multipart["properties"][name] = {"type": "string", "format": "binary", "description": f"fl2va {name} file"}
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": json_schema},
+                                                          "multipart/form-data": {"schema": multipart}}}}
+
+
+async def _read_limited(request: Request, limit: int) -> bytes:
+    declared = request.headers.get("content-length")
+    if declared is not None and (not declared.isdigit() or int(declared) > limit):
+        raise HTTPException(413, f"request body larger than {limit} bytes")
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise HTTPException(413, f"request body larger than {limit} bytes")
+    return bytes(body)
+
+
+def _save_upload(upload: UploadFile, folder: Path, name: str, limit: int) -> Path:
+    target = folder / f"{name}{Path(upload.filename or '').suffix[:8] or '.bin'}"
+    size = 0
+    with open(target, "wb") as out:
+        while chunk := upload.file.read(1 << 20):
+            size += len(chunk)
+            if size > limit:
+                raise RequestError(f"{name} is larger than the {limit // 2**20} MB upload limit.", name)
+            out.write(chunk)
+    if size == 0:
+        raise RequestError(f"{name} is an empty file.", name)
+    return target
+
+
+def create_app(manager: JobManager, *, api_key: str | None = None, max_upload_bytes: int = 20 * 2**20,
+               model_name: str = "", ui: bool = True) -> FastAPI:
+    """The service around `manager`. With `api_key`, every route but `/health` needs `Authorization: Bearer`
+    (the UI asks for the key on its login page)."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        if manager._thread is None:
+            manager.start()
+        yield
+        manager.stop()
+
+    app = FastAPI(title="h3gen", version=__import__("h3gen").__version__, lifespan=lifespan,
+                  description="MiniMax-H3 video + stereo audio generation. Jobs return MP4 (H.264 + AAC).")
+
+    def require_key(request: Request) -> None:
+        if api_key is None:
+            return
+        header = request.headers.get("authorization", "")
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), api_key.encode()):
+            raise HTTPException(401, "missing or wrong API key (send Authorization: Bearer <key>)",
+                                headers={"WWW-Authenticate": "Bearer"})
+
+    auth = [Depends(require_key)]
+
+    def job_or_404(job_id: str) -> dict:
+        job = manager.get(job_id) if JOB_ID.match(job_id) else None
+        if job is None:
+            raise HTTPException(404, f"no job {job_id[:64]!r}")
+        return job
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, error: Exception):  # never a traceback to the client
+        logger.exception("unhandled error on %s %s", request.method, request.url.path)
+        return JSONResponse({"detail": "internal server error"}, status_code=500)
+
+    @app.post("/v1/videos", status_code=202, response_model=JobCreated, dependencies=auth,
+              openapi_extra=_request_body_schema(),
+              responses={413: {"description": "body or upload too large"}, 415: {"description": "unsupported body"},
+                         422: {"description": "invalid field"}, 429: {"description": "queue full"}})
+    async def create_video(request: Request):
+        """Validate a generation request (JSON, or multipart with `image` / `last_image` files) and queue it."""
+        content_type = request.headers.get("content-type", "").lower()
+        staging = None
+        try:
+            uploads: dict[str, Path] = {}
+            if content_type.startswith("application/json"):
+                try:
+                    data = json.loads(await _read_limited(request, MAX_JSON_BYTES))
+                except (json.JSONDecodeError, UnicodeDecodeError):
+                    return _field_error("body", "the body is not valid JSON", "json_invalid")
+                if not isinstance(data, dict):
+                    return _field_error("body", "the body must be a JSON object", "model_type")
+            elif content_type.startswith("multipart/form-data"):
+                declared = request.headers.get("content-length")
+                limit = max_upload_bytes * len(IMAGE_FIELDS) + MAX_JSON_BYTES
+                if declared is None:
+                    raise HTTPException(411, "multipart uploads need a Content-Length")
+                if not declared.isdigit() or int(declared) > limit:
+                    raise HTTPException(413, f"request body larger than {limit} bytes")
+                form = await request.form(max_files=len(IMAGE_FIELDS), max_fields=len(_MULTIPART_FIELDS) + 4,
+                                          max_part_size=MAX_JSON_BYTES)
+                data = {}
+                staging = manager.staging_dir()
+                for key, value in form.multi_items():
+                    if isinstance(value, UploadFile):
+                        if key not in IMAGE_FIELDS:
+                            return _field_error(key, f"unexpected file field; files go in {', '.join(IMAGE_FIELDS)}")
+                        uploads[key] = await run_in_threadpool(_save_upload, value, staging, key, max_upload_bytes)
+                    elif key in IMAGE_FIELDS:
+                        return _field_error(key, f"{key} must be a file upload")
+                    elif value != "":
+                        data[key] = value
+            else:
+                raise HTTPException(415, "send application/json or multipart/form-data")
+            try:
+                generation = GenerationRequest.model_validate(data)
+            except ValidationError as error:
+                details = error.errors(include_url=False, include_context=False, include_input=False)
+                for detail in details:
+                    detail["loc"] = ["body", *detail["loc"]]
+                return JSONResponse({"detail": jsonable_encoder(details)}, status_code=422)
+            normalized = await run_in_threadpool(manager.engine.validate, generation, uploads)
+            job = manager.submit(normalized, uploads)
+            staging = None if uploads else staging
+            return JSONResponse({"id": job["id"], "status": job["status"], "created_at": job["created_at"]},
+                                status_code=202)
+        except RequestError as error:
+            return _field_error(error.field or "body", str(error))
+        except QueueFull as error:
+            return JSONResponse({"detail": str(error)}, status_code=429,
+                                headers={"Retry-After": str(error.retry_after)})
+        finally:
+            if staging is not None:
+                shutil.rmtree(staging, ignore_errors=True)
+
+    @app.get("/v1/videos", response_model=JobList, dependencies=auth)
+    def list_videos(limit: int = Query(20, ge=1, le=100), after: str | None = Query(None, max_length=64),
+                    order: str = Query("desc", pattern="^(asc|desc)$")):
+        """Jobs, newest first by default; page with `after` = the last id of the previous page."""
+        if after is not None and not JOB_ID.match(after):
+            raise HTTPException(404, f"no job {after!r}")
+        jobs, has_more = manager.list(limit=limit, after=after, newest_first=order == "desc")
+        return {"data": jobs, "has_more": has_more, "last_id": jobs[-1]["id"] if jobs else None}
+
+    @app.get("/v1/videos/{job_id}", response_model=JobView, dependencies=auth)
+    def get_video(job_id: str):
+        """Status, progress (0-100), current stage, stage timings, error and the normalized request."""
+        return job_or_404(job_id)
+
+    @app.get("/v1/videos/{job_id}/content", dependencies=auth, response_class=FileResponse,
+             responses={200: {"content": {"video/mp4": {}}}, 206: {"description": "partial content (Range)"},
+                        404: {"description": "unknown job"}, 409: {"description": "not ready or failed"},
+                        410: {"description": "cancelled"}})
+    def get_content(job_id: str):
+        """The MP4 (H.264 + AAC stereo); supports `Range` requests."""
+        job = job_or_404(job_id)
+        if job["status"] == "cancelled":
+            raise HTTPException(410, "the job was cancelled; it has no video")
+        if job["status"] == "failed":
+            raise HTTPException(409, f"the job failed: {job['error']}")
+        if job["status"] != "succeeded":
+            raise HTTPException(409, f"the job is {job['status']} ({job['progress']:.0f}%); try again later")
+        path = manager.result_path(job_id)
+        if path is None or not path.exists():
+            raise HTTPException(404, "the video file is gone (removed by retention)")
+        return FileResponse(path, media_type="video/mp4", filename=f"{job_id}.mp4")
+
+    @app.delete("/v1/videos/{job_id}", dependencies=auth)
+    def delete_video(job_id: str):
+        """Cancel a queued job, or a running one at its next step; a finished job is deleted. Files go too."""
+        job_or_404(job_id)
+        view = manager.cancel(job_id)
+        if view is None:
+            raise HTTPException(404, f"no job {job_id!r}")
+        return view
+
+    @app.get("/health", response_model=Health)
+    def health():
+        """Liveness and readiness (no key needed)."""
+        return {"status": "ok", "ready": manager.engine.ready, "model": model_name or str(manager.engine.model_path),
+                "devices": manager.engine.devices(), "queue_depth": manager.queue_depth(),
+                "running": manager.running, "load_error": manager.engine.load_error}
+
+    @app.get("/metrics", response_class=PlainTextResponse, dependencies=auth)
+    def metrics():
+        """Prometheus metrics: queue depth, jobs by status, step and stage durations."""
+        text = manager.metrics.render(queue_depth=manager.queue_depth(),
+                                      jobs_by_status=manager.store.count_by_status(), ready=manager.engine.ready)
+        return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
+
+    if ui:
+        import gradio as gr
+
+        from h3gen.ui.app import build_ui
+
+        login = (lambda _user, password: secrets.compare_digest(password.encode(), api_key.encode())) if api_key else None
+        app = gr.mount_gradio_app(app, build_ui(manager), path="/ui", auth=login,
+                                  allowed_paths=[str(manager.results_dir)],
+                                  auth_message="Enter any user name and the server's API key." if api_key else None)
+    return app

@@ -1,0 +1,68 @@
+"""The request and response shapes of the REST API (validated once, with pydantic)."""
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+MAX_PROMPT_CHARS = 4000
+TASKS = ("t2va", "fl2va", "ref2va")
+JOB_STATUSES = ("queued", "running", "succeeded", "failed", "cancelled")
+IMAGE_FIELDS = ("image", "last_image")
+
+
+class GenerationRequest(BaseModel):
+    """One generation job. Unknown fields are rejected (no negative prompt, no guidance: the model is distilled)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    prompt: str = Field(min_length=1, max_length=MAX_PROMPT_CHARS, description="What to generate, used verbatim.")
+    task: Literal["t2va", "fl2va", "ref2va"] = Field(
+        "t2va", description="t2va: text only; fl2va: first and/or last keyframe (multipart `image`, `last_image`)."
+    )
+    aspect_ratio: str | None = Field(
+        None, pattern=r"^[0-9]{1,4}(\.[0-9]{1,3})?:[0-9]{1,4}(\.[0-9]{1,3})?$",
+        description="W:H from 1:4 to 4:1; default 16:9 (t2va) or the first keyframe's (fl2va).",
+    )
+    seconds: float = Field(5.0, ge=5.0, le=15.0, description="Length, 5 to 15 s at 24 fps.")
+    seed: int | None = Field(None, ge=0, le=2**63 - 1, description="Noise seed; random when omitted.")
+    num_inference_steps: int = Field(50, ge=2, le=1000, description="Sigma grid points (N - 1 transformer forwards).")
+    audio_sample_rate: Literal[32000, 48000] = Field(32000, description="AAC sample rate of the MP4.")
+
+
+class JobCreated(BaseModel):
+    id: str
+    status: str
+    created_at: float
+
+
+class JobView(BaseModel):
+    """Everything a client may want to know about a job."""
+
+    id: str
+    status: Literal["queued", "running", "succeeded", "failed", "cancelled"]
+    progress: float = Field(description="0-100, by stage and denoising step.")
+    stage: str | None = None
+    timings: dict[str, float] = Field(default_factory=dict, description="Seconds per finished stage.")
+    error: str | None = None
+    request: dict = Field(default_factory=dict, description="The normalized request (resolved size, frames, seed).")
+    created_at: float
+    started_at: float | None = None
+    finished_at: float | None = None
+    queue_position: int | None = None
+    content_url: str | None = None
+
+
+class JobList(BaseModel):
+    data: list[JobView]
+    has_more: bool
+    last_id: str | None = None
+
+
+class Health(BaseModel):
+    status: Literal["ok"]
+    ready: bool
+    model: str
+    devices: list[str]
+    queue_depth: int
+    running: str | None = None
+    load_error: str | None = None

@@ -1,0 +1,85 @@
+"""Running the real `h3gen serve` in a subprocess on 127.0.0.1 for tests, and talking to it over HTTP."""
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class Server:
+    """`h3gen serve` with the tiny model; `.url`, `.client()`, `.stop()`, `.kill()`. Logs go to `log_path`."""
+
+    def __init__(self, model: Path, results_dir: Path, *, max_queue: int = 16, api_key: str | None = None,
+                 cache: Path | None = None, extra: tuple[str, ...] = (), ui: bool = False, port: int | None = None):
+        self.port = port or free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.api_key = api_key
+        self.log_path = Path(results_dir).parent / f"server-{self.port}.log"
+        args = [sys.executable, "-m", "h3gen.cli", "serve", "--model", str(model), "--port", str(self.port),
+                "--results-dir", str(results_dir), "--max-queue", str(max_queue), "--device", "cpu",
+                "--log-level", "warning", *extra]
+        if api_key:
+            args += ["--api-key", api_key]
+        if not ui:
+            args.append("--no-ui")
+        env = dict(os.environ, HF_HUB_OFFLINE="1", GRADIO_ANALYTICS_ENABLED="False")
+        if cache:
+            env["H3GEN_CACHE"] = str(cache)
+        self._log = open(self.log_path, "w")
+        self.process = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT, env=env)
+        self._wait_ready()
+
+    def _wait_ready(self, timeout: float = 90.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"server exited early:\n{self.log_path.read_text()[-3000:]}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).json().get("ready"):
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        raise RuntimeError(f"server not ready in {timeout} s:\n{self.log_path.read_text()[-3000:]}")
+
+    def client(self, **kwargs) -> httpx.Client:
+        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        return httpx.Client(base_url=self.url, headers=headers, timeout=30, **kwargs)
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGINT)
+            try:
+                self.process.wait(20)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self._log.close()
+
+    def kill(self) -> None:
+        """Die the way a crash or power cut would: no shutdown code runs."""
+        self.process.kill()
+        self.process.wait()
+        self._log.close()
+
+
+def wait_for(client: httpx.Client, job_id: str, statuses=("succeeded", "failed", "cancelled"), timeout=120.0,
+             predicate=None) -> dict:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        view = client.get(f"/v1/videos/{job_id}").json()
+        if view["status"] in statuses and (predicate is None or predicate(view)):
+            return view
+        time.sleep(0.05)
+    raise AssertionError(f"job {job_id} did not reach {statuses}: {view}")

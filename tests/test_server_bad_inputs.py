@@ -1,0 +1,144 @@
+"""Bad input against the real server: every mistake is a clear 4xx naming the problem, and /health stays ok."""
+
+import json
+
+import pytest
+from PIL import Image
+from server_harness import Server
+
+from h3gen.pipelines.h3.tiny import tiny_checkpoint
+
+KEY = "s3cret-test-key-4711"
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    root = tmp_path_factory.mktemp("bad-inputs")
+    instance = Server(tiny_checkpoint(cache_dir=root / "cache"), root / "results", api_key=KEY, max_queue=2,
+                      extra=("--max-upload-mb", "1"))
+    yield instance
+    instance.stop()
+    assert KEY not in instance.log_path.read_text()  # the key is never logged
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("files")
+    Image.new("RGB", (80, 45), (10, 200, 30)).save(folder / "ok.png")
+    (folder / "notes.txt").write_text("not an image at all")
+    png = (folder / "ok.png").read_bytes()
+    (folder / "cut.png").write_bytes(png[: len(png) // 3])
+    (folder / "big.png").write_bytes(png + b"\0" * (2 * 2**20))
+    return folder
+
+
+def _field(response):
+    detail = response.json()["detail"]
+    return detail[0]["loc"][-1] if isinstance(detail, list) else None
+
+
+JSON_CASES = [
+    ({"prompt": "x", "seconds": "abc"}, 422, "seconds"),
+    ({"prompt": "x", "num_inference_steps": 3.5}, 422, "num_inference_steps"),
+    ({"prompt": "x", "seed": "lucky"}, 422, "seed"),
+    ({"prompt": 123}, 422, "prompt"),
+    ({"prompt": ""}, 422, "prompt"),
+    ({"seconds": 5}, 422, "prompt"),
+    ({"prompt": "x", "task": "t2i"}, 422, "task"),
+    ({"prompt": "x", "aspect_ratio": "wide"}, 422, "aspect_ratio"),
+    ({"prompt": "x", "aspect_ratio": "1:5"}, 422, "aspect_ratio"),
+    ({"prompt": "x", "audio_sample_rate": 44100}, 422, "audio_sample_rate"),
+    ({"prompt": "x", "negative_prompt": "blurry"}, 422, "negative_prompt"),
+    ({"prompt": "x", "seconds": 2}, 422, "seconds"),
+    ({"prompt": "x", "seconds": 16}, 422, "seconds"),
+    ({"prompt": "x", "num_inference_steps": 1}, 422, "num_inference_steps"),
+    ({"prompt": "x", "num_inference_steps": 5000}, 422, "num_inference_steps"),
+    ({"prompt": "x", "seed": -1}, 422, "seed"),
+    ({"prompt": "x", "seed": 2**64}, 422, "seed"),
+    ({"prompt": "x" * 5000}, 422, "prompt"),
+    ({"prompt": "x", "task": "fl2va"}, 422, "image"),
+    ({"prompt": "x", "task": "ref2va"}, 422, "task"),
+]
+
+
+@pytest.mark.parametrize("body,status,field", JSON_CASES)
+def test_bad_json_fields(server, body, status, field):
+    with server.client() as http:
+        response = http.post("/v1/videos", json=body)
+        assert response.status_code == status, response.text
+        assert _field(response) == field, response.text
+        assert http.get("/health").json()["status"] == "ok"
+
+
+@pytest.mark.parametrize("content,content_type,status", [
+    (b"{not json", "application/json", 422),
+    (b"[1, 2, 3]", "application/json", 422),
+    (b"", "application/json", 422),
+    (b"prompt=hello", "text/plain", 415),
+    (json.dumps({"prompt": "x" * (1 << 20)}).encode(), "application/json", 413),  # a 1 MB prompt
+])
+def test_bad_bodies(server, content, content_type, status):
+    with server.client() as http:
+        response = http.post("/v1/videos", content=content, headers={"content-type": content_type})
+        assert response.status_code == status, response.text
+        assert http.get("/health").json()["status"] == "ok"
+
+
+@pytest.mark.parametrize("upload,field,status,message", [
+    ("notes.txt", "image", 422, "not a readable image"),
+    ("cut.png", "image", 422, "not a readable image"),
+    ("cut.png", "last_image", 422, "not a readable image"),
+    ("big.png", "image", 422, "upload limit"),
+])
+def test_bad_uploads(server, files, upload, field, status, message):
+    with server.client() as http:
+        with open(files / upload, "rb") as handle:
+            response = http.post("/v1/videos", data={"prompt": "x", "task": "fl2va"}, files={field: handle})
+        assert response.status_code == status, response.text
+        assert _field(response) == field and message in response.text
+        assert http.get("/health").json()["status"] == "ok"
+
+
+def test_uploads_in_the_wrong_place(server, files):
+    with server.client() as http:
+        with open(files / "ok.png", "rb") as handle:
+            t2va = http.post("/v1/videos", data={"prompt": "x", "task": "t2va"}, files={"image": handle})
+        assert t2va.status_code == 422 and _field(t2va) == "image"
+        with open(files / "ok.png", "rb") as handle:
+            other = http.post("/v1/videos", data={"prompt": "x", "task": "fl2va"}, files={"avatar": handle})
+        assert other.status_code == 422 and _field(other) == "avatar"
+        accepted = http.post("/v1/videos", data={"prompt": "x", "task": "fl2va", "num_inference_steps": "2"},
+                             files={"image": open(files / "ok.png", "rb")})
+        assert accepted.status_code == 202, accepted.text
+
+
+@pytest.mark.parametrize("path", ["/v1/videos/..%2F..%2Fetc%2Fpasswd", "/v1/videos/../../etc/passwd",
+                                  "/v1/videos/abc", "/v1/videos/" + "0" * 32, "/v1/videos/%00",
+                                  "/v1/videos/..%2F..%2Fetc%2Fpasswd/content", "/v1/videos/" + "f" * 32 + "/content"])
+def test_bad_ids(server, path):
+    with server.client() as http:
+        for method in ("GET", "DELETE"):
+            response = http.request(method, path)
+            assert 400 <= response.status_code < 500, (method, path, response.status_code)
+            assert "root:" not in response.text
+        assert http.get("/health").json()["status"] == "ok"
+
+
+def test_bad_pagination(server):
+    with server.client() as http:
+        for params in ({"limit": 0}, {"limit": 1000}, {"order": "sideways"}, {"after": "../x"}):
+            assert 400 <= http.get("/v1/videos", params=params).status_code < 500
+
+
+@pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY},
+                                     {"Authorization": "Basic " + KEY}])
+def test_missing_or_wrong_key(server, headers):
+    import httpx
+
+    with httpx.Client(base_url=server.url, headers=headers) as http:
+        for method, path in (("POST", "/v1/videos"), ("GET", "/v1/videos"), ("GET", "/metrics"),
+                             ("GET", "/v1/videos/" + "a" * 32), ("DELETE", "/v1/videos/" + "a" * 32)):
+            response = http.request(method, path, json={"prompt": "x"} if method == "POST" else None)
+            assert response.status_code == 401, (method, path)
+            assert response.headers["www-authenticate"] == "Bearer"
+        assert http.get("/health").status_code == 200

@@ -1,0 +1,69 @@
+"""The web UI in a real browser: Playwright drives Debian's Chromium (offline flags) against `h3gen serve`."""
+
+import os
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+from server_harness import Server
+
+from h3gen.pipelines.h3.tiny import tiny_checkpoint
+
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+OFFLINE_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                 "--disable-component-update", "--disable-sync", "--no-first-run", "--disable-quic"]
+ARTIFACTS = Path(__file__).resolve().parents[1] / "artifacts"
+
+if not Path(CHROMIUM).exists():
+    # CI installs Chromium (.ci/run); there a missing browser is a failure, not a skip.
+    if os.environ.get("CI"):
+        raise RuntimeError("Chromium is missing: `apt-get install -y chromium` (see README).")
+    pytest.skip("Chromium is not installed (apt-get install -y chromium)", allow_module_level=True)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ui")
+    instance = Server(tiny_checkpoint(cache_dir=root / "cache"), root / "results", ui=True)
+    yield instance
+    instance.stop()
+
+
+def test_type_prompt_generate_see_progress_and_play_video(server):
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=CHROMIUM, headless=True, args=OFFLINE_FLAGS)
+        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        requests = []
+        page.on("request", lambda request: requests.append(request.url))
+        page.goto(f"{server.url}/ui/", wait_until="load")
+        page.wait_for_selector("#prompt textarea", timeout=30000)
+        page.fill("#prompt textarea", "a cat playing the piano")
+        page.click("#generate-btn")
+
+        statuses, started = set(), time.monotonic()
+        while page.locator("#result-video video").count() == 0:
+            assert time.monotonic() - started < 90, f"no video; statuses seen: {statuses}"
+            statuses.add(page.input_value("#status textarea"))
+            time.sleep(0.05)
+        page.wait_for_function(
+            "() => { const v = document.querySelector('#result-video video'); return v && v.readyState >= 2 }",
+            timeout=30000)
+        video = page.evaluate("""() => { const v = document.querySelector('#result-video video');
+            return {duration: v.duration, width: v.videoWidth, height: v.videoHeight,
+                    playable: v.canPlayType('video/mp4; codecs="avc1.64001E, mp4a.40.2"')} }""")
+        ARTIFACTS.mkdir(exist_ok=True)
+        page.screenshot(path=str(ARTIFACTS / "ui-generate.png"), full_page=True)
+        final = page.input_value("#status textarea")
+        history = page.inner_text("#history")
+        browser.close()
+
+    assert any("%" in status and "running" in status for status in statuses), statuses  # progress was shown
+    assert "done" in final and "124 frames" in final
+    assert abs(video["duration"] - 124 / 24) < 0.1 and (video["width"], video["height"]) == (128, 64)
+    assert video["playable"] in ("probably", "maybe")
+    assert "succeeded" in history
+    outside = [url for url in requests if not url.startswith(("http://127.0.0.1", "data:", "blob:"))]
+    assert outside == []  # nothing reaches the internet
