@@ -5,13 +5,22 @@ Public API: `H3Pipeline` / `H3Output` (generation), `H3Transformer`, `tiny_check
 """
 
 from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path as _Path
 
 from h3gen.errors import CheckpointError, RequestError
 
 try:
     __version__ = version("h3gen")
-except PackageNotFoundError:  # running from a source tree that is not installed
-    __version__ = "0.0.0+unknown"
+except PackageNotFoundError:  # a source checkout that is not installed
+    __version__ = "0.0.0+source"
+
+# Run from a source checkout (PYTHONPATH=<checkout>, as on the GPU machine): an install maps kernels/, pipelines/,
+# offload/ and ui/ under h3gen (pyproject.toml); here the checkout root serves as a second location of h3gen's
+# subpackages instead. Only in a checkout (pyproject.toml beside), never in site-packages, where a top-level
+# `kernels` may belong to another distribution.
+_root = _Path(__file__).resolve().parent.parent
+if (_root / "pyproject.toml").exists() and (_root / "kernels" / "__init__.py").exists() and str(_root) not in __path__:
+    __path__.append(str(_root))
 
 _LAZY = {
     "H3Pipeline": "h3gen.pipelines.h3.pipeline",

@@ -80,7 +80,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
     print(f"h3gen: loading {args.model} on {device} ({dtype_name})", file=sys.stderr)
     pipe = H3Pipeline.from_pretrained(args.model, device=device, torch_dtype=getattr(torch, DTYPES[dtype_name]),
-                                      workflow=workflow)
+                                      workflow=workflow, quality=args.quality)
     if args.seed is None:
         call["seed"] = request.seed  # the seed drawn during the check, so it can be reported
     total = 1 + len(request.keyframes) + (args.steps - 1) + 3
@@ -125,7 +125,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         raise RequestError(f"--max-queue must be at least 1 (got {args.max_queue}).", "max_queue")
     api_key = args.api_key or os.environ.get("H3GEN_API_KEY") or None
     dtype = getattr(torch, DTYPES[args.dtype]) if args.dtype else None
-    engine = H3Engine(args.model, device=args.device, dtype=dtype)
+    engine = H3Engine(args.model, device=args.device, dtype=dtype, quality=args.quality)
     manager = JobManager(engine, args.results_dir, max_queue=args.max_queue,
                          retention_seconds=args.retention_hours * 3600,
                          max_results_bytes=int(args.max_results_gb * 2**30))
@@ -159,6 +159,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--device", choices=("cuda", "cpu"), default=None, help="default: cuda if available")
     gen.add_argument("--dtype", choices=tuple(DTYPES), default=None, help="default: bf16 on cuda, fp32 on cpu")
     gen.add_argument("--audio-rate", dest="audio_rate", type=int, default=32000, help="AAC rate, 32000 or 48000")
+    gen.add_argument("--quality", choices=("exact", "lossless", "fast"), default="lossless",
+                     help="exact: reference op order; lossless (default): fused kernels; fast: FP8 GEMMs")
     gen.add_argument("--out", required=True, help="output .mp4 path")
     gen.set_defaults(run=_cmd_generate)
 
@@ -174,6 +176,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-upload-mb", dest="max_upload_mb", type=float, default=20.0)
     serve.add_argument("--device", choices=("cuda", "cpu"), default=None)
     serve.add_argument("--dtype", choices=tuple(DTYPES), default=None)
+    serve.add_argument("--quality", choices=("exact", "lossless", "fast"), default="lossless",
+                       help="default tier; requests may ask exact or lossless (fast needs --quality fast)")
     serve.add_argument("--no-ui", dest="no_ui", action="store_true", help="do not mount the web UI at /ui")
     serve.add_argument("--log-level", dest="log_level", default="info")
     serve.set_defaults(run=_cmd_serve)

@@ -1,13 +1,16 @@
 """One attention dispatch for every model in h3gen.
 
 `attention(query, key, value)` computes full (bidirectional, unmasked) softmax attention over one packed sequence.
-Backends are torch SDPA implementations; "sdpa" lets torch choose, which is exactly what diffusers' native backend
-does, so it is the reference. An explicit backend can be passed per call or set for the process with the
-`H3GEN_ATTENTION_BACKEND` environment variable.
+
+Backends: "sdpa" lets torch choose (what diffusers' native backend does, so the `exact` tier uses it); "cudnn",
+"flash", "efficient", "math" pin one torch SDPA implementation; "fa3" is FlashAttention-3 when its
+`flash_attn_interface` module is importable; "triton" is our flash-attention kernel (`kernels/flash_attention`) and
+"triton-fp8" its FP8 variant (an approximation, for the `fast` tier). "auto" picks the fastest available for the device: FA3, else cuDNN
+on Hopper and newer, else flash, else torch's choice. `H3GEN_ATTENTION_BACKEND` overrides every call's choice.
 """
 
+import functools
 import os
-from contextlib import nullcontext
 
 import torch
 import torch.nn.functional as F
@@ -19,7 +22,8 @@ _SDPA_BACKENDS = {
     "efficient": SDPBackend.EFFICIENT_ATTENTION,
     "cudnn": SDPBackend.CUDNN_ATTENTION,
 }
-BACKENDS = ("sdpa", *_SDPA_BACKENDS)
+BACKENDS = ("auto", "sdpa", "fa3", "triton", "triton-fp8", *_SDPA_BACKENDS)
+LAYOUTS = ("bshd", "bhsd")
 
 
 def available_attention_backends() -> tuple[str, ...]:
@@ -27,33 +31,82 @@ def available_attention_backends() -> tuple[str, ...]:
     return BACKENDS
 
 
-def _resolve_backend(backend: str | None) -> str:
-    name = backend or os.environ.get("H3GEN_ATTENTION_BACKEND") or "sdpa"
+@functools.cache
+def _fa3():
+    try:
+        from flash_attn_interface import flash_attn_func
+    except ImportError:
+        return None
+    return flash_attn_func
+
+
+@functools.cache
+def _auto_backend(device_type: str, major: int) -> str:
+    if device_type != "cuda":
+        return "sdpa"
+    if major == 9 and _fa3() is not None:
+        return "fa3"
+    if major >= 9 and torch.backends.cudnn.is_available():
+        return "cudnn"
+    return "flash" if major >= 8 else "sdpa"
+
+
+def resolve_backend(backend: str | None, device: torch.device) -> str:
+    """The concrete backend `attention` will use: `H3GEN_ATTENTION_BACKEND` when set (an override for every call),
+    else `backend`, else "sdpa"."""
+    name = os.environ.get("H3GEN_ATTENTION_BACKEND") or backend or "sdpa"
     if name not in BACKENDS:
         raise ValueError(f"Unknown attention backend {name!r}; choose one of {', '.join(BACKENDS)}.")
+    if name == "auto":
+        major = torch.cuda.get_device_capability(device)[0] if device.type == "cuda" else 0
+        name = _auto_backend(device.type, major)
+    if name == "fa3" and _fa3() is None:
+        raise ValueError("attention backend 'fa3' needs FlashAttention-3 (flash_attn_interface), not importable.")
     return name
 
 
-def attention(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, backend: str | None = None
-) -> torch.Tensor:
+def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, backend: str | None = None,
+              layout: str = "bshd") -> torch.Tensor:
     """Softmax attention of every row over every row, scale 1/sqrt(head_dim).
 
     Args:
-        query, key, value: `(batch, seq_len, heads, head_dim)`, one dtype (fp32, fp16 or bf16), same device.
-        backend: one of `available_attention_backends()`; default from `H3GEN_ATTENTION_BACKEND`, else "sdpa".
-
+        query, key, value: one dtype (fp32, fp16 or bf16), same device, `(batch, seq_len, heads, head_dim)` for
+            layout "bshd" or `(batch, heads, seq_len, head_dim)` for "bhsd".
+        backend: one of `available_attention_backends()`.
     Returns:
-        `(batch, seq_len, heads, head_dim)` in the input dtype.
+        The output in the input layout and dtype.
     """
     if query.ndim != 4 or query.shape != key.shape or key.shape != value.shape:
         raise ValueError(
-            "attention expects query, key and value of one (batch, seq_len, heads, head_dim) shape, got "
+            "attention expects query, key and value of one 4-D shape, got "
             f"{tuple(query.shape)}, {tuple(key.shape)}, {tuple(value.shape)}."
         )
-    name = _resolve_backend(backend)
-    context = sdpa_kernel(_SDPA_BACKENDS[name]) if name in _SDPA_BACKENDS else nullcontext()
-    query, key, value = (t.permute(0, 2, 1, 3) for t in (query, key, value))
-    with context:
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}.")
+    name = resolve_backend(backend, query.device)
+    if name in ("triton", "triton-fp8"):
+        from h3gen.kernels.flash_attention import flash_attention, triton as kernels
+
+        if layout == "bshd":  # the kernel takes strides: read and write (B, S, H, D) buffers through views
+            out = torch.empty_like(query)
+            view = (t.transpose(1, 2) for t in (query, key, value))
+            run = kernels.flash_attention_fp8 if name == "triton-fp8" else kernels.flash_attention
+            run(*view, out=out.transpose(1, 2))
+            return out
+        if name == "triton-fp8":
+            return kernels.flash_attention_fp8(query, key, value)
+        return flash_attention(query, key, value)
+    if name == "fa3":
+        if layout == "bhsd":
+            query, key, value = (t.transpose(1, 2) for t in (query, key, value))
+        out = _fa3()(query, key, value, causal=False)
+        out = out[0] if isinstance(out, tuple) else out
+        return out.transpose(1, 2) if layout == "bhsd" else out
+    if layout == "bshd":
+        query, key, value = (t.permute(0, 2, 1, 3) for t in (query, key, value))
+    if name in _SDPA_BACKENDS:
+        with sdpa_kernel(_SDPA_BACKENDS[name]):
+            out = F.scaled_dot_product_attention(query, key, value, dropout_p=0.0, is_causal=False)
+    else:
         out = F.scaled_dot_product_attention(query, key, value, dropout_p=0.0, is_causal=False)
-    return out.permute(0, 2, 1, 3)
+    return out.permute(0, 2, 1, 3) if layout == "bshd" else out

@@ -81,3 +81,14 @@ def test_a_model_that_fails_to_load_fails_jobs_with_the_reason(model, tmp_path):
         assert view["status"] == "failed" and "failed to load" in view["error"]
     finally:
         manager.stop()
+
+
+def test_quality_is_validated_and_recorded(manager):
+    from h3gen.errors import RequestError
+
+    with pytest.raises(RequestError) as info:
+        manager.engine.validate(GenerationRequest(prompt="x", quality="fast"), {})
+    assert info.value.field == "quality"
+    job = _submit(manager, quality="exact")
+    view = manager.wait(job["id"], 60)
+    assert view["status"] == "succeeded" and view["request"]["quality"] == "exact"

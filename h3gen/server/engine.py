@@ -19,12 +19,14 @@ logger = logging.getLogger(__name__)
 class H3Engine:
     """One model on one device. `validate` runs in request handlers; `load` and `run` on the engine worker."""
 
-    def __init__(self, model_path, *, device: str | None = None, dtype: torch.dtype | None = None):
+    def __init__(self, model_path, *, device: str | None = None, dtype: torch.dtype | None = None,
+                 quality: str = "lossless"):
         self.model_path = Path(model_path)
         self.checkpoint = H3Checkpoint.open(self.model_path)
         self.config = read_transformer_config(self.checkpoint)
         self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         self.dtype = dtype or (torch.bfloat16 if self.device.startswith("cuda") else torch.float32)
+        self.quality = quality
         self.pipeline = None
         self.load_error: str | None = None
         self._loaded = threading.Event()
@@ -45,7 +47,7 @@ class H3Engine:
         workflow = "fl2va" if "processor" in self.checkpoint.components else "t2va"
         try:
             self.pipeline = H3Pipeline.from_pretrained(self.model_path, device=self.device, torch_dtype=self.dtype,
-                                                       workflow=workflow)
+                                                       workflow=workflow, quality=self.quality)
         except Exception as error:  # reported on /health and by every job
             logger.exception("model failed to load")
             self.load_error = f"{type(error).__name__}: {error}"
@@ -58,6 +60,11 @@ class H3Engine:
     def validate(self, request: GenerationRequest, images: dict[str, Path]) -> dict:
         """Check a request fully (task, keyframes, geometry, seed) and return it normalized, with the resolved
         canvas, frame count and seed. Raises `RequestError` naming the field."""
+        quality = request.quality or self.quality
+        if (quality == "fast") != (self.quality == "fast"):
+            raise RequestError(f"this server runs the {self.quality} tier; quality {quality} is not available "
+                               "(fast needs a server started with --quality fast, and such a server is fast only).",
+                               "quality")
         if request.task == "ref2va":
             raise RequestError("task ref2va is not available in this version; use t2va or fl2va.", "task")
         if request.task == "t2va" and images:
@@ -75,7 +82,7 @@ class H3Engine:
         shape = prepared.shape
         return request.model_dump() | {
             "seed": prepared.seed, "height": shape.height, "width": shape.width, "num_frames": shape.num_frames,
-            "duration": round(shape.seconds, 4), "fps": 24,
+            "duration": round(shape.seconds, 4), "fps": 24, "quality": quality,
         }
 
     def run(self, request: dict, images: dict[str, Path], out_path: Path,
@@ -87,6 +94,7 @@ class H3Engine:
             request["prompt"], image=images.get("image"), last_image=images.get("last_image"),
             height=request["height"], width=request["width"], num_frames=request["num_frames"],
             num_inference_steps=request["num_inference_steps"], seed=request["seed"], callback=callback,
+            quality=request.get("quality"),
         )
         callback("write_mp4", 0, 1)
         output.save(out_path, audio_sample_rate=request["audio_sample_rate"])

@@ -27,6 +27,8 @@ class GenerationRequest(BaseModel):
     seed: int | None = Field(None, ge=0, le=2**63 - 1, description="Noise seed; random when omitted.")
     num_inference_steps: int = Field(50, ge=2, le=1000, description="Sigma grid points (N - 1 transformer forwards).")
     audio_sample_rate: Literal[32000, 48000] = Field(32000, description="AAC sample rate of the MP4.")
+    quality: Literal["exact", "lossless", "fast"] | None = Field(
+        None, description="exact: reference op order; lossless: fused kernels; fast: FP8 (server default if omitted).")
 
 
 class JobCreated(BaseModel):

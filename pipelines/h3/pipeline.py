@@ -20,6 +20,7 @@ from h3gen.pipelines.h3.packing import build_layout, patchify_video, row_timeste
 from h3gen.pipelines.h3.request import KEYFRAME_NOISE_AUG, WORKFLOWS, H3Request, prepare_request
 from h3gen.pipelines.h3.schedules import AUDIO_SHIFT, VIDEO_SHIFT, FlowSchedule, noise_to, read_shift
 from h3gen.pipelines.h3.text_encoder import H3TextEncoder
+from h3gen.pipelines.h3.tiers import QUALITY_TIERS, set_quality
 from h3gen.pipelines.h3.transformer import H3Transformer
 from h3gen.pipelines.h3.vae import decode_audio, decode_video, encode_keyframe, load_audio_vae, load_video_vae
 
@@ -71,7 +72,8 @@ class H3Pipeline:
     """MiniMax-H3 text(+keyframes)-to-video-and-audio. Build with `from_pretrained`."""
 
     def __init__(self, transformer, text_encoder, vae, audio_vae, *, checkpoint: H3Checkpoint, device,
-                 video_shift: float = VIDEO_SHIFT, audio_shift: float = AUDIO_SHIFT, workflow: str = "t2va"):
+                 video_shift: float = VIDEO_SHIFT, audio_shift: float = AUDIO_SHIFT, workflow: str = "t2va",
+                 quality: str = "lossless"):
         self.transformer = transformer
         self.text_encoder = text_encoder
         self.vae = vae
@@ -81,15 +83,21 @@ class H3Pipeline:
         self.video_shift = video_shift
         self.audio_shift = audio_shift
         self.workflow = workflow
+        if quality not in QUALITY_TIERS:
+            raise RequestError(f"quality must be one of {', '.join(QUALITY_TIERS)} (got {quality!r}).", "quality")
+        self.quality = quality
+        set_quality(self.transformer, quality)
 
     @classmethod
     def from_pretrained(cls, path, device=None, torch_dtype: torch.dtype = torch.bfloat16,
-                        workflow: str = "t2va") -> "H3Pipeline":
+                        workflow: str = "t2va", quality: str = "lossless") -> "H3Pipeline":
         """Load every component of a local checkpoint folder in diffusers' layout.
 
         `torch_dtype` applies to the transformer, the text encoder and the video VAE (their float32 islands stay
         float32); the audio VAE is always float32. `workflow` is "t2va" or "fl2va" (both load the same components;
-        fl2va also requires `processor/`). A missing component raises `CheckpointError` naming it.
+        fl2va also requires `processor/`). A missing component raises `CheckpointError` naming it. `quality` is
+        the default tier (`exact`, `lossless` or `fast`, see `tiers.py`); `fast` quantizes the transformer's block
+        GEMMs to FP8 at load, and only a pipeline loaded with it serves `fast` requests.
         """
         if workflow not in WORKFLOWS:
             raise RequestError(f"workflow must be one of {', '.join(WORKFLOWS)} (got {workflow!r}).", "workflow")
@@ -108,6 +116,7 @@ class H3Pipeline:
             transformer, text_encoder, vae, audio_vae, checkpoint=checkpoint, device=device,
             video_shift=read_shift(checkpoint.folder("scheduler"), VIDEO_SHIFT),
             audio_shift=read_shift(checkpoint.folder("audio_scheduler"), AUDIO_SHIFT), workflow=workflow,
+            quality=quality,
         )
 
     def validate(self, prompt, **kwargs) -> H3Request:
@@ -156,7 +165,7 @@ class H3Pipeline:
         return torch.cat(rows)
 
     @torch.no_grad()
-    def _denoise(self, request: H3Request, text, video_rows, audio_rows, report: ProgressCallback):
+    def _denoise(self, request: H3Request, text, video_rows, audio_rows, report: ProgressCallback, tier: str):
         """The loop: one transformer forward per step; video and audio rows step their own schedules; conditioning
         rows are never written."""
         shape = request.shape
@@ -168,16 +177,21 @@ class H3Pipeline:
         on_device = layout.to(self.device)
         cond = layout.num_condition_video_rows
         total = len(video_schedule)
+        plan = []  # per step: the distinct timesteps and every row's index into them
         for i in range(total):
             video_t = float(video_schedule.timesteps[i])
-            timestep, timestep_indices = row_timesteps(layout, video_t, float(audio_schedule.timesteps[i]),
-                                                       max(video_t, KEYFRAME_NOISE_AUG))
+            timestep, indices = row_timesteps(layout, video_t, float(audio_schedule.timesteps[i]),
+                                              max(video_t, KEYFRAME_NOISE_AUG))
+            plan.append((timestep.to(self.device), indices.to(self.device)))
+        # Outside the exact tier every block's AdaLN table for the whole request is computed up front.
+        tables = self.transformer.precompute_adaln([t for t, _ in plan]) if tier != "exact" else None
+        for i, (timestep, timestep_indices) in enumerate(plan):
             video_v, audio_v = self.transformer(
                 hidden_states=video_rows[None], audio_hidden_states=audio_rows[None],
-                encoder_hidden_states=text.embeds, timestep=timestep.to(self.device),
-                timestep_indices=timestep_indices.to(self.device), token_tags=on_device.token_tags,
-                position_ids=on_device.position_ids, video_indices=on_device.video_indices,
-                audio_indices=on_device.audio_indices, text_indices=on_device.text_indices, return_dict=False,
+                encoder_hidden_states=text.embeds, timestep=timestep, timestep_indices=timestep_indices,
+                token_tags=on_device.token_tags, position_ids=on_device.position_ids,
+                video_indices=on_device.video_indices, audio_indices=on_device.audio_indices,
+                text_indices=on_device.text_indices, return_dict=False, adaln_tables=tables, step=i,
             )
             video_rows[cond:] = video_schedule.step(i, video_v[0, cond:].float(), video_rows[cond:])
             audio_rows[:] = audio_schedule.step(i, audio_v[0].float(), audio_rows)
@@ -187,13 +201,26 @@ class H3Pipeline:
         audio = audio_rows.reshape(2, shape.num_audio_latents, -1).permute(0, 2, 1).contiguous()
         return latents, audio
 
+    def _tier(self, quality: str | None) -> str:
+        """Check a per-call tier and switch the transformer to it (exact <-> lossless is free)."""
+        tier = quality or self.quality
+        if tier not in QUALITY_TIERS:
+            raise RequestError(f"quality must be one of {', '.join(QUALITY_TIERS)} (got {tier!r}).", "quality")
+        if (tier == "fast") != (self.quality == "fast"):
+            raise RequestError(
+                "the fast tier needs a pipeline loaded with quality='fast' (its block weights are FP8), and such a "
+                f"pipeline serves only fast requests (loaded: {self.quality}, asked: {tier}).", "quality")
+        set_quality(self.transformer, tier)
+        return tier
+
     # ------------------------------------------------------------------ call
 
     def __call__(self, prompt: str, *, image=None, last_image=None, aspect_ratio: str | None = None,
                  seconds: float | None = 5.0, num_frames: int | None = None, height: int | None = None,
                  width: int | None = None, num_inference_steps: int = 50, seed: int | None = None,
                  generator: torch.Generator | None = None, latents: torch.Tensor | None = None,
-                 audio_latents: torch.Tensor | None = None, callback: ProgressCallback | None = None) -> H3Output:
+                 audio_latents: torch.Tensor | None = None, callback: ProgressCallback | None = None,
+                 quality: str | None = None) -> H3Output:
         """Generate a clip.
 
         Args:
@@ -206,6 +233,8 @@ class H3Pipeline:
             seed / generator: noise source; a seed makes a fresh CPU generator. Neither: a random seed.
             latents `(1, 24, F_lat, H/16, W/16)`, audio_latents `(2, 32, A)`: initial noise instead of drawing it.
             callback: `callback(stage, step, total)` after each unit of work.
+            quality: `exact` or `lossless` for this call (default: the pipeline's); `fast` only on a pipeline
+                loaded with it.
         Returns:
             `H3Output`.
         """
@@ -216,6 +245,7 @@ class H3Pipeline:
                                 seconds=seconds, num_frames=num_frames, height=height, width=width,
                                 num_inference_steps=num_inference_steps, seed=seed, generator=generator,
                                 latents=latents, audio_latents=audio_latents)
+        tier = self._tier(quality)
         timings = {}
         started = time.perf_counter()
 
@@ -235,7 +265,7 @@ class H3Pipeline:
         if condition_rows is not None:
             video_rows = torch.cat([condition_rows, video_rows])
         audio_rows = noise.audio_rows.clone()
-        video_latents, audio_latents = self._denoise(request, text, video_rows, audio_rows, report)
+        video_latents, audio_latents = self._denoise(request, text, video_rows, audio_rows, report, tier)
         lap("denoise")
         video = decode_video(self.vae, video_latents)
         report("decode_video", 1, 1)

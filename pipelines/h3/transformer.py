@@ -102,6 +102,28 @@ class H3TransformerOutput:
         return iter((self.sample, self.audio_sample))
 
 
+@dataclass
+class AdaLNTables:
+    """Every block's AdaLN table and `norm_out`'s for all steps of one request, computed once before denoising.
+
+    The sigma schedule is fixed per request, so each block's 260 M-parameter AdaLN projection is run once over all
+    steps' distinct timesteps (a few hundred rows) instead of once per step: its weights are read once per request
+    and the block forward does no AdaLN GEMM. Step `i` owns timestep rows `offsets[i] : offsets[i] + counts[i]`.
+    Batching changes the GEMM's shape, so results may differ from per-step projection in the last bits: the
+    `exact` tier does not use it.
+    """
+
+    blocks: list[torch.Tensor]  # per block: (sum K * 3, 6 * hidden)
+    final: torch.Tensor  # (sum K, 2 * hidden)
+    offsets: list[int]
+    counts: list[int]
+
+    def for_step(self, step: int) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """Views of step `step`'s tables: per block `(K * 3, 6 * hidden)`, and `(K, 2 * hidden)`."""
+        start, count = self.offsets[step], self.counts[step]
+        return [t[start * 3 : (start + count) * 3] for t in self.blocks], self.final[start : start + count]
+
+
 def compute_dtype(module: nn.Module) -> torch.dtype:
     """The dtype a module computes in: its `compute_dtype` attribute if it has one (quantized linears), else the
     dtype of its first floating-point parameter."""
@@ -293,11 +315,14 @@ class H3AdaLNModulation(nn.Module):
         out = 6 * hidden_size * NUM_MODALITIES
         self.linear = make_linear(LinearSpec(time_embed_dim, out, True, kind="adaln"))
 
-    def forward(self, temb: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def table(self, temb: torch.Tensor) -> torch.Tensor:
+        """`(K, time_embed_dim)` -> the `(K * 3, 6 * hidden)` table, row `k * 3 + modality`."""
         # SiLU runs at temb's float32 precision and only its result is cast to the (bf16) projection: every block
         # reads the same temb, so rounding before the activation would bias all blocks the same way at every step.
-        table = self.linear(F.silu(temb).to(compute_dtype(self.linear)))
-        return table.view(-1, 6 * self.hidden_size).chunk(6, dim=-1)
+        return self.linear(F.silu(temb).to(compute_dtype(self.linear))).view(-1, 6 * self.hidden_size)
+
+    def forward(self, temb: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return self.table(temb).chunk(6, dim=-1)
 
 
 class H3TransformerBlock(nn.Module):
@@ -313,6 +338,9 @@ class H3TransformerBlock(nn.Module):
         self.norm2 = nn.RMSNorm(cfg.hidden_size, eps=cfg.norm_eps)
         self.ff = H3FeedForward(cfg.hidden_size, cfg.ffn_dim, make_linear)
         self.adaln_proj = H3AdaLNModulation(cfg.time_embed_dim, cfg.hidden_size, make_linear)
+        # A fused implementation of `forward` with the same contract (set by `pipelines/h3/tiers.py` for the
+        # `lossless` and `fast` tiers); None runs the reference op order below (`exact`).
+        self.fused_forward = None
 
     def forward(
         self,
@@ -320,6 +348,7 @@ class H3TransformerBlock(nn.Module):
         temb: torch.Tensor,
         adaln_indices: torch.Tensor,
         rotary_emb: tuple[torch.Tensor, torch.Tensor],
+        modulation: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """
         Args:
@@ -327,10 +356,15 @@ class H3TransformerBlock(nn.Module):
             temb: `(K, time_embed_dim)` float32 timestep embeddings of the K distinct timesteps.
             adaln_indices: `(S,)` long, `timestep_index * 3 + token_tag` per row.
             rotary_emb: `(cos, sin)`, each `(S, 6 * rope_freq_dim)` float32.
+            modulation: this block's precomputed `(K * 3, 6 * hidden)` AdaLN table (see `AdaLNTables`), used
+                instead of projecting `temb`.
         Returns:
             `(B, S, hidden)`.
         """
-        shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = self.adaln_proj(temb)
+        table = modulation if modulation is not None else self.adaln_proj.table(temb)
+        if self.fused_forward is not None:
+            return self.fused_forward(self, hidden_states, table, adaln_indices, rotary_emb)
+        shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = table.chunk(6, dim=-1)
 
         def rows(table: torch.Tensor) -> torch.Tensor:
             return table.index_select(0, adaln_indices)
@@ -349,9 +383,15 @@ class H3AdaLNOut(nn.Module):
         self.norm = nn.RMSNorm(hidden_size, eps=eps)
         self.linear = make_linear(LinearSpec(time_embed_dim, 2 * hidden_size, True, kind="adaln"))
 
-    def forward(self, x: torch.Tensor, temb: torch.Tensor, timestep_indices: torch.Tensor) -> torch.Tensor:
-        """`x` `(B, S, hidden)`, `temb` `(K, time_embed_dim)`, `timestep_indices` `(S,)` -> `(B, S, hidden)`."""
-        shift, scale = self.linear(F.silu(temb).to(compute_dtype(self.linear))).chunk(2, dim=-1)
+    def table(self, temb: torch.Tensor) -> torch.Tensor:
+        """`(K, time_embed_dim)` -> `(K, 2 * hidden)`: shift then scale, one row per timestep."""
+        return self.linear(F.silu(temb).to(compute_dtype(self.linear)))
+
+    def forward(self, x: torch.Tensor, temb: torch.Tensor, timestep_indices: torch.Tensor,
+                table: torch.Tensor | None = None) -> torch.Tensor:
+        """`x` `(B, S, hidden)`, `temb` `(K, time_embed_dim)`, `timestep_indices` `(S,)` -> `(B, S, hidden)`;
+        a precomputed `table` replaces the projection of `temb`."""
+        shift, scale = (table if table is not None else self.table(temb)).chunk(2, dim=-1)
         x = self.norm(x)
         return x * (1.0 + scale.index_select(0, timestep_indices)) + shift.index_select(0, timestep_indices)
 
@@ -414,6 +454,18 @@ class H3Transformer(nn.Module):
             cls, folder, torch_dtype=torch_dtype, device=device, linear_factory=linear_factory, qkv_layout=qkv_layout
         )
 
+    @torch.no_grad()
+    def precompute_adaln(self, step_timesteps: list[torch.Tensor]) -> AdaLNTables:
+        """AdaLN tables for a whole request: `step_timesteps[i]` is step i's `(K_i,)` distinct timesteps (the
+        `timestep` argument `forward` would get). Pass the result to `forward(..., adaln_tables=, step=i)`."""
+        counts = [t.numel() for t in step_timesteps]
+        offsets = [sum(counts[:i]) for i in range(len(counts))]
+        timesteps = torch.cat([t.to(self.device) for t in step_timesteps])
+        temb = self.time_embedder(timestep_sinusoids(timesteps, self.config.freq_dim).to(
+            compute_dtype(self.time_embedder.linear_1)))
+        blocks = [block.adaln_proj.table(temb) for block in self.transformer_blocks]
+        return AdaLNTables(blocks=blocks, final=self.norm_out.table(temb), offsets=offsets, counts=counts)
+
     def save_pretrained(self, folder, max_shard_bytes: int | None = None):
         """Write `config.json` and the weights in diffusers' layout (loadable by diffusers and by us)."""
         from h3gen.loading import save_component
@@ -443,6 +495,8 @@ class H3Transformer(nn.Module):
         text_indices: torch.Tensor,
         attention_kwargs: dict[str, Any] | None = None,
         return_dict: bool = True,
+        adaln_tables: AdaLNTables | None = None,
+        step: int | None = None,
     ) -> H3TransformerOutput | tuple[torch.Tensor, torch.Tensor]:
         """One denoising forward over a packed sequence of S = N_text + N_video + N_audio rows.
 
@@ -459,6 +513,8 @@ class H3Transformer(nn.Module):
             attention_kwargs: accepted for diffusers compatibility; LoRA scaling is not supported yet and a
                 `scale` other than 1.0 is rejected.
             return_dict: return `H3TransformerOutput` (default) or a `(video, audio)` tuple.
+            adaln_tables, step: precomputed AdaLN tables (`precompute_adaln`) and this forward's step in them; the
+                tables must have been built from the same `timestep`.
 
         Returns:
             video velocity `(B, N_video, video_patch_dim)` and audio velocity `(B, N_audio, audio_in_channels)`,
@@ -490,16 +546,22 @@ class H3Transformer(nn.Module):
         x = x.index_copy(1, video_indices, video.to(text.dtype))
         x = x.index_copy(1, audio_indices, audio.to(text.dtype))
 
-        # 2. One float32 embedding per distinct timestep; each AdaLN projection activates and casts it itself.
-        temb = timestep_sinusoids(timestep, self.config.freq_dim)
-        temb = self.time_embedder(temb.to(compute_dtype(self.time_embedder.linear_1)))
+        # 2. One float32 embedding per distinct timestep; each AdaLN projection activates and casts it itself
+        # (or the request's tables were computed up front).
         adaln_indices = timestep_indices * NUM_MODALITIES + token_tags
+        if adaln_tables is not None:
+            temb = None
+            block_tables, final_table = adaln_tables.for_step(step)
+        else:
+            temb = timestep_sinusoids(timestep, self.config.freq_dim)
+            temb = self.time_embedder(temb.to(compute_dtype(self.time_embedder.linear_1)))
+            block_tables, final_table = [None] * len(self.transformer_blocks), None
 
-        for block in self.transformer_blocks:
-            x = block(x, temb, adaln_indices, rotary_emb)
+        for block, table in zip(self.transformer_blocks, block_tables):
+            x = block(x, temb, adaln_indices, rotary_emb, modulation=table)
 
         # 3. Both heads over every row, then each modality's rows are selected.
-        x = self.norm_out(x, temb, timestep_indices).to(compute_dtype(self.proj_out))
+        x = self.norm_out(x, temb, timestep_indices, table=final_table).to(compute_dtype(self.proj_out))
         video_out = self.proj_out(x).index_select(1, video_indices)
         audio_out = self.audio_proj_out(x).index_select(1, audio_indices)
         if not return_dict:

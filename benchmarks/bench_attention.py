@@ -1,0 +1,106 @@
+"""Attention at H3 shapes (56 heads x 128, one packed sequence): cuDNN SDPA against our Triton flash-attention
+kernel (bf16, several tile configs) and its FP8 variant; plus FP8 GEMMs (`torch._scaled_mm`, row/column scales)
+against bf16 at the block's GEMM shapes. Prints time, TFLOP/s and the error against cuDNN.
+
+    python benchmarks/bench_attention.py --rows 8192 37838
+"""
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import print_table, rel_l2, time_cuda  # noqa: E402
+
+from h3gen.kernels.attention import attention  # noqa: E402
+from h3gen.kernels.flash_attention import triton as flash  # noqa: E402
+from h3gen.kernels.fp8_quant import quantize_rows  # noqa: E402
+
+HEADS, DIM = 56, 128
+BF16_CONFIGS = [(128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 8, 4), (128, 128, 8, 2), (128, 64, 4, 3), (64, 64, 4, 4)]
+FP8_CONFIGS = [(128, 128, 8, 3), (128, 64, 8, 3), (128, 128, 8, 4), (128, 256, 8, 2)]
+
+
+def bench_attention(rows, repeat):
+    g = torch.Generator(device="cuda").manual_seed(rows)
+    q, k, v = (torch.randn(1, rows, HEADS, DIM, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(3))
+    flops = 4 * rows * rows * HEADS * DIM
+    expected = attention(q, k, v, backend="cudnn")
+    table = [{"rows": rows, "kernel": "cuDNN SDPA", "ms": time_cuda(lambda: attention(q, k, v, backend="cudnn"),
+                                                                     repeat=repeat), "relL2": 0.0}]
+    views = [t.transpose(1, 2) for t in (q, k, v)]
+    out = torch.empty_like(q)
+    for bm, bn, warps, stages in BF16_CONFIGS:
+        cfg = dict(block_m=bm, block_n=bn, num_warps=warps, num_stages=stages)
+        try:
+            run = lambda: flash.flash_attention(*views, out=out.transpose(1, 2), **cfg)  # noqa: E731
+            ms = time_cuda(run, repeat=repeat)
+            table.append({"rows": rows, "kernel": f"triton bf16 {bm}x{bn} w{warps} s{stages}", "ms": ms,
+                          "relL2": rel_l2(out, expected)})
+        except Exception as error:  # a config that does not fit (shared memory) is reported, not fatal
+            table.append({"rows": rows, "kernel": f"triton bf16 {bm}x{bn} w{warps} s{stages}", "ms": float("nan"),
+                          "relL2": float("nan"), "note": str(error)[:60]})
+    for bm, bn, warps, stages in FP8_CONFIGS:
+        cfg = dict(block_m=bm, block_n=bn, num_warps=warps, num_stages=stages)
+        try:
+            run = lambda: flash.flash_attention_fp8(*views, out=out.transpose(1, 2), **cfg)  # noqa: E731
+            ms = time_cuda(run, repeat=repeat)
+            table.append({"rows": rows, "kernel": f"triton fp8 {bm}x{bn} w{warps} s{stages} (incl. quant)", "ms": ms,
+                          "relL2": rel_l2(out, expected)})
+        except Exception as error:
+            table.append({"rows": rows, "kernel": f"triton fp8 {bm}x{bn} w{warps} s{stages}", "ms": float("nan"),
+                          "relL2": float("nan"), "note": str(error)[:60]})
+    for row in table:
+        row["TFLOP/s"] = f"{flops / row['ms'] / 1e9:.0f}" if row["ms"] == row["ms"] else "-"
+        row["ms"] = f"{row['ms']:.3f}"
+        row["relL2"] = f"{row['relL2']:.2e}"
+    return table
+
+
+def bench_gemms(rows, repeat):
+    table = []
+    for name, k, n in (("qkv (each)", 5376, 7168), ("out", 7168, 5376), ("ff up", 5376, 28672), ("ff down", 14336, 5376)):
+        x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
+        flops = 2 * rows * k * n
+        expected = x @ w.t()
+        xq, xs = quantize_rows(x)
+        wq, ws = quantize_rows(w)
+        ws = ws.reshape(1, -1).contiguous()
+
+        def fp8_mm():
+            return torch._scaled_mm(xq, wq.t(), scale_a=xs, scale_b=ws, out_dtype=torch.bfloat16)
+
+        def fp8_with_quant():
+            q, s = quantize_rows(x)
+            return torch._scaled_mm(q, wq.t(), scale_a=s, scale_b=ws, out_dtype=torch.bfloat16)
+
+        for variant, fn in (("bf16", lambda: x @ w.t()), ("fp8 mm", fp8_mm), ("fp8 quant+mm", fp8_with_quant)):
+            ms = time_cuda(fn, repeat=repeat)
+            table.append({"rows": rows, "gemm": name, "variant": variant, "ms": f"{ms:.3f}",
+                          "TFLOP/s": f"{flops / ms / 1e9:.0f}", "relL2": f"{rel_l2(fn(), expected):.2e}"})
+    return table
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--rows", type=int, nargs="+", default=[8192, 37838])
+    parser.add_argument("--repeat", type=int, default=10)
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    attention_rows, gemm_rows = [], []
+    for rows in args.rows:
+        attention_rows += bench_attention(rows, args.repeat)
+        gemm_rows += bench_gemms(rows, args.repeat)
+    if args.out:
+        args.out.write_text(json.dumps({"attention": attention_rows, "gemm": gemm_rows}, indent=2))
+    print_table(gemm_rows, ["rows", "gemm", "variant", "ms", "TFLOP/s", "relL2"])
+    print()
+    print_table(attention_rows, ["rows", "kernel", "ms", "TFLOP/s", "relL2", "note"])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,30 @@
+"""When a public kernel function takes its Triton path: CUDA tensors with Triton importable, or everywhere when
+`H3GEN_TRITON=1` (with `TRITON_INTERPRET=1` that runs the Triton code on the CPU, which is how tests check it);
+`H3GEN_TRITON=0` forces the torch reference."""
+
+import functools
+import os
+
+import torch
+
+
+@functools.cache
+def triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def use_triton(tensor: torch.Tensor) -> bool:
+    forced = os.environ.get("H3GEN_TRITON")
+    if forced == "0":
+        return False
+    if forced == "1":
+        return triton_available()
+    return tensor.is_cuda and triton_available()
+
+
+def next_power_of_2(n: int) -> int:
+    return 1 << (int(n) - 1).bit_length()

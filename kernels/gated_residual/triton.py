@@ -1,0 +1,64 @@
+"""Gated residual (optionally fused with the next RMSNorm + modulation): one read of x and y per row."""
+
+import torch
+import triton
+import triton.language as tl
+
+from h3gen.kernels._dispatch import next_power_of_2
+
+
+@triton.jit
+def _gated_residual_kernel(x_ptr, y_ptr, gate_ptr, index_ptr, out_ptr, w_ptr, shift_ptr, scale_ptr, mod_ptr,
+                           seq_len, hidden, gate_stride, table_stride, eps, FUSE_NORM: tl.constexpr,
+                           HAS_WEIGHT: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    table_row = tl.load(index_ptr + row % seq_len).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < hidden
+    x = tl.load(x_ptr + row * hidden + cols, mask=mask, other=0.0).to(tl.float32)
+    y = tl.load(y_ptr + row * hidden + cols, mask=mask, other=0.0).to(tl.float32)
+    gate = tl.load(gate_ptr + table_row * gate_stride + cols, mask=mask, other=0.0).to(tl.float32)
+    x_new = (x + gate * y).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + row * hidden + cols, x_new, mask=mask)
+    if FUSE_NORM:
+        v = x_new.to(tl.float32)  # normalise the stored (rounded) residual, as the next half-block will see it
+        inv_rms = tl.rsqrt(tl.sum(v * v, axis=0) / hidden + eps)
+        v = v * inv_rms
+        if HAS_WEIGHT:
+            v = v * tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        scale = tl.load(scale_ptr + table_row * table_stride + cols, mask=mask, other=0.0).to(tl.float32)
+        shift = tl.load(shift_ptr + table_row * table_stride + cols, mask=mask, other=0.0).to(tl.float32)
+        tl.store(mod_ptr + row * hidden + cols, (v * (1.0 + scale) + shift).to(mod_ptr.dtype.element_ty), mask=mask)
+
+
+def _launch(x, y, gate, index, out, weight=None, shift=None, scale=None, modulated=None, eps=0.0):
+    batch, seq_len, hidden = x.shape
+    fuse = modulated is not None
+    if gate.stride(-1) != 1:
+        gate = gate.contiguous()
+    if fuse and (shift.stride(-1) != 1 or scale.stride(-1) != 1 or shift.stride(0) != scale.stride(0)):
+        shift, scale = shift.contiguous(), scale.contiguous()
+    block = next_power_of_2(hidden)
+    _gated_residual_kernel[(batch * seq_len,)](
+        x, y, gate, index, out, weight if weight is not None else x, shift if fuse else gate,
+        scale if fuse else gate, modulated if fuse else out, seq_len, hidden, gate.stride(0),
+        shift.stride(0) if fuse else 0, eps, FUSE_NORM=fuse, HAS_WEIGHT=weight is not None, BLOCK=block,
+        num_warps=8 if block >= 4096 else 4,
+    )
+
+
+def gated_residual(x, y, gate, index, out=None):
+    """`x + gate[index] * y`; `out=x` updates the residual stream in place."""
+    x, y = x.contiguous(), y.contiguous()
+    out = torch.empty_like(x) if out is None else out
+    _launch(x, y, gate, index, out)
+    return out
+
+
+def gated_residual_norm_modulate(x, y, gate, index, weight, shift, scale, eps, out=None):
+    """Both results of the reference function in one pass; `out=x` updates the residual in place."""
+    x, y = x.contiguous(), y.contiguous()
+    out = torch.empty_like(x) if out is None else out
+    modulated = torch.empty_like(x)
+    _launch(x, y, gate, index, out, weight, shift, scale, modulated, eps)
+    return out, modulated

@@ -1,0 +1,14 @@
+"""Per-head q/k RMSNorm + RoPE (the first `cos.shape[-1]` channels rotated): `qk_norm_rope(q, k, ...)`."""
+
+from h3gen.kernels._dispatch import use_triton
+from h3gen.kernels.qk_norm_rope import reference
+
+
+def qk_norm_rope(q, k, weight_q, weight_k, cos, sin, eps, heads_first=False):
+    """q, k `(B, S, heads, D)` -> normalised and rotated `(q, k)`, `(B, heads, S, D)` when `heads_first`.
+    Triton on CUDA (one pass per tensor, float32 math), the torch reference elsewhere."""
+    if use_triton(q):
+        from h3gen.kernels.qk_norm_rope import triton as fast
+
+        return fast.qk_norm_rope(q, k, weight_q, weight_k, cos, sin, eps, heads_first)
+    return reference.qk_norm_rope(q, k, weight_q, weight_k, cos, sin, eps, heads_first)

@@ -1,0 +1,13 @@
+"""SwiGLU activation: `swiglu(x)` = value * silu(gate) for x = `[value; gate]` on the last axis."""
+
+from h3gen.kernels._dispatch import use_triton
+from h3gen.kernels.swiglu import reference
+
+
+def swiglu(x):
+    """`(..., 2F)` -> `(..., F)`. Triton on CUDA (one pass, float32 math), the torch reference elsewhere."""
+    if use_triton(x):
+        from h3gen.kernels.swiglu import triton as fast
+
+        return fast.swiglu(x)
+    return reference.swiglu(x)

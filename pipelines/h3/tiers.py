@@ -1,0 +1,58 @@
+"""Quality tiers of the H3 transformer.
+
+- `exact`: the reference op order (bit-identical to diffusers on the same backend).
+- `lossless` (default): the same math with fused kernels (`h3gen.kernels`): one pass for RMSNorm + modulation,
+  q/k norm + RoPE, SwiGLU, and the gated residual fused with the next norm; bf16-level differences only.
+- `fast`: `lossless` plus FP8 (e4m3) GEMMs for the block's q/k/v/out and SwiGLU projections, per-row activation and
+  per-column weight scales (`h3gen.quant.fp8`). An approximation with measured error; the weights are quantized in
+  place, so a model set to `fast` cannot go back.
+"""
+
+import torch
+
+from h3gen.kernels.gated_residual import gated_residual, gated_residual_norm_modulate
+from h3gen.kernels.norm_modulate import rmsnorm_modulate
+from h3gen.kernels.qk_norm_rope import qk_norm_rope
+from h3gen.kernels.swiglu import swiglu
+
+QUALITY_TIERS = ("exact", "lossless", "fast")
+
+
+def fused_block_forward(block, hidden_states: torch.Tensor, table: torch.Tensor, adaln_indices: torch.Tensor,
+                        rotary_emb: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """`H3TransformerBlock.forward` through fused kernels, given the block's `(K * 3, 6 * hidden)` AdaLN table:
+    5 passes over the rows besides GEMMs and attention. The residual stream is updated in place."""
+    shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = table.chunk(6, dim=-1)
+    attn = block.attn
+    normed = rmsnorm_modulate(hidden_states, block.norm1.weight, shift_msa, scale_msa, adaln_indices,
+                              block.norm1.eps)
+    query = attn.to_q(normed).unflatten(-1, (-1, attn.head_dim))
+    key = attn.to_k(normed).unflatten(-1, (-1, attn.head_dim))
+    value = attn.to_v(normed).unflatten(-1, (-1, attn.head_dim))
+    query, key = qk_norm_rope(query, key, attn.norm_q.weight, attn.norm_k.weight, *rotary_emb, attn.norm_q.eps)
+    out = attn.to_out[0](attn.core(query, key, value).flatten(2, 3))
+    hidden_states, normed = gated_residual_norm_modulate(
+        hidden_states, out, gate_msa, adaln_indices, block.norm2.weight, shift_mlp, scale_mlp, block.norm2.eps,
+        out=hidden_states)
+    ff = block.ff.net[2](swiglu(block.ff.net[0].proj(normed)))
+    return gated_residual(hidden_states, ff, gate_mlp, adaln_indices, out=hidden_states)
+
+
+def set_quality(transformer, tier: str) -> None:
+    """Switch `transformer` (an `H3Transformer`) to a quality tier. `exact` <-> `lossless` is free and reversible;
+    `fast` quantizes the block GEMM weights to FP8 in place."""
+    if tier not in QUALITY_TIERS:
+        raise ValueError(f"quality must be one of {', '.join(QUALITY_TIERS)} (got {tier!r}).")
+    if getattr(transformer, "quality", None) == "fast" and tier != "fast":
+        raise ValueError("this transformer's weights were quantized for the fast tier; reload it for another tier.")
+    for block in transformer.transformer_blocks:
+        block.fused_forward = None if tier == "exact" else fused_block_forward
+        # exact: torch's own SDPA choice, as diffusers; otherwise the fastest backend of the device (cuDNN on
+        # Hopper; our Triton attention measured slower, benchmarks/RESULTS.md).
+        block.attn.core.backend = "sdpa" if tier == "exact" else "auto"
+    if tier == "fast" and getattr(transformer, "quality", None) != "fast":
+        from h3gen.quant.fp8 import quantize_block_linears
+
+        for block in transformer.transformer_blocks:
+            quantize_block_linears(block)
+    transformer.quality = tier

@@ -1,0 +1,101 @@
+"""Quality tiers: `exact` is the reference op order, `lossless` (fused kernels, AdaLN tables precomputed per
+request) stays within float rounding of it, `fast` (FP8 GEMMs) is an approximation with a measured error."""
+
+import copy
+import os
+
+import numpy as np
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # the Triton kernels run in the interpreter on the CPU
+
+from h3_tiny import TINY_CONFIGS, max_rel_err, random_inputs, randomize_  # noqa: E402
+
+from h3gen.errors import RequestError  # noqa: E402
+from h3gen.pipelines.h3.pipeline import H3Pipeline  # noqa: E402
+from h3gen.pipelines.h3.tiers import set_quality  # noqa: E402
+from h3gen.pipelines.h3.tiny import tiny_checkpoint  # noqa: E402
+from h3gen.pipelines.h3.transformer import H3Transformer  # noqa: E402
+
+INPUTS = dict(num_text=6, latent_frames=3, latent_hw=(4, 2), audio_latents=7, anchors=("first",),
+              distinct_timesteps=3)
+
+
+def _model(config_index=2, seed=3):
+    model = H3Transformer.from_config(TINY_CONFIGS[config_index]).eval()
+    randomize_(model, seed)
+    return model
+
+
+def _run(model, inputs, **kwargs):
+    with torch.no_grad():
+        return model(**{k: v.clone() if torch.is_tensor(v) else v for k, v in inputs.items()}, return_dict=False,
+                     **kwargs)
+
+
+@pytest.mark.parametrize("config_index", [0, 2])
+def test_lossless_with_triton_kernels_matches_exact(config_index, monkeypatch):
+    model = _model(config_index)
+    inputs = random_inputs(TINY_CONFIGS[config_index], seed=1, **INPUTS)
+    set_quality(model, "exact")
+    exact = _run(model, inputs)
+    monkeypatch.setenv("H3GEN_TRITON", "1")  # the fused path through the Triton kernels, not the references
+    set_quality(model, "lossless")
+    lossless = _run(model, inputs)
+    for got, expected in zip(lossless, exact):
+        assert max_rel_err(got, expected) <= 1e-5
+
+
+def test_precomputed_adaln_tables_match_per_step_projection():
+    model = _model()
+    steps = [random_inputs(TINY_CONFIGS[2], seed=s, **INPUTS) for s in range(3)]
+    for i, inputs in enumerate(steps):  # distinct timesteps per step, as a schedule has
+        inputs["timestep"] = inputs["timestep"] * (0.5 + 0.2 * i)
+    tables = model.precompute_adaln([inputs["timestep"] for inputs in steps])
+    assert tables.counts == [3, 3, 3] and tables.offsets == [0, 3, 6]
+    for i, inputs in enumerate(steps):
+        for got, expected in zip(_run(model, inputs, adaln_tables=tables, step=i), _run(model, inputs)):
+            assert max_rel_err(got, expected) <= 1e-6
+
+
+def test_fast_tier_is_close_and_irreversible():
+    model = _model()
+    inputs = random_inputs(TINY_CONFIGS[2], seed=2, **INPUTS)
+    exact = _run(model, inputs)
+    fast = copy.deepcopy(model)
+    set_quality(fast, "fast")
+    assert type(fast.transformer_blocks[0].attn.to_q).__name__ == "Fp8Linear"
+    approx = _run(fast, inputs)
+    for got, expected in zip(approx, exact):
+        error = max_rel_err(got, expected)
+        assert 1e-4 < error < 0.3  # FP8 really ran; random tiny weights amplify it (4e-3 at released dims)
+    with pytest.raises(ValueError, match="quantized"):
+        set_quality(fast, "exact")
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return tiny_checkpoint(cache_dir=tmp_path_factory.mktemp("cache"))
+
+
+def _psnr(a: np.ndarray, b: np.ndarray) -> float:
+    mse = float(((a.astype(np.float64) - b) ** 2).mean())
+    return float("inf") if mse == 0 else 10 * np.log10(1.0 / mse)
+
+
+def test_pipeline_tiers_on_the_tiny_model(tiny):
+    pipe = H3Pipeline.from_pretrained(tiny, device="cpu", torch_dtype=torch.float32)
+    assert pipe.quality == "lossless"
+    exact = pipe("a cat", seed=3, num_inference_steps=4, quality="exact")
+    lossless = pipe("a cat", seed=3, num_inference_steps=4)
+    assert np.abs(lossless.video - exact.video).max() <= 1e-4 and np.abs(lossless.audio - exact.audio).max() <= 1e-4
+    with pytest.raises(RequestError, match="fast"):
+        pipe("a cat", seed=3, num_inference_steps=4, quality="fast")
+    fast_pipe = H3Pipeline.from_pretrained(tiny, device="cpu", torch_dtype=torch.float32, quality="fast")
+    fast = fast_pipe("a cat", seed=3, num_inference_steps=4)
+    psnr = _psnr(fast.video, exact.video)
+    assert 20 < psnr < 200, psnr  # an approximation, but a close one
+    with pytest.raises(RequestError, match="fast"):
+        fast_pipe("a cat", seed=3, num_inference_steps=4, quality="exact")
