@@ -33,26 +33,17 @@ def bench_attention(rows, repeat):
                                                                      repeat=repeat), "relL2": 0.0}]
     views = [t.transpose(1, 2) for t in (q, k, v)]
     out = torch.empty_like(q)
-    for bm, bn, warps, stages in BF16_CONFIGS:
+    variants = [("bf16", flash.flash_attention, c) for c in BF16_CONFIGS]
+    variants += [("fp8", flash.flash_attention_fp8, c) for c in FP8_CONFIGS]
+    for kind, kernel, (bm, bn, warps, stages) in variants:
+        name = f"triton {kind} {bm}x{bn} w{warps} s{stages}" + (" (incl. quant)" if kind == "fp8" else "")
         cfg = dict(block_m=bm, block_n=bn, num_warps=warps, num_stages=stages)
         try:
-            run = lambda: flash.flash_attention(*views, out=out.transpose(1, 2), **cfg)  # noqa: E731
-            ms = time_cuda(run, repeat=repeat)
-            table.append({"rows": rows, "kernel": f"triton bf16 {bm}x{bn} w{warps} s{stages}", "ms": ms,
-                          "relL2": rel_l2(out, expected)})
+            ms = time_cuda(lambda: kernel(*views, out=out.transpose(1, 2), **cfg), repeat=repeat)
+            table.append({"rows": rows, "kernel": name, "ms": ms, "relL2": rel_l2(out, expected)})
         except Exception as error:  # a config that does not fit (shared memory) is reported, not fatal
-            table.append({"rows": rows, "kernel": f"triton bf16 {bm}x{bn} w{warps} s{stages}", "ms": float("nan"),
-                          "relL2": float("nan"), "note": str(error)[:60]})
-    for bm, bn, warps, stages in FP8_CONFIGS:
-        cfg = dict(block_m=bm, block_n=bn, num_warps=warps, num_stages=stages)
-        try:
-            run = lambda: flash.flash_attention_fp8(*views, out=out.transpose(1, 2), **cfg)  # noqa: E731
-            ms = time_cuda(run, repeat=repeat)
-            table.append({"rows": rows, "kernel": f"triton fp8 {bm}x{bn} w{warps} s{stages} (incl. quant)", "ms": ms,
-                          "relL2": rel_l2(out, expected)})
-        except Exception as error:
-            table.append({"rows": rows, "kernel": f"triton fp8 {bm}x{bn} w{warps} s{stages}", "ms": float("nan"),
-                          "relL2": float("nan"), "note": str(error)[:60]})
+            table.append({"rows": rows, "kernel": name, "ms": float("nan"), "relL2": float("nan"),
+                          "note": str(error)[:60]})
     for row in table:
         row["TFLOP/s"] = f"{flops / row['ms'] / 1e9:.0f}" if row["ms"] == row["ms"] else "-"
         row["ms"] = f"{row['ms']:.3f}"

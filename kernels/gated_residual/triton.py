@@ -5,6 +5,7 @@ import triton
 import triton.language as tl
 
 from h3gen.kernels._dispatch import next_power_of_2
+from h3gen.kernels.norm_modulate.triton import modulated_rms_row
 
 
 @triton.jit
@@ -20,15 +21,10 @@ def _gated_residual_kernel(x_ptr, y_ptr, gate_ptr, index_ptr, out_ptr, w_ptr, sh
     gate = tl.load(gate_ptr + table_row * gate_stride + cols, mask=mask, other=0.0).to(tl.float32)
     x_new = (x + gate * y).to(out_ptr.dtype.element_ty)
     tl.store(out_ptr + row * hidden + cols, x_new, mask=mask)
-    if FUSE_NORM:
-        v = x_new.to(tl.float32)  # normalise the stored (rounded) residual, as the next half-block will see it
-        inv_rms = tl.rsqrt(tl.sum(v * v, axis=0) / hidden + eps)
-        v = v * inv_rms
-        if HAS_WEIGHT:
-            v = v * tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        scale = tl.load(scale_ptr + table_row * table_stride + cols, mask=mask, other=0.0).to(tl.float32)
-        shift = tl.load(shift_ptr + table_row * table_stride + cols, mask=mask, other=0.0).to(tl.float32)
-        tl.store(mod_ptr + row * hidden + cols, (v * (1.0 + scale) + shift).to(mod_ptr.dtype.element_ty), mask=mask)
+    if FUSE_NORM:  # normalise the stored (rounded) residual, as the next half-block will see it
+        modulated = modulated_rms_row(x_new.to(tl.float32), w_ptr, shift_ptr, scale_ptr, table_row, table_stride,
+                                      cols, mask, hidden, eps, HAS_WEIGHT)
+        tl.store(mod_ptr + row * hidden + cols, modulated.to(mod_ptr.dtype.element_ty), mask=mask)
 
 
 def _launch(x, y, gate, index, out, weight=None, shift=None, scale=None, modulated=None, eps=0.0):

@@ -8,6 +8,18 @@ from h3gen.kernels._dispatch import next_power_of_2
 
 
 @triton.jit
+def modulated_rms_row(x, w_ptr, shift_ptr, scale_ptr, table_row, table_stride, cols, mask, hidden, eps,
+                      HAS_WEIGHT: tl.constexpr):
+    """One float32 row `x` -> `rms_norm(x) * w * (1 + scale[table_row]) + shift[table_row]` (float32)."""
+    y = x * tl.rsqrt(tl.sum(x * x, axis=0) / hidden + eps)
+    if HAS_WEIGHT:
+        y = y * tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    scale = tl.load(scale_ptr + table_row * table_stride + cols, mask=mask, other=0.0).to(tl.float32)
+    shift = tl.load(shift_ptr + table_row * table_stride + cols, mask=mask, other=0.0).to(tl.float32)
+    return y * (1.0 + scale) + shift
+
+
+@triton.jit
 def _rmsnorm_modulate_kernel(x_ptr, w_ptr, shift_ptr, scale_ptr, index_ptr, out_ptr, seq_len, hidden, table_stride,
                              eps, HAS_WEIGHT: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)  # over batch * seq_len
@@ -15,13 +27,9 @@ def _rmsnorm_modulate_kernel(x_ptr, w_ptr, shift_ptr, scale_ptr, index_ptr, out_
     cols = tl.arange(0, BLOCK)
     mask = cols < hidden
     x = tl.load(x_ptr + row * hidden + cols, mask=mask, other=0.0).to(tl.float32)
-    inv_rms = tl.rsqrt(tl.sum(x * x, axis=0) / hidden + eps)
-    y = x * inv_rms
-    if HAS_WEIGHT:
-        y = y * tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    scale = tl.load(scale_ptr + table_row * table_stride + cols, mask=mask, other=0.0).to(tl.float32)
-    shift = tl.load(shift_ptr + table_row * table_stride + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * hidden + cols, (y * (1.0 + scale) + shift).to(out_ptr.dtype.element_ty), mask=mask)
+    out = modulated_rms_row(x, w_ptr, shift_ptr, scale_ptr, table_row, table_stride, cols, mask, hidden, eps,
+                            HAS_WEIGHT)
+    tl.store(out_ptr + row * hidden + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def rmsnorm_modulate(x, weight, shift, scale, index, eps):
