@@ -51,8 +51,53 @@ def bench_attention(rows, repeat):
     return table
 
 
+def bench_attention_splits(rows, repeat):
+    """cuDNN SDPA over the same problem cut differently: all heads at once, groups of heads, chunks of queries.
+    Same FLOPs; tells whether cuDNN's long-sequence rate is a scheduling / cache effect a split avoids."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    import torch.nn.functional as F
+
+    g = torch.Generator(device="cuda").manual_seed(rows)
+    q, k, v = (torch.randn(1, HEADS, rows, DIM, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(3))
+    flops = 4 * rows * rows * HEADS * DIM
+    out = torch.empty_like(q)
+
+    def heads_in_groups(size):
+        def run():
+            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                for h in range(0, HEADS, size):
+                    out[:, h:h + size] = F.scaled_dot_product_attention(q[:, h:h + size], k[:, h:h + size],
+                                                                        v[:, h:h + size])
+        return run
+
+    def queries_in_chunks(chunks):
+        def run():
+            step = -(-rows // chunks)
+            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                for start in range(0, rows, step):
+                    out[:, :, start:start + step] = F.scaled_dot_product_attention(q[:, :, start:start + step], k, v)
+        return run
+
+    table = []
+    for name, fn in [("all 56 heads", heads_in_groups(HEADS))] + [
+            (f"heads in groups of {size}", heads_in_groups(size)) for size in (28, 14, 8, 4)] + [
+            (f"queries in {chunks} chunks", queries_in_chunks(chunks)) for chunks in (2, 4)]:
+        ms = time_cuda(fn, repeat=repeat)
+        table.append({"rows": rows, "kernel": f"cuDNN, {name}", "ms": f"{ms:.3f}",
+                      "TFLOP/s": f"{flops / ms / 1e9:.0f}", "relL2": "-"})
+    return table
+
+
 def bench_gemms(rows, repeat):
     table = []
+    x = torch.randn(rows, 5376, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(3 * 7168, 5376, device="cuda", dtype=torch.bfloat16) / 5376**0.5
+    flops = 2 * rows * 5376 * 3 * 7168
+    parts = w.chunk(3)
+    for variant, fn in (("3 GEMMs", lambda: [x @ p.t() for p in parts]), ("1 fused GEMM", lambda: x @ w.t())):
+        ms = time_cuda(fn, repeat=repeat)
+        table.append({"rows": rows, "gemm": "q+k+v", "variant": variant, "ms": f"{ms:.3f}",
+                      "TFLOP/s": f"{flops / ms / 1e9:.0f}", "relL2": "-"})
     for name, k, n in (("qkv (each)", 5376, 7168), ("out", 7168, 5376), ("ff up", 5376, 28672), ("ff down", 14336, 5376)):
         x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
@@ -80,11 +125,14 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rows", type=int, nargs="+", default=[8192, 37838])
     parser.add_argument("--repeat", type=int, default=10)
+    parser.add_argument("--splits-only", action="store_true", help="skip the Triton attention configs")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     attention_rows, gemm_rows = [], []
     for rows in args.rows:
-        attention_rows += bench_attention(rows, args.repeat)
+        attention_rows += bench_attention_splits(rows, args.repeat)
+        if not args.splits_only:
+            attention_rows += bench_attention(rows, args.repeat)
         gemm_rows += bench_gemms(rows, args.repeat)
     if args.out:
         args.out.write_text(json.dumps({"attention": attention_rows, "gemm": gemm_rows}, indent=2))

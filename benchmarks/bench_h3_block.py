@@ -118,6 +118,15 @@ def bench_rows(rows: int, reference, ours, fast, peak: float, device, repeat: in
             results[label] = (timed(lambda h, *a, m=model, e=extra: m(h, *a, **e), x, args, repeat),
                               model(x.clone(), *args, **extra))
 
+        if compile_ref:  # regional compile of our fused block (user-defined Triton kernels inside the graph)
+            ours.fused_forward, ours.attn.core.backend = fused_block_forward, "cudnn"
+            try:
+                compiled_ours = torch.compile(ours)
+                results["ours lossless + torch.compile"] = (
+                    timed(lambda h, *a: compiled_ours(h, *a), x, args, repeat), compiled_ours(x.clone(), *args))
+            except Exception as error:  # reported, not fatal: compile support for Triton kernels varies
+                print(f"torch.compile of our block failed: {type(error).__name__}: {str(error)[:300]}", flush=True)
+
     eager_ms = results["diffusers eager"][0]
     compiled_ms = results.get("diffusers torch.compile", (None,))[0]
     table = []
