@@ -2,19 +2,17 @@
 `H3GEN_TRITON=1` (with `TRITON_INTERPRET=1` that runs the Triton code on the CPU, which is how tests check it);
 `H3GEN_TRITON=0` forces the torch reference."""
 
-import functools
+import importlib.util
 import os
 
 import torch
 
+# Decided once at import (a plain constant, so torch.compile traces `use_triton` without a cache wrapper).
+TRITON_AVAILABLE = importlib.util.find_spec("triton") is not None
 
-@functools.cache
+
 def triton_available() -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    return TRITON_AVAILABLE
 
 
 def use_triton(tensor: torch.Tensor) -> bool:
