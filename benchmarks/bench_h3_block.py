@@ -81,6 +81,9 @@ def timed(fn, x, args, repeat):
 def bench_rows(rows: int, reference, ours, fast, peak: float, device, repeat: int, compile_ref: bool) -> list[dict]:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
+    from h3gen.kernels.attention import _fa3
+
+    fa3_available = _fa3() is not None
     x, temb, idx, rope = make_inputs(rows, device)
     args = (temb, idx, rope)
     flops = block_flops(rows)
@@ -108,11 +111,14 @@ def bench_rows(rows: int, reference, ours, fast, peak: float, device, repeat: in
         # "AdaLN precomputed": the block gets its request-wide AdaLN table (what the lossless and fast tiers do
         # in the pipeline: one batched projection per block per request), so no AdaLN GEMM runs per step.
         table = ours.adaln_proj.table(temb)
-        for label, model, backend, precomputed in (
-                ("ours lossless (cuDNN attention)", ours, "cudnn", False),
-                ("ours lossless, AdaLN precomputed", ours, "cudnn", True),
-                ("ours fast (fp8 GEMMs)", fast, "cudnn", False),
-                ("ours fast, AdaLN precomputed", fast, "cudnn", True)):
+        variants = [("ours lossless (cuDNN attention)", ours, "cudnn", False),
+                    ("ours lossless, AdaLN precomputed", ours, "cudnn", True),
+                    ("ours fast (fp8 GEMMs)", fast, "cudnn", False),
+                    ("ours fast, AdaLN precomputed", fast, "cudnn", True)]
+        if fa3_available:
+            variants += [("ours lossless, FA3 attention", ours, "fa3", True),
+                         ("ours fast, FA3 FP8 attention", fast, "fa3-fp8", True)]
+        for label, model, backend, precomputed in variants:
             model.fused_forward, model.attn.core.backend = fused_block_forward, backend
             extra = {"modulation": table} if precomputed else {}
             results[label] = (timed(lambda h, *a, m=model, e=extra: m(h, *a, **e), x, args, repeat),

@@ -4,7 +4,8 @@
 
 Backends: "sdpa" lets torch choose (what diffusers' native backend does, so the `exact` tier uses it); "cudnn",
 "flash", "efficient", "math" pin one torch SDPA implementation; "fa3" is FlashAttention-3 when its
-`flash_attn_interface` module is importable; "triton" is our flash-attention kernel (`kernels/flash_attention`) and
+`flash_attn_interface` (or the forward-only `fa3_fwd_interface`) module is importable, "fa3-fp8" the same with q,
+k and v quantized to e4m3 per (batch, head) (an approximation, for the `fast` tier); "triton" is our flash-attention kernel (`kernels/flash_attention`) and
 "triton-fp8" its FP8 variant (an approximation, for the `fast` tier). "auto" picks the fastest available for the device: FA3, else cuDNN
 on Hopper and newer, else flash, else torch's choice. `H3GEN_ATTENTION_BACKEND` overrides every call's choice.
 """
@@ -22,7 +23,7 @@ _SDPA_BACKENDS = {
     "efficient": SDPBackend.EFFICIENT_ATTENTION,
     "cudnn": SDPBackend.CUDNN_ATTENTION,
 }
-BACKENDS = ("auto", "sdpa", "fa3", "triton", "triton-fp8", *_SDPA_BACKENDS)
+BACKENDS = ("auto", "sdpa", "fa3", "fa3-fp8", "triton", "triton-fp8", *_SDPA_BACKENDS)
 LAYOUTS = ("bshd", "bhsd")
 
 
@@ -33,11 +34,13 @@ def available_attention_backends() -> tuple[str, ...]:
 
 @functools.cache
 def _fa3():
-    try:
-        from flash_attn_interface import flash_attn_func
-    except ImportError:
-        return None
-    return flash_attn_func
+    # FlashAttention-3's own module name, or the forward-only build's (`fa3-fwd` on PyPI).
+    for module in ("flash_attn_interface", "fa3_fwd_interface"):
+        try:
+            return __import__(module).flash_attn_func
+        except (ImportError, AttributeError, OSError):
+            continue
+    return None
 
 
 @functools.cache
@@ -51,6 +54,24 @@ def _auto_backend(device_type: str, major: int) -> str:
     return "flash" if major >= 8 else "sdpa"
 
 
+def fa3_available() -> bool:
+    """True when a FlashAttention-3 module is importable (`pip install fa3-fwd` on Hopper)."""
+    return _fa3() is not None
+
+
+def _quantize_per_head(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(B, S, H, D)` -> e4m3 values and `(B, H)` float32 descales (x ~= values * descale)."""
+    scale = x.abs().amax(dim=(1, 3)).float().clamp_min(1e-12) / 448.0
+    return (x / scale[:, None, :, None].to(x.dtype)).to(torch.float8_e4m3fn), scale
+
+
+def _fa3_fp8(query, key, value):
+    (q, sq), (k, sk), (v, sv) = (_quantize_per_head(t) for t in (query, key, value))
+    out = _fa3()(q, k, v, causal=False, q_descale=sq, k_descale=sk, v_descale=sv)
+    out = out[0] if isinstance(out, tuple) else out
+    return out.to(query.dtype)
+
+
 def resolve_backend(backend: str | None, device: torch.device) -> str:
     """The concrete backend `attention` will use: `H3GEN_ATTENTION_BACKEND` when set (an override for every call),
     else `backend`, else "sdpa"."""
@@ -60,7 +81,7 @@ def resolve_backend(backend: str | None, device: torch.device) -> str:
     if name == "auto":
         major = torch.cuda.get_device_capability(device)[0] if device.type == "cuda" else 0
         name = _auto_backend(device.type, major)
-    if name == "fa3" and _fa3() is None:
+    if name in ("fa3", "fa3-fp8") and _fa3() is None:
         raise ValueError("attention backend 'fa3' needs FlashAttention-3 (flash_attn_interface), not importable.")
     return name
 
@@ -96,10 +117,13 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, ba
         if name == "triton-fp8":
             return kernels.flash_attention_fp8(query, key, value)
         return flash_attention(query, key, value)
-    if name == "fa3":
+    if name in ("fa3", "fa3-fp8"):
         if layout == "bhsd":
             query, key, value = (t.transpose(1, 2) for t in (query, key, value))
-        out = _fa3()(query, key, value, causal=False)
+        if name == "fa3-fp8":
+            out = _fa3_fp8(query, key, value)
+        else:
+            out = _fa3()(query, key, value, causal=False)
         out = out[0] if isinstance(out, tuple) else out
         return out.transpose(1, 2) if layout == "bhsd" else out
     if layout == "bshd":

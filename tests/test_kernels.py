@@ -87,11 +87,12 @@ def test_qk_norm_rope_matches_reference(heads, head_dim, rotary, heads_first, dt
     angles = torch.rand(seq, rotary // 2, generator=g, device=DEVICE) * 40
     angles = torch.cat([angles, angles], dim=-1)
     cos, sin = angles.cos(), angles.sin()
-    got = rope_triton.qk_norm_rope(q, k, wq, wk, cos, sin, 1e-5, heads_first)
     expected = rope_ref.qk_norm_rope(q.float(), k.float(), wq.float(), wk.float(), cos, sin, 1e-5, heads_first)
-    for a, b in zip(got, expected):
-        assert a.shape == b.shape and a.dtype == dtype and a.is_contiguous()
-        assert _err(a, b) <= TOLERANCE[dtype]
+    for per_program in (64, 2):  # all heads in one program, or groups of 2 (the last group partly masked)
+        got = rope_triton.qk_norm_rope(q, k, wq, wk, cos, sin, 1e-5, heads_first, heads_per_program=per_program)
+        for a, b in zip(got, expected):
+            assert a.shape == b.shape and a.dtype == dtype and a.is_contiguous()
+            assert _err(a, b) <= TOLERANCE[dtype]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

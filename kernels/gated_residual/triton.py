@@ -5,7 +5,7 @@ import triton
 import triton.language as tl
 
 from h3gen.kernels._dispatch import next_power_of_2
-from h3gen.kernels.norm_modulate.triton import modulated_rms_row
+from h3gen.kernels.norm_modulate.triton import row_warps, modulated_rms_row
 
 
 @triton.jit
@@ -27,7 +27,7 @@ def _gated_residual_kernel(x_ptr, y_ptr, gate_ptr, index_ptr, out_ptr, w_ptr, sh
         tl.store(mod_ptr + row * hidden + cols, modulated.to(mod_ptr.dtype.element_ty), mask=mask)
 
 
-def _launch(x, y, gate, index, out, weight=None, shift=None, scale=None, modulated=None, eps=0.0):
+def _launch(x, y, gate, index, out, weight=None, shift=None, scale=None, modulated=None, eps=0.0, num_warps=None):
     batch, seq_len, hidden = x.shape
     fuse = modulated is not None
     if gate.stride(-1) != 1:
@@ -39,22 +39,22 @@ def _launch(x, y, gate, index, out, weight=None, shift=None, scale=None, modulat
         x, y, gate, index, out, weight if weight is not None else x, shift if fuse else gate,
         scale if fuse else gate, modulated if fuse else out, seq_len, hidden, gate.stride(0),
         shift.stride(0) if fuse else 0, eps, FUSE_NORM=fuse, HAS_WEIGHT=weight is not None, BLOCK=block,
-        num_warps=8 if block >= 4096 else 4,
+        num_warps=num_warps or row_warps(block),
     )
 
 
-def gated_residual(x, y, gate, index, out=None):
+def gated_residual(x, y, gate, index, out=None, num_warps=None):
     """`x + gate[index] * y`; `out=x` updates the residual stream in place."""
     x, y = x.contiguous(), y.contiguous()
     out = torch.empty_like(x) if out is None else out
-    _launch(x, y, gate, index, out)
+    _launch(x, y, gate, index, out, num_warps=num_warps)
     return out
 
 
-def gated_residual_norm_modulate(x, y, gate, index, weight, shift, scale, eps, out=None):
+def gated_residual_norm_modulate(x, y, gate, index, weight, shift, scale, eps, out=None, num_warps=None):
     """Both results of the reference function in one pass; `out=x` updates the residual in place."""
     x, y = x.contiguous(), y.contiguous()
     out = torch.empty_like(x) if out is None else out
     modulated = torch.empty_like(x)
-    _launch(x, y, gate, index, out, weight, shift, scale, modulated, eps)
+    _launch(x, y, gate, index, out, weight, shift, scale, modulated, eps, num_warps=num_warps)
     return out, modulated

@@ -7,6 +7,11 @@ import triton.language as tl
 from h3gen.kernels._dispatch import next_power_of_2
 
 
+def row_warps(block: int) -> int:
+    """Warps for a one-row-per-program kernel that reads two or more rows of `block` columns."""
+    return 8 if block >= 4096 else 4
+
+
 @triton.jit
 def modulated_rms_row(x, w_ptr, shift_ptr, scale_ptr, table_row, table_stride, cols, mask, hidden, eps,
                       HAS_WEIGHT: tl.constexpr):
@@ -32,7 +37,7 @@ def _rmsnorm_modulate_kernel(x_ptr, w_ptr, shift_ptr, scale_ptr, index_ptr, out_
     tl.store(out_ptr + row * hidden + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def rmsnorm_modulate(x, weight, shift, scale, index, eps):
+def rmsnorm_modulate(x, weight, shift, scale, index, eps, num_warps=None):
     """Same contract as `reference.rmsnorm_modulate`; `shift`/`scale` may be column slices of one table."""
     x = x.contiguous()
     batch, seq_len, hidden = x.shape
@@ -42,6 +47,6 @@ def rmsnorm_modulate(x, weight, shift, scale, index, eps):
     block = next_power_of_2(hidden)
     _rmsnorm_modulate_kernel[(batch * seq_len,)](
         x, weight if weight is not None else x, shift, scale, index, out, seq_len, hidden, shift.stride(0), eps,
-        HAS_WEIGHT=weight is not None, BLOCK=block, num_warps=8 if block >= 4096 else 4,
+        HAS_WEIGHT=weight is not None, BLOCK=block, num_warps=num_warps or 4,  # 4 measured best (RESULTS.md)
     )
     return out

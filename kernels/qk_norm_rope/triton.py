@@ -12,7 +12,7 @@ def _qk_norm_rope_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, seq_len, heads
                          out_s_stride, out_h_stride, out_b_stride, eps, HEADS: tl.constexpr, DIM: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)  # over batch * seq_len
     b, s = row // seq_len, row % seq_len
-    h = tl.arange(0, HEADS)[:, None]
+    h = tl.program_id(1) * HEADS + tl.arange(0, HEADS)[:, None]  # this program's group of heads
     d = tl.arange(0, DIM)[None, :]
     mask = (h < heads) & (d < head_dim)
     base = x_ptr + row * x_row_stride + h * head_dim
@@ -34,7 +34,7 @@ def _qk_norm_rope_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, seq_len, heads
     tl.store(target, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def _one(x, weight, cos, sin, eps, heads_first):
+def _one(x, weight, cos, sin, eps, heads_first, heads_per_program, num_warps):
     batch, seq_len, heads, head_dim = x.shape
     if x.stride(-1) != 1 or x.stride(-2) != head_dim:
         x = x.contiguous()
@@ -44,16 +44,19 @@ def _one(x, weight, cos, sin, eps, heads_first):
     else:
         out = torch.empty((batch, seq_len, heads, head_dim), dtype=x.dtype, device=x.device)
         s_stride, h_stride = heads * head_dim, head_dim
-    heads_block, dim_block = next_power_of_2(heads), next_power_of_2(head_dim)
-    _qk_norm_rope_kernel[(batch * seq_len,)](
+    heads_block = min(next_power_of_2(heads), heads_per_program)
+    dim_block = next_power_of_2(head_dim)
+    _qk_norm_rope_kernel[(batch * seq_len, triton.cdiv(heads, heads_block))](
         x, weight, cos, sin, out, seq_len, heads, head_dim, cos.shape[-1], x.stride(1), s_stride, h_stride,
         heads * seq_len * head_dim, eps, HEADS=heads_block, DIM=dim_block,
-        num_warps=8 if heads_block * dim_block >= 4096 else 4,
+        num_warps=num_warps or (8 if heads_block * dim_block >= 4096 else 4),
     )
     return out
 
 
-def qk_norm_rope(q, k, weight_q, weight_k, cos, sin, eps, heads_first=False):
-    """Same contract as `reference.qk_norm_rope`."""
+def qk_norm_rope(q, k, weight_q, weight_k, cos, sin, eps, heads_first=False, heads_per_program=16,
+                 num_warps=4):
+    """Same contract as `reference.qk_norm_rope`; `heads_per_program` and `num_warps` tune the launch."""
     cos, sin = cos.float().contiguous(), sin.float().contiguous()
-    return _one(q, weight_q, cos, sin, eps, heads_first), _one(k, weight_k, cos, sin, eps, heads_first)
+    return (_one(q, weight_q, cos, sin, eps, heads_first, heads_per_program, num_warps),
+            _one(k, weight_k, cos, sin, eps, heads_first, heads_per_program, num_warps))

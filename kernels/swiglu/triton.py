@@ -16,11 +16,10 @@ def _swiglu_kernel(x_ptr, out_ptr, width, BLOCK: tl.constexpr):
     tl.store(out_ptr + row * width + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def swiglu(x):
+def swiglu(x, block=1024, num_warps=4):
     x = x.contiguous()
     width = x.shape[-1] // 2
     out = torch.empty((*x.shape[:-1], width), dtype=x.dtype, device=x.device)
     rows = x.numel() // x.shape[-1]
-    block = 1024
-    _swiglu_kernel[(rows, triton.cdiv(width, block))](x, out, width, BLOCK=block, num_warps=4)
+    _swiglu_kernel[(rows, triton.cdiv(width, block))](x, out, width, BLOCK=block, num_warps=num_warps)
     return out

@@ -4,8 +4,8 @@
 - `lossless` (default): the same math with fused kernels (`h3gen.kernels`): one pass for RMSNorm + modulation,
   q/k norm + RoPE, SwiGLU, and the gated residual fused with the next norm; bf16-level differences only.
 - `fast`: `lossless` plus FP8 (e4m3) GEMMs for the block's q/k/v/out and SwiGLU projections, per-row activation and
-  per-column weight scales (`h3gen.quant.fp8`). An approximation with measured error; the weights are quantized in
-  place, so a model set to `fast` cannot go back.
+  per-column weight scales (`h3gen.quant.fp8`), and FP8 attention where FlashAttention-3 is installed. An
+  approximation with measured error; the weights are quantized in place, so a model set to `fast` cannot go back.
 """
 
 import torch
@@ -45,11 +45,15 @@ def set_quality(transformer, tier: str) -> None:
         raise ValueError(f"quality must be one of {', '.join(QUALITY_TIERS)} (got {tier!r}).")
     if getattr(transformer, "quality", None) == "fast" and tier != "fast":
         raise ValueError("this transformer's weights were quantized for the fast tier; reload it for another tier.")
+    from h3gen.kernels.attention import fa3_available
+
+    # exact: torch's own SDPA choice, as diffusers; lossless: the fastest exact backend of the device (FA3 when
+    # installed, else cuDNN on Hopper; our Triton attention measured slower, benchmarks/RESULTS.md); fast: FA3's
+    # FP8 attention when installed.
+    backend = {"exact": "sdpa", "lossless": "auto", "fast": "fa3-fp8" if fa3_available() else "auto"}[tier]
     for block in transformer.transformer_blocks:
         block.fused_forward = None if tier == "exact" else fused_block_forward
-        # exact: torch's own SDPA choice, as diffusers; otherwise the fastest backend of the device (cuDNN on
-        # Hopper; our Triton attention measured slower, benchmarks/RESULTS.md).
-        block.attn.core.backend = "sdpa" if tier == "exact" else "auto"
+        block.attn.core.backend = backend
     if tier == "fast" and getattr(transformer, "quality", None) != "fast":
         from h3gen.quant.fp8 import quantize_block_linears
 

@@ -1,0 +1,59 @@
+"""Launch configurations of the row kernels at H3 shapes (hidden 5376, 56 heads x 128, SwiGLU 14336), to pick the
+defaults: time and achieved bandwidth per config, best first per kernel.
+
+    python benchmarks/bench_kernels.py --rows 8192 37838
+"""
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import print_table, time_cuda  # noqa: E402
+
+from h3gen.kernels.gated_residual import triton as residual  # noqa: E402
+from h3gen.kernels.norm_modulate import triton as norm  # noqa: E402
+from h3gen.kernels.qk_norm_rope import triton as rope  # noqa: E402
+from h3gen.kernels.swiglu import triton as swiglu  # noqa: E402
+
+HIDDEN, HEADS, DIM, FFN = 5376, 56, 128, 14336
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--rows", type=int, nargs="+", default=[8192, 37838])
+    args = parser.parse_args()
+    table = []
+    for rows in args.rows:
+        bf16 = dict(device="cuda", dtype=torch.bfloat16)
+        x, y = torch.randn(1, rows, HIDDEN, **bf16), torch.randn(1, rows, HIDDEN, **bf16)
+        weight, tab = torch.randn(HIDDEN, **bf16), torch.randn(6, 6 * HIDDEN, **bf16)
+        shift, scale, gate = tab[:, :HIDDEN], tab[:, HIDDEN:2 * HIDDEN], tab[:, 2 * HIDDEN:3 * HIDDEN]
+        index = torch.randint(0, 6, (rows,), device="cuda")
+        q, k = torch.randn(1, rows, HEADS, DIM, **bf16), torch.randn(1, rows, HEADS, DIM, **bf16)
+        cos, sin = torch.randn(rows, 96, device="cuda"), torch.randn(rows, 96, device="cuda")
+        up = torch.randn(1, rows, 2 * FFN, **bf16)
+        row = rows * HIDDEN * 2
+        cases = [(f"rmsnorm_modulate w{w}", 2 * row, lambda w=w: norm.rmsnorm_modulate(
+            x, weight, shift, scale, index, 1e-5, num_warps=w)) for w in (4, 8, 16)]
+        cases += [(f"gated_residual_norm_modulate w{w}", 4 * row, lambda w=w: residual.gated_residual_norm_modulate(
+            x, y, gate, index, weight, shift, scale, 1e-5, num_warps=w)) for w in (4, 8, 16)]
+        cases += [(f"gated_residual w{w}", 3 * row, lambda w=w: residual.gated_residual(
+            x, y, gate, index, num_warps=w)) for w in (4, 8, 16)]
+        cases += [(f"qk_norm_rope {h} heads/program w{w}", 4 * rows * HEADS * DIM * 2,
+                   lambda h=h, w=w: rope.qk_norm_rope(q, k, weight[:DIM], weight[:DIM], cos, sin, 1e-5,
+                                                      heads_per_program=h, num_warps=w))
+                  for h in (8, 16, 64) for w in (4, 8)]
+        cases += [(f"swiglu block {b} w{w}", 3 * rows * FFN * 2, lambda b=b, w=w: swiglu.swiglu(up, block=b,
+                                                                                             num_warps=w))
+                  for b in (1024, 2048, 4096) for w in (4, 8)]
+        for name, nbytes, fn in cases:
+            ms = time_cuda(fn, repeat=20)
+            table.append({"rows": rows, "kernel": name, "ms": f"{ms:.3f}", "GB/s": f"{nbytes / ms / 1e6:.0f}"})
+    print_table(table, ["rows", "kernel", "ms", "GB/s"])
+
+
+if __name__ == "__main__":
+    main()
