@@ -23,7 +23,8 @@ class LinearSpec:
 
     `kind` says what the projection is for (e.g. "attn.qkv", "attn.out", "ffn.up", "ffn.down", "adaln", "embed",
     "head", "time"), so factories can treat classes of layers alike (quantize the block GEMMs, never the heads).
-    `fp32` marks the checkpoint's float32 islands, which every factory must keep dense and float32.
+    `fp32` marks the checkpoint's float32 islands, which every factory must keep dense and float32. `splits` and
+    `gather_output` tell a tensor-parallel factory how to shard a column-parallel layer.
     """
 
     in_features: int
@@ -32,6 +33,11 @@ class LinearSpec:
     role: ParallelRole = "replicated"
     kind: str = "other"
     fp32: bool = False
+    # For "column": the logical sub-matrices stacked along the output (e.g. SwiGLU's [value; gate]), each sharded
+    # on its own so every rank keeps matching halves; None = one matrix.
+    splits: tuple[int, ...] | None = None
+    # For "column": all-gather the sharded output so every rank sees the whole (the AdaLN table).
+    gather_output: bool = False
 
 
 LinearFactory = Callable[[LinearSpec], nn.Module]

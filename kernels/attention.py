@@ -92,19 +92,25 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, ba
 
     Args:
         query, key, value: one dtype (fp32, fp16 or bf16), same device, `(batch, seq_len, heads, head_dim)` for
-            layout "bshd" or `(batch, heads, seq_len, head_dim)` for "bhsd".
+            layout "bshd" or `(batch, heads, seq_len, head_dim)` for "bhsd"; key and value may have another
+            length than query (every query attends to every key).
         backend: one of `available_attention_backends()`.
     Returns:
         The output in the input layout and dtype.
     """
-    if query.ndim != 4 or query.shape != key.shape or key.shape != value.shape:
-        raise ValueError(
-            "attention expects query, key and value of one 4-D shape, got "
-            f"{tuple(query.shape)}, {tuple(key.shape)}, {tuple(value.shape)}."
-        )
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}.")
+    seq_axis = 1 if layout == "bshd" else 2
+    other = [d for d in range(4) if d != seq_axis]
+    if (query.ndim != 4 or key.shape != value.shape or key.ndim != 4
+            or [query.shape[d] for d in other] != [key.shape[d] for d in other]):
+        raise ValueError(
+            "attention expects 4-D query, key and value that differ at most in the key/value length, got "
+            f"{tuple(query.shape)}, {tuple(key.shape)}, {tuple(value.shape)}."
+        )
     name = resolve_backend(backend, query.device)
+    if name in ("triton", "triton-fp8") and query.shape != key.shape:
+        raise ValueError("the Triton attention kernel needs as many keys as queries.")
     if name in ("triton", "triton-fp8"):
         from h3gen.kernels.flash_attention import flash_attention, triton as kernels
 

@@ -35,13 +35,14 @@ def keeps_fp32(name: str, keep_fp32_modules: Iterable[str]) -> bool:
     return any(module in parts for module in keep_fp32_modules)
 
 
-def read_tensors(folder: Path) -> Iterable[tuple[str, torch.Tensor]]:
-    """Yield `(key, cpu tensor)` for every tensor of a component folder, one at a time."""
+def read_tensors(folder: Path, lazy: bool = False) -> Iterable[tuple[str, torch.Tensor]]:
+    """Yield `(key, cpu tensor)` for every tensor of a component folder, one at a time; with `lazy`, a safetensors
+    slice instead, from which a tensor-parallel module reads only its shard (`slice[a:b]`, `slice[:, a:b]`)."""
     for path, keys in safetensors_files(folder).items():
         try:
             with safe_open(str(path), framework="pt", device="cpu") as handle:
                 for key in keys if keys is not None else handle.keys():
-                    yield key, handle.get_tensor(key)
+                    yield key, handle.get_slice(key) if lazy else handle.get_tensor(key)
         except (OSError, ValueError, RuntimeError) as error:  # safetensors raises SafetensorError (a subclass)
             if isinstance(error, CheckpointError):
                 raise
@@ -76,14 +77,18 @@ def assign_tensors(
         if slot is None:
             unexpected.append(source_key if source_key == target_key else f"{source_key} (as {target_key})")
             continue
+        module_name, _, leaf = target_key.rpartition(".")
+        module = model.get_submodule(module_name)
+        if hasattr(module, "load_shard"):  # tensor parallel: keep (and, from a lazy slice, read) this rank's part
+            tensor = module.load_shard(leaf, tensor)
+        elif not isinstance(tensor, torch.Tensor):
+            tensor = tensor[:]
         if tuple(slot.shape) != tuple(tensor.shape):
             mismatched.append(f"{target_key}: checkpoint {tuple(tensor.shape)}, model {tuple(slot.shape)}")
             continue
         target_dtype = tensor.dtype
         if tensor.is_floating_point():
             target_dtype = torch.float32 if keeps_fp32(target_key, keep_fp32_modules) else dtype
-        module_name, _, leaf = target_key.rpartition(".")
-        module = model.get_submodule(module_name)
         value = tensor.to(device=device, dtype=target_dtype)
         if leaf in module._parameters:
             module._parameters[leaf] = nn.Parameter(value, requires_grad=False)
@@ -110,8 +115,10 @@ def load_transformer(
     device: torch.device | str | None = None,
     linear_factory=None,
     qkv_layout: str = "interleaved",
+    parallel=None,
 ):
     """Build `cls` (an `H3Transformer`) from `folder/config.json` on the meta device and stream its weights in.
+    With `parallel` (a `ParallelState`), the model is this rank's TP shard and SP slice.
 
     Accepts the diffusers key layout and the original release's (detected from the keys). Returns the model in
     eval mode on `device` (default CPU).
@@ -127,8 +134,18 @@ def load_transformer(
     if class_name not in (None, "MiniMaxH3Transformer3DModel", cls.__name__):
         raise CheckpointError(f"{folder} holds a {class_name}, not a MiniMax-H3 transformer.")
     device = torch.device(device) if device is not None else torch.device("cpu")
+    if parallel is not None and linear_factory is None:
+        from h3gen.parallel.linear import tensor_parallel_factory
+
+        linear_factory = tensor_parallel_factory(parallel)
     with meta_parameters():
         model = cls.from_config(config, linear_factory=linear_factory)
+    if parallel is not None:
+        from h3gen.parallel.sequence import enable_sequence_parallel
+
+        model.parallel_state = parallel
+        if parallel.sp > 1:
+            enable_sequence_parallel(model, parallel)
 
     files = safetensors_files(folder)
     keys = []
@@ -139,8 +156,11 @@ def load_transformer(
         keys += listed
     layout = detect_layout(keys)
     cfg = model.config
+    # The diffusers layout needs no conversion, so tensor-parallel ranks read only their shards through lazy
+    # slices; the original layout's fused tensors are read whole, one at a time, then converted and cut.
+    lazy = layout == "diffusers" and getattr(model, "parallel_state", None) is not None
     tensors = iter_converted(
-        read_tensors(folder), layout, cfg.num_attention_heads, cfg.attention_head_dim, qkv_layout
+        read_tensors(folder, lazy=lazy), layout, cfg.num_attention_heads, cfg.attention_head_dim, qkv_layout
     )
     assign_tensors(
         model,

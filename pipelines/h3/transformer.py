@@ -252,7 +252,8 @@ class SwiGLUIn(nn.Module):
 
     def __init__(self, hidden_size: int, ffn_dim: int, make_linear: LinearFactory):
         super().__init__()
-        self.proj = make_linear(LinearSpec(hidden_size, 2 * ffn_dim, False, role="column", kind="ffn.up"))
+        self.proj = make_linear(LinearSpec(hidden_size, 2 * ffn_dim, False, role="column", kind="ffn.up",
+                                           splits=(ffn_dim, ffn_dim)))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         value, gate = self.proj(x).chunk(2, dim=-1)
@@ -313,7 +314,8 @@ class H3AdaLNModulation(nn.Module):
         super().__init__()
         self.hidden_size = hidden_size
         out = 6 * hidden_size * NUM_MODALITIES
-        self.linear = make_linear(LinearSpec(time_embed_dim, out, True, kind="adaln"))
+        self.linear = make_linear(LinearSpec(time_embed_dim, out, True, role="column", kind="adaln",
+                                             gather_output=True))
 
     def table(self, temb: torch.Tensor) -> torch.Tensor:
         """`(K, time_embed_dim)` -> the `(K * 3, 6 * hidden)` table, row `k * 3 + modality`."""
@@ -440,18 +442,21 @@ class H3Transformer(nn.Module):
         *,
         linear_factory: LinearFactory | None = None,
         qkv_layout: str = "interleaved",
+        parallel=None,
     ) -> "H3Transformer":
         """Load from a folder holding `config.json` and safetensors weights (one file or a sharded index), in the
         diffusers key layout or the original release's. Float32 islands stay float32; everything else becomes
         `torch_dtype`. Built on the meta device and filled one tensor at a time (no full-precision copy).
 
         `qkv_layout` only matters for the original layout: "interleaved" (per-head `[q k v]`, the MiniMaxAI shards)
-        or "stacked" (`[q; k; v]`, published single files).
+        or "stacked" (`[q; k; v]`, published single files). `parallel` (an `h3gen.parallel.ParallelState`) loads
+        this rank's tensor-parallel shard (reading only that part of each tensor) and splits the sequence (Ulysses).
         """
         from h3gen.loading import load_transformer
 
         return load_transformer(
-            cls, folder, torch_dtype=torch_dtype, device=device, linear_factory=linear_factory, qkv_layout=qkv_layout
+            cls, folder, torch_dtype=torch_dtype, device=device, linear_factory=linear_factory, qkv_layout=qkv_layout,
+            parallel=parallel,
         )
 
     @torch.no_grad()

@@ -1,0 +1,102 @@
+"""Megatron-style tensor-parallel linears and the factory that builds them from a model's `LinearSpec`s.
+
+Parameters keep the names `weight` and `bias` (state-dict keys never change); they hold this rank's shard.
+`load_shard(name, full)` cuts a full checkpoint tensor down to the shard, so loading needs no knowledge of the
+layout beyond asking the module.
+"""
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+from h3gen.linear import LinearSpec, dense_linear
+from h3gen.parallel.state import ParallelState
+
+
+def _shape(full) -> list[int]:
+    """Shape of a tensor or of a lazy safetensors slice (`get_slice`), which reads only what is indexed."""
+    return list(full.shape) if isinstance(full, torch.Tensor) else list(full.get_shape())
+
+
+def _rank_range(size: int, parts: int, index: int) -> tuple[int, int]:
+    if size % parts:
+        raise ValueError(f"cannot split {size} features over {parts} tensor-parallel ranks.")
+    step = size // parts
+    return index * step, (index + 1) * step
+
+
+class ColumnParallelLinear(nn.Module):
+    """Output features sharded: `y_local = x @ W_local^T (+ b_local)`; with `gather_output`, the shards are
+    all-gathered along the last axis so every rank gets the whole `y`."""
+
+    def __init__(self, spec: LinearSpec, state: ParallelState):
+        super().__init__()
+        self.state, self.splits, self.gather_output = state, spec.splits or (spec.out_features,), spec.gather_output
+        if sum(self.splits) != spec.out_features:
+            raise ValueError(f"splits {self.splits} do not add up to {spec.out_features} output features.")
+        local = sum(part // state.tp for part in self.splits)
+        self.in_features, self.out_features = spec.in_features, spec.out_features
+        self.weight = nn.Parameter(torch.empty(local, spec.in_features))
+        self.bias = nn.Parameter(torch.empty(local)) if spec.bias else None
+
+    def load_shard(self, name: str, full) -> torch.Tensor:
+        """This rank's rows of a full `weight` / `bias` (a tensor or a lazy safetensors slice, of which only these
+        rows are read): its chunk of every logical part, in order."""
+        if _shape(full)[0] != sum(self.splits):
+            return full[:]  # a mis-shaped tensor: let the loader report it
+        pieces, offset = [], 0
+        for part in self.splits:
+            start, stop = _rank_range(part, self.state.tp, self.state.tp_rank)
+            pieces.append(full[offset + start : offset + stop])
+            offset += part
+        return torch.cat(pieces, dim=0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight, self.bias)
+        if self.gather_output and self.state.tp > 1:
+            shards = [torch.empty_like(y) for _ in range(self.state.tp)]
+            dist.all_gather(shards, y.contiguous(), group=self.state.tp_group)
+            y = torch.cat(shards, dim=-1)
+        return y
+
+
+class RowParallelLinear(nn.Module):
+    """Input features sharded (the output of a column-parallel layer): partial products all-reduced, bias added
+    once."""
+
+    def __init__(self, spec: LinearSpec, state: ParallelState):
+        super().__init__()
+        if spec.in_features % state.tp:
+            raise ValueError(f"cannot split {spec.in_features} input features over {state.tp} ranks.")
+        self.state = state
+        self.in_features, self.out_features = spec.in_features, spec.out_features
+        self.weight = nn.Parameter(torch.empty(spec.out_features, spec.in_features // state.tp))
+        self.bias = nn.Parameter(torch.empty(spec.out_features)) if spec.bias else None
+
+    def load_shard(self, name: str, full) -> torch.Tensor:
+        """This rank's input columns of `weight` (read lazily from a slice); `bias` whole."""
+        shape = _shape(full)
+        if name != "weight" or len(shape) != 2 or shape[1] != self.in_features:
+            return full[:]
+        start, stop = _rank_range(shape[1], self.state.tp, self.state.tp_rank)
+        return full[:, start:stop]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight)
+        if self.state.tp > 1:
+            dist.all_reduce(y, group=self.state.tp_group)
+        return y + self.bias if self.bias is not None else y
+
+
+def tensor_parallel_factory(state: ParallelState):
+    """A `LinearFactory`: column / row roles become TP linears (float32 islands and replicated layers stay dense)."""
+
+    def make(spec: LinearSpec) -> nn.Module:
+        if state.tp == 1 or spec.fp32 or spec.role == "replicated":
+            return dense_linear(spec)
+        if spec.role == "column":
+            return ColumnParallelLinear(spec, state)
+        return RowParallelLinear(spec, state)
+
+    return make

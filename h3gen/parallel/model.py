@@ -1,0 +1,34 @@
+"""Building an H3 transformer for one rank of a TP x SP grid, and filling it from full-size weights."""
+
+import torch
+
+from h3gen.parallel.linear import tensor_parallel_factory
+from h3gen.parallel.sequence import enable_sequence_parallel
+from h3gen.parallel.state import ParallelState
+
+
+def parallel_transformer(config, state: ParallelState, *, meta: bool = False):
+    """An `H3Transformer` whose block linears are this rank's TP shards and whose blocks run this rank's slice of
+    the sequence (Ulysses). Same state-dict keys as the full model; `meta=True` allocates nothing."""
+    from h3gen.pipelines.h3.transformer import H3Transformer
+
+    if meta:
+        with torch.device("meta"):
+            model = H3Transformer(config, linear_factory=tensor_parallel_factory(state))
+    else:
+        model = H3Transformer(config, linear_factory=tensor_parallel_factory(state))
+    if state.sp > 1:
+        enable_sequence_parallel(model, state)
+    model.parallel_state = state
+    return model
+
+
+def load_full_state_dict(model, state_dict: dict[str, torch.Tensor]) -> None:
+    """Copy full-size tensors into `model`, cutting each to this rank's shard (`load_shard` of its module)."""
+    with torch.no_grad():
+        for name, param in list(model.named_parameters()):
+            module_name, _, leaf = name.rpartition(".")
+            module = model.get_submodule(module_name)
+            full = state_dict[name]
+            tensor = module.load_shard(leaf, full) if hasattr(module, "load_shard") else full
+            param.copy_(tensor)

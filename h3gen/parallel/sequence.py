@@ -1,0 +1,65 @@
+"""Sequence parallelism wired in at the model's module boundaries (as diffusers' context-parallel plan does), so the
+transformer file stays the plain single-device model:
+
+- before each block: the packed rows are padded to a multiple of sp and this rank keeps its contiguous slice
+  (block 0 cuts the residual stream; every block cuts its copy of the AdaLN indices and RoPE angles, so each
+  rank computes rotary angles and modulation gathers for its own rows only);
+- before `norm_out`: the same cut of `timestep_indices`;
+- after `proj_out` / `audio_proj_out`: the head outputs of all ranks are gathered and the pad rows dropped, so the
+  model's own `index_select` of video and audio rows works on the full sequence;
+- every block's attention core becomes `UlyssesAttention` (pad rows never serve as keys).
+"""
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from h3gen.parallel.state import ParallelState
+from h3gen.parallel.ulysses import SequenceShard, UlyssesAttention
+
+
+def _pad_rows(t: torch.Tensor, padded: int, dim: int) -> torch.Tensor:
+    missing = padded - t.shape[dim]
+    if missing == 0:
+        return t
+    pad = [0, 0] * (t.ndim - 1 - dim) + [0, missing]
+    return F.pad(t, pad)
+
+
+def enable_sequence_parallel(model, state: ParallelState) -> SequenceShard:
+    """Split `model` (an `H3Transformer`) over `state.sp` ranks along the packed sequence."""
+    shard = SequenceShard(state.sp)
+
+    def local(t: torch.Tensor, dim: int) -> torch.Tensor:
+        return _pad_rows(t, shard.padded, dim).narrow(dim, state.sp_rank * shard.local, shard.local)
+
+    first = model.transformer_blocks[0] if len(model.transformer_blocks) else None
+
+    def before_block(module, args, kwargs):
+        hidden, temb, indices, (cos, sin), *rest = args
+        if module is first:
+            shard.valid = hidden.shape[1]
+            shard.padded = -(-shard.valid // state.sp) * state.sp
+            hidden = local(hidden, 1)
+        return (hidden, temb, local(indices, 0), (local(cos, 0), local(sin, 0)), *rest), kwargs
+
+    def before_norm_out(module, args, kwargs):
+        x, temb, timestep_indices, *rest = args
+        if first is None:  # no blocks: the stream was never cut, so cut it here
+            shard.valid = x.shape[1]
+            shard.padded = -(-shard.valid // state.sp) * state.sp
+            x = local(x, 1)
+        return (x, temb, local(timestep_indices, 0), *rest), kwargs
+
+    def gather_rows(module, args, output):
+        parts = [torch.empty_like(output) for _ in range(state.sp)]
+        dist.all_gather(parts, output.contiguous(), group=state.sp_group)
+        return torch.cat(parts, dim=1)[:, : shard.valid]
+
+    for block in model.transformer_blocks:
+        block.register_forward_pre_hook(before_block, with_kwargs=True)
+        block.attn.core = UlyssesAttention(state, shard, backend=block.attn.core.backend)
+    model.norm_out.register_forward_pre_hook(before_norm_out, with_kwargs=True)
+    model.proj_out.register_forward_hook(gather_rows)
+    model.audio_proj_out.register_forward_hook(gather_rows)
+    return shard

@@ -1,0 +1,129 @@
+"""Tensor parallel x Ulysses sequence parallel on CPU with gloo: 2 and 4 processes give the single-process
+transformer output, each rank holds 1/TP of the sharded weights, and invalid degrees are refused up front."""
+
+import datetime
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from h3_tiny import TINY_CONFIGS, max_rel_err, random_inputs, randomize_
+
+from h3gen.errors import RequestError
+from h3gen.parallel.state import check_degrees, valid_degrees
+
+CONFIG = dict(TINY_CONFIGS[2])  # 4 heads: splits as TP2, SP2, SP4 and TP2 x SP2
+CASES = {2: [(2, 1), (1, 2)], 4: [(1, 4), (2, 2)]}
+# Odd row counts: 6 text + 8 keyframe + 2 * 7 audio + 3 * 8 video = 52 rows... plus one more text row: 53.
+INPUTS = dict(num_text=7, latent_frames=3, latent_hw=(4, 4), audio_latents=7, anchors=("first",),
+              distinct_timesteps=3)
+
+
+def _worker(rank, world, init_file, payload_path, result_dir):
+    from h3gen.parallel import init_parallel
+    from h3gen.parallel.model import load_full_state_dict, parallel_transformer
+    from h3gen.pipelines.h3.tiers import set_quality
+    from h3gen.pipelines.h3.transformer import H3TransformerConfig
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=120))
+    payload = torch.load(payload_path)
+    results = []
+    try:
+        for tp, sp in CASES[world]:
+            state = init_parallel(tp, sp, CONFIG["num_attention_heads"])
+            model = parallel_transformer(H3TransformerConfig(**CONFIG), state).eval()
+            load_full_state_dict(model, payload["state_dict"])
+            outputs = {}
+            for tier in ("exact", "lossless"):
+                set_quality(model, tier)
+                kwargs = dict(payload["inputs"])
+                if tier == "lossless":
+                    kwargs.update(adaln_tables=model.precompute_adaln([kwargs["timestep"]]), step=0)
+                with torch.no_grad():
+                    outputs[tier] = model(**kwargs, return_dict=False)
+            linear_bytes = sum(p.numel() * p.element_size() for n, p in model.named_parameters()
+                               if n.startswith("transformer_blocks.") and p.ndim == 2)
+            # The same rank loaded from the checkpoint files: each rank reads its own shard.
+            from h3gen.pipelines.h3.transformer import H3Transformer
+
+            loaded = H3Transformer.from_pretrained(payload["folder"], torch_dtype=torch.float32, parallel=state)
+            set_quality(loaded, "exact")
+            with torch.no_grad():
+                outputs["loaded from files"] = loaded(**payload["inputs"], return_dict=False)
+            results.append({"tp": tp, "sp": sp, "outputs": outputs, "linear_bytes": linear_bytes})
+    finally:
+        torch.save(results, os.path.join(result_dir, f"{rank}.pt"))
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    from h3gen.pipelines.h3.transformer import H3Transformer
+
+    folder = tmp_path_factory.mktemp("parallel")
+    model = H3Transformer.from_config(CONFIG).eval()
+    randomize_(model, seed=11)
+    inputs = random_inputs(CONFIG, seed=12, **INPUTS)
+    with torch.no_grad():
+        expected = model(**inputs, return_dict=False)
+    full_linear_bytes = sum(p.numel() * p.element_size() for n, p in model.named_parameters()
+                            if n.startswith("transformer_blocks.") and p.ndim == 2)
+    model.save_pretrained(folder / "checkpoint", max_shard_bytes=200_000)
+    payload = folder / "payload.pt"
+    torch.save({"state_dict": model.state_dict(), "inputs": inputs, "folder": str(folder / "checkpoint")}, payload)
+    return payload, expected, full_linear_bytes, inputs["position_ids"].shape[0]
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_tp_and_ulysses_match_one_process(world, reference, tmp_path):
+    payload, expected, full_linear_bytes, rows = reference
+    assert rows % 4 and rows % 2  # odd: the sequence must be padded for SP2 and SP4
+    mp.spawn(_worker, args=(world, str(tmp_path / "init"), str(payload), str(tmp_path)), nprocs=world, join=True)
+    for rank in range(world):
+        results = torch.load(tmp_path / f"{rank}.pt")
+        assert [(r["tp"], r["sp"]) for r in results] == CASES[world]
+        for result in results:
+            for tier, (video, audio) in result["outputs"].items():
+                assert video.shape == expected[0].shape and audio.shape == expected[1].shape
+                assert max_rel_err(video, expected[0]) <= 1e-5, (result["tp"], result["sp"], tier)
+                assert max_rel_err(audio, expected[1]) <= 1e-5, (result["tp"], result["sp"], tier)
+            # Each rank keeps 1/TP of the block linears (all of them sharded here, the AdaLN projection included).
+            assert result["linear_bytes"] == pytest.approx(full_linear_bytes / result["tp"], rel=1e-6)
+
+
+def test_invalid_degrees_are_refused_with_the_valid_ones():
+    # The released model: 56 heads on 8 GPUs.
+    assert valid_degrees(56, 8) == [(1, 8), (2, 4), (4, 2), (8, 1)]
+    assert valid_degrees(56, 7) == [(1, 7), (7, 1)]
+    with pytest.raises(RequestError) as info:
+        check_degrees(56, 3, 1)  # 56 heads split over no 3-process grid
+    assert "use one that divides the heads: 1, 2, 4, 7, 8, 14, 28, 56" in str(info.value)
+    assert info.value.field == "parallel"
+    with pytest.raises(RequestError, match="Valid here: --tp 1 --ulysses 4, --tp 2 --ulysses 2, --tp 4 --ulysses 1"):
+        check_degrees(4, 2, 1, world=4)  # tp x ulysses must cover every process
+    with pytest.raises(RequestError, match="Valid here: --tp 1 --ulysses 8, --tp 2 --ulysses 4"):
+        check_degrees(56, 2, 2, world=8)  # 2 x 2 does not cover 8 processes
+
+
+def test_a_tensor_parallel_rank_reads_only_its_shard(reference, monkeypatch):
+    import h3gen.loading.load as loader
+    from h3gen.parallel.state import ParallelState
+    from h3gen.pipelines.h3.transformer import H3Transformer
+
+    payload, *_ = reference
+    full = torch.load(payload)
+    calls = []
+    original = loader.read_tensors
+    monkeypatch.setattr(loader, "read_tensors", lambda folder, lazy=False: calls.append(lazy) or original(folder, lazy))
+    state = ParallelState(tp=2, sp=1, tp_rank=1, sp_rank=0)  # loading needs no process group
+    model = H3Transformer.from_pretrained(full["folder"], torch_dtype=torch.float32, parallel=state)
+    assert calls == [True]  # lazy safetensors slices: only the indexed rows / columns are read
+    up = model.transformer_blocks[1].ff.net[0].proj.weight
+    ffn = CONFIG["ffn_dim"]
+    expected = full["state_dict"]["transformer_blocks.1.ff.net.0.proj.weight"]
+    assert torch.equal(up, torch.cat([expected[ffn // 2 : ffn], expected[ffn + ffn // 2 :]]))  # value and gate halves
+    down = model.transformer_blocks[0].attn.to_out[0].weight
+    assert torch.equal(down, full["state_dict"]["transformer_blocks.0.attn.to_out.0.weight"][:, 48:])
