@@ -33,6 +33,19 @@ def _progress_bar(total: int):
     return bar, callback
 
 
+def _without(argv: list[str], options: tuple[str, ...]) -> list[str]:
+    """`argv` minus the given options and their values (both `--opt v` and `--opt=v`)."""
+    out, skip = [], False
+    for item in argv:
+        if skip:
+            skip = False
+        elif item in options:
+            skip = True
+        elif not any(item.startswith(option + "=") for option in options):
+            out.append(item)
+    return out
+
+
 def _quiet_libraries() -> None:
     """Keep the CLI's output to our own bar and messages: no per-library progress bars or deprecation chatter."""
     import warnings
@@ -69,20 +82,36 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     call = dict(image=args.image, last_image=args.last_image, aspect_ratio=args.aspect, seconds=args.seconds,
                 num_inference_steps=args.steps, seed=args.seed)
 
-    # Check the request against the checkpoint before loading any weights.
+    # Check the request against the checkpoint before loading any weights (or starting any process).
     checkpoint = H3Checkpoint.open(args.model)
     checkpoint.require(workflow)
-    request = prepare_request(checkpoint, read_transformer_config(checkpoint), args.prompt, **call)
+    config = read_transformer_config(checkpoint)
+    request = prepare_request(checkpoint, config, args.prompt, **call)
     if args.audio_rate not in (32000, 48000):
         raise RequestError(f"--audio-rate must be 32000 or 48000 (got {args.audio_rate}).", "audio_rate")
+    parallel, rank = None, 0
+    if args.tp * args.ulysses > 1:
+        from h3gen.parallel.launch import launched_by_torchrun, relaunch_with_torchrun, start_rank
+        from h3gen.parallel.state import check_degrees
+
+        if not launched_by_torchrun():
+            check_degrees(config.num_attention_heads, args.tp, args.ulysses)
+            return relaunch_with_torchrun(args.tp * args.ulysses, ["generate", *args.argv_rest,
+                                                                   "--model", args.model, "--seed", str(request.seed)])
+        parallel, device = start_rank(args.tp, args.ulysses, config.num_attention_heads, device)
+        rank = torch.distributed.get_rank()
 
     from h3gen.pipelines.h3.pipeline import H3Pipeline
 
-    print(f"h3gen: loading {args.model} on {device} ({dtype_name})", file=sys.stderr)
+    if rank == 0:
+        print(f"h3gen: loading {args.model} on {device} ({dtype_name})", file=sys.stderr)
     pipe = H3Pipeline.from_pretrained(args.model, device=device, torch_dtype=getattr(torch, DTYPES[dtype_name]),
-                                      workflow=workflow, quality=args.quality)
+                                      workflow=workflow, quality=args.quality, parallel=parallel)
     if args.seed is None:
         call["seed"] = request.seed  # the seed drawn during the check, so it can be reported
+    if rank != 0:  # every rank runs the same steps; rank 0 reports and writes the file
+        pipe(args.prompt, **call)
+        return 0
     total = 1 + len(request.keyframes) + (args.steps - 1) + 3
     bar, callback = _progress_bar(total)
     try:
@@ -161,6 +190,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--audio-rate", dest="audio_rate", type=int, default=32000, help="AAC rate, 32000 or 48000")
     gen.add_argument("--quality", choices=("exact", "lossless", "fast"), default="lossless",
                      help="exact: reference op order; lossless (default): fused kernels; fast: FP8 GEMMs")
+    gen.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (processes started with torchrun)")
+    gen.add_argument("--ulysses", type=int, default=1, help="Ulysses sequence-parallel degree")
     gen.add_argument("--out", required=True, help="output .mp4 path")
     gen.set_defaults(run=_cmd_generate)
 
@@ -186,7 +217,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = parser.parse_args(argv)
+    args.argv_rest = _without(argv[1:], ("--model", "--seed"))  # for relaunching the same command under torchrun
     if not getattr(args, "run", None):
         parser.print_help()
         return 2

@@ -79,3 +79,34 @@ def test_bad_inputs_give_one_line_errors(cache, tmp_path):
         assert "Traceback" not in result.stderr, (name, result.stderr)
         assert len(lines) == 1 and message in lines[0], (name, result.stderr)
         assert not (tmp_path / "x.mp4").exists()
+
+
+def _decoded(path):
+    import av
+    import numpy as np
+
+    with av.open(str(path)) as container:
+        frames = np.stack([f.to_ndarray(format="rgb24") for f in container.decode(video=0)])
+    with av.open(str(path)) as container:
+        audio = np.concatenate([f.to_ndarray() for f in container.decode(audio=0)], axis=-1)
+    return frames.astype(int), audio
+
+
+def test_generate_with_ulysses_under_torchrun_matches_one_process(cache, tmp_path):
+    import numpy as np
+
+    common = ["generate", "a cat on a piano", "--steps", "3", "--seed", "4"]
+    single = _h3gen([*common, "--out", str(tmp_path / "one.mp4")], cache)
+    assert single.returncode == 0, single.stderr[-3000:]
+    parallel = _h3gen([*common, "--ulysses", "2", "--out", str(tmp_path / "two.mp4")], cache, timeout=240)
+    assert parallel.returncode == 0, parallel.stderr[-3000:]
+    frames_one, audio_one = _decoded(tmp_path / "one.mp4")
+    frames_two, audio_two = _decoded(tmp_path / "two.mp4")
+    assert frames_one.shape == frames_two.shape and np.abs(frames_one - frames_two).max() <= 1
+    assert np.abs(audio_one - audio_two).max() <= 1e-3
+
+
+def test_invalid_parallel_degrees_fail_before_starting_processes(cache, tmp_path):
+    result = _h3gen(["generate", "x", "--tp", "3", "--out", str(tmp_path / "x.mp4")], cache)
+    assert result.returncode != 0 and "Traceback" not in result.stderr
+    assert "Valid here" in result.stderr and "torch.distributed" not in result.stderr

@@ -127,3 +127,35 @@ def test_a_tensor_parallel_rank_reads_only_its_shard(reference, monkeypatch):
     assert torch.equal(up, torch.cat([expected[ffn // 2 : ffn], expected[ffn + ffn // 2 :]]))  # value and gate halves
     down = model.transformer_blocks[0].attn.to_out[0].weight
     assert torch.equal(down, full["state_dict"]["transformer_blocks.0.attn.to_out.0.weight"][:, 48:])
+
+
+def _pipeline_worker(rank, world, init_file, model_dir, result_dir):
+    from h3gen.parallel import init_parallel
+    from h3gen.pipelines.h3.pipeline import H3Pipeline
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=120))
+    try:
+        state = init_parallel(1, world, 2)  # the tiny model has 2 heads: Ulysses 2
+        pipe = H3Pipeline.from_pretrained(model_dir, device="cpu", torch_dtype=torch.float32, parallel=state)
+        output = pipe("a cat on a piano", seed=4, num_inference_steps=3, num_frames=130)
+        torch.save({"video": output.video, "audio": output.audio}, os.path.join(result_dir, f"{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_pipeline_under_ulysses_gives_the_single_process_clip(tmp_path):
+    import numpy as np
+
+    from h3gen.pipelines.h3.pipeline import H3Pipeline
+    from h3gen.pipelines.h3.tiny import tiny_checkpoint
+
+    model_dir = tiny_checkpoint(cache_dir=tmp_path / "cache")
+    single = H3Pipeline.from_pretrained(model_dir, device="cpu", torch_dtype=torch.float32)(
+        "a cat on a piano", seed=4, num_inference_steps=3, num_frames=130)
+    mp.spawn(_pipeline_worker, args=(2, str(tmp_path / "init"), str(model_dir), str(tmp_path)), nprocs=2, join=True)
+    for rank in range(2):
+        clip = torch.load(tmp_path / f"{rank}.pt", weights_only=False)
+        assert np.abs(clip["video"] - single.video).max() <= 1e-4
+        assert np.abs(clip["audio"] - single.audio).max() <= 1e-4

@@ -90,14 +90,17 @@ class H3Pipeline:
 
     @classmethod
     def from_pretrained(cls, path, device=None, torch_dtype: torch.dtype = torch.bfloat16,
-                        workflow: str = "t2va", quality: str = "lossless") -> "H3Pipeline":
+                        workflow: str = "t2va", quality: str = "lossless", parallel=None) -> "H3Pipeline":
         """Load every component of a local checkpoint folder in diffusers' layout.
 
         `torch_dtype` applies to the transformer, the text encoder and the video VAE (their float32 islands stay
         float32); the audio VAE is always float32. `workflow` is "t2va" or "fl2va" (both load the same components;
         fl2va also requires `processor/`). A missing component raises `CheckpointError` naming it. `quality` is
         the default tier (`exact`, `lossless` or `fast`, see `tiers.py`); `fast` quantizes the transformer's block
-        GEMMs to FP8 at load, and only a pipeline loaded with it serves `fast` requests.
+        GEMMs to FP8 at load, and only a pipeline loaded with it serves `fast` requests. `parallel` (an
+        `h3gen.parallel.ParallelState` of an initialised process group) splits the transformer over the ranks
+        (tensor parallel x Ulysses); the text encoder and the VAEs are replicated. Every rank must then make the
+        same calls with the same seed.
         """
         if workflow not in WORKFLOWS:
             raise RequestError(f"workflow must be one of {', '.join(WORKFLOWS)} (got {workflow!r}).", "workflow")
@@ -105,7 +108,7 @@ class H3Pipeline:
         checkpoint = H3Checkpoint.open(path)
         checkpoint.require(workflow)
         transformer = H3Transformer.from_pretrained(checkpoint.folder("transformer"), torch_dtype=torch_dtype,
-                                                    device=device)
+                                                    device=device, parallel=parallel)
         text_encoder = H3TextEncoder.from_pretrained(
             checkpoint.folder("text_encoder"), checkpoint.folder("tokenizer"), checkpoint.components.get("processor"),
             dtype=torch_dtype, device=device,
