@@ -154,7 +154,27 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         raise RequestError(f"--max-queue must be at least 1 (got {args.max_queue}).", "max_queue")
     api_key = args.api_key or os.environ.get("H3GEN_API_KEY") or None
     dtype = getattr(torch, DTYPES[args.dtype]) if args.dtype else None
-    engine = H3Engine(args.model, device=args.device, dtype=dtype, quality=args.quality)
+    if args.tp * args.ulysses > 1:
+        from h3gen.parallel.launch import launched_by_torchrun, relaunch_with_torchrun, start_rank
+        from h3gen.parallel.state import check_degrees
+        from h3gen.pipelines.h3.checkpoint import H3Checkpoint
+        from h3gen.pipelines.h3.request import read_transformer_config
+
+        heads = read_transformer_config(H3Checkpoint.open(args.model)).num_attention_heads
+        if not launched_by_torchrun():
+            check_degrees(heads, args.tp, args.ulysses)
+            return relaunch_with_torchrun(args.tp * args.ulysses, ["serve", *args.argv_rest, "--model", args.model])
+        parallel, device = start_rank(args.tp, args.ulysses, heads, args.device)
+        if torch.distributed.get_rank() != 0:
+            from h3gen.server.distributed import follow
+
+            follow(args.model, parallel=parallel, device=device, dtype=dtype, quality=args.quality)
+            return 0
+        from h3gen.server.distributed import DistributedEngine
+
+        engine = DistributedEngine(args.model, parallel=parallel, device=device, dtype=dtype, quality=args.quality)
+    else:
+        engine = H3Engine(args.model, device=args.device, dtype=dtype, quality=args.quality)
     manager = JobManager(engine, args.results_dir, max_queue=args.max_queue,
                          retention_seconds=args.retention_hours * 3600,
                          max_results_bytes=int(args.max_results_gb * 2**30))
@@ -209,6 +229,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--dtype", choices=tuple(DTYPES), default=None)
     serve.add_argument("--quality", choices=("exact", "lossless", "fast"), default="lossless",
                        help="default tier; requests may ask exact or lossless (fast needs --quality fast)")
+    serve.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (processes started with torchrun)")
+    serve.add_argument("--ulysses", type=int, default=1, help="Ulysses sequence-parallel degree")
     serve.add_argument("--no-ui", dest="no_ui", action="store_true", help="do not mount the web UI at /ui")
     serve.add_argument("--log-level", dest="log_level", default="info")
     serve.set_defaults(run=_cmd_serve)

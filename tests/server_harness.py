@@ -21,7 +21,8 @@ class Server:
     """`h3gen serve` with the tiny model; `.url`, `.client()`, `.stop()`, `.kill()`. Logs go to `log_path`."""
 
     def __init__(self, model: Path, results_dir: Path, *, max_queue: int = 16, api_key: str | None = None,
-                 cache: Path | None = None, extra: tuple[str, ...] = (), ui: bool = False, port: int | None = None):
+                 cache: Path | None = None, extra: tuple[str, ...] = (), ui: bool = False, port: int | None = None,
+                 env: dict | None = None, ready_timeout: float = 90.0):
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.api_key = api_key
@@ -33,12 +34,14 @@ class Server:
             args += ["--api-key", api_key]
         if not ui:
             args.append("--no-ui")
-        env = dict(os.environ, HF_HUB_OFFLINE="1", GRADIO_ANALYTICS_ENABLED="False")
+        env = dict(os.environ, HF_HUB_OFFLINE="1", GRADIO_ANALYTICS_ENABLED="False", **(env or {}))
         if cache:
             env["H3GEN_CACHE"] = str(cache)
         self._log = open(self.log_path, "w")
-        self.process = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT, env=env)
-        self._wait_ready()
+        # Its own process group, so stopping it also reaches any ranks it started under torchrun.
+        self.process = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT, env=env,
+                                        start_new_session=True)
+        self._wait_ready(ready_timeout)
 
     def _wait_ready(self, timeout: float = 90.0) -> None:
         deadline = time.monotonic() + timeout
@@ -61,17 +64,23 @@ class Server:
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGINT)
             try:
-                self.process.wait(20)
+                self.process.wait(30)
             except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+                pass
+        self._kill_group()
         self._log.close()
 
     def kill(self) -> None:
         """Die the way a crash or power cut would: no shutdown code runs."""
-        self.process.kill()
-        self.process.wait()
+        self._kill_group()
         self._log.close()
+
+    def _kill_group(self) -> None:
+        try:
+            os.killpg(self.process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.process.wait()
 
 
 def wait_for(client: httpx.Client, job_id: str, statuses=("succeeded", "failed", "cancelled"), timeout=120.0,

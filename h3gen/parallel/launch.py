@@ -3,6 +3,7 @@
 
 import datetime
 import os
+import signal
 import subprocess
 import sys
 
@@ -22,7 +23,16 @@ def relaunch_with_torchrun(processes: int, cli_args: list[str]) -> int:
     """Run `h3gen <cli_args>` in `processes` processes on this host with torchrun; returns its exit code."""
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={processes}",
                "-m", "h3gen.cli", *cli_args]
-    return subprocess.run(command).returncode
+    process = subprocess.Popen(command)
+    try:
+        return process.wait()
+    except KeyboardInterrupt:  # pass Ctrl-C on, so torchrun stops its ranks cleanly
+        process.send_signal(signal.SIGINT)
+        try:
+            return process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            return process.wait()
 
 
 def start_rank(tp: int, sp: int, heads: int, device: str | None) -> tuple[ParallelState, str]:

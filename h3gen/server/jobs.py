@@ -101,6 +101,9 @@ class JobManager:
             self._cond.notify_all()
         if self._thread is not None:
             self._thread.join(timeout)
+        shutdown = getattr(self.engine, "shutdown", None)  # a multi-process engine releases its other ranks
+        if shutdown is not None:
+            shutdown()
 
     def recover(self) -> None:
         """Jobs the last run left running failed (it says why); queued ones go back in the queue, oldest first."""

@@ -1,0 +1,156 @@
+"""Serving from several processes (`h3gen serve --tp T --ulysses U` under torchrun).
+
+Rank 0 owns HTTP, the UI and the job manager; its engine broadcasts each job (the normalized request and the
+uploaded files' bytes) to the other ranks over a control group, and every rank runs the same denoising steps. At
+every progress point all ranks agree on one status with a tiny all-reduce, so a cancellation or a failure on any
+rank stops every rank at the same step (no rank is left waiting in a collective), the job fails with the failing
+rank's message, and the next job runs normally.
+
+Limits: a failure raised inside a collective (e.g. a rank dying mid-layer) is caught by the collective timeout,
+not by the agreement.
+"""
+
+import datetime
+import logging
+import os
+import tempfile
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from h3gen.server.engine import H3Engine
+from h3gen.server.jobs import JobCancelled
+
+logger = logging.getLogger(__name__)
+
+OK, CANCEL, FAIL = 0, 1, 2
+# Waiting for the next job can take forever; the control group must not time out while idle.
+CONTROL_TIMEOUT = datetime.timedelta(days=365)
+
+
+class RankFailure(RuntimeError):
+    """Another rank failed during this step; the message names it."""
+
+
+def _fault_injection(rank: int, prompt: str, step: int) -> None:
+    """`H3GEN_FAULT_INJECT="rank=R,step=N,prompt=WORD"` makes rank R fail at denoising step N of jobs whose prompt
+    contains WORD: how deployments (and our tests) check that one rank's failure fails only that job."""
+    spec = os.environ.get("H3GEN_FAULT_INJECT")
+    if not spec:
+        return
+    fields = dict(part.split("=", 1) for part in spec.split(","))
+    if int(fields.get("rank", -1)) == rank and int(fields.get("step", -1)) == step and fields.get("prompt", "") in prompt:
+        raise RuntimeError(f"injected failure on rank {rank} at step {step}")
+
+
+class StepAgreement:
+    """Called at every progress point on every rank: runs the local check, then agrees with the other ranks."""
+
+    def __init__(self, group):
+        self.group = group
+        self.device = "cuda" if dist.get_backend(group) == "nccl" else "cpu"
+
+    def __call__(self, local_check, prompt: str, stage: str, step: int) -> None:
+        status, message = OK, ""
+        try:
+            local_check()
+            if stage == "denoise":
+                _fault_injection(dist.get_rank(), prompt, step)
+        except JobCancelled:
+            status = CANCEL
+        except Exception as error:  # reported to every rank below
+            status, message = FAIL, f"rank {dist.get_rank()}: {type(error).__name__}: {error}"
+        flag = torch.tensor([status], device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+        if int(flag.item()) == OK:
+            return
+        if int(flag.item()) == CANCEL:
+            raise JobCancelled()
+        messages = [None] * dist.get_world_size(self.group)
+        dist.all_gather_object(messages, message, group=self.group)
+        raise RankFailure(next(m for m in messages if m))
+
+
+class DistributedEngine(H3Engine):
+    """Rank 0's engine: loads its shard of the model, and runs each job on every rank in lockstep."""
+
+    def __init__(self, model_path, *, parallel, **kwargs):
+        super().__init__(model_path, **kwargs)
+        self.parallel = parallel
+        self.control = dist.new_group(list(range(dist.get_world_size())), timeout=CONTROL_TIMEOUT)
+        self.agree = StepAgreement(None)
+
+    def devices(self) -> list[str]:
+        return [f"{dist.get_world_size()} ranks (tp {self.parallel.tp} x ulysses {self.parallel.sp}) on "
+                f"{self.device}"]
+
+    def load(self) -> None:
+        _load(self)
+
+    def run(self, request: dict, images: dict[str, Path], out_path: Path, callback) -> None:
+        payload = {"request": request, "images": {name: (path.suffix, path.read_bytes()) for name, path in
+                                                  images.items()}}
+        dist.broadcast_object_list([("job", payload)], src=0, group=self.control)
+
+        def agreed(stage: str, step: int, total: int) -> None:
+            if stage == "write_mp4":  # only rank 0 writes the file: no agreement needed
+                callback(stage, step, total)
+            else:
+                self.agree(lambda: callback(stage, step, total), request["prompt"], stage, step)
+
+        super().run(request, images, out_path, agreed)
+
+    def shutdown(self) -> None:
+        dist.broadcast_object_list([("stop", None)], src=0, group=self.control)
+
+
+def _load(engine) -> None:
+    from h3gen.pipelines.h3.pipeline import H3Pipeline
+
+    workflow = "fl2va" if "processor" in engine.checkpoint.components else "t2va"
+    try:
+        engine.pipeline = H3Pipeline.from_pretrained(engine.model_path, device=engine.device, torch_dtype=engine.dtype,
+                                                     workflow=workflow, quality=engine.quality,
+                                                     parallel=engine.parallel)
+    except Exception as error:
+        logger.exception("model failed to load")
+        engine.load_error = f"{type(error).__name__}: {error}"
+    finally:
+        engine._loaded.set()
+
+
+def follow(model_path, *, parallel, device, dtype, quality) -> None:
+    """The loop of every rank but 0: load the same model, then run each broadcast job until told to stop."""
+    engine = H3Engine(model_path, device=device, dtype=dtype, quality=quality)
+    engine.parallel = parallel
+    control = dist.new_group(list(range(dist.get_world_size())), timeout=CONTROL_TIMEOUT)
+    agree = StepAgreement(None)
+    _load(engine)
+    while True:
+        message = [None]
+        dist.broadcast_object_list(message, src=0, group=control)
+        kind, payload = message[0]
+        if kind == "stop":
+            return
+        request = payload["request"]
+        with tempfile.TemporaryDirectory() as folder:
+            images = {}
+            for name, (suffix, data) in payload["images"].items():
+                images[name] = Path(folder) / f"{name}{suffix}"
+                images[name].write_bytes(data)
+
+            def agreed(stage: str, step: int, total: int) -> None:
+                agree(lambda: None, request["prompt"], stage, step)
+
+            try:
+                engine.pipeline(
+                    request["prompt"], image=images.get("image"), last_image=images.get("last_image"),
+                    height=request["height"], width=request["width"], num_frames=request["num_frames"],
+                    num_inference_steps=request["num_inference_steps"], seed=request["seed"], callback=agreed,
+                    quality=request.get("quality"),
+                )
+            except (JobCancelled, RankFailure):
+                continue
+            except Exception:  # this rank's own failure outside an agreement point: logged; rank 0 times out
+                logger.exception("rank %d failed a job", dist.get_rank())

@@ -1,0 +1,38 @@
+"""`h3gen serve --ulysses 2` (two processes under torchrun, gloo on the CPU): jobs run on both ranks, a failure on
+one rank fails only that job with its message, cancellation stops both ranks, and the next job succeeds."""
+
+import pytest
+from server_harness import Server, wait_for
+
+from h3gen.media import probe_mp4
+from h3gen.pipelines.h3.tiny import tiny_checkpoint
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    root = tmp_path_factory.mktemp("parallel-server")
+    instance = Server(tiny_checkpoint(cache_dir=root / "cache"), root / "results", extra=("--ulysses", "2"),
+                      env={"H3GEN_FAULT_INJECT": "rank=1,step=2,prompt=boom"}, ready_timeout=150)
+    yield instance
+    instance.stop()
+
+
+def test_jobs_failures_and_cancellation_across_ranks(server, tmp_path):
+    with server.client() as http:
+        assert "ulysses 2" in http.get("/health").json()["devices"][0]
+        ok = http.post("/v1/videos", json={"prompt": "a cat", "num_inference_steps": 4, "seed": 1}).json()["id"]
+        bad = http.post("/v1/videos", json={"prompt": "boom", "num_inference_steps": 4, "seed": 1}).json()["id"]
+        after = http.post("/v1/videos", json={"prompt": "after", "num_inference_steps": 4, "seed": 2}).json()["id"]
+        assert wait_for(http, ok)["status"] == "succeeded"
+        failed = wait_for(http, bad)
+        assert failed["status"] == "failed" and "rank 1" in failed["error"] and "injected failure" in failed["error"]
+        assert wait_for(http, after)["status"] == "succeeded"
+        (tmp_path / "ok.mp4").write_bytes(http.get(f"/v1/videos/{ok}/content").content)
+        assert probe_mp4(tmp_path / "ok.mp4").num_frames == 124
+
+        long_job = http.post("/v1/videos", json={"prompt": "long", "num_inference_steps": 1000}).json()["id"]
+        wait_for(http, long_job, statuses=("running",), predicate=lambda v: v["progress"] > 5)
+        assert http.delete(f"/v1/videos/{long_job}").json()["status"] == "cancelled"
+        last = http.post("/v1/videos", json={"prompt": "last", "num_inference_steps": 4}).json()["id"]
+        assert wait_for(http, last)["status"] == "succeeded"
+        assert http.get("/health").json()["status"] == "ok"
