@@ -109,8 +109,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
                                       workflow=workflow, quality=args.quality, parallel=parallel)
     if args.seed is None:
         call["seed"] = request.seed  # the seed drawn during the check, so it can be reported
-    if rank != 0:  # every rank runs the same steps; rank 0 reports and writes the file
-        pipe(args.prompt, **call)
+    if rank != 0:  # every rank runs the same steps; rank 0 decodes, reports and writes the file
+        pipe(args.prompt, decode=False, **call)
         return 0
     total = 1 + len(request.keyframes) + (args.steps - 1) + 3
     bar, callback = _progress_bar(total)

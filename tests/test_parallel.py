@@ -137,10 +137,13 @@ def _pipeline_worker(rank, world, init_file, model_dir, result_dir):
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=120))
     try:
-        state = init_parallel(1, world, 2)  # the tiny model has 2 heads: Ulysses 2
-        pipe = H3Pipeline.from_pretrained(model_dir, device="cpu", torch_dtype=torch.float32, parallel=state)
-        output = pipe("a cat on a piano", seed=4, num_inference_steps=3, num_frames=130)
-        torch.save({"video": output.video, "audio": output.audio}, os.path.join(result_dir, f"{rank}.pt"))
+        clips = []
+        for tp, sp in ((1, world), (world, 1)):  # the tiny model has 2 heads: Ulysses 2, then TP 2
+            state = init_parallel(tp, sp, 2)
+            pipe = H3Pipeline.from_pretrained(model_dir, device="cpu", torch_dtype=torch.float32, parallel=state)
+            output = pipe("a cat on a piano", seed=4, num_inference_steps=3, num_frames=130, decode=rank == 0)
+            clips.append({"tp": tp, "sp": sp, "video": output.video, "audio": output.audio})
+        torch.save(clips, os.path.join(result_dir, f"{rank}.pt"))
     finally:
         dist.destroy_process_group()
 
@@ -155,7 +158,9 @@ def test_pipeline_under_ulysses_gives_the_single_process_clip(tmp_path):
     single = H3Pipeline.from_pretrained(model_dir, device="cpu", torch_dtype=torch.float32)(
         "a cat on a piano", seed=4, num_inference_steps=3, num_frames=130)
     mp.spawn(_pipeline_worker, args=(2, str(tmp_path / "init"), str(model_dir), str(tmp_path)), nprocs=2, join=True)
-    for rank in range(2):
-        clip = torch.load(tmp_path / f"{rank}.pt", weights_only=False)
+    clips = torch.load(tmp_path / "0.pt", weights_only=False)
+    assert [(c["tp"], c["sp"]) for c in clips] == [(1, 2), (2, 1)]
+    for clip in clips:
         assert np.abs(clip["video"] - single.video).max() <= 1e-4
         assert np.abs(clip["audio"] - single.audio).max() <= 1e-4
+    assert all(c["video"] is None for c in torch.load(tmp_path / "1.pt", weights_only=False))  # rank 1 skips decoding

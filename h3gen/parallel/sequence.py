@@ -1,9 +1,10 @@
 """Sequence parallelism wired in at the model's module boundaries (as diffusers' context-parallel plan does), so the
 transformer file stays the plain single-device model:
 
-- before each block: the packed rows are padded to a multiple of sp and this rank keeps its contiguous slice
-  (block 0 cuts the residual stream; every block cuts its copy of the AdaLN indices and RoPE angles, so each
-  rank computes rotary angles and modulation gathers for its own rows only);
+- before `rope`: the packed length is padded to a multiple of sp and this rank keeps its contiguous slice of the
+  positions, so it computes rotary angles for its own rows only;
+- before each block: block 0 cuts the residual stream the same way; every block cuts its copy of the AdaLN
+  indices, so modulation is gathered for this rank's rows only;
 - before `norm_out`: the same cut of `timestep_indices`;
 - after `proj_out` / `audio_proj_out`: the head outputs of all ranks are gathered and the pad rows dropped, so the
   model's own `index_select` of video and audio rows works on the full sequence;
@@ -35,19 +36,22 @@ def enable_sequence_parallel(model, state: ParallelState) -> SequenceShard:
 
     first = model.transformer_blocks[0] if len(model.transformer_blocks) else None
 
+    def before_rope(module, args, kwargs):
+        # The first thing the forward computes per row: fix this forward's geometry, keep this rank's positions.
+        (position_ids,) = args
+        shard.valid = position_ids.shape[0]
+        shard.padded = -(-shard.valid // state.sp) * state.sp
+        return (local(position_ids, 0),), kwargs
+
     def before_block(module, args, kwargs):
-        hidden, temb, indices, (cos, sin), *rest = args
+        hidden, temb, indices, rotary_emb, *rest = args  # rotary_emb is already this rank's rows
         if module is first:
-            shard.valid = hidden.shape[1]
-            shard.padded = -(-shard.valid // state.sp) * state.sp
             hidden = local(hidden, 1)
-        return (hidden, temb, local(indices, 0), (local(cos, 0), local(sin, 0)), *rest), kwargs
+        return (hidden, temb, local(indices, 0), rotary_emb, *rest), kwargs
 
     def before_norm_out(module, args, kwargs):
         x, temb, timestep_indices, *rest = args
         if first is None:  # no blocks: the stream was never cut, so cut it here
-            shard.valid = x.shape[1]
-            shard.padded = -(-shard.valid // state.sp) * state.sp
             x = local(x, 1)
         return (x, temb, local(timestep_indices, 0), *rest), kwargs
 
@@ -56,6 +60,7 @@ def enable_sequence_parallel(model, state: ParallelState) -> SequenceShard:
         dist.all_gather(parts, output.contiguous(), group=state.sp_group)
         return torch.cat(parts, dim=1)[:, : shard.valid]
 
+    model.rope.register_forward_pre_hook(before_rope, with_kwargs=True)
     for block in model.transformer_blocks:
         block.register_forward_pre_hook(before_block, with_kwargs=True)
         block.attn.core = UlyssesAttention(state, shard, backend=block.attn.core.backend)

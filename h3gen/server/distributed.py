@@ -6,6 +6,8 @@ every progress point all ranks agree on one status with a tiny all-reduce, so a 
 rank stops every rank at the same step (no rank is left waiting in a collective), the job fails with the failing
 rank's message, and the next job runs normally.
 
+Only rank 0 decodes and writes the MP4; the other ranks skip the VAE decodes (`decode=False`).
+
 Limits: a failure raised inside a collective (e.g. a rank dying mid-layer) is caught by the collective timeout,
 not by the agreement.
 """
@@ -148,7 +150,7 @@ def follow(model_path, *, parallel, device, dtype, quality) -> None:
                     request["prompt"], image=images.get("image"), last_image=images.get("last_image"),
                     height=request["height"], width=request["width"], num_frames=request["num_frames"],
                     num_inference_steps=request["num_inference_steps"], seed=request["seed"], callback=agreed,
-                    quality=request.get("quality"),
+                    quality=request.get("quality"), decode=False,
                 )
             except (JobCancelled, RankFailure):
                 continue

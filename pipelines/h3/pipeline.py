@@ -42,10 +42,11 @@ class Noise:
 
 @dataclass
 class H3Output:
-    """A generated clip. `video` `(F, H, W, 3)` float32 in [0, 1]; `audio` `(2, samples)` float32 in [-1, 1]."""
+    """A generated clip. `video` `(F, H, W, 3)` float32 in [0, 1]; `audio` `(2, samples)` float32 in [-1, 1]
+    (both None for a call with `decode=False`)."""
 
-    video: np.ndarray
-    audio: np.ndarray
+    video: np.ndarray | None
+    audio: np.ndarray | None
     fps: int = geometry.FPS
     sample_rate: int = 32000
     seed: int | None = None
@@ -223,7 +224,7 @@ class H3Pipeline:
                  width: int | None = None, num_inference_steps: int = 50, seed: int | None = None,
                  generator: torch.Generator | None = None, latents: torch.Tensor | None = None,
                  audio_latents: torch.Tensor | None = None, callback: ProgressCallback | None = None,
-                 quality: str | None = None) -> H3Output:
+                 quality: str | None = None, decode: bool = True) -> H3Output:
         """Generate a clip.
 
         Args:
@@ -238,6 +239,8 @@ class H3Pipeline:
             callback: `callback(stage, step, total)` after each unit of work.
             quality: `exact` or `lossless` for this call (default: the pipeline's); `fast` only on a pipeline
                 loaded with it.
+            decode: False skips both VAE decodes (the stages are still reported) and returns `video` and `audio`
+                as None: what the other ranks of a parallel run do, since rank 0 decodes.
         Returns:
             `H3Output`.
         """
@@ -270,10 +273,10 @@ class H3Pipeline:
         audio_rows = noise.audio_rows.clone()
         video_latents, audio_latents = self._denoise(request, text, video_rows, audio_rows, report, tier)
         lap("denoise")
-        video = decode_video(self.vae, video_latents)
+        video = decode_video(self.vae, video_latents) if decode else None
         report("decode_video", 1, 1)
         lap("decode_video")
-        audio = decode_audio(self.audio_vae, audio_latents)
+        audio = decode_audio(self.audio_vae, audio_latents) if decode else None
         report("decode_audio", 1, 1)
         lap("decode_audio")
         return H3Output(video=video, audio=audio, fps=geometry.FPS,
