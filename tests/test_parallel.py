@@ -164,3 +164,30 @@ def test_pipeline_under_ulysses_gives_the_single_process_clip(tmp_path):
         assert np.abs(clip["video"] - single.video).max() <= 1e-4
         assert np.abs(clip["audio"] - single.audio).max() <= 1e-4
     assert all(c["video"] is None for c in torch.load(tmp_path / "1.pt", weights_only=False))  # rank 1 skips decoding
+
+
+@pytest.mark.parametrize("qkv_layout", ["interleaved", "stacked"])
+def test_original_layout_is_read_shard_by_shard(reference, tmp_path, qkv_layout):
+    import json
+
+    from safetensors.torch import save_file
+
+    from h3gen.loading import to_original_layout
+    from h3gen.parallel.linear import ColumnParallelLinear
+    from h3gen.parallel.state import ParallelState
+    from h3gen.pipelines.h3.transformer import H3Transformer
+
+    payload, *_ = reference
+    full = torch.load(payload)["state_dict"]
+    original = to_original_layout(full, CONFIG["num_attention_heads"], CONFIG["attention_head_dim"], qkv_layout)
+    save_file(original, str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text(json.dumps(CONFIG))
+    for rank in range(2):
+        state = ParallelState(tp=2, sp=1, tp_rank=rank, sp_rank=0)
+        model = H3Transformer.from_pretrained(tmp_path, torch_dtype=torch.float32, parallel=state, qkv_layout=qkv_layout)
+        for name, param in model.named_parameters():
+            module_name, _, leaf = name.rpartition(".")
+            module = model.get_submodule(module_name)
+            expected = module.load_shard(leaf, full[name]) if hasattr(module, "load_shard") else full[name]
+            assert torch.equal(param, expected), name
+        assert isinstance(model.transformer_blocks[0].attn.to_q, ColumnParallelLinear)

@@ -55,16 +55,68 @@ def detect_layout(keys: list[str]) -> str:
     return "diffusers"
 
 
+class LazyRows:
+    """A converted tensor that reads only the rows it is asked for from a lazy safetensors slice.
+
+    `source_ranges(a, b)` maps target rows [a, b) to source row ranges; indexing supports `[a:b]` and `[:]`, which
+    is all a tensor-parallel module asks of a checkpoint tensor (`load_shard`)."""
+
+    def __init__(self, source, shape, source_ranges):
+        self.source, self.shape, self.source_ranges = source, tuple(shape), source_ranges
+
+    def get_shape(self):
+        return list(self.shape)
+
+    def __getitem__(self, key):
+        if not isinstance(key, slice) or key.step not in (None, 1):
+            raise TypeError("a converted checkpoint tensor can only be read by row ranges")
+        start, stop, _ = key.indices(self.shape[0])
+        return torch.cat([self.source[a:b] for a, b in self.source_ranges(start, stop)], dim=0)
+
+
+def _lazy(x) -> bool:
+    return not isinstance(x, torch.Tensor)
+
+
 def _split_qkv(index: int, heads: int, head_dim: int, qkv_layout: str) -> Callable[[torch.Tensor], torch.Tensor]:
-    def take(weight: torch.Tensor) -> torch.Tensor:
+    def take(weight):
+        if _lazy(weight):  # a tensor-parallel rank: read only its heads' rows of this part
+            return LazyRows(weight, (heads * head_dim, weight.get_shape()[1]), ranges)
         if qkv_layout == "interleaved":  # rows [head0: q k v, head1: q k v, ...]
             return weight.unflatten(0, (heads, 3, head_dim))[:, index].flatten(0, 1).contiguous()
         return weight.chunk(3, dim=0)[index].contiguous()  # rows [q; k; v]
 
+    def ranges(start: int, stop: int) -> list[tuple[int, int]]:
+        if qkv_layout == "stacked":
+            offset = index * heads * head_dim
+            return [(offset + start, offset + stop)]
+        out = []  # interleaved: each head's rows of this part lie at head * 3D + index * D
+        for row in range(start, stop):
+            source = (row // head_dim) * 3 * head_dim + index * head_dim + row % head_dim
+            if out and out[-1][1] == source:
+                out[-1] = (out[-1][0], source + 1)
+            else:
+                out.append((source, source + 1))
+        return out
+
     return take
 
 
-def _swap_halves(weight: torch.Tensor) -> torch.Tensor:
+def _swap_halves(weight):
+    """`[gate; value]` (the original fc1) -> `[value; gate]` (diffusers' SwiGLU)."""
+    if _lazy(weight):
+        rows = weight.get_shape()[0]
+        half = rows // 2
+
+        def ranges(start: int, stop: int) -> list[tuple[int, int]]:
+            out = []  # target rows < half are the source's second half, the rest its first half
+            if start < half:
+                out.append((half + start, half + min(stop, half)))
+            if stop > half:
+                out.append((max(start, half) - half, stop - half))
+            return out
+
+        return LazyRows(weight, weight.get_shape(), ranges)
     gate, value = weight.chunk(2, dim=0)
     return torch.cat([value, gate], dim=0)
 

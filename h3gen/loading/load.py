@@ -81,7 +81,7 @@ def assign_tensors(
         module = model.get_submodule(module_name)
         if hasattr(module, "load_shard"):  # tensor parallel: keep (and, from a lazy slice, read) this rank's part
             tensor = module.load_shard(leaf, tensor)
-        elif not isinstance(tensor, torch.Tensor):
+        if not isinstance(tensor, torch.Tensor):  # a lazy slice that no module cut: read it whole
             tensor = tensor[:]
         if tuple(slot.shape) != tuple(tensor.shape):
             mismatched.append(f"{target_key}: checkpoint {tuple(tensor.shape)}, model {tuple(slot.shape)}")
@@ -156,9 +156,9 @@ def load_transformer(
         keys += listed
     layout = detect_layout(keys)
     cfg = model.config
-    # The diffusers layout needs no conversion, so tensor-parallel ranks read only their shards through lazy
-    # slices; the original layout's fused tensors are read whole, one at a time, then converted and cut.
-    lazy = layout == "diffusers" and getattr(model, "parallel_state", None) is not None
+    # Tensor-parallel ranks read only their shards through lazy slices, in either layout (the original layout's
+    # fused q/k/v and swapped SwiGLU halves are converted row range by row range, `layouts.LazyRows`).
+    lazy = getattr(model, "parallel_state", None) is not None
     tensors = iter_converted(
         read_tensors(folder, lazy=lazy), layout, cfg.num_attention_heads, cfg.attention_head_dim, qkv_layout
     )
