@@ -15,12 +15,13 @@ from h3gen.parallel.state import check_degrees, valid_degrees
 
 CONFIG = dict(TINY_CONFIGS[2])  # 4 heads: splits as TP2, SP2, SP4 and TP2 x SP2
 CASES = {2: [(2, 1), (1, 2)], 4: [(1, 4), (2, 2)]}
+SECOND_CONFIG = dict(TINY_CONFIGS[0])  # 2 heads x 32, other widths: TP2 and SP2
 # Odd row counts: 6 text + 8 keyframe + 2 * 7 audio + 3 * 8 video = 52 rows... plus one more text row: 53.
 INPUTS = dict(num_text=7, latent_frames=3, latent_hw=(4, 4), audio_latents=7, anchors=("first",),
               distinct_timesteps=3)
 
 
-def _worker(rank, world, init_file, payload_path, result_dir):
+def _worker(rank, world, init_file, payload_path, result_dir, config=CONFIG):
     from h3gen.parallel import init_parallel
     from h3gen.parallel.model import load_full_state_dict, parallel_transformer
     from h3gen.pipelines.h3.tiers import set_quality
@@ -33,8 +34,8 @@ def _worker(rank, world, init_file, payload_path, result_dir):
     results = []
     try:
         for tp, sp in CASES[world]:
-            state = init_parallel(tp, sp, CONFIG["num_attention_heads"])
-            model = parallel_transformer(H3TransformerConfig(**CONFIG), state).eval()
+            state = init_parallel(tp, sp, config["num_attention_heads"])
+            model = parallel_transformer(H3TransformerConfig(**config), state).eval()
             load_full_state_dict(model, payload["state_dict"])
             outputs = {}
             for tier in ("exact", "lossless"):
@@ -59,14 +60,12 @@ def _worker(rank, world, init_file, payload_path, result_dir):
         dist.destroy_process_group()
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
+def _reference(folder, config):
     from h3gen.pipelines.h3.transformer import H3Transformer
 
-    folder = tmp_path_factory.mktemp("parallel")
-    model = H3Transformer.from_config(CONFIG).eval()
+    model = H3Transformer.from_config(config).eval()
     randomize_(model, seed=11)
-    inputs = random_inputs(CONFIG, seed=12, **INPUTS)
+    inputs = random_inputs(config, seed=12, **INPUTS)
     with torch.no_grad():
         expected = model(**inputs, return_dict=False)
     full_linear_bytes = sum(p.numel() * p.element_size() for n, p in model.named_parameters()
@@ -77,11 +76,18 @@ def reference(tmp_path_factory):
     return payload, expected, full_linear_bytes, inputs["position_ids"].shape[0]
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_tp_and_ulysses_match_one_process(world, reference, tmp_path):
-    payload, expected, full_linear_bytes, rows = reference
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    return _reference(tmp_path_factory.mktemp("parallel"), CONFIG)
+
+
+@pytest.mark.parametrize("world,config", [(2, CONFIG), (4, CONFIG), (2, SECOND_CONFIG)],
+                         ids=["world2-4heads", "world4-4heads", "world2-2heads"])
+def test_tp_and_ulysses_match_one_process(world, config, tmp_path):
+    payload, expected, full_linear_bytes, rows = _reference(tmp_path / "reference", config)
     assert rows % 4 and rows % 2  # odd: the sequence must be padded for SP2 and SP4
-    mp.spawn(_worker, args=(world, str(tmp_path / "init"), str(payload), str(tmp_path)), nprocs=world, join=True)
+    mp.spawn(_worker, args=(world, str(tmp_path / "init"), str(payload), str(tmp_path), config), nprocs=world,
+             join=True)
     for rank in range(world):
         results = torch.load(tmp_path / f"{rank}.pt")
         assert [(r["tp"], r["sp"]) for r in results] == CASES[world]
