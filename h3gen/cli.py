@@ -106,7 +106,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     if rank == 0:
         print(f"h3gen: loading {args.model} on {device} ({dtype_name})", file=sys.stderr)
     pipe = H3Pipeline.from_pretrained(args.model, device=device, torch_dtype=getattr(torch, DTYPES[dtype_name]),
-                                      workflow=workflow, quality=args.quality, parallel=parallel)
+                                      workflow=workflow, quality=args.quality, parallel=parallel,
+                                      offload=args.offload, gpu_memory=args.gpu_memory, prefetch=args.prefetch)
     if args.seed is None:
         call["seed"] = request.seed  # the seed drawn during the check, so it can be reported
     if rank != 0:  # every rank runs the same steps; rank 0 decodes, reports and writes the file
@@ -154,6 +155,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         raise RequestError(f"--max-queue must be at least 1 (got {args.max_queue}).", "max_queue")
     api_key = args.api_key or os.environ.get("H3GEN_API_KEY") or None
     dtype = getattr(torch, DTYPES[args.dtype]) if args.dtype else None
+    offload = {"offload": args.offload, "gpu_memory": args.gpu_memory, "prefetch": args.prefetch}
     if args.tp * args.ulysses > 1:
         from h3gen.parallel.launch import launched_by_torchrun, relaunch_with_torchrun, start_rank
         from h3gen.parallel.state import check_degrees
@@ -168,13 +170,14 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         if torch.distributed.get_rank() != 0:
             from h3gen.server.distributed import follow
 
-            follow(args.model, parallel=parallel, device=device, dtype=dtype, quality=args.quality)
+            follow(args.model, parallel=parallel, device=device, dtype=dtype, quality=args.quality, offload=offload)
             return 0
         from h3gen.server.distributed import DistributedEngine
 
-        engine = DistributedEngine(args.model, parallel=parallel, device=device, dtype=dtype, quality=args.quality)
+        engine = DistributedEngine(args.model, parallel=parallel, device=device, dtype=dtype, quality=args.quality,
+                                   offload=offload)
     else:
-        engine = H3Engine(args.model, device=args.device, dtype=dtype, quality=args.quality)
+        engine = H3Engine(args.model, device=args.device, dtype=dtype, quality=args.quality, offload=offload)
     manager = JobManager(engine, args.results_dir, max_queue=args.max_queue,
                          retention_seconds=args.retention_hours * 3600,
                          max_results_bytes=int(args.max_results_gb * 2**30))
@@ -184,6 +187,15 @@ def _cmd_serve(args: argparse.Namespace) -> int:
           f"{'required' if api_key else 'not set'}; results in {args.results_dir})", file=sys.stderr)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     return 0
+
+
+def _offload_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--offload", choices=("none", "stage", "layerwise"), default="none",
+                        help="stage: text encoder and VAEs visit the GPU only for their stage; layerwise: also stream "
+                             "transformer blocks from pinned host memory")
+    parser.add_argument("--gpu-memory", dest="gpu_memory", default=None,
+                        help="GPU memory the transformer may use with --offload layerwise, e.g. 30GiB")
+    parser.add_argument("--prefetch", type=int, default=2, help="blocks copied ahead with --offload layerwise")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -210,6 +222,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--audio-rate", dest="audio_rate", type=int, default=32000, help="AAC rate, 32000 or 48000")
     gen.add_argument("--quality", choices=("exact", "lossless", "fast"), default="lossless",
                      help="exact: reference op order; lossless (default): fused kernels; fast: FP8 GEMMs")
+    _offload_arguments(gen)
     gen.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (processes started with torchrun)")
     gen.add_argument("--ulysses", type=int, default=1, help="Ulysses sequence-parallel degree")
     gen.add_argument("--out", required=True, help="output .mp4 path")
@@ -229,6 +242,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--dtype", choices=tuple(DTYPES), default=None)
     serve.add_argument("--quality", choices=("exact", "lossless", "fast"), default="lossless",
                        help="default tier; requests may ask exact or lossless (fast needs --quality fast)")
+    _offload_arguments(serve)
     serve.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (processes started with torchrun)")
     serve.add_argument("--ulysses", type=int, default=1, help="Ulysses sequence-parallel degree")
     serve.add_argument("--no-ui", dest="no_ui", action="store_true", help="do not mount the web UI at /ui")

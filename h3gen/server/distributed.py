@@ -114,7 +114,7 @@ def _load(engine) -> None:
     try:
         engine.pipeline = H3Pipeline.from_pretrained(engine.model_path, device=engine.device, torch_dtype=engine.dtype,
                                                      workflow=workflow, quality=engine.quality,
-                                                     parallel=engine.parallel)
+                                                     parallel=engine.parallel, **engine.offload)
     except Exception as error:
         logger.exception("model failed to load")
         engine.load_error = f"{type(error).__name__}: {error}"
@@ -122,9 +122,9 @@ def _load(engine) -> None:
         engine._loaded.set()
 
 
-def follow(model_path, *, parallel, device, dtype, quality) -> None:
+def follow(model_path, *, parallel, device, dtype, quality, offload=None) -> None:
     """The loop of every rank but 0: load the same model, then run each broadcast job until told to stop."""
-    engine = H3Engine(model_path, device=device, dtype=dtype, quality=quality)
+    engine = H3Engine(model_path, device=device, dtype=dtype, quality=quality, offload=offload)
     engine.parallel = parallel
     control = dist.new_group(list(range(dist.get_world_size())), timeout=CONTROL_TIMEOUT)
     agree = StepAgreement(None)

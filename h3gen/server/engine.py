@@ -20,13 +20,14 @@ class H3Engine:
     """One model on one device. `validate` runs in request handlers; `load` and `run` on the engine worker."""
 
     def __init__(self, model_path, *, device: str | None = None, dtype: torch.dtype | None = None,
-                 quality: str = "lossless"):
+                 quality: str = "lossless", offload: dict | None = None):
         self.model_path = Path(model_path)
         self.checkpoint = H3Checkpoint.open(self.model_path)
         self.config = read_transformer_config(self.checkpoint)
         self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         self.dtype = dtype or (torch.bfloat16 if self.device.startswith("cuda") else torch.float32)
         self.quality = quality
+        self.offload = offload or {}  # offload, gpu_memory, prefetch for H3Pipeline.from_pretrained
         self.pipeline = None
         self.load_error: str | None = None
         self._loaded = threading.Event()
@@ -47,7 +48,7 @@ class H3Engine:
         workflow = "fl2va" if "processor" in self.checkpoint.components else "t2va"
         try:
             self.pipeline = H3Pipeline.from_pretrained(self.model_path, device=self.device, torch_dtype=self.dtype,
-                                                       workflow=workflow, quality=self.quality)
+                                                       workflow=workflow, quality=self.quality, **self.offload)
         except Exception as error:  # reported on /health and by every job
             logger.exception("model failed to load")
             self.load_error = f"{type(error).__name__}: {error}"

@@ -7,6 +7,7 @@ Stages, each handing one value to the next:
 """
 
 import logging
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -19,7 +20,7 @@ from h3gen.pipelines.h3.checkpoint import H3Checkpoint
 from h3gen.pipelines.h3.packing import build_layout, patchify_video, row_timesteps, unpatchify_video
 from h3gen.pipelines.h3.request import KEYFRAME_NOISE_AUG, WORKFLOWS, H3Request, prepare_request
 from h3gen.pipelines.h3.schedules import AUDIO_SHIFT, VIDEO_SHIFT, FlowSchedule, noise_to, read_shift
-from h3gen.pipelines.h3.text_encoder import H3TextEncoder
+from h3gen.pipelines.h3.text_encoder import H3TextEncoder, TextConditioning
 from h3gen.pipelines.h3.tiers import QUALITY_TIERS, set_quality
 from h3gen.pipelines.h3.transformer import H3Transformer
 from h3gen.pipelines.h3.vae import decode_audio, decode_video, encode_keyframe, load_audio_vae, load_video_vae
@@ -74,7 +75,7 @@ class H3Pipeline:
 
     def __init__(self, transformer, text_encoder, vae, audio_vae, *, checkpoint: H3Checkpoint, device,
                  video_shift: float = VIDEO_SHIFT, audio_shift: float = AUDIO_SHIFT, workflow: str = "t2va",
-                 quality: str = "lossless"):
+                 quality: str = "lossless", offload: str = "none"):
         self.transformer = transformer
         self.text_encoder = text_encoder
         self.vae = vae
@@ -84,6 +85,7 @@ class H3Pipeline:
         self.video_shift = video_shift
         self.audio_shift = audio_shift
         self.workflow = workflow
+        self.offload = offload
         if quality not in QUALITY_TIERS:
             raise RequestError(f"quality must be one of {', '.join(QUALITY_TIERS)} (got {quality!r}).", "quality")
         self.quality = quality
@@ -91,7 +93,8 @@ class H3Pipeline:
 
     @classmethod
     def from_pretrained(cls, path, device=None, torch_dtype: torch.dtype = torch.bfloat16,
-                        workflow: str = "t2va", quality: str = "lossless", parallel=None) -> "H3Pipeline":
+                        workflow: str = "t2va", quality: str = "lossless", parallel=None, offload: str = "none",
+                        gpu_memory=None, prefetch: int = 2) -> "H3Pipeline":
         """Load every component of a local checkpoint folder in diffusers' layout.
 
         `torch_dtype` applies to the transformer, the text encoder and the video VAE (their float32 islands stay
@@ -101,26 +104,47 @@ class H3Pipeline:
         GEMMs to FP8 at load, and only a pipeline loaded with it serves `fast` requests. `parallel` (an
         `h3gen.parallel.ParallelState` of an initialised process group) splits the transformer over the ranks
         (tensor parallel x Ulysses); the text encoder and the VAEs are replicated. Every rank must then make the
-        same calls with the same seed.
+        same calls with the same seed. `offload`: "none" (everything on the device), "stage" (the text encoder
+        and the VAEs visit the device only for their stage), "layerwise" (stage, plus transformer blocks streamed
+        from pinned host memory within `gpu_memory`, e.g. "30GiB", `prefetch` blocks ahead; the host memory it
+        needs is checked before loading).
         """
         if workflow not in WORKFLOWS:
             raise RequestError(f"workflow must be one of {', '.join(WORKFLOWS)} (got {workflow!r}).", "workflow")
+        from h3gen.offload import OFFLOAD_MODES
+
+        if offload not in OFFLOAD_MODES:
+            raise RequestError(f"offload must be one of {', '.join(OFFLOAD_MODES)} (got {offload!r}).", "offload")
+        if offload == "layerwise" and gpu_memory is None:
+            raise RequestError("offload='layerwise' needs gpu_memory, e.g. '30GiB'.", "gpu_memory")
         device = _resolve_device(device)
         checkpoint = H3Checkpoint.open(path)
         checkpoint.require(workflow)
-        transformer = H3Transformer.from_pretrained(checkpoint.folder("transformer"), torch_dtype=torch_dtype,
-                                                    device=device, parallel=parallel)
+        staged = "cpu" if offload != "none" else device  # where the text encoder and the VAEs wait
+        if offload == "layerwise":
+            from h3gen.offload.host_memory import check_host_memory, folder_bytes
+
+            needed = sum(folder_bytes(checkpoint.folder(name)) for name in
+                         ("transformer", "text_encoder", "vae", "audio_vae"))
+            check_host_memory(needed, "layer-wise offload (host copies of the transformer, text encoder and VAEs)")
+        transformer = H3Transformer.from_pretrained(
+            checkpoint.folder("transformer"), torch_dtype=torch_dtype,
+            device="cpu" if offload == "layerwise" else device, parallel=parallel)
+        if offload == "layerwise":
+            from h3gen.offload import apply_layerwise_offload
+
+            apply_layerwise_offload(transformer, device, gpu_memory=gpu_memory, prefetch=prefetch)
         text_encoder = H3TextEncoder.from_pretrained(
             checkpoint.folder("text_encoder"), checkpoint.folder("tokenizer"), checkpoint.components.get("processor"),
-            dtype=torch_dtype, device=device,
+            dtype=torch_dtype, device=staged,
         )
-        vae = load_video_vae(checkpoint.folder("vae"), dtype=torch_dtype, device=device)
-        audio_vae = load_audio_vae(checkpoint.folder("audio_vae"), device=device)
+        vae = load_video_vae(checkpoint.folder("vae"), dtype=torch_dtype, device=staged)
+        audio_vae = load_audio_vae(checkpoint.folder("audio_vae"), device=staged)
         return cls(
             transformer, text_encoder, vae, audio_vae, checkpoint=checkpoint, device=device,
             video_shift=read_shift(checkpoint.folder("scheduler"), VIDEO_SHIFT),
             audio_shift=read_shift(checkpoint.folder("audio_scheduler"), AUDIO_SHIFT), workflow=workflow,
-            quality=quality,
+            quality=quality, offload=offload,
         )
 
     def validate(self, prompt, **kwargs) -> H3Request:
@@ -205,6 +229,22 @@ class H3Pipeline:
         audio = audio_rows.reshape(2, shape.num_audio_latents, -1).permute(0, 2, 1).contiguous()
         return latents, audio
 
+    @contextmanager
+    def _stage(self, *modules):
+        """With stage offload, bring `modules` to the device for one stage and send them back to the host after."""
+        if self.offload == "none":
+            yield
+            return
+        for module in modules:
+            module.to(self.device)
+        try:
+            yield
+        finally:
+            for module in modules:
+                module.to("cpu")
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+
     def _tier(self, quality: str | None) -> str:
         """Check a per-call tier and switch the transformer to it (exact <-> lossless is free)."""
         tier = quality or self.quality
@@ -261,11 +301,14 @@ class H3Pipeline:
             timings[stage] = now - started
             started = now
 
-        text = self.text_encoder.encode(request.prompt, request.keyframes)
+        with self._stage(self.text_encoder.model):
+            text = self.text_encoder.encode(request.prompt, request.keyframes)
+        text = TextConditioning(text.embeds.to(self.device), text.token_tags)
         report("encode_text", 1, 1)
         lap("encode_text")
         noise = self.draw_noise(request)
-        condition_rows = self._condition_rows(request, noise, report)
+        with self._stage(self.vae) if request.keyframes else nullcontext():
+            condition_rows = self._condition_rows(request, noise, report)
         lap("encode_conditions")
         video_rows = patchify_video(noise.video, self.transformer.config.patch_size)
         if condition_rows is not None:
@@ -273,10 +316,12 @@ class H3Pipeline:
         audio_rows = noise.audio_rows.clone()
         video_latents, audio_latents = self._denoise(request, text, video_rows, audio_rows, report, tier)
         lap("denoise")
-        video = decode_video(self.vae, video_latents) if decode else None
+        with self._stage(self.vae) if decode else nullcontext():
+            video = decode_video(self.vae, video_latents) if decode else None
         report("decode_video", 1, 1)
         lap("decode_video")
-        audio = decode_audio(self.audio_vae, audio_latents) if decode else None
+        with self._stage(self.audio_vae) if decode else nullcontext():
+            audio = decode_audio(self.audio_vae, audio_latents) if decode else None
         report("decode_audio", 1, 1)
         lap("decode_audio")
         return H3Output(video=video, audio=audio, fps=geometry.FPS,

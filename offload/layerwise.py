@@ -1,0 +1,203 @@
+"""Layer-wise offload of transformer blocks: pinned host copies, a copy stream that prefetches into a ring of GPU
+buffers, and per-slot events so compute waits only for the block it needs and a copy never overwrites a slot
+still in use.
+
+Each streamed block's tensors are packed into one flat buffer per dtype, in host memory (pinned on CUDA) and in
+each of the `slots` GPU buffers; before a block runs, its parameters are pointed at views of the slot holding it,
+and afterwards at an empty placeholder, so nothing else keeps the slot alive. Blocks are fetched in forward order
+with a sequence counter that runs across steps, so the next step's first blocks are already in flight while this
+step's last ones compute.
+
+Sub-modules named in `on_demand` (the AdaLN projection, whose tables the lossless tier computes once per request)
+are not streamed every step: they are copied in, synchronously, only when they are called.
+"""
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+from h3gen.offload.planner import OffloadPlan
+
+
+@dataclass
+class _Slot:
+    """Where one tensor of a packed module lives inside the flat per-dtype buffers."""
+
+    module: nn.Module
+    name: str
+    is_param: bool
+    dtype: torch.dtype
+    offset: int
+    shape: torch.Size
+
+
+def _owned_tensors(module: nn.Module, skip: tuple[str, ...]):
+    """(owner module, attribute name, is parameter, tensor) for every parameter and buffer under `module`, except
+    those under sub-modules whose name (relative to `module`) is in `skip`."""
+    for sub_name, sub in module.named_modules():
+        if any(sub_name == s or sub_name.startswith(s + ".") for s in skip):
+            continue
+        for name, tensor in sub._parameters.items():
+            if tensor is not None:
+                yield sub, name, True, tensor
+        for name, tensor in sub._buffers.items():
+            if tensor is not None:
+                yield sub, name, False, tensor
+
+
+class PackedModule:
+    """One module's tensors packed into flat host buffers, one per dtype; `bind` points the module at a copy."""
+
+    def __init__(self, module: nn.Module, skip: tuple[str, ...], pin: bool):
+        self.slots: list[_Slot] = []
+        sizes: dict[torch.dtype, int] = {}
+        tensors = list(_owned_tensors(module, skip))
+        for owner, name, is_param, tensor in tensors:
+            offset = sizes.get(tensor.dtype, 0)
+            self.slots.append(_Slot(owner, name, is_param, tensor.dtype, offset, tensor.shape))
+            sizes[tensor.dtype] = offset + tensor.numel()
+        self.sizes = sizes
+        self.host = {dtype: torch.empty(n, dtype=dtype, pin_memory=pin) for dtype, n in sizes.items()}
+        for slot, (_, _, _, tensor) in zip(self.slots, tensors):
+            self.host[slot.dtype][slot.offset : slot.offset + tensor.numel()].copy_(tensor.detach().reshape(-1))
+
+    @property
+    def nbytes(self) -> int:
+        return sum(buffer.numel() * buffer.element_size() for buffer in self.host.values())
+
+    def bind(self, buffers: dict[torch.dtype, torch.Tensor]) -> None:
+        """Point every tensor of the module at its view of `buffers` (flat, per dtype)."""
+        for slot in self.slots:
+            view = buffers[slot.dtype][slot.offset : slot.offset + slot.shape.numel()].view(slot.shape)
+            if slot.is_param:
+                slot.module._parameters[slot.name].data = view
+            else:
+                slot.module._buffers[slot.name] = view
+
+    def release(self, placeholders: dict[torch.dtype, torch.Tensor]) -> None:
+        """Point every tensor at an empty placeholder (the module holds no memory until bound again)."""
+        for slot in self.slots:
+            if slot.is_param:
+                slot.module._parameters[slot.name].data = placeholders[slot.dtype]
+            else:
+                slot.module._buffers[slot.name] = placeholders[slot.dtype]
+
+
+class LayerwiseOffload:
+    """Streams the `plan.streamed` blocks of `blocks` through `plan.slots` GPU buffers; the resident blocks move to
+    `device` for good. `copy_log`, if given, records the order of block copies (tests use it)."""
+
+    def __init__(self, blocks: nn.ModuleList, plan: OffloadPlan, device, *, prefetch: int = 2,
+                 on_demand: tuple[str, ...] = ("adaln_proj",), pin: bool | None = None, copy_log: list | None = None):
+        self.device = torch.device(device)
+        cuda = self.device.type == "cuda"
+        pin = cuda if pin is None else pin
+        self.order = list(plan.streamed)
+        self.prefetch = max(1, min(prefetch, len(self.order) - 1)) if len(self.order) > 1 else 0
+        self.slots = min(plan.slots or (self.prefetch + 1), len(self.order)) if self.order else 0
+        self.copy_log = copy_log
+        self.copy_stream = torch.cuda.Stream(self.device) if cuda else None
+        for index in plan.resident:
+            blocks[index].to(self.device)
+        self.packed = {i: PackedModule(blocks[i], on_demand, pin) for i in self.order}
+        self.on_demand = {}
+        for i in self.order:
+            for name in on_demand:
+                if hasattr(blocks[i], name):
+                    module = getattr(blocks[i], name)
+                    self.on_demand[(i, name)] = PackedModule(module, (), pin)
+        dtypes = {dtype for p in list(self.packed.values()) + list(self.on_demand.values()) for dtype in p.sizes}
+        self.placeholders = {dtype: torch.empty(0, dtype=dtype, device=self.device) for dtype in dtypes}
+        for packed in list(self.packed.values()) + list(self.on_demand.values()):
+            packed.release(self.placeholders)
+        largest = {dtype: max(p.sizes.get(dtype, 0) for p in self.packed.values()) for dtype in dtypes}
+        self.ring = [{dtype: torch.empty(n, dtype=dtype, device=self.device) for dtype, n in largest.items() if n}
+                     for _ in range(self.slots)]
+        self.copied = [torch.cuda.Event() if cuda else None for _ in range(self.slots)]
+        self.computed = [torch.cuda.Event() if cuda else None for _ in range(self.slots)]
+        self.position = {block_index: p for p, block_index in enumerate(self.order)}
+        self.computing = 0  # sequence number (across steps) of the next streamed block to compute
+        self.issued = 0  # sequence number of the next copy to issue
+        self.handles = []
+        for i in self.order:
+            self.handles.append(blocks[i].register_forward_pre_hook(self._before(i)))
+            self.handles.append(blocks[i].register_forward_hook(self._after(i)))
+        for (i, name), packed in self.on_demand.items():
+            # Hooked where the weights are used (the AdaLN projection is reached through a method, not forward).
+            for sub in getattr(blocks[i], name).modules():
+                if any(t is not None for t in sub._parameters.values()):
+                    self.handles.append(sub.register_forward_pre_hook(self._load_now(packed)))
+                    self.handles.append(sub.register_forward_hook(self._unload(packed)))
+
+    # ------------------------------------------------------------------ copies
+
+    def _issue(self, sequence: int) -> None:
+        slot = sequence % self.slots
+        block = self.order[sequence % len(self.order)]
+        if self.copy_log is not None:
+            self.copy_log.append(block)
+        packed = self.packed[block]
+        if self.copy_stream is None:
+            for dtype, host in packed.host.items():
+                self.ring[slot][dtype][: host.numel()].copy_(host)
+            return
+        with torch.cuda.stream(self.copy_stream):
+            self.copy_stream.wait_event(self.computed[slot])  # the slot's previous block has finished computing
+            for dtype, host in packed.host.items():
+                self.ring[slot][dtype][: host.numel()].copy_(host, non_blocking=True)
+            self.copied[slot].record(self.copy_stream)
+
+    def _resync(self, position: int) -> None:
+        """The forward did not follow the planned order (e.g. an error stopped a step midway): drain the copies
+        and start over at `position`."""
+        if self.copy_stream is not None:
+            self.copy_stream.synchronize()
+            torch.cuda.current_stream(self.device).synchronize()
+        self.computing = self.issued = position
+
+    def _before(self, index: int):
+        def hook(module, args):
+            if self.computing % len(self.order) != self.position[index]:
+                self._resync(self.position[index])
+            while self.issued <= self.computing + self.prefetch:
+                self._issue(self.issued)
+                self.issued += 1
+            slot = self.computing % self.slots
+            if self.copied[slot] is not None:
+                torch.cuda.current_stream(self.device).wait_event(self.copied[slot])
+            self.packed[index].bind(self.ring[slot])
+        return hook
+
+    def _after(self, index: int):
+        def hook(module, args, output):
+            slot = self.computing % self.slots
+            if self.computed[slot] is not None:
+                self.computed[slot].record(torch.cuda.current_stream(self.device))
+            self.packed[index].release(self.placeholders)
+            self.computing += 1
+        return hook
+
+    def _load_now(self, packed: PackedModule):
+        def hook(module, args):
+            packed.bind({dtype: host.to(self.device, non_blocking=True) for dtype, host in packed.host.items()})
+        return hook
+
+    def _unload(self, packed: PackedModule):
+        def hook(module, args, output):
+            packed.release(self.placeholders)
+        return hook
+
+    # ------------------------------------------------------------------ reports
+
+    @property
+    def pinned_bytes(self) -> int:
+        return sum(p.nbytes for p in list(self.packed.values()) + list(self.on_demand.values()))
+
+    @property
+    def ring_bytes(self) -> int:
+        return sum(b.numel() * b.element_size() for slot in self.ring for b in slot.values())
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
