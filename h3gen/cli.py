@@ -107,7 +107,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         print(f"h3gen: loading {args.model} on {device} ({dtype_name})", file=sys.stderr)
     pipe = H3Pipeline.from_pretrained(args.model, device=device, torch_dtype=getattr(torch, DTYPES[dtype_name]),
                                       workflow=workflow, quality=args.quality, parallel=parallel,
-                                      offload=args.offload, gpu_memory=args.gpu_memory, prefetch=args.prefetch)
+                                      offload=args.offload, gpu_memory=args.gpu_memory, prefetch=args.prefetch,
+                                      quantization=args.quantization)
     if args.seed is None:
         call["seed"] = request.seed  # the seed drawn during the check, so it can be reported
     if rank != 0:  # every rank runs the same steps; rank 0 decodes, reports and writes the file
@@ -155,7 +156,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         raise RequestError(f"--max-queue must be at least 1 (got {args.max_queue}).", "max_queue")
     api_key = args.api_key or os.environ.get("H3GEN_API_KEY") or None
     dtype = getattr(torch, DTYPES[args.dtype]) if args.dtype else None
-    offload = {"offload": args.offload, "gpu_memory": args.gpu_memory, "prefetch": args.prefetch}
+    offload = {"offload": args.offload, "gpu_memory": args.gpu_memory, "prefetch": args.prefetch,
+               "quantization": args.quantization}
     if args.tp * args.ulysses > 1:
         from h3gen.parallel.launch import launched_by_torchrun, relaunch_with_torchrun, start_rank
         from h3gen.parallel.state import check_degrees
@@ -196,6 +198,8 @@ def _offload_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gpu-memory", dest="gpu_memory", default=None,
                         help="GPU memory the transformer may use with --offload layerwise, e.g. 30GiB")
     parser.add_argument("--prefetch", type=int, default=2, help="blocks copied ahead with --offload layerwise")
+    parser.add_argument("--quantization", choices=("mxfp4",), default=None,
+                        help="store the transformer's block linears as MXFP4 (quantized while loading)")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,7 +1,6 @@
 """The real server (uvicorn subprocess on 127.0.0.1, tiny model) through HTTP: jobs, cancel, overload, restart."""
 
 import concurrent.futures
-import os
 
 import httpx
 import pytest

@@ -73,6 +73,17 @@ def assign_tensors(
     slots = dict(model.named_parameters()) | dict(model.named_buffers())
     unexpected, mismatched, loaded = [], [], set()
     for source_key, target_key, tensor in tensors:
+        owner_name, _, owner_leaf = target_key.rpartition(".")
+        try:
+            owner = model.get_submodule(owner_name) if owner_name and target_key not in slots else None
+        except AttributeError:  # not a module of this model: reported as unexpected below
+            owner = None
+        if owner is not None and hasattr(owner, "load_checkpoint_tensor"):  # e.g. quantized on the fly (MXFP4)
+            if not isinstance(tensor, torch.Tensor):
+                tensor = tensor[:]
+            if owner.load_checkpoint_tensor(owner_leaf, tensor, device, dtype):
+                loaded.add(target_key)
+                continue
         slot = slots.get(target_key)
         if slot is None:
             unexpected.append(source_key if source_key == target_key else f"{source_key} (as {target_key})")
@@ -96,6 +107,8 @@ def assign_tensors(
             module._buffers[leaf] = value
         loaded.add(target_key)
     missing = [name for name, param in model.named_parameters() if name not in loaded]
+    missing += [name for name, buffer in model.named_buffers() if buffer.device.type == "meta" and name not in loaded
+                and not any(f"{name.rpartition('.')[0]}.weight" == key for key in loaded)]
     problems = []
     if missing:
         problems.append(f"missing keys: {_listing(missing)}")
@@ -116,9 +129,12 @@ def load_transformer(
     linear_factory=None,
     qkv_layout: str = "interleaved",
     parallel=None,
+    quantization: str | None = None,
 ):
     """Build `cls` (an `H3Transformer`) from `folder/config.json` on the meta device and stream its weights in.
-    With `parallel` (a `ParallelState`), the model is this rank's TP shard and SP slice.
+    With `parallel` (a `ParallelState`), the model is this rank's TP shard and SP slice. `quantization="mxfp4"`
+    stores the block linears as MXFP4, quantizing each full-precision tensor as it is read (a checkpoint saved
+    quantized says so in its config and loads as such).
 
     Accepts the diffusers key layout and the original release's (detected from the keys). Returns the model in
     eval mode on `device` (default CPU).
@@ -138,8 +154,17 @@ def load_transformer(
         from h3gen.parallel.linear import tensor_parallel_factory
 
         linear_factory = tensor_parallel_factory(parallel)
+    saved_quantization = (config.get("quantization_config") or {}).get("quant_method")
+    quantization = quantization or saved_quantization
+    if quantization not in (None, "mxfp4"):
+        raise CheckpointError(f"unknown quantization {quantization!r}; h3gen supports mxfp4.")
+    if quantization == "mxfp4":
+        from h3gen.quant.mxfp4 import mxfp4_linear_factory
+
+        linear_factory = mxfp4_linear_factory(base=linear_factory)
     with meta_parameters():
         model = cls.from_config(config, linear_factory=linear_factory)
+    model.quantization = quantization
     if parallel is not None:
         from h3gen.parallel.sequence import enable_sequence_parallel
 
@@ -170,4 +195,7 @@ def load_transformer(
         keep_fp32_modules=cls.keep_fp32_modules,
         source=f"{folder} ({layout} layout)",
     )
+    for module in model.modules():  # quantized layers compute in the model's working dtype
+        if hasattr(module, "compute_dtype") and hasattr(module, "weight_packed"):
+            module.compute_dtype = torch_dtype
     return model.to(device).eval().requires_grad_(False)

@@ -27,7 +27,7 @@ class H3Engine:
         self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         self.dtype = dtype or (torch.bfloat16 if self.device.startswith("cuda") else torch.float32)
         self.quality = quality
-        self.offload = offload or {}  # offload, gpu_memory, prefetch for H3Pipeline.from_pretrained
+        self.offload = offload or {}  # offload, gpu_memory, prefetch, quantization for H3Pipeline.from_pretrained
         self.pipeline = None
         self.load_error: str | None = None
         self._loaded = threading.Event()

@@ -94,7 +94,7 @@ class H3Pipeline:
     @classmethod
     def from_pretrained(cls, path, device=None, torch_dtype: torch.dtype = torch.bfloat16,
                         workflow: str = "t2va", quality: str = "lossless", parallel=None, offload: str = "none",
-                        gpu_memory=None, prefetch: int = 2) -> "H3Pipeline":
+                        gpu_memory=None, prefetch: int = 2, quantization: str | None = None) -> "H3Pipeline":
         """Load every component of a local checkpoint folder in diffusers' layout.
 
         `torch_dtype` applies to the transformer, the text encoder and the video VAE (their float32 islands stay
@@ -107,7 +107,8 @@ class H3Pipeline:
         same calls with the same seed. `offload`: "none" (everything on the device), "stage" (the text encoder
         and the VAEs visit the device only for their stage), "layerwise" (stage, plus transformer blocks streamed
         from pinned host memory within `gpu_memory`, e.g. "30GiB", `prefetch` blocks ahead; the host memory it
-        needs is checked before loading).
+        needs is checked before loading). `quantization="mxfp4"` stores the transformer's block linears as MXFP4,
+        quantized one tensor at a time while loading (a checkpoint saved that way loads as such).
         """
         if workflow not in WORKFLOWS:
             raise RequestError(f"workflow must be one of {', '.join(WORKFLOWS)} (got {workflow!r}).", "workflow")
@@ -129,7 +130,7 @@ class H3Pipeline:
             check_host_memory(needed, "layer-wise offload (host copies of the transformer, text encoder and VAEs)")
         transformer = H3Transformer.from_pretrained(
             checkpoint.folder("transformer"), torch_dtype=torch_dtype,
-            device="cpu" if offload == "layerwise" else device, parallel=parallel)
+            device="cpu" if offload == "layerwise" else device, parallel=parallel, quantization=quantization)
         if offload == "layerwise":
             from h3gen.offload import apply_layerwise_offload
 

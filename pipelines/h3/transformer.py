@@ -443,6 +443,7 @@ class H3Transformer(nn.Module):
         linear_factory: LinearFactory | None = None,
         qkv_layout: str = "interleaved",
         parallel=None,
+        quantization: str | None = None,
     ) -> "H3Transformer":
         """Load from a folder holding `config.json` and safetensors weights (one file or a sharded index), in the
         diffusers key layout or the original release's. Float32 islands stay float32; everything else becomes
@@ -451,12 +452,14 @@ class H3Transformer(nn.Module):
         `qkv_layout` only matters for the original layout: "interleaved" (per-head `[q k v]`, the MiniMaxAI shards)
         or "stacked" (`[q; k; v]`, published single files). `parallel` (an `h3gen.parallel.ParallelState`) loads
         this rank's tensor-parallel shard (reading only that part of each tensor) and splits the sequence (Ulysses).
+        `quantization="mxfp4"` stores the block linears (q/k/v/out, SwiGLU, AdaLN) as MXFP4, quantized while each
+        tensor is read.
         """
         from h3gen.loading import load_transformer
 
         return load_transformer(
             cls, folder, torch_dtype=torch_dtype, device=device, linear_factory=linear_factory, qkv_layout=qkv_layout,
-            parallel=parallel,
+            parallel=parallel, quantization=quantization,
         )
 
     @torch.no_grad()
@@ -475,7 +478,10 @@ class H3Transformer(nn.Module):
         """Write `config.json` and the weights in diffusers' layout (loadable by diffusers and by us)."""
         from h3gen.loading import save_component
 
-        return save_component(folder, self.config.to_dict(), self.state_dict(), max_shard_bytes=max_shard_bytes)
+        config = self.config.to_dict()
+        if getattr(self, "quantization", None):
+            config["quantization_config"] = {"quant_method": self.quantization}
+        return save_component(folder, config, self.state_dict(), max_shard_bytes=max_shard_bytes)
 
     @property
     def dtype(self) -> torch.dtype:
