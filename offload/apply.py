@@ -2,7 +2,7 @@
 which blocks stay and which stream."""
 
 from h3gen.offload.layerwise import LayerwiseOffload, _owned_tensors
-from h3gen.offload.planner import parse_bytes, plan_residency
+from h3gen.offload.planner import OffloadPlan, parse_bytes, plan_residency
 
 OFFLOAD_MODES = ("none", "stage", "layerwise")
 ON_DEMAND = ("adaln_proj",)
@@ -33,3 +33,12 @@ def apply_layerwise_offload(transformer, device, *, gpu_memory, prefetch: int = 
     transformer.offload = offload
     transformer.offload_plan = plan
     return offload
+
+
+def stream_layers(layers, device, *, prefetch: int = 2, copy_log=None) -> LayerwiseOffload:
+    """Stream every module of `layers` (e.g. the text encoder's decoder layers) from pinned host memory through a
+    ring of `prefetch + 1` GPU buffers; the modules around them are the caller's to place."""
+    count = len(layers)
+    slots = min(prefetch + 1, count)
+    plan = OffloadPlan(resident=(), streamed=tuple(range(count)), slots=slots, gpu_bytes=0)
+    return LayerwiseOffload(layers, plan, device, prefetch=prefetch, on_demand=(), copy_log=copy_log)

@@ -113,3 +113,20 @@ def test_pipeline_offload_modes_give_the_same_clip(tmp_path):
     assert pipe.transformer.offload_plan.resident == (0, 1)
     with pytest.raises(RequestError, match="gpu_memory"):
         H3Pipeline.from_pretrained(folder, device="cpu", offload="layerwise")
+
+
+def test_streamed_text_encoder_layers_give_the_same_conditioning(tmp_path):
+    from h3gen.offload import stream_layers
+    from h3gen.pipelines.h3.text_encoder import H3TextEncoder
+    from h3gen.pipelines.h3.tiny import tiny_checkpoint
+
+    folder = tiny_checkpoint(cache_dir=tmp_path)
+    load = lambda: H3TextEncoder.from_pretrained(folder / "text_encoder", folder / "tokenizer", None,  # noqa: E731
+                                                 dtype=torch.float32, device="cpu")
+    expected = load().encode("a quiet street at night").embeds
+    encoder = load()
+    log = []
+    stream_layers(encoder.model.model.language_model.layers, "cpu", prefetch=2, copy_log=log)
+    for _ in range(2):
+        assert torch.equal(encoder.encode("a quiet street at night").embeds, expected)
+    assert log[:51] == list(range(51)) and log[51:102] == list(range(51))  # every layer, in order, each call

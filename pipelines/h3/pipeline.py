@@ -106,8 +106,8 @@ class H3Pipeline:
         (tensor parallel x Ulysses); the text encoder and the VAEs are replicated. Every rank must then make the
         same calls with the same seed. `offload`: "none" (everything on the device), "stage" (the text encoder
         and the VAEs visit the device only for their stage), "layerwise" (stage, plus transformer blocks streamed
-        from pinned host memory within `gpu_memory`, e.g. "30GiB", `prefetch` blocks ahead; the host memory it
-        needs is checked before loading). `quantization="mxfp4"` stores the transformer's block linears as MXFP4,
+        from pinned host memory within `gpu_memory`, e.g. "30GiB", `prefetch` blocks ahead, and the text encoder's
+        decoder layers streamed while it encodes; the host memory it needs is checked before loading). `quantization="mxfp4"` stores the transformer's block linears as MXFP4,
         quantized one tensor at a time while loading (a checkpoint saved that way loads as such).
         """
         if workflow not in WORKFLOWS:
@@ -139,6 +139,10 @@ class H3Pipeline:
             checkpoint.folder("text_encoder"), checkpoint.folder("tokenizer"), checkpoint.components.get("processor"),
             dtype=torch_dtype, device=staged,
         )
+        if offload == "layerwise":  # the encoder's decoder layers stream too; the rest of it visits for its stage
+            from h3gen.offload import stream_layers
+
+            stream_layers(text_encoder.model.model.language_model.layers, device, prefetch=prefetch)
         vae = load_video_vae(checkpoint.folder("vae"), dtype=torch_dtype, device=staged)
         audio_vae = load_audio_vae(checkpoint.folder("audio_vae"), device=staged)
         return cls(
