@@ -1,54 +1,156 @@
-"""MXFP4-weight GEMM (our Triton kernel, dequantizing in the kernel) against bf16 cuBLAS at MiniMax-H3's GEMM shapes
-(K x N: 5376x7168, 7168x5376, 5376x28672, 14336x5376) for M in {1, 8, 16, 256, 4096, 37838}, in one process on
-the same inputs; then one full-size block with MXFP4 linears against bf16 (error, weight bytes per block).
+"""MXFP4-weight GEMM (our Triton kernels) against bf16 cuBLAS at MiniMax-H3's GEMM shapes (K x N: 5376x7168,
+7168x5376, 5376x28672, 14336x5376) for M in {1, 8, 16, 256, 4096, 37838}, in one process on the same inputs; then
+one full-size block with MXFP4 linears against bf16 (error, time, weight bytes per block).
 
-Prints per shape and M: time, TFLOP/s, bandwidth on the packed weight bytes, speedup over bf16, error against the
-bf16 product of the dequantized weight.
+Timing rotates over enough copies of each weight that none is served from the 60 MB L2 cache, and runs many calls
+between two CUDA events, so small-M figures are memory-bound kernel time rather than one launch's latency. Prints
+per shape and M: time, TFLOP/s, bandwidth on the packed weight bytes (and its share of the measured copy
+bandwidth), speedup over bf16, error against the bf16 product of the dequantized weight.
 
-    python benchmarks/bench_mxfp4.py
+    python benchmarks/bench_mxfp4.py              # the table with the shipped dispatch
+    python benchmarks/bench_mxfp4.py --sweep      # also try tile configurations per shape and M, print the best
 """
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import print_table, rel_l2, time_cuda  # noqa: E402
+from common import print_table, rel_l2  # noqa: E402
 
 from h3gen.kernels.mxfp4_gemm import triton as mxfp4  # noqa: E402
 from h3gen.quant.mxfp4 import dequantize, quantize  # noqa: E402
 
 SHAPES = [(5376, 7168), (7168, 5376), (5376, 28672), (14336, 5376)]
 ROWS = [1, 8, 16, 256, 4096, 37838]
+L2_FLUSH_BYTES = 240e6  # rotate over at least this many weight bytes (4x the H200's L2)
 
 
-def bench_gemms(rows_list, repeat):
-    table = []
-    for k, n in SHAPES:
+def time_rotating(fn, arg_sets, *, calls: int | None = None, repeat: int = 5) -> float:
+    """Median milliseconds per `fn(*args)` call, cycling through `arg_sets` (distinct weight copies) so each call
+    reads its weight from HBM; `calls` calls are timed between two events."""
+    calls = calls or max(len(arg_sets), 20)
+    for args in arg_sets:
+        fn(*args)
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeat):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for i in range(calls):
+            fn(*arg_sets[i % len(arg_sets)])
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / calls)
+    return sorted(times)[len(times) // 2]
+
+
+def copy_bandwidth() -> float:
+    """Device-to-device copy rate in GB/s, bytes read plus written."""
+    src = torch.empty(2 * 1024**3, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    ms = time_rotating(lambda: dst.copy_(src), [()], calls=10)
+    return 2 * src.numel() / ms / 1e6
+
+
+def weight_copies(k, n, nbytes):
+    copies = max(2, math.ceil(L2_FLUSH_BYTES / nbytes))
+    weights = []
+    for i in range(copies):
         weight = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
         packed, scales = quantize(weight)
-        dequantized = dequantize(packed, scales, torch.bfloat16)
-        packed_bytes = packed.numel() + scales.numel()
+        weights.append((weight, packed, scales))
+    return weights
+
+
+def small_m_configs():
+    for block_n in (16, 32, 64):
+        for block_k in (128, 256, 512):
+            for num_stages in (3, 5):
+                for split in ("auto", 1):
+                    yield dict(block_m=16, block_n=block_n, block_k=block_k, num_warps=4, num_stages=num_stages,
+                               split=split)
+
+
+LARGE_M_CONFIGS = [dict(block_m=bm, block_n=bn, block_k=bk, num_warps=w, num_stages=s, split=1)
+                   for bm, bn, bk, w, s in [(16, 64, 256, 4, 4), (32, 64, 256, 4, 4), (64, 64, 128, 4, 4),
+                                            (64, 128, 128, 4, 3), (128, 128, 64, 8, 3), (128, 256, 64, 8, 3),
+                                            (256, 128, 64, 8, 3), (128, 128, 128, 8, 3), (64, 256, 64, 4, 4)]]
+
+
+def run_config(x, packed, scales, config):
+    config = dict(config)
+    split = config.pop("split")
+    if split == "auto":
+        split = mxfp4.auto_split(packed.shape[0], x.shape[1], config["block_n"], config["block_k"], x.device)
+    return mxfp4.fused_matmul(x, packed, scales, split_k=split, **config)
+
+
+def sweep(rows_list, log):
+    """Best fused configuration per (shape, M) and the dequantize + cuBLAS time, against bf16."""
+    best_rows = []
+    for k, n in SHAPES:
+        weights = weight_copies(k, n, n * k // 2)
         for m in rows_list:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-            expected = x @ dequantized.t()
-            bf16_ms = time_cuda(lambda: x @ weight.t(), repeat=repeat)
-            ours_ms = time_cuda(lambda: mxfp4.mxfp4_matmul(x, packed, scales), repeat=repeat)
+            sets = [(x, p, s) for _, p, s in weights]
+            bf16_ms = time_rotating(lambda x, w: x @ w.t(), [(x, w) for w, _, _ in weights], repeat=3)
+            configs = list(small_m_configs()) if m <= 16 else LARGE_M_CONFIGS
+            results = []
+            for config in configs:
+                try:
+                    ms = time_rotating(lambda x, p, s, c=config: run_config(x, p, s, c), sets, repeat=3,
+                                       calls=None if m < 4096 else 3)
+                except Exception as error:  # out of shared memory and the like: skip the configuration
+                    log.write(f"{k}x{n} M={m} {config}: {type(error).__name__}: {str(error)[:200]}\n")
+                    continue
+                results.append((ms, config))
+                log.write(f"{k}x{n} M={m} {config}: {ms:.4f} ms (bf16 {bf16_ms:.4f})\n")
+            dequant_ms = time_rotating(lambda x, p, s: mxfp4.mxfp4_matmul(x, p, s, path="dequant"), sets, repeat=3,
+                                       calls=None if m < 4096 else 3)
+            ms, config = min(results, key=lambda r: r[0])
+            best_rows.append({"K x N": f"{k}x{n}", "M": m, "bf16 ms": f"{bf16_ms:.4f}", "best fused ms": f"{ms:.4f}",
+                              "x bf16": f"{bf16_ms / ms:.2f}", "dequant+cuBLAS ms": f"{dequant_ms:.4f}",
+                              "x bf16 (dequant)": f"{bf16_ms / dequant_ms:.2f}", "config": str(config)})
+            log.flush()
+        del weights
+        torch.cuda.empty_cache()
+    return best_rows
+
+
+def bench_gemms(rows_list, copy_gbs):
+    table = []
+    for k, n in SHAPES:
+        packed_bytes = n * k // 2 + n * k // 32
+        weights = weight_copies(k, n, packed_bytes)
+        for m in rows_list:
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            weight, packed, scales = weights[0]
+            expected = x @ dequantize(packed, scales, torch.bfloat16).t()
             got = mxfp4.mxfp4_matmul(x, packed, scales)
+            calls = None if m < 4096 else 3
+            bf16_ms = time_rotating(lambda x, w: x @ w.t(), [(x, w) for w, _, _ in weights], calls=calls)
+            ours_ms = time_rotating(mxfp4.mxfp4_matmul, [(x, p, s) for _, p, s in weights], calls=calls)
             flops = 2 * m * n * k
             table.append({"K x N": f"{k}x{n}", "M": m, "bf16 ms": f"{bf16_ms:.4f}", "mxfp4 ms": f"{ours_ms:.4f}",
                           "mxfp4 TFLOP/s": f"{flops / ours_ms / 1e9:.0f}",
                           "packed GB/s": f"{packed_bytes / ours_ms / 1e6:.0f}",
+                          "% copy BW": f"{100 * packed_bytes / ours_ms / 1e6 / copy_gbs:.0f}",
                           "x bf16": f"{bf16_ms / ours_ms:.2f}", "relL2": f"{rel_l2(got, expected):.1e}"})
+            print(table[-1], flush=True)
+        del weights
+        torch.cuda.empty_cache()
     return table
 
 
-def bench_block(repeat):
-    """One full-size block: MXFP4 linears (q/k/v/out, SwiGLU, AdaLN) against bf16; error and weight bytes."""
+def bench_block(rows, repeat):
+    """One full-size block: MXFP4 linears (q/k/v/out, SwiGLU, AdaLN) against bf16; error, time, weight bytes."""
     from bench_h3_block import CFG, make_inputs
+    from common import time_cuda
 
     from h3gen.linear import dense_linear
     from h3gen.pipelines.h3.tiers import fused_block_forward
@@ -67,8 +169,8 @@ def bench_block(repeat):
     for name, param in quantized.named_parameters():
         if "norm" in name:
             param.data = dense.get_parameter(name).data.clone()
-    x, temb, idx, rope = make_inputs(8192, "cuda")
-    rows = []
+    x, temb, idx, rope = make_inputs(rows, "cuda")
+    table = []
     with torch.no_grad():
         outputs = {}
         for label, block in (("bf16", dense), ("mxfp4", quantized)):
@@ -76,24 +178,41 @@ def bench_block(repeat):
             outputs[label] = block(x.clone(), temb, idx, rope)
             ms = time_cuda(lambda b=block: b(x.clone(), temb, idx, rope), repeat=repeat)
             nbytes = sum(t.numel() * t.element_size() for t in list(block.parameters()) + list(block.buffers()))
-            rows.append({"block (8192 rows)": label, "ms": f"{ms:.2f}", "weight GB": f"{nbytes / 1e9:.3f}"})
-    rows[1]["relL2 vs bf16"] = f"{rel_l2(outputs['mxfp4'], outputs['bf16']):.2e}"
-    return rows
+            table.append({"block": f"{label}, {rows} rows", "ms": f"{ms:.2f}", "weight GB": f"{nbytes / 1e9:.3f}"})
+    table[1]["relL2 vs bf16"] = f"{rel_l2(outputs['mxfp4'], outputs['bf16']):.2e}"
+    del dense, quantized
+    torch.cuda.empty_cache()
+    return table
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rows", type=int, nargs="+", default=ROWS)
+    parser.add_argument("--block-rows", type=int, nargs="*", default=[8192])
     parser.add_argument("--repeat", type=int, default=10)
-    parser.add_argument("--out", type=Path)
+    parser.add_argument("--sweep", action="store_true")
+    parser.add_argument("--out", type=Path, help="folder for the JSON results and the sweep log")
     args = parser.parse_args()
-    gemms = bench_gemms(args.rows, args.repeat)
-    block = bench_block(args.repeat)
-    if args.out:
-        args.out.write_text(json.dumps({"gemm": gemms, "block": block}, indent=2))
-    print_table(block, ["block (8192 rows)", "ms", "weight GB", "relL2 vs bf16"])
+    out = args.out or Path(".")
+    out.mkdir(parents=True, exist_ok=True)
+    results = {}
+    copy_gbs = copy_bandwidth()
+    print(f"device-to-device copy: {copy_gbs:.0f} GB/s", flush=True)
+    if args.sweep:
+        with open(out / "mxfp4_sweep.log", "w") as log:
+            results["sweep"] = sweep(args.rows, log)
+    results["gemm"] = bench_gemms(args.rows, copy_gbs)
+    results["block"] = [row for rows in args.block_rows for row in bench_block(rows, args.repeat)]
+    (out / "bench_mxfp4.json").write_text(json.dumps(results, indent=2))
     print()
-    print_table(gemms, ["K x N", "M", "bf16 ms", "mxfp4 ms", "mxfp4 TFLOP/s", "packed GB/s", "x bf16", "relL2"])
+    print_table(results["block"], ["block", "ms", "weight GB", "relL2 vs bf16"])
+    if args.sweep:
+        print()
+        print_table(results["sweep"], ["K x N", "M", "bf16 ms", "best fused ms", "x bf16", "dequant+cuBLAS ms",
+                                       "x bf16 (dequant)", "config"])
+    print()
+    print_table(results["gemm"], ["K x N", "M", "bf16 ms", "mxfp4 ms", "mxfp4 TFLOP/s", "packed GB/s", "% copy BW",
+                                  "x bf16", "relL2"])
 
 
 if __name__ == "__main__":

@@ -87,18 +87,40 @@ def test_odd_width_is_padded_and_linear_matches_dequantized_weight():
     assert torch.allclose(layer(x), expected, atol=1e-5)
 
 
-@pytest.mark.parametrize("m,n,k,dtype", [(5, 37, 70, torch.float32), (33, 64, 96, torch.float16),
-                                         (1, 17, 32, torch.float32), (17, 9, 160, torch.float16)])
-def test_triton_gemm_matches_reference(m, n, k, dtype):
+@pytest.mark.parametrize("m,n,k,dtype,config", [
+    (5, 37, 70, torch.float32, dict(block_m=16, block_n=16, block_k=32)),
+    (33, 64, 96, torch.float16, dict(block_m=16, block_n=32, block_k=64)),
+    (1, 17, 32, torch.float32, dict(block_m=16, block_n=16, block_k=32)),
+    (17, 9, 160, torch.float16, dict(block_m=32, block_n=16, block_k=32)),
+    (3, 40, 200, torch.float32, dict(block_m=16, block_n=32, block_k=64, split_k=3)),  # K slices summed atomically
+    (2, 33, 96, torch.float16, {}),  # the default small-M tiles: one 256-wide K tile covers all of K
+    (70, 24, 65, torch.float32, {}),  # the default mid-M tiles
+])
+def test_triton_gemm_matches_reference(m, n, k, dtype, config):
     g = torch.Generator().manual_seed(m * n)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     packed, scales = (t.to(device) for t in quantize(torch.randn(n, k, generator=g)))
     x = torch.randn(m, k, generator=g).to(device, dtype)
-    got = gemm_triton.mxfp4_matmul(x, packed, scales, block_k=32)
+    got = gemm_triton.mxfp4_matmul(x, packed, scales, path="fused", **config)
     expected = gemm_ref.mxfp4_matmul(x, packed, scales)
-    assert got.dtype == dtype
-    assert ((got.float() - expected.float()).norm() / expected.float().norm()).item() < (1e-5 if dtype == torch.float32
-                                                                                          else 2e-3)
+    assert got.dtype == dtype and got.shape == (m, n)
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-3
+    assert ((got.float() - expected.float()).norm() / expected.float().norm()).item() < tolerance
+
+
+def test_triton_dequantize_matches_reference_including_special_scales():
+    g = torch.Generator().manual_seed(3)
+    weight = torch.randn(37, 100, generator=g) * torch.logspace(-30, 30, 37)[:, None]
+    weight[5, 40] = float("nan")  # its whole 32-block (elements 32..63) decodes to NaN
+    packed, scales = quantize(weight)
+    packed[7], scales[7, 0] = 0xFF, 0  # the smallest scale and the largest magnitude codes
+    got = gemm_triton.dequantize(packed, scales, torch.float32, 100)
+    expected = dequantize(packed, scales, torch.float32, 100)
+    assert torch.equal(got.isnan(), expected.isnan()) and got[5, 32:64].isnan().all()
+    assert torch.equal(torch.nan_to_num(got), torch.nan_to_num(expected))
+    x = torch.randn(4, 100, generator=g)
+    product = gemm_triton.mxfp4_matmul(x, packed[:4], scales[:4], path="dequant")
+    assert torch.allclose(product, gemm_ref.mxfp4_matmul(x, packed[:4], scales[:4]), rtol=1e-5, atol=0)
 
 
 def test_saved_quantized_checkpoint_round_trips(tmp_path):
