@@ -67,39 +67,68 @@ def weight_copies(k, n, nbytes):
     return weights
 
 
-def small_m_configs():
-    for block_n in (16, 32, 64):
-        for block_k in (128, 256, 512):
-            for num_stages in (3, 5):
-                for split in ("auto", 1):
-                    yield dict(block_m=16, block_n=block_n, block_k=block_k, num_warps=4, num_stages=num_stages,
-                               split=split)
+def small_m_configs(m):
+    if m == 1:
+        for block_n in (16, 32, 64, 128):
+            for block_k in (128, 256, 512):
+                yield dict(path="gemv", block_n=block_n, block_k=block_k, num_warps=4, num_stages=3)
+    for swap_ab in (True, False):
+        for block_n in (64, 128):
+            for block_k in (128, 256):
+                for num_warps in (4, 8) if block_n == 128 else (4,):
+                    yield dict(block_m=16, block_n=block_n, block_k=block_k, num_warps=num_warps, num_stages=3,
+                               split="auto", swap_ab=swap_ab)
 
 
-LARGE_M_CONFIGS = [dict(block_m=bm, block_n=bn, block_k=bk, num_warps=w, num_stages=s, split=1)
-                   for bm, bn, bk, w, s in [(16, 64, 256, 4, 4), (32, 64, 256, 4, 4), (64, 64, 128, 4, 4),
-                                            (64, 128, 128, 4, 3), (128, 128, 64, 8, 3), (128, 256, 64, 8, 3),
-                                            (256, 128, 64, 8, 3), (128, 128, 128, 8, 3), (64, 256, 64, 4, 4)]]
+LARGE_M_CONFIGS = [dict(block_m=bm, block_n=bn, block_k=bk, num_warps=w, num_stages=s, split=1, swap_ab=False)
+                   for bm, bn, bk, w, s in [(64, 64, 128, 4, 4), (64, 128, 128, 4, 3), (128, 128, 64, 8, 3),
+                                            (128, 128, 128, 8, 3), (256, 128, 64, 8, 3)]]
+DEQUANT_CONFIGS = [dict(block_n=bn, block_k=bk, num_warps=w) for bn, bk, w in
+                   [(32, 256, 4), (64, 256, 4), (16, 512, 4), (64, 128, 4), (32, 512, 8), (128, 256, 8)]]
+
+
+def sweep_dequantize(log):
+    """The dequantize kernel alone on the largest weight: GB/s moved (packed read + bf16 written)."""
+    rows = []
+    for k, n in SHAPES[2:3]:
+        weights = weight_copies(k, n, n * k // 2)
+        nbytes = n * k // 2 + n * k // 32 + 2 * n * k
+        for config in DEQUANT_CONFIGS:
+            ms = time_rotating(lambda p, s, c=config: mxfp4.dequantize(p, s, torch.bfloat16, k, **c),
+                               [(p, s) for _, p, s in weights], repeat=3)
+            rows.append({"K x N": f"{k}x{n}", "config": str(config), "ms": f"{ms:.4f}",
+                         "GB/s": f"{nbytes / ms / 1e6:.0f}"})
+            log.write(f"dequantize {rows[-1]}\n")
+    return rows
 
 
 def run_config(x, packed, scales, config):
     config = dict(config)
+    if config.pop("path", "fused") == "gemv":
+        return mxfp4.gemv(x, packed, scales, **config)
     split = config.pop("split")
     if split == "auto":
         split = mxfp4.auto_split(packed.shape[0], x.shape[1], config["block_n"], config["block_k"], x.device)
     return mxfp4.fused_matmul(x, packed, scales, split_k=split, **config)
 
 
-def sweep(rows_list, log):
-    """Best fused configuration per (shape, M) and the dequantize + cuBLAS time, against bf16."""
+def sweep(rows_list, log, budget_s):
+    """Best fused configuration per (shape, M) and the dequantize + cuBLAS time, against bf16; stops starting new
+    shapes after `budget_s` seconds."""
+    import time
+
+    began = time.monotonic()
     best_rows = []
     for k, n in SHAPES:
+        if time.monotonic() - began > budget_s:
+            log.write(f"sweep budget spent; {k}x{n} skipped\n")
+            continue
         weights = weight_copies(k, n, n * k // 2)
         for m in rows_list:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             sets = [(x, p, s) for _, p, s in weights]
             bf16_ms = time_rotating(lambda x, w: x @ w.t(), [(x, w) for w, _, _ in weights], repeat=3)
-            configs = list(small_m_configs()) if m <= 16 else LARGE_M_CONFIGS
+            configs = list(small_m_configs(m)) if m <= 16 else LARGE_M_CONFIGS if m <= 1024 else []
             results = []
             for config in configs:
                 try:
@@ -112,7 +141,7 @@ def sweep(rows_list, log):
                 log.write(f"{k}x{n} M={m} {config}: {ms:.4f} ms (bf16 {bf16_ms:.4f})\n")
             dequant_ms = time_rotating(lambda x, p, s: mxfp4.mxfp4_matmul(x, p, s, path="dequant"), sets, repeat=3,
                                        calls=None if m < 4096 else 3)
-            ms, config = min(results, key=lambda r: r[0])
+            ms, config = min(results, key=lambda r: r[0]) if results else (float("nan"), None)
             best_rows.append({"K x N": f"{k}x{n}", "M": m, "bf16 ms": f"{bf16_ms:.4f}", "best fused ms": f"{ms:.4f}",
                               "x bf16": f"{bf16_ms / ms:.2f}", "dequant+cuBLAS ms": f"{dequant_ms:.4f}",
                               "x bf16 (dequant)": f"{bf16_ms / dequant_ms:.2f}", "config": str(config)})
@@ -191,6 +220,7 @@ def main():
     parser.add_argument("--block-rows", type=int, nargs="*", default=[8192])
     parser.add_argument("--repeat", type=int, default=10)
     parser.add_argument("--sweep", action="store_true")
+    parser.add_argument("--sweep-budget", type=float, default=240.0, help="seconds of GEMM sweeping at most")
     parser.add_argument("--out", type=Path, help="folder for the JSON results and the sweep log")
     args = parser.parse_args()
     out = args.out or Path(".")
@@ -200,7 +230,11 @@ def main():
     print(f"device-to-device copy: {copy_gbs:.0f} GB/s", flush=True)
     if args.sweep:
         with open(out / "mxfp4_sweep.log", "w") as log:
-            results["sweep"] = sweep(args.rows, log)
+            results["dequantize"] = sweep_dequantize(log)
+            print_table(results["dequantize"], ["K x N", "config", "ms", "GB/s"])
+            results["sweep"] = sweep(args.rows, log, args.sweep_budget)
+            print_table(results["sweep"], ["K x N", "M", "bf16 ms", "best fused ms", "x bf16", "dequant+cuBLAS ms",
+                                           "x bf16 (dequant)", "config"])
     results["gemm"] = bench_gemms(args.rows, copy_gbs)
     results["block"] = [row for rows in args.block_rows for row in bench_block(rows, args.repeat)]
     (out / "bench_mxfp4.json").write_text(json.dumps(results, indent=2))

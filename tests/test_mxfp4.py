@@ -93,6 +93,8 @@ def test_odd_width_is_padded_and_linear_matches_dequantized_weight():
     (1, 17, 32, torch.float32, dict(block_m=16, block_n=16, block_k=32)),
     (17, 9, 160, torch.float16, dict(block_m=32, block_n=16, block_k=32)),
     (3, 40, 200, torch.float32, dict(block_m=16, block_n=32, block_k=64, split_k=3)),  # K slices summed atomically
+    (7, 50, 130, torch.float16, dict(block_m=16, block_n=32, block_k=64, swap_ab=True)),  # transposed product
+    (4, 64, 256, torch.float32, dict(block_m=16, block_n=16, block_k=64, swap_ab=True, split_k=2)),
     (2, 33, 96, torch.float16, {}),  # the default small-M tiles: one 256-wide K tile covers all of K
     (70, 24, 65, torch.float32, {}),  # the default mid-M tiles
 ])
@@ -106,6 +108,19 @@ def test_triton_gemm_matches_reference(m, n, k, dtype, config):
     assert got.dtype == dtype and got.shape == (m, n)
     tolerance = 1e-5 if dtype == torch.float32 else 2e-3
     assert ((got.float() - expected.float()).norm() / expected.float().norm()).item() < tolerance
+
+
+@pytest.mark.parametrize("n,k,config", [(37, 70, dict(block_n=16, block_k=32)), (64, 300, dict(block_n=32, block_k=64)),
+                                        (20, 256, dict(block_n=16, block_k=64, split_k=2))])
+def test_triton_gemv_matches_reference(n, k, config):
+    g = torch.Generator().manual_seed(n + k)
+    packed, scales = quantize(torch.randn(n, k, generator=g))
+    x = torch.randn(1, k, generator=g)
+    got = gemm_triton.mxfp4_matmul(x, packed, scales, path="gemv", **config)
+    expected = gemm_ref.mxfp4_matmul(x, packed, scales)
+    assert got.shape == (1, n) and torch.allclose(got, expected, rtol=1e-4, atol=1e-5)
+    with pytest.raises(ValueError, match="one row"):
+        gemm_triton.mxfp4_matmul(torch.randn(2, k), packed, scales, path="gemv")
 
 
 def test_triton_dequantize_matches_reference_including_special_scales():

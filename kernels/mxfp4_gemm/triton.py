@@ -7,9 +7,9 @@
   tile once per row tile costs more than writing the whole bf16 weight once (about 0.1 ms for the largest H3
   weight) and handing it to cuBLAS. The bf16 copy lives only for the call.
 
-Decoding E2M1 by bit construction rather than arithmetic: a code (sign s, exponent e, mantissa m) is the float32
-with exponent field e + 126 and top mantissa bit m when e > 0, and m * 0.5 (exponent field 126) when e = 0. The
-E8M0 scale 2^(b - 127) is the float32 with exponent field b.
+Decoding by bit placement rather than arithmetic: a code's magnitude bits, placed at the bottom of a float32's
+exponent and the top of its mantissa, read as the E2M1 value times 2^-126; the E8M0 scale 2^(b - 127) is the
+float32 with exponent field b.
 """
 
 import torch
@@ -17,16 +17,17 @@ import triton
 import triton.language as tl
 
 # Rows at and above which `mxfp4_matmul` dequantizes once and calls cuBLAS (measured on the H200, RESULTS.md).
-DEQUANT_MIN_ROWS = 1024
+DEQUANT_MIN_ROWS = 17
+GEMV_FOR_ONE_ROW = True
 
 
 @triton.jit
 def _e2m1_to_f32(code):
-    """uint32 4-bit E2M1 codes (sign in bit 3) -> float32 values, exact."""
-    exponent = (code >> 1) & 3
-    mantissa = code & 1
-    magnitude = tl.where(exponent == 0, mantissa * (126 << 23), ((exponent + 126) << 23) | (mantissa << 22))
-    return (magnitude | ((code & 8) << 28)).to(tl.float32, bitcast=True)
+    """uint32 4-bit E2M1 codes (sign in bit 3) -> float32 values, exact: the code's exponent and mantissa bits go
+    to the lowest exponent bits and the top mantissa bit, which reads as value * 2^-126 (e = 0 lands on the
+    subnormal 2^-127 = 0.5 * 2^-126), so one multiply by 2^126 restores it."""
+    bits = ((code & 7) << 22) | ((code & 8) << 28)
+    return bits.to(tl.float32, bitcast=True) * 8.507059173023462e37  # 2^126
 
 
 @triton.jit
@@ -38,39 +39,65 @@ def _e8m0_to_f32(bits):
 
 
 @triton.jit
+def _weight_tile(packed_ptr, scale_ptr, offs_n, n_ok, k0, k_stop, stride_pn, stride_sn, dtype: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Dequantized weight tile for elements k0 .. k0 + BLOCK_K of rows `offs_n`, as its even and odd elements:
+    two `(BLOCK_N, BLOCK_K / 2)` tensors. Bytes and scales are read as `(rows, groups of 32, ...)` tiles so that
+    one scale broadcasts over its 16 bytes in registers (no per-element scale loads)."""
+    GROUPS: tl.constexpr = BLOCK_K // 32
+    group = tl.arange(0, GROUPS)
+    offs_byte = tl.arange(0, 16)
+    first = k0 + 32 * group  # first element of each group
+    byte_ok = n_ok[:, None, None] & ((first[None, :, None] + 2 * offs_byte[None, None, :]) < k_stop)
+    byte = tl.load(packed_ptr + offs_n[:, None, None] * stride_pn + (first // 2)[None, :, None]
+                   + offs_byte[None, None, :], mask=byte_ok, other=0).to(tl.uint32)
+    scale_bits = tl.load(scale_ptr + offs_n[:, None, None] * stride_sn + (first // 32)[None, :, None],
+                         mask=n_ok[:, None, None] & (first < k_stop)[None, :, None], other=127).to(tl.uint32)
+    scale = _e8m0_to_f32(scale_bits)
+    low = tl.reshape((_e2m1_to_f32(byte & 15) * scale).to(dtype), (BLOCK_N, BLOCK_K // 2))
+    high = tl.reshape((_e2m1_to_f32(byte >> 4) * scale).to(dtype), (BLOCK_N, BLOCK_K // 2))
+    return low, high
+
+
+@triton.jit
 def _fused_kernel(x_ptr, packed_ptr, scale_ptr, out_ptr, M, N, K, k_per_split, stride_xm, stride_pn, stride_sn,
-                  stride_om, stride_os, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                  IEEE: tl.constexpr, ATOMIC: tl.constexpr):
+                  stride_om, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                  PRECISION: tl.constexpr, ATOMIC: tl.constexpr, SWAP_AB: tl.constexpr):
+    """out[m, n] = sum_k x[m, k] w[n, k]. With SWAP_AB the product is computed transposed (weight tile as the left
+    operand, straight from registers), which suits a handful of rows: the rows become the MMA's narrow dimension."""
     pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
-    offs_byte = tl.arange(0, BLOCK_K // 2)
+    offs_even = 2 * tl.arange(0, BLOCK_K // 2)
     m_ok, n_ok = offs_m < M, offs_n < N
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if SWAP_AB:
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     k_start = pid_k * k_per_split
     k_stop = tl.minimum(k_start + k_per_split, K)
     for k0 in range(k_start, k_stop, BLOCK_K):
-        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + (k0 + offs_k)[None, :],
-                    mask=m_ok[:, None] & ((k0 + offs_k) < k_stop)[None, :], other=0.0)
-        x_even, x_odd = tl.split(tl.reshape(x, (BLOCK_M, BLOCK_K // 2, 2)))
-        even_ok = (k0 + 2 * offs_byte) < k_stop
-        byte = tl.load(packed_ptr + offs_n[:, None] * stride_pn + (k0 // 2 + offs_byte)[None, :],
-                       mask=n_ok[:, None] & even_ok[None, :], other=0).to(tl.uint32)
-        # The scale of element k0 + 2j is byte (k0 + 2j) // 32: read once per 16 bytes, broadcast by the cache.
-        scale_bits = tl.load(scale_ptr + offs_n[:, None] * stride_sn + ((k0 + 2 * offs_byte) // 32)[None, :],
-                             mask=n_ok[:, None] & even_ok[None, :], other=127).to(tl.uint32)
-        scale = _e8m0_to_f32(scale_bits)
-        w_even = (_e2m1_to_f32(byte & 15) * scale).to(x.dtype)
-        w_odd = (_e2m1_to_f32(byte >> 4) * scale).to(x.dtype)
-        if IEEE:
-            acc += tl.dot(x_even, tl.trans(w_even), input_precision="ieee")
-            acc += tl.dot(x_odd, tl.trans(w_odd), input_precision="ieee")
+        even = k0 + offs_even
+        low, high = _weight_tile(packed_ptr, scale_ptr, offs_n, n_ok, k0, k_stop, stride_pn, stride_sn,
+                                 x_ptr.dtype.element_ty, BLOCK_N, BLOCK_K)
+        if SWAP_AB:
+            x_t = x_ptr + offs_m[None, :] * stride_xm + even[:, None]  # (BLOCK_K / 2, BLOCK_M)
+            x_even = tl.load(x_t, mask=m_ok[None, :] & (even < k_stop)[:, None], other=0.0)
+            x_odd = tl.load(x_t + 1, mask=m_ok[None, :] & ((even + 1) < k_stop)[:, None], other=0.0)
+            acc = tl.dot(low, x_even, acc, input_precision=PRECISION)
+            acc = tl.dot(high, x_odd, acc, input_precision=PRECISION)
         else:
-            acc += tl.dot(x_even, tl.trans(w_even))
-            acc += tl.dot(x_odd, tl.trans(w_odd))
-    out_ptrs = out_ptr + pid_k * stride_os + offs_m[:, None] * stride_om + offs_n[None, :]
-    mask = m_ok[:, None] & n_ok[None, :]
+            x_rows = x_ptr + offs_m[:, None] * stride_xm + even[None, :]  # (BLOCK_M, BLOCK_K / 2)
+            x_even = tl.load(x_rows, mask=m_ok[:, None] & (even < k_stop)[None, :], other=0.0)
+            x_odd = tl.load(x_rows + 1, mask=m_ok[:, None] & ((even + 1) < k_stop)[None, :], other=0.0)
+            acc = tl.dot(x_even, tl.trans(low), acc, input_precision=PRECISION)
+            acc = tl.dot(x_odd, tl.trans(high), acc, input_precision=PRECISION)
+    if SWAP_AB:
+        out_ptrs = out_ptr + offs_m[None, :] * stride_om + offs_n[:, None]
+        mask = n_ok[:, None] & m_ok[None, :]
+    else:
+        out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
+        mask = m_ok[:, None] & n_ok[None, :]
     if ATOMIC:
         tl.atomic_add(out_ptrs, acc, mask=mask)
     else:
@@ -78,33 +105,60 @@ def _fused_kernel(x_ptr, packed_ptr, scale_ptr, out_ptr, M, N, K, k_per_split, s
 
 
 @triton.jit
+def _gemv_kernel(x_ptr, packed_ptr, scale_ptr, out_ptr, N, K, k_per_split, stride_pn, stride_sn,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ATOMIC: tl.constexpr):
+    """One row of activations: out[n] = sum_k x[k] w[n, k] with CUDA-core FMAs (no MMA, no operand shuffles),
+    the weight tile kept as (rows, groups of 32, 16 bytes) throughout."""
+    pid_n, pid_k = tl.program_id(0), tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    GROUPS: tl.constexpr = BLOCK_K // 32
+    group = tl.arange(0, GROUPS)
+    offs_byte = tl.arange(0, 16)
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    k_start = pid_k * k_per_split
+    k_stop = tl.minimum(k_start + k_per_split, K)
+    for k0 in range(k_start, k_stop, BLOCK_K):
+        even = k0 + 32 * group[:, None] + 2 * offs_byte[None, :]  # (GROUPS, 16)
+        x_even = tl.load(x_ptr + even, mask=even < k_stop, other=0.0).to(tl.float32)
+        x_odd = tl.load(x_ptr + even + 1, mask=(even + 1) < k_stop, other=0.0).to(tl.float32)
+        byte = tl.load(packed_ptr + offs_n[:, None, None] * stride_pn + (even // 2)[None, :, :],
+                       mask=n_ok[:, None, None] & (even < k_stop)[None, :, :], other=0).to(tl.uint32)
+        first = k0 + 32 * group
+        scale = _e8m0_to_f32(tl.load(scale_ptr + offs_n[:, None] * stride_sn + (first // 32)[None, :],
+                                     mask=n_ok[:, None] & (first < k_stop)[None, :], other=127).to(tl.uint32))
+        partial = tl.sum(_e2m1_to_f32(byte & 15) * x_even[None, :, :] + _e2m1_to_f32(byte >> 4) * x_odd[None, :, :],
+                         axis=2)  # (BLOCK_N, GROUPS), before the groups' scales
+        acc += tl.sum(partial * scale, axis=1)
+    if ATOMIC:
+        tl.atomic_add(out_ptr + offs_n, acc, mask=n_ok)
+    else:
+        tl.store(out_ptr + offs_n, acc.to(out_ptr.dtype.element_ty), mask=n_ok)
+
+
+@triton.jit
 def _dequantize_kernel(packed_ptr, scale_ptr, out_ptr, N, K, stride_pn, stride_sn, stride_on,
                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_even = pid_k * BLOCK_K + 2 * tl.arange(0, BLOCK_K // 2)
     n_ok = offs_n < N
-    byte = tl.load(packed_ptr + offs_n[:, None] * stride_pn + (offs_even // 2)[None, :],
-                   mask=n_ok[:, None] & (offs_even < K)[None, :], other=0).to(tl.uint32)
-    scale = _e8m0_to_f32(tl.load(scale_ptr + offs_n[:, None] * stride_sn + (offs_even // 32)[None, :],
-                                 mask=n_ok[:, None] & (offs_even < K)[None, :], other=127).to(tl.uint32))
-    w_even = (_e2m1_to_f32(byte & 15) * scale).to(out_ptr.dtype.element_ty)
-    w_odd = (_e2m1_to_f32(byte >> 4) * scale).to(out_ptr.dtype.element_ty)
-    out = tl.reshape(tl.join(w_even, w_odd), (BLOCK_N, BLOCK_K))  # even elements first, as stored
+    low, high = _weight_tile(packed_ptr, scale_ptr, offs_n, n_ok, pid_k * BLOCK_K, K, stride_pn, stride_sn,
+                             out_ptr.dtype.element_ty, BLOCK_N, BLOCK_K)
+    out = tl.reshape(tl.join(low, high), (BLOCK_N, BLOCK_K))  # even elements first, as stored
     offs_k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
     tl.store(out_ptr + offs_n[:, None] * stride_on + offs_k[None, :], out,
              mask=n_ok[:, None] & (offs_k < K)[None, :])
 
 
-def dequantize(packed: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype, in_features: int) -> torch.Tensor:
+def dequantize(packed: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype, in_features: int, *,
+               block_n: int = 16, block_k: int = 512, num_warps: int = 4) -> torch.Tensor:
     """(`[N, Kp / 2]` uint8, `[N, Kp / 32]` uint8) -> `[N, in_features]` in `dtype`; same values as
     `h3gen.quant.mxfp4.dequantize`."""
     n = packed.shape[0]
     out = torch.empty((n, in_features), dtype=dtype, device=packed.device)
-    block_n, block_k = 32, 256
     grid = (triton.cdiv(n, block_n), triton.cdiv(in_features, block_k))
     _dequantize_kernel[grid](packed, scales, out, n, in_features, packed.stride(0), scales.stride(0), out.stride(0),
-                             BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4)
+                             BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps)
     return out
 
 
@@ -134,8 +188,9 @@ def default_config(m: int, n: int, k: int, device) -> dict:
 
 
 def fused_matmul(x, packed, scales, *, block_m: int, block_n: int, block_k: int, split_k: int = 1,
-                 num_warps: int = 4, num_stages: int = 3):
-    """The in-kernel dequantizing GEMM with explicit tiles; `split_k` > 1 sums K slices with float32 atomics."""
+                 swap_ab: bool = False, num_warps: int = 4, num_stages: int = 3):
+    """The in-kernel dequantizing GEMM with explicit tiles; `split_k` > 1 sums K slices with float32 atomics;
+    `swap_ab` computes the transposed product (for a few rows)."""
     m, k = x.shape
     n = packed.shape[0]
     k_per_split = triton.cdiv(triton.cdiv(k, split_k), block_k) * block_k
@@ -145,8 +200,25 @@ def fused_matmul(x, packed, scales, *, block_m: int, block_n: int, block_k: int,
         torch.empty((m, n), dtype=x.dtype, device=x.device)
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n), split_k)
     _fused_kernel[grid](x, packed, scales, out, m, n, k, k_per_split, x.stride(0), packed.stride(0),
-                        scales.stride(0), out.stride(0), 0, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-                        IEEE=x.dtype == torch.float32, ATOMIC=atomic, num_warps=num_warps, num_stages=num_stages)
+                        scales.stride(0), out.stride(0), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+                        PRECISION="ieee" if x.dtype == torch.float32 else "tf32", ATOMIC=atomic, SWAP_AB=swap_ab, num_warps=num_warps,
+                        num_stages=num_stages)
+    return out.to(x.dtype) if atomic else out
+
+
+def gemv(x, packed, scales, *, block_n: int = 32, block_k: int = 256, split_k: int | None = None,
+         num_warps: int = 4, num_stages: int = 3):
+    """`x` `[1, K]` times the dequantized weight transposed -> `[1, N]` without tensor cores."""
+    k, n = x.shape[1], packed.shape[0]
+    split_k = split_k or auto_split(n, k, block_n, block_k, x.device)
+    k_per_split = triton.cdiv(triton.cdiv(k, split_k), block_k) * block_k
+    split_k = triton.cdiv(k, k_per_split)
+    atomic = split_k > 1
+    out = torch.zeros((1, n), dtype=torch.float32, device=x.device) if atomic else \
+        torch.empty((1, n), dtype=x.dtype, device=x.device)
+    _gemv_kernel[(triton.cdiv(n, block_n), split_k)](x, packed, scales, out, n, k, k_per_split, packed.stride(0),
+                                                      scales.stride(0), BLOCK_N=block_n, BLOCK_K=block_k,
+                                                      ATOMIC=atomic, num_warps=num_warps, num_stages=num_stages)
     return out.to(x.dtype) if atomic else out
 
 
@@ -154,11 +226,15 @@ def mxfp4_matmul(x, packed, scales, *, path: str = "auto", **config):
     """Same contract as `reference.mxfp4_matmul`: `x` `[M, K]` (bf16/fp16/fp32) times the dequantized `[N, Kp]`
     weight (`packed` `[N, Kp / 2]`, `scales` `[N, Kp / 32]` uint8) transposed -> `[M, N]` in x.dtype.
 
-    `path`: "fused" (in-kernel dequantization), "dequant" (dequantize then `torch.matmul`) or "auto" (fused below
-    `DEQUANT_MIN_ROWS` rows). `config` overrides `default_config`'s tiles for the fused path."""
+    `path`: "fused" (in-kernel dequantization), "gemv" (one row, no tensor cores), "dequant" (dequantize then
+    `torch.matmul`) or "auto" (fused below `DEQUANT_MIN_ROWS` rows). `config` overrides the chosen path's tiles."""
     x = x.contiguous()
     m, k = x.shape
     n = packed.shape[0]
+    if path == "gemv" or (path == "auto" and m == 1 and GEMV_FOR_ONE_ROW):
+        if m != 1:
+            raise ValueError(f"the gemv path takes one row of activations, got {m}.")
+        return gemv(x, packed, scales, **config)
     if path == "dequant" or (path == "auto" and m >= DEQUANT_MIN_ROWS and not config):
         return x @ dequantize(packed, scales, x.dtype, k).t()
     return fused_matmul(x, packed, scales, **{**default_config(m, n, k, x.device), **config})
