@@ -30,19 +30,30 @@ ROWS = [1, 8, 16, 256, 4096, 37838]
 L2_FLUSH_BYTES = 240e6  # rotate over at least this many weight bytes (4x the H200's L2)
 
 
-def time_rotating(fn, arg_sets, *, calls: int | None = None, repeat: int = 5) -> float:
+def time_rotating(fn, arg_sets, *, calls: int | None = None, repeat: int = 5, graph: bool = False) -> float:
     """Median milliseconds per `fn(*args)` call, cycling through `arg_sets` (distinct weight copies) so each call
-    reads its weight from HBM; `calls` calls are timed between two events."""
+    reads its weight from HBM; `calls` calls are timed between two events. `graph`: the calls are captured once in
+    a CUDA graph and replayed, which leaves out the host's launch cost (the GPU time alone)."""
     calls = calls or max(len(arg_sets), 20)
     for args in arg_sets:
         fn(*args)
     torch.cuda.synchronize()
+    if graph:
+        captured = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(captured):
+            for i in range(calls):
+                fn(*arg_sets[i % len(arg_sets)])
+        captured.replay()
+        torch.cuda.synchronize()
     times = []
     for _ in range(repeat):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        for i in range(calls):
-            fn(*arg_sets[i % len(arg_sets)])
+        if graph:
+            captured.replay()
+        else:
+            for i in range(calls):
+                fn(*arg_sets[i % len(arg_sets)])
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end) / calls)
@@ -164,12 +175,19 @@ def bench_gemms(rows_list, copy_gbs):
             calls = None if m < 4096 else 3
             bf16_ms = time_rotating(lambda x, w: x @ w.t(), [(x, w) for w, _, _ in weights], calls=calls)
             ours_ms = time_rotating(mxfp4.mxfp4_matmul, [(x, p, s) for _, p, s in weights], calls=calls)
+            graph_ms = bf16_graph_ms = float("nan")
+            if m <= 256:  # where launch cost can hide the kernel
+                graph_ms = time_rotating(mxfp4.mxfp4_matmul, [(x, p, s) for _, p, s in weights], graph=True)
+                bf16_graph_ms = time_rotating(lambda x, w: x @ w.t(), [(x, w) for w, _, _ in weights], graph=True)
             flops = 2 * m * n * k
             table.append({"K x N": f"{k}x{n}", "M": m, "bf16 ms": f"{bf16_ms:.4f}", "mxfp4 ms": f"{ours_ms:.4f}",
                           "mxfp4 TFLOP/s": f"{flops / ours_ms / 1e9:.0f}",
                           "packed GB/s": f"{packed_bytes / ours_ms / 1e6:.0f}",
                           "% copy BW": f"{100 * packed_bytes / ours_ms / 1e6 / copy_gbs:.0f}",
-                          "x bf16": f"{bf16_ms / ours_ms:.2f}", "relL2": f"{rel_l2(got, expected):.1e}"})
+                          "x bf16": f"{bf16_ms / ours_ms:.2f}", "relL2": f"{rel_l2(got, expected):.1e}",
+                          "graphed: bf16 ms": f"{bf16_graph_ms:.4f}", "graphed mxfp4 ms": f"{graph_ms:.4f}",
+                          "x bf16 (graphed)": f"{bf16_graph_ms / graph_ms:.2f}",
+                          "% copy BW (graphed)": f"{100 * packed_bytes / graph_ms / 1e6 / copy_gbs:.0f}"})
             print(table[-1], flush=True)
         del weights
         torch.cuda.empty_cache()
@@ -238,15 +256,17 @@ def main():
     results["gemm"] = bench_gemms(args.rows, copy_gbs)
     results["block"] = [row for rows in args.block_rows for row in bench_block(rows, args.repeat)]
     (out / "bench_mxfp4.json").write_text(json.dumps(results, indent=2))
-    print()
-    print_table(results["block"], ["block", "ms", "weight GB", "relL2 vs bf16"])
+    if results["block"]:
+        print()
+        print_table(results["block"], ["block", "ms", "weight GB", "relL2 vs bf16"])
     if args.sweep:
         print()
         print_table(results["sweep"], ["K x N", "M", "bf16 ms", "best fused ms", "x bf16", "dequant+cuBLAS ms",
                                        "x bf16 (dequant)", "config"])
     print()
     print_table(results["gemm"], ["K x N", "M", "bf16 ms", "mxfp4 ms", "mxfp4 TFLOP/s", "packed GB/s", "% copy BW",
-                                  "x bf16", "relL2"])
+                                  "x bf16", "relL2", "graphed: bf16 ms", "graphed mxfp4 ms", "x bf16 (graphed)",
+                                  "% copy BW (graphed)"])
 
 
 if __name__ == "__main__":

@@ -179,9 +179,9 @@ def default_config(m: int, n: int, k: int, device) -> dict:
     weight with narrow N tiles and enough programs (splitting K when N alone gives too few) to keep every SM
     reading; larger M uses tensor-core sized tiles."""
     if m <= 16:
-        block_n, block_k = 32, 256
+        block_n, block_k = 64, 256
         return dict(block_m=16, block_n=block_n, block_k=block_k, split_k=auto_split(n, k, block_n, block_k, device),
-                    num_warps=4, num_stages=4)
+                    swap_ab=True, num_warps=4, num_stages=3)
     if m <= 128:
         return dict(block_m=64, block_n=64, block_k=128, split_k=1, num_warps=4, num_stages=4)
     return dict(block_m=128, block_n=128, block_k=64, split_k=1, num_warps=8, num_stages=3)
@@ -206,7 +206,7 @@ def fused_matmul(x, packed, scales, *, block_m: int, block_n: int, block_k: int,
     return out.to(x.dtype) if atomic else out
 
 
-def gemv(x, packed, scales, *, block_n: int = 32, block_k: int = 256, split_k: int | None = None,
+def gemv(x, packed, scales, *, block_n: int = 16, block_k: int = 512, split_k: int | None = None,
          num_warps: int = 4, num_stages: int = 3):
     """`x` `[1, K]` times the dequantized weight transposed -> `[1, N]` without tensor cores."""
     k, n = x.shape[1], packed.shape[0]
