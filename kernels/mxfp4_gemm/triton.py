@@ -47,12 +47,16 @@ def _weight_tile(packed_ptr, scale_ptr, offs_n, n_ok, k0, k_stop, stride_pn, str
     GROUPS: tl.constexpr = BLOCK_K // 32
     group = tl.arange(0, GROUPS)
     offs_byte = tl.arange(0, 16)
-    first = k0 + 32 * group  # first element of each group
-    byte_ok = n_ok[:, None, None] & ((first[None, :, None] + 2 * offs_byte[None, None, :]) < k_stop)
-    byte = tl.load(packed_ptr + offs_n[:, None, None] * stride_pn + (first // 2)[None, :, None]
-                   + offs_byte[None, None, :], mask=byte_ok, other=0).to(tl.uint32)
+    # k0 is a multiple of 32 (tiles and K slices are), so each group's bytes start 16-byte aligned: said to the
+    # compiler, it lets the 16 bytes load as one vector.
+    first = tl.multiple_of(k0 + 32 * group, 32)  # first element of each group
+    # Masked per group, not per element, so the 16 bytes of a group load as one vector: a group straddling the
+    # input width reads the zero padding of the stored width, and the activations beyond it are masked to zero.
+    group_ok = n_ok[:, None, None] & (first < k_stop)[None, :, None]
+    byte = tl.load(packed_ptr + offs_n[:, None, None] * stride_pn + tl.multiple_of(first // 2, 16)[None, :, None]
+                   + offs_byte[None, None, :], mask=group_ok, other=0).to(tl.uint32)
     scale_bits = tl.load(scale_ptr + offs_n[:, None, None] * stride_sn + (first // 32)[None, :, None],
-                         mask=n_ok[:, None, None] & (first < k_stop)[None, :, None], other=127).to(tl.uint32)
+                         mask=group_ok, other=127).to(tl.uint32)
     scale = _e8m0_to_f32(scale_bits)
     low = tl.reshape((_e2m1_to_f32(byte & 15) * scale).to(dtype), (BLOCK_N, BLOCK_K // 2))
     high = tl.reshape((_e2m1_to_f32(byte >> 4) * scale).to(dtype), (BLOCK_N, BLOCK_K // 2))
@@ -68,7 +72,6 @@ def _fused_kernel(x_ptr, packed_ptr, scale_ptr, out_ptr, M, N, K, k_per_split, s
     pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_even = 2 * tl.arange(0, BLOCK_K // 2)
     m_ok, n_ok = offs_m < M, offs_n < N
     if SWAP_AB:
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
@@ -77,19 +80,16 @@ def _fused_kernel(x_ptr, packed_ptr, scale_ptr, out_ptr, M, N, K, k_per_split, s
     k_start = pid_k * k_per_split
     k_stop = tl.minimum(k_start + k_per_split, K)
     for k0 in range(k_start, k_stop, BLOCK_K):
-        even = k0 + offs_even
         low, high = _weight_tile(packed_ptr, scale_ptr, offs_n, n_ok, k0, k_stop, stride_pn, stride_sn,
                                  x_ptr.dtype.element_ty, BLOCK_N, BLOCK_K)
+        offs_k = tl.multiple_of(k0, 32) + tl.arange(0, BLOCK_K)
+        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
+                    mask=m_ok[:, None] & (offs_k < k_stop)[None, :], other=0.0)  # contiguous, vectorized
+        x_even, x_odd = tl.split(tl.reshape(x, (BLOCK_M, BLOCK_K // 2, 2)))
         if SWAP_AB:
-            x_t = x_ptr + offs_m[None, :] * stride_xm + even[:, None]  # (BLOCK_K / 2, BLOCK_M)
-            x_even = tl.load(x_t, mask=m_ok[None, :] & (even < k_stop)[:, None], other=0.0)
-            x_odd = tl.load(x_t + 1, mask=m_ok[None, :] & ((even + 1) < k_stop)[:, None], other=0.0)
-            acc = tl.dot(low, x_even, acc, input_precision=PRECISION)
-            acc = tl.dot(high, x_odd, acc, input_precision=PRECISION)
+            acc = tl.dot(low, tl.trans(x_even), acc, input_precision=PRECISION)
+            acc = tl.dot(high, tl.trans(x_odd), acc, input_precision=PRECISION)
         else:
-            x_rows = x_ptr + offs_m[:, None] * stride_xm + even[None, :]  # (BLOCK_M, BLOCK_K / 2)
-            x_even = tl.load(x_rows, mask=m_ok[:, None] & (even < k_stop)[None, :], other=0.0)
-            x_odd = tl.load(x_rows + 1, mask=m_ok[:, None] & ((even + 1) < k_stop)[None, :], other=0.0)
             acc = tl.dot(x_even, tl.trans(low), acc, input_precision=PRECISION)
             acc = tl.dot(x_odd, tl.trans(high), acc, input_precision=PRECISION)
     if SWAP_AB:
@@ -119,12 +119,13 @@ def _gemv_kernel(x_ptr, packed_ptr, scale_ptr, out_ptr, N, K, k_per_split, strid
     k_start = pid_k * k_per_split
     k_stop = tl.minimum(k_start + k_per_split, K)
     for k0 in range(k_start, k_stop, BLOCK_K):
-        even = k0 + 32 * group[:, None] + 2 * offs_byte[None, :]  # (GROUPS, 16)
-        x_even = tl.load(x_ptr + even, mask=even < k_stop, other=0.0).to(tl.float32)
-        x_odd = tl.load(x_ptr + even + 1, mask=(even + 1) < k_stop, other=0.0).to(tl.float32)
-        byte = tl.load(packed_ptr + offs_n[:, None, None] * stride_pn + (even // 2)[None, :, :],
-                       mask=n_ok[:, None, None] & (even < k_stop)[None, :, :], other=0).to(tl.uint32)
-        first = k0 + 32 * group
+        first = tl.multiple_of(k0 + 32 * group, 32)  # k0 is a multiple of 32: aligned vector loads
+        offs_k = first[:, None] + tl.arange(0, 32)[None, :]  # (GROUPS, 32), contiguous
+        x = tl.load(x_ptr + offs_k, mask=offs_k < k_stop, other=0.0).to(tl.float32)
+        x_even, x_odd = tl.split(tl.reshape(x, (GROUPS, 16, 2)))
+        group_ok = n_ok[:, None, None] & (first < k_stop)[None, :, None]  # per group: see _weight_tile
+        byte = tl.load(packed_ptr + offs_n[:, None, None] * stride_pn + tl.multiple_of(first // 2, 16)[None, :, None]
+                       + offs_byte[None, None, :], mask=group_ok, other=0).to(tl.uint32)
         scale = _e8m0_to_f32(tl.load(scale_ptr + offs_n[:, None] * stride_sn + (first // 32)[None, :],
                                      mask=n_ok[:, None] & (first < k_stop)[None, :], other=127).to(tl.uint32))
         partial = tl.sum(_e2m1_to_f32(byte & 15) * x_even[None, :, :] + _e2m1_to_f32(byte >> 4) * x_odd[None, :, :],
