@@ -80,14 +80,15 @@ def weight_copies(k, n, nbytes):
 
 def small_m_configs(m):
     if m == 1:
-        for block_n in (16, 32, 64, 128):
-            for block_k in (128, 256, 512):
-                yield dict(path="gemv", block_n=block_n, block_k=block_k, num_warps=4, num_stages=3)
+        for block_n in (16, 32):
+            for block_k in (512, 1024, 2048):
+                for num_warps in (4, 8):
+                    yield dict(path="gemv", block_n=block_n, block_k=block_k, num_warps=num_warps, num_stages=3)
     for swap_ab in (True, False):
         for block_n in (64, 128):
-            for block_k in (128, 256):
-                for num_warps in (4, 8) if block_n == 128 else (4,):
-                    yield dict(block_m=16, block_n=block_n, block_k=block_k, num_warps=num_warps, num_stages=3,
+            for block_k in (256, 512):
+                for num_stages in (3, 5):
+                    yield dict(block_m=16, block_n=block_n, block_k=block_k, num_warps=4, num_stages=num_stages,
                                split="auto", swap_ab=swap_ab)
 
 
@@ -119,7 +120,7 @@ def run_config(x, packed, scales, config):
         return mxfp4.gemv(x, packed, scales, **config)
     split = config.pop("split")
     if split == "auto":
-        split = mxfp4.auto_split(packed.shape[0], x.shape[1], config["block_n"], config["block_k"], x.device)
+        split = mxfp4.auto_split(packed.shape[0], x.shape[1], config["block_n"], config["block_k"])
     return mxfp4.fused_matmul(x, packed, scales, split_k=split, **config)
 
 

@@ -163,25 +163,25 @@ def dequantize(packed: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype, i
     return out
 
 
-def _sm_count(device) -> int:
-    if device.type != "cuda":
-        return 132
-    return torch.cuda.get_device_properties(device).multi_processor_count
+# Packed weight bytes a small-M product should have requested at any moment to keep HBM busy (bandwidth x latency
+# on the H200 is about 4 MB). Each program reads one (block_n, block_k / 2) byte tile per step, so all programs
+# together have about N * block_k / 2 bytes in flight; splitting K multiplies that.
+IN_FLIGHT_BYTES = 6 << 20
 
 
-def auto_split(n: int, k: int, block_n: int, block_k: int, device) -> int:
-    """K slices for a small-M product: enough programs for two per SM, each slice at least 4 K tiles long."""
-    tiles = triton.cdiv(n, block_n)
-    return max(1, min(8, (2 * _sm_count(device)) // tiles, k // (4 * block_k)))
+def auto_split(n: int, k: int, block_n: int, block_k: int) -> int:
+    """K slices for a small-M product: enough for `IN_FLIGHT_BYTES` in flight, each slice at least 2 K tiles."""
+    wanted = triton.cdiv(IN_FLIGHT_BYTES, n * block_k // 2)
+    return max(1, min(8, wanted, k // (2 * block_k)))
 
 
-def default_config(m: int, n: int, k: int, device) -> dict:
-    """Fused-kernel tile sizes for an `[m, k] x [k, n]` product (tuned on the H200, RESULTS.md): small M streams the
-    weight with narrow N tiles and enough programs (splitting K when N alone gives too few) to keep every SM
-    reading; larger M uses tensor-core sized tiles."""
+def default_config(m: int, n: int, k: int) -> dict:
+    """Fused-kernel tile sizes for an `[m, k] x [k, n]` product (swept on the H200, RESULTS.md): small M computes the
+    transposed product and splits K until enough weight bytes are in flight; larger M uses tensor-core sized
+    tiles."""
     if m <= 16:
         block_n, block_k = 64, 256
-        return dict(block_m=16, block_n=block_n, block_k=block_k, split_k=auto_split(n, k, block_n, block_k, device),
+        return dict(block_m=16, block_n=block_n, block_k=block_k, split_k=auto_split(n, k, block_n, block_k),
                     swap_ab=True, num_warps=4, num_stages=3)
     if m <= 128:
         return dict(block_m=64, block_n=64, block_k=128, split_k=1, num_warps=4, num_stages=4)
@@ -207,11 +207,11 @@ def fused_matmul(x, packed, scales, *, block_m: int, block_n: int, block_k: int,
     return out.to(x.dtype) if atomic else out
 
 
-def gemv(x, packed, scales, *, block_n: int = 16, block_k: int = 512, split_k: int | None = None,
+def gemv(x, packed, scales, *, block_n: int = 16, block_k: int = 2048, split_k: int | None = None,
          num_warps: int = 4, num_stages: int = 3):
     """`x` `[1, K]` times the dequantized weight transposed -> `[1, N]` without tensor cores."""
     k, n = x.shape[1], packed.shape[0]
-    split_k = split_k or auto_split(n, k, block_n, block_k, x.device)
+    split_k = split_k or auto_split(n, k, block_n, block_k)
     k_per_split = triton.cdiv(triton.cdiv(k, split_k), block_k) * block_k
     split_k = triton.cdiv(k, k_per_split)
     atomic = split_k > 1
@@ -238,4 +238,4 @@ def mxfp4_matmul(x, packed, scales, *, path: str = "auto", **config):
         return gemv(x, packed, scales, **config)
     if path == "dequant" or (path == "auto" and m >= DEQUANT_MIN_ROWS and not config):
         return x @ dequantize(packed, scales, x.dtype, k).t()
-    return fused_matmul(x, packed, scales, **{**default_config(m, n, k, x.device), **config})
+    return fused_matmul(x, packed, scales, **{**default_config(m, n, k), **config})
