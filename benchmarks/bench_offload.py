@@ -5,7 +5,7 @@ precomputed so AdaLN weights never stream) against all blocks resident and again
 Prints per variant: time of the 8-block forward, ratio to all-resident, ratio of diffusers' group offloading to
 ours, peak GPU memory and host memory held.
 
-    python benchmarks/bench_offload.py --rows 37838 8192
+    python benchmarks/bench_offload.py --rows 8192 [--resident 2] [--mxfp4]
 """
 
 import argparse
@@ -29,12 +29,35 @@ from h3gen.pipelines.h3.transformer import H3TransformerBlock  # noqa: E402
 GiB = 2**30
 
 
-def build(count: int):
-    """`count` random blocks in bf16: ours on the host (CPU) and diffusers' with the same weights."""
+def mxfp4_copy(block: H3TransformerBlock, device="cuda", config=CFG) -> H3TransformerBlock:
+    """`block` (on `device`) with its block linears quantized to MXFP4 there, returned on the host."""
+    from h3gen.quant.mxfp4 import mxfp4_linear_factory
+
+    with torch.device("meta"):
+        quantized = H3TransformerBlock(config, mxfp4_linear_factory())
+    quantized = quantized.to_empty(device=device)
+    for name, module in quantized.named_modules():
+        if hasattr(module, "set_weight"):
+            source = block.get_submodule(name)
+            module.set_weight(source.weight)
+            module.compute_dtype = torch.bfloat16
+            if module.bias is not None:
+                module.bias = nn.Parameter(source.bias.detach().clone(), requires_grad=False)
+    dense_state = block.state_dict()
+    for name, tensor in quantized.state_dict().items():
+        if name in dense_state and tensor.dtype != torch.uint8:
+            tensor.copy_(dense_state[name])
+    quantized.fused_forward, quantized.attn.core.backend = fused_block_forward, "auto"
+    return quantized.eval().cpu()
+
+
+def build(count: int, mxfp4: bool = False):
+    """`count` random blocks in bf16: ours on the host (CPU) and diffusers' with the same weights (and, with
+    `mxfp4`, a third list: ours with MXFP4 block linears)."""
     from diffusers.models.transformers.transformer_minimax_h3 import MiniMaxH3TransformerBlock
 
     torch.manual_seed(0)
-    ours, theirs = nn.ModuleList(), nn.ModuleList()
+    ours, theirs, quantized = nn.ModuleList(), nn.ModuleList(), nn.ModuleList()
     for _ in range(count):
         with torch.device("cuda"):
             block = H3TransformerBlock(CFG, dense_linear).to(torch.bfloat16).eval()
@@ -42,9 +65,11 @@ def build(count: int):
                                                   CFG.qk_norm_eps).to(torch.bfloat16).eval()
         reference.load_state_dict(block.state_dict())
         block.fused_forward, block.attn.core.backend = fused_block_forward, "auto"
+        if mxfp4:
+            quantized.append(mxfp4_copy(block))
         ours.append(block.cpu())
         theirs.append(reference.cpu())
-    return ours, theirs
+    return ours, theirs, quantized
 
 
 def forward_ours(blocks, x, tables, idx, rope):
@@ -73,11 +98,12 @@ def main():
     parser.add_argument("--prefetch", type=int, default=2)
     parser.add_argument("--resident", type=int, default=0, help="blocks the planner keeps on the GPU (strided)")
     parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--mxfp4", action="store_true", help="also MXFP4 blocks, resident and streamed")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     from diffusers.hooks import apply_group_offloading
 
-    ours, theirs = build(args.blocks)
+    ours, theirs, quantized = build(args.blocks, args.mxfp4)
     rows = args.rows
     x, temb, idx, rope = make_inputs(rows, "cuda")
     with torch.no_grad():
@@ -101,6 +127,32 @@ def main():
         del offload
         torch.cuda.empty_cache()
 
+        mxfp4_rows = []
+        if args.mxfp4:  # the same blocks with MXFP4 linears: packed bytes stream, dequantized on the GPU
+            quantized.to("cuda")
+            tables_q = [block.adaln_proj.table(temb) for block in quantized]
+            expected_q = forward_ours(quantized, x.clone(), tables_q, idx, rope)
+            q_resident_ms, q_resident_peak = measure(lambda h: forward_ours(quantized, h, tables_q, idx, rope), x,
+                                                     args.repeat)
+            quantized.cpu()
+            torch.cuda.empty_cache()
+            offload_q = LayerwiseOffload(quantized, plan, "cuda", prefetch=args.prefetch)
+            tables_q = [block.adaln_proj.table(temb) for block in quantized]
+            got_q = forward_ours(quantized, x.clone(), tables_q, idx, rope)
+            q_ms, q_peak = measure(lambda h: forward_ours(quantized, h, tables_q, idx, rope), x, args.repeat)
+            mxfp4_rows = [
+                {"rows": rows, "variant": "MXFP4 all resident", "ms": f"{q_resident_ms:.1f}",
+                 "x resident": f"{q_resident_ms / resident_ms:.3f}", "peak GPU GiB": f"{q_resident_peak:.1f}",
+                 "host GiB": "-", "relL2": f"{rel_l2(expected_q, expected):.1e}"},
+                {"rows": rows, "variant": f"MXFP4 layer-wise, {args.blocks - args.resident} of {args.blocks} "
+                                          f"streamed ({q_ms / q_resident_ms:.3f}x MXFP4 resident)",
+                 "ms": f"{q_ms:.1f}", "x resident": f"{q_ms / resident_ms:.3f}", "peak GPU GiB": f"{q_peak:.1f}",
+                 "host GiB": f"{offload_q.pinned_bytes / GiB:.2f} pinned, ring {offload_q.ring_bytes / GiB:.2f}",
+                 "relL2": f"{rel_l2(got_q, expected_q):.1e} (vs MXFP4 resident)"},
+            ]
+            del offload_q
+            torch.cuda.empty_cache()
+
         # diffusers' group offloading, block level, one block per group, with streams.
         holder = nn.Module()
         holder.blocks = theirs
@@ -120,7 +172,7 @@ def main():
          "x resident": f"{theirs_ms / resident_ms:.3f}", "peak GPU GiB": f"{theirs_peak:.1f}",
          "host GiB": f"{sum(p.numel() * 2 for p in theirs.parameters()) / GiB:.1f}",
          "relL2": f"{rel_l2(reference, expected):.1e}", "ours faster": f"{theirs_ms / ours_ms:.2f}x"},
-    ]
+    ] + mxfp4_rows
     if args.out:
         args.out.write_text(json.dumps(rows_out, indent=2))
     print_table(rows_out, ["rows", "variant", "ms", "x resident", "peak GPU GiB", "host GiB", "relL2", "ours faster"])

@@ -130,3 +130,46 @@ def test_streamed_text_encoder_layers_give_the_same_conditioning(tmp_path):
     for _ in range(2):
         assert torch.equal(encoder.encode("a quiet street at night").embeds, expected)
     assert log[:51] == list(range(51)) and log[51:102] == list(range(51))  # every layer, in order, each call
+
+
+def test_mxfp4_blocks_stream_their_packed_bytes_bit_identically():
+    from h3gen.quant.mxfp4 import MXFP4Linear, mxfp4_linear_factory
+
+    dense = H3Transformer.from_config(CONFIG).eval()
+    randomize_(dense, seed=7)
+
+    def quantized_copy():
+        model = H3Transformer.from_config(CONFIG, linear_factory=mxfp4_linear_factory()).eval()
+        state = dense.state_dict()
+        for name, module in model.named_modules():
+            if isinstance(module, MXFP4Linear):
+                module.set_weight(state.pop(f"{name}.weight"))
+                module.compute_dtype = torch.float32
+        model.load_state_dict(state, strict=False)
+        set_quality(model, "lossless")
+        return model
+
+    reference, model = quantized_copy(), quantized_copy()
+    from h3gen.offload.layerwise import _owned_tensors
+
+    block_bytes = sum(t.numel() * t.element_size() for *_, t in _owned_tensors(model.transformer_blocks[0],
+                                                                                ("adaln_proj",)))
+    dense_block_bytes = _block_bytes(dense)
+    budget = _other_bytes(model) + 3 * block_bytes  # 2 ring slots and one resident block
+    log = []
+    offload = apply_layerwise_offload(model, "cpu", gpu_memory=budget, activation_reserve=0, prefetch=1,
+                                      copy_log=log)
+    assert len(model.offload_plan.streamed) == 5
+    # Per streamed block, the packed weights (plus float32 norms and biases) instead of the float32 matrices.
+    streamed_bytes = sum(packed.nbytes for packed in offload.packed.values())
+    assert streamed_bytes < 5 * dense_block_bytes / 4, (streamed_bytes, dense_block_bytes)
+    for step in range(2):
+        inputs = random_inputs(CONFIG, seed=10 + step, **INPUTS)
+        with torch.no_grad():
+            expected = reference(**inputs, return_dict=False,
+                                 adaln_tables=reference.precompute_adaln([inputs["timestep"]]), step=0)
+            got = model(**inputs, return_dict=False, adaln_tables=model.precompute_adaln([inputs["timestep"]]),
+                        step=0)
+        for a, b in zip(got, expected):
+            assert torch.equal(a, b)
+    assert log[:10] == list(model.offload_plan.streamed) * 2
