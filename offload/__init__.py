@@ -4,6 +4,7 @@ planner keeps as many blocks on the GPU as the budget allows and streams the res
 from h3gen.offload.apply import OFFLOAD_MODES, apply_layerwise_offload, stream_layers
 from h3gen.offload.layerwise import LayerwiseOffload
 from h3gen.offload.planner import OffloadPlan, plan_residency
+from h3gen.offload.shared_host import SharedHostStore
 
-__all__ = ["OFFLOAD_MODES", "LayerwiseOffload", "OffloadPlan", "apply_layerwise_offload", "plan_residency",
-           "stream_layers"]
+__all__ = ["OFFLOAD_MODES", "LayerwiseOffload", "OffloadPlan", "SharedHostStore", "apply_layerwise_offload",
+           "plan_residency", "stream_layers"]

@@ -13,12 +13,14 @@ def _bytes(tensors) -> int:
 
 
 def apply_layerwise_offload(transformer, device, *, gpu_memory, prefetch: int = 2, activation_reserve=None,
-                            policy: str = "strided", copy_log=None) -> LayerwiseOffload:
+                            policy: str = "strided", copy_log=None, host_store=None) -> LayerwiseOffload:
     """Offload `transformer`'s blocks (loaded on the CPU) to fit `gpu_memory` on `device`.
 
     `gpu_memory` ("30GiB", bytes) is what the transformer may use on the GPU, activations included; the
     non-block weights and `activation_reserve` (default a fifth of it) come off the top, the blocks share the rest.
     Each block's AdaLN projection is left out of the per-step stream (its tables are computed once per request).
+    `host_store` (a `SharedHostStore`) puts the blocks in one host copy shared by the machine's ranks; on a reader
+    rank the blocks may be left unloaded (meta).
     """
     budget = parse_bytes(gpu_memory)
     reserve = parse_bytes(activation_reserve) if activation_reserve is not None else budget // 5
@@ -29,7 +31,8 @@ def apply_layerwise_offload(transformer, device, *, gpu_memory, prefetch: int = 
     block_bytes = [_bytes(t for *_, t in _owned_tensors(block, ON_DEMAND)) for block in blocks]
     other = _bytes(p for n, p in transformer.named_parameters() if not n.startswith("transformer_blocks."))
     plan = plan_residency(block_bytes, budget - other - reserve, prefetch=prefetch, policy=policy)
-    offload = LayerwiseOffload(blocks, plan, device, prefetch=prefetch, on_demand=ON_DEMAND, copy_log=copy_log)
+    offload = LayerwiseOffload(blocks, plan, device, prefetch=prefetch, on_demand=ON_DEMAND, copy_log=copy_log,
+                               host_store=host_store)
     transformer.offload = offload
     transformer.offload_plan = plan
     return offload

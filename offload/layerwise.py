@@ -46,10 +46,22 @@ def _owned_tensors(module: nn.Module, skip: tuple[str, ...]):
                 yield sub, name, False, tensor
 
 
-class PackedModule:
-    """One module's tensors packed into flat host buffers, one per dtype; `bind` points the module at a copy."""
+def packed_sizes(module: nn.Module, skip: tuple[str, ...] = ()) -> dict[torch.dtype, int]:
+    """Elements per dtype a `PackedModule` of `module` holds (works on the meta device)."""
+    sizes: dict[torch.dtype, int] = {}
+    for *_, tensor in _owned_tensors(module, skip):
+        sizes[tensor.dtype] = sizes.get(tensor.dtype, 0) + tensor.numel()
+    return sizes
 
-    def __init__(self, module: nn.Module, skip: tuple[str, ...], pin: bool):
+
+class PackedModule:
+    """One module's tensors packed into flat host buffers, one per dtype; `bind` points the module at a copy.
+
+    `host` gives the buffers (e.g. views of a shared host store; default: new ones, pinned if `pin`); `fill=False`
+    leaves them as they are, for a module whose tensors are not loaded here (meta) but packed by another process."""
+
+    def __init__(self, module: nn.Module, skip: tuple[str, ...], pin: bool,
+                 host: dict[torch.dtype, torch.Tensor] | None = None, fill: bool = True):
         self.slots: list[_Slot] = []
         sizes: dict[torch.dtype, int] = {}
         tensors = list(_owned_tensors(module, skip))
@@ -58,9 +70,11 @@ class PackedModule:
             self.slots.append(_Slot(owner, name, is_param, tensor.dtype, offset, tensor.shape))
             sizes[tensor.dtype] = offset + tensor.numel()
         self.sizes = sizes
-        self.host = {dtype: torch.empty(n, dtype=dtype, pin_memory=pin) for dtype, n in sizes.items()}
-        for slot, (_, _, _, tensor) in zip(self.slots, tensors):
-            self.host[slot.dtype][slot.offset : slot.offset + tensor.numel()].copy_(tensor.detach().reshape(-1))
+        self.host = host if host is not None else \
+            {dtype: torch.empty(n, dtype=dtype, pin_memory=pin) for dtype, n in sizes.items()}
+        if fill:
+            for slot, (_, _, _, tensor) in zip(self.slots, tensors):
+                self.host[slot.dtype][slot.offset : slot.offset + tensor.numel()].copy_(tensor.detach().reshape(-1))
 
     @property
     def nbytes(self) -> int:
@@ -69,19 +83,23 @@ class PackedModule:
     def bind(self, buffers: dict[torch.dtype, torch.Tensor]) -> None:
         """Point every tensor of the module at its view of `buffers` (flat, per dtype)."""
         for slot in self.slots:
-            view = buffers[slot.dtype][slot.offset : slot.offset + slot.shape.numel()].view(slot.shape)
-            if slot.is_param:
-                slot.module._parameters[slot.name].data = view
-            else:
-                slot.module._buffers[slot.name] = view
+            _point(slot, buffers[slot.dtype][slot.offset : slot.offset + slot.shape.numel()].view(slot.shape))
 
     def release(self, placeholders: dict[torch.dtype, torch.Tensor]) -> None:
         """Point every tensor at an empty placeholder (the module holds no memory until bound again)."""
         for slot in self.slots:
-            if slot.is_param:
-                slot.module._parameters[slot.name].data = placeholders[slot.dtype]
-            else:
-                slot.module._buffers[slot.name] = placeholders[slot.dtype]
+            _point(slot, placeholders[slot.dtype])
+
+
+def _point(slot: _Slot, tensor: torch.Tensor) -> None:
+    if not slot.is_param:
+        slot.module._buffers[slot.name] = tensor
+        return
+    param = slot.module._parameters[slot.name]
+    if param.device.type == "meta":  # never loaded here (a shared-store reader): a meta tensor cannot take data
+        slot.module._parameters[slot.name] = nn.Parameter(tensor, requires_grad=False)
+    else:
+        param.data = tensor
 
 
 class LayerwiseOffload:
@@ -89,7 +107,8 @@ class LayerwiseOffload:
     `device` for good. `copy_log`, if given, records the order of block copies (tests use it)."""
 
     def __init__(self, blocks: nn.ModuleList, plan: OffloadPlan, device, *, prefetch: int = 2,
-                 on_demand: tuple[str, ...] = ("adaln_proj",), pin: bool | None = None, copy_log: list | None = None):
+                 on_demand: tuple[str, ...] = ("adaln_proj",), pin: bool | None = None, copy_log: list | None = None,
+                 host_store=None):
         self.device = torch.device(device)
         cuda = self.device.type == "cuda"
         pin = cuda if pin is None else pin
@@ -98,15 +117,27 @@ class LayerwiseOffload:
         self.slots = min(plan.slots or (self.prefetch + 1), len(self.order)) if self.order else 0
         self.copy_log = copy_log
         self.copy_stream = torch.cuda.Stream(self.device) if cuda else None
-        for index in plan.resident:
-            blocks[index].to(self.device)
-        self.packed = {i: PackedModule(blocks[i], on_demand, pin) for i in self.order}
-        self.on_demand = {}
-        for i in self.order:
-            for name in on_demand:
-                if hasattr(blocks[i], name):
-                    module = getattr(blocks[i], name)
-                    self.on_demand[(i, name)] = PackedModule(module, (), pin)
+        units = {("block", i): (blocks[i], on_demand) for i in self.order}
+        units |= {(i, name): (getattr(blocks[i], name), ()) for i in self.order for name in on_demand
+                  if hasattr(blocks[i], name)}
+        self.host_store = host_store
+        if host_store is None:
+            for index in plan.resident:
+                blocks[index].to(self.device)
+            packed = {key: PackedModule(module, skip, pin) for key, (module, skip) in units.items()}
+        else:
+            # Every block goes through the shared store (resident ones too: a reader rank never loaded them), laid
+            # out identically on every rank; the owner fills it, the readers only map it.
+            units |= {("resident", i): (blocks[i], ()) for i in plan.resident}
+            hosts = host_store.allocate([packed_sizes(module, skip) for module, skip in units.values()])
+            packed = {key: PackedModule(module, skip, pin, host=host, fill=host_store.owner)
+                      for (key, (module, skip)), host in zip(units.items(), hosts)}
+            host_store.publish()
+            for i in plan.resident:
+                resident = packed.pop(("resident", i))
+                resident.bind({dtype: host.to(self.device) for dtype, host in resident.host.items()})
+        self.packed = {i: packed[("block", i)] for i in self.order}
+        self.on_demand = {key: value for key, value in packed.items() if key[0] != "block"}
         dtypes = {dtype for p in list(self.packed.values()) + list(self.on_demand.values()) for dtype in p.sizes}
         self.placeholders = {dtype: torch.empty(0, dtype=dtype, device=self.device) for dtype in dtypes}
         for packed in list(self.packed.values()) + list(self.on_demand.values()):
@@ -192,6 +223,9 @@ class LayerwiseOffload:
 
     @property
     def pinned_bytes(self) -> int:
+        """Host bytes holding the streamed weights (with a shared store: the whole store, once per machine)."""
+        if self.host_store is not None:
+            return self.host_store.nbytes
         return sum(p.nbytes for p in list(self.packed.values()) + list(self.on_demand.values()))
 
     @property

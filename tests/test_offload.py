@@ -173,3 +173,43 @@ def test_mxfp4_blocks_stream_their_packed_bytes_bit_identically():
         for a, b in zip(got, expected):
             assert torch.equal(a, b)
     assert log[:10] == list(model.offload_plan.streamed) * 2
+
+
+def test_local_ranks_share_one_host_copy_that_only_rank_0_loads(tmp_path):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from h3gen.offload.layerwise import _owned_tensors
+
+    reference = H3Transformer.from_config(CONFIG).eval()
+    randomize_(reference, seed=11)
+    reference.save_pretrained(tmp_path / "transformer")
+    set_quality(reference, "lossless")
+    block_bytes = sum(t.numel() * t.element_size() for *_, t in _owned_tensors(reference.transformer_blocks[0],
+                                                                                ("adaln_proj",)))
+    budget = _other_bytes(reference) + 4 * block_bytes  # 2 ring slots, 2 resident blocks
+    store = tmp_path / "shm"
+    store.mkdir()
+    tests = Path(__file__).parent
+    env = dict(os.environ, LOCAL_WORLD_SIZE="2", PYTHONPATH=os.pathsep.join([str(tests), os.environ.get("PYTHONPATH", "")]))
+    ranks = [subprocess.Popen([sys.executable, str(tests / "shared_store_rank.py"), str(tmp_path / "transformer"),
+                               str(store), str(tmp_path / f"rank{rank}.pt"), str(budget)],
+                              env=dict(env, LOCAL_RANK=str(rank)), stderr=subprocess.PIPE, text=True)
+             for rank in (1, 0)]  # the reader starts first and waits for the owner
+    for process in ranks:
+        _, err = process.communicate(timeout=300)
+        assert process.returncode == 0, err[-3000:]
+    owner, reader = (torch.load(tmp_path / f"rank{rank}.pt") for rank in (0, 1))
+    assert owner["loaded_blocks"] and not reader["loaded_blocks"]  # the reader never read the blocks
+    assert len(owner["resident"]) == 2 and owner["resident"] == reader["resident"]
+    assert owner["store_bytes"] == reader["store_bytes"] >= 6 * block_bytes
+    assert list(store.iterdir()) == []  # unlinked once both ranks mapped it
+    for step in range(2):
+        inputs = random_inputs(CONFIG, seed=step, **INPUTS)
+        with torch.no_grad():
+            expected = reference(**inputs, return_dict=False)
+        for rank in (owner, reader):
+            for got, want in zip(rank["outputs"][step], expected):
+                assert torch.equal(got, want)

@@ -5,7 +5,7 @@ straight from the file dtype to its target dtype (float32 for the islands, the r
 to the target device, one tensor at a time: a full-precision copy of the model never exists.
 """
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -62,17 +62,22 @@ def assign_tensors(
     device: torch.device,
     keep_fp32_modules: Iterable[str] = (),
     source: str = "checkpoint",
+    skip: Callable[[str], bool] | None = None,
 ) -> None:
     """Fill a meta-initialised model from `(source key, target key, tensor)` triples.
 
     Floating tensors become `dtype` (float32 for names matching `keep_fp32_modules`); other dtypes (packed
-    quantized weights, integer buffers) are kept. Raises `CheckpointError` listing missing keys, unexpected keys and
-    shape mismatches together.
+    quantized weights, integer buffers) are kept. Target keys for which `skip` is true are neither read nor
+    reported missing: they stay on the meta device (their values come from elsewhere, e.g. a shared host store).
+    Raises `CheckpointError` listing missing keys, unexpected keys and shape mismatches together.
     """
     keep_fp32_modules = tuple(keep_fp32_modules)
     slots = dict(model.named_parameters()) | dict(model.named_buffers())
     unexpected, mismatched, loaded = [], [], set()
     for source_key, target_key, tensor in tensors:
+        if skip is not None and skip(target_key):
+            loaded.add(target_key)
+            continue
         owner_name, _, owner_leaf = target_key.rpartition(".")
         try:
             owner = model.get_submodule(owner_name) if owner_name and target_key not in slots else None
@@ -130,8 +135,10 @@ def load_transformer(
     qkv_layout: str = "interleaved",
     parallel=None,
     quantization: str | None = None,
+    skip_prefixes: tuple[str, ...] = (),
 ):
     """Build `cls` (an `H3Transformer`) from `folder/config.json` on the meta device and stream its weights in.
+    Tensors under `skip_prefixes` (e.g. "transformer_blocks.") are not read and stay on the meta device.
     With `parallel` (a `ParallelState`), the model is this rank's TP shard and SP slice. `quantization="mxfp4"`
     stores the block linears as MXFP4, quantizing each full-precision tensor as it is read (a checkpoint saved
     quantized says so in its config and loads as such).
@@ -183,7 +190,7 @@ def load_transformer(
     cfg = model.config
     # Tensor-parallel ranks read only their shards through lazy slices, in either layout (the original layout's
     # fused q/k/v and swapped SwiGLU halves are converted row range by row range, `layouts.LazyRows`).
-    lazy = getattr(model, "parallel_state", None) is not None
+    lazy = getattr(model, "parallel_state", None) is not None or bool(skip_prefixes)
     tensors = iter_converted(
         read_tensors(folder, lazy=lazy), layout, cfg.num_attention_heads, cfg.attention_head_dim, qkv_layout
     )
@@ -194,8 +201,11 @@ def load_transformer(
         device=device,
         keep_fp32_modules=cls.keep_fp32_modules,
         source=f"{folder} ({layout} layout)",
+        skip=(lambda key: key.startswith(tuple(skip_prefixes))) if skip_prefixes else None,
     )
     for module in model.modules():  # quantized layers compute in the model's working dtype
         if hasattr(module, "compute_dtype") and hasattr(module, "weight_packed"):
             module.compute_dtype = torch_dtype
+    if skip_prefixes:  # every loaded tensor is on `device` already; the skipped ones stay on meta
+        return model.eval().requires_grad_(False)
     return model.to(device).eval().requires_grad_(False)

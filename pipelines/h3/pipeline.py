@@ -107,7 +107,9 @@ class H3Pipeline:
         same calls with the same seed. `offload`: "none" (everything on the device), "stage" (the text encoder
         and the VAEs visit the device only for their stage), "layerwise" (stage, plus transformer blocks streamed
         from pinned host memory within `gpu_memory`, e.g. "30GiB", `prefetch` blocks ahead, and the text encoder's
-        decoder layers streamed while it encodes; the host memory it needs is checked before loading). `quantization="mxfp4"` stores the transformer's block linears as MXFP4,
+        decoder layers streamed while it encodes; the host memory it needs is checked before loading; under Ulysses
+        without tensor parallelism the machine's ranks share one host copy of the blocks, in /dev/shm, loaded by local
+        rank 0 only). `quantization="mxfp4"` stores the transformer's block linears as MXFP4,
         quantized one tensor at a time while loading (a checkpoint saved that way loads as such).
         """
         if workflow not in WORKFLOWS:
@@ -128,13 +130,23 @@ class H3Pipeline:
             needed = sum(folder_bytes(checkpoint.folder(name)) for name in
                          ("transformer", "text_encoder", "vae", "audio_vae"))
             check_host_memory(needed, "layer-wise offload (host copies of the transformer, text encoder and VAEs)")
+        host_store = None
+        if offload == "layerwise" and parallel is not None and parallel.tp == 1:
+            # Ulysses ranks hold identical weights: one host copy per machine, which only local rank 0 loads.
+            from h3gen.offload.host_memory import folder_bytes
+            from h3gen.offload.shared_host import shared_store_for_ranks
+
+            host_store = shared_store_for_ranks("transformer", folder_bytes(checkpoint.folder("transformer")),
+                                                pin=torch.device(device).type == "cuda")
         transformer = H3Transformer.from_pretrained(
             checkpoint.folder("transformer"), torch_dtype=torch_dtype,
-            device="cpu" if offload == "layerwise" else device, parallel=parallel, quantization=quantization)
+            device="cpu" if offload == "layerwise" else device, parallel=parallel, quantization=quantization,
+            skip_prefixes=("transformer_blocks.",) if host_store is not None and not host_store.owner else ())
         if offload == "layerwise":
             from h3gen.offload import apply_layerwise_offload
 
-            apply_layerwise_offload(transformer, device, gpu_memory=gpu_memory, prefetch=prefetch)
+            apply_layerwise_offload(transformer, device, gpu_memory=gpu_memory, prefetch=prefetch,
+                                    host_store=host_store)
         text_encoder = H3TextEncoder.from_pretrained(
             checkpoint.folder("text_encoder"), checkpoint.folder("tokenizer"), checkpoint.components.get("processor"),
             dtype=torch_dtype, device=staged,
