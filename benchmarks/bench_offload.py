@@ -99,6 +99,9 @@ def main():
     parser.add_argument("--resident", type=int, default=0, help="blocks the planner keeps on the GPU (strided)")
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--mxfp4", action="store_true", help="also MXFP4 blocks, resident and streamed")
+    parser.add_argument("--gpu-cap-gib", type=float, default=None,
+                        help="after the all-resident run, cap this process's GPU memory "
+                             "(torch.cuda.set_per_process_memory_fraction) so that the blocks cannot all be resident")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     from diffusers.hooks import apply_group_offloading
@@ -114,6 +117,11 @@ def main():
         resident_ms, resident_peak = measure(lambda h: forward_ours(ours, h, tables, idx, rope), x, args.repeat)
         ours.cpu()
         torch.cuda.empty_cache()
+        if args.gpu_cap_gib:
+            total = torch.cuda.get_device_properties(0).total_memory
+            torch.cuda.set_per_process_memory_fraction(min(1.0, args.gpu_cap_gib * GiB / total))
+            print(f"GPU memory capped at {args.gpu_cap_gib:.1f} GiB (all-resident peak was {resident_peak:.1f} GiB)",
+                  flush=True)
 
         # Ours: every block streamed from pinned host memory; AdaLN tables computed once (weights loaded on
         # demand for that), so AdaLN weights do not stream per step.
