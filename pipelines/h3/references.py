@@ -198,14 +198,16 @@ def as_references(references) -> list[Reference]:
         raise RequestError("ref2va needs at least one reference (an image, a video or an audio clip).", "references")
     items = [as_reference(item, f"references[{index}]") for index, item in enumerate(references)]
     if len(items) > MAX_REFERENCES:
-        raise RequestError(f"at most {MAX_REFERENCES} references in all (got {len(items)}).", items[MAX_REFERENCES].name)
+        name = items[MAX_REFERENCES].name
+        raise RequestError(f"{name}: at most {MAX_REFERENCES} references in all (got {len(items)}).", name)
     for kind, limit in (("image", MAX_IMAGES), ("video", MAX_VIDEOS), ("audio", MAX_AUDIOS)):
         of_kind = [item for item in items if item.kind == kind]
         if len(of_kind) > limit:
-            raise RequestError(f"at most {limit} {kind} references (got {len(of_kind)}).", of_kind[limit].name)
+            name = of_kind[limit].name
+            raise RequestError(f"{name}: at most {limit} {kind} references (got {len(of_kind)}).", name)
     if all(item.kind == "audio" for item in items):
-        raise RequestError("an audio reference needs at least one image or video reference beside it; audio "
-                           "cannot be the only reference.", items[0].name)
+        raise RequestError(f"{items[0].name}: an audio reference needs at least one image or video reference beside "
+                           "it; audio cannot be the only reference.", items[0].name)
     return items
 
 
