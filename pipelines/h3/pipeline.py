@@ -134,8 +134,8 @@ class H3Pipeline:
         `torch_dtype` applies to the transformer, the text encoder and the video VAE (their float32 islands stay
         float32); the audio VAE is always float32. `workflow` is "t2va" or "fl2va" (both load the same components;
         fl2va also requires `processor/`), "ref2va" (loads `transformer_ref/` instead of `transformer/`) or "all"
-        (every task the checkpoint has the components for; both partitions when it holds both). A missing component
-        raises `CheckpointError` naming it. `quality` is
+        (every task the checkpoint has the components for; both partitions when it holds both, which then share
+        `gpu_memory` under layer-wise offload). A missing component raises `CheckpointError` naming it. `quality` is
         the default tier (`exact`, `lossless` or `fast`, see `tiers.py`); `fast` quantizes the transformer's block
         GEMMs to FP8 at load, and only a pipeline loaded with it serves `fast` requests. `parallel` (an
         `h3gen.parallel.ParallelState` of an initialised process group) splits the transformer over the ranks
@@ -175,8 +175,11 @@ class H3Pipeline:
                 device="cpu" if offload == "layerwise" else device, parallel=parallel, quantization=quantization)
             if offload == "layerwise":
                 from h3gen.offload import apply_layerwise_offload
+                from h3gen.offload.planner import parse_bytes
 
-                apply_layerwise_offload(loaded[name], device, gpu_memory=gpu_memory, prefetch=prefetch)
+                # Both partitions stay loaded, so they share the GPU budget.
+                share = parse_bytes(gpu_memory) // len(partitions)
+                apply_layerwise_offload(loaded[name], device, gpu_memory=share, prefetch=prefetch)
         text_encoder = H3TextEncoder.from_pretrained(
             checkpoint.folder("text_encoder"), checkpoint.folder("tokenizer"), checkpoint.components.get("processor"),
             dtype=torch_dtype, device=staged,

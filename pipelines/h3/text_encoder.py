@@ -156,7 +156,9 @@ class H3TextEncoder:
             vision = self.video_processor(sampled)
             vision_inputs.update(vision)
             for grid, times in zip(vision["video_grid_thw"], video_times):
-                assert int(grid[0]) == len(times), "one timestamp per merged frame group"
+                if int(grid[0]) != len(times):
+                    raise RuntimeError(f"the video processor merged {int(grid[0])} frame groups for {len(times)} "
+                                       "timestamps; its temporal patch disagrees with the sampling.")
                 video_tokens.append(int(grid[1]) * int(grid[2]) // merge)
 
         token_ids, tags = [], []
