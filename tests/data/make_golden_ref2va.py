@@ -9,6 +9,7 @@ resize/normalize). The wheels on the dev machine's registry are CUDA builds whos
 to torch 2.13.0+cpu, so the import skips those extensions; the ops used here never call them.
 """
 
+import importlib
 import sys
 from pathlib import Path
 
@@ -46,7 +47,7 @@ def _import_torchvision_without_native_extensions():
 
     torch._C._dispatch_has_kernel_for_dispatch_key = tolerant
     try:
-        import torchvision  # noqa: F401
+        importlib.import_module("torchvision")  # registers the v2 functional ops transformers calls
     finally:
         torch._C._dispatch_has_kernel_for_dispatch_key = original
 
