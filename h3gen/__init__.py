@@ -1,6 +1,7 @@
 """h3gen: a serving system for MiniMax-H3 (joint video + stereo-audio diffusion).
 
-Public API: `H3Pipeline` / `H3Output` (generation), `H3Transformer`, `tiny_checkpoint` (the demo model),
+Public API: `H3Pipeline` / `H3Output` (generation), `ImageReference` / `VideoReference` / `AudioReference` (ref2va
+references), `H3Transformer`, `tiny_checkpoint` (the demo model),
 `RequestError`, `CheckpointError`. Heavy modules are imported lazily so `import h3gen` stays light.
 """
 
@@ -25,6 +26,9 @@ if (_root / "pyproject.toml").exists() and (_root / "kernels" / "__init__.py").e
 _LAZY = {
     "H3Pipeline": "h3gen.pipelines.h3.pipeline",
     "H3Output": "h3gen.pipelines.h3.pipeline",
+    "ImageReference": "h3gen.pipelines.h3.references",
+    "VideoReference": "h3gen.pipelines.h3.references",
+    "AudioReference": "h3gen.pipelines.h3.references",
     "H3Transformer": "h3gen.pipelines.h3.transformer",
     "H3TransformerConfig": "h3gen.pipelines.h3.transformer",
     "tiny_checkpoint": "h3gen.pipelines.h3.tiny",

@@ -6,6 +6,23 @@ import sys
 from h3gen.errors import CheckpointError, RequestError
 
 DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
+REFERENCE_FLAGS = {"--ref-image": "image", "--ref-video": "video", "--ref-audio": "audio"}
+
+
+class _AppendReference(argparse.Action):
+    """`--ref-image/--ref-video/--ref-audio PATH`, repeatable, into one list that keeps the command line's order."""
+
+    def __call__(self, parser, namespace, value, option_string=None):
+        references = list(getattr(namespace, self.dest) or [])
+        references.append((REFERENCE_FLAGS[option_string], value, option_string))
+        setattr(namespace, self.dest, references)
+
+
+def _references(args: argparse.Namespace) -> list | None:
+    from h3gen.pipelines.h3.references import AudioReference, ImageReference, VideoReference
+
+    types = {"image": ImageReference, "video": VideoReference, "audio": AudioReference}
+    return [types[kind](path, name=flag) for kind, path, flag in args.references] if args.references else None
 
 
 def _cmd_env(args: argparse.Namespace) -> int:
@@ -78,9 +95,10 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         raise RequestError("--device cuda was asked for but no CUDA device is available.", "device")
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype_name = args.dtype or ("bf16" if device.startswith("cuda") else "fp32")
-    workflow = "fl2va" if (args.image or args.last_image) else "t2va"
-    call = dict(image=args.image, last_image=args.last_image, aspect_ratio=args.aspect, seconds=args.seconds,
-                num_inference_steps=args.steps, seed=args.seed)
+    references = _references(args)
+    workflow = "ref2va" if references else "fl2va" if (args.image or args.last_image) else "t2va"
+    call = dict(image=args.image, last_image=args.last_image, references=references, aspect_ratio=args.aspect,
+                seconds=args.seconds, num_inference_steps=args.steps, seed=args.seed)
 
     # Check the request against the checkpoint before loading any weights (or starting any process).
     checkpoint = H3Checkpoint.open(args.model)
@@ -111,10 +129,12 @@ def _cmd_generate(args: argparse.Namespace) -> int:
                                       quantization=args.quantization)
     if args.seed is None:
         call["seed"] = request.seed  # the seed drawn during the check, so it can be reported
+    if references and args.seconds is None:
+        call["num_frames"] = request.shape.num_frames  # the length taken from the references' sound, decoded once
     if rank != 0:  # every rank runs the same steps; rank 0 decodes, reports and writes the file
         pipe(args.prompt, decode=False, **call)
         return 0
-    total = 1 + len(request.keyframes) + (args.steps - 1) + 3
+    total = 1 + len(request.keyframes) + len(request.references) + (args.steps - 1) + 3
     bar, callback = _progress_bar(total)
     try:
         output = pipe(args.prompt, callback=callback, **call)
@@ -158,6 +178,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     dtype = getattr(torch, DTYPES[args.dtype]) if args.dtype else None
     offload = {"offload": args.offload, "gpu_memory": args.gpu_memory, "prefetch": args.prefetch,
                "quantization": args.quantization}
+    serving = {"quality": args.quality, "offload": offload, "workflow": args.workflow}
     if args.tp * args.ulysses > 1:
         from h3gen.parallel.launch import launched_by_torchrun, relaunch_with_torchrun, start_rank
         from h3gen.parallel.state import check_degrees
@@ -172,14 +193,13 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         if torch.distributed.get_rank() != 0:
             from h3gen.server.distributed import follow
 
-            follow(args.model, parallel=parallel, device=device, dtype=dtype, quality=args.quality, offload=offload)
+            follow(args.model, parallel=parallel, device=device, dtype=dtype, **serving)
             return 0
         from h3gen.server.distributed import DistributedEngine
 
-        engine = DistributedEngine(args.model, parallel=parallel, device=device, dtype=dtype, quality=args.quality,
-                                   offload=offload)
+        engine = DistributedEngine(args.model, parallel=parallel, device=device, dtype=dtype, **serving)
     else:
-        engine = H3Engine(args.model, device=args.device, dtype=dtype, quality=args.quality, offload=offload)
+        engine = H3Engine(args.model, device=args.device, dtype=dtype, **serving)
     manager = JobManager(engine, args.results_dir, max_queue=args.max_queue,
                          retention_seconds=args.retention_hours * 3600,
                          max_results_bytes=int(args.max_results_gb * 2**30))
@@ -212,13 +232,20 @@ def build_parser() -> argparse.ArgumentParser:
     env = commands.add_parser("env", help="print versions, devices and codecs")
     env.set_defaults(run=_cmd_env)
 
-    gen = commands.add_parser("generate", help="generate an MP4 with stereo audio from a prompt (and keyframes)")
+    gen = commands.add_parser("generate", help="generate an MP4 with stereo audio from a prompt (and keyframes or "
+                                               "references)")
     gen.add_argument("prompt", help="what to generate, used verbatim")
     gen.add_argument("--model", help="local MiniMax-H3 checkpoint folder (default: the tiny random demo model)")
     gen.add_argument("--image", help="keyframe the video starts on (fl2va)")
     gen.add_argument("--last-image", dest="last_image", help="keyframe the video ends on (fl2va)")
+    for flag, what in (("--ref-image", "an image (subject, style, scene; up to 9)"),
+                       ("--ref-video", "a video (motion, camera; its soundtrack too; up to 3)"),
+                       ("--ref-audio", "an audio clip (voice, music; up to 3, not alone)")):
+        gen.add_argument(flag, dest="references", action=_AppendReference, metavar="PATH",
+                         help=f"ref2va reference: {what}; repeatable, references keep the command line's order")
     gen.add_argument("--aspect", default=None, help="W:H from 1:4 to 4:1 (default 16:9, or the keyframe's)")
-    gen.add_argument("--seconds", type=float, default=5.0, help="length, 5 to 15 s (default 5)")
+    gen.add_argument("--seconds", type=float, default=None,
+                     help="length, 5 to 15 s (default 5; ref2va: the length of the first reference with sound)")
     gen.add_argument("--steps", type=int, default=50, help="sigma grid points, 2 to 1000 (default 50)")
     gen.add_argument("--seed", type=int, default=None, help="noise seed (default: random, printed at the end)")
     gen.add_argument("--device", choices=("cuda", "cpu"), default=None, help="default: cuda if available")
@@ -249,6 +276,9 @@ def build_parser() -> argparse.ArgumentParser:
     _offload_arguments(serve)
     serve.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (processes started with torchrun)")
     serve.add_argument("--ulysses", type=int, default=1, help="Ulysses sequence-parallel degree")
+    serve.add_argument("--workflow", choices=("all", "t2va", "fl2va", "ref2va"), default="all",
+                       help="tasks to serve (default: all the model holds; ref2va loads the transformer_ref/ "
+                            "partition as well)")
     serve.add_argument("--no-ui", dest="no_ui", action="store_true", help="do not mount the web UI at /ui")
     serve.add_argument("--log-level", dest="log_level", default="info")
     serve.set_defaults(run=_cmd_serve)

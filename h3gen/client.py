@@ -2,12 +2,35 @@
 
     client = H3Client("http://127.0.0.1:8000", api_key=None)
     job = client.generate("a red fox in the snow", seconds=5, seed=7, out="fox.mp4")
+    job = client.generate("<Picture 1> sings <Audio 1>", references=["singer.png", "voice.wav"], out="song.mp4")
 """
 
 import time
 from pathlib import Path
 
 import httpx
+
+# A reference's kind by its file suffix (pass `(kind, path)` for anything else).
+REFERENCE_SUFFIXES = {
+    "image": {".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif", ".tif", ".tiff"},
+    "video": {".mp4", ".mov", ".mkv", ".webm", ".avi", ".m4v", ".mpg", ".mpeg", ".ts"},
+    "audio": {".wav", ".mp3", ".m4a", ".aac", ".flac", ".ogg", ".opus", ".oga"},
+}
+
+
+def _reference_part(reference) -> tuple[str, Path]:
+    """`path` or `(kind, path)` -> the form field (`ref_image` / `ref_video` / `ref_audio`) and the file."""
+    if isinstance(reference, tuple):
+        kind, path = reference
+    else:
+        path = Path(reference)
+        kind = next((k for k, suffixes in REFERENCE_SUFFIXES.items() if path.suffix.lower() in suffixes), None)
+        if kind is None:
+            raise H3ClientError(f"cannot tell the kind of reference {path} from its suffix; pass (kind, path) with "
+                                "kind image, video or audio.")
+    if kind not in REFERENCE_SUFFIXES:
+        raise H3ClientError(f"a reference kind is image, video or audio (got {kind!r}).")
+    return f"ref_{kind}", Path(path)
 
 
 class H3ClientError(RuntimeError):
@@ -52,17 +75,20 @@ class H3Client:
     def health(self) -> dict:
         return self._check(self._http.get("/health")).json()
 
-    def create(self, prompt: str, *, image=None, last_image=None, **fields) -> dict:
-        """Queue a job (`task` defaults to fl2va when a keyframe is given). Returns `{id, status, created_at}`."""
-        files = {name: Path(path) for name, path in (("image", image), ("last_image", last_image)) if path}
+    def create(self, prompt: str, *, image=None, last_image=None, references=None, **fields) -> dict:
+        """Queue a job (`task` defaults to fl2va when a keyframe is given, ref2va when `references` are: paths,
+        kind by suffix, or `(kind, path)` pairs, in the order the model reads them). Returns
+        `{id, status, created_at}`."""
+        files = [(name, Path(path)) for name, path in (("image", image), ("last_image", last_image)) if path]
+        files += [_reference_part(reference) for reference in references or ()]
         body = {"prompt": prompt, **{k: v for k, v in fields.items() if v is not None}}
         if files:
-            body.setdefault("task", "fl2va")
-            handles = {name: (path.name, path.open("rb")) for name, path in files.items()}
+            body.setdefault("task", "ref2va" if references else "fl2va")
+            handles = [(name, (path.name, path.open("rb"))) for name, path in files]
             try:
                 response = self._http.post("/v1/videos", data={k: str(v) for k, v in body.items()}, files=handles)
             finally:
-                for _, handle in handles.values():
+                for _, (_, handle) in handles:
                     handle.close()
         else:
             response = self._http.post("/v1/videos", json=body)

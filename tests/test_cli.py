@@ -110,3 +110,44 @@ def test_invalid_parallel_degrees_fail_before_starting_processes(cache, tmp_path
     result = _h3gen(["generate", "x", "--tp", "3", "--out", str(tmp_path / "x.mp4")], cache)
     assert result.returncode != 0 and "Traceback" not in result.stderr
     assert "Valid here" in result.stderr and "torch.distributed" not in result.stderr
+
+
+def test_reference_flags_keep_the_command_line_order():
+    from h3gen.cli import _references, build_parser
+
+    args = build_parser().parse_args(["generate", "x", "--out", "o.mp4", "--ref-audio", "a.wav", "--ref-image",
+                                      "b.png", "--ref-video", "c.mp4", "--ref-image", "d.png"])
+    references = _references(args)
+    assert [(r.kind, str(getattr(r, r.kind)), r.name) for r in references] == [
+        ("audio", "a.wav", "--ref-audio"), ("image", "b.png", "--ref-image"), ("video", "c.mp4", "--ref-video"),
+        ("image", "d.png", "--ref-image")]
+    assert _references(build_parser().parse_args(["generate", "x", "--out", "o.mp4"])) is None
+
+
+def test_generate_ref2va_takes_its_length_from_the_reference_sound(cache, tmp_path):
+    from media_files import moving_frames, tone, write_audio, write_video
+    from PIL import Image
+
+    Image.new("RGB", (60, 90), (20, 120, 220)).save(tmp_path / "face.png")
+    write_audio(tmp_path / "voice.m4a", tone(6.1, 48000), 48000)
+    write_video(tmp_path / "dance.mp4", moving_frames(30, 48, 64), 24)
+    out = tmp_path / "ref.mp4"
+    result = _h3gen(["generate", "she sings", "--ref-image", str(tmp_path / "face.png"), "--ref-audio",
+                     str(tmp_path / "voice.m4a"), "--ref-video", str(tmp_path / "dance.mp4"), "--steps", "2",
+                     "--out", str(out)], cache)
+    assert result.returncode == 0, result.stderr[-3000:]
+    info = probe_mp4(out)
+    assert info.num_frames == 158 and (info.width, info.height) == (128, 64)  # 6.1 s -> 146 -> 17n+5 = 158
+
+
+def test_bad_references_give_one_line_errors(cache, tmp_path):
+    from media_files import tone, write_audio
+
+    write_audio(tmp_path / "voice.wav", tone(1.0, 32000), 32000)
+    (tmp_path / "notes.txt").write_text("not a video")
+    for extra, message in ((["--ref-audio", str(tmp_path / "voice.wav")], "--ref-audio"),
+                           (["--ref-video", str(tmp_path / "notes.txt")], "--ref-video file")):
+        result = _h3gen(["generate", "x", "--out", str(tmp_path / "x.mp4"), *extra], cache)
+        lines = [line for line in result.stderr.splitlines() if line.startswith("h3gen: error:")]
+        assert result.returncode != 0 and "Traceback" not in result.stderr, result.stderr
+        assert len(lines) == 1 and message in lines[0], result.stderr

@@ -92,3 +92,22 @@ def test_quality_is_validated_and_recorded(manager):
     job = _submit(manager, quality="exact")
     view = manager.wait(job["id"], 60)
     assert view["status"] == "succeeded" and view["request"]["quality"] == "exact"
+
+
+def test_a_queued_ref2va_job_keeps_its_references_until_it_runs(manager, tmp_path):
+    from media_files import tone, write_audio
+
+    first = _submit(manager, steps=200)  # keeps the engine busy, so the next job waits in the queue
+    staging = manager.staging_dir()
+    Image.new("RGB", (50, 80), (1, 2, 3)).save(staging / "ref_image_0.png")
+    write_audio(staging / "ref_audio_1.wav", tone(1.0, 32000), 32000)
+    job = _submit(manager, {"ref_image_0": staging / "ref_image_0.png", "ref_audio_1": staging / "ref_audio_1.wav"},
+                  task="ref2va")
+    assert job["status"] == "queued" and job["request"]["references"] == ["image", "audio"]
+    kept = manager.uploads_dir / job["id"]
+    assert sorted(path.name for path in kept.iterdir()) == ["ref_audio_1.wav", "ref_image_0.png"]
+    assert not list(staging.iterdir())  # moved, not copied: the job owns them now
+    manager.cancel(first["id"])
+    done = manager.wait(job["id"], 120)
+    assert done["status"] == "succeeded", done
+    assert not kept.exists()  # and they go once the job is done

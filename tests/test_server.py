@@ -137,3 +137,31 @@ def test_client_reports_server_errors(server):
     with pytest.raises(H3ClientError) as info:
         client.create("x", seconds=30)
     assert info.value.status == 422 and "seconds" in str(info.value)
+
+
+def test_ref2va_job_with_uploaded_references(server, tmp_path):
+    from media_files import moving_frames, tone, write_audio, write_video
+    from PIL import Image
+
+    Image.new("RGB", (70, 40), (200, 40, 40)).save(tmp_path / "hat.png")
+    write_audio(tmp_path / "song.mp3", tone(6.3, 44100), 44100)
+    write_video(tmp_path / "walk.mp4", moving_frames(36, 64, 48), 30, tone(1.5, 48000), 48000)
+    client = H3Client(server.url)
+    # The client keys each file by its suffix; the parts keep this order, which is the references' order.
+    view = client.generate("a man in <Picture 1> walks like <Video 1> to <Audio 1>", out=tmp_path / "out.mp4",
+                           references=[tmp_path / "hat.png", tmp_path / "walk.mp4", tmp_path / "song.mp3"],
+                           num_inference_steps=2, seed=1, timeout=120)
+    assert view["request"]["task"] == "ref2va" and view["request"]["references"] == ["image", "video", "audio"]
+    # No seconds: the length of the first reference with sound (the video's 1.5 s soundtrack, held at 5 s).
+    _mp4_ok(tmp_path / "out.mp4", frames=124)
+    with server.client() as http:
+        handles = [("ref_image", ("hat.png", open(tmp_path / "hat.png", "rb"))),
+                   ("ref_audio", ("song.mp3", open(tmp_path / "song.mp3", "rb")))]
+        created = http.post("/v1/videos", data={"prompt": "x", "task": "ref2va", "num_inference_steps": "2"},
+                            files=handles)
+        for _, (_, handle) in handles:
+            handle.close()
+        assert created.status_code == 202, created.text
+        done = wait_for(http, created.json()["id"])
+        assert done["status"] == "succeeded", done
+        assert done["request"]["num_frames"] == 158  # the song's 6.3 s

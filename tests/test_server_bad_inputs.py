@@ -29,6 +29,13 @@ def files(tmp_path_factory):
     png = (folder / "ok.png").read_bytes()
     (folder / "cut.png").write_bytes(png[: len(png) // 3])
     (folder / "big.png").write_bytes(png + b"\0" * (2 * 2**20))
+    from media_files import moving_frames, tone, write_audio, write_video
+
+    write_audio(folder / "voice.wav", tone(1.0, 32000), 32000)
+    write_video(folder / "clip.mp4", moving_frames(20, 48, 64), 24)
+    clip = (folder / "clip.mp4").read_bytes()
+    (folder / "cut.mp4").write_bytes(clip[: len(clip) // 3])
+    write_audio(folder / "long.wav", tone(61.0, 8000, channels=1), 8000)
     return folder
 
 
@@ -57,7 +64,7 @@ JSON_CASES = [
     ({"prompt": "x", "seed": 2**64}, 422, "seed"),
     ({"prompt": "x" * 5000}, 422, "prompt"),
     ({"prompt": "x", "task": "fl2va"}, 422, "image"),
-    ({"prompt": "x", "task": "ref2va"}, 422, "task"),
+    ({"prompt": "x", "task": "ref2va"}, 422, "references"),
 ]
 
 
@@ -142,3 +149,40 @@ def test_missing_or_wrong_key(server, headers):
             assert response.status_code == 401, (method, path)
             assert response.headers["www-authenticate"] == "Bearer"
         assert http.get("/health").status_code == 200
+
+
+@pytest.mark.parametrize("parts,field,message", [
+    ([("ref_audio", "voice.wav")], "ref_audio", "cannot be the only"),
+    ([("ref_video", "cut.mp4")], "ref_video", "not a readable"),
+    ([("ref_video", "notes.txt")], "ref_video", "not a readable"),
+    ([("ref_image", "notes.txt")], "ref_image", "not a readable image"),
+    ([("ref_image", "ok.png"), ("ref_audio", "clip.mp4")], "ref_audio", "no audio stream"),
+    ([("ref_image", "ok.png"), ("ref_audio", "long.wav")], "ref_audio", "at most 60 s"),
+    ([("ref_image", "ok.png")] * 10, "ref_image", "at most 9 image"),
+    ([("ref_image", "big.png")], "ref_image", "upload limit"),
+])
+def test_bad_reference_uploads(server, files, parts, field, message):
+    with server.client() as http:
+        handles = [(name, (upload, open(files / upload, "rb"))) for name, upload in parts]
+        try:
+            response = http.post("/v1/videos", data={"prompt": "x", "task": "ref2va"}, files=handles)
+        finally:
+            for _, (_, handle) in handles:
+                handle.close()
+        assert response.status_code == 422, response.text
+        assert _field(response) == field and message in response.text, response.text
+        assert http.get("/health").json()["status"] == "ok"
+
+
+def test_references_only_with_ref2va_and_keyframes_not_with_it(server, files):
+    with server.client() as http:
+        with open(files / "ok.png", "rb") as handle:
+            t2va = http.post("/v1/videos", data={"prompt": "x"}, files={"ref_image": handle})
+        assert t2va.status_code == 422 and _field(t2va) == "ref_image", t2va.text
+        with open(files / "ok.png", "rb") as handle:
+            mixed = http.post("/v1/videos", data={"prompt": "x", "task": "ref2va"}, files={"image": handle})
+        assert mixed.status_code == 422 and _field(mixed) == "image", mixed.text
+        with open(files / "voice.wav", "rb") as handle:
+            as_text = http.post("/v1/videos", data={"prompt": "x", "task": "ref2va", "ref_image": "ok.png"},
+                                files={"ref_audio": handle})
+        assert as_text.status_code == 422 and _field(as_text) == "ref_image", as_text.text

@@ -67,3 +67,38 @@ def test_type_prompt_generate_see_progress_and_play_video(server):
     assert "succeeded" in history
     outside = [url for url in requests if not url.startswith(("http://127.0.0.1", "data:", "blob:"))]
     assert outside == []  # nothing reaches the internet
+
+
+def test_ref2va_with_uploaded_references(server, tmp_path):
+    from media_files import tone, write_audio
+    from PIL import Image
+    from playwright.sync_api import sync_playwright
+
+    Image.new("RGB", (60, 90), (30, 90, 200)).save(tmp_path / "person.png")
+    write_audio(tmp_path / "voice.m4a", tone(6.1, 48000), 48000)
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=CHROMIUM, headless=True, args=OFFLINE_FLAGS)
+        page = browser.new_page(viewport={"width": 1400, "height": 1200})
+        page.goto(f"{server.url}/ui/", wait_until="load")
+        page.wait_for_selector("#prompt textarea", timeout=30000)
+        page.fill("#prompt textarea", "<Picture 1> says hello with <Audio 1>")
+        page.locator("#task").get_by_text("ref2va").click()
+        with page.expect_file_chooser() as chooser:  # as a person does it: click the drop zone, pick two files
+            page.locator("#references").get_by_text("Click to Upload").click()
+        chooser.value.set_files([str(tmp_path / "person.png"), str(tmp_path / "voice.m4a")])
+        started = time.monotonic()  # the upload goes to the server first; on a loaded machine that takes a while
+        while "voice" not in page.inner_text("#references"):  # the name and its suffix are separate elements
+            assert time.monotonic() - started < 120, page.inner_text("#references")
+            time.sleep(0.2)
+        page.fill("#steps input[type=number]", "2")
+        page.press("#steps input[type=number]", "Enter")
+        page.click("#generate-btn")
+        started = time.monotonic()
+        while page.locator("#result-video video").count() == 0:
+            assert time.monotonic() - started < 90, page.input_value("#status textarea")
+            time.sleep(0.1)
+        final = page.input_value("#status textarea")
+        ARTIFACTS.mkdir(exist_ok=True)
+        page.screenshot(path=str(ARTIFACTS / "ui-ref2va.png"), full_page=True)
+        browser.close()
+    assert "done" in final and "124 frames" in final, final  # the UI's seconds slider (5 s) sets the length

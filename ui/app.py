@@ -9,6 +9,7 @@ import gradio as gr
 from pydantic import ValidationError
 
 from h3gen.errors import RequestError
+from h3gen.server.engine import upload_name
 from h3gen.server.jobs import FINISHED, QueueFull
 from h3gen.server.schemas import GenerationRequest
 
@@ -29,12 +30,28 @@ def _validation_message(error: ValidationError) -> str:
     return f"{field}: {first['msg']}"
 
 
-def build_ui(manager) -> gr.Blocks:
-    """The Blocks app: prompt, task, keyframes, aspect, seconds, seed (with randomize), steps, a progress bar fed
-    by the job's progress, the result as a playable video with audio, and a history of results."""
+def _reference_files(paths) -> dict[str, str]:
+    """ref2va uploads keyed as the REST API keys them (`ref_<kind>_<position>`), the kind read off each file."""
+    from h3gen.pipelines.h3.references import reference_kind
 
-    def generate(prompt, task, image, last_image, aspect, seconds, steps, seed, randomize, progress=gr.Progress()):
+    files = {}
+    for position, path in enumerate(paths or []):
+        path = getattr(path, "name", path)  # Gradio hands file paths (or objects with .name)
+        files[upload_name(f"ref_{reference_kind(path, 'references')}", position)] = path
+    return files
+
+
+def build_ui(manager) -> gr.Blocks:
+    """The Blocks app: prompt, task, keyframes or references, aspect, seconds, seed (with randomize), steps, a
+    progress bar fed by the job's progress, the result as a playable video with audio, and a history of results."""
+
+    def generate(prompt, task, image, last_image, references, aspect, seconds, steps, seed, randomize,
+                 progress=gr.Progress()):
         images = {name: path for name, path in (("image", image), ("last_image", last_image)) if path}
+        try:
+            images.update(_reference_files(references))
+        except RequestError as error:
+            raise gr.Error(str(error)) from None
         fields = dict(prompt=prompt or "", task=task, seconds=float(seconds), num_inference_steps=int(steps),
                       aspect_ratio=None if aspect in (None, "auto") else aspect,
                       seed=None if randomize or seed is None else int(seed))
@@ -95,16 +112,19 @@ def build_ui(manager) -> gr.Blocks:
 
     with gr.Blocks(title="h3gen — MiniMax-H3", analytics_enabled=False) as demo:
         gr.Markdown("## h3gen — MiniMax-H3 video + stereo audio\nDescribe a clip; optionally give the first and/or "
-                    "last frame (task fl2va).")
+                    "last frame (task fl2va), or reference images, videos and sounds (task ref2va).")
         job_state = gr.State(None)
         with gr.Row():
             with gr.Column(scale=1):
                 prompt = gr.Textbox(label="Prompt", lines=3, elem_id="prompt",
                                     placeholder="a red fox runs through fresh snow, wind howling")
-                task = gr.Radio(["t2va", "fl2va"], value="t2va", label="Task", elem_id="task")
+                task = gr.Radio(["t2va", "fl2va", "ref2va"], value="t2va", label="Task", elem_id="task")
                 with gr.Row():
                     image = gr.Image(type="filepath", label="First frame (fl2va)", elem_id="image")
                     last_image = gr.Image(type="filepath", label="Last frame (fl2va)", elem_id="last-image")
+                references = gr.File(file_count="multiple", type="filepath", elem_id="references",
+                                     file_types=["image", "video", "audio"],
+                                     label="References (ref2va): up to 9 images, 3 videos, 3 sounds, in this order")
                 with gr.Row():
                     aspect = gr.Dropdown(ASPECTS, value="auto", label="Aspect ratio", elem_id="aspect")
                     seconds = gr.Slider(5, 15, value=5, step=0.5, label="Seconds", elem_id="seconds")
@@ -120,7 +140,7 @@ def build_ui(manager) -> gr.Blocks:
                 video = gr.Video(label="Result", format="mp4", elem_id="result-video", autoplay=False)
                 history = gr.Dataframe(headers=HISTORY_COLUMNS, value=lambda: _history(manager), interactive=False,
                                        label="History (click a row to play it)", elem_id="history")
-        run.click(generate, [prompt, task, image, last_image, aspect, seconds, steps, seed, randomize],
+        run.click(generate, [prompt, task, image, last_image, references, aspect, seconds, steps, seed, randomize],
                   [status, video, job_state, seed, history], concurrency_limit=None)
         stop.click(cancel, [job_state], [status])
         history.select(show, [history], [video, status])

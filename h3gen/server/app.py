@@ -18,14 +18,19 @@ from pydantic import ValidationError
 from starlette.datastructures import UploadFile
 
 from h3gen.errors import RequestError
+from h3gen.pipelines.h3.references import MAX_REFERENCES
+from h3gen.server.engine import upload_name
 from h3gen.server.jobs import JobManager, QueueFull
-from h3gen.server.schemas import IMAGE_FIELDS, GenerationRequest, Health, JobCreated, JobList, JobView
+from h3gen.server.schemas import (IMAGE_FIELDS, REFERENCE_FIELDS, GenerationRequest, Health, JobCreated, JobList,
+                                  JobView)
 
 logger = logging.getLogger(__name__)
 
 JOB_ID = re.compile(r"^[0-9a-f]{32}$")
 MAX_JSON_BYTES = 64 * 1024
 _MULTIPART_FIELDS = tuple(GenerationRequest.model_fields)
+_FILE_FIELDS = IMAGE_FIELDS + REFERENCE_FIELDS
+MAX_FILES = len(IMAGE_FIELDS) + MAX_REFERENCES + 1  # one more, so a 13th reference gets the count's own message
 
 
 def _field_error(field: str, message: str, kind: str = "value_error") -> JSONResponse:
@@ -38,6 +43,10 @@ def _request_body_schema() -> dict:
     multipart["additionalProperties"] = False
     for name in IMAGE_FIELDS:
         multipart["properties"][name] = {"type": "string", "format": "binary", "description": f"fl2va {name} file"}
+    for name in REFERENCE_FIELDS:
+        multipart["properties"][name] = {
+            "type": "array", "items": {"type": "string", "format": "binary"},
+            "description": f"ref2va {name.split('_')[1]} reference files (repeat the part; parts keep their order)"}
     return {"requestBody": {"required": True, "content": {"application/json": {"schema": json_schema},
                                                           "multipart/form-data": {"schema": multipart}}}}
 
@@ -54,17 +63,20 @@ async def _read_limited(request: Request, limit: int) -> bytes:
     return bytes(body)
 
 
-def _save_upload(upload: UploadFile, folder: Path, name: str, limit: int) -> Path:
-    target = folder / f"{name}{Path(upload.filename or '').suffix[:8] or '.bin'}"
+def _save_upload(upload: UploadFile, folder: Path, name: str, limit: int, field: str | None = None) -> Path:
+    """Store one uploaded file as `<name><suffix>` (the suffix, which says a file's kind, is kept if sane)."""
+    field = field or name
+    suffix = Path(upload.filename or "").suffix[:8]
+    target = folder / f"{name}{suffix if re.fullmatch(r'[.][A-Za-z0-9]+', suffix) else '.bin'}"
     size = 0
     with open(target, "wb") as out:
         while chunk := upload.file.read(1 << 20):
             size += len(chunk)
             if size > limit:
-                raise RequestError(f"{name} is larger than the {limit // 2**20} MB upload limit.", name)
+                raise RequestError(f"{field} is larger than the {limit // 2**20} MB upload limit.", field)
             out.write(chunk)
     if size == 0:
-        raise RequestError(f"{name} is an empty file.", name)
+        raise RequestError(f"{field} is an empty file.", field)
     return target
 
 
@@ -110,7 +122,9 @@ def create_app(manager: JobManager, *, api_key: str | None = None, max_upload_by
               responses={413: {"description": "body or upload too large"}, 415: {"description": "unsupported body"},
                          422: {"description": "invalid field"}, 429: {"description": "queue full"}})
     async def create_video(request: Request):
-        """Validate a generation request (JSON, or multipart with `image` / `last_image` files) and queue it."""
+        """Validate a generation request (JSON, or multipart with `image` / `last_image` files, or with `ref_image` /
+        `ref_video` / `ref_audio` files for ref2va, each repeatable: the order of the parts is the order of the
+        references) and queue it."""
         content_type = request.headers.get("content-type", "").lower()
         staging = None
         try:
@@ -124,21 +138,28 @@ def create_app(manager: JobManager, *, api_key: str | None = None, max_upload_by
                     return _field_error("body", "the body must be a JSON object", "model_type")
             elif content_type.startswith("multipart/form-data"):
                 declared = request.headers.get("content-length")
-                limit = max_upload_bytes * len(IMAGE_FIELDS) + MAX_JSON_BYTES
+                limit = max_upload_bytes * MAX_FILES + MAX_JSON_BYTES
                 if declared is None:
                     raise HTTPException(411, "multipart uploads need a Content-Length")
                 if not declared.isdigit() or int(declared) > limit:
                     raise HTTPException(413, f"request body larger than {limit} bytes")
-                form = await request.form(max_files=len(IMAGE_FIELDS), max_fields=len(_MULTIPART_FIELDS) + 4,
+                form = await request.form(max_files=MAX_FILES, max_fields=len(_MULTIPART_FIELDS) + 4,
                                           max_part_size=MAX_JSON_BYTES)
                 data = {}
                 staging = manager.staging_dir()
+                references = 0
                 for key, value in form.multi_items():
                     if isinstance(value, UploadFile):
-                        if key not in IMAGE_FIELDS:
-                            return _field_error(key, f"unexpected file field; files go in {', '.join(IMAGE_FIELDS)}")
-                        uploads[key] = await run_in_threadpool(_save_upload, value, staging, key, max_upload_bytes)
-                    elif key in IMAGE_FIELDS:
+                        if key not in _FILE_FIELDS:
+                            return _field_error(key, f"unexpected file field; files go in {', '.join(_FILE_FIELDS)}")
+                        if key in uploads:
+                            return _field_error(key, f"give {key} once")
+                        name = key
+                        if key in REFERENCE_FIELDS:
+                            name, references = upload_name(key, references), references + 1
+                        uploads[name] = await run_in_threadpool(_save_upload, value, staging, name, max_upload_bytes,
+                                                                key)
+                    elif key in _FILE_FIELDS:
                         return _field_error(key, f"{key} must be a file upload")
                     elif value != "":
                         data[key] = value

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from h3gen.server.engine import H3Engine
+from h3gen.server.engine import H3Engine, pipeline_arguments
 from h3gen.server.jobs import JobCancelled
 
 logger = logging.getLogger(__name__)
@@ -110,10 +110,9 @@ class DistributedEngine(H3Engine):
 def _load(engine) -> None:
     from h3gen.pipelines.h3.pipeline import H3Pipeline
 
-    workflow = "fl2va" if "processor" in engine.checkpoint.components else "t2va"
     try:
         engine.pipeline = H3Pipeline.from_pretrained(engine.model_path, device=engine.device, torch_dtype=engine.dtype,
-                                                     workflow=workflow, quality=engine.quality,
+                                                     workflow=engine.load_workflow(), quality=engine.quality,
                                                      parallel=engine.parallel, **engine.offload)
     except Exception as error:
         logger.exception("model failed to load")
@@ -122,9 +121,9 @@ def _load(engine) -> None:
         engine._loaded.set()
 
 
-def follow(model_path, *, parallel, device, dtype, quality, offload=None) -> None:
+def follow(model_path, *, parallel, device, dtype, quality, offload=None, workflow: str = "all") -> None:
     """The loop of every rank but 0: load the same model, then run each broadcast job until told to stop."""
-    engine = H3Engine(model_path, device=device, dtype=dtype, quality=quality, offload=offload)
+    engine = H3Engine(model_path, device=device, dtype=dtype, quality=quality, offload=offload, workflow=workflow)
     engine.parallel = parallel
     control = dist.new_group(list(range(dist.get_world_size())), timeout=CONTROL_TIMEOUT)
     agree = StepAgreement(None)
@@ -146,12 +145,8 @@ def follow(model_path, *, parallel, device, dtype, quality, offload=None) -> Non
                 agree(lambda: None, request["prompt"], stage, step)
 
             try:
-                engine.pipeline(
-                    request["prompt"], image=images.get("image"), last_image=images.get("last_image"),
-                    height=request["height"], width=request["width"], num_frames=request["num_frames"],
-                    num_inference_steps=request["num_inference_steps"], seed=request["seed"], callback=agreed,
-                    quality=request.get("quality"), decode=False,
-                )
+                engine.pipeline(request["prompt"], callback=agreed, decode=False,
+                                **pipeline_arguments(request, images))
             except (JobCancelled, RankFailure):
                 continue
             except Exception:  # this rank's own failure outside an agreement point: logged; rank 0 times out

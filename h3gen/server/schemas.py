@@ -8,6 +8,8 @@ MAX_PROMPT_CHARS = 4000
 TASKS = ("t2va", "fl2va", "ref2va")
 JOB_STATUSES = ("queued", "running", "succeeded", "failed", "cancelled")
 IMAGE_FIELDS = ("image", "last_image")
+# ref2va uploads, each repeatable; the order of the parts is the order of the references.
+REFERENCE_FIELDS = ("ref_image", "ref_video", "ref_audio")
 
 
 class GenerationRequest(BaseModel):
@@ -17,13 +19,15 @@ class GenerationRequest(BaseModel):
 
     prompt: str = Field(min_length=1, max_length=MAX_PROMPT_CHARS, description="What to generate, used verbatim.")
     task: Literal["t2va", "fl2va", "ref2va"] = Field(
-        "t2va", description="t2va: text only; fl2va: first and/or last keyframe (multipart `image`, `last_image`)."
+        "t2va", description="t2va: text only; fl2va: first and/or last keyframe (multipart `image`, `last_image`); "
+                            "ref2va: references (multipart `ref_image`, `ref_video`, `ref_audio`, repeatable, in order)."
     )
     aspect_ratio: str | None = Field(
         None, pattern=r"^[0-9]{1,4}(\.[0-9]{1,3})?:[0-9]{1,4}(\.[0-9]{1,3})?$",
         description="W:H from 1:4 to 4:1; default 16:9 (t2va) or the first keyframe's (fl2va).",
     )
-    seconds: float = Field(5.0, ge=5.0, le=15.0, description="Length, 5 to 15 s at 24 fps.")
+    seconds: float | None = Field(None, ge=5.0, le=15.0, description=(
+        "Length, 5 to 15 s at 24 fps. Default 5, or for ref2va the length of the first reference with sound."))
     seed: int | None = Field(None, ge=0, le=2**63 - 1, description="Noise seed; random when omitted.")
     num_inference_steps: int = Field(50, ge=2, le=1000, description="Sigma grid points (N - 1 transformer forwards).")
     audio_sample_rate: Literal[32000, 48000] = Field(32000, description="AAC sample rate of the MP4.")

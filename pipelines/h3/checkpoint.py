@@ -17,7 +17,12 @@ REQUIRED = {
     "t2va": ("transformer", "vae", "audio_vae", "text_encoder", "tokenizer", "scheduler", "audio_scheduler"),
     "fl2va": ("transformer", "vae", "audio_vae", "text_encoder", "tokenizer", "processor", "scheduler",
               "audio_scheduler"),
+    # ref2va runs on its own partition of the transformer weights (DEN:136-140).
+    "ref2va": ("transformer_ref", "vae", "audio_vae", "text_encoder", "tokenizer", "processor", "scheduler",
+               "audio_scheduler"),
 }
+# Which transformer partition serves each task.
+TRANSFORMER_OF = {"t2va": "transformer", "fl2va": "transformer", "ref2va": "transformer_ref"}
 
 
 @dataclass
@@ -28,6 +33,7 @@ class H3Checkpoint:
     components: dict[str, Path] = field(default_factory=dict)
     canvas_short_edge: int = CANVAS_SHORT_EDGE
     canvas_max_pixels: int = CANVAS_MAX_PIXELS
+    reference_image_short_edge: int = 2048  # ref2va image references are encoded at this short edge
 
     @classmethod
     def open(cls, root) -> "H3Checkpoint":
@@ -41,6 +47,7 @@ class H3Checkpoint:
         checkpoint = cls(root=root)
         checkpoint.canvas_short_edge = int(index.get("canvas_short_edge", CANVAS_SHORT_EDGE))
         checkpoint.canvas_max_pixels = int(index.get("canvas_max_pixels", CANVAS_MAX_PIXELS))
+        checkpoint.reference_image_short_edge = int(index.get("reference_image_short_edge", 2048))
         names = {name for name, value in index.items() if not name.startswith("_") and isinstance(value, list)}
         names |= {p.name for p in root.iterdir() if p.is_dir()}
         for name in sorted(names):
@@ -60,8 +67,16 @@ class H3Checkpoint:
         return self.components[name]
 
     def require(self, workflow: str) -> None:
-        """Check every component `workflow` needs is present."""
+        """Check every component `workflow` needs is present ("all": every task's)."""
+        if workflow == "all":
+            for task in REQUIRED:
+                self.require(task)
+            return
         if workflow not in REQUIRED:
-            raise CheckpointError(f"workflow must be one of {', '.join(REQUIRED)} (got {workflow!r}).")
+            raise CheckpointError(f"workflow must be one of {', '.join(REQUIRED)} or all (got {workflow!r}).")
         for name in REQUIRED[workflow]:
             self.folder(name, workflow)
+
+    def tasks(self) -> tuple[str, ...]:
+        """The tasks whose components are all present, in the order t2va, fl2va, ref2va."""
+        return tuple(task for task, names in REQUIRED.items() if all(name in self.components for name in names))

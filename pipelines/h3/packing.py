@@ -1,8 +1,10 @@
-"""The packed-sequence layout of MiniMax-H3 for t2va and fl2va (h3-model.md §5.1, §5.3).
+"""The packed-sequence layout of MiniMax-H3 (h3-model.md §5.1-5.3).
 
-Row order: `[text | keyframe conditions | target audio (ch0 block, ch1 block) | target video]`. Everything here is a
-pure function of the latent geometry, the text rows' tags and the keyframe anchors, and reproduces diffusers'
-layout bit for bit (float64 positions built in the same operation order).
+t2va / fl2va: `[text | keyframe conditions | target audio (ch0 block, ch1 block) | target video]`.
+ref2va: `[text | reference blocks in request order | target audio | target video]`, the references advancing a
+rotary clock that the targets then start from.
+Everything here is a pure function of the latent geometry, the text rows' tags and the keyframe anchors or
+reference blocks, and reproduces diffusers' layout bit for bit (float64 positions built in the same operation order).
 """
 
 from dataclasses import dataclass
@@ -200,3 +202,115 @@ def row_timesteps(
     t[layout.audio_indices[layout.num_condition_audio_rows :]] = audio_timestep
     t[layout.audio_indices[: layout.num_condition_audio_rows]] = condition_audio_timestep
     return torch.unique(t, sorted=True, return_inverse=True)
+
+
+@dataclass(frozen=True)
+class ReferenceBlock:
+    """The rows one ref2va reference occupies: `kind` "image" / "video" / "audio", its latent grid (frames, height,
+    width; zeros for audio) and its audio latents per channel (0 without sound)."""
+
+    kind: str
+    latent_frames: int = 0
+    latent_height: int = 0
+    latent_width: int = 0
+    audio_latents: int = 0
+
+
+def _fill_audio(positions: torch.Tensor, start: int, num_latents: int, origin: float, widths: torch.Tensor,
+                channels: int) -> None:
+    """One channel-major audio block: time origin + j, no height, pinned to the ends of `widths` (left channel on
+    the first coordinate, the other on the last)."""
+    stop = start + num_latents * channels
+    positions[start:stop, 0] = (origin + torch.arange(num_latents, dtype=torch.float64)).repeat(channels)
+    positions[start:stop, 2] = torch.cat([
+        torch.full((num_latents,), float(widths[0]), dtype=torch.float64),
+        torch.full((num_latents * (channels - 1),), float(widths[-1]), dtype=torch.float64),
+    ])
+
+
+def _fill_video(positions: torch.Tensor, start: int, num_frames: int, origin: float, grid: torch.Tensor) -> int:
+    """Frame-major video rows from `start`: each frame's time, then its (h, w) grid. Returns the end row."""
+    stop = start + num_frames * grid.shape[0]
+    block = positions[start:stop].view(num_frames, grid.shape[0], 3)
+    block[:, :, 0] = frame_times(num_frames, origin)[:, None]
+    block[:, :, 1:] = grid[None]
+    return stop
+
+
+def build_ref2va_layout(
+    text_token_tags: torch.Tensor,
+    references: list[ReferenceBlock],
+    num_latent_frames: int,
+    latent_height: int,
+    latent_width: int,
+    num_audio_latents: int,
+    *,
+    patch_size: tuple[int, int, int] = (1, 2, 2),
+    audio_channels: int = AUDIO_CHANNELS,
+) -> PackedLayout:
+    """The ref2va layout `[text | references | audio ch0, ch1 | video]` (BD:566-729).
+
+    The rotary clock starts at the text length. An image reference sits on its own latent grid at the clock and
+    advances it by one; an audio reference is a channel-major block on the target's width ends and advances it by its
+    latent count; a video reference puts its soundtrack rows (on its own width ends) right before its video rows,
+    both from the clock, and advances it by the longer of the two. The targets start where the clock stops.
+    `video_indices` / `audio_indices` list reference rows first, in order, then the target rows.
+    """
+    _, patch_h, patch_w = patch_size
+    num_text = int(text_token_tags.shape[0])
+
+    def rows_per_frame(height: int, width: int) -> int:
+        return (height // patch_h) * (width // patch_w)
+
+    reference_video = sum(r.latent_frames * rows_per_frame(r.latent_height, r.latent_width)
+                          for r in references if r.kind != "audio")
+    reference_audio = sum(r.audio_latents * audio_channels for r in references)
+    target_rows = rows_per_frame(latent_height, latent_width)
+    seq_len = (num_text + reference_video + reference_audio + num_audio_latents * audio_channels
+               + num_latent_frames * target_rows)
+
+    positions = torch.zeros(seq_len, 3, dtype=torch.float64)
+    positions[:num_text, 0] = torch.arange(num_text, dtype=torch.float64)
+    target_grid, target_widths = frame_grid(latent_height, latent_width, patch_h, patch_w)
+    video_indices, audio_indices = [], []
+    cursor, clock = num_text, float(num_text)
+    for reference in references:
+        if reference.kind == "audio":
+            _fill_audio(positions, cursor, reference.audio_latents, clock, target_widths, audio_channels)
+            audio_indices.append(torch.arange(cursor, cursor + reference.audio_latents * audio_channels))
+            cursor += reference.audio_latents * audio_channels
+            clock += float(reference.audio_latents)
+            continue
+        if reference.kind not in ("image", "video"):
+            raise ValueError(f"a reference block is 'image', 'video' or 'audio', got {reference.kind!r}.")
+        grid, widths = frame_grid(reference.latent_height, reference.latent_width, patch_h, patch_w)
+        if reference.audio_latents:
+            _fill_audio(positions, cursor, reference.audio_latents, clock, widths, audio_channels)
+            audio_indices.append(torch.arange(cursor, cursor + reference.audio_latents * audio_channels))
+            cursor += reference.audio_latents * audio_channels
+        start = cursor
+        cursor = _fill_video(positions, cursor, reference.latent_frames, clock, grid)
+        video_indices.append(torch.arange(start, cursor))
+        if reference.kind == "image":
+            clock += 1.0  # a single frame takes one integer slot, not a latent frame's span
+        else:
+            # Summed one span at a time in float64, as the reference does here (not the pairwise sum of
+            # `last_keyframe_time`): the two differ in the last ulp from 16 latent frames on.
+            span = sum(ROPE_FRAME_RESCALE * ROPE_FRAMES_PER_LATENT[i % len(ROPE_FRAMES_PER_LATENT)]
+                       for i in range(reference.latent_frames))
+            clock += max(float(reference.audio_latents), span)
+
+    audio_start = cursor
+    _fill_audio(positions, audio_start, num_audio_latents, clock, target_widths, audio_channels)
+    video_start = audio_start + num_audio_latents * audio_channels
+    _fill_video(positions, video_start, num_latent_frames, clock, target_grid)
+
+    video_indices = torch.cat(video_indices + [torch.arange(video_start, seq_len)])
+    audio_indices = torch.cat(audio_indices + [torch.arange(audio_start, video_start)])
+    text_indices = torch.arange(num_text)
+    tags = torch.empty(seq_len, dtype=torch.long)
+    tags[text_indices] = text_token_tags.to(torch.long)
+    tags[audio_indices] = AUDIO_TAG
+    tags[video_indices] = VIDEO_TAG
+    return PackedLayout(positions, tags, video_indices, audio_indices, text_indices, reference_video, reference_audio,
+                        target_rows)

@@ -1,8 +1,11 @@
-"""`H3Pipeline`: prompt (and keyframes) -> video frames + stereo audio, identical to diffusers' MiniMax-H3 blocks.
+"""`H3Pipeline`: prompt (and keyframes or references) -> video frames + stereo audio, identical to diffusers'
+MiniMax-H3 blocks.
 
 Stages, each handing one value to the next:
-  validate -> encode text -> encode keyframes -> draw noise -> denoise (one transformer forward per step, two
-  schedules) -> decode video -> decode audio.
+  validate -> encode text -> draw noise -> encode conditions (keyframes, or references: pictures through the video
+  VAE, sound through the audio VAE) -> denoise (one transformer forward per step, two schedules) -> decode video ->
+  decode audio.
+t2va and fl2va run on `transformer/`, ref2va on its own partition `transformer_ref/` (same architecture).
 `callback(stage, step, total)` reports progress from outside the stages; they know nothing about HTTP or bars.
 """
 
@@ -16,25 +19,30 @@ import torch
 
 from h3gen.errors import RequestError
 from h3gen.pipelines.h3 import geometry
-from h3gen.pipelines.h3.checkpoint import H3Checkpoint
-from h3gen.pipelines.h3.packing import build_layout, patchify_video, row_timesteps, unpatchify_video
+from h3gen.pipelines.h3.checkpoint import REQUIRED, H3Checkpoint
+from h3gen.pipelines.h3.packing import (ReferenceBlock, build_layout, build_ref2va_layout, patchify_video,
+                                        row_timesteps, unpatchify_video)
+from h3gen.pipelines.h3.references import AudioReference, ImageReference, VideoReference
 from h3gen.pipelines.h3.request import KEYFRAME_NOISE_AUG, WORKFLOWS, H3Request, prepare_request
 from h3gen.pipelines.h3.schedules import AUDIO_SHIFT, VIDEO_SHIFT, FlowSchedule, noise_to, read_shift
 from h3gen.pipelines.h3.text_encoder import H3TextEncoder, TextConditioning
 from h3gen.pipelines.h3.tiers import QUALITY_TIERS, set_quality
 from h3gen.pipelines.h3.transformer import H3Transformer
-from h3gen.pipelines.h3.vae import decode_audio, decode_video, encode_keyframe, load_audio_vae, load_video_vae
+from h3gen.pipelines.h3.vae import (decode_audio, decode_video, encode_frames, encode_keyframe, encode_sound,
+                                    load_audio_vae, load_video_vae)
 
 logger = logging.getLogger(__name__)
 
 STAGES = ("encode_text", "encode_conditions", "denoise", "decode_video", "decode_audio")
+__all__ = ["AudioReference", "H3Output", "H3Pipeline", "ImageReference", "VideoReference"]
 
 ProgressCallback = Callable[[str, int, int], None]
 
 
 @dataclass
 class Noise:
-    """A request's initial noise: per-keyframe draws, video latents `(1, C, F, h, w)`, audio rows `(2A, C)`."""
+    """A request's initial noise: one draw per keyframe or visual reference (its latent shape), video latents
+    `(1, C, F, h, w)`, audio rows `(2A, C)`."""
 
     condition: list[torch.Tensor]
     video: torch.Tensor
@@ -71,12 +79,19 @@ def _resolve_device(device) -> torch.device:
 
 
 class H3Pipeline:
-    """MiniMax-H3 text(+keyframes)-to-video-and-audio. Build with `from_pretrained`."""
+    """MiniMax-H3 text(+keyframes or references)-to-video-and-audio. Build with `from_pretrained`.
+
+    `transformer` serves t2va / fl2va and `transformer_ref` ref2va; either may be None when the pipeline was loaded
+    for the other task only.
+    """
 
     def __init__(self, transformer, text_encoder, vae, audio_vae, *, checkpoint: H3Checkpoint, device,
                  video_shift: float = VIDEO_SHIFT, audio_shift: float = AUDIO_SHIFT, workflow: str = "t2va",
-                 quality: str = "lossless", offload: str = "none"):
+                 quality: str = "lossless", offload: str = "none", transformer_ref=None):
+        if transformer is None and transformer_ref is None:
+            raise ValueError("H3Pipeline needs a transformer, a transformer_ref, or both.")
         self.transformer = transformer
+        self.transformer_ref = transformer_ref
         self.text_encoder = text_encoder
         self.vae = vae
         self.audio_vae = audio_vae
@@ -89,7 +104,26 @@ class H3Pipeline:
         if quality not in QUALITY_TIERS:
             raise RequestError(f"quality must be one of {', '.join(QUALITY_TIERS)} (got {quality!r}).", "quality")
         self.quality = quality
-        set_quality(self.transformer, quality)
+        for model in self._transformers():
+            set_quality(model, quality)
+
+    def _transformers(self) -> list:
+        return [model for model in (self.transformer, self.transformer_ref) if model is not None]
+
+    @property
+    def config(self):
+        """The transformer architecture (both partitions share it)."""
+        return self._transformers()[0].config
+
+    def _transformer_for(self, task: str):
+        """The partition that serves `task`, or a `RequestError` saying how to load it."""
+        model = self.transformer_ref if task == "ref2va" else self.transformer
+        if model is None:
+            need = "workflow='ref2va' or 'all'" if task == "ref2va" else "workflow='t2va', 'fl2va' or 'all'"
+            part = "transformer_ref" if task == "ref2va" else "transformer"
+            raise RequestError(f"this pipeline was loaded without its {part}/ partition, which {task} needs; load it "
+                               f"with {need}.", "references" if task == "ref2va" else "task")
+        return model
 
     @classmethod
     def from_pretrained(cls, path, device=None, torch_dtype: torch.dtype = torch.bfloat16,
@@ -99,7 +133,9 @@ class H3Pipeline:
 
         `torch_dtype` applies to the transformer, the text encoder and the video VAE (their float32 islands stay
         float32); the audio VAE is always float32. `workflow` is "t2va" or "fl2va" (both load the same components;
-        fl2va also requires `processor/`). A missing component raises `CheckpointError` naming it. `quality` is
+        fl2va also requires `processor/`), "ref2va" (loads `transformer_ref/` instead of `transformer/`) or "all"
+        (every task the checkpoint has the components for; both partitions when it holds both, which then share
+        `gpu_memory` under layer-wise offload). A missing component raises `CheckpointError` naming it. `quality` is
         the default tier (`exact`, `lossless` or `fast`, see `tiers.py`); `fast` quantizes the transformer's block
         GEMMs to FP8 at load, and only a pipeline loaded with it serves `fast` requests. `parallel` (an
         `h3gen.parallel.ParallelState` of an initialised process group) splits the transformer over the ranks
@@ -122,31 +158,40 @@ class H3Pipeline:
             raise RequestError("offload='layerwise' needs gpu_memory, e.g. '30GiB'.", "gpu_memory")
         device = _resolve_device(device)
         checkpoint = H3Checkpoint.open(path)
-        checkpoint.require(workflow)
+        tasks = checkpoint.tasks() if workflow == "all" else (workflow,)
+        for task in tasks or ("t2va",):  # an empty "all" reports what t2va misses
+            checkpoint.require(task)
+        partitions = [name for name in ("transformer", "transformer_ref")
+                      if any(name in REQUIRED[task] for task in tasks)]
         staged = "cpu" if offload != "none" else device  # where the text encoder and the VAEs wait
         if offload == "layerwise":
             from h3gen.offload.host_memory import check_host_memory, folder_bytes
 
             needed = sum(folder_bytes(checkpoint.folder(name)) for name in
-                         ("transformer", "text_encoder", "vae", "audio_vae"))
+                         (*partitions, "text_encoder", "vae", "audio_vae"))
             check_host_memory(needed, "layer-wise offload (host copies of the transformer, text encoder and VAEs)")
-        host_store = None
-        if offload == "layerwise" and parallel is not None and parallel.tp == 1:
-            # Ulysses ranks hold identical weights: one host copy per machine, which only local rank 0 loads.
-            from h3gen.offload.host_memory import folder_bytes
-            from h3gen.offload.shared_host import shared_store_for_ranks
+        loaded = {}
+        for name in partitions:
+            host_store = None
+            if offload == "layerwise" and parallel is not None and parallel.tp == 1:
+                # Ulysses ranks hold identical weights: one host copy per machine, which only local rank 0 loads.
+                from h3gen.offload.host_memory import folder_bytes
+                from h3gen.offload.shared_host import shared_store_for_ranks
 
-            host_store = shared_store_for_ranks("transformer", folder_bytes(checkpoint.folder("transformer")),
-                                                pin=torch.device(device).type == "cuda")
-        transformer = H3Transformer.from_pretrained(
-            checkpoint.folder("transformer"), torch_dtype=torch_dtype,
-            device="cpu" if offload == "layerwise" else device, parallel=parallel, quantization=quantization,
-            skip_prefixes=("transformer_blocks.",) if host_store is not None and not host_store.owner else ())
-        if offload == "layerwise":
-            from h3gen.offload import apply_layerwise_offload
+                host_store = shared_store_for_ranks(name, folder_bytes(checkpoint.folder(name)),
+                                                    pin=torch.device(device).type == "cuda")
+            loaded[name] = H3Transformer.from_pretrained(
+                checkpoint.folder(name), torch_dtype=torch_dtype,
+                device="cpu" if offload == "layerwise" else device, parallel=parallel, quantization=quantization,
+                skip_prefixes=("transformer_blocks.",) if host_store is not None and not host_store.owner else ())
+            if offload == "layerwise":
+                from h3gen.offload import apply_layerwise_offload
+                from h3gen.offload.planner import parse_bytes
 
-            apply_layerwise_offload(transformer, device, gpu_memory=gpu_memory, prefetch=prefetch,
-                                    host_store=host_store)
+                # Both partitions stay loaded, so they share the GPU budget.
+                share = parse_bytes(gpu_memory) // len(partitions)
+                apply_layerwise_offload(loaded[name], device, gpu_memory=share, prefetch=prefetch,
+                                        host_store=host_store)
         text_encoder = H3TextEncoder.from_pretrained(
             checkpoint.folder("text_encoder"), checkpoint.folder("tokenizer"), checkpoint.components.get("processor"),
             dtype=torch_dtype, device=staged,
@@ -158,15 +203,15 @@ class H3Pipeline:
         vae = load_video_vae(checkpoint.folder("vae"), dtype=torch_dtype, device=staged)
         audio_vae = load_audio_vae(checkpoint.folder("audio_vae"), device=staged)
         return cls(
-            transformer, text_encoder, vae, audio_vae, checkpoint=checkpoint, device=device,
+            loaded.get("transformer"), text_encoder, vae, audio_vae, checkpoint=checkpoint, device=device,
             video_shift=read_shift(checkpoint.folder("scheduler"), VIDEO_SHIFT),
             audio_shift=read_shift(checkpoint.folder("audio_scheduler"), AUDIO_SHIFT), workflow=workflow,
-            quality=quality, offload=offload,
+            quality=quality, offload=offload, transformer_ref=loaded.get("transformer_ref"),
         )
 
     def validate(self, prompt, **kwargs) -> H3Request:
         """Check a request against this pipeline's checkpoint (see `prepare_request`), before any model work."""
-        return prepare_request(self.checkpoint, self.transformer.config, prompt, **kwargs)
+        return prepare_request(self.checkpoint, self.config, prompt, **kwargs)
 
     # ------------------------------------------------------------------ stages
 
@@ -176,11 +221,17 @@ class H3Pipeline:
 
     def draw_noise(self, request: H3Request) -> Noise:
         """All of a request's noise, in the reference's order from its one generator: one draw per keyframe
-        `(1, C, 1, h, w)`, then video `(1, C, F, h, w)`, then audio in row layout `(2A, C)`. Given `latents` /
-        `audio_latents` skip their draw."""
-        shape, cfg = request.shape, self.transformer.config
+        `(1, C, 1, h, w)` or per image / video reference (its own latent shape), then video `(1, C, F, h, w)`, then
+        audio in row layout `(2A, C)`. Given `latents` / `audio_latents` skip their draw."""
+        shape, cfg = request.shape, self.config
         frame = (1, cfg.in_channels, 1, shape.latent_height, shape.latent_width)
         condition = [self._draw(frame, request.generator) for _ in request.keyframes]
+        for reference in request.references:
+            if reference.kind != "audio":
+                height, width = reference.visual_size
+                latent = (1, cfg.in_channels, reference.num_latent_frames, height // geometry.SPATIAL_COMPRESSION,
+                          width // geometry.SPATIAL_COMPRESSION)
+                condition.append(self._draw(latent, request.generator))
         video = request.latents
         if video is None:
             video = self._draw((1, cfg.in_channels, shape.num_latent_frames, shape.latent_height, shape.latent_width),
@@ -205,22 +256,53 @@ class H3Pipeline:
         rows = []
         for index, (keyframe, draw) in enumerate(zip(request.keyframes, noise.condition)):
             latents = encode_keyframe(self.vae, keyframe).to(self.device)
-            rows.append(patchify_video(noise_to(latents, KEYFRAME_NOISE_AUG, draw), self.transformer.config.patch_size))
+            rows.append(patchify_video(noise_to(latents, KEYFRAME_NOISE_AUG, draw), self.config.patch_size))
             report("encode_conditions", index + 1, len(request.keyframes))
         return torch.cat(rows)
 
+    def _reference_rows(self, request: H3Request, noise: Noise, report: ProgressCallback):
+        """Encode the references in order: pictures through the video VAE (noised to t = 0.999 with their draw, as
+        keyframes), sound through the audio VAE (clean, never noised). Returns (video rows or None, audio rows or
+        None, the layout's blocks)."""
+        video_rows, audio_rows, blocks = [], [], []
+        draws = iter(noise.condition)
+        for index, reference in enumerate(request.references):
+            grid = (0, 0, 0)
+            if reference.kind != "audio":
+                pixels = reference.frames if reference.kind == "video" else np.array(reference.image)[None]
+                with self._stage(self.vae):
+                    latents = encode_frames(self.vae, pixels[: reference.num_encoded_frames]).to(self.device)
+                grid = tuple(latents.shape[2:5])
+                video_rows.append(patchify_video(noise_to(latents, KEYFRAME_NOISE_AUG, next(draws)),
+                                                 self.config.patch_size))
+            sound = 0
+            if reference.has_audio:
+                with self._stage(self.audio_vae):
+                    audio_rows.append(encode_sound(self.audio_vae, reference.audio).to(self.device))
+                sound = audio_rows[-1].shape[0] // 2
+            blocks.append(ReferenceBlock(reference.kind, *grid, audio_latents=sound))
+            report("encode_conditions", index + 1, len(request.references))
+        return (torch.cat(video_rows) if video_rows else None, torch.cat(audio_rows) if audio_rows else None, blocks)
+
     @torch.no_grad()
-    def _denoise(self, request: H3Request, text, video_rows, audio_rows, report: ProgressCallback, tier: str):
+    def _denoise(self, request: H3Request, text, video_rows, audio_rows, report: ProgressCallback, tier: str,
+                 blocks: list[ReferenceBlock] | None = None):
         """The loop: one transformer forward per step; video and audio rows step their own schedules; conditioning
-        rows are never written."""
+        rows (keyframes, references) are never written."""
         shape = request.shape
-        layout = build_layout(text.token_tags, shape.num_latent_frames, shape.latent_height, shape.latent_width,
-                              shape.num_audio_latents, patch_size=self.transformer.config.patch_size,
-                              keyframe_anchors=request.anchors)
+        transformer = self._transformer_for(request.task)
+        if request.task == "ref2va":
+            layout = build_ref2va_layout(text.token_tags, blocks, shape.num_latent_frames, shape.latent_height,
+                                         shape.latent_width, shape.num_audio_latents,
+                                         patch_size=self.config.patch_size)
+        else:
+            layout = build_layout(text.token_tags, shape.num_latent_frames, shape.latent_height, shape.latent_width,
+                                  shape.num_audio_latents, patch_size=self.config.patch_size,
+                                  keyframe_anchors=request.anchors)
         video_schedule = FlowSchedule.make(request.num_inference_steps, self.video_shift)
         audio_schedule = FlowSchedule.make(request.num_inference_steps, self.audio_shift)
         on_device = layout.to(self.device)
-        cond = layout.num_condition_video_rows
+        cond, cond_audio = layout.num_condition_video_rows, layout.num_condition_audio_rows
         total = len(video_schedule)
         plan = []  # per step: the distinct timesteps and every row's index into them
         for i in range(total):
@@ -229,9 +311,9 @@ class H3Pipeline:
                                               max(video_t, KEYFRAME_NOISE_AUG))
             plan.append((timestep.to(self.device), indices.to(self.device)))
         # Outside the exact tier every block's AdaLN table for the whole request is computed up front.
-        tables = self.transformer.precompute_adaln([t for t, _ in plan]) if tier != "exact" else None
+        tables = transformer.precompute_adaln([t for t, _ in plan]) if tier != "exact" else None
         for i, (timestep, timestep_indices) in enumerate(plan):
-            video_v, audio_v = self.transformer(
+            video_v, audio_v = transformer(
                 hidden_states=video_rows[None], audio_hidden_states=audio_rows[None],
                 encoder_hidden_states=text.embeds, timestep=timestep, timestep_indices=timestep_indices,
                 token_tags=on_device.token_tags, position_ids=on_device.position_ids,
@@ -239,11 +321,11 @@ class H3Pipeline:
                 text_indices=on_device.text_indices, return_dict=False, adaln_tables=tables, step=i,
             )
             video_rows[cond:] = video_schedule.step(i, video_v[0, cond:].float(), video_rows[cond:])
-            audio_rows[:] = audio_schedule.step(i, audio_v[0].float(), audio_rows)
+            audio_rows[cond_audio:] = audio_schedule.step(i, audio_v[0, cond_audio:].float(), audio_rows[cond_audio:])
             report("denoise", i + 1, total)
         latents = unpatchify_video(video_rows[cond:], shape.num_latent_frames, shape.latent_height,
-                                   shape.latent_width, self.transformer.config.patch_size)
-        audio = audio_rows.reshape(2, shape.num_audio_latents, -1).permute(0, 2, 1).contiguous()
+                                   shape.latent_width, self.config.patch_size)
+        audio = audio_rows[cond_audio:].reshape(2, shape.num_audio_latents, -1).permute(0, 2, 1).contiguous()
         return latents, audio
 
     @contextmanager
@@ -271,13 +353,15 @@ class H3Pipeline:
             raise RequestError(
                 "the fast tier needs a pipeline loaded with quality='fast' (its block weights are FP8), and such a "
                 f"pipeline serves only fast requests (loaded: {self.quality}, asked: {tier}).", "quality")
-        set_quality(self.transformer, tier)
+        for model in self._transformers():
+            set_quality(model, tier)
         return tier
 
     # ------------------------------------------------------------------ call
 
-    def __call__(self, prompt: str, *, image=None, last_image=None, aspect_ratio: str | None = None,
-                 seconds: float | None = 5.0, num_frames: int | None = None, height: int | None = None,
+    def __call__(self, prompt: str, *, image=None, last_image=None, references: list | None = None,
+                 aspect_ratio: str | None = None,
+                 seconds: float | None = None, num_frames: int | None = None, height: int | None = None,
                  width: int | None = None, num_inference_steps: int = 50, seed: int | None = None,
                  generator: torch.Generator | None = None, latents: torch.Tensor | None = None,
                  audio_latents: torch.Tensor | None = None, callback: ProgressCallback | None = None,
@@ -287,8 +371,14 @@ class H3Pipeline:
         Args:
             prompt: the description, used verbatim.
             image, last_image: fl2va keyframes (path, PIL image or uint8 array) the video starts / ends on.
-            aspect_ratio: "W:H" in 1:4 .. 4:1; default 16:9 for t2va and the first keyframe's ratio for fl2va.
-            seconds: 5 to 15 (rounded to a 17n+5 frame count at 24 fps); `num_frames` overrides it.
+            references: ref2va references, in the order the model reads them: `ImageReference`, `VideoReference`,
+                `AudioReference` (paths or in-memory media), PIL images, or file paths (kind by suffix or content).
+                At most 9 images, 3 videos, 3 audios, 12 in all; audio never alone. Needs a pipeline loaded with
+                workflow "ref2va" or "all".
+            aspect_ratio: "W:H" in 1:4 .. 4:1; default 16:9 for t2va and ref2va and the first keyframe's ratio for
+                fl2va.
+            seconds: 5 to 15 (rounded to a 17n+5 frame count at 24 fps); `num_frames` overrides it. Default 5, or
+                for ref2va the length of the first reference with sound.
             height, width: explicit canvas in pixels, multiples of 32 (both or neither).
             num_inference_steps: sigma grid points as in diffusers (N points = N - 1 transformer forwards).
             seed / generator: noise source; a seed makes a fresh CPU generator. Neither: a random seed.
@@ -304,10 +394,14 @@ class H3Pipeline:
         import time
 
         report = callback or (lambda stage, step, total: None)
-        request = self.validate(prompt, image=image, last_image=last_image, aspect_ratio=aspect_ratio,
+        if references is not None:
+            self._transformer_for("ref2va")  # before decoding any media
+        request = self.validate(prompt, image=image, last_image=last_image, references=references,
+                                aspect_ratio=aspect_ratio,
                                 seconds=seconds, num_frames=num_frames, height=height, width=width,
                                 num_inference_steps=num_inference_steps, seed=seed, generator=generator,
                                 latents=latents, audio_latents=audio_latents)
+        self._transformer_for(request.task)
         tier = self._tier(quality)
         timings = {}
         started = time.perf_counter()
@@ -319,19 +413,25 @@ class H3Pipeline:
             started = now
 
         with self._stage(self.text_encoder.model):
-            text = self.text_encoder.encode(request.prompt, request.keyframes)
+            text = self.text_encoder.encode(request.prompt, request.keyframes, request.references)
         text = TextConditioning(text.embeds.to(self.device), text.token_tags)
         report("encode_text", 1, 1)
         lap("encode_text")
         noise = self.draw_noise(request)
-        with self._stage(self.vae) if request.keyframes else nullcontext():
-            condition_rows = self._condition_rows(request, noise, report)
+        blocks, audio_condition = None, None
+        if request.references:
+            condition_rows, audio_condition, blocks = self._reference_rows(request, noise, report)
+        else:
+            with self._stage(self.vae) if request.keyframes else nullcontext():
+                condition_rows = self._condition_rows(request, noise, report)
         lap("encode_conditions")
-        video_rows = patchify_video(noise.video, self.transformer.config.patch_size)
+        video_rows = patchify_video(noise.video, self.config.patch_size)
         if condition_rows is not None:
             video_rows = torch.cat([condition_rows, video_rows])
         audio_rows = noise.audio_rows.clone()
-        video_latents, audio_latents = self._denoise(request, text, video_rows, audio_rows, report, tier)
+        if audio_condition is not None:
+            audio_rows = torch.cat([audio_condition, audio_rows])
+        video_latents, audio_latents = self._denoise(request, text, video_rows, audio_rows, report, tier, blocks)
         lap("denoise")
         with self._stage(self.vae) if decode else nullcontext():
             video = decode_video(self.vae, video_latents) if decode else None

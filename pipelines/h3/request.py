@@ -1,21 +1,24 @@
-"""Validating a generation request once, before any model work: prompt, keyframes, geometry, steps, seed, noise.
+"""Validating a generation request once, before any model work: prompt, keyframes or references, geometry, steps,
+seed, noise.
 
 `prepare_request` needs only the checkpoint index and the transformer config, so the CLI and the server can reject
 a bad request before loading tens of gigabytes of weights.
 """
 
 import secrets
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from h3gen.errors import RequestError
 from h3gen.pipelines.h3 import geometry
 from h3gen.pipelines.h3.checkpoint import H3Checkpoint
+from h3gen.pipelines.h3.references import PreparedReference, as_references, prepare_references, sound_seconds
 from h3gen.pipelines.h3.tasks import place_keyframes
 from h3gen.pipelines.h3.transformer import H3TransformerConfig
 
-WORKFLOWS = ("t2va", "fl2va")
+WORKFLOWS = ("t2va", "fl2va", "ref2va", "all")
+DEFAULT_SECONDS = 5.0
 KEYFRAME_NOISE_AUG = 0.999  # conditioning rows are held just short of clean
 MAX_SEED = 2**63 - 1
 MAX_STEPS = 1000
@@ -34,6 +37,11 @@ class H3Request:
     seed: int | None  # None when the caller brought its own generator
     latents: torch.Tensor | None
     audio_latents: torch.Tensor | None
+    references: list[PreparedReference] = field(default_factory=list)  # ref2va, normalized, in order
+
+    @property
+    def task(self) -> str:
+        return "ref2va" if self.references else "fl2va" if self.keyframes else "t2va"
 
 
 def _check_int(value, name: str, low: int, high: int, what: str) -> None:
@@ -48,8 +56,9 @@ def prepare_request(
     *,
     image=None,
     last_image=None,
+    references=None,
     aspect_ratio=None,
-    seconds=5.0,
+    seconds=None,
     num_frames=None,
     height=None,
     width=None,
@@ -60,7 +69,9 @@ def prepare_request(
     audio_latents=None,
 ) -> H3Request:
     """Check every argument of `H3Pipeline.__call__` and resolve the geometry; raise `RequestError` naming the
-    field and the allowed range. Keyframes are read and placed on the canvas here."""
+    field and the allowed range. Keyframes are read and placed on the canvas here; references are decoded and
+    normalized here. Without `seconds` or `num_frames` a request lasts 5 s, or for ref2va as long as its first
+    reference that carries sound (held within 5 to 15 s)."""
     from h3gen.media import read_image
 
     if not isinstance(prompt, str) or not prompt.strip():
@@ -78,9 +89,24 @@ def prepare_request(
             anchors.append(anchor)
     if keyframes and "processor" not in checkpoint.components:
         raise RequestError(f"{checkpoint.root} has no processor/ folder, so it cannot take keyframes.", "image")
+    if references is not None:
+        if keyframes:
+            raise RequestError("give keyframes (image / last_image, fl2va) or references (ref2va), not both.",
+                               "references")
+        references = as_references(references)
+        if "processor" not in checkpoint.components:
+            raise RequestError(f"{checkpoint.root} has no processor/ folder, so it cannot take references.",
+                               "references")
+        if seconds is None and num_frames is None:
+            found = sound_seconds(references)
+            if found is not None:  # as long as the sound, within what the model generates
+                seconds = min(max(found[0], geometry.MIN_SECONDS), geometry.MAX_SECONDS)
+    if seconds is None and num_frames is None:
+        seconds = DEFAULT_SECONDS
 
     if aspect_ratio is None and height is None:
-        # t2va generates on 16:9; fl2va on the first keyframe's own aspect ratio, as the reference does.
+        # t2va and ref2va generate on 16:9 (references never set the canvas); fl2va on the first keyframe's own
+        # aspect ratio, as the reference does.
         aspect_ratio = keyframes[0].size if keyframes else "16:9"
     shape = geometry.resolve_geometry(
         aspect_ratio=aspect_ratio, seconds=seconds, num_frames=num_frames, height=height, width=width,
@@ -88,6 +114,13 @@ def prepare_request(
         max_pixels=checkpoint.canvas_max_pixels,
     )
     keyframes = place_keyframes(keyframes, shape.height, shape.width)
+    prepared = []
+    if references is not None:
+        prepared = prepare_references(
+            references, shape.num_frames, multiple=geometry.SPATIAL_COMPRESSION * config.patch_size[2],
+            short_edge=checkpoint.canvas_short_edge, max_pixels=checkpoint.canvas_max_pixels,
+            image_short_edge=checkpoint.reference_image_short_edge,
+        )
 
     expected = (1, config.in_channels, shape.num_latent_frames, shape.latent_height, shape.latent_width)
     if latents is not None and tuple(latents.shape) != expected:
@@ -103,11 +136,14 @@ def prepare_request(
         seed = secrets.randbelow(2**31) if seed is None else seed
         generator = torch.Generator().manual_seed(seed)
     return H3Request(prompt, keyframes, tuple(anchors), shape, num_inference_steps, generator, seed, latents,
-                     audio_latents)
+                     audio_latents, prepared)
 
 
 def read_transformer_config(checkpoint: H3Checkpoint) -> H3TransformerConfig:
-    """The transformer's config from `transformer/config.json`, without loading any weights."""
+    """The transformer's config from `transformer/config.json` (or `transformer_ref/`'s, same architecture), without
+    loading any weights."""
     from h3gen.loading.files import read_json
 
-    return H3TransformerConfig.from_dict(read_json(checkpoint.folder("transformer") / "config.json"))
+    name = "transformer" if "transformer" in checkpoint.components or "transformer_ref" not in checkpoint.components \
+        else "transformer_ref"
+    return H3TransformerConfig.from_dict(read_json(checkpoint.folder(name) / "config.json"))

@@ -1,8 +1,9 @@
 """A tiny random-weight MiniMax-H3 checkpoint in the real on-disk (diffusers) layout.
 
-Every component of the released repository is there, shrunk: the transformer, both VAEs (released compression
-geometry, thin widths), a Qwen3-VL text encoder with 51 thin decoder layers (so `hidden_states[50]` exists), a
-byte-level tokenizer built locally with `tokenizers`, the image processor config and both schedulers. Weights are
+Every component of the released repository is there, shrunk: both transformer partitions (`transformer/` for t2va
+and fl2va, `transformer_ref/` for ref2va), both VAEs (released compression geometry, thin widths), a Qwen3-VL text
+encoder with 51 thin decoder layers (so `hidden_states[50]` exists), a byte-level tokenizer built locally with
+`tokenizers`, the image and video processor configs and both schedulers. Weights are
 random, so generated pictures and sound are noise; the point is that every code path runs, fast, on a CPU.
 
 The checkpoint is fully determined by its seed and is cached after the first build (`tiny_checkpoint()`).
@@ -17,7 +18,7 @@ from pathlib import Path
 import torch
 
 # Bump when the builder changes what it writes, so stale caches are rebuilt.
-TINY_FORMAT = 1
+TINY_FORMAT = 2  # 2: transformer_ref/, the video processor config, reference_image_short_edge
 
 TRANSFORMER = dict(
     num_attention_heads=2, attention_head_dim=32, hidden_size=64, num_layers=2, num_refiner_layers=2, ffn_dim=128,
@@ -31,10 +32,12 @@ VIDEO_VAE = dict(
 AUDIO_VAE = dict(encoder_dim=4, latent_dim=64, num_attention_heads=2, decoder_dim=128)
 TEXT_HIDDEN, TEXT_LAYERS = 64, 51
 TINY_CANVAS_SHORT_EDGE, TINY_CANVAS_MAX_PIXELS = 64, 64 * 112
+TINY_REFERENCE_IMAGE_SHORT_EDGE = 96  # the released checkpoint encodes image references at 2048
 SPECIAL_TOKENS = ["<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
 # The index diffusers' ModularPipeline reads: which library and class each component folder holds.
 COMPONENTS = {
     "transformer": ("diffusers", "MiniMaxH3Transformer3DModel"),
+    "transformer_ref": ("diffusers", "MiniMaxH3Transformer3DModel"),
     "vae": ("diffusers", "AutoencoderKLMiniMaxH3"),
     "audio_vae": ("diffusers", "AutoencoderKLMiniMaxH3Audio"),
     "text_encoder": ("transformers", "Qwen3VLForConditionalGeneration"),
@@ -91,6 +94,17 @@ def build_image_processor():
     )
 
 
+def video_processor_config() -> dict:
+    """Qwen3-VL's video processing for the tiny encoder (patch 16, merge 2, pairs of frames), as
+    `video_preprocessor_config.json` holds it."""
+    return {
+        "video_processor_type": "Qwen3VLVideoProcessor", "processor_class": "Qwen3VLProcessor", "patch_size": 16,
+        "temporal_patch_size": 2, "merge_size": 2, "image_mean": [0.5] * 3, "image_std": [0.5] * 3,
+        "rescale_factor": 1 / 255, "do_resize": True, "do_rescale": True, "do_normalize": True,
+        "do_convert_rgb": True, "resample": 3, "size": {"shortest_edge": 64 * 64, "longest_edge": 1024 * 1024},
+    }
+
+
 def _write_index(folder: Path) -> None:
     index = {
         "_class_name": "MiniMaxH3ModularPipeline",
@@ -99,6 +113,7 @@ def _write_index(folder: Path) -> None:
         # A small canvas (64 px short edge) keeps demo runs fast; released checkpoints say 768 and 768 * 1344.
         "canvas_short_edge": TINY_CANVAS_SHORT_EDGE,
         "canvas_max_pixels": TINY_CANVAS_MAX_PIXELS,
+        "reference_image_short_edge": TINY_REFERENCE_IMAGE_SHORT_EDGE,
     }
     for name, (library, class_name) in COMPONENTS.items():
         spec = dict(pretrained_model_name_or_path=str(folder), subfolder=name, type_hint=[library, class_name],
@@ -107,8 +122,9 @@ def _write_index(folder: Path) -> None:
     (folder / "modular_model_index.json").write_text(json.dumps(index, indent=2))
 
 
-def build_tiny_checkpoint(folder, seed: int = 0) -> Path:
-    """Write the tiny checkpoint into `folder` (created). Same seed, same bytes (for one torch version)."""
+def build_tiny_checkpoint(folder, seed: int = 0, transformer: dict | None = None) -> Path:
+    """Write the tiny checkpoint into `folder` (created). Same seed, same bytes (for one torch version).
+    `transformer` overrides entries of the transformer config (both partitions; `text_dim` must stay 64)."""
     from diffusers import AutoencoderKLMiniMaxH3, AutoencoderKLMiniMaxH3Audio
 
     from h3gen.pipelines.h3.schedules import write_scheduler_config
@@ -118,7 +134,8 @@ def build_tiny_checkpoint(folder, seed: int = 0) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        H3Transformer(H3TransformerConfig(**TRANSFORMER)).save_pretrained(folder / "transformer")
+        config = H3TransformerConfig(**{**TRANSFORMER, **(transformer or {})})
+        H3Transformer(config).save_pretrained(folder / "transformer")
 
         generator = torch.Generator().manual_seed(seed + 1)
         mean = (torch.randn(24, generator=generator) * 0.1).tolist()
@@ -133,8 +150,13 @@ def build_tiny_checkpoint(folder, seed: int = 0) -> Path:
         tokenizer = build_tokenizer()
         tokenizer.save_pretrained(folder / "tokenizer")
         build_text_encoder(tokenizer).save_pretrained(folder / "text_encoder")
+
+        # ref2va's own partition: the same architecture, other weights (built last, so the rest keeps its bytes).
+        torch.manual_seed(seed + 2)
+        H3Transformer(config).save_pretrained(folder / "transformer_ref")
     tokenizer.save_pretrained(folder / "processor")
     build_image_processor().save_pretrained(folder / "processor")
+    (folder / "processor" / "video_preprocessor_config.json").write_text(json.dumps(video_processor_config(), indent=2))
     write_scheduler_config(folder / "scheduler", shift=12.0)
     write_scheduler_config(folder / "audio_scheduler", shift=3.0)
     _write_index(folder)

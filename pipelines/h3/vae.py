@@ -44,14 +44,34 @@ def encode_keyframe(vae, image) -> torch.Tensor:
     The reference recipe: ImageNet-normalise, encode spatially (one frame), *sample* the posterior under seed 42,
     round to float16, normalise per channel.
     """
+    return encode_frames(vae, np.array(image)[None])
+
+
+@torch.no_grad()
+def encode_frames(vae, frames: np.ndarray) -> torch.Tensor:
+    """`(F, H, W, 3)` uint8 frames -> normalised latents `(1, C, F', h, w)` float32 on the CPU, by the keyframe
+    recipe. One frame goes through the spatial encoder alone; more are chunked by 17 (an image or video reference,
+    or a keyframe)."""
     device = next(vae.parameters()).device
-    pixels = torch.from_numpy(np.array(image)).to(device).permute(2, 0, 1)[None, :, None]
+    pixels = torch.from_numpy(np.ascontiguousarray(frames)).to(device).permute(3, 0, 1, 2)[None]
     pixels = (pixels.to(torch.float32).div(255.0) - _stat(PIXEL_MEAN, device, 5)) / _stat(PIXEL_STD, device, 5)
     posterior = vae.encode(pixels, return_dict=False)[0]
     latents = posterior.sample(generator=torch.Generator().manual_seed(KEYFRAME_ENCODE_SEED))
     latents = latents.to(torch.float16).float().cpu()
     mean, std = _stat(vae.config.latents_mean, "cpu", 5), _stat(vae.config.latents_std, "cpu", 5)
     return (latents - mean) / std
+
+
+@torch.no_grad()
+def encode_sound(vae, waveform: torch.Tensor) -> torch.Tensor:
+    """A `(2, N)` float32 waveform at 32 kHz -> normalised audio rows `(2 * A, C)` float32 on the CPU, channel-major
+    (the two channels are two batch items of the mono VAE). Sound takes the posterior *mean*, never a sample."""
+    device = next(vae.parameters()).device
+    posterior = vae.encode(waveform.to(device, torch.float32)[:, None], return_dict=False)[0]
+    latents = posterior.mode().float().cpu().transpose(1, 2)  # (2, A, C)
+    mean = torch.tensor(vae.config.latents_mean).view(1, 1, -1)
+    std = torch.tensor(vae.config.latents_std).view(1, 1, -1)
+    return ((latents - mean) / std).reshape(-1, latents.shape[-1])
 
 
 @torch.no_grad()
