@@ -276,9 +276,10 @@ def build_parser() -> argparse.ArgumentParser:
     _offload_arguments(serve)
     serve.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (processes started with torchrun)")
     serve.add_argument("--ulysses", type=int, default=1, help="Ulysses sequence-parallel degree")
-    serve.add_argument("--workflow", choices=("all", "t2va", "fl2va", "ref2va"), default="all",
-                       help="tasks to serve (default: all the model holds; ref2va loads the transformer_ref/ "
-                            "partition as well)")
+    serve.add_argument("--workflow", choices=("auto", "all", "t2va", "fl2va", "ref2va"), default="auto",
+                       help="tasks to serve: all (every task the model holds; ref2va loads the transformer_ref/ "
+                            "partition as well), t2va, fl2va, ref2va; auto (default) is all when both partitions "
+                            "take under a quarter of the device's memory, else fl2va")
     serve.add_argument("--no-ui", dest="no_ui", action="store_true", help="do not mount the web UI at /ui")
     serve.add_argument("--log-level", dest="log_level", default="info")
     serve.set_defaults(run=_cmd_serve)

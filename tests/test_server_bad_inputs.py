@@ -186,3 +186,16 @@ def test_references_only_with_ref2va_and_keyframes_not_with_it(server, files):
             as_text = http.post("/v1/videos", data={"prompt": "x", "task": "ref2va", "ref_image": "ok.png"},
                                 files={"ref_audio": handle})
         assert as_text.status_code == 422 and _field(as_text) == "ref_image", as_text.text
+
+
+def test_auto_workflow_serves_ref2va_only_when_both_partitions_are_small(monkeypatch, tmp_path):
+    from h3gen.offload import host_memory
+    from h3gen.pipelines.h3.tiny import tiny_checkpoint
+    from h3gen.server.engine import H3Engine
+
+    folder = tiny_checkpoint(cache_dir=tmp_path)
+    assert "ref2va" in H3Engine(folder, device="cpu").tasks  # the tiny demo serves every task
+    monkeypatch.setattr(host_memory, "available_host_bytes", lambda: 1024)  # as if the partitions were huge
+    engine = H3Engine(folder, device="cpu")
+    assert engine.tasks == ("t2va", "fl2va") and engine.load_workflow() == "fl2va"
+    assert "ref2va" in H3Engine(folder, device="cpu", workflow="all").tasks

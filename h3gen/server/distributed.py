@@ -121,7 +121,7 @@ def _load(engine) -> None:
         engine._loaded.set()
 
 
-def follow(model_path, *, parallel, device, dtype, quality, offload=None, workflow: str = "all") -> None:
+def follow(model_path, *, parallel, device, dtype, quality, offload=None, workflow: str = "auto") -> None:
     """The loop of every rank but 0: load the same model, then run each broadcast job until told to stop."""
     engine = H3Engine(model_path, device=device, dtype=dtype, quality=quality, offload=offload, workflow=workflow)
     engine.parallel = parallel

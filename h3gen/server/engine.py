@@ -47,17 +47,19 @@ class H3Engine:
     """One model on one device. `validate` runs in request handlers; `load` and `run` on the engine worker."""
 
     def __init__(self, model_path, *, device: str | None = None, dtype: torch.dtype | None = None,
-                 quality: str = "lossless", offload: dict | None = None, workflow: str = "all"):
+                 quality: str = "lossless", offload: dict | None = None, workflow: str = "auto"):
         self.model_path = Path(model_path)
         self.checkpoint = H3Checkpoint.open(self.model_path)
         self.config = read_transformer_config(self.checkpoint)
         # The tasks this server answers: every one the checkpoint holds, or those of one workflow (ref2va has its
         # own transformer partition, so serving it next to t2va / fl2va holds both in memory).
         available = self.checkpoint.tasks()
+        self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        if workflow == "auto":
+            workflow = self._auto_workflow(available)
         wanted = {"all": available, "t2va": ("t2va",), "fl2va": ("t2va", "fl2va"), "ref2va": ("ref2va",)}[workflow]
         self.tasks = tuple(task for task in wanted if task in available)
         self.workflow = workflow
-        self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         self.dtype = dtype or (torch.bfloat16 if self.device.startswith("cuda") else torch.float32)
         self.quality = quality
         self.offload = offload or {}  # offload, gpu_memory, prefetch, quantization for H3Pipeline.from_pretrained
@@ -88,6 +90,28 @@ class H3Engine:
         finally:
             self._loaded.set()
 
+    # "auto" serves every task only while both partitions together take at most this share of the memory they would
+    # load into: the tiny demo serves ref2va out of the box, the released model (2 x 62 GB) loads one partition.
+    AUTO_ALL_SHARE = 0.25
+
+    def _auto_workflow(self, available: tuple[str, ...]) -> str:
+        """"all" when both partitions are small next to the device's memory (host memory on the CPU), else
+        "fl2va" (t2va + fl2va on `transformer/`), logged, since ref2va would hold a second 62 GB partition."""
+        if "ref2va" not in available or len(available) == 1:
+            return "all"
+        from h3gen.offload.host_memory import available_host_bytes, folder_bytes
+
+        partitions = sum(folder_bytes(self.checkpoint.folder(name)) for name in ("transformer", "transformer_ref"))
+        if self.device.startswith("cuda") and torch.cuda.is_available():
+            memory = torch.cuda.get_device_properties(torch.device(self.device)).total_memory
+        else:
+            memory = available_host_bytes() or 0
+        if partitions <= self.AUTO_ALL_SHARE * memory:
+            return "all"
+        logger.info("serving t2va and fl2va only: ref2va needs the transformer_ref/ partition as well (%.0f GB for "
+                    "both); start with --workflow all (or ref2va) to serve it.", partitions / 1e9)
+        return "fl2va"
+
     def load_workflow(self) -> str:
         """The `from_pretrained` workflow that loads what `self.tasks` need."""
         if "ref2va" in self.tasks:
@@ -110,7 +134,8 @@ class H3Engine:
         keyframes = {name: path for name, path in images.items() if name in ("image", "last_image")}
         if request.task not in self.tasks:
             raise RequestError(f"this server does not serve task {request.task} (it serves "
-                               f"{', '.join(self.tasks) or 'nothing'}; ref2va needs a model with transformer_ref/).",
+                               f"{', '.join(self.tasks) or 'nothing'}; ref2va needs a model with transformer_ref/ and a "
+                               "server started with --workflow all or ref2va).",
                                "task")
         if request.task != "fl2va" and keyframes:
             raise RequestError(f"task {request.task} takes no keyframes; use task fl2va for them.",
