@@ -68,6 +68,9 @@ def kda_chunked(q, k, v, g, beta, scale: float, initial_state: torch.Tensor | No
     dv = v.shape[-1]
     dtype = v.dtype
     c = chunk_size
+    if t == 0:
+        state = q.new_zeros(b, h, dk, dv, dtype=torch.float32) if initial_state is None else initial_state.float()
+        return v.new_empty(b, 0, h, dv), state
     pad = (-t) % c
     q, k, v, g, beta = (x.float() for x in (q, k, v, g, beta))
     if pad:
