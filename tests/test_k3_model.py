@@ -196,7 +196,7 @@ def test_mxfp4_experts_match_dequantized_bf16(tiny_k3):
             setattr(expert, name, linear)
             swapped += 1
     assert swapped == 4 * 5 * 3
-    ids = torch.randint(0, 301, (2, 19), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(0, 524, (2, 19), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         a, b = quantized(ids).float(), dense(ids).float()
     assert max_rel_error(a, b) < 2e-2  # bf16 rounding of two op orders; the weights are identical
@@ -211,7 +211,7 @@ def test_tiny_k3_checkpoint_loads_and_generates_greedy(tiny_k3):
     config = json.loads((tiny_k3 / "config.json").read_text())
     assert config["model_type"] == "kimi_k3"
     model = K3ForCausalLM.from_pretrained(tiny_k3, torch_dtype=torch.float32)
-    prompt = torch.randint(3, 301, (1, 12), generator=torch.Generator().manual_seed(7))
+    prompt = torch.randint(3, 268, (1, 12), generator=torch.Generator().manual_seed(7))
     new = model.generate(prompt, max_new_tokens=8)
     assert new.shape == (1, 8)
     sequence = torch.cat([prompt, new], dim=1)

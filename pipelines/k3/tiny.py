@@ -20,8 +20,16 @@ import torch
 # Bump when the builder changes what it writes, so stale caches are rebuilt.
 TINY_FORMAT = 1
 
+# Tokenizer: the 256 bytes, a few merges, then the 256 special ids (named ones first).
+MERGES = [b"th", b"he", b"the", b" t", b" the", b"in", b"ing", b"er", b"an", b"ll", b"llo", b"ello"]
+SPECIAL_TOKENS = ["[BOS]", "[EOS]", "<|end_of_msg|>", "<|open|>", "<|close|>", "<|sep|>", "[EOT]", "<|media_begin|>",
+                  "<|media_content|>", "<|media_end|>", "<|media_pad|>", "[UNK]", "[PAD]"]
+BASE_VOCAB = 256 + len(MERGES)
+VOCAB_SIZE = BASE_VOCAB + 256
+BOS_ID, EOS_ID, MEDIA_PAD_ID = BASE_VOCAB, BASE_VOCAB + 1, BASE_VOCAB + SPECIAL_TOKENS.index("<|media_pad|>")
+
 TEXT_CONFIG = dict(
-    model_type="kimi_linear", vocab_size=301, hidden_size=64, num_hidden_layers=5, intermediate_size=96,
+    model_type="kimi_linear", vocab_size=VOCAB_SIZE, hidden_size=64, num_hidden_layers=5, intermediate_size=96,
     rms_norm_eps=1e-5, hidden_act="situ", activation_situ_beta=4.0, activation_situ_linear_beta=25.0,
     num_attention_heads=2, q_lora_rank=24, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
     mla_use_nope=True, mla_use_output_gate=True,
@@ -29,7 +37,7 @@ TEXT_CONFIG = dict(
     routed_expert_hidden_size=32, latent_moe_use_norm=True, first_k_dense_replace=1, moe_layer_freq=1,
     moe_router_activation_func="sigmoid", moe_renormalize=True, use_grouped_topk=True, num_expert_group=1,
     topk_group=1, topk_method="noaux_tc", routed_scaling_factor=2.5, attn_res_block_size=2,
-    tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+    tie_word_embeddings=False, bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=BASE_VOCAB + 12,
     linear_attn_config=dict(num_heads=2, head_dim=16, short_conv_kernel_size=4, use_full_rank_gate=True,
                             gate_lower_bound=-5.0, kda_layers=[1, 2, 4, 5], full_attn_layers=[3]),
 )
@@ -45,7 +53,7 @@ def tiny_config(vision: bool = False) -> dict:
     """The tiny checkpoint's `config.json` as a dict (K3 outer layout)."""
     text = dict(TEXT_CONFIG, quantization_config=QUANTIZATION_CONFIG)
     config = dict(model_type="kimi_k3", architectures=["KimiK3ForConditionalGeneration"], text_config=text,
-                  pad_token_id=0, ignore_index=-100, media_placeholder_token_id=None)
+                  pad_token_id=0, ignore_index=-100, media_placeholder_token_id=MEDIA_PAD_ID)
     return config
 
 
@@ -113,6 +121,20 @@ def checkpoint_tensors(model, config) -> dict[str, torch.Tensor]:
     return out
 
 
+def write_tokenizer(folder: Path) -> None:
+    """`tiktoken.model` (base64 token, rank) and `tokenizer_config.json` naming the special ids."""
+    import base64
+
+    tokens = [bytes([b]) for b in range(256)] + MERGES
+    (folder / "tiktoken.model").write_text(
+        "".join(f"{base64.b64encode(token).decode()} {rank}\n" for rank, token in enumerate(tokens)))
+    added = {str(BASE_VOCAB + i): dict(content=name, lstrip=False, normalized=False, rstrip=False, single_word=False,
+                                       special=True) for i, name in enumerate(SPECIAL_TOKENS)}
+    config = dict(tokenizer_class="TikTokenTokenizer", added_tokens_decoder=added, bos_token="[BOS]",
+                  eos_token="[EOS]", unk_token="[UNK]", pad_token="[PAD]", model_max_length=1048576)
+    (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
+
+
 def build_tiny_checkpoint(folder, seed: int = 0) -> Path:
     """Write the tiny K3 checkpoint into `folder` (created). Same seed, same bytes (for one torch version)."""
     from safetensors.torch import save_file
@@ -129,6 +151,7 @@ def build_tiny_checkpoint(folder, seed: int = 0) -> Path:
     model = randomize(K3ForCausalLM(dense), seed)
     save_file(checkpoint_tensors(model, config), str(folder / "model.safetensors"), metadata={"format": "pt"})
     (folder / "config.json").write_text(json.dumps(config_dict, indent=2))
+    write_tokenizer(folder)
     (folder / "README.md").write_text(
         f"Tiny random-weight K3 checkpoint (seed {seed}) built by h3gen for tests and demos. Its text is noise.\n")
     return folder
