@@ -8,6 +8,7 @@ is there, shrunk: KDA with the full-rank gate and the safe gate, gated MLA with 
 LatentMoE with SiTU experts and shared experts, block Attention Residuals. Weights are random, so text is noise.
 """
 
+import copy
 import json
 import math
 import os
@@ -49,9 +50,9 @@ QUANTIZATION_CONFIG = dict(
 )
 
 
-def tiny_config(vision: bool = False) -> dict:
-    """The tiny checkpoint's `config.json` as a dict (K3 outer layout)."""
-    text = dict(TEXT_CONFIG, quantization_config=QUANTIZATION_CONFIG)
+def tiny_config() -> dict:
+    """The tiny checkpoint's `config.json` as a dict (K3 outer layout); a fresh deep copy on every call."""
+    text = copy.deepcopy(dict(TEXT_CONFIG, quantization_config=QUANTIZATION_CONFIG))
     config = dict(model_type="kimi_k3", architectures=["KimiK3ForConditionalGeneration"], text_config=text,
                   pad_token_id=0, ignore_index=-100, media_placeholder_token_id=MEDIA_PAD_ID)
     return config
