@@ -7,7 +7,6 @@ import json
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from h3gen.errors import CheckpointError
 from h3gen.pipelines.k3.config import K3Config
