@@ -5,7 +5,8 @@ import sys
 
 import h3gen
 
-IMPORTS = "import h3gen, h3gen.kernels, h3gen.pipelines, h3gen.offload, h3gen.ui, h3gen.loading, h3gen.pipelines.h3"
+IMPORTS = ("import h3gen, h3gen.kernels, h3gen.pipelines, h3gen.offload, h3gen.ui, h3gen.loading, h3gen.pipelines.h3, "
+           "h3gen.pipelines.k3.model, h3gen.kernels.kda, h3gen.kernels.mla_decode, h3gen.kernels.moe")
 
 
 def _python(code: str, cwd) -> subprocess.CompletedProcess:
@@ -51,5 +52,6 @@ def test_regular_install_has_the_same_namespace(tmp_path):
     assert build.returncode == 0, build.stderr[-2000:]
     top_level = sorted(p.name for p in target.iterdir() if not p.name.endswith(".dist-info") and p.name != "bin")
     assert top_level == ["h3gen"]
-    for sub in ("kernels", "pipelines/h3", "offload", "ui", "loading"):
+    for sub in ("kernels", "pipelines/h3", "pipelines/k3", "kernels/kda", "kernels/mla_decode", "kernels/moe", "offload",
+                "ui", "loading"):
         assert (target / "h3gen" / sub / "__init__.py").exists(), sub

@@ -1,0 +1,24 @@
+"""Paged MLA decode attention in plain torch (the absorbed form: one shared latent KV head).
+
+Every cached token of a sequence is one row `[c_kv (r) | k_pe (d_r)]` stored in fixed-size pages; `block_table`
+lists each sequence's pages in order. A decode query per head is `[q_nope · W_kc (r) | q_pe (d_r)]`, and the value
+is the first `v_dim` (= r) entries of the same row.
+"""
+
+import torch
+
+
+def mla_decode(q: torch.Tensor, kv_pages: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
+               scale: float, v_dim: int) -> torch.Tensor:
+    """`q` `[B, H, D]`, `kv_pages` `[P, page_size, D]`, `block_table` `[B, max_pages]` (int), `seq_lens` `[B]` ->
+    `[B, H, v_dim]` in q.dtype: `softmax(scale · q kv^T) kv[:, :v_dim]` over each sequence's first seq_lens rows,
+    float32 math."""
+    page_size = kv_pages.shape[1]
+    out = q.new_empty(q.shape[0], q.shape[1], v_dim)
+    for b in range(q.shape[0]):
+        length = int(seq_lens[b])
+        pages = block_table[b, : -(-length // page_size)].long()
+        rows = kv_pages[pages].reshape(-1, kv_pages.shape[-1])[:length].float()
+        probs = torch.softmax(scale * q[b].float() @ rows.t(), dim=-1)
+        out[b] = (probs @ rows[:, :v_dim]).to(q.dtype)
+    return out

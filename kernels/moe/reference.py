@@ -1,0 +1,64 @@
+"""MoE routing and the grouped expert GEMMs in plain torch.
+
+Routing (DeepSeek-V3 / Kimi "noaux_tc"): sigmoid scores, selection on scores + correction bias (optionally within
+the best groups), weights from the plain scores, renormalised, times the routed scaling factor. The grouped GEMMs
+take the tokens sorted by expert (`sort_by_expert`) and one weight per expert, dense or MXFP4.
+"""
+
+import torch
+
+from h3gen.quant.mxfp4 import dequantize
+
+
+def route_topk(logits: torch.Tensor, correction_bias: torch.Tensor | None, top_k: int, num_groups: int = 1,
+               topk_groups: int = 1, renormalize: bool = True, scaling: float = 1.0):
+    """`logits` `[T, E]` -> (weights `[T, top_k]` float32, expert ids `[T, top_k]` int64).
+
+    Groups are ranked by the sum of their two best biased scores; only the `topk_groups` best take part."""
+    scores = logits.float().sigmoid()
+    choice = scores if correction_bias is None else scores + correction_bias.float()
+    if num_groups > 1:
+        tokens, experts = choice.shape
+        grouped = choice.view(tokens, num_groups, experts // num_groups)
+        group_scores = grouped.topk(min(2, grouped.shape[-1]), dim=-1).values.sum(dim=-1)
+        keep = torch.zeros_like(group_scores, dtype=torch.bool)
+        keep.scatter_(1, group_scores.topk(topk_groups, dim=-1).indices, True)
+        choice = choice.masked_fill(~keep.repeat_interleave(experts // num_groups, dim=1), float("-inf"))
+    ids = choice.topk(top_k, dim=-1).indices
+    weights = scores.gather(1, ids)
+    if renormalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * scaling, ids
+
+
+def sort_by_expert(ids: torch.Tensor, num_experts: int):
+    """`ids` `[T, k]` -> (`order` `[T * k]`: flat (token, slot) indices grouped by expert, stable;
+    `offsets` `[E + 1]`: expert e owns `order[offsets[e]:offsets[e + 1]]`)."""
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=num_experts)
+    offsets = torch.zeros(num_experts + 1, dtype=torch.long, device=ids.device)
+    offsets[1:] = counts.cumsum(0)
+    return order, offsets
+
+
+def grouped_gemm(x: torch.Tensor, offsets: torch.Tensor, weights) -> torch.Tensor:
+    """Rows `x[offsets[e]:offsets[e + 1]]` times `weights[e]^T` (`[N, K]` each) -> `[M, N]` in x.dtype."""
+    out = x.new_empty(x.shape[0], weights[0].shape[0])
+    for e in range(len(offsets) - 1):
+        start, stop = int(offsets[e]), int(offsets[e + 1])
+        if stop > start:
+            out[start:stop] = (x[start:stop].float() @ weights[e].float().t()).to(x.dtype)
+    return out
+
+
+def grouped_mxfp4_gemm(x: torch.Tensor, offsets: torch.Tensor, packed, scales) -> torch.Tensor:
+    """As `grouped_gemm` with MXFP4 weights: `packed[e]` `[N, Kp / 2]` uint8, `scales[e]` `[N, Kp / 32]` uint8
+    (stacked tensors or per-expert lists). Float32 accumulation, output in x.dtype."""
+    out = x.new_empty(x.shape[0], packed[0].shape[0])
+    for e in range(len(offsets) - 1):
+        start, stop = int(offsets[e]), int(offsets[e + 1])
+        if stop > start:
+            weight = dequantize(packed[e], scales[e], torch.float32, in_features=x.shape[-1])
+            out[start:stop] = (x[start:stop].float() @ weight.t()).to(x.dtype)
+    return out

@@ -1,0 +1,444 @@
+"""The K3 / Kimi-Linear text model: Kimi Delta Attention and gated MLA layers interleaved, dense or (Latent)MoE
+feed-forwards with SiLU or SiTU experts, and either the plain residual stream or block Attention Residuals.
+
+State-dict keys equal the checkpoint's after the loader's renames (`block_sparse_moe` -> `mlp`, A_log flattened),
+so `model.layers.{i}.self_attn.q_proj.weight`, `model.layers.{i}.mlp.experts.{e}.w1.weight_packed`, ... Linear
+layers come from a `LinearFactory` (tensor parallel and MXFP4 factories plug in there); the math of the fast ops
+lives in `h3gen.kernels.kda`, `h3gen.kernels.mla_decode` and `h3gen.kernels.moe`.
+"""
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from h3gen.kernels.kda import kda_chunked, kda_gate, kda_recurrent, short_conv
+from h3gen.kernels.mla_decode import mla_decode
+from h3gen.kernels.moe import grouped_gemm, grouped_mxfp4_gemm, route_topk, sort_by_expert
+from h3gen.linear import LinearFactory, LinearSpec, dense_linear
+from h3gen.pipelines.k3.cache import K3Cache, KDAState, PagedLatentCache
+from h3gen.pipelines.k3.config import K3Config
+
+
+class K3RMSNorm(nn.Module):
+    """RMSNorm computed in float32; the normalised value is cast back before the weight (as transformers does)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        return self.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+
+
+class K3ShortConv(nn.Module):
+    """Holder of one depthwise causal conv weight `[C, 1, W]` (float32, as K3 stores and uses it)."""
+
+    def __init__(self, channels: int, width: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(channels, 1, width))
+
+
+def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """`x / sqrt(sum(x^2) + eps)` over the last axis, float32 (fla's form: eps inside the root)."""
+    x = x.float()
+    return x / torch.sqrt(x.pow(2).sum(-1, keepdim=True) + eps)
+
+
+def situ_and_mul(gate: torch.Tensor, up: torch.Tensor, beta: float, linear_beta: float) -> torch.Tensor:
+    """SiTU: `beta tanh(gate / beta) sigmoid(gate) * linear_beta tanh(up / linear_beta)`, float32, cast back."""
+    g, u = gate.float(), up.float()
+    out = beta * torch.tanh(g / beta) * torch.sigmoid(g) * (linear_beta * torch.tanh(u / linear_beta))
+    return out.to(gate.dtype)
+
+
+def gated_activation(config: K3Config, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    if config.hidden_act == "situ":
+        return situ_and_mul(gate, up, config.situ_beta, config.situ_linear_beta)
+    return F.silu(gate) * up
+
+
+class K3DeltaAttention(nn.Module):
+    """Kimi Delta Attention: short conv + SiLU on q/k/v, L2-normalised q/k, per-channel decay gate, sigmoid beta,
+    the delta-rule recurrence (`h3gen.kernels.kda`), then a per-head RMSNorm times a sigmoid output gate."""
+
+    def __init__(self, config: K3Config, linear: LinearFactory):
+        super().__init__()
+        d, h, k = config.hidden_size, config.linear_num_heads, config.linear_head_dim
+        self.config, self.num_heads, self.head_dim = config, h, k
+        width = h * k
+        self.q_proj = linear(LinearSpec(d, width, False, "column", "attn.qkv"))
+        self.k_proj = linear(LinearSpec(d, width, False, "column", "attn.qkv"))
+        self.v_proj = linear(LinearSpec(d, width, False, "column", "attn.qkv"))
+        self.q_conv1d = K3ShortConv(width, config.conv_kernel_size)
+        self.k_conv1d = K3ShortConv(width, config.conv_kernel_size)
+        self.v_conv1d = K3ShortConv(width, config.conv_kernel_size)
+        self.f_a_proj = linear(LinearSpec(d, k, False, "replicated", "attn.gate"))
+        self.f_b_proj = linear(LinearSpec(k, width, False, "column", "attn.gate"))
+        self.A_log = nn.Parameter(torch.zeros(h))
+        self.dt_bias = nn.Parameter(torch.zeros(width))
+        self.b_proj = linear(LinearSpec(d, h, False, "column", "attn.gate"))
+        if config.use_full_rank_gate:
+            self.g_proj = linear(LinearSpec(d, width, False, "column", "attn.qkv"))
+        else:
+            self.g_a_proj = linear(LinearSpec(d, k, False, "replicated", "attn.gate"))
+            self.g_b_proj = linear(LinearSpec(k, width, False, "column", "attn.gate"))
+        self.o_norm = K3RMSNorm(k, config.linear_norm_eps)
+        self.o_proj = linear(LinearSpec(width, d, False, "row", "attn.out"))
+
+    def forward(self, x: torch.Tensor, state: KDAState | None = None) -> tuple[torch.Tensor, KDAState]:
+        """`x` `[B, T, D]` (after the pre-norm), `state` from the previous call or None -> (`[B, T, D]`, new state).
+
+        One token with a state takes the recurrent kernel (decode); anything else the chunked one (prefill, or a
+        prefill chunk continuing from `state`)."""
+        b, t, _ = x.shape
+        shape = (b, t, self.num_heads, self.head_dim)
+        qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
+        conv_weight = torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight]).squeeze(1)
+        qkv, conv_state = short_conv(qkv, conv_weight, None if state is None else state.conv)
+        q, k, v = qkv.split(qkv.shape[-1] // 3, dim=-1)
+        q, k = l2_normalize(q.reshape(shape)), l2_normalize(k.reshape(shape))
+        v = v.reshape(shape)
+        g = kda_gate(self.f_b_proj(self.f_a_proj(x)).view(shape), self.A_log, self.dt_bias,
+                     self.config.gate_lower_bound)
+        beta = torch.sigmoid(self.b_proj(x).float())
+        initial = None if state is None else state.recurrent
+        kernel = kda_recurrent if (t == 1 and initial is not None) else kda_chunked
+        o, recurrent = kernel(q, k, v.float(), g, beta, self.head_dim ** -0.5, initial)
+        gate = self.g_proj(x) if self.config.use_full_rank_gate else self.g_b_proj(self.g_a_proj(x))
+        # Output norm and gate in float32, as fla's FusedRMSNormGated.
+        of = o.float()
+        of = of * torch.rsqrt(of.pow(2).mean(-1, keepdim=True) + self.o_norm.eps) * self.o_norm.weight.float()
+        o = (of * torch.sigmoid(gate.float().view(shape))).to(x.dtype)
+        return self.o_proj(o.reshape(b, t, -1)), KDAState(conv_state, recurrent)
+
+
+class K3MLAttention(nn.Module):
+    """Multi-head latent attention without rotary embedding (the `k_pe` part is still one shared head), with K3's
+    optional sigmoid output gate. Prefill expands the latents per head; decode runs in the absorbed form against
+    the paged latent cache (`h3gen.kernels.mla_decode`)."""
+
+    def __init__(self, config: K3Config, linear: LinearFactory):
+        super().__init__()
+        d, n = config.hidden_size, config.num_attention_heads
+        self.config, self.num_heads = config, n
+        self.nope, self.rope, self.v_dim, self.rank = (config.qk_nope_head_dim, config.qk_rope_head_dim,
+                                                       config.v_head_dim, config.kv_lora_rank)
+        qk = config.mla_head_dim
+        if config.q_lora_rank is None:
+            self.q_proj = linear(LinearSpec(d, n * qk, False, "column", "attn.qkv"))
+        else:
+            self.q_a_proj = linear(LinearSpec(d, config.q_lora_rank, False, "replicated", "attn.qkv"))
+            self.q_a_layernorm = K3RMSNorm(config.q_lora_rank, config.mla_norm_eps)
+            self.q_b_proj = linear(LinearSpec(config.q_lora_rank, n * qk, False, "column", "attn.qkv"))
+        self.kv_a_proj_with_mqa = linear(LinearSpec(d, self.rank + self.rope, False, "replicated", "attn.qkv"))
+        self.kv_a_layernorm = K3RMSNorm(self.rank, config.mla_norm_eps)
+        self.kv_b_proj = linear(LinearSpec(self.rank, n * (self.nope + self.v_dim), False, "column", "attn.qkv"))
+        if config.mla_use_output_gate:
+            self.g_proj = linear(LinearSpec(d, n * self.v_dim, False, "column", "attn.gate"))
+        self.o_proj = linear(LinearSpec(n * self.v_dim, d, False, "row", "attn.out"))
+        self.scale = qk ** -0.5
+
+    def forward(self, x: torch.Tensor, cache: PagedLatentCache | None = None) -> torch.Tensor:
+        """`x` `[B, T, D]` -> `[B, T, D]`; appends this call's latent rows to `cache` when given."""
+        b, t, _ = x.shape
+        q = self.q_proj(x) if self.config.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q = q.view(b, t, -1, self.nope + self.rope)
+        heads = q.shape[2]
+        latent, k_pe = self.kv_a_proj_with_mqa(x).split([self.rank, self.rope], dim=-1)
+        row = torch.cat([self.kv_a_layernorm(latent), k_pe], dim=-1)  # [B, T, r + d_r], what the cache holds
+        past = 0
+        if cache is not None:
+            past = cache.length
+            cache.append(row)
+        if cache is not None and t == 1 and past > 0:
+            o = self._decode_absorbed(q[:, 0], cache).unsqueeze(1)
+        else:
+            rows = cache.rows() if cache is not None else row
+            o = self._attend_expanded(q, rows.to(x.dtype), past)
+        if self.config.mla_use_output_gate:
+            o = o * torch.sigmoid(self.g_proj(x)).view_as(o)
+        return self.o_proj(o.reshape(b, t, heads * self.v_dim))
+
+    def _attend_expanded(self, q: torch.Tensor, rows: torch.Tensor, past: int) -> torch.Tensor:
+        """Prefill: expand every cached latent to per-head keys and values. `q` `[B, T, n, qk]`, `rows`
+        `[B, past + T, r + d_r]` -> `[B, T, n, v]`."""
+        b, t, n, _ = q.shape
+        length = rows.shape[1]
+        latent, k_pe = rows.split([self.rank, self.rope], dim=-1)
+        kv = self.kv_b_proj(latent).view(b, length, n, self.nope + self.v_dim)
+        k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
+        k = torch.cat([k_nope, k_pe[:, :, None, :].expand(b, length, n, self.rope)], dim=-1)
+        causal = torch.ones(t, length, dtype=torch.bool, device=q.device).tril(diagonal=past)
+        o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                           attn_mask=causal, scale=self.scale)
+        return o.transpose(1, 2)
+
+    def _decode_absorbed(self, q: torch.Tensor, cache: PagedLatentCache) -> torch.Tensor:
+        """Decode: fold `kv_b_proj` into the query and the output, so attention runs over the cached latent rows
+        directly (one KV head of width r + d_r). `q` `[B, n, qk]` -> `[B, n, v]`."""
+        n = q.shape[1]
+        w = self.kv_b_proj.weight.view(n, self.nope + self.v_dim, self.rank)
+        w_kc, w_vc = w[:, : self.nope], w[:, self.nope:]  # [n, d_n, r], [n, d_v, r]
+        q_nope, q_pe = q.split([self.nope, self.rope], dim=-1)
+        q_latent = torch.einsum("bnd,ndr->bnr", q_nope.float(), w_kc.float())
+        query = torch.cat([q_latent, q_pe.float()], dim=-1)
+        latent = mla_decode(query, cache.pages, cache.block_table(), cache.seq_lens(), self.scale, self.rank)
+        return torch.einsum("bnr,nvr->bnv", latent, w_vc.float()).to(q.dtype)
+
+
+class K3MLP(nn.Module):
+    """Gated MLP `down(act(gate x, up x))` with SiLU or SiTU: the dense layers and the shared experts."""
+
+    def __init__(self, config: K3Config, hidden: int, intermediate: int, linear: LinearFactory, kind: str = "ffn"):
+        super().__init__()
+        self.config = config
+        self.gate_proj = linear(LinearSpec(hidden, intermediate, False, "column", f"{kind}.up"))
+        self.up_proj = linear(LinearSpec(hidden, intermediate, False, "column", f"{kind}.up"))
+        self.down_proj = linear(LinearSpec(intermediate, hidden, False, "row", f"{kind}.down"))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(gated_activation(self.config, self.gate_proj(x), self.up_proj(x)))
+
+
+class K3Expert(nn.Module):
+    """One routed expert, named as in the checkpoint: w1 = gate, w3 = up, w2 = down."""
+
+    def __init__(self, hidden: int, intermediate: int, linear: LinearFactory):
+        super().__init__()
+        self.w1 = linear(LinearSpec(hidden, intermediate, False, "column", "moe.expert"))
+        self.w3 = linear(LinearSpec(hidden, intermediate, False, "column", "moe.expert"))
+        self.w2 = linear(LinearSpec(intermediate, hidden, False, "row", "moe.expert"))
+
+
+def _grouped(x: torch.Tensor, offsets: torch.Tensor, layers: list[nn.Module]) -> torch.Tensor:
+    """Run the grouped GEMM kernel matching how the experts store their weights (MXFP4 or dense)."""
+    if all(hasattr(layer, "weight_packed") for layer in layers):
+        out = grouped_mxfp4_gemm(x.to(layers[0].compute_dtype), offsets, [layer.weight_packed for layer in layers],
+                                 [layer.weight_scale for layer in layers])
+        return out.to(x.dtype)
+    return grouped_gemm(x, offsets, [layer.weight for layer in layers])
+
+
+class K3Router(nn.Module):
+    """Sigmoid router over the full-width token (float32 logits), `e_score_correction_bias` for selection."""
+
+    def __init__(self, config: K3Config):
+        super().__init__()
+        self.config = config
+        self.weight = nn.Parameter(torch.zeros(config.num_experts, config.hidden_size))
+        self.register_buffer("e_score_correction_bias", torch.zeros(config.num_experts))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`x` `[T, D]` -> (weights `[T, k]` float32, expert ids `[T, k]`)."""
+        c = self.config
+        logits = F.linear(x.float(), self.weight.float())
+        return route_topk(logits, self.e_score_correction_bias, c.num_experts_per_token, c.num_expert_group,
+                          c.topk_group, c.moe_renormalize, c.routed_scaling_factor)
+
+
+class K3MoE(nn.Module):
+    """Routed experts (in a latent space for LatentMoE) plus shared experts at full width:
+
+        w, ids = router(x)                         on the full width
+        h = down(x)                                LatentMoE only
+        y = sum_k w_k E_{ids_k}(h)                 E(h) = w2 act(w1 h, w3 h)
+        y = up(RMSNorm(y))                         LatentMoE only (the norm when latent_moe_use_norm)
+        out = y + shared(x)
+    """
+
+    def __init__(self, config: K3Config, linear: LinearFactory):
+        super().__init__()
+        self.config = config
+        d = config.hidden_size
+        width = config.routed_expert_hidden_size or d
+        self.gate = K3Router(config)
+        if config.routed_expert_hidden_size:
+            self.routed_expert_down_proj = linear(LinearSpec(d, width, False, "replicated", "moe.latent"))
+            if config.latent_moe_use_norm:
+                self.routed_expert_norm = K3RMSNorm(width, config.rms_norm_eps)
+            self.routed_expert_up_proj = linear(LinearSpec(width, d, False, "replicated", "moe.latent"))
+        self.experts = nn.ModuleList(
+            K3Expert(width, config.moe_intermediate_size, linear) for _ in range(config.num_experts))
+        if config.num_shared_experts:
+            self.shared_experts = K3MLP(config, d, config.moe_intermediate_size * config.num_shared_experts, linear,
+                                        "ffn")
+
+    def routed(self, h: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """`h` `[T, W]` -> `sum_k weights[:, k] E_{ids[:, k]}(h)` `[T, W]`, tokens grouped by expert."""
+        top_k = ids.shape[1]
+        order, offsets = sort_by_expert(ids, len(self.experts))
+        tokens = order // top_k
+        rows = h[tokens]
+        gate = _grouped(rows, offsets, [e.w1 for e in self.experts])
+        up = _grouped(rows, offsets, [e.w3 for e in self.experts])
+        down = _grouped(gated_activation(self.config, gate, up), offsets, [e.w2 for e in self.experts])
+        scaled = down * weights.reshape(-1)[order, None].to(down.dtype)
+        return torch.zeros_like(h).index_add_(0, tokens, scaled)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        weights, ids = self.gate(x)
+        if self.config.routed_expert_hidden_size:
+            y = self.routed(self.routed_expert_down_proj(x), weights, ids)
+            if self.config.latent_moe_use_norm:
+                y = self.routed_expert_norm(y)
+            y = self.routed_expert_up_proj(y)
+        else:
+            y = self.routed(x, weights, ids)
+        if self.config.num_shared_experts:
+            y = y + self.shared_experts(x)
+        return y.view(shape)
+
+
+class K3ResidualQuery(nn.Module):
+    """An AttnRes pseudo-query `[1, D]` (stored like a linear weight)."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(1, dim))
+
+
+def attn_res_mix(rows: list[torch.Tensor], query: torch.Tensor, norm_weight: torch.Tensor, eps: float):
+    """Block AttnRes read: `softmax_j(q · RMSNorm_γ(R_j))`-weighted sum of the raw rows `R_j` `[..., D]`, float32,
+    returned in the rows' dtype."""
+    stacked = torch.stack(rows).float()  # [J, ..., D]
+    keys = stacked * torch.rsqrt(stacked.pow(2).mean(-1, keepdim=True) + eps) * norm_weight.float()
+    probs = torch.softmax(keys @ query.float().reshape(-1), dim=0)
+    return (probs[..., None] * stacked).sum(0).to(rows[0].dtype)
+
+
+class K3DecoderLayer(nn.Module):
+    def __init__(self, config: K3Config, index: int, linear: LinearFactory):
+        super().__init__()
+        self.attention_type = config.attention_types[index]
+        if self.attention_type == "kda":
+            self.self_attn = K3DeltaAttention(config, linear)
+        else:
+            self.self_attn = K3MLAttention(config, linear)
+        if config.ffn_types[index] == "moe":
+            self.mlp = K3MoE(config, linear)
+        else:
+            self.mlp = K3MLP(config, config.hidden_size, config.intermediate_size, linear)
+        self.input_layernorm = K3RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = K3RMSNorm(config.hidden_size, config.rms_norm_eps)
+        if config.attn_res_block_size:
+            self.self_attention_res_proj = K3ResidualQuery(config.hidden_size)
+            self.self_attention_res_norm = K3RMSNorm(config.hidden_size, config.rms_norm_eps)
+            self.mlp_res_proj = K3ResidualQuery(config.hidden_size)
+            self.mlp_res_norm = K3RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def attention(self, x: torch.Tensor, cache: K3Cache | None, index: int) -> torch.Tensor:
+        """The attention sub-layer's output for its (pre-norm) input `x` `[B, T, D]`; updates `cache`."""
+        h = self.input_layernorm(x)
+        if cache is None:
+            return self.self_attn(h)[0] if self.attention_type == "kda" else self.self_attn(h)
+        if self.attention_type == "kda":
+            out, cache.layers[index] = self.self_attn(h, cache.layers[index])
+            return out
+        if cache.layers[index] is None:
+            cache.layers[index] = PagedLatentCache(x.shape[0], self.self_attn.rank + self.self_attn.rope,
+                                                   x.dtype, x.device, cache.page_size)
+        return self.self_attn(h, cache.layers[index])
+
+    def feed_forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.mlp(self.post_attention_layernorm(x))
+
+
+class K3Model(nn.Module):
+    """Embedding, decoder layers and the final norm; returns the final hidden states `[B, T, D]`."""
+
+    def __init__(self, config: K3Config, linear: LinearFactory = dense_linear):
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(K3DecoderLayer(config, i, linear) for i in range(config.num_hidden_layers))
+        self.norm = K3RMSNorm(config.hidden_size, config.rms_norm_eps)
+        if config.attn_res_block_size:
+            self.output_attn_res_proj = K3ResidualQuery(config.hidden_size)
+            self.output_attn_res_norm = K3RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, inputs_embeds: torch.Tensor, cache: K3Cache | None = None) -> torch.Tensor:
+        if not self.config.attn_res_block_size:
+            h = inputs_embeds
+            for index, layer in enumerate(self.layers):
+                h = h + layer.attention(h, cache, index)
+                h = h + layer.feed_forward(h)
+            return self.norm(h)
+        return self.norm(self._attn_res_stream(inputs_embeds, cache))
+
+    def _attn_res_stream(self, embeds: torch.Tensor, cache: K3Cache | None) -> torch.Tensor:
+        """Block Attention Residuals. `bank` holds block snapshots; `prefix` is the sum of the sub-layer outputs
+        since the current block began (the embedding at the start). Layer l's attention reads
+        mix(bank + [prefix]); when l % block_size == 0 the prefix is then banked and restarted. The FFN reads
+        mix(bank + [prefix + attention output]). The model's output reads mix(bank + [prefix])."""
+        eps, block = self.config.rms_norm_eps, self.config.attn_res_block_size
+        bank, prefix = [], embeds
+        for index, layer in enumerate(self.layers):
+            x = attn_res_mix(bank + [prefix], layer.self_attention_res_proj.weight,
+                             layer.self_attention_res_norm.weight, eps)
+            if index % block == 0:
+                bank, prefix = bank + [prefix], None
+            out = layer.attention(x, cache, index)
+            prefix = out if prefix is None else prefix + out
+            x = attn_res_mix(bank + [prefix], layer.mlp_res_proj.weight, layer.mlp_res_norm.weight, eps)
+            prefix = prefix + layer.feed_forward(x)
+        return attn_res_mix(bank + [prefix], self.output_attn_res_proj.weight, self.output_attn_res_norm.weight, eps)
+
+
+class K3ForCausalLM(nn.Module):
+    """The text model plus `lm_head`; with a `vision_config`, also the vision tower and projector whose outputs
+    replace the embeddings at `<|media_pad|>` positions."""
+
+    # Kept float32 whatever the working dtype (K3 stores and uses them so).
+    keep_fp32_modules = ("A_log", "dt_bias", "q_conv1d", "k_conv1d", "v_conv1d", "gate")
+
+    def __init__(self, config: K3Config, linear: LinearFactory = dense_linear):
+        super().__init__()
+        self.config = config
+        self.model = K3Model(config, linear)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @classmethod
+    def from_pretrained(cls, folder, torch_dtype: torch.dtype = torch.bfloat16, device=None,
+                        linear_factory: LinearFactory | None = None) -> "K3ForCausalLM":
+        """Load a K3 or Kimi-Linear checkpoint folder (see `h3gen.pipelines.k3.loader`)."""
+        from h3gen.pipelines.k3.loader import load_k3
+
+        return load_k3(cls, folder, torch_dtype=torch_dtype, device=device, linear_factory=linear_factory)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_tokens(input_ids)
+
+    def forward(self, input_ids: torch.Tensor | None = None, cache: K3Cache | None = None,
+                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        """`input_ids` `[B, T]` (or `inputs_embeds` `[B, T, D]`) -> logits `[B, T, vocab]`. With `cache`, continues
+        from the state it holds (prefill chunk or one-token decode) and leaves it updated."""
+        if inputs_embeds is None:
+            inputs_embeds = self.embed(input_ids)
+        hidden = self.model(inputs_embeds, cache)
+        if cache is not None:
+            cache.seen_tokens += inputs_embeds.shape[1]
+        return self.lm_head(hidden)
+
+    def new_cache(self, page_size: int = 16) -> K3Cache:
+        return K3Cache(self.config.num_hidden_layers, page_size)
+
+    @torch.no_grad()
+    def generate(self, input_ids: torch.Tensor, max_new_tokens: int, inputs_embeds: torch.Tensor | None = None,
+                 eos_token_id: int | None = None) -> torch.Tensor:
+        """Greedy decoding: one prefill, then one token per step with the cache. Returns `[B, new]` token ids."""
+        cache = self.new_cache()
+        logits = self(input_ids, cache, inputs_embeds=inputs_embeds)[:, -1]
+        tokens = []
+        for _ in range(max_new_tokens):
+            token = logits.argmax(-1)
+            tokens.append(token)
+            if eos_token_id is not None and bool((token == eos_token_id).all()):
+                break
+            logits = self(token[:, None], cache)[:, -1]
+        return torch.stack(tokens, dim=1)
