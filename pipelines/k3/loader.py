@@ -4,6 +4,8 @@ Key renames (checkpoint -> model):
 - `language_model.` (K3's outer wrapper) is stripped; `language_model.layers.` becomes `model.layers.`;
 - `.block_sparse_moe.` -> `.mlp.` (Kimi-Linear and K3 name their FFN so);
 - `self_attn.A_log` is flattened to its first `num_heads` entries (K3 stores it 1-D, Kimi-Linear `[1, 1, H, 1]`);
+- a fused dense `gate_up_proj.weight` (`[gate; up]`, the layout sglang's K3 MLP holds) is split into
+  `gate_proj` / `up_proj`;
 - MXFP4 experts keep `weight_packed` / `weight_scale` (the `MXFP4Linear` buffers); a 4-D scale is reduced.
 
 The model is built on the meta device through the linear factory (tensor-parallel factories cut each tensor to
@@ -45,6 +47,16 @@ def convert_tensor(key: str, tensor: torch.Tensor, config: K3Config) -> torch.Te
     return tensor
 
 
+def split_gate_up(key: str, target: str, tensor: torch.Tensor):
+    """A fused `gate_up_proj.weight` `[2I, D]` (gate rows first, non-interleaved) -> `gate_proj` and `up_proj`."""
+    if tensor.ndim != 2 or tensor.shape[0] % 2:
+        raise CheckpointError(f"{key} has shape {list(tensor.shape)}; expected [2 * intermediate, hidden].")
+    gate, up = tensor.chunk(2, dim=0)
+    stem = target[: -len("gate_up_proj.weight")]
+    yield key, stem + "gate_proj.weight", gate
+    yield key, stem + "up_proj.weight", up
+
+
 def expert_linear_factory(base, config: K3Config):
     """Routed experts as `MXFP4Linear` when the checkpoint stores them MXFP4, `base` for everything else."""
     if not config.experts_mxfp4:
@@ -67,8 +79,12 @@ def load_k3(cls, folder, *, torch_dtype: torch.dtype = torch.bfloat16, device=No
     def tensors():
         for key, tensor in read_tensors(folder):
             target = rename_key(key)
-            if target is not None:
-                yield key, target, convert_tensor(target, tensor, config)
+            if target is None:
+                continue
+            if target.endswith(".gate_up_proj.weight"):  # sglang's fused layout: [gate; up] along the output
+                yield from split_gate_up(key, target, tensor)
+                continue
+            yield key, target, convert_tensor(target, tensor, config)
 
     assign_tensors(model, tensors(), dtype=torch_dtype, device=device, keep_fp32_modules=cls.keep_fp32_modules,
                    source=str(folder))

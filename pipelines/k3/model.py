@@ -402,6 +402,12 @@ class K3ForCausalLM(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        if config.vision_config is not None:
+            from h3gen.pipelines.k3.vision import K3MultiModalProjector, K3VisionConfig, K3VisionTower
+
+            vision = K3VisionConfig.from_dict(config.vision_config, config.hidden_size)
+            self.vision_tower = K3VisionTower(vision, linear)
+            self.mm_projector = K3MultiModalProjector(vision, linear)
 
     @classmethod
     def from_pretrained(cls, folder, torch_dtype: torch.dtype = torch.bfloat16, device=None,
@@ -414,12 +420,39 @@ class K3ForCausalLM(nn.Module):
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_tokens(input_ids)
 
+    def encode_images(self, pixel_values: torch.Tensor, grid_thws) -> torch.Tensor:
+        """Vision tower + projector: `pixel_values` `[Np, 3, p, p]` and `grid_thws` `[n, 3]` (from
+        `K3ImageProcessor`) -> `[sum of the images' token counts, D]`, images in order."""
+        if not hasattr(self, "vision_tower"):
+            raise ValueError("this checkpoint has no vision tower (no vision_config); images cannot be used.")
+        return self.mm_projector(self.vision_tower(pixel_values, grid_thws))
+
+    def embed_multimodal(self, input_ids: torch.Tensor, pixel_values: torch.Tensor | None = None, grid_thws=None,
+                         image_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        """Token embeddings `[B, T, D]` with the image embeddings (given, or encoded from `pixel_values`) written
+        over the `<|media_pad|>` positions, in order (row-major over the batch)."""
+        embeds = self.embed(input_ids)
+        if image_embeds is None and pixel_values is None:
+            return embeds
+        if image_embeds is None:
+            image_embeds = self.encode_images(pixel_values, grid_thws)
+        mask = input_ids == self.config.media_placeholder_token_id
+        count = int(mask.sum())
+        if count != image_embeds.shape[0]:
+            raise ValueError(f"the prompt has {count} <|media_pad|> tokens but the images give {image_embeds.shape[0]} "
+                             "embeddings (expand each image's placeholder to its token count).")
+        embeds = embeds.clone()
+        embeds[mask] = image_embeds.to(embeds.dtype)
+        return embeds
+
     def forward(self, input_ids: torch.Tensor | None = None, cache: K3Cache | None = None,
-                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+                inputs_embeds: torch.Tensor | None = None, pixel_values: torch.Tensor | None = None,
+                grid_thws=None) -> torch.Tensor:
         """`input_ids` `[B, T]` (or `inputs_embeds` `[B, T, D]`) -> logits `[B, T, vocab]`. With `cache`, continues
-        from the state it holds (prefill chunk or one-token decode) and leaves it updated."""
+        from the state it holds (prefill chunk or one-token decode) and leaves it updated. With `pixel_values` /
+        `grid_thws` (see `encode_images`), the image embeddings replace the `<|media_pad|>` embeddings."""
         if inputs_embeds is None:
-            inputs_embeds = self.embed(input_ids)
+            inputs_embeds = self.embed_multimodal(input_ids, pixel_values, grid_thws)
         hidden = self.model(inputs_embeds, cache)
         if cache is not None:
             cache.seen_tokens += inputs_embeds.shape[1]
@@ -430,10 +463,13 @@ class K3ForCausalLM(nn.Module):
 
     @torch.no_grad()
     def generate(self, input_ids: torch.Tensor, max_new_tokens: int, inputs_embeds: torch.Tensor | None = None,
-                 eos_token_id: int | None = None) -> torch.Tensor:
-        """Greedy decoding: one prefill, then one token per step with the cache. Returns `[B, new]` token ids."""
+                 eos_token_id: int | None = None, pixel_values: torch.Tensor | None = None,
+                 grid_thws=None) -> torch.Tensor:
+        """Greedy decoding: one prefill (images spliced in when given), then one token per step with the cache.
+        Returns `[B, new]` token ids."""
         cache = self.new_cache()
-        logits = self(input_ids, cache, inputs_embeds=inputs_embeds)[:, -1]
+        logits = self(input_ids, cache, inputs_embeds=inputs_embeds, pixel_values=pixel_values,
+                      grid_thws=grid_thws)[:, -1]
         tokens = []
         for _ in range(max_new_tokens):
             token = logits.argmax(-1)

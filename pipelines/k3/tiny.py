@@ -5,7 +5,9 @@ MXFP4 `quantization_config`); the weights use the release's keys (`language_mode
 block_sparse_moe.experts.{e}.w1.weight_packed` / `weight_scale` for the MXFP4 routed experts, bf16 elsewhere,
 float32 for `A_log`, `dt_bias`, the short convs and the router bias; `A_log` 1-D of length head_dim). Every K3 part
 is there, shrunk: KDA with the full-rank gate and the safe gate, gated MLA with a q LoRA, a dense first layer,
-LatentMoE with SiTU experts and shared experts, block Attention Residuals. Weights are random, so text is noise.
+LatentMoE with SiTU experts and shared experts, block Attention Residuals, and a MoonViT-3d vision tower with its
+projector (`vision_tower.*`, `mm_projector.*`, bf16; `preprocessor_config.json` holds the `media_proc_cfg`, small
+limits so test images stay a few patches). Weights are random, so text is noise.
 """
 
 import copy
@@ -19,7 +21,7 @@ from pathlib import Path
 import torch
 
 # Bump when the builder changes what it writes, so stale caches are rebuilt.
-TINY_FORMAT = 1
+TINY_FORMAT = 2
 
 # Tokenizer: the 256 bytes, a few merges, then the 256 special ids (named ones first).
 MERGES = [b"th", b"he", b"the", b" t", b" the", b"in", b"ing", b"er", b"an", b"ll", b"llo", b"ello"]
@@ -49,12 +51,27 @@ QUANTIZATION_CONFIG = dict(
     ignore=["re:.*self_attn.*", "re:.*shared_experts.*", "re:.*routed_expert_.*", "re:.*gate$", "lm_head"],
 )
 
+# Odd sizes on purpose: a 6x5 position table (so every image interpolates it), head dim 16, 2 blocks.
+VISION_CONFIG = dict(
+    patch_size=14, init_pos_emb_height=6, init_pos_emb_width=5, init_pos_emb_time=4, pos_emb_type="divided_fixed",
+    pos_emb_interpolation_mode="bilinear", vt_num_attention_heads=2, vt_num_hidden_layers=2, vt_hidden_size=24,
+    vt_intermediate_size=40, qkv_hidden_size=32, norm_type="rmsnorm", attn_bias=False, linear_bias=False,
+    patch_embed_proj_bias=False, activation_func="gelu_pytorch_tanh", merge_kernel_size=[2, 2],
+    merge_type="sd2_tpool", mm_projector_type="patchmergerv2", mm_hidden_size=24, projector_hidden_act="gelu",
+    projector_ln_eps=1e-5, text_hidden_size=TEXT_CONFIG["hidden_size"],
+)
+MEDIA_PROC_CFG = dict(
+    patch_size=14, merge_kernel_size=2, in_patch_limit=48, patch_limit_on_one_side=10,
+    image_mean=[0.48, 0.46, 0.41], image_std=[0.27, 0.26, 0.28], transparent_bg_config=dict(pattern="white"),
+)
+
 
 def tiny_config() -> dict:
     """The tiny checkpoint's `config.json` as a dict (K3 outer layout); a fresh deep copy on every call."""
     text = copy.deepcopy(dict(TEXT_CONFIG, quantization_config=QUANTIZATION_CONFIG))
     config = dict(model_type="kimi_k3", architectures=["KimiK3ForConditionalGeneration"], text_config=text,
-                  pad_token_id=0, ignore_index=-100, media_placeholder_token_id=MEDIA_PAD_ID)
+                  pad_token_id=0, ignore_index=-100, media_placeholder_token_id=MEDIA_PAD_ID,
+                  vision_config=copy.deepcopy(VISION_CONFIG))
     return config
 
 
@@ -83,6 +100,8 @@ def randomize(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
                 value = randn(*shape) * 0.5
             elif param.ndim == 2:
                 value = randn(*shape) / math.sqrt(shape[1])
+            elif param.ndim == 4:  # the vision patch embedding (a conv over one patch)
+                value = randn(*shape) / math.sqrt(math.prod(shape[1:]))
             else:
                 value = randn(*shape) * 0.1
             param.copy_(value.to(param.dtype))
@@ -103,8 +122,10 @@ def checkpoint_tensors(model, config) -> dict[str, torch.Tensor]:
     fp32 = ("A_log", "dt_bias", "conv1d", "e_score_correction_bias")
     out = {}
     for key, tensor in model.state_dict().items():
-        key_out = key.replace(".mlp.", ".block_sparse_moe.")
-        key_out = "language_model." + key_out if not key.startswith(("vision_tower.", "mm_projector.")) else key_out
+        if key.startswith(("vision_tower.", "mm_projector.")):  # the tower's keys are the checkpoint's
+            key_out = key
+        else:
+            key_out = "language_model." + key.replace(".mlp.", ".block_sparse_moe.")
         tensor = tensor.detach()
         if key.endswith("self_attn.A_log"):  # stored 1-D with head_dim entries, the first num_heads used
             padded = torch.zeros(config.linear_head_dim)
@@ -153,6 +174,7 @@ def build_tiny_checkpoint(folder, seed: int = 0) -> Path:
     save_file(checkpoint_tensors(model, config), str(folder / "model.safetensors"), metadata={"format": "pt"})
     (folder / "config.json").write_text(json.dumps(config_dict, indent=2))
     write_tokenizer(folder)
+    (folder / "preprocessor_config.json").write_text(json.dumps(dict(media_proc_cfg=MEDIA_PROC_CFG), indent=2))
     (folder / "README.md").write_text(
         f"Tiny random-weight K3 checkpoint (seed {seed}) built by h3gen for tests and demos. Its text is noise.\n")
     return folder

@@ -35,6 +35,7 @@ PATTERN = "|".join([
 OPEN, CLOSE, SEP, END_OF_MSG = "<|open|>", "<|close|>", "<|sep|>", "<|end_of_msg|>"
 IMAGE_PLACEHOLDER = "<|kimi_image_placeholder|>"
 MEDIA_PAD = "<|media_pad|>"
+MEDIA_BEGIN, MEDIA_CONTENT, MEDIA_END = "<|media_begin|>", "<|media_content|>", "<|media_end|>"
 THINKING_EFFORTS = ("low", "high", "max")
 
 
@@ -136,6 +137,26 @@ class K3Tokenizer:
         for text, special in segments:
             ids += self.encode(text, allow_special=special)
         return ids
+
+    def expand_images(self, ids: list[int], num_tokens: list[int], image_sizes: list[tuple[int, int]]) -> list[int]:
+        """Expand the template's one `<|media_pad|>` per image into the checkpoint's media span:
+        `<|media_begin|>image {W}x{H}<|media_content|>` + `<|media_pad|>` x N + `<|media_end|>`, with W x H the
+        original upload size and N the image's token count (`K3ImageProcessor` gives both)."""
+        pad = self.token_id(MEDIA_PAD)
+        found = sum(1 for i in ids if i == pad)
+        if found != len(num_tokens) or len(image_sizes) != len(num_tokens):
+            raise ValueError(f"the prompt has {found} image placeholders but {len(num_tokens)} images were given "
+                             f"({len(image_sizes)} sizes).")
+        out, image = [], 0
+        for i in ids:
+            if i != pad:
+                out.append(i)
+                continue
+            width, height = image_sizes[image]
+            out += self.encode(f"{MEDIA_BEGIN}image {width}x{height}{MEDIA_CONTENT}")
+            out += [pad] * num_tokens[image] + [self.token_id(MEDIA_END)]
+            image += 1
+        return out
 
 
 def render_chat(messages, add_generation_prompt=True, thinking=True, thinking_effort="max", image_prompts=None):
