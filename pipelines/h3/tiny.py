@@ -10,12 +10,11 @@ The checkpoint is fully determined by its seed and is cached after the first bui
 """
 
 import json
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
+
+from h3gen.loading.cached_build import cached_folder, default_cache_dir
 
 # Bump when the builder changes what it writes, so stale caches are rebuilt.
 TINY_FORMAT = 2  # 2: transformer_ref/, the video processor config, reference_image_short_edge
@@ -167,11 +166,6 @@ def build_tiny_checkpoint(folder, seed: int = 0, transformer: dict | None = None
     return folder
 
 
-def default_cache_dir() -> Path:
-    """`$H3GEN_CACHE` or `~/.cache/h3gen`."""
-    return Path(os.environ.get("H3GEN_CACHE") or Path.home() / ".cache" / "h3gen")
-
-
 def tiny_checkpoint(seed: int = 0, cache_dir=None) -> Path:
     """The cached tiny checkpoint for `seed`, built on first use (atomically, so a crash leaves no half folder)."""
     import diffusers
@@ -180,22 +174,12 @@ def tiny_checkpoint(seed: int = 0, cache_dir=None) -> Path:
     cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     tag = f"tiny-h3-f{TINY_FORMAT}-s{seed}-t{torch.__version__.split('+')[0]}-d{diffusers.__version__}-tf{transformers.__version__}"
     target = cache_dir / tag
-    if (target / "modular_model_index.json").exists():
-        return target
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{tag}-", dir=cache_dir))
-    try:
+
+    def build(staging: Path, final: Path) -> None:
         build_tiny_checkpoint(staging, seed)
-        # The index records its own folder; point it at the final location before the move.
-        _write_index_location(staging, target)
-        try:
-            staging.rename(target)
-        except OSError:  # another process finished first
-            if not (target / "modular_model_index.json").exists():
-                raise
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return target
+        _write_index_location(staging, final)  # the index records its own folder: point it at the final one
+
+    return cached_folder(target, "modular_model_index.json", build)
 
 
 def _write_index_location(folder: Path, location: Path) -> None:

@@ -13,12 +13,11 @@ limits so test images stay a few patches). Weights are random, so text is noise.
 import copy
 import json
 import math
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
+
+from h3gen.loading.cached_build import cached_folder, default_cache_dir
 
 # Bump when the builder changes what it writes, so stale caches are rebuilt.
 TINY_FORMAT = 2
@@ -180,26 +179,8 @@ def build_tiny_checkpoint(folder, seed: int = 0) -> Path:
     return folder
 
 
-def default_cache_dir() -> Path:
-    """`$H3GEN_CACHE` or `~/.cache/h3gen`."""
-    return Path(os.environ.get("H3GEN_CACHE") or Path.home() / ".cache" / "h3gen")
-
-
 def tiny_checkpoint(seed: int = 0, cache_dir=None) -> Path:
     """The cached tiny K3 checkpoint for `seed`, built on first use (atomically: a crash leaves no half folder)."""
     cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     target = cache_dir / f"tiny-k3-f{TINY_FORMAT}-s{seed}-t{torch.__version__.split('+')[0]}"
-    if (target / "config.json").exists():
-        return target
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=cache_dir))
-    try:
-        build_tiny_checkpoint(staging, seed)
-        try:
-            staging.rename(target)
-        except OSError:  # another process finished first
-            if not (target / "config.json").exists():
-                raise
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return target
+    return cached_folder(target, "config.json", lambda staging, _: build_tiny_checkpoint(staging, seed))
