@@ -76,6 +76,40 @@ def _quiet_libraries() -> None:
         library.disable_progress_bar()
 
 
+def _planner(spec: str, device=None, api_key: str | None = None):
+    """A planner backend for `--planner` / `plan --model`: "tiny", a K3 folder or an OpenAI-compatible base URL."""
+    import os
+
+    from h3gen.pipelines.k3.planner import make_planner
+
+    if spec == "tiny":
+        print("h3gen: planning with the tiny demo K3 model: its weights are random, so the planned prompt is noise.",
+              file=sys.stderr)
+    return make_planner(spec, device=device, api_key=api_key or os.environ.get("H3GEN_PLANNER_API_KEY"))
+
+
+def _cmd_plan(args: argparse.Namespace) -> int:
+    from h3gen.pipelines.k3.planner import PlannerError
+
+    if args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise RequestError("--device cuda was asked for but no CUDA device is available.", "device")
+    if args.image is not None and not __import__("pathlib").Path(args.image).is_file():
+        raise RequestError(f"--image {args.image} does not exist.", "image")
+    planner = _planner(args.model, args.device, args.api_key)
+    try:
+        result = planner.plan(args.prompt, image=args.image, max_tokens=args.max_tokens, seed=args.seed,
+                              temperature=args.temperature)
+    except PlannerError as error:
+        raise RequestError(str(error)) from None
+    print(result.planned)
+    print(f"h3gen: planned by {result.backend} in {result.seconds:.1f} s"
+          + (f", {result.tokens} tokens" if result.tokens is not None else ""), file=sys.stderr)
+    return 0
+
+
 def _cmd_generate(args: argparse.Namespace) -> int:
     import torch
 
@@ -107,6 +141,20 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     request = prepare_request(checkpoint, config, args.prompt, **call)
     if args.audio_rate not in (32000, 48000):
         raise RequestError(f"--audio-rate must be 32000 or 48000 (got {args.audio_rate}).", "audio_rate")
+    if args.planner:
+        if args.tp * args.ulysses > 1:
+            raise RequestError("--planner does not run under --tp / --ulysses yet; plan first with `h3gen plan` and "
+                               "pass its output as the prompt.", "planner")
+        from h3gen.pipelines.k3.planner import PlannerError
+
+        planner = _planner(args.planner, device)
+        try:
+            args.prompt = planner.plan(args.prompt, image=args.image if planner.accepts_images else None,
+                                       seed=request.seed).planned
+        except PlannerError as error:
+            raise RequestError(str(error)) from None
+        del planner  # its memory goes back before the video model loads
+        print(f"h3gen: planned prompt: {args.prompt}", file=sys.stderr)
     parallel, rank = None, 0
     if args.tp * args.ulysses > 1:
         from h3gen.parallel.launch import launched_by_torchrun, relaunch_with_torchrun, start_rank
@@ -200,6 +248,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         engine = DistributedEngine(args.model, parallel=parallel, device=device, dtype=dtype, **serving)
     else:
         engine = H3Engine(args.model, device=args.device, dtype=dtype, **serving)
+    if args.planner:
+        engine.planner = _planner(args.planner, args.device)
     manager = JobManager(engine, args.results_dir, max_queue=args.max_queue,
                          retention_seconds=args.retention_hours * 3600,
                          max_results_bytes=int(args.max_results_gb * 2**30))
@@ -256,6 +306,9 @@ def build_parser() -> argparse.ArgumentParser:
     _offload_arguments(gen)
     gen.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (processes started with torchrun)")
     gen.add_argument("--ulysses", type=int, default=1, help="Ulysses sequence-parallel degree")
+    gen.add_argument("--planner", default=None, metavar="SPEC",
+                     help="first rewrite the prompt with a K3 planner: tiny (random demo), a K3 checkpoint folder, or "
+                          "an OpenAI-compatible base URL (key in $H3GEN_PLANNER_API_KEY)")
     gen.add_argument("--out", required=True, help="output .mp4 path")
     gen.set_defaults(run=_cmd_generate)
 
@@ -280,9 +333,26 @@ def build_parser() -> argparse.ArgumentParser:
                        help="tasks to serve: all (every task the model holds; ref2va loads the transformer_ref/ "
                             "partition as well), t2va, fl2va, ref2va; auto (default) is all when both partitions "
                             "take under a quarter of the device's memory, else fl2va")
+    serve.add_argument("--planner", default=None, metavar="SPEC",
+                       help="enable plan: true jobs and POST /v1/prompts/plan with a K3 planner: tiny (random demo), a "
+                            "K3 checkpoint folder, or an OpenAI-compatible base URL (off by default)")
     serve.add_argument("--no-ui", dest="no_ui", action="store_true", help="do not mount the web UI at /ui")
     serve.add_argument("--log-level", dest="log_level", default="info")
     serve.set_defaults(run=_cmd_serve)
+
+    plan = commands.add_parser("plan", help="turn a short idea into an H3 prompt (picture, motion, camera, sound, "
+                                            "music, dialogue) with a K3 planner; prints it")
+    plan.add_argument("prompt", help="the idea")
+    plan.add_argument("--image", help="an image the video starts on (needs a planner that reads images)")
+    plan.add_argument("--model", default="tiny",
+                      help="K3 checkpoint folder, tiny (the random demo model, default), or an OpenAI-compatible base "
+                           "URL such as http://host:8000/v1")
+    plan.add_argument("--api-key", dest="api_key", help="key for a remote planner (or $H3GEN_PLANNER_API_KEY)")
+    plan.add_argument("--max-tokens", dest="max_tokens", type=int, default=512, help="most tokens to write")
+    plan.add_argument("--seed", type=int, default=None, help="sampling seed (default: random)")
+    plan.add_argument("--temperature", type=float, default=None, help="sampling temperature (default 0.6)")
+    plan.add_argument("--device", choices=("cuda", "cpu"), default=None, help="default: cuda if available")
+    plan.set_defaults(run=_cmd_plan)
     return parser
 
 

@@ -45,7 +45,9 @@ def build_ui(manager) -> gr.Blocks:
     """The Blocks app: prompt, task, keyframes or references, aspect, seconds, seed (with randomize), steps, a
     progress bar fed by the job's progress, the result as a playable video with audio, and a history of results."""
 
-    def generate(prompt, task, image, last_image, references, aspect, seconds, steps, seed, randomize,
+    has_planner = getattr(manager.engine, "planner", None) is not None
+
+    def generate(prompt, task, image, last_image, references, aspect, seconds, steps, seed, randomize, plan,
                  progress=gr.Progress()):
         images = {name: path for name, path in (("image", image), ("last_image", last_image)) if path}
         try:
@@ -54,7 +56,7 @@ def build_ui(manager) -> gr.Blocks:
             raise gr.Error(str(error)) from None
         fields = dict(prompt=prompt or "", task=task, seconds=float(seconds), num_inference_steps=int(steps),
                       aspect_ratio=None if aspect in (None, "auto") else aspect,
-                      seed=None if randomize or seed is None else int(seed))
+                      seed=None if randomize or seed is None else int(seed), plan=bool(plan))
         try:
             request = GenerationRequest.model_validate(fields)
         except ValidationError as error:
@@ -86,17 +88,18 @@ def build_ui(manager) -> gr.Blocks:
             status = f"Job {job_id}: {view['status']}{where} — {stage}, {view['progress']:.0f}%"
             if view["status"] in FINISHED:
                 break
-            yield status, None, job_id, seed_used, gr.update()
+            yield status, None, job_id, seed_used, gr.update(), view.get("planned_prompt") or ""
             time.sleep(POLL_SECONDS)
         if view["status"] == "failed":
             raise gr.Error(f"generation failed: {view['error']}")
         if view["status"] == "cancelled":
-            yield f"Job {job_id}: cancelled", None, job_id, seed_used, _history(manager)
+            yield (f"Job {job_id}: cancelled", None, job_id, seed_used, _history(manager),
+                   view.get("planned_prompt") or "")
             return
         total = sum(view["timings"].values())
         yield (f"Job {job_id}: done in {total:.1f} s — {view['request']['width']}x{view['request']['height']}, "
                f"{view['request']['num_frames']} frames, seed {seed_used}", str(manager.result_path(job_id)), job_id,
-               seed_used, _history(manager))
+               seed_used, _history(manager), view.get("planned_prompt") or "")
 
     def cancel(job_id):
         if not job_id:
@@ -132,16 +135,22 @@ def build_ui(manager) -> gr.Blocks:
                     steps = gr.Slider(2, 100, value=50, step=1, label="Steps", elem_id="steps")
                     seed = gr.Number(value=0, precision=0, minimum=0, label="Seed", elem_id="seed")
                     randomize = gr.Checkbox(value=True, label="Random seed", elem_id="randomize")
+                plan = gr.Checkbox(value=False, visible=has_planner, elem_id="plan",
+                                   label="Plan the prompt with K3 first (picture, motion, camera, sound, music, "
+                                         "dialogue)")
                 with gr.Row():
                     run = gr.Button("Generate", variant="primary", elem_id="generate-btn")
                     stop = gr.Button("Cancel", elem_id="cancel-btn")
             with gr.Column(scale=1):
                 status = gr.Textbox(label="Status", interactive=False, elem_id="status")
+                planned = gr.Textbox(label="Planned prompt (what the clip is made from)", interactive=False, lines=4,
+                                     visible=has_planner, elem_id="planned-prompt")
                 video = gr.Video(label="Result", format="mp4", elem_id="result-video", autoplay=False)
                 history = gr.Dataframe(headers=HISTORY_COLUMNS, value=lambda: _history(manager), interactive=False,
                                        label="History (click a row to play it)", elem_id="history")
-        run.click(generate, [prompt, task, image, last_image, references, aspect, seconds, steps, seed, randomize],
-                  [status, video, job_state, seed, history], concurrency_limit=None)
+        run.click(generate,
+                  [prompt, task, image, last_image, references, aspect, seconds, steps, seed, randomize, plan],
+                  [status, video, job_state, seed, history, planned], concurrency_limit=None)
         stop.click(cancel, [job_state], [status])
         history.select(show, [history], [video, status])
     return demo

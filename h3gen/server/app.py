@@ -1,5 +1,5 @@
-"""The FastAPI app: `/v1/videos` jobs (create, status, content, cancel, list), `/health`, `/metrics`, and the
-Gradio UI at `/ui`. Every bad request is a 4xx naming what was wrong; nothing a client sends reaches the engine
+"""The FastAPI app: `/v1/videos` jobs (create, status, content, cancel, list), `/v1/prompts/plan`, `/health`,
+`/metrics`, and the Gradio UI at `/ui`. Every bad request is a 4xx naming what was wrong; nothing a client sends reaches the engine
 unvalidated, and no failure of one job affects another."""
 
 import json
@@ -19,10 +19,11 @@ from starlette.datastructures import UploadFile
 
 from h3gen.errors import RequestError
 from h3gen.pipelines.h3.references import MAX_REFERENCES
+from h3gen.pipelines.k3.planner import PlannerError
 from h3gen.server.engine import upload_name
 from h3gen.server.jobs import JobManager, QueueFull
 from h3gen.server.schemas import (IMAGE_FIELDS, REFERENCE_FIELDS, GenerationRequest, Health, JobCreated, JobList,
-                                  JobView)
+                                  JobView, PlanRequest, PlanResponse)
 
 logger = logging.getLogger(__name__)
 
@@ -182,6 +183,66 @@ def create_app(manager: JobManager, *, api_key: str | None = None, max_upload_by
         except QueueFull as error:
             return JSONResponse({"detail": str(error)}, status_code=429,
                                 headers={"Retry-After": str(error.retry_after)})
+        finally:
+            if staging is not None:
+                shutil.rmtree(staging, ignore_errors=True)
+
+    @app.post("/v1/prompts/plan", response_model=PlanResponse, dependencies=auth,
+              responses={409: {"description": "the server has no planner"}, 413: {"description": "too large"},
+                         415: {"description": "unsupported body"}, 422: {"description": "invalid field"},
+                         424: {"description": "the planner backend failed"}})
+    async def plan_prompt(request: Request):
+        """Turn a short idea into an H3 prompt (picture, motion, camera, sound, music, dialogue) with the server's
+        planner. JSON `PlanRequest`, or multipart with its fields and an optional `image` file for a planner that
+        reads images."""
+        content_type = request.headers.get("content-type", "").lower()
+        staging, image = None, None
+        try:
+            if content_type.startswith("application/json"):
+                try:
+                    data = json.loads(await _read_limited(request, MAX_JSON_BYTES))
+                except (json.JSONDecodeError, UnicodeDecodeError):
+                    return _field_error("body", "the body is not valid JSON", "json_invalid")
+                if not isinstance(data, dict):
+                    return _field_error("body", "the body must be a JSON object", "model_type")
+            elif content_type.startswith("multipart/form-data"):
+                declared = request.headers.get("content-length")
+                if declared is None:
+                    raise HTTPException(411, "multipart uploads need a Content-Length")
+                if not declared.isdigit() or int(declared) > max_upload_bytes + MAX_JSON_BYTES:
+                    raise HTTPException(413, f"request body larger than {max_upload_bytes + MAX_JSON_BYTES} bytes")
+                form = await request.form(max_files=1, max_fields=len(PlanRequest.model_fields) + 1,
+                                          max_part_size=MAX_JSON_BYTES)
+                data = {}
+                for key, value in form.multi_items():
+                    if isinstance(value, UploadFile):
+                        if key != "image":
+                            return _field_error(key, "unexpected file field; the only file is image")
+                        staging = manager.staging_dir()
+                        image = await run_in_threadpool(_save_upload, value, staging, "image", max_upload_bytes)
+                    elif value != "":
+                        data[key] = value
+            else:
+                raise HTTPException(415, "send application/json or multipart/form-data")
+            try:
+                plan = PlanRequest.model_validate(data)
+            except ValidationError as error:
+                details = error.errors(include_url=False, include_context=False, include_input=False)
+                for detail in details:
+                    detail["loc"] = ["body", *detail["loc"]]
+                return JSONResponse({"detail": jsonable_encoder(details)}, status_code=422)
+            planner = getattr(manager.engine, "planner", None)
+            if planner is None:
+                raise HTTPException(409, "this server has no prompt planner; start it with --planner tiny|<K3 "
+                                         "folder>|<OpenAI-compatible base URL>")
+            result = await run_in_threadpool(planner.plan, plan.prompt, image=image, max_tokens=plan.max_tokens,
+                                             seed=plan.seed, temperature=plan.temperature)
+            return {"prompt": result.prompt, "planned_prompt": result.planned, "backend": result.backend,
+                    "tokens": result.tokens, "seconds": result.seconds}
+        except RequestError as error:
+            return _field_error(error.field or "body", str(error))
+        except PlannerError as error:
+            return JSONResponse({"detail": str(error)}, status_code=424)
         finally:
             if staging is not None:
                 shutil.rmtree(staging, ignore_errors=True)

@@ -47,7 +47,7 @@ class H3Engine:
     """One model on one device. `validate` runs in request handlers; `load` and `run` on the engine worker."""
 
     def __init__(self, model_path, *, device: str | None = None, dtype: torch.dtype | None = None,
-                 quality: str = "lossless", offload: dict | None = None, workflow: str = "auto"):
+                 quality: str = "lossless", offload: dict | None = None, workflow: str = "auto", planner=None):
         self.model_path = Path(model_path)
         self.checkpoint = H3Checkpoint.open(self.model_path)
         self.config = read_transformer_config(self.checkpoint)
@@ -64,6 +64,7 @@ class H3Engine:
         self.quality = quality
         self.offload = offload or {}  # offload, gpu_memory, prefetch, quantization for H3Pipeline.from_pretrained
         self.pipeline = None
+        self.planner = planner  # h3gen.pipelines.k3.planner backend for `plan: true` jobs and /v1/prompts/plan
         self.load_error: str | None = None
         self._loaded = threading.Event()
 
@@ -130,6 +131,9 @@ class H3Engine:
             raise RequestError(f"this server runs the {self.quality} tier; quality {quality} is not available "
                                "(fast needs a server started with --quality fast, and such a server is fast only).",
                                "quality")
+        if request.plan and self.planner is None:
+            raise RequestError("this server has no prompt planner; start it with --planner tiny|<K3 folder>|<OpenAI-"
+                               "compatible base URL>, or send plan: false.", "plan")
         references = references_of(images)
         keyframes = {name: path for name, path in images.items() if name in ("image", "last_image")}
         if request.task not in self.tasks:
@@ -159,6 +163,14 @@ class H3Engine:
             "seed": prepared.seed, "height": shape.height, "width": shape.width, "num_frames": shape.num_frames,
             "duration": round(shape.seconds, 4), "fps": 24, "quality": quality,
         } | ({"references": [reference.kind for reference in references]} if references else {})
+
+    def plan(self, request: dict, images: dict[str, Path]) -> str:
+        """The planned prompt of a normalized `plan: true` request (its first keyframe goes along when the planner
+        reads images)."""
+        if self.planner is None:
+            raise RequestError("this server has no prompt planner.", "plan")
+        image = images.get("image") if getattr(self.planner, "accepts_images", False) else None
+        return self.planner.plan(request["prompt"], image=image, seed=request.get("seed")).planned
 
     def run(self, request: dict, images: dict[str, Path], out_path: Path,
             callback: Callable[[str, int, int], None]) -> None:

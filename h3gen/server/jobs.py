@@ -27,7 +27,7 @@ from h3gen.server.store import JobStore
 logger = logging.getLogger(__name__)
 
 # Share of the progress bar each stage owns (sums to 100).
-STAGE_WEIGHTS = {"encode_text": 4, "encode_conditions": 3, "denoise": 84, "decode_video": 4, "decode_audio": 3,
+STAGE_WEIGHTS = {"plan": 0, "encode_text": 4, "encode_conditions": 3, "denoise": 84, "decode_video": 4, "decode_audio": 3,
                  "write_mp4": 2}
 STAGE_ORDER = tuple(STAGE_WEIGHTS)
 FINISHED = ("succeeded", "failed", "cancelled")
@@ -199,6 +199,7 @@ class JobManager:
         live = self._live.get(job["id"])
         view = {key: job[key] for key in ("id", "status", "progress", "stage", "timings", "error", "request",
                                           "created_at", "started_at", "finished_at")}
+        view["planned_prompt"] = (job["request"] or {}).get("planned_prompt")
         if live is not None and job["status"] == "running":
             view.update(progress=round(live.progress, 2), stage=live.stage, timings=dict(live.timings))
         if job["status"] == "queued":
@@ -270,7 +271,15 @@ class JobManager:
         try:
             if self.engine.load_error:
                 raise RuntimeError(f"the model failed to load: {self.engine.load_error}")
-            self.engine.run(job["request"], {k: Path(v) for k, v in job["uploads"].items()}, result, report)
+            request, uploads = job["request"], {k: Path(v) for k, v in job["uploads"].items()}
+            if request.get("plan"):
+                report("plan", 0, 1)
+                planned = self.engine.plan(request, uploads)
+                request = request | {"planned_prompt": planned}
+                self.store.update(job_id, request=request)  # shown in the job's status from now on
+                report("plan", 1, 1)
+                request = request | {"prompt": planned}
+            self.engine.run(request, uploads, result, report)
             if live.cancel.is_set():
                 raise JobCancelled()
         except JobCancelled:

@@ -33,6 +33,28 @@ class GenerationRequest(BaseModel):
     audio_sample_rate: Literal[32000, 48000] = Field(32000, description="AAC sample rate of the MP4.")
     quality: Literal["exact", "lossless", "fast"] | None = Field(
         None, description="exact: reference op order; lossless: fused kernels; fast: FP8 (server default if omitted).")
+    plan: bool = Field(False, description=(
+        "First rewrite the prompt with the server's K3 planner (subjects, motion, camera, sound, music, dialogue); "
+        "the job's `planned_prompt` shows what the clip was made from. Needs a server started with --planner."))
+
+
+class PlanRequest(BaseModel):
+    """`POST /v1/prompts/plan`: a short idea -> an H3 prompt."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    prompt: str = Field(min_length=1, max_length=MAX_PROMPT_CHARS, description="The idea to plan.")
+    max_tokens: int = Field(512, ge=1, le=4096, description="Most tokens the planner may write.")
+    seed: int | None = Field(None, ge=0, le=2**63 - 1, description="Sampling seed; random when omitted.")
+    temperature: float | None = Field(None, ge=0.0, le=2.0, description="Sampling temperature (planner default).")
+
+
+class PlanResponse(BaseModel):
+    prompt: str
+    planned_prompt: str
+    backend: str
+    tokens: int | None = None
+    seconds: float
 
 
 class JobCreated(BaseModel):
@@ -51,6 +73,7 @@ class JobView(BaseModel):
     timings: dict[str, float] = Field(default_factory=dict, description="Seconds per finished stage.")
     error: str | None = None
     request: dict = Field(default_factory=dict, description="The normalized request (resolved size, frames, seed).")
+    planned_prompt: str | None = Field(None, description="The planner's prompt, once a job with plan=true has it.")
     created_at: float
     started_at: float | None = None
     finished_at: float | None = None

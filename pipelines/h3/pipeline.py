@@ -60,6 +60,7 @@ class H3Output:
     sample_rate: int = 32000
     seed: int | None = None
     timings: dict[str, float] = field(default_factory=dict)
+    planned_prompt: str | None = None  # the planner's prompt the clip was made from (a call with plan=True)
 
     def save(self, path, audio_sample_rate: int | None = None):
         """Write an MP4 (H.264 + AAC stereo at `audio_sample_rate`, default 32000) and verify it decodes back.
@@ -87,7 +88,7 @@ class H3Pipeline:
 
     def __init__(self, transformer, text_encoder, vae, audio_vae, *, checkpoint: H3Checkpoint, device,
                  video_shift: float = VIDEO_SHIFT, audio_shift: float = AUDIO_SHIFT, workflow: str = "t2va",
-                 quality: str = "lossless", offload: str = "none", transformer_ref=None):
+                 quality: str = "lossless", offload: str = "none", transformer_ref=None, planner=None):
         if transformer is None and transformer_ref is None:
             raise ValueError("H3Pipeline needs a transformer, a transformer_ref, or both.")
         self.transformer = transformer
@@ -104,6 +105,8 @@ class H3Pipeline:
         if quality not in QUALITY_TIERS:
             raise RequestError(f"quality must be one of {', '.join(QUALITY_TIERS)} (got {quality!r}).", "quality")
         self.quality = quality
+        # Optional prompt planner (`h3gen.pipelines.k3.planner`): `plan(prompt, image=...) -> PlannedPrompt`.
+        self.planner = planner
         for model in self._transformers():
             set_quality(model, quality)
 
@@ -128,7 +131,8 @@ class H3Pipeline:
     @classmethod
     def from_pretrained(cls, path, device=None, torch_dtype: torch.dtype = torch.bfloat16,
                         workflow: str = "t2va", quality: str = "lossless", parallel=None, offload: str = "none",
-                        gpu_memory=None, prefetch: int = 2, quantization: str | None = None) -> "H3Pipeline":
+                        gpu_memory=None, prefetch: int = 2, quantization: str | None = None,
+                        planner=None) -> "H3Pipeline":
         """Load every component of a local checkpoint folder in diffusers' layout.
 
         `torch_dtype` applies to the transformer, the text encoder and the video VAE (their float32 islands stay
@@ -146,7 +150,8 @@ class H3Pipeline:
         decoder layers streamed while it encodes; the host memory it needs is checked before loading; under Ulysses
         without tensor parallelism the machine's ranks share one host copy of the blocks, in /dev/shm, loaded by local
         rank 0 only). `quantization="mxfp4"` stores the transformer's block linears as MXFP4,
-        quantized one tensor at a time while loading (a checkpoint saved that way loads as such).
+        quantized one tensor at a time while loading (a checkpoint saved that way loads as such). `planner` (a
+        `LocalPlanner` or `RemotePlanner` from `h3gen.pipelines.k3.planner`) serves calls with `plan=True`.
         """
         if workflow not in WORKFLOWS:
             raise RequestError(f"workflow must be one of {', '.join(WORKFLOWS)} (got {workflow!r}).", "workflow")
@@ -206,7 +211,7 @@ class H3Pipeline:
             loaded.get("transformer"), text_encoder, vae, audio_vae, checkpoint=checkpoint, device=device,
             video_shift=read_shift(checkpoint.folder("scheduler"), VIDEO_SHIFT),
             audio_shift=read_shift(checkpoint.folder("audio_scheduler"), AUDIO_SHIFT), workflow=workflow,
-            quality=quality, offload=offload, transformer_ref=loaded.get("transformer_ref"),
+            quality=quality, offload=offload, transformer_ref=loaded.get("transformer_ref"), planner=planner,
         )
 
     def validate(self, prompt, **kwargs) -> H3Request:
@@ -365,7 +370,8 @@ class H3Pipeline:
                  width: int | None = None, num_inference_steps: int = 50, seed: int | None = None,
                  generator: torch.Generator | None = None, latents: torch.Tensor | None = None,
                  audio_latents: torch.Tensor | None = None, callback: ProgressCallback | None = None,
-                 quality: str | None = None, decode: bool = True) -> H3Output:
+                 quality: str | None = None, decode: bool = True, plan: bool = False,
+                 plan_max_tokens: int | None = None) -> H3Output:
         """Generate a clip.
 
         Args:
@@ -388,12 +394,28 @@ class H3Pipeline:
                 loaded with it.
             decode: False skips both VAE decodes (the stages are still reported) and returns `video` and `audio`
                 as None: what the other ranks of a parallel run do, since rank 0 decodes.
+            plan: first rewrite `prompt` with the pipeline's planner (subjects, motion, camera, sound effects,
+                music, dialogue; the first keyframe goes along when the planner reads images); the clip is made
+                from the planned prompt, returned as `planned_prompt`. Off by default. `plan_max_tokens` caps it.
         Returns:
             `H3Output`.
         """
         import time
 
         report = callback or (lambda stage, step, total: None)
+        planned = None
+        if plan:
+            if self.planner is None:
+                raise RequestError("plan=True needs a pipeline built with a planner (H3Pipeline(..., planner=...)).",
+                                   "plan")
+            self.validate(prompt, image=image, last_image=last_image, references=references,
+                          aspect_ratio=aspect_ratio, seconds=seconds, num_frames=num_frames, height=height,
+                          width=width, num_inference_steps=num_inference_steps, seed=seed, generator=generator,
+                          latents=latents, audio_latents=audio_latents)  # a bad request fails before planning
+            keyframe = image if getattr(self.planner, "accepts_images", False) else None
+            planned = self.planner.plan(prompt, image=keyframe, max_tokens=plan_max_tokens, seed=seed).planned
+            prompt = planned
+            report("plan", 1, 1)
         if references is not None:
             self._transformer_for("ref2va")  # before decoding any media
         request = self.validate(prompt, image=image, last_image=last_image, references=references,
@@ -442,4 +464,5 @@ class H3Pipeline:
         report("decode_audio", 1, 1)
         lap("decode_audio")
         return H3Output(video=video, audio=audio, fps=geometry.FPS,
-                        sample_rate=int(self.audio_vae.config.sampling_rate), seed=request.seed, timings=timings)
+                        sample_rate=int(self.audio_vae.config.sampling_rate), seed=request.seed, timings=timings,
+                        planned_prompt=planned)

@@ -1,0 +1,215 @@
+"""K3 engine throughput on a mid-size random config: decode tokens/s at batch 1, 8 and 32 against the
+weight-bytes / bandwidth roofline, prefill tokens/s, and time to first token with and without a cached 4k-token
+system prompt. The reference is the model's own `generate` (no engine) at batch 1: both run in this process on
+the same prompt, must give the same greedy tokens, and are timed the same way.
+
+    python benchmarks/bench_k3.py                 # CUDA, mid-size config (bf16)
+    python benchmarks/bench_k3.py --tiny          # CPU smoke run on a tiny config (fp32)
+"""
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import print_table  # noqa: E402
+
+from h3gen.pipelines.k3.config import K3Config  # noqa: E402
+from h3gen.pipelines.k3.engine import K3Engine, SamplingParams  # noqa: E402
+from h3gen.pipelines.k3.model import K3ForCausalLM  # noqa: E402
+from h3gen.pipelines.k3.tiny import randomize  # noqa: E402
+
+H200_BANDWIDTH = 4.8e12  # bytes/s, HBM3e nominal; the script also measures a device copy
+
+
+def mid_config(tiny: bool) -> K3Config:
+    if tiny:
+        layers = 4
+        return K3Config(model_type="kimi_linear", vocab_size=512, hidden_size=64, num_hidden_layers=layers,
+                        attention_types=["kda", "kda", "kda", "mla"], ffn_types=["dense"] + ["moe"] * 3,
+                        num_attention_heads=2, q_lora_rank=None, kv_lora_rank=32, qk_nope_head_dim=16,
+                        qk_rope_head_dim=8, v_head_dim=16, linear_num_heads=2, linear_head_dim=16,
+                        intermediate_size=128, moe_intermediate_size=32, num_experts=8, num_experts_per_token=2,
+                        num_shared_experts=1, eos_token_id=1)
+    layers = 16  # KDA : MLA = 3 : 1, as K3
+    return K3Config(model_type="kimi_linear", vocab_size=32768, hidden_size=2048, num_hidden_layers=layers,
+                    attention_types=["mla" if i % 4 == 3 else "kda" for i in range(layers)],
+                    ffn_types=["dense"] + ["moe"] * (layers - 1), num_attention_heads=16, q_lora_rank=768,
+                    kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+                    linear_num_heads=16, linear_head_dim=128, intermediate_size=8192, moe_intermediate_size=768,
+                    num_experts=64, num_experts_per_token=6, num_shared_experts=1, eos_token_id=1)
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def measured_bandwidth(device) -> float:
+    if device.type != "cuda":
+        return float("nan")
+    x = torch.empty(1 << 28, dtype=torch.uint8, device=device)
+    y = torch.empty_like(x)
+    for _ in range(3):
+        y.copy_(x)
+    sync(device)
+    start = time.perf_counter()
+    for _ in range(10):
+        y.copy_(x)
+    sync(device)
+    return 2 * x.numel() * 10 / (time.perf_counter() - start)
+
+
+def decode_bytes(model: K3ForCausalLM, batch: int) -> float:
+    """Weight bytes one decode step must read: everything but the routed experts, plus the distinct experts a batch
+    of `batch` tokens is expected to touch per MoE layer (uniform routing)."""
+    config = model.config
+    total = expert = 0
+    for name, param in model.named_parameters():
+        size = param.numel() * param.element_size()
+        if name == "model.embed_tokens.weight":
+            continue  # a gather, not a read of the table
+        total += size
+        if ".experts." in name:
+            expert += size
+    if not config.num_experts:
+        return total
+    per_expert = expert / (config.num_experts * config.ffn_types.count("moe"))
+    touched = config.num_experts * (1 - (1 - config.num_experts_per_token / config.num_experts) ** batch)
+    return total - expert + per_expert * touched * config.ffn_types.count("moe")
+
+
+def prompts(count: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(2, vocab, (length,), generator=gen).tolist() for _ in range(count)]
+
+
+def decode_rate(model, batch, prompt_len, steps, device, **engine_options) -> tuple[float, list[list[int]]]:
+    """Tokens/s of decode steps alone, with `batch` requests decoding together (median over steps)."""
+    engine = K3Engine(model, max_batch=batch, prefix_cache=False, **engine_options)
+    # Enough tokens that the first request still decodes when the last one's prefill is done.
+    budget = steps + 4 + batch * -(-prompt_len // engine.prefill_budget)
+    requests = [engine.add_request(p, SamplingParams(max_tokens=budget, temperature=0.0, ignore_eos=True))
+                for p in prompts(batch, prompt_len, model.config.vocab_size, seed=batch)]
+    while any(r.status != "decode" for r in requests):
+        engine.step()
+    times = []
+    for _ in range(steps):
+        sync(device)
+        start = time.perf_counter()
+        engine.step()
+        sync(device)
+        times.append(time.perf_counter() - start)
+    outputs = [list(r.output_ids) for r in requests]
+    for request in requests:
+        engine.abort(request)
+    return batch / statistics.median(times[2:] or times), outputs
+
+
+def reference_rate(model, prompt, steps, device) -> tuple[float, list[int]]:
+    """The model's own generate (one sequence, its plain cache): decode tokens/s from two runs' difference."""
+    ids = torch.tensor([prompt], device=device)
+
+    def run(n):
+        sync(device)
+        start = time.perf_counter()
+        out = model.generate(ids, n)
+        sync(device)
+        return time.perf_counter() - start, out[0].tolist()
+
+    run(2)
+    short, _ = run(2)
+    long, tokens = run(steps + 4)
+    return (steps + 2) / max(long - short, 1e-9), tokens
+
+
+def prefill_rate(model, length, device, chunk) -> float:
+    engine = K3Engine(model, max_batch=1, prefix_cache=False, chunk_size=chunk, prefill_budget=length,
+                      max_context=length + 8)
+    prompt = prompts(1, length, model.config.vocab_size, seed=7)[0]
+    engine.generate([prompt], SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))  # warm-up
+    sync(device)
+    start = time.perf_counter()
+    engine.generate([prompt], SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
+    sync(device)
+    return length / (time.perf_counter() - start)
+
+
+def time_to_first_token(model, system_len, user_len, device, chunk) -> tuple[float, float, int]:
+    """TTFT of system + user prompts: cold (empty cache) and warm (the system prompt cached by an earlier request
+    with another user part). Returns (cold s, warm s, tokens taken from the cache)."""
+    engine = K3Engine(model, max_batch=4, chunk_size=chunk, prefill_budget=system_len + user_len,
+                      max_context=system_len + user_len + 8)
+    system = prompts(1, system_len, model.config.vocab_size, seed=11)[0]
+    users = prompts(3, user_len, model.config.vocab_size, seed=12)
+    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+
+    def ttft(prompt):
+        sync(device)
+        start = time.perf_counter()
+        engine.generate([prompt], params)
+        sync(device)
+        return time.perf_counter() - start
+
+    ttft(system + users[2])  # warm-up of kernels
+    engine.cache.clear()
+    cold = ttft(system + users[0])
+    before = engine.stats["cached_tokens"]
+    warm = ttft(system + users[1])
+    return cold, warm, engine.stats["cached_tokens"] - before
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--tiny", action="store_true", help="tiny config on the CPU (a smoke run)")
+    parser.add_argument("--steps", type=int, default=None, help="decode steps timed per batch size")
+    args = parser.parse_args()
+    device = torch.device("cpu" if args.tiny or not torch.cuda.is_available() else "cuda")
+    if device.type == "cpu" and not args.tiny:
+        print("no CUDA device: running the tiny config (use --tiny to ask for it)", file=sys.stderr)
+        args.tiny = True
+    dtype = torch.float32 if args.tiny else torch.bfloat16
+    if args.tiny:
+        torch.set_num_threads(1)  # tiny matrices: more OpenMP threads only stall
+    steps = args.steps or (8 if args.tiny else 32)
+    system_len, prefill_len = (256, 512) if args.tiny else (4096, 8192)
+    chunk = 64 if args.tiny else 2048
+    torch.manual_seed(0)
+    config = mid_config(args.tiny)
+    model = randomize(K3ForCausalLM(config), seed=0).to(device=device, dtype=dtype).eval()
+    for name, param in model.named_parameters():  # the float32 islands K3 keeps
+        if any(part in name for part in K3ForCausalLM.keep_fp32_modules):
+            param.data = param.data.float()
+    bandwidth = measured_bandwidth(device)
+    roof_bw = bandwidth if bandwidth == bandwidth else H200_BANDWIDTH
+    params = sum(p.numel() for p in model.parameters())
+    print(f"device {torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}, {params / 1e9:.3f} B params "
+          f"({dtype}), measured copy bandwidth {bandwidth / 1e12:.2f} TB/s", flush=True)
+
+    engine_options = dict(page_size=64 if not args.tiny else 16, chunk_size=chunk, max_context=2048)
+    ref_rate, ref_tokens = reference_rate(model, prompts(1, 128, config.vocab_size, seed=1)[0], steps, device)
+    rows = []
+    for batch in (1, 8, 32):
+        rate, outputs = decode_rate(model, batch, 128, steps, device, **engine_options)
+        roof = batch * roof_bw / decode_bytes(model, batch)
+        row = dict(phase=f"decode b={batch}", tokens_per_s=f"{rate:.1f}", roofline=f"{roof:.0f}",
+                   of_roofline=f"{rate / roof:.1%}")
+        if batch == 1:
+            same = outputs[0][: len(ref_tokens)] == ref_tokens[: len(outputs[0])]
+            row.update(reference=f"{ref_rate:.1f}", ratio=f"{rate / ref_rate:.2f}", same_tokens=same)
+        rows.append(row)
+    prefill = prefill_rate(model, prefill_len, device, chunk)
+    rows.append(dict(phase=f"prefill {prefill_len}", tokens_per_s=f"{prefill:.0f}"))
+    cold, warm, cached = time_to_first_token(model, system_len, 64, device, chunk)
+    rows.append(dict(phase=f"TTFT {system_len}+64 cold", tokens_per_s=f"{cold * 1e3:.1f} ms"))
+    rows.append(dict(phase=f"TTFT {system_len}+64 cached", tokens_per_s=f"{warm * 1e3:.1f} ms",
+                     ratio=f"{cold / warm:.2f}", reference=f"{cached} cached"))
+    print_table(rows, ["phase", "tokens_per_s", "roofline", "of_roofline", "reference", "ratio", "same_tokens"])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,73 @@
+"""Sampling parameters and the per-row sampler: temperature, top-k, top-p, a seed per request."""
+
+from dataclasses import dataclass, field
+
+import torch
+
+from h3gen.errors import RequestError
+
+
+@dataclass
+class SamplingParams:
+    """How one request draws its tokens. `temperature=0` is greedy (top-k / top-p then do nothing)."""
+
+    max_tokens: int = 256
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0: no limit
+    seed: int | None = None  # None: drawn from torch's global generator
+    stop: list[str] = field(default_factory=list)  # the text ends before the first stop string found
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+
+    def validate(self) -> "SamplingParams":
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise RequestError(f"max_tokens must be an integer >= 1 (got {self.max_tokens!r}).", "max_tokens")
+        if not 0.0 <= self.temperature <= 100.0:
+            raise RequestError(f"temperature must be between 0 and 100 (got {self.temperature}).", "temperature")
+        if not 0.0 < self.top_p <= 1.0:
+            raise RequestError(f"top_p must be in (0, 1] (got {self.top_p}).", "top_p")
+        if self.top_k < 0:
+            raise RequestError(f"top_k must be >= 0 (got {self.top_k}).", "top_k")
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise RequestError("stop strings must be non-empty strings.", "stop")
+        return self
+
+    def generator(self, device) -> torch.Generator:
+        gen = torch.Generator(device=device)
+        if self.seed is None:
+            gen.manual_seed(int(torch.randint(0, 2 ** 62, (1,)).item()))
+        else:
+            gen.manual_seed(int(self.seed))
+        return gen
+
+
+def filter_logits(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
+    """`logits` `[V]` float32 -> scaled logits with the tokens outside top-k / top-p set to -inf."""
+    logits = logits / temperature
+    if 0 < top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True)
+        probs = torch.softmax(sorted_logits, dim=-1)
+        # Keep the smallest prefix whose mass reaches top_p: drop a token when the mass before it already does.
+        drop = (torch.cumsum(probs, dim=-1) - probs) >= top_p
+        drop[0] = False
+        logits = logits.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
+    return logits
+
+
+def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator]) -> list[int]:
+    """One token per row of `logits` `[B, V]`, each row by its own parameters and generator."""
+    logits = logits.float()
+    out = []
+    for row, p, gen in zip(logits, params, generators):
+        if p.temperature == 0.0:
+            out.append(int(row.argmax()))
+            continue
+        probs = torch.softmax(filter_logits(row, p.temperature, p.top_k, p.top_p), dim=-1)
+        out.append(int(torch.multinomial(probs, 1, generator=gen)))
+    return out

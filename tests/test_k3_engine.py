@@ -1,0 +1,251 @@
+"""The K3 engine: continuous batching equals one-at-a-time generation, the radix prefix cache gives what no cache
+gives (MLA-only, KDA-only and hybrid models, forks inside chunks and pages), a too-small pool finishes every
+request through waiting and preemption, shared prefixes never leak KDA state, the sampler's parameters."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from h3gen.errors import RequestError
+from h3gen.pipelines.k3.config import K3Config
+from h3gen.pipelines.k3.engine import K3Engine, MemoryPool, RadixCache, SamplingParams
+from h3gen.pipelines.k3.engine.sampling import filter_logits
+from h3gen.pipelines.k3.model import K3ForCausalLM
+from h3gen.pipelines.k3.tiny import randomize, tiny_config
+
+GREEDY = dict(temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    # These models are tiny: a second OpenMP thread only adds stalls on a shared, busy CPU.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _small_config(types: list[str]) -> K3Config:
+    return K3Config(
+        model_type="kimi_linear", vocab_size=97, hidden_size=32, num_hidden_layers=len(types), rms_norm_eps=1e-5,
+        attention_types=types, ffn_types=["dense"] + ["moe"] * (len(types) - 1), num_attention_heads=2,
+        q_lora_rank=None, kv_lora_rank=12, qk_nope_head_dim=8, qk_rope_head_dim=6, v_head_dim=10,
+        linear_num_heads=2, linear_head_dim=8, conv_kernel_size=3, intermediate_size=40, moe_intermediate_size=16,
+        num_experts=4, num_experts_per_token=2, num_shared_experts=1, routed_scaling_factor=2.0, eos_token_id=1)
+
+
+FAMILIES = {
+    "mla": lambda: _small_config(["mla", "mla", "mla"]),
+    "kda": lambda: _small_config(["kda", "kda", "kda"]),
+    # The tiny K3: KDA + gated MLA, LatentMoE with SiTU, block Attention Residuals.
+    "hybrid": lambda: dataclasses.replace(K3Config.from_dict(tiny_config()), experts_mxfp4=False),
+}
+_MODELS = {}
+
+
+def _model(family: str) -> K3ForCausalLM:
+    if family not in _MODELS:
+        _MODELS[family] = randomize(K3ForCausalLM(FAMILIES[family]()), seed=3).eval()
+    return _MODELS[family]
+
+
+def _prompts(model, lengths, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(2, model.config.vocab_size, (n,), generator=gen).tolist() for n in lengths]
+
+
+def _reference(model, prompt, max_tokens):
+    """One request alone through the model's own cache (no engine): greedy tokens."""
+    return model.generate(torch.tensor([prompt]), max_tokens)[0].tolist()
+
+
+def _engine(model, **kwargs):
+    options = dict(page_size=4, chunk_size=8, max_batch=8, max_context=160)
+    options.update(kwargs)
+    return K3Engine(model, **options)
+
+
+@pytest.mark.parametrize("family", ["mla", "kda", "hybrid"])
+def test_batched_greedy_generation_equals_one_at_a_time_fp32(family):
+    model = _model(family)
+    prompts = _prompts(model, [5, 23, 1, 40, 17, 9])
+    params = [SamplingParams(max_tokens=n, **GREEDY) for n in (12, 7, 12, 10, 3, 12)]
+    expected = [_reference(model, p, sp.max_tokens) for p, sp in zip(prompts, params)]
+    engine = _engine(model, prefix_cache=False)
+    requests = [engine.add_request(p, sp) for p, sp in zip(prompts[:3], params[:3])]
+    engine.step()
+    engine.step()  # the rest join a batch that is already decoding
+    requests += [engine.add_request(p, sp) for p, sp in zip(prompts[3:], params[3:])]
+    while engine.has_work():
+        engine.step()
+    assert [r.output_ids for r in requests] == expected
+    assert all(r.finish_reason == "length" for r in requests)
+    assert engine.stats["decode_tokens"] < sum(sp.max_tokens for sp in params)  # decodes were batched
+    assert engine.pool.usage()["pages_used"] == 0 and engine.pool.usage()["slots_used"] == 0
+
+
+@pytest.mark.parametrize("family", ["mla", "kda", "hybrid"])
+def test_prefix_cache_hit_gives_the_no_cache_output(family):
+    model = _model(family)
+    base = _prompts(model, [45], seed=1)[0]
+    tails = _prompts(model, [6, 9, 3, 11], seed=2)
+    # Forks at 13 and 19 (inside an 8-token chunk and a 4-token page), a full repeat, an extension past the end.
+    prompts = [base, base[:13] + tails[0], base[:19] + tails[1], base, base[:13] + tails[0] + tails[2],
+               base + tails[3], base[:13] + tails[1]]
+    plain = _engine(model, prefix_cache=False)
+    expected = [plain.generate([p], SamplingParams(max_tokens=6, **GREEDY))[0].output_ids for p in prompts]
+    engine = _engine(model)
+    got = []
+    for prompt in prompts:  # one after another, so each finds what the earlier ones left
+        got.append(engine.generate([prompt], SamplingParams(max_tokens=6, **GREEDY))[0].output_ids)
+    assert got == expected
+    assert engine.stats["cached_tokens"] >= 13 * 2 + 40  # the hits were real
+    assert engine.stats["prefill_tokens"] < plain.stats["prefill_tokens"]
+    # Everything still held belongs to the cache; clearing it frees the pool.
+    engine.cache.clear()
+    assert engine.pool.usage()["pages_used"] == 0 and engine.pool.usage()["slots_used"] == 0
+
+
+@pytest.mark.parametrize("family", ["kda", "hybrid"])
+def test_requests_sharing_a_prefix_do_not_contaminate_each_others_kda_state(family):
+    model = _model(family)
+    base = _prompts(model, [30], seed=4)[0]
+    tails = _prompts(model, [5, 7, 2, 9, 4], seed=5)
+    prompts = [base[:cut] + tail for cut, tail in zip((30, 11, 21, 30, 5), tails)] + [base]
+    isolated = [_engine(model, prefix_cache=False).generate([p], SamplingParams(max_tokens=8, **GREEDY))[0]
+                .output_ids for p in prompts]
+    engine = _engine(model)
+    engine.generate([base], SamplingParams(max_tokens=4, **GREEDY))  # seed the cache with the shared prefix
+    for _ in range(2):  # all at once, then again against the checkpoints the first round left
+        got = [r.output_ids for r in engine.generate(prompts, SamplingParams(max_tokens=8, **GREEDY))]
+        assert got == isolated
+    assert engine.stats["cached_tokens"] > 0
+
+
+@pytest.mark.parametrize("prefix_cache", [False, True])
+def test_pool_exhaustion_finishes_every_request_through_waiting_and_preemption(prefix_cache):
+    model = _model("hybrid")
+    prompts = _prompts(model, [37, 30, 41, 26, 33, 39, 29, 35], seed=6)
+    expected = [_reference(model, p, 24) for p in prompts]
+    probe = MemoryPool(model.config, torch.float32, "cpu", 0, page_size=4)
+    # Room for about 2.5 requests of 65 tokens (17 pages and a state slot each): the rest wait, and the running
+    # ones outgrow the pool while decoding, so some are preempted and resumed.
+    pool_bytes = int(2.5 * (17 * probe.page_bytes + probe.slot_bytes))
+    engine = _engine(model, pool_bytes=pool_bytes, prefix_cache=prefix_cache)
+    requests = [engine.add_request(p, SamplingParams(max_tokens=24, **GREEDY)) for p in prompts]
+    most = 0
+    while engine.has_work():
+        engine.step()
+        most = max(most, len(engine.running))
+    assert [r.output_ids for r in requests] == expected
+    assert all(r.error is None for r in requests)
+    assert engine.stats["preemptions"] > 0 and most >= 2
+    small = _engine(model, pool_bytes=probe.slot_bytes + 5 * probe.page_bytes)  # 20 tokens at most
+    small.generate([prompts[0][:12]], SamplingParams(max_tokens=8, **GREEDY))
+    with pytest.raises(RequestError, match="does not fit"):
+        small.add_request(prompts[0][:12], SamplingParams(max_tokens=9))
+
+
+def test_pool_pages_grow_up_and_slots_down_in_one_buffer():
+    config = _small_config(["mla", "kda"])
+    pool = MemoryPool(config, torch.float32, "cpu", 10_000, page_size=4)
+    pages = [pool.alloc_page() for _ in range(3)]
+    slots = [pool.alloc_slot() for _ in range(2)]
+    assert pages == [0, 1, 2] and slots == [0, 1]
+    # Fill the rest with pages; the two ends meet and neither may cross.
+    while pool.alloc_page() is not None:
+        pass
+    assert pool.alloc_slot() is None
+    high = pool._pages.high
+    assert high * pool.page_bytes <= pool.capacity - 2 * pool.slot_bytes
+    # Freeing the top pages lets a slot take their bytes: capacity follows traffic.
+    needed = -(-pool.slot_bytes // pool.page_bytes)
+    for page in range(high - 1, high - 1 - needed - 1, -1):
+        pool.decref(page)
+    assert pool.alloc_slot() == 2
+    # Data written to a slot and a page never overlap.
+    pool.slots[pool._row(2)] = 7.0
+    assert not (pool.pages[: pool._pages.high] == 7.0).any()
+
+
+def test_radix_cache_splits_shares_pages_and_evicts_least_recently_used():
+    config = _small_config(["mla", "kda"])
+    pool = MemoryPool(config, torch.float32, "cpu", 200_000, page_size=4)
+    cache = RadixCache(pool)
+    a_pages = [pool.alloc_page() for _ in range(3)]  # tokens 0..9
+    slot = pool.alloc_slot()
+    cache.insert(list(range(10)), a_pages, {8: slot})
+    b_pages = a_pages[:1] + [pool.alloc_page(), pool.alloc_page()]  # forks at 6, inside page 1 (copied)
+    cache.insert(list(range(6)) + [50, 51, 52, 53], b_pages, {})
+    hit = cache.match(list(range(10)) + [99], limit=10)
+    assert (hit.matched, hit.resume, hit.slot) == (10, 8, slot)
+    assert hit.pages == a_pages[:2]
+    hit = cache.match(list(range(6)) + [50, 51, 52, 7], limit=10)
+    assert hit.matched == 9 and hit.resume == 0  # no checkpoint on this path: KDA must replay from 0
+    assert cache.size()["nodes"] == 3
+    for page in a_pages + b_pages[1:]:
+        pool.decref(page)  # the requests are gone; the tree keeps what it references
+    assert pool.usage()["pages_used"] == 5
+    cache.match(list(range(10)), limit=9)  # touch the first branch: the second is now least recent
+    assert cache.evict_one()
+    assert cache.match(list(range(6)) + [50], limit=7).matched == 6
+    cache.clear()
+    assert pool.usage() | {} == pool.usage() and pool.usage()["pages_used"] == 0
+    assert pool.usage()["slots_used"] == 0
+
+
+def test_sampler_seed_top_k_top_p_and_max_tokens():
+    model = _model("mla")
+    prompt = _prompts(model, [9], seed=7)[0]
+    engine = _engine(model)
+
+    def run(**kwargs):
+        return engine.generate([prompt], SamplingParams(**kwargs))[0].output_ids
+
+    assert run(max_tokens=8, seed=5, ignore_eos=True) == run(max_tokens=8, seed=5, ignore_eos=True)
+    assert run(max_tokens=8, seed=5, ignore_eos=True) != run(max_tokens=8, seed=6, ignore_eos=True)
+    greedy = run(max_tokens=8, **GREEDY)
+    assert run(max_tokens=8, top_k=1, seed=1, ignore_eos=True) == greedy
+    assert run(max_tokens=8, top_p=1e-6, temperature=2.0, seed=2, ignore_eos=True) == greedy
+    assert len(run(max_tokens=3, **GREEDY)) == 3
+    logits = torch.tensor([3.0, 2.0, 1.0, 0.0, -1.0])
+    kept = torch.isfinite(filter_logits(logits, 1.0, 0, 0.8))
+    probs = torch.softmax(logits, 0)
+    assert kept.tolist() == [True, True, False, False, False] and probs[:1].sum() < 0.8 <= probs[:2].sum()
+    assert torch.isfinite(filter_logits(logits, 1.0, 3, 1.0)).tolist() == [True, True, True, False, False]
+    for bad, field in ((dict(max_tokens=0), "max_tokens"), (dict(top_p=0.0), "top_p"),
+                       (dict(temperature=-1.0), "temperature"), (dict(top_k=-2), "top_k")):
+        with pytest.raises(RequestError) as info:
+            engine.add_request(prompt, SamplingParams(**bad))
+        assert info.value.field == field
+    with pytest.raises(RequestError, match="empty"):
+        engine.add_request([], SamplingParams())
+    with pytest.raises(RequestError, match="vocabulary|must be in"):
+        engine.add_request([10_000], SamplingParams())
+    with pytest.raises(RequestError, match="vision tower"):
+        engine.add_request(prompt, SamplingParams(max_tokens=4), images=["picture"])
+
+
+class _CharTokenizer:
+    """One token per character (ids 2..96), id 1 is end of sequence."""
+
+    eos_token_id = 1
+
+    def decode(self, ids, skip_special=False):
+        return "".join(chr(30 + i) for i in ids if i >= 2)
+
+
+def test_stop_strings_and_streaming_deltas_add_up_to_the_text():
+    model = _model("kda")
+    prompt = _prompts(model, [7], seed=8)[0]
+    engine = _engine(model, tokenizer=_CharTokenizer())
+    full = engine.generate([prompt], SamplingParams(max_tokens=12, **GREEDY))[0]
+    assert len(full.text) == 12
+    stop = full.text[5:7]
+    first = full.text.find(stop)
+    outputs = list(engine.stream(prompt, SamplingParams(max_tokens=12, stop=[stop], **GREEDY)))
+    assert outputs[-1].finished and outputs[-1].finish_reason == "stop"
+    assert outputs[-1].text == full.text[:first]
+    assert "".join(o.delta for o in outputs) == full.text[:first]
+    assert all(stop not in o.delta for o in outputs)

@@ -1,0 +1,197 @@
+"""The prompt planner end to end (mechanics, not quality): the tiny K3 plans and its text drives the H3 pipeline;
+the OpenAI-compatible remote planner against a stub server; `h3gen plan`; `POST /v1/prompts/plan` and `plan: true`
+jobs with the planned prompt in the job status."""
+
+import json
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+import torch
+from PIL import Image
+
+from h3gen.errors import RequestError
+from h3gen.pipelines.k3.planner import SYSTEM_PROMPT, LocalPlanner, PlannerError, RemotePlanner
+from h3gen.pipelines.k3.tiny import build_tiny_checkpoint
+
+
+class _Stub(BaseHTTPRequestHandler):
+    """`POST /v1/chat/completions`: answers "PLAN(<n>): <user text>" (n = calls so far); "fail" -> HTTP 500,
+    "garbage" -> not JSON, "empty" -> no text."""
+
+    seen: list = []
+
+    def do_POST(self):  # noqa: N802 - http.server's naming
+        body = json.loads(self.rfile.read(int(self.headers["content-length"])))
+        type(self).seen.append((self.path, dict(self.headers), body))
+        content = body["messages"][-1]["content"]
+        text = content if isinstance(content, str) else next(p["text"] for p in content if p["type"] == "text")
+        if text == "fail":
+            self.send_response(500)
+            self.end_headers()
+            self.wfile.write(b"model exploded")
+            return
+        payload = b"<html>" if text == "garbage" else json.dumps({
+            "choices": [{"message": {"role": "assistant", "content": "" if text == "empty" else
+                                     f"PLAN({len(self.seen)}): {text}"}}],
+            "usage": {"completion_tokens": 7}}).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.end_headers()
+        self.wfile.write(payload)
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny models: a second OpenMP thread only stalls on a shared, busy CPU
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def stub():
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Stub)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}/v1"
+    server.shutdown()
+
+
+@pytest.fixture(scope="module")
+def tiny_k3(tmp_path_factory):
+    return build_tiny_checkpoint(tmp_path_factory.mktemp("tiny-k3"), seed=0)
+
+
+@pytest.fixture(scope="module")
+def h3_model(tmp_path_factory):
+    from h3gen.pipelines.h3.tiny import tiny_checkpoint
+
+    return tiny_checkpoint(cache_dir=tmp_path_factory.mktemp("cache"))
+
+
+def test_remote_planner_speaks_openai_chat_completions(stub, tmp_path):
+    planner = RemotePlanner(stub, model="k3-test", api_key="secret")
+    result = planner.plan("a fox in snow", max_tokens=99, seed=4)
+    assert result.planned.endswith("): a fox in snow") and result.tokens == 7
+    path, headers, body = _Stub.seen[-1]
+    assert path == "/v1/chat/completions" and headers["Authorization"] == "Bearer secret"
+    assert body["model"] == "k3-test" and body["max_tokens"] == 99 and body["seed"] == 4
+    assert body["messages"][0] == {"role": "system", "content": SYSTEM_PROMPT}
+    image = tmp_path / "start.png"
+    Image.new("RGB", (8, 6), (200, 10, 10)).save(image)
+    planner.plan("it starts here", image=image)
+    parts = _Stub.seen[-1][2]["messages"][-1]["content"]
+    assert parts[0]["image_url"]["url"].startswith("data:image/png;base64,")
+    for text, message in (("fail", "HTTP 500: model exploded"), ("garbage", "did not answer JSON"),
+                          ("empty", "returned no text")):
+        with pytest.raises(PlannerError, match=message):
+            planner.plan(text)
+    with pytest.raises(PlannerError, match="unreachable"):
+        RemotePlanner("http://127.0.0.1:9/v1", timeout=5).plan("x")
+    with pytest.raises(RequestError, match="max_tokens"):
+        planner.plan("x", max_tokens=0)
+
+
+def test_tiny_k3_plans_and_the_plan_drives_the_h3_pipeline(tiny_k3, h3_model):
+    from h3gen.pipelines.h3.pipeline import H3Pipeline
+
+    planner = LocalPlanner.from_pretrained(tiny_k3, device="cpu", dtype=torch.float32, max_context=2048,
+                                           chunk_size=128)
+    alone = planner.plan("a fox runs through snow", max_tokens=24, seed=11)
+    assert alone.planned and 0 < alone.tokens <= 24 and alone.backend.startswith("local:")
+    # The chat prompt holds the system prompt and the user's idea, in K3's chat format, with no thinking block.
+    ids = planner.prompt_ids("a fox runs through snow")
+    text = planner.tokenizer.decode(ids)
+    assert SYSTEM_PROMPT in text and "a fox runs through snow" in text and text.endswith("response<|sep|>")
+    # Two plans at once are batched; the shared system prompt comes from the prefix cache the first plan left.
+    cached = planner.engine.stats["cached_tokens"]
+    results = [None, None]
+    threads = [threading.Thread(target=lambda i=i: results.__setitem__(i, planner.plan(
+        "a fox runs through snow", max_tokens=24, seed=11))) for i in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    assert [r.planned for r in results] == [alone.planned] * 2
+    assert planner.engine.stats["cached_tokens"] - cached >= 2 * 128
+    with pytest.raises(RequestError, match="vision tower"):
+        planner.plan("x", image="start.png")
+
+    pipe = H3Pipeline.from_pretrained(h3_model, device="cpu", torch_dtype=torch.float32, planner=planner)
+    encoded = []
+    encode = pipe.text_encoder.encode
+    pipe.text_encoder.encode = lambda prompt, *rest: encoded.append(prompt) or encode(prompt, *rest)
+    stages = []
+    output = pipe("a fox runs through snow", plan=True, plan_max_tokens=24, seed=11, num_inference_steps=2,
+                  decode=False, callback=lambda stage, step, total: stages.append(stage))
+    assert output.planned_prompt == alone.planned and encoded == [alone.planned] and stages[0] == "plan"
+    plain = H3Pipeline.from_pretrained(h3_model, device="cpu", torch_dtype=torch.float32)
+    with pytest.raises(RequestError, match="planner"):
+        plain("x", plan=True, num_inference_steps=2)
+
+
+def test_cli_plan_prints_the_planned_prompt(stub, capsys):
+    from h3gen.cli import main
+
+    assert main(["plan", "waves at night", "--model", stub, "--max-tokens", "50"]) == 0
+    out, err = capsys.readouterr()
+    assert out.strip().endswith("): waves at night") and "planned by remote:" in err
+    assert _Stub.seen[-1][2]["max_tokens"] == 50
+    assert main(["plan", "fail", "--model", stub]) == 2
+    assert "HTTP 500" in capsys.readouterr().err
+    assert main(["plan", "x", "--model", stub, "--image", "/no/such.png"]) == 2
+
+
+def test_rest_plan_endpoint_and_plan_true_jobs(stub, h3_model, tmp_path):
+    from fastapi.testclient import TestClient
+
+    from h3gen.server.app import create_app
+    from h3gen.server.engine import H3Engine
+    from h3gen.server.jobs import JobManager
+
+    engine = H3Engine(h3_model, device="cpu", planner=RemotePlanner(stub))
+    with TestClient(create_app(JobManager(engine, tmp_path / "results"), ui=False)) as http:
+        planned = http.post("/v1/prompts/plan", json={"prompt": "rain on a tin roof", "max_tokens": 40})
+        assert planned.status_code == 200, planned.text
+        assert planned.json()["planned_prompt"].endswith("): rain on a tin roof")
+        assert planned.json()["backend"] == f"remote:{stub}"
+        form = http.post("/v1/prompts/plan", files={"prompt": (None, "a bell"), "seed": (None, "3")})
+        assert form.status_code == 200 and _Stub.seen[-1][2]["seed"] == 3
+        assert http.post("/v1/prompts/plan", json={"prompt": ""}).status_code == 422
+        assert http.post("/v1/prompts/plan", json={"prompt": "x", "max_tokens": 0}).status_code == 422
+        assert http.post("/v1/prompts/plan", json={"prompt": "x", "bogus": 1}).status_code == 422
+        failed = http.post("/v1/prompts/plan", json={"prompt": "fail"})
+        assert failed.status_code == 424 and "HTTP 500" in failed.json()["detail"]
+
+        job = http.post("/v1/videos", json={"prompt": "a drum solo", "plan": True, "num_inference_steps": 2})
+        assert job.status_code == 202, job.text
+        view = _wait(http, job.json()["id"])
+        assert view["status"] == "succeeded", view
+        assert view["planned_prompt"].endswith("): a drum solo") and view["request"]["prompt"] == "a drum solo"
+        assert "plan" in view["timings"]
+        bad = http.post("/v1/videos", json={"prompt": "fail", "plan": True, "num_inference_steps": 2})
+        view = _wait(http, bad.json()["id"])
+        assert view["status"] == "failed" and "HTTP 500" in view["error"]  # the job fails, the server goes on
+        assert http.get("/health").json()["ready"]
+
+    plain = H3Engine(h3_model, device="cpu")
+    with TestClient(create_app(JobManager(plain, tmp_path / "results2"), ui=False)) as http:
+        response = http.post("/v1/videos", json={"prompt": "x", "plan": True})
+        assert response.status_code == 422 and response.json()["detail"][0]["loc"] == ["body", "plan"]
+        response = http.post("/v1/prompts/plan", json={"prompt": "x"})
+        assert response.status_code == 409 and "--planner" in response.json()["detail"]
+
+
+def _wait(http, job_id, timeout=120):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        view = http.get(f"/v1/videos/{job_id}").json()
+        if view["status"] in ("succeeded", "failed", "cancelled"):
+            return view
+        time.sleep(0.1)
+    raise AssertionError(f"job {job_id} did not finish")
