@@ -119,8 +119,8 @@ def test_tiny_k3_plans_and_the_plan_drives_the_h3_pipeline(tiny_k3, h3_model):
         thread.join(120)
     assert [r.planned for r in results] == [alone.planned] * 2
     assert planner.engine.stats["cached_tokens"] - cached >= 2 * 128
-    with pytest.raises(RequestError, match="vision tower"):
-        planner.plan("x", image="start.png")
+    with pytest.raises(RequestError, match="does not exist"):  # the image path is checked before any work
+        planner.plan("x", image="no-such-start.png")
 
     pipe = H3Pipeline.from_pretrained(h3_model, device="cpu", torch_dtype=torch.float32, planner=planner)
     encoded = []
@@ -195,3 +195,33 @@ def _wait(http, job_id, timeout=120):
             return view
         time.sleep(0.1)
     raise AssertionError(f"job {job_id} did not finish")
+
+
+def test_local_planner_reads_an_image_through_the_vision_tower(tiny_k3, tmp_path):
+    from h3gen.pipelines.k3.engine import SamplingParams
+
+    planner = LocalPlanner.from_pretrained(tiny_k3, device="cpu", dtype=torch.float32, max_context=2048)
+    assert planner.accepts_images
+    image = tmp_path / "start.png"
+    Image.new("RGB", (61, 45), (200, 10, 10)).save(image)
+    result = planner.plan("it starts here", image=image, max_tokens=6, seed=1, temperature=0.0)
+    assert result.tokens and result.backend.startswith("local:")
+    # The engine's greedy tokens for the image prompt equal the model's own, with the image spliced at its
+    # <|media_pad|> span; another image changes them.
+    processed = planner.process_image(image)
+    ids = planner.prompt_ids("it starts here", processed)
+    assert ids.count(planner.tokenizer.token_id("<|media_pad|>")) == processed.num_tokens[0] > 0
+    params = SamplingParams(max_tokens=6, temperature=0.0)
+    (request,) = planner.engine.generate([ids], params, images=[processed])
+    with torch.no_grad():
+        expected = planner.engine.model.generate(torch.tensor([ids]), 6, pixel_values=processed.pixel_values,
+                                                 grid_thws=processed.grid_thws)
+    assert request.output_ids == expected[0].tolist()
+    with torch.no_grad():
+        other = planner.engine.model(torch.tensor([ids]), pixel_values=torch.rand_like(processed.pixel_values),
+                                     grid_thws=processed.grid_thws)[0, -1]
+        same = planner.engine.model(torch.tensor([ids]), pixel_values=processed.pixel_values,
+                                    grid_thws=processed.grid_thws)[0, -1]
+    assert not torch.allclose(other, same)
+    with pytest.raises(RequestError, match="cannot read the image"):
+        planner.plan("x", image=b"not an image")

@@ -11,6 +11,7 @@ are noise: planning is never on by default.
 """
 
 import base64
+import io
 import json
 import mimetypes
 import threading
@@ -71,8 +72,10 @@ def _finish(prompt: str, text: str, backend: str, tokens, started: float) -> Pla
 class LocalPlanner:
     """Plans with a K3 model in this process. Thread safe: concurrent `plan` calls are batched by the engine."""
 
-    def __init__(self, engine, tokenizer, name: str = "k3", temperature: float = 0.6, top_p: float = 0.95):
+    def __init__(self, engine, tokenizer, name: str = "k3", temperature: float = 0.6, top_p: float = 0.95,
+                 image_processor=None):
         self.engine, self.tokenizer, self.name = engine, tokenizer, name
+        self.image_processor = image_processor
         self.temperature, self.top_p = temperature, top_p
         self._lock = threading.Lock()
         self._stops = [tokenizer.special[t] for t in ("<|close|>", "<|end_of_msg|>") if t in tokenizer.special]
@@ -101,7 +104,13 @@ class LocalPlanner:
         tokenizer = K3Tokenizer.from_folder(folder)
         engine_options.setdefault("max_context", 8192)
         engine_options.setdefault("max_batch", 8)
-        return cls(K3Engine(model, tokenizer, **engine_options), tokenizer, name=name)
+        image_processor = None
+        if getattr(model, "vision_tower", None) is not None:
+            from h3gen.pipelines.k3.image_processor import K3ImageProcessor
+
+            image_processor = K3ImageProcessor.from_folder(folder)
+        return cls(K3Engine(model, tokenizer, **engine_options), tokenizer, name=name,
+                   image_processor=image_processor)
 
     @property
     def backend(self) -> str:
@@ -111,12 +120,32 @@ class LocalPlanner:
     def accepts_images(self) -> bool:
         return self.engine.accepts_images()
 
-    def prompt_ids(self, prompt: str, image=None) -> list[int]:
+    def prompt_ids(self, prompt: str, images=None) -> list[int]:
+        """The chat-template token ids; with `images` (a `ProcessedImages`) the image's placeholder is expanded to
+        its media span."""
         content = [{"type": "text", "text": prompt}]
-        if image is not None:
+        if images is not None:
             content = [{"type": "image"}] + content
         messages = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": content}]
-        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, thinking=False)
+        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, thinking=False)
+        if images is not None:
+            ids = self.tokenizer.expand_images(ids, images.num_tokens, images.image_sizes)
+        return ids
+
+    def process_image(self, image):
+        """A path, bytes or image -> `ProcessedImages`, with a clear error for what cannot be read."""
+        from PIL import Image, UnidentifiedImageError
+
+        if isinstance(image, (str, Path)) and not Path(image).is_file():
+            raise RequestError(f"image {image} does not exist.", "image")
+        try:
+            if isinstance(image, (str, Path)):
+                image = Image.open(image)
+            elif isinstance(image, bytes):
+                image = Image.open(io.BytesIO(image))
+            return self.image_processor.preprocess(image)
+        except (OSError, UnidentifiedImageError, ValueError, TypeError) as error:
+            raise RequestError(f"cannot read the image: {error}", "image") from None
 
     def plan(self, prompt: str, image=None, max_tokens: int | None = None, seed: int | None = None,
              temperature: float | None = None) -> PlannedPrompt:
@@ -124,15 +153,15 @@ class LocalPlanner:
         from h3gen.pipelines.k3.engine.engine import FINISHED
 
         max_tokens = _check(prompt, max_tokens)
-        if image is not None and not self.accepts_images:
+        if image is not None and (not self.accepts_images or self.image_processor is None):
             raise RequestError(f"the planner model ({self.name}) has no vision tower, so it cannot read an image; "
                                "plan without one.", "image")
         started = time.perf_counter()
         params = SamplingParams(max_tokens=max_tokens, seed=seed, top_p=self.top_p, stop_token_ids=self._stops,
                                 temperature=self.temperature if temperature is None else temperature)
         with self._lock:
-            request = self.engine.add_request(self.prompt_ids(prompt, image), params,
-                                              images=[image] if image is not None else None)
+            images = self.process_image(image) if image is not None else None
+            request = self.engine.add_request(self.prompt_ids(prompt, images), params, images=images)
         while True:  # whoever holds the lock steps the engine for every caller
             with self._lock:
                 if request.status == FINISHED:

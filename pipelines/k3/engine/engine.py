@@ -14,7 +14,6 @@ the queue and later recomputes its prompt plus the tokens it has produced, with 
 that could never fit the pool is refused when added. Errors in one request finish that request, not the engine.
 """
 
-import inspect
 import itertools
 from dataclasses import dataclass, field
 
@@ -48,7 +47,7 @@ class Request:
     id: int
     prompt_ids: list[int]
     params: SamplingParams
-    images: list | None = None
+    images: object = None  # ProcessedImages
     output_ids: list[int] = field(default_factory=list)
     status: str = WAITING
     pages: list[int] = field(default_factory=list)
@@ -107,13 +106,14 @@ class K3Engine:
 
     # ----------------------------------------------------------------- requests
     def accepts_images(self) -> bool:
-        embed = getattr(self.model, "embed", None)
-        return embed is not None and "images" in inspect.signature(embed).parameters
+        return getattr(self.model, "vision_tower", None) is not None
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams | None = None,
-                    images: list | None = None) -> Request:
-        """Queue one request. Raises `RequestError` for what can never be served (empty prompt, ids out of the
-        vocabulary, a prompt plus `max_tokens` larger than the pool, images for a model without a vision tower)."""
+                    images=None) -> Request:
+        """Queue one request. `images` is the `ProcessedImages` of the prompt's images (`K3ImageProcessor`), whose
+        `<|media_pad|>` spans the prompt already holds (`K3Tokenizer.expand_images`). Raises `RequestError` for what
+        can never be served (empty prompt, ids out of the vocabulary, a prompt plus `max_tokens` larger than the
+        pool, images for a model without a vision tower)."""
         params = (params or SamplingParams()).validate()
         prompt_ids = [int(i) for i in prompt_ids]
         if not prompt_ids:
@@ -130,7 +130,7 @@ class K3Engine:
                                f"({self.pool.capacity} bytes).", "max_tokens")
         if images and not self.accepts_images():
             raise RequestError("this K3 model has no vision tower, so it cannot take images.", "image")
-        request = Request(next(self._ids), prompt_ids, params, list(images) if images else None)
+        request = Request(next(self._ids), prompt_ids, params, images if images else None)
         request.generator = params.generator(self.device)
         self.waiting.append(request)
         return request
@@ -297,8 +297,9 @@ class K3Engine:
         if hit is not None and hit.resume < hit.matched < len(ids):
             request.fork = hit.matched
         if request.images:
-            request.embeds = self.model.embed(torch.tensor([request.prompt_ids], device=self.device),
-                                              images=request.images)
+            pixels = request.images.pixel_values.to(self.device, self.dtype)
+            request.embeds = self.model.embed_multimodal(torch.tensor([request.prompt_ids], device=self.device),
+                                                         pixels, request.images.grid_thws.to(self.device))
         request.status = PREFILL
         self.running.append(request)
 
