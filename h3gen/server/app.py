@@ -34,6 +34,14 @@ _FILE_FIELDS = IMAGE_FIELDS + REFERENCE_FIELDS
 MAX_FILES = len(IMAGE_FIELDS) + MAX_REFERENCES + 1  # one more, so a 13th reference gets the count's own message
 
 
+def _validation_error(error: ValidationError) -> JSONResponse:
+    """A body that failed its schema: 422 with FastAPI's own shape (each location under "body")."""
+    details = error.errors(include_url=False, include_context=False, include_input=False)
+    for detail in details:
+        detail["loc"] = ["body", *detail["loc"]]
+    return JSONResponse({"detail": jsonable_encoder(details)}, status_code=422)
+
+
 def _field_error(field: str, message: str, kind: str = "value_error") -> JSONResponse:
     return JSONResponse({"detail": [{"loc": ["body", field], "msg": message, "type": kind}]}, status_code=422)
 
@@ -169,10 +177,7 @@ def create_app(manager: JobManager, *, api_key: str | None = None, max_upload_by
             try:
                 generation = GenerationRequest.model_validate(data)
             except ValidationError as error:
-                details = error.errors(include_url=False, include_context=False, include_input=False)
-                for detail in details:
-                    detail["loc"] = ["body", *detail["loc"]]
-                return JSONResponse({"detail": jsonable_encoder(details)}, status_code=422)
+                return _validation_error(error)
             normalized = await run_in_threadpool(manager.engine.validate, generation, uploads)
             job = manager.submit(normalized, uploads)
             staging = None if uploads else staging
@@ -227,10 +232,7 @@ def create_app(manager: JobManager, *, api_key: str | None = None, max_upload_by
             try:
                 plan = PlanRequest.model_validate(data)
             except ValidationError as error:
-                details = error.errors(include_url=False, include_context=False, include_input=False)
-                for detail in details:
-                    detail["loc"] = ["body", *detail["loc"]]
-                return JSONResponse({"detail": jsonable_encoder(details)}, status_code=422)
+                return _validation_error(error)
             planner = getattr(manager.engine, "planner", None)
             if planner is None:
                 raise HTTPException(409, "this server has no prompt planner; start it with --planner tiny|<K3 "
