@@ -34,6 +34,17 @@ _FILE_FIELDS = IMAGE_FIELDS + REFERENCE_FIELDS
 MAX_FILES = len(IMAGE_FIELDS) + MAX_REFERENCES + 1  # one more, so a 13th reference gets the count's own message
 
 
+async def _json_object(request: Request) -> dict | JSONResponse:
+    """The JSON object of a request body, or the 422 that says why there is none."""
+    try:
+        data = json.loads(await _read_limited(request, MAX_JSON_BYTES))
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return _field_error("body", "the body is not valid JSON", "json_invalid")
+    if not isinstance(data, dict):
+        return _field_error("body", "the body must be a JSON object", "model_type")
+    return data
+
+
 def _validation_error(error: ValidationError) -> JSONResponse:
     """A body that failed its schema: 422 with FastAPI's own shape (each location under "body")."""
     details = error.errors(include_url=False, include_context=False, include_input=False)
@@ -139,12 +150,9 @@ def create_app(manager: JobManager, *, api_key: str | None = None, max_upload_by
         try:
             uploads: dict[str, Path] = {}
             if content_type.startswith("application/json"):
-                try:
-                    data = json.loads(await _read_limited(request, MAX_JSON_BYTES))
-                except (json.JSONDecodeError, UnicodeDecodeError):
-                    return _field_error("body", "the body is not valid JSON", "json_invalid")
-                if not isinstance(data, dict):
-                    return _field_error("body", "the body must be a JSON object", "model_type")
+                data = await _json_object(request)
+                if isinstance(data, JSONResponse):
+                    return data
             elif content_type.startswith("multipart/form-data"):
                 declared = request.headers.get("content-length")
                 limit = max_upload_bytes * MAX_FILES + MAX_JSON_BYTES
@@ -204,12 +212,9 @@ def create_app(manager: JobManager, *, api_key: str | None = None, max_upload_by
         staging, image = None, None
         try:
             if content_type.startswith("application/json"):
-                try:
-                    data = json.loads(await _read_limited(request, MAX_JSON_BYTES))
-                except (json.JSONDecodeError, UnicodeDecodeError):
-                    return _field_error("body", "the body is not valid JSON", "json_invalid")
-                if not isinstance(data, dict):
-                    return _field_error("body", "the body must be a JSON object", "model_type")
+                data = await _json_object(request)
+                if isinstance(data, JSONResponse):
+                    return data
             elif content_type.startswith("multipart/form-data"):
                 declared = request.headers.get("content-length")
                 if declared is None:
