@@ -45,12 +45,26 @@ async def _json_object(request: Request) -> dict | JSONResponse:
     return data
 
 
-def _validation_error(error: ValidationError) -> JSONResponse:
-    """A body that failed its schema: 422 with FastAPI's own shape (each location under "body")."""
-    details = error.errors(include_url=False, include_context=False, include_input=False)
-    for detail in details:
-        detail["loc"] = ["body", *detail["loc"]]
-    return JSONResponse({"detail": jsonable_encoder(details)}, status_code=422)
+async def _multipart_form(request: Request, limit: int, *, max_files: int, max_fields: int):
+    """The form of a multipart body no larger than `limit` bytes (411 without a Content-Length, 413 above it)."""
+    declared = request.headers.get("content-length")
+    if declared is None:
+        raise HTTPException(411, "multipart uploads need a Content-Length")
+    if not declared.isdigit() or int(declared) > limit:
+        raise HTTPException(413, f"request body larger than {limit} bytes")
+    return await request.form(max_files=max_files, max_fields=max_fields, max_part_size=MAX_JSON_BYTES)
+
+
+def _validated(schema, data: dict):
+    """`schema` (a pydantic model) validated from `data`, or a 422 in FastAPI's own shape (locations under
+    "body")."""
+    try:
+        return schema.model_validate(data)
+    except ValidationError as error:
+        details = error.errors(include_url=False, include_context=False, include_input=False)
+        for detail in details:
+            detail["loc"] = ["body", *detail["loc"]]
+        return JSONResponse({"detail": jsonable_encoder(details)}, status_code=422)
 
 
 def _field_error(field: str, message: str, kind: str = "value_error") -> JSONResponse:
@@ -154,14 +168,8 @@ def create_app(manager: JobManager, *, api_key: str | None = None, max_upload_by
                 if isinstance(data, JSONResponse):
                     return data
             elif content_type.startswith("multipart/form-data"):
-                declared = request.headers.get("content-length")
-                limit = max_upload_bytes * MAX_FILES + MAX_JSON_BYTES
-                if declared is None:
-                    raise HTTPException(411, "multipart uploads need a Content-Length")
-                if not declared.isdigit() or int(declared) > limit:
-                    raise HTTPException(413, f"request body larger than {limit} bytes")
-                form = await request.form(max_files=MAX_FILES, max_fields=len(_MULTIPART_FIELDS) + 4,
-                                          max_part_size=MAX_JSON_BYTES)
+                form = await _multipart_form(request, max_upload_bytes * MAX_FILES + MAX_JSON_BYTES,
+                                             max_files=MAX_FILES, max_fields=len(_MULTIPART_FIELDS) + 4)
                 data = {}
                 staging = manager.staging_dir()
                 references = 0
@@ -182,10 +190,9 @@ def create_app(manager: JobManager, *, api_key: str | None = None, max_upload_by
                         data[key] = value
             else:
                 raise HTTPException(415, "send application/json or multipart/form-data")
-            try:
-                generation = GenerationRequest.model_validate(data)
-            except ValidationError as error:
-                return _validation_error(error)
+            generation = _validated(GenerationRequest, data)
+            if isinstance(generation, JSONResponse):
+                return generation
             normalized = await run_in_threadpool(manager.engine.validate, generation, uploads)
             job = manager.submit(normalized, uploads)
             staging = None if uploads else staging
@@ -216,13 +223,8 @@ def create_app(manager: JobManager, *, api_key: str | None = None, max_upload_by
                 if isinstance(data, JSONResponse):
                     return data
             elif content_type.startswith("multipart/form-data"):
-                declared = request.headers.get("content-length")
-                if declared is None:
-                    raise HTTPException(411, "multipart uploads need a Content-Length")
-                if not declared.isdigit() or int(declared) > max_upload_bytes + MAX_JSON_BYTES:
-                    raise HTTPException(413, f"request body larger than {max_upload_bytes + MAX_JSON_BYTES} bytes")
-                form = await request.form(max_files=1, max_fields=len(PlanRequest.model_fields) + 1,
-                                          max_part_size=MAX_JSON_BYTES)
+                form = await _multipart_form(request, max_upload_bytes + MAX_JSON_BYTES, max_files=1,
+                                             max_fields=len(PlanRequest.model_fields) + 1)
                 data = {}
                 for key, value in form.multi_items():
                     if isinstance(value, UploadFile):
@@ -234,10 +236,9 @@ def create_app(manager: JobManager, *, api_key: str | None = None, max_upload_by
                         data[key] = value
             else:
                 raise HTTPException(415, "send application/json or multipart/form-data")
-            try:
-                plan = PlanRequest.model_validate(data)
-            except ValidationError as error:
-                return _validation_error(error)
+            plan = _validated(PlanRequest, data)
+            if isinstance(plan, JSONResponse):
+                return plan
             planner = getattr(manager.engine, "planner", None)
             if planner is None:
                 raise HTTPException(409, "this server has no prompt planner; start it with --planner tiny|<K3 "

@@ -26,13 +26,15 @@ class _Stack:
         self.free: set[int] = set()  # free indices below `high`
         self._heap: list[int] = []
 
-    def take_free(self) -> int | None:
+    def take(self) -> int:
+        """The lowest free index below `high`, else a new one at `high` (the caller checked there is room)."""
         while self._heap:
             index = heapq.heappop(self._heap)
             if index in self.free:
                 self.free.discard(index)
                 return index
-        return None
+        self.high += 1
+        return self.high - 1
 
     def give(self, index: int) -> None:
         self.free.add(index)
@@ -113,10 +115,7 @@ class MemoryPool:
         """A fresh page (reference count 1), or None when the pool is full."""
         if not self.can_allocate(pages=1):
             return None
-        index = self._pages.take_free()
-        if index is None:
-            index = self._pages.high
-            self._pages.high += 1
+        index = self._pages.take()
         self.page_refs[index] = 1
         return index
 
@@ -140,11 +139,7 @@ class MemoryPool:
     def alloc_slot(self) -> int | None:
         if not self.can_allocate(slots=1):
             return None
-        index = self._slots.take_free()
-        if index is None:
-            index = self._slots.high
-            self._slots.high += 1
-        return index
+        return self._slots.take()
 
     def free_slot(self, slot: int) -> None:
         self._slots.give(slot)
