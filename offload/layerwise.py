@@ -9,7 +9,8 @@ with a sequence counter that runs across steps, so the next step's first blocks 
 step's last ones compute.
 
 Sub-modules named in `on_demand` (the AdaLN projection, whose tables the lossless tier computes once per request)
-are not streamed every step: they are copied in, synchronously, only when they are called.
+are not streamed every step and do not stay on the GPU, in resident blocks either: they are copied in,
+synchronously, only when they are called (every step under the exact tier, which projects AdaLN in each forward).
 """
 
 from dataclasses import dataclass
@@ -91,15 +92,20 @@ class PackedModule:
             _point(slot, placeholders[slot.dtype])
 
 
-def _point(slot: _Slot, tensor: torch.Tensor) -> None:
-    if not slot.is_param:
-        slot.module._buffers[slot.name] = tensor
+def _move(module: nn.Module, name: str, is_param: bool, tensor: torch.Tensor) -> None:
+    """Make `module.<name>` hold `tensor` (a parameter keeps its identity unless it was never loaded)."""
+    if not is_param:
+        module._buffers[name] = tensor
         return
-    param = slot.module._parameters[slot.name]
+    param = module._parameters[name]
     if param.device.type == "meta":  # never loaded here (a shared-store reader): a meta tensor cannot take data
-        slot.module._parameters[slot.name] = nn.Parameter(tensor, requires_grad=False)
+        module._parameters[name] = nn.Parameter(tensor, requires_grad=False)
     else:
         param.data = tensor
+
+
+def _point(slot: _Slot, tensor: torch.Tensor) -> None:
+    _move(slot.module, slot.name, slot.is_param, tensor)
 
 
 class LayerwiseOffload:
@@ -118,17 +124,20 @@ class LayerwiseOffload:
         self.copy_log = copy_log
         self.copy_stream = torch.cuda.Stream(self.device) if cuda else None
         units = {("block", i): (blocks[i], on_demand) for i in self.order}
-        units |= {(i, name): (getattr(blocks[i], name), ()) for i in self.order for name in on_demand
-                  if hasattr(blocks[i], name)}
+        # The on-demand parts of every block, resident ones included, stay on the host: the planner's budget
+        # leaves them out.
+        units |= {(i, name): (getattr(blocks[i], name), ()) for i in self.order + list(plan.resident)
+                  for name in on_demand if hasattr(blocks[i], name)}
         self.host_store = host_store
         if host_store is None:
             for index in plan.resident:
-                blocks[index].to(self.device)
+                for owner, name, is_param, tensor in _owned_tensors(blocks[index], on_demand):
+                    _move(owner, name, is_param, tensor.to(self.device))
             packed = {key: PackedModule(module, skip, pin) for key, (module, skip) in units.items()}
         else:
             # Every block goes through the shared store (resident ones too: a reader rank never loaded them), laid
             # out identically on every rank; the owner fills it, the readers only map it.
-            units |= {("resident", i): (blocks[i], ()) for i in plan.resident}
+            units |= {("resident", i): (blocks[i], on_demand) for i in plan.resident}
             hosts = host_store.allocate([packed_sizes(module, skip) for module, skip in units.values()])
             packed = {key: PackedModule(module, skip, pin, host=host, fill=host_store.owner)
                       for (key, (module, skip)), host in zip(units.items(), hosts)}
@@ -142,7 +151,7 @@ class LayerwiseOffload:
         self.placeholders = {dtype: torch.empty(0, dtype=dtype, device=self.device) for dtype in dtypes}
         for packed in list(self.packed.values()) + list(self.on_demand.values()):
             packed.release(self.placeholders)
-        largest = {dtype: max(p.sizes.get(dtype, 0) for p in self.packed.values()) for dtype in dtypes}
+        largest = {dtype: max((p.sizes.get(dtype, 0) for p in self.packed.values()), default=0) for dtype in dtypes}
         self.ring = [{dtype: torch.empty(n, dtype=dtype, device=self.device) for dtype, n in largest.items() if n}
                      for _ in range(self.slots)]
         self.copied = [torch.cuda.Event() if cuda else None for _ in range(self.slots)]
