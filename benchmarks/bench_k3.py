@@ -18,6 +18,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import print_table  # noqa: E402
 
+from h3gen.loading.load import keeps_fp32  # noqa: E402
 from h3gen.pipelines.k3.config import K3Config  # noqa: E402
 from h3gen.pipelines.k3.engine import K3Engine, SamplingParams  # noqa: E402
 from h3gen.pipelines.k3.model import K3ForCausalLM  # noqa: E402
@@ -97,6 +98,9 @@ def decode_rate(model, batch, prompt_len, steps, device, **engine_options) -> tu
                 for p in prompts(batch, prompt_len, model.config.vocab_size, seed=batch)]
     while any(r.status != "decode" for r in requests):
         engine.step()
+        errors = [r.error for r in requests if r.error]
+        if errors:
+            raise RuntimeError(f"a request failed: {errors[0]}")
     times = []
     for _ in range(steps):
         sync(device)
@@ -180,9 +184,11 @@ def main():
     chunk = 64 if args.tiny else 2048
     torch.manual_seed(0)
     config = mid_config(args.tiny)
-    model = randomize(K3ForCausalLM(config), seed=0).to(device=device, dtype=dtype).eval()
-    for name, param in model.named_parameters():  # the float32 islands K3 keeps
-        if any(part in name for part in K3ForCausalLM.keep_fp32_modules):
+    with torch.device("meta"):  # allocated and filled where it runs
+        model = K3ForCausalLM(config)
+    model = randomize(model.to_empty(device=device), seed=0).to(dtype).eval()
+    for name, param in model.named_parameters():  # the float32 islands K3 keeps (the loader's rule)
+        if keeps_fp32(name, K3ForCausalLM.keep_fp32_modules):
             param.data = param.data.float()
     bandwidth = measured_bandwidth(device)
     roof_bw = bandwidth if bandwidth == bandwidth else H200_BANDWIDTH
@@ -193,11 +199,15 @@ def main():
     engine_options = dict(page_size=64 if not args.tiny else 16, chunk_size=chunk, max_context=2048)
     ref_rate, ref_tokens = reference_rate(model, prompts(1, 128, config.vocab_size, seed=1)[0], steps, device)
     rows = []
-    for batch in (1, 8, 32):
-        rate, outputs = decode_rate(model, batch, 128, steps, device, **engine_options)
+    # The eager engine (no CUDA graphs) first: building a graphed engine stacks the MoE experts of the model.
+    variants = [(1, False)] if device.type == "cuda" else []
+    variants += [(batch, None) for batch in (1, 8, 32)]
+    for batch, graphs in variants:
+        rate, outputs = decode_rate(model, batch, 128, steps, device, cuda_graphs=graphs, **engine_options)
         roof = batch * roof_bw / decode_bytes(model, batch)
-        row = dict(phase=f"decode b={batch}", tokens_per_s=f"{rate:.1f}", roofline=f"{roof:.0f}",
-                   of_roofline=f"{rate / roof:.1%}")
+        label = "eager" if graphs is False else ("CUDA graphs" if device.type == "cuda" else "eager")
+        row = dict(phase=f"decode b={batch} ({label})", tokens_per_s=f"{rate:.1f}",
+                   ms_per_step=f"{batch / rate * 1e3:.3f}", roofline=f"{roof:.0f}", of_roofline=f"{rate / roof:.1%}")
         if batch == 1:
             same = outputs[0][: len(ref_tokens)] == ref_tokens[: len(outputs[0])]
             row.update(reference=f"{ref_rate:.1f}", ratio=f"{rate / ref_rate:.2f}", same_tokens=same)
@@ -208,7 +218,8 @@ def main():
     rows.append(dict(phase=f"TTFT {system_len}+64 cold", tokens_per_s=f"{cold * 1e3:.1f} ms"))
     rows.append(dict(phase=f"TTFT {system_len}+64 cached", tokens_per_s=f"{warm * 1e3:.1f} ms",
                      ratio=f"{cold / warm:.2f}", reference=f"{cached} cached"))
-    print_table(rows, ["phase", "tokens_per_s", "roofline", "of_roofline", "reference", "ratio", "same_tokens"])
+    print_table(rows, ["phase", "tokens_per_s", "ms_per_step", "roofline", "of_roofline", "reference", "ratio",
+                       "same_tokens"])
 
 
 if __name__ == "__main__":

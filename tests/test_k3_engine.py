@@ -66,13 +66,21 @@ def _engine(model, **kwargs):
     return K3Engine(model, **options)
 
 
+@pytest.mark.parametrize("static_decode", [False, True], ids=["eager", "static-decode"])
 @pytest.mark.parametrize("family", ["mla", "kda", "hybrid"])
-def test_batched_greedy_generation_equals_one_at_a_time_fp32(family):
+def test_batched_greedy_generation_equals_one_at_a_time_fp32(family, static_decode):
+    """`static_decode`: the decode steps run through the CUDA-graph path (static buffers, stacked experts, padded
+    batches), eagerly on the CPU."""
     model = _model(family)
     prompts = _prompts(model, [5, 23, 1, 40, 17, 9])
     params = [SamplingParams(max_tokens=n, **GREEDY) for n in (12, 7, 12, 10, 3, 12)]
     expected = [_reference(model, p, sp.max_tokens) for p, sp in zip(prompts, params)]
-    engine = _engine(model, prefix_cache=False)
+    engine = _engine(model, prefix_cache=False, cuda_graphs=static_decode)
+    if static_decode:
+        graphs = engine.graphs
+        calls = []
+        original = graphs.run
+        graphs.run = lambda *args: calls.append(len(args[0])) or original(*args)
     requests = [engine.add_request(p, sp) for p, sp in zip(prompts[:3], params[:3])]
     engine.step()
     engine.step()  # the rest join a batch that is already decoding
@@ -82,7 +90,12 @@ def test_batched_greedy_generation_equals_one_at_a_time_fp32(family):
     assert [r.output_ids for r in requests] == expected
     assert all(r.finish_reason == "length" for r in requests)
     assert engine.stats["decode_tokens"] < sum(sp.max_tokens for sp in params)  # decodes were batched
-    assert engine.pool.usage()["pages_used"] == 0 and engine.pool.usage()["slots_used"] == 0
+    scratch = int(static_decode)  # the decode graphs keep one page and one slot for padding rows
+    usage = engine.pool.usage()
+    assert usage["pages_used"] == scratch * engine.pool.uses_pages
+    assert usage["slots_used"] == scratch * engine.pool.uses_slots
+    if static_decode:  # every decode step took the static path, at batch sizes that needed padding too
+        assert sum(calls) == engine.stats["decode_tokens"] and {3, 5, 6} & set(calls)
 
 
 @pytest.mark.parametrize("family", ["mla", "kda", "hybrid"])
@@ -165,7 +178,7 @@ def test_pool_pages_grow_up_and_slots_down_in_one_buffer():
         pool.decref(page)
     assert pool.alloc_slot() == 2
     # Data written to a slot and a page never overlap.
-    pool.slots[pool._row(2)] = 7.0
+    pool.slots[pool.slot_row(2)] = 7.0
     assert not (pool.pages[: pool._pages.high] == 7.0).any()
 
 

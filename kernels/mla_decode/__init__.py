@@ -1,7 +1,23 @@
 """Paged MLA decode attention: `mla_decode(q, kv_pages, block_table, seq_lens, scale, v_dim)`.
 
-Only the torch reference exists so far; it runs on every device."""
+On CUDA the Triton kernel (graph safe, reads only live pages) runs when the page size suits it (a power of two
+>= 16); elsewhere the torch reference, which loops over the sequences on the host. `mla_decode_masked` is the
+torch form without host synchronisation (reads every page of the table)."""
 
-from h3gen.kernels.mla_decode.reference import mla_decode
+from h3gen.kernels._dispatch import use_triton
+from h3gen.kernels.mla_decode import reference
+from h3gen.kernels.mla_decode.reference import mla_decode_masked
 
-__all__ = ["mla_decode"]
+
+def mla_decode(q, kv_pages, block_table, seq_lens, scale, v_dim):
+    """`q` `[B, H, D]`, `kv_pages` `[P, page_size, D]`, `block_table` `[B, max_pages]`, `seq_lens` `[B]` ->
+    `[B, H, v_dim]` (see `reference.mla_decode`)."""
+    page = kv_pages.shape[1]
+    if use_triton(q) and page >= 16 and not page & (page - 1):
+        from h3gen.kernels.mla_decode import triton as fast
+
+        return fast.mla_decode(q, kv_pages, block_table, seq_lens, scale, v_dim)
+    return reference.mla_decode(q, kv_pages, block_table, seq_lens, scale, v_dim)
+
+
+__all__ = ["mla_decode", "mla_decode_masked"]

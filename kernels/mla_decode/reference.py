@@ -22,3 +22,15 @@ def mla_decode(q: torch.Tensor, kv_pages: torch.Tensor, block_table: torch.Tenso
         probs = torch.softmax(scale * q[b].float() @ rows.t(), dim=-1)
         out[b] = (probs @ rows[:, :v_dim]).to(q.dtype)
     return out
+
+
+def mla_decode_masked(q: torch.Tensor, kv_pages: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
+                      scale: float, v_dim: int) -> torch.Tensor:
+    """`mla_decode` without host synchronisation (CUDA-graph safe): every sequence reads all `max_pages` pages of
+    its table row and masks the rows past its length. Same arguments and result."""
+    batch, heads, dim = q.shape
+    rows = kv_pages[block_table.long()].reshape(batch, -1, dim).float()  # [B, max_pages * page_size, D]
+    scores = scale * torch.einsum("bhd,bsd->bhs", q.float(), rows)
+    valid = torch.arange(rows.shape[1], device=q.device)[None, :] < seq_lens[:, None]
+    probs = torch.softmax(scores.masked_fill(~valid[:, None, :], float("-inf")), dim=-1)
+    return torch.einsum("bhs,bsv->bhv", probs, rows[..., :v_dim]).to(q.dtype)

@@ -1,8 +1,22 @@
-"""MoE ops: `route_topk` (sigmoid + correction bias, grouped top-k, renormalise, scale), `sort_by_expert`, and the
-grouped expert GEMMs `grouped_gemm` (dense) / `grouped_mxfp4_gemm` (MXFP4 weights).
+"""MoE ops: `route_topk` (sigmoid + correction bias, grouped top-k, renormalise, scale), `sort_by_expert`, the
+grouped expert GEMMs `grouped_gemm` (dense) / `grouped_mxfp4_gemm` (MXFP4 weights), and `expert_gemv` (a few
+rows, each through its own expert of a stacked weight, with no host synchronisation: the decode path, CUDA-graph
+safe).
 
-Only the torch references exist so far; they run on every device."""
+`expert_gemv` takes its Triton kernel on CUDA; the others are torch references on every device."""
 
+from h3gen.kernels._dispatch import use_triton
+from h3gen.kernels.moe import reference
 from h3gen.kernels.moe.reference import grouped_gemm, grouped_mxfp4_gemm, route_topk, sort_by_expert
 
-__all__ = ["grouped_gemm", "grouped_mxfp4_gemm", "route_topk", "sort_by_expert"]
+
+def expert_gemv(x, weight, ids):
+    """`x` `[P, K]`, `weight` `[E, N, K]`, `ids` `[P]` -> `[P, N]`: row p through expert `ids[p]`."""
+    if use_triton(x):
+        from h3gen.kernels.moe import triton as fast
+
+        return fast.expert_gemv(x, weight, ids)
+    return reference.expert_gemv(x, weight, ids)
+
+
+__all__ = ["expert_gemv", "grouped_gemm", "grouped_mxfp4_gemm", "route_topk", "sort_by_expert"]

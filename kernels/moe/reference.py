@@ -62,3 +62,10 @@ def grouped_mxfp4_gemm(x: torch.Tensor, offsets: torch.Tensor, packed, scales) -
             weight = dequantize(packed[e], scales[e], torch.float32, in_features=x.shape[-1])
             out[start:stop] = (x[start:stop].float() @ weight.t()).to(x.dtype)
     return out
+
+
+def expert_gemv(x: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Row p of `x` `[P, K]` times `weight[ids[p]]^T` (`weight` `[E, N, K]` stacked experts, `ids` `[P]` int) ->
+    `[P, N]` in x.dtype, float32 accumulation. No host synchronisation (CUDA-graph safe); reads one expert matrix
+    per row, so it is meant for the few rows of a decode step."""
+    return (weight[ids].float() @ x.float()[:, :, None]).squeeze(-1).to(x.dtype)

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from h3gen.kernels.kda import kda_chunked, kda_gate, kda_recurrent, short_conv
 from h3gen.kernels.mla_decode import mla_decode
-from h3gen.kernels.moe import grouped_gemm, grouped_mxfp4_gemm, route_topk, sort_by_expert
+from h3gen.kernels.moe import expert_gemv, grouped_gemm, grouped_mxfp4_gemm, route_topk, sort_by_expert
 from h3gen.linear import LinearFactory, LinearSpec, dense_linear
 from h3gen.pipelines.k3.cache import K3Cache, KDAState, PagedLatentCache
 from h3gen.pipelines.k3.config import K3Config
@@ -179,13 +179,23 @@ class K3MLAttention(nn.Module):
         """Decode: fold `kv_b_proj` into the query and the output, so attention runs over the cached latent rows
         directly (one KV head of width r + d_r). `q` `[B, n, qk]` -> `[B, n, v]`."""
         n = q.shape[1]
-        w = self.kv_b_proj.weight.view(n, self.nope + self.v_dim, self.rank)
-        w_kc, w_vc = w[:, : self.nope], w[:, self.nope:]  # [n, d_n, r], [n, d_v, r]
+        w_kc, w_vc = self._absorbed_weights(n)
         q_nope, q_pe = q.split([self.nope, self.rope], dim=-1)
-        q_latent = torch.einsum("bnd,ndr->bnr", q_nope.float(), w_kc.float())
+        q_latent = torch.einsum("bnd,ndr->bnr", q_nope.float(), w_kc)
         query = torch.cat([q_latent, q_pe.float()], dim=-1)
         latent = mla_decode(query, cache.pages, cache.block_table(), cache.seq_lens(), self.scale, self.rank)
-        return torch.einsum("bnr,nvr->bnv", latent, w_vc.float()).to(q.dtype)
+        return torch.einsum("bnr,nvr->bnv", latent, w_vc).to(q.dtype)
+
+    def _absorbed_weights(self, heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """`kv_b_proj` split per head into float32 `W_kc` `[n, d_n, r]` and `W_vc` `[n, d_v, r]`, kept between
+        decode steps (rebuilt when the weight changes)."""
+        weight = self.kv_b_proj.weight
+        key = (weight.data_ptr(), weight._version, weight.dtype, weight.device)
+        if getattr(self, "_absorbed_key", None) != key:
+            w = weight.detach().float().view(heads, self.nope + self.v_dim, self.rank)
+            self._absorbed = (w[:, : self.nope].contiguous(), w[:, self.nope:].contiguous())
+            self._absorbed_key = key
+        return self._absorbed
 
 
 class K3MLP(nn.Module):
@@ -219,6 +229,11 @@ def _grouped(x: torch.Tensor, offsets: torch.Tensor, layers: list[nn.Module]) ->
                                  [layer.weight_scale for layer in layers])
         return out.to(x.dtype)
     return grouped_gemm(x, offsets, [layer.weight for layer in layers])
+
+
+# Up to this many (token, expert) pairs a MoE layer with stacked experts routes on the device, one expert matrix
+# read per pair (decode batches); beyond, the tokens are grouped by expert (each expert read once).
+DEVICE_ROUTING_MAX_PAIRS = 256
 
 
 class K3Router(nn.Module):
@@ -264,9 +279,39 @@ class K3MoE(nn.Module):
         if config.num_shared_experts:
             self.shared_experts = K3MLP(config, d, config.moe_intermediate_size * config.num_shared_experts, linear,
                                         "ffn")
+        self.stacked: tuple[torch.Tensor, torch.Tensor] | None = None  # (gate_up [E, 2I, W], down [E, W, I])
+
+    @torch.no_grad()
+    def stack_experts(self) -> bool:
+        """Move the dense experts' weights into two stacked tensors, `gate_up` `[E, 2I, W]` (w1 over w3) and `down`
+        `[E, W, I]`, and point each expert's parameters at its views of them (state-dict keys and values do not
+        change; do it after moving the model to its device). Few-token batches then pick their experts on the
+        device (`expert_gemv`), with no host synchronisation. Returns False, changing nothing, for MXFP4 experts."""
+        if self.stacked is not None:
+            return True
+        layers = [layer for expert in self.experts for layer in (expert.w1, expert.w3, expert.w2)]
+        if any(not isinstance(getattr(layer, "weight", None), torch.Tensor) or hasattr(layer, "weight_packed")
+               for layer in layers):
+            return False
+        first = self.experts[0]
+        inter, width = first.w1.weight.shape
+        gate_up = first.w1.weight.new_empty(len(self.experts), 2 * inter, width)
+        down = first.w2.weight.new_empty(len(self.experts), width, inter)
+        for e, expert in enumerate(self.experts):
+            gate_up[e, :inter].copy_(expert.w1.weight)
+            gate_up[e, inter:].copy_(expert.w3.weight)
+            down[e].copy_(expert.w2.weight)
+            expert.w1.weight.data = gate_up[e, :inter]
+            expert.w3.weight.data = gate_up[e, inter:]
+            expert.w2.weight.data = down[e]
+        self.stacked = (gate_up, down)
+        return True
 
     def routed(self, h: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """`h` `[T, W]` -> `sum_k weights[:, k] E_{ids[:, k]}(h)` `[T, W]`, tokens grouped by expert."""
+        """`h` `[T, W]` -> `sum_k weights[:, k] E_{ids[:, k]}(h)` `[T, W]`: tokens grouped by expert, or, for
+        few tokens with stacked experts, each (token, expert) pair through `expert_gemv`."""
+        if self.stacked is not None and ids.numel() <= DEVICE_ROUTING_MAX_PAIRS:
+            return self._routed_on_device(h, weights, ids)
         top_k = ids.shape[1]
         order, offsets = sort_by_expert(ids, len(self.experts))
         tokens = order // top_k
@@ -276,6 +321,16 @@ class K3MoE(nn.Module):
         down = _grouped(gated_activation(self.config, gate, up), offsets, [e.w2 for e in self.experts])
         scaled = down * weights.reshape(-1)[order, None].to(down.dtype)
         return torch.zeros_like(h).index_add_(0, tokens, scaled)
+
+    def _routed_on_device(self, h: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        tokens, top_k = ids.shape
+        gate_up, down = self.stacked
+        inter = down.shape[-1]
+        pairs = ids.reshape(-1)
+        both = expert_gemv(h.repeat_interleave(top_k, dim=0), gate_up, pairs)  # [T * k, 2I]
+        out = expert_gemv(gated_activation(self.config, both[:, :inter], both[:, inter:]), down, pairs)
+        out = out.to(h.dtype).view(tokens, top_k, -1) * weights[..., None].to(h.dtype)
+        return out.sum(dim=1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape

@@ -78,17 +78,18 @@ def randomize(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
     """Fill a K3 model with random weights of sensible scale (in place), deterministic in `seed`: linears
     ~ N(0, 1/in), norms 1 + N(0, 0.1), decay rates A = exp(A_log) in [1, 16], small conv taps, non-zero AttnRes
     queries and router biases (so softmaxes and selections are not uniform)."""
-    generator = torch.Generator().manual_seed(seed)
+    device = next(model.parameters()).device  # drawn where the model lives (a GPU fills a large model fast)
+    generator = torch.Generator(device=device).manual_seed(seed)
     with torch.no_grad():
         for name, param in model.named_parameters():
             owner = name.rpartition(".")[0].rpartition(".")[2]  # the module holding the parameter
             shape = param.shape
 
             def randn(*size):
-                return torch.randn(*size, generator=generator)
+                return torch.randn(*size, generator=generator, device=device)
 
             if name.endswith("A_log"):
-                value = torch.empty(shape).uniform_(1.0, 16.0, generator=generator).log()
+                value = torch.empty(shape, device=device).uniform_(1.0, 16.0, generator=generator).log()
             elif name.endswith("dt_bias"):
                 value = randn(*shape) * 0.5
             elif "conv1d" in name:
@@ -111,7 +112,7 @@ def randomize(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
 
 
 def randn_like(tensor: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-    return torch.randn(tensor.shape, generator=generator).to(tensor.dtype)
+    return torch.randn(tensor.shape, generator=generator, device=generator.device).to(tensor.device, tensor.dtype)
 
 
 def checkpoint_tensors(model, config) -> dict[str, torch.Tensor]:

@@ -21,6 +21,7 @@ import torch
 
 from h3gen.errors import RequestError
 from h3gen.pipelines.k3.engine.batch import BatchCache, LatentView
+from h3gen.pipelines.k3.engine.graphs import DecodeGraphs, capture_blocker
 from h3gen.pipelines.k3.engine.pool import MemoryPool
 from h3gen.pipelines.k3.engine.radix import RadixCache
 from h3gen.pipelines.k3.engine.sampling import SamplingParams, sample
@@ -73,11 +74,13 @@ class K3Engine:
     """Serve a `K3ForCausalLM`: `add_request` then `step` until done, or `generate` for a list of prompts.
 
     `pool_bytes` sizes the one buffer for MLA pages and KDA slots (default: room for `max_batch` sequences of
-    `max_context` tokens plus as much again for the prefix cache)."""
+    `max_context` tokens plus as much again for the prefix cache). `cuda_graphs` (default: on a CUDA device) runs
+    decode steps on static buffers captured as CUDA graphs (`engine/graphs.py`); True on a CPU runs that same
+    path eagerly."""
 
     def __init__(self, model, tokenizer=None, pool_bytes: int | None = None, page_size: int = 16,
                  chunk_size: int = 256, max_batch: int = 32, prefill_budget: int | None = None,
-                 prefix_cache: bool = True, max_context: int = 4096, device=None):
+                 prefix_cache: bool = True, max_context: int = 4096, device=None, cuda_graphs: bool | None = None):
         self.model = model.eval()
         self.tokenizer = tokenizer
         config = model.config
@@ -93,6 +96,10 @@ class K3Engine:
             pool_bytes = 2 * max_batch * per_seq
         self.pool = MemoryPool(config, self.dtype, self.device, pool_bytes, page_size)
         self.cache = RadixCache(self.pool) if prefix_cache else None
+        if cuda_graphs is None:
+            cuda_graphs = self.device.type == "cuda" and capture_blocker(model, page_size, self.pool.uses_pages) is None
+        self.graphs = DecodeGraphs(model, self.pool, max_batch, -(-max_context // page_size), self.device) \
+            if cuda_graphs else None
         self.num_layers = config.num_hidden_layers
         eos = config.eos_token_id
         eos = [eos] if isinstance(eos, int) else list(eos or [])
@@ -379,9 +386,14 @@ class K3Engine:
         ready = [r for r in ready if r.status == DECODE]  # growing a later one may have preempted none of these
         if not ready:
             return
-        tokens = torch.tensor([[r.all_ids[r.computed]] for r in ready], device=self.device)
         try:
-            logits = self._forward(ready, tokens, None)
+            if self.graphs is not None and len(ready) <= self.graphs.max_batch:
+                rows = [self.pool.slot_row(r.slot) if r.slot is not None else 0 for r in ready]
+                logits = self.graphs.run([r.all_ids[r.computed] for r in ready], rows, [r.pages for r in ready],
+                                         [r.computed for r in ready])
+            else:
+                tokens = torch.tensor([[r.all_ids[r.computed]] for r in ready], device=self.device)
+                logits = self._forward(ready, tokens, None)
         except Exception as error:  # noqa: BLE001
             for request in ready:
                 self._fail(request, error, outputs)

@@ -60,8 +60,8 @@ class MemoryPool:
         heads, head_dim = config.linear_num_heads, config.linear_head_dim
         self.conv_shape = (config.conv_kernel_size - 1, 3 * heads * head_dim)
         self.recurrent_shape = (heads, head_dim, head_dim)
-        self._conv = self.conv_shape[0] * self.conv_shape[1]
-        state_floats = self._conv + heads * head_dim * head_dim
+        self.conv_floats = self.conv_shape[0] * self.conv_shape[1]
+        state_floats = self.conv_floats + heads * head_dim * head_dim
         element = torch.empty((), dtype=dtype).element_size()
         self.page_bytes = len(self.mla_layers) * page_size * self.row_dim * element
         self.slot_bytes = len(self.kda_layers) * state_floats * 4
@@ -144,24 +144,25 @@ class MemoryPool:
     def free_slot(self, slot: int) -> None:
         self._slots.give(slot)
 
-    def _row(self, slot: int) -> int:
+    def slot_row(self, slot: int) -> int:
+        """The row of `slots` (a view of the pool) that holds `slot`."""
         return self.max_slots - 1 - slot  # slot 0 is the topmost
 
     def copy_slot(self, src: int, dst: int) -> None:
-        self.slots[self._row(dst)] = self.slots[self._row(src)]
+        self.slots[self.slot_row(dst)] = self.slots[self.slot_row(src)]
 
     def read_states(self, slots: list[int]) -> list[KDAState]:
         """The KDA states of `slots`, batched in that order: one `KDAState` per KDA layer (copies)."""
-        rows = self.slots[[self._row(s) for s in slots]]  # [B, L, F]
+        rows = self.slots[[self.slot_row(s) for s in slots]]  # [B, L, F]
         out = []
         for layer in range(len(self.kda_layers)):
-            conv, recurrent = rows[:, layer].split([self._conv, rows.shape[-1] - self._conv], dim=-1)
+            conv, recurrent = rows[:, layer].split([self.conv_floats, rows.shape[-1] - self.conv_floats], dim=-1)
             out.append(KDAState(conv.reshape(len(slots), *self.conv_shape),
                                 recurrent.reshape(len(slots), *self.recurrent_shape)))
         return out
 
     def write_states(self, slots: list[int], states: list[KDAState]) -> None:
-        rows = torch.tensor([self._row(s) for s in slots], device=self.storage.device)
+        rows = torch.tensor([self.slot_row(s) for s in slots], device=self.storage.device)
         for layer, state in enumerate(states):
             packed = torch.cat([state.conv.reshape(len(slots), -1), state.recurrent.reshape(len(slots), -1)], dim=-1)
             self.slots[rows, layer] = packed.float()

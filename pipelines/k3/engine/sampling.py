@@ -63,10 +63,11 @@ def filter_logits(logits: torch.Tensor, temperature: float, top_k: int, top_p: f
 def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator]) -> list[int]:
     """One token per row of `logits` `[B, V]`, each row by its own parameters and generator."""
     logits = logits.float()
+    greedy = logits.argmax(dim=-1).tolist() if any(p.temperature == 0.0 for p in params) else None  # one transfer
     out = []
-    for row, p, gen in zip(logits, params, generators):
+    for row, p, gen, best in zip(logits, params, generators, greedy or [None] * len(params)):
         if p.temperature == 0.0:
-            out.append(int(row.argmax()))
+            out.append(best)
             continue
         probs = torch.softmax(filter_logits(row, p.temperature, p.top_k, p.top_p), dim=-1)
         out.append(int(torch.multinomial(probs, 1, generator=gen)))

@@ -1,0 +1,81 @@
+"""Paged MLA decode attention in Triton: one program per (sequence, block of heads) walks the sequence's pages
+through its block-table row, with an online softmax, reading each live latent row once for all its heads. The
+lengths and the table are read on the device, so the kernel is CUDA-graph safe."""
+
+import torch
+import triton
+import triton.language as tl
+
+from h3gen.kernels._dispatch import next_power_of_2
+
+
+@triton.jit
+def _mla_decode_kernel(q_ptr, kv_ptr, table_ptr, lens_ptr, out_ptr, heads, rank, rope, scale,
+                       stride_qb, stride_qh, stride_kp, stride_ks, stride_tb, stride_ob, stride_oh,
+                       PAGE: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr,
+                       BLOCK_P: tl.constexpr, IEEE: tl.constexpr):
+    seq = tl.program_id(0).to(tl.int64)
+    hs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    rs = tl.arange(0, BLOCK_R)
+    ps = tl.arange(0, BLOCK_P)
+    slots = tl.arange(0, BLOCK_S)  # rows per iteration: a part of one page (BLOCK_S divides PAGE)
+    head_ok = hs < heads
+    q_rows = q_ptr + seq * stride_qb + hs[:, None] * stride_qh
+    q_latent = tl.load(q_rows + rs[None, :], mask=head_ok[:, None] & (rs[None, :] < rank), other=0.0)
+    q_pe = tl.load(q_rows + rank + ps[None, :], mask=head_ok[:, None] & (ps[None, :] < rope), other=0.0)
+    # Products in the cache's dtype with float32 accumulation (tensor cores for bf16 / fp16 caches); a float32 cache
+    # gets exact float32 products (IEEE), not TF32.
+    q_latent = q_latent.to(kv_ptr.dtype.element_ty)
+    q_pe = q_pe.to(kv_ptr.dtype.element_ty)
+    length = tl.load(lens_ptr + seq)
+    best = tl.full((BLOCK_H,), float("-inf"), dtype=tl.float32)
+    total = tl.zeros((BLOCK_H,), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_H, BLOCK_R), dtype=tl.float32)
+    for start in range(0, length, BLOCK_S):
+        page = tl.load(table_ptr + seq * stride_tb + start // PAGE).to(tl.int64)
+        row_ok = start + slots < length
+        rows = kv_ptr + page * stride_kp + (start % PAGE + slots)[:, None] * stride_ks
+        k_latent = tl.load(rows + rs[None, :], mask=row_ok[:, None] & (rs[None, :] < rank), other=0.0)
+        k_pe = tl.load(rows + rank + ps[None, :], mask=row_ok[:, None] & (ps[None, :] < rope), other=0.0)
+        if IEEE:
+            scores = tl.dot(q_latent, tl.trans(k_latent), input_precision="ieee") + \
+                tl.dot(q_pe, tl.trans(k_pe), input_precision="ieee")  # [BLOCK_H, BLOCK_S]
+        else:
+            scores = tl.dot(q_latent, tl.trans(k_latent)) + tl.dot(q_pe, tl.trans(k_pe))
+        scores = tl.where(row_ok[None, :], scores * scale, float("-inf"))
+        new_best = tl.maximum(best, tl.max(scores, axis=1))
+        correction = tl.exp(best - new_best)
+        probs = tl.exp(scores - new_best[:, None])
+        total = total * correction + tl.sum(probs, axis=1)
+        if IEEE:
+            update = tl.dot(probs, k_latent, input_precision="ieee")
+        else:
+            update = tl.dot(probs.to(k_latent.dtype), k_latent)
+        acc = acc * correction[:, None] + update
+        best = new_best
+    out = acc / total[:, None]
+    out_rows = out_ptr + seq * stride_ob + hs[:, None] * stride_oh + rs[None, :]
+    tl.store(out_rows, out.to(out_ptr.dtype.element_ty), mask=head_ok[:, None] & (rs[None, :] < rank))
+
+
+def mla_decode(q: torch.Tensor, kv_pages: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
+               scale: float, v_dim: int, block_h: int = 16, block_s: int = 32, num_warps: int = 8) -> torch.Tensor:
+    """See `reference.mla_decode`. The value is the latent part of the row: `v_dim` must be the latent rank
+    (the first `v_dim` entries; the rest of the row is the rotary key). With a bf16 / fp16 cache the query is
+    rounded to that dtype for the products (float32 accumulation and softmax)."""
+    batch, heads, dim = q.shape
+    page = kv_pages.shape[1]
+    if page & (page - 1) or page < 16:
+        raise ValueError(f"the Triton MLA decode kernel needs a power-of-two page size >= 16 (got {page}).")
+    if kv_pages.stride(-1) != 1 or q.stride(-1) != 1:
+        raise ValueError("the Triton MLA decode kernel needs rows contiguous in their last axis.")
+    rope = dim - v_dim
+    out = torch.empty(batch, heads, v_dim, dtype=q.dtype, device=q.device)
+    table = block_table.to(torch.int32)
+    grid = (batch, triton.cdiv(heads, block_h))
+    _mla_decode_kernel[grid](
+        q, kv_pages, table, seq_lens.to(torch.int32), out, heads, v_dim, rope, scale,
+        q.stride(0), q.stride(1), kv_pages.stride(0), kv_pages.stride(1), table.stride(0), out.stride(0),
+        out.stride(1), PAGE=page, BLOCK_S=min(block_s, page), BLOCK_H=block_h, BLOCK_R=max(16, next_power_of_2(v_dim)),
+        BLOCK_P=max(16, next_power_of_2(max(rope, 1))), IEEE=kv_pages.dtype == torch.float32, num_warps=num_warps)
+    return out

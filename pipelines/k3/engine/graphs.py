@@ -1,0 +1,175 @@
+"""Decode steps on static buffers, captured as CUDA graphs.
+
+A decode step launches over a thousand small kernels; launched one by one from Python they take many times the
+GPU time the step needs. Here the whole decode forward of a batch of `size` sequences reads its inputs from fixed
+device buffers (token ids, each sequence's KDA slot row, block table and length), so it can be captured once per
+batch size and replayed: a batch of n runs as the smallest captured size >= n, the extra rows pointing at a
+scratch page and a scratch slot that the runner keeps for itself.
+
+Inside the forward nothing synchronises with the host: KDA states are gathered from the pool by device row
+indices and scattered back, MLA rows are written through the device block table, the paged MLA decode kernel reads
+lengths on the device, and MoE layers route with `expert_gemv` on stacked experts. On a CPU the same forward runs
+eagerly (no capture), which is how tests check it against the ordinary path.
+"""
+
+import torch
+
+from h3gen.pipelines.k3.cache import KDAState
+from h3gen.pipelines.k3.engine.batch import BatchCache
+
+
+class StaticLatentView:
+    """One MLA layer's rows for a decode batch, addressed through device tensors: `table` `[B, W]` int32 page ids and
+    `lens` `[B]` int32 rows before this step. The new row of sequence b goes to position `lens[b]`."""
+
+    length = 1  # what the model reads as "rows before this call": > 0 selects the absorbed decode path
+
+    def __init__(self, pages: torch.Tensor, table: torch.Tensor, lens: torch.Tensor, page_size: int):
+        self.pages, self.table, self.lens, self.page_size = pages, table, lens, page_size
+
+    def append(self, rows: torch.Tensor) -> None:
+        """`rows` `[B, 1, D]`."""
+        position = self.lens.long()
+        page = self.table.long().gather(1, (position // self.page_size)[:, None])[:, 0]
+        self.pages[page, position % self.page_size] = rows[:, 0].to(self.pages.dtype)
+
+    def block_table(self) -> torch.Tensor:
+        return self.table
+
+    def seq_lens(self) -> torch.Tensor:
+        return self.lens + 1
+
+    def rows(self) -> torch.Tensor:
+        raise RuntimeError("a static decode batch has no expanded-attention path")
+
+
+class DecodeBuffers:
+    """The fixed inputs and output of one captured batch size."""
+
+    def __init__(self, size: int, max_pages: int, device):
+        self.size = size
+        self.tokens = torch.zeros(size, 1, dtype=torch.long, device=device)
+        self.state_rows = torch.zeros(size, dtype=torch.long, device=device)
+        self.table = torch.zeros(size, max(1, max_pages), dtype=torch.int32, device=device)
+        self.lens = torch.zeros(size, dtype=torch.int32, device=device)
+        self.logits: torch.Tensor | None = None
+
+
+def static_decode_forward(model, pool, buffers: DecodeBuffers) -> torch.Tensor:
+    """One decode forward of `buffers.size` sequences: logits `[size, vocab]`; updates their pool memory in place."""
+    size = buffers.size
+    cache = BatchCache(model.config.num_hidden_layers, pool.page_size)
+    for j, layer in enumerate(pool.mla_layers):
+        cache.layers[layer] = StaticLatentView(pool.layer_pages(j), buffers.table, buffers.lens, pool.page_size)
+    if pool.uses_slots:
+        rows = pool.slots.index_select(0, buffers.state_rows)  # [size, kda layers, floats]
+        for j, layer in enumerate(pool.kda_layers):
+            conv, recurrent = rows[:, j].split([pool.conv_floats, rows.shape[-1] - pool.conv_floats], dim=-1)
+            cache.layers[layer] = KDAState(conv.reshape(size, *pool.conv_shape),
+                                           recurrent.reshape(size, *pool.recurrent_shape))
+    logits = model(buffers.tokens, cache)[:, -1]
+    if pool.uses_slots:
+        states = cache.kda_states(pool.kda_layers)
+        packed = torch.stack([torch.cat([s.conv.reshape(size, -1), s.recurrent.reshape(size, -1)], dim=-1)
+                              for s in states], dim=1)
+        pool.slots.index_copy_(0, buffers.state_rows, packed.float())
+    return logits
+
+
+def batch_sizes(max_batch: int) -> list[int]:
+    """The captured sizes: powers of two below `max_batch`, and `max_batch`."""
+    sizes, size = [], 1
+    while size < max_batch:
+        sizes.append(size)
+        size *= 2
+    return sizes + [max_batch]
+
+
+def capture_blocker(model, page_size: int, uses_pages: bool) -> str | None:
+    """Why the decode forward of `model` cannot be captured as a CUDA graph (None when it can)."""
+    if uses_pages and (page_size < 16 or page_size & (page_size - 1)):
+        return f"CUDA-graph decode needs a power-of-two page size >= 16 for the MLA decode kernel (got {page_size})"
+    for module in model.modules():
+        experts = getattr(module, "experts", None)
+        if experts is not None and any(hasattr(e.w1, "weight_packed") for e in experts):
+            return "CUDA-graph decode needs dense experts (MXFP4 experts route with host synchronisation)"
+    return None
+
+
+class DecodeGraphs:
+    """Runs decode steps of up to `max_batch` sequences on static buffers: captured as CUDA graphs (one per size in
+    `batch_sizes`, on first use) on a CUDA device, eagerly elsewhere. Takes one page and one slot of the pool as
+    scratch for padding rows, and stacks the MoE experts of `model` (see `K3MoE.stack_experts`)."""
+
+    def __init__(self, model, pool, max_batch: int, max_pages: int, device):
+        self.model, self.pool, self.device = model, pool, torch.device(device)
+        self.max_pages = max_pages
+        self.sizes = batch_sizes(max_batch)
+        self.capture = self.device.type == "cuda"
+        if self.capture and (reason := capture_blocker(model, pool.page_size, pool.uses_pages)):
+            raise ValueError(reason)
+        for module in model.modules():
+            if hasattr(module, "stack_experts"):
+                module.stack_experts()
+        page = pool.alloc_page() if pool.uses_pages else 0
+        slot = pool.alloc_slot() if pool.uses_slots else 0
+        if page is None or slot is None:
+            raise RuntimeError("the memory pool has no room for the decode graphs' scratch page and slot")
+        self.scratch_page, self.scratch_row = page, pool.slot_row(slot) if pool.uses_slots else 0
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph | None, DecodeBuffers]] = {}
+        self.memory_pool = torch.cuda.graph_pool_handle() if self.capture else None
+
+    @property
+    def max_batch(self) -> int:
+        return self.sizes[-1]
+
+    def _prepare(self, size: int) -> tuple:
+        if size in self.graphs:
+            return self.graphs[size]
+        buffers = DecodeBuffers(size, self.max_pages, self.device)
+        self._pad(buffers, 0)
+        graph = None
+        if self.capture:
+            side = torch.cuda.Stream(self.device)
+            side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(side):  # warm-up outside the capture (kernel compilation, allocator pools)
+                for _ in range(2):
+                    static_decode_forward(self.model, self.pool, buffers)
+            torch.cuda.current_stream(self.device).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.memory_pool):
+                buffers.logits = static_decode_forward(self.model, self.pool, buffers)
+        self.graphs[size] = (graph, buffers)
+        return self.graphs[size]
+
+    def _pad(self, buffers: DecodeBuffers, used: int) -> None:
+        """Rows `used..` of `buffers` decode nothing: they read and write the scratch page and slot."""
+        buffers.tokens[used:] = 0
+        buffers.state_rows[used:] = self.scratch_row
+        buffers.table[used:] = self.scratch_page
+        buffers.lens[used:] = 0
+
+    @torch.no_grad()
+    def run(self, tokens: list[int], state_rows: list[int], tables: list[list[int]], lens: list[int]) -> torch.Tensor:
+        """Decode one token for each of n sequences: `tokens` (their last ids), `state_rows` (pool slot rows),
+        `tables` (page ids), `lens` (rows already cached). Returns logits `[n, vocab]`."""
+        count = len(tokens)
+        size = next(s for s in self.sizes if s >= count)
+        graph, buffers = self._prepare(size)
+        width = buffers.table.shape[1]
+        if any(len(t) > width for t in tables):
+            raise ValueError(f"a sequence holds more than the {width} pages the decode graphs were built for")
+        table = torch.zeros(count, width, dtype=torch.int32)
+        for b, pages in enumerate(tables):
+            table[b, : len(pages)] = torch.tensor(pages, dtype=torch.int32)
+        staged = torch.cat([torch.tensor(tokens), torch.tensor(state_rows), torch.tensor(lens)])
+        staged = staged.to(self.device, non_blocking=True)
+        buffers.tokens[:count, 0] = staged[:count]
+        buffers.state_rows[:count] = staged[count : 2 * count]
+        buffers.lens[:count] = staged[2 * count :].to(torch.int32)
+        buffers.table[:count] = table.to(self.device, non_blocking=True)
+        self._pad(buffers, count)
+        if graph is None:
+            return static_decode_forward(self.model, self.pool, buffers)[:count]
+        graph.replay()
+        return buffers.logits[:count]
