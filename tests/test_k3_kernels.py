@@ -68,3 +68,51 @@ def test_paged_mla_decode_matches_reference(page, heads, rank, rope, dtype):
     assert _err(got, expected) <= {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}[dtype]
     masked = mla_ref.mla_decode_masked(q, kv_pages, table, seq_lens, scale, rank)
     assert _err(masked, expected) <= 1e-5
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("heads,dim,width,lower_bound", [(3, 16, 4, None), (2, 32, 3, -5.0), (5, 8, 4, -5.0)])
+def test_fused_kda_decode_matches_reference(heads, dim, width, lower_bound, dtype):
+    from h3gen.kernels.kda import reference as kda_ref
+    from h3gen.kernels.kda import triton as kda_triton
+
+    g = torch.Generator(device=DEVICE).manual_seed(heads * dim + width)
+    batch, hd = 2, heads * dim
+
+    def rand(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=g, device=DEVICE) * scale).to(dtype)
+
+    # q, k, v, b as column slices of one fused projection (as the model passes them), f and gate on their own.
+    fused = rand(batch, 3 * hd + heads + 5)
+    q, k, v, b = fused[:, :hd], fused[:, hd : 2 * hd], fused[:, 2 * hd : 3 * hd], fused[:, 3 * hd : 3 * hd + heads]
+    f, gate = rand(batch, hd), rand(batch, hd)
+    conv_weights = [torch.randn(hd, 1, width, generator=g, device=DEVICE) * 0.5 for _ in range(3)]
+    a_log = torch.rand(heads, generator=g, device=DEVICE) * 2.0
+    dt_bias = torch.randn(hd, generator=g, device=DEVICE) * 0.5
+    norm_weight = (1.0 + 0.1 * torch.randn(dim, generator=g, device=DEVICE)).to(dtype)
+    # States as the pool holds them: views into per-sequence rows that hold other layers' states too.
+    rows = torch.randn(batch, 3, (width - 1) * 3 * hd + heads * dim * dim, generator=g, device=DEVICE)
+    conv_state = rows[:, 1, : (width - 1) * 3 * hd].view(batch, width - 1, 3 * hd)
+    state = rows[:, 1, (width - 1) * 3 * hd :].view(batch, heads, dim, dim)
+    expected_conv, expected_state = conv_state.clone(), state.clone()
+    args = (f, a_log, dt_bias, lower_bound, b, gate, norm_weight, 1e-5)
+    expected = kda_ref.kda_decode(q, k, v, conv_weights, expected_conv, *args, expected_state, dim ** -0.5)
+    untouched = rows[:, 0].clone()
+    got = kda_triton.kda_decode(q, k, v, conv_weights, conv_state, *args, state, dim ** -0.5)
+    tolerance = 1e-5 if dtype == torch.float32 else 3e-3
+    assert got.shape == (batch, hd) and got.dtype == dtype
+    assert _err(got, expected) <= tolerance
+    assert _err(state, expected_state) <= 1e-5 and torch.equal(conv_state, expected_conv)
+    assert torch.equal(rows[:, 0], untouched)  # the neighbouring layer's state is left alone
+
+
+@pytest.mark.parametrize("tokens,experts,top_k,bias,renormalize", [(1, 64, 6, True, True), (5, 37, 3, False, True),
+                                                                    (9, 8, 2, True, False)])
+def test_route_topk_matches_reference(tokens, experts, top_k, bias, renormalize):
+    g = torch.Generator(device=DEVICE).manual_seed(tokens * experts)
+    logits = torch.randn(tokens, experts, generator=g, device=DEVICE)
+    correction = torch.randn(experts, generator=g, device=DEVICE) * 0.1 if bias else None
+    expected_w, expected_ids = moe_ref.route_topk(logits, correction, top_k, renormalize=renormalize, scaling=2.5)
+    got_w, got_ids = moe_triton.route_topk(logits, correction, top_k, renormalize, 2.5)
+    assert torch.equal(got_ids, expected_ids)
+    assert _err(got_w, expected_w) <= 1e-6

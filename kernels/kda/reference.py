@@ -25,6 +25,12 @@ def short_conv(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor | None
     return F.silu(y).to(x.dtype), window[:, window.shape[1] - (width - 1):].contiguous()
 
 
+def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """`x / sqrt(sum(x^2) + eps)` over the last axis, float32 (fla's form: eps inside the root)."""
+    x = x.float()
+    return x / torch.sqrt(x.pow(2).sum(-1, keepdim=True) + eps)
+
+
 def kda_gate(f: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor, lower_bound: float | None = None):
     """Log decay per channel from the gate projection `f` `[..., H, K]`, `a_log` `[H]`, `dt_bias` `[H * K]`.
 
@@ -103,3 +109,35 @@ def kda_chunked(q, k, v, g, beta, scale: float, initial_state: torch.Tensor | No
         state = state * last.exp()[..., None] + k_decayed.transpose(-1, -2) @ v_new
     out = out.permute(0, 2, 3, 1, 4).reshape(b, n * c, h, dv)[:, :t]
     return out.to(dtype), state
+
+
+def kda_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, conv_weights, conv_state: torch.Tensor,
+               f: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor, lower_bound: float | None,
+               b: torch.Tensor, gate: torch.Tensor, norm_weight: torch.Tensor, norm_eps: float,
+               state: torch.Tensor, scale: float) -> torch.Tensor:
+    """One decode token of a KDA layer after its projections, updating `conv_state` and `state` in place.
+
+    Args:
+        q, k, v: `[B, H * D]` raw projections (model dtype).
+        conv_weights: (q, k, v) depthwise conv taps, each `[H * D, W]`.
+        conv_state: `[B, W - 1, 3 * H * D]` float32, the last raw `[q|k|v]` inputs.
+        f: `[B, H * D]` gate projection (after `f_b_proj`); `a_log` `[H]`, `dt_bias` `[H * D]`.
+        b: `[B, H]` beta logits. gate: `[B, H * D]` output-gate logits.
+        norm_weight: `[D]` the output RMSNorm weight; state: `[B, H, D, D]` float32.
+    Returns:
+        `[B, H * D]` in q.dtype: RMSNorm(o) * sigmoid(gate) with o the recurrence's output.
+    """
+    batch, heads, dim = state.shape[0], state.shape[1], state.shape[2]
+    shape = (batch, 1, heads, dim)
+    weight = torch.cat([w.reshape(w.shape[0], -1) for w in conv_weights])  # [3 * H * D, W]
+    qkv, new_conv = short_conv(torch.cat([q, k, v], dim=-1)[:, None], weight, conv_state)
+    conv_state.copy_(new_conv)
+    qc, kc, vc = qkv.split(heads * dim, dim=-1)
+    g = kda_gate(f.view(shape), a_log, dt_bias, lower_bound)
+    beta = torch.sigmoid(b.float())[:, None]
+    o, new_state = kda_recurrent(l2_normalize(qc.reshape(shape)), l2_normalize(kc.reshape(shape)),
+                                 vc.reshape(shape).float(), g, beta, scale, state)
+    state.copy_(new_state)
+    of = o.float()
+    of = of * torch.rsqrt(of.pow(2).mean(-1, keepdim=True) + norm_eps) * norm_weight.float()
+    return (of * torch.sigmoid(gate.float().view(shape))).to(q.dtype).reshape(batch, heads * dim)

@@ -3,11 +3,22 @@ grouped expert GEMMs `grouped_gemm` (dense) / `grouped_mxfp4_gemm` (MXFP4 weight
 rows, each through its own expert of a stacked weight, with no host synchronisation: the decode path, CUDA-graph
 safe).
 
-`expert_gemv` takes its Triton kernel on CUDA; the others are torch references on every device."""
+`expert_gemv` and `route_topk` (without expert groups) take their Triton kernels on CUDA; the others are torch
+references on every device."""
 
 from h3gen.kernels._dispatch import use_triton
 from h3gen.kernels.moe import reference
-from h3gen.kernels.moe.reference import grouped_gemm, grouped_mxfp4_gemm, route_topk, sort_by_expert
+from h3gen.kernels.moe.reference import grouped_gemm, grouped_mxfp4_gemm, sort_by_expert
+
+
+def route_topk(logits, correction_bias, top_k, num_groups=1, topk_groups=1, renormalize=True, scaling=1.0):
+    """`logits` `[T, E]` -> (weights `[T, top_k]` float32, expert ids `[T, top_k]` int64); see
+    `reference.route_topk`. Without expert groups on CUDA, one Triton program per token."""
+    if num_groups <= 1 and use_triton(logits) and logits.shape[-1] <= 1024:
+        from h3gen.kernels.moe import triton as fast
+
+        return fast.route_topk(logits, correction_bias, top_k, renormalize, scaling)
+    return reference.route_topk(logits, correction_bias, top_k, num_groups, topk_groups, renormalize, scaling)
 
 
 def expert_gemv(x, weight, ids):

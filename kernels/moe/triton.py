@@ -44,3 +44,48 @@ def expert_gemv(x: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor, block_
         x, weight, ids.contiguous(), out, n, k, weight.stride(0), weight.stride(1),
         BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps)
     return out
+
+
+@triton.jit
+def _route_topk_kernel(logits_ptr, bias_ptr, weights_ptr, ids_ptr, experts, scaling,
+                       TOP_K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr,
+                       RENORMALIZE: tl.constexpr):
+    token = tl.program_id(0).to(tl.int64)
+    es = tl.arange(0, BLOCK_E)
+    ks = tl.arange(0, BLOCK_K)
+    valid = es < experts
+    scores = tl.sigmoid(tl.load(logits_ptr + token * experts + es, mask=valid, other=0.0).to(tl.float32))
+    choice = scores
+    if HAS_BIAS:
+        choice = choice + tl.load(bias_ptr + es, mask=valid, other=0.0).to(tl.float32)
+    choice = tl.where(valid, choice, float("-inf"))
+    chosen_w = tl.zeros((BLOCK_K,), dtype=tl.float32)
+    chosen_id = tl.zeros((BLOCK_K,), dtype=tl.int64)
+    for slot in tl.static_range(TOP_K):  # the best remaining expert, TOP_K times (topk's order: best first)
+        best = tl.max(choice, axis=0)
+        index = tl.min(tl.where(choice == best, es, BLOCK_E), axis=0)
+        weight = tl.sum(tl.where(es == index, scores, 0.0), axis=0)
+        chosen_w = tl.where(ks == slot, weight, chosen_w)
+        chosen_id = tl.where(ks == slot, index.to(tl.int64), chosen_id)
+        choice = tl.where(es == index, float("-inf"), choice)
+    if RENORMALIZE:
+        chosen_w = chosen_w / (tl.sum(chosen_w, axis=0) + 1e-20)
+    keep = ks < TOP_K
+    tl.store(weights_ptr + token * TOP_K + ks, chosen_w * scaling, mask=keep)
+    tl.store(ids_ptr + token * TOP_K + ks, chosen_id, mask=keep)
+
+
+def route_topk(logits: torch.Tensor, correction_bias: torch.Tensor | None, top_k: int, renormalize: bool = True,
+               scaling: float = 1.0):
+    """`reference.route_topk` without expert groups, one program per token: `logits` `[T, E]` -> (weights
+    `[T, top_k]` float32, ids `[T, top_k]` int64)."""
+    logits = logits.float().contiguous()
+    tokens, experts = logits.shape
+    weights = torch.empty(tokens, top_k, dtype=torch.float32, device=logits.device)
+    ids = torch.empty(tokens, top_k, dtype=torch.long, device=logits.device)
+    if tokens:
+        _route_topk_kernel[(tokens,)](
+            logits, correction_bias if correction_bias is not None else logits, weights, ids, experts, scaling,
+            TOP_K=top_k, BLOCK_E=next_power_of_2(experts), BLOCK_K=next_power_of_2(top_k),
+            HAS_BIAS=correction_bias is not None, RENORMALIZE=renormalize, num_warps=1 if experts <= 256 else 4)
+    return weights, ids

@@ -11,9 +11,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from h3gen.kernels.kda import kda_chunked, kda_gate, kda_recurrent, short_conv
+from h3gen.kernels.kda import kda_chunked, kda_decode, kda_gate, l2_normalize, short_conv
 from h3gen.kernels.mla_decode import mla_decode
 from h3gen.kernels.moe import expert_gemv, grouped_gemm, grouped_mxfp4_gemm, route_topk, sort_by_expert
+from h3gen.kernels.rmsnorm import rms_norm
+from h3gen.kernels.swiglu import swiglu
 from h3gen.linear import LinearFactory, LinearSpec, dense_linear
 from h3gen.pipelines.k3.cache import K3Cache, KDAState, PagedLatentCache
 from h3gen.pipelines.k3.config import K3Config
@@ -28,8 +30,7 @@ class K3RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        return self.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)
 
 
 class K3ShortConv(nn.Module):
@@ -38,12 +39,6 @@ class K3ShortConv(nn.Module):
     def __init__(self, channels: int, width: int):
         super().__init__()
         self.weight = nn.Parameter(torch.zeros(channels, 1, width))
-
-
-def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """`x / sqrt(sum(x^2) + eps)` over the last axis, float32 (fla's form: eps inside the root)."""
-    x = x.float()
-    return x / torch.sqrt(x.pow(2).sum(-1, keepdim=True) + eps)
 
 
 def situ_and_mul(gate: torch.Tensor, up: torch.Tensor, beta: float, linear_beta: float) -> torch.Tensor:
@@ -57,6 +52,33 @@ def gated_activation(config: K3Config, gate: torch.Tensor, up: torch.Tensor) -> 
     if config.hidden_act == "situ":
         return situ_and_mul(gate, up, config.situ_beta, config.situ_linear_beta)
     return F.silu(gate) * up
+
+
+@torch.no_grad()
+def fuse_linears(layers: list[nn.Module]) -> torch.Tensor | None:
+    """Move the weights of plain bias-free `nn.Linear`s that read the same input into one `[sum of outputs, in]`
+    tensor and point each layer's weight at its rows of it, so one GEMM computes them all (`F.linear(x, fused)`
+    split by output widths); state-dict keys and values do not change. None, changing nothing, when any layer is
+    something else (quantized, tensor parallel, with a bias) or they differ in input width, dtype or device."""
+    if not layers or any(type(layer) is not nn.Linear or layer.bias is not None for layer in layers):
+        return None
+    first = layers[0].weight
+    if any(layer.weight.shape[1] != first.shape[1] or layer.weight.dtype != first.dtype
+           or layer.weight.device != first.device for layer in layers):
+        return None
+    fused = first.new_empty(sum(layer.weight.shape[0] for layer in layers), first.shape[1])
+    start = 0
+    for layer in layers:
+        rows = layer.weight.shape[0]
+        fused[start : start + rows].copy_(layer.weight)
+        layer.weight.data = fused[start : start + rows]
+        start += rows
+    return fused
+
+
+def fused_outputs(fused: torch.Tensor, layers: list[nn.Module], x: torch.Tensor) -> list[torch.Tensor]:
+    """The outputs of `layers` (fused by `fuse_linears`) for `x`, from one GEMM."""
+    return list(F.linear(x, fused).split([layer.weight.shape[0] for layer in layers], dim=-1))
 
 
 class K3DeltaAttention(nn.Module):
@@ -86,13 +108,26 @@ class K3DeltaAttention(nn.Module):
             self.g_b_proj = linear(LinearSpec(k, width, False, "column", "attn.gate"))
         self.o_norm = K3RMSNorm(k, config.linear_norm_eps)
         self.o_proj = linear(LinearSpec(width, d, False, "row", "attn.out"))
+        self.fused_in: torch.Tensor | None = None  # see `fuse_projections`
+
+    def _input_layers(self) -> list[nn.Module]:
+        gate = [self.g_proj] if self.config.use_full_rank_gate else [self.g_a_proj]
+        return [self.q_proj, self.k_proj, self.v_proj, self.f_a_proj, self.b_proj, *gate]
+
+    def fuse_projections(self) -> bool:
+        """One GEMM for every projection of the input (q, k, v, the gate and beta inputs); see `fuse_linears`."""
+        if self.fused_in is None:
+            self.fused_in = fuse_linears(self._input_layers())
+        return self.fused_in is not None
 
     def forward(self, x: torch.Tensor, state: KDAState | None = None) -> tuple[torch.Tensor, KDAState]:
         """`x` `[B, T, D]` (after the pre-norm), `state` from the previous call or None -> (`[B, T, D]`, new state).
 
-        One token with a state takes the recurrent kernel (decode); anything else the chunked one (prefill, or a
-        prefill chunk continuing from `state`)."""
+        One token with a state takes the fused decode op (its conv and recurrent states are updated in place and
+        returned); anything else the chunked recurrence (prefill, or a prefill chunk continuing from `state`)."""
         b, t, _ = x.shape
+        if t == 1 and state is not None:
+            return self._decode(x, state), state
         shape = (b, t, self.num_heads, self.head_dim)
         qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
         conv_weight = torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight]).squeeze(1)
@@ -104,14 +139,29 @@ class K3DeltaAttention(nn.Module):
                      self.config.gate_lower_bound)
         beta = torch.sigmoid(self.b_proj(x).float())
         initial = None if state is None else state.recurrent
-        kernel = kda_recurrent if (t == 1 and initial is not None) else kda_chunked
-        o, recurrent = kernel(q, k, v.float(), g, beta, self.head_dim ** -0.5, initial)
+        o, recurrent = kda_chunked(q, k, v.float(), g, beta, self.head_dim ** -0.5, initial)
         gate = self.g_proj(x) if self.config.use_full_rank_gate else self.g_b_proj(self.g_a_proj(x))
         # Output norm and gate in float32, as fla's FusedRMSNormGated.
         of = o.float()
         of = of * torch.rsqrt(of.pow(2).mean(-1, keepdim=True) + self.o_norm.eps) * self.o_norm.weight.float()
         o = (of * torch.sigmoid(gate.float().view(shape))).to(x.dtype)
         return self.o_proj(o.reshape(b, t, -1)), KDAState(conv_state, recurrent)
+
+    def _decode(self, x: torch.Tensor, state: KDAState) -> torch.Tensor:
+        """One token `x` `[B, 1, D]` -> `[B, 1, D]` through `kda_decode` (conv, norms, gates, recurrence fused)."""
+        row = x[:, 0]
+        if self.fused_in is not None:
+            q, k, v, f_a, b, gate = fused_outputs(self.fused_in, self._input_layers(), row)
+        else:
+            q, k, v, b = self.q_proj(row), self.k_proj(row), self.v_proj(row), self.b_proj(row)
+            f_a = self.f_a_proj(row)
+            gate = self.g_proj(row) if self.config.use_full_rank_gate else self.g_a_proj(row)
+        if not self.config.use_full_rank_gate:
+            gate = self.g_b_proj(gate)
+        o = kda_decode(q, k, v, (self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight), state.conv,
+                       self.f_b_proj(f_a), self.A_log, self.dt_bias, self.config.gate_lower_bound, b, gate,
+                       self.o_norm.weight, self.o_norm.eps, state.recurrent, self.head_dim ** -0.5)
+        return self.o_proj(o)[:, None]
 
 
 class K3MLAttention(nn.Module):
@@ -139,14 +189,33 @@ class K3MLAttention(nn.Module):
             self.g_proj = linear(LinearSpec(d, n * self.v_dim, False, "column", "attn.gate"))
         self.o_proj = linear(LinearSpec(n * self.v_dim, d, False, "row", "attn.out"))
         self.scale = qk ** -0.5
+        self.fused_in: torch.Tensor | None = None  # see `fuse_projections`
+
+    def _input_layers(self) -> list[nn.Module]:
+        first = self.q_proj if self.config.q_lora_rank is None else self.q_a_proj
+        gate = [self.g_proj] if self.config.mla_use_output_gate else []
+        return [first, self.kv_a_proj_with_mqa, *gate]
+
+    def fuse_projections(self) -> bool:
+        """One GEMM for the projections of the input (q or its low-rank part, the latent KV, the gate)."""
+        if self.fused_in is None:
+            self.fused_in = fuse_linears(self._input_layers())
+        return self.fused_in is not None
 
     def forward(self, x: torch.Tensor, cache: PagedLatentCache | None = None) -> torch.Tensor:
         """`x` `[B, T, D]` -> `[B, T, D]`; appends this call's latent rows to `cache` when given."""
         b, t, _ = x.shape
-        q = self.q_proj(x) if self.config.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        if self.fused_in is not None:
+            q, kv, *gate = fused_outputs(self.fused_in, self._input_layers(), x)
+        else:
+            q = self.q_proj(x) if self.config.q_lora_rank is None else self.q_a_proj(x)
+            kv = self.kv_a_proj_with_mqa(x)
+            gate = [self.g_proj(x)] if self.config.mla_use_output_gate else []
+        if self.config.q_lora_rank is not None:
+            q = self.q_b_proj(self.q_a_layernorm(q))
         q = q.view(b, t, -1, self.nope + self.rope)
         heads = q.shape[2]
-        latent, k_pe = self.kv_a_proj_with_mqa(x).split([self.rank, self.rope], dim=-1)
+        latent, k_pe = kv.split([self.rank, self.rope], dim=-1)
         row = torch.cat([self.kv_a_layernorm(latent), k_pe], dim=-1)  # [B, T, r + d_r], what the cache holds
         past = 0
         if cache is not None:
@@ -158,7 +227,7 @@ class K3MLAttention(nn.Module):
             rows = cache.rows() if cache is not None else row
             o = self._attend_expanded(q, rows.to(x.dtype), past)
         if self.config.mla_use_output_gate:
-            o = o * torch.sigmoid(self.g_proj(x)).view_as(o)
+            o = o * torch.sigmoid(gate[0]).view_as(o)
         return self.o_proj(o.reshape(b, t, heads * self.v_dim))
 
     def _attend_expanded(self, q: torch.Tensor, rows: torch.Tensor, past: int) -> torch.Tensor:
@@ -207,8 +276,21 @@ class K3MLP(nn.Module):
         self.gate_proj = linear(LinearSpec(hidden, intermediate, False, "column", f"{kind}.up"))
         self.up_proj = linear(LinearSpec(hidden, intermediate, False, "column", f"{kind}.up"))
         self.down_proj = linear(LinearSpec(intermediate, hidden, False, "row", f"{kind}.down"))
+        self.fused_in: torch.Tensor | None = None  # [up; gate], see `fuse_projections`
+
+    def fuse_projections(self) -> bool:
+        """One GEMM for up and gate (in that order, the layout `swiglu` reads); see `fuse_linears`."""
+        if self.fused_in is None:
+            self.fused_in = fuse_linears([self.up_proj, self.gate_proj])
+        return self.fused_in is not None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused_in is not None:
+            both = F.linear(x, self.fused_in)
+            if self.config.hidden_act != "situ":
+                return self.down_proj(swiglu(both))
+            up, gate = both.chunk(2, dim=-1)
+            return self.down_proj(gated_activation(self.config, gate, up))
         return self.down_proj(gated_activation(self.config, self.gate_proj(x), self.up_proj(x)))
 
 
@@ -279,11 +361,11 @@ class K3MoE(nn.Module):
         if config.num_shared_experts:
             self.shared_experts = K3MLP(config, d, config.moe_intermediate_size * config.num_shared_experts, linear,
                                         "ffn")
-        self.stacked: tuple[torch.Tensor, torch.Tensor] | None = None  # (gate_up [E, 2I, W], down [E, W, I])
+        self.stacked: tuple[torch.Tensor, torch.Tensor] | None = None  # (up_gate [E, 2I, W], down [E, W, I])
 
     @torch.no_grad()
     def stack_experts(self) -> bool:
-        """Move the dense experts' weights into two stacked tensors, `gate_up` `[E, 2I, W]` (w1 over w3) and `down`
+        """Move the dense experts' weights into two stacked tensors, `up_gate` `[E, 2I, W]` (w3 over w1) and `down`
         `[E, W, I]`, and point each expert's parameters at its views of them (state-dict keys and values do not
         change; do it after moving the model to its device). Few-token batches then pick their experts on the
         device (`expert_gemv`), with no host synchronisation. Returns False, changing nothing, for MXFP4 experts."""
@@ -295,16 +377,16 @@ class K3MoE(nn.Module):
             return False
         first = self.experts[0]
         inter, width = first.w1.weight.shape
-        gate_up = first.w1.weight.new_empty(len(self.experts), 2 * inter, width)
+        up_gate = first.w1.weight.new_empty(len(self.experts), 2 * inter, width)
         down = first.w2.weight.new_empty(len(self.experts), width, inter)
         for e, expert in enumerate(self.experts):
-            gate_up[e, :inter].copy_(expert.w1.weight)
-            gate_up[e, inter:].copy_(expert.w3.weight)
+            up_gate[e, :inter].copy_(expert.w3.weight)
+            up_gate[e, inter:].copy_(expert.w1.weight)
             down[e].copy_(expert.w2.weight)
-            expert.w1.weight.data = gate_up[e, :inter]
-            expert.w3.weight.data = gate_up[e, inter:]
+            expert.w3.weight.data = up_gate[e, :inter]
+            expert.w1.weight.data = up_gate[e, inter:]
             expert.w2.weight.data = down[e]
-        self.stacked = (gate_up, down)
+        self.stacked = (up_gate, down)
         return True
 
     def routed(self, h: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -324,11 +406,15 @@ class K3MoE(nn.Module):
 
     def _routed_on_device(self, h: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         tokens, top_k = ids.shape
-        gate_up, down = self.stacked
+        up_gate, down = self.stacked
         inter = down.shape[-1]
         pairs = ids.reshape(-1)
-        both = expert_gemv(h.repeat_interleave(top_k, dim=0), gate_up, pairs)  # [T * k, 2I]
-        out = expert_gemv(gated_activation(self.config, both[:, :inter], both[:, inter:]), down, pairs)
+        both = expert_gemv(h.repeat_interleave(top_k, dim=0), up_gate, pairs)  # [T * k, 2I]: [up; gate]
+        if self.config.hidden_act == "situ":
+            act = gated_activation(self.config, both[:, inter:], both[:, :inter])
+        else:
+            act = swiglu(both)
+        out = expert_gemv(act, down, pairs)
         out = out.to(h.dtype).view(tokens, top_k, -1) * weights[..., None].to(h.dtype)
         return out.sum(dim=1)
 

@@ -61,19 +61,33 @@ def static_decode_forward(model, pool, buffers: DecodeBuffers) -> torch.Tensor:
     cache = BatchCache(model.config.num_hidden_layers, pool.page_size)
     for j, layer in enumerate(pool.mla_layers):
         cache.layers[layer] = StaticLatentView(pool.layer_pages(j), buffers.table, buffers.lens, pool.page_size)
+    given = []
     if pool.uses_slots:
         rows = pool.slots.index_select(0, buffers.state_rows)  # [size, kda layers, floats]
         for j, layer in enumerate(pool.kda_layers):
             conv, recurrent = rows[:, j].split([pool.conv_floats, rows.shape[-1] - pool.conv_floats], dim=-1)
-            cache.layers[layer] = KDAState(conv.reshape(size, *pool.conv_shape),
-                                           recurrent.reshape(size, *pool.recurrent_shape))
+            given.append(KDAState(conv.reshape(size, *pool.conv_shape), recurrent.reshape(size, *pool.recurrent_shape)))
+            cache.layers[layer] = given[-1]
     logits = model(buffers.tokens, cache)[:, -1]
     if pool.uses_slots:
         states = cache.kda_states(pool.kda_layers)
-        packed = torch.stack([torch.cat([s.conv.reshape(size, -1), s.recurrent.reshape(size, -1)], dim=-1)
-                              for s in states], dim=1)
-        pool.slots.index_copy_(0, buffers.state_rows, packed.float())
+        if all(new is old for new, old in zip(states, given)):  # updated in place (the decode op does that)
+            packed = rows
+        else:
+            packed = torch.stack([torch.cat([s.conv.reshape(size, -1), s.recurrent.reshape(size, -1)], dim=-1)
+                                  for s in states], dim=1).float()
+        pool.slots.index_copy_(0, buffers.state_rows, packed)
     return logits
+
+
+def prepare_for_decode(model) -> None:
+    """Stack each MoE layer's experts and fuse the projections that read the same input (weights re-pointed into
+    shared tensors, values unchanged; see `K3MoE.stack_experts`, `fuse_linears`): fewer, larger GEMMs per step."""
+    for module in model.modules():
+        if hasattr(module, "stack_experts"):
+            module.stack_experts()
+        if hasattr(module, "fuse_projections"):
+            module.fuse_projections()
 
 
 def batch_sizes(max_batch: int) -> list[int]:
@@ -108,9 +122,7 @@ class DecodeGraphs:
         self.capture = self.device.type == "cuda"
         if self.capture and (reason := capture_blocker(model, pool.page_size, pool.uses_pages)):
             raise ValueError(reason)
-        for module in model.modules():
-            if hasattr(module, "stack_experts"):
-                module.stack_experts()
+        prepare_for_decode(model)
         page = pool.alloc_page() if pool.uses_pages else 0
         slot = pool.alloc_slot() if pool.uses_slots else 0
         if page is None or slot is None:
