@@ -12,14 +12,20 @@ from h3gen.kernels._dispatch import next_power_of_2
 @triton.jit
 def _conv_silu(x_ptr, w_ptr, state_ptr, channel, local, mask, stride_tap, WIDTH: tl.constexpr):
     """Causal depthwise conv of one token over `WIDTH` taps (the state holds the `WIDTH - 1` earlier raw inputs),
-    then SiLU; shifts the new input into the state. Returns float32."""
+    then SiLU; shifts the new input into the state. Returns float32.
+
+    A vector shorter than the program's threads is held by several threads, which do not run in lockstep: every
+    rewrite of state memory waits at a barrier until all threads have read what it overwrites."""
     x = tl.load(x_ptr, mask=mask, other=0.0).to(tl.float32)
     acc = x * tl.load(w_ptr + local * WIDTH + (WIDTH - 1), mask=mask, other=0.0).to(tl.float32)
     for tap in tl.static_range(WIDTH - 1):
         earlier = tl.load(state_ptr + tap * stride_tap + channel, mask=mask, other=0.0)
         acc += earlier * tl.load(w_ptr + local * WIDTH + tap, mask=mask, other=0.0).to(tl.float32)
-        if tap > 0:
-            tl.store(state_ptr + (tap - 1) * stride_tap + channel, earlier, mask=mask)
+    for tap in tl.static_range(WIDTH - 2):  # shift: state[tap] = state[tap + 1]
+        later = tl.load(state_ptr + (tap + 1) * stride_tap + channel, mask=mask, other=0.0)
+        tl.debug_barrier()
+        tl.store(state_ptr + tap * stride_tap + channel, later, mask=mask)
+    tl.debug_barrier()
     tl.store(state_ptr + (WIDTH - 2) * stride_tap + channel, x, mask=mask)
     return acc * tl.sigmoid(acc)
 
@@ -59,6 +65,7 @@ def _kda_decode_kernel(q_ptr, k_ptr, v_ptr, wq_ptr, wk_ptr, wv_ptr, conv_ptr, f_
     tile = state_ptr + seq * stride_sb + head * stride_sh + cols[:, None] * dim + cols[None, :]
     both = mask[:, None] & mask[None, :]
     state = tl.load(tile, mask=both, other=0.0) * tl.exp(g)[:, None]
+    tl.debug_barrier()  # every thread holds its copy of the old state before any writes the new one
     delta = v - tl.sum(k[:, None] * state, axis=0)
     state = state + k[:, None] * (beta * delta)[None, :]
     o = tl.sum((q * scale)[:, None] * state, axis=0)
