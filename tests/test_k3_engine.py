@@ -262,3 +262,29 @@ def test_stop_strings_and_streaming_deltas_add_up_to_the_text():
     assert outputs[-1].text == full.text[:first]
     assert "".join(o.delta for o in outputs) == full.text[:first]
     assert all(stop not in o.delta for o in outputs)
+
+
+@pytest.mark.parametrize("family", ["mla", "hybrid"])
+def test_decode_preparation_keeps_the_model_function(family):
+    """Stacking experts and fusing projections (what the decode graphs do to a model) leaves the logits of a long
+    prefill (grouped stacked-expert path) and of decode steps (per-pair expert path, fused projections) as they
+    were."""
+    from h3gen.pipelines.k3.engine.graphs import prepare_for_decode
+
+    model = randomize(K3ForCausalLM(FAMILIES[family]()), seed=4).eval()
+    prompt = torch.tensor(_prompts(model, [150], seed=9))  # 150 tokens x top-2 = 300 pairs: the grouped path
+
+    def run():
+        cache = model.new_cache(page_size=4)
+        logits = [model(prompt, cache)[:, -1]]
+        for token in (5, 17, 3):
+            logits.append(model(torch.tensor([[token]]), cache)[:, -1])
+        return torch.stack(logits)
+
+    with torch.no_grad():
+        before = run()
+        prepare_for_decode(model)
+        assert all(m.stacked is not None for m in model.modules() if hasattr(m, "stack_experts"))
+        after = run()
+    # Equal up to float32 rounding (a fused GEMM may sum in another order).
+    assert ((after - before).norm() / before.norm()).item() < 1e-5

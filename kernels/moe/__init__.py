@@ -30,4 +30,19 @@ def expert_gemv(x, weight, ids):
     return reference.expert_gemv(x, weight, ids)
 
 
-__all__ = ["expert_gemv", "grouped_gemm", "grouped_mxfp4_gemm", "route_topk", "sort_by_expert"]
+def stacked_experts(h, up_gate, down, ids, activation, swiglu: bool):
+    """`h` `[T, W]` through the experts `ids` `[T, k]` picks (stacked `up_gate` `[E, 2I, W]`, `down` `[E, W, I]`) ->
+    `[T * k, W]` in pair order. On CUDA with `swiglu` (the activation is silu(gate) * up) the Triton grouped GEMMs
+    run with no host synchronisation (pairs grouped into expert blocks on the device, SwiGLU fused into the first
+    GEMM); otherwise the torch reference with `activation(gate, up)`."""
+    if swiglu and use_triton(h):
+        from h3gen.kernels.moe import triton as fast
+
+        pairs = ids.reshape(-1)
+        rows, block_expert = fast.moe_blocks(pairs, up_gate.shape[0], 64)
+        act = fast.grouped_expert_gemm(h, up_gate, rows, block_expert, pairs.numel(), ids.shape[1], swiglu=True)
+        return fast.grouped_expert_gemm(act, down, rows, block_expert, pairs.numel(), 1)
+    return reference.stacked_experts(h, up_gate, down, ids, activation)
+
+
+__all__ = ["expert_gemv", "grouped_gemm", "grouped_mxfp4_gemm", "route_topk", "sort_by_expert", "stacked_experts"]

@@ -69,3 +69,15 @@ def expert_gemv(x: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor) -> tor
     `[P, N]` in x.dtype, float32 accumulation. No host synchronisation (CUDA-graph safe); reads one expert matrix
     per row, so it is meant for the few rows of a decode step."""
     return (weight[ids].float() @ x.float()[:, :, None]).squeeze(-1).to(x.dtype)
+
+
+def stacked_experts(h: torch.Tensor, up_gate: torch.Tensor, down: torch.Tensor, ids: torch.Tensor,
+                    activation) -> torch.Tensor:
+    """Every (token, slot) pair through its expert: `h` `[T, W]`, `up_gate` `[E, 2I, W]` ([up; gate] rows), `down`
+    `[E, W, I]`, `ids` `[T, k]`, `activation(gate, up)` -> `[T * k, W]` in pair order (token-major), tokens grouped
+    by expert for the GEMMs."""
+    top_k, inter = ids.shape[1], down.shape[-1]
+    order, offsets = sort_by_expert(ids, up_gate.shape[0])
+    both = grouped_gemm(h[order // top_k], offsets, list(up_gate))
+    out = grouped_gemm(activation(both[:, inter:], both[:, :inter]), offsets, list(down))
+    return torch.empty_like(out).index_copy_(0, order, out)

@@ -89,3 +89,86 @@ def route_topk(logits: torch.Tensor, correction_bias: torch.Tensor | None, top_k
             TOP_K=top_k, BLOCK_E=next_power_of_2(experts), BLOCK_K=next_power_of_2(top_k),
             HAS_BIAS=correction_bias is not None, RENORMALIZE=renormalize, num_warps=1 if experts <= 256 else 4)
     return weights, ids
+
+
+def moe_blocks(pairs: torch.Tensor, num_experts: int, block_m: int):
+    """Group `pairs` (`[P]` expert id of each (token, slot) pair) into blocks of `block_m` rows of one expert, on the
+    device (no host synchronisation). Returns (`rows` `[max_blocks * block_m]` pair indices, -1 where a block is
+    padding; `block_expert` `[max_blocks]`, -1 for unused blocks); max_blocks = cdiv(P, block_m) + E bounds
+    the real count."""
+    count = pairs.numel()
+    device = pairs.device
+    order = torch.argsort(pairs, stable=True)
+    # Counted by scatter-add, not bincount: bincount reads the largest id back to the host, which a graph cannot.
+    per_expert = torch.zeros(num_experts, dtype=torch.long, device=device)
+    per_expert.scatter_add_(0, pairs, torch.ones_like(pairs))
+    blocks = (per_expert + block_m - 1) // block_m
+    block_end = torch.cumsum(blocks, 0)
+    max_blocks = triton.cdiv(count, block_m) + num_experts
+    expert = torch.searchsorted(block_end, torch.arange(max_blocks, device=device), right=True)
+    block_expert = torch.where(expert < num_experts, expert, torch.full_like(expert, -1))
+    sorted_expert = pairs[order]
+    rank = torch.arange(count, device=device) - (torch.cumsum(per_expert, 0) - per_expert)[sorted_expert]
+    rows = torch.full((max_blocks * block_m,), -1, dtype=torch.long, device=device)
+    rows[(block_end - blocks)[sorted_expert] * block_m + rank] = order
+    return rows, block_expert
+
+
+@triton.jit
+def _grouped_gemm_kernel(x_ptr, w_ptr, rows_ptr, block_expert_ptr, out_ptr, N, K, stride_x, stride_we, stride_wn,
+                         stride_out, row_divisor, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                         BLOCK_K: tl.constexpr, SWIGLU: tl.constexpr, IEEE: tl.constexpr):
+    block = tl.program_id(0)
+    expert = tl.load(block_expert_ptr + block)
+    if expert < 0:
+        return
+    rows = tl.load(rows_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M))
+    valid = rows >= 0
+    source = tl.where(valid, rows // row_divisor, 0)  # the input row: the token (first GEMM) or the pair itself
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    w_cols = w_ptr + expert.to(tl.int64) * stride_we + cols[None, :].to(tl.int64) * stride_wn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if SWIGLU:
+        acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for start in range(0, K, BLOCK_K):
+        ks = start + tl.arange(0, BLOCK_K)
+        a = tl.load(x_ptr + source[:, None].to(tl.int64) * stride_x + ks[None, :],
+                    mask=valid[:, None] & (ks[None, :] < K), other=0.0)
+        w_mask = (cols[None, :] < N) & (ks[:, None] < K)
+        b = tl.load(w_cols + ks[:, None], mask=w_mask, other=0.0)  # [BLOCK_K, BLOCK_N]
+        if IEEE:
+            acc += tl.dot(a, b, input_precision="ieee")
+        else:
+            acc += tl.dot(a, b)
+        if SWIGLU:  # the gate rows sit N rows below the up rows
+            g = tl.load(w_cols + N * stride_wn + ks[:, None], mask=w_mask, other=0.0)
+            if IEEE:
+                acc_gate += tl.dot(a, g, input_precision="ieee")
+            else:
+                acc_gate += tl.dot(a, g)
+    if SWIGLU:
+        acc = acc * acc_gate * tl.sigmoid(acc_gate)
+    out = out_ptr + rows[:, None].to(tl.int64) * stride_out + cols[None, :]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=valid[:, None] & (cols[None, :] < N))
+
+
+def grouped_expert_gemm(x: torch.Tensor, weight: torch.Tensor, rows: torch.Tensor, block_expert: torch.Tensor,
+                        num_pairs: int, row_divisor: int, swiglu: bool = False, block_m: int = 64,
+                        block_n: int | None = None, block_k: int = 64, num_warps: int = 4,
+                        num_stages: int = 3) -> torch.Tensor:
+    """Pair p (grouped by `moe_blocks`) times its expert's matrix: input row `p // row_divisor` of `x` `[R, K]`,
+    `weight` `[E, N_w, K]`. Returns `[num_pairs, N_w]`, or with `swiglu` (`weight` = [up; gate] rows)
+    `[num_pairs, N_w / 2]` = up * silu(gate); float32 accumulation, output in x.dtype."""
+    x = x.contiguous()
+    if weight.stride(-1) != 1:
+        weight = weight.contiguous()
+    n = weight.shape[1] // 2 if swiglu else weight.shape[1]
+    k = x.shape[1]
+    out = torch.empty(num_pairs, n, dtype=x.dtype, device=x.device)
+    block_n = block_n or (64 if swiglu else 128)
+    grid = (block_expert.numel(), triton.cdiv(n, block_n))
+    _grouped_gemm_kernel[grid](x, weight, rows, block_expert, out, n, k, x.stride(0), weight.stride(0),
+                               weight.stride(1), out.stride(0), row_divisor, BLOCK_M=block_m, BLOCK_N=block_n,
+                               BLOCK_K=block_k, SWIGLU=swiglu, IEEE=x.dtype == torch.float32,
+                               num_warps=num_warps, num_stages=num_stages)
+    return out

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from h3gen.kernels.kda import kda_chunked, kda_decode, kda_gate, l2_normalize, short_conv
 from h3gen.kernels.mla_decode import mla_decode
-from h3gen.kernels.moe import expert_gemv, grouped_gemm, grouped_mxfp4_gemm, route_topk, sort_by_expert
+from h3gen.kernels.moe import expert_gemv, grouped_gemm, grouped_mxfp4_gemm, route_topk, sort_by_expert, stacked_experts
 from h3gen.kernels.rmsnorm import rms_norm
 from h3gen.kernels.swiglu import swiglu
 from h3gen.linear import LinearFactory, LinearSpec, dense_linear
@@ -313,9 +313,10 @@ def _grouped(x: torch.Tensor, offsets: torch.Tensor, layers: list[nn.Module]) ->
     return grouped_gemm(x, offsets, [layer.weight for layer in layers])
 
 
-# Up to this many (token, expert) pairs a MoE layer with stacked experts routes on the device, one expert matrix
-# read per pair (decode batches); beyond, the tokens are grouped by expert (each expert read once).
-DEVICE_ROUTING_MAX_PAIRS = 256
+# Up to this many (token, expert) pairs a MoE layer with stacked experts runs one expert GEMV per pair (one or two
+# decoding sequences); beyond, pairs are grouped into blocks per expert (`stacked_experts`), so each expert's
+# matrix is read once per block instead of once per pair (at 32 sequences x top-6 that was 3x the bytes).
+DEVICE_ROUTING_MAX_PAIRS = 16
 
 
 class K3Router(nn.Module):
@@ -390,10 +391,15 @@ class K3MoE(nn.Module):
         return True
 
     def routed(self, h: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """`h` `[T, W]` -> `sum_k weights[:, k] E_{ids[:, k]}(h)` `[T, W]`: tokens grouped by expert, or, for
-        few tokens with stacked experts, each (token, expert) pair through `expert_gemv`."""
-        if self.stacked is not None and ids.numel() <= DEVICE_ROUTING_MAX_PAIRS:
-            return self._routed_on_device(h, weights, ids)
+        """`h` `[T, W]` -> `sum_k weights[:, k] E_{ids[:, k]}(h)` `[T, W]`: tokens grouped by expert (with stacked
+        experts on the device, `stacked_experts`), or, for few tokens with stacked experts, each (token, expert)
+        pair through `expert_gemv`."""
+        if self.stacked is not None:
+            if ids.numel() <= DEVICE_ROUTING_MAX_PAIRS:
+                return self._routed_on_device(h, weights, ids)
+            out = stacked_experts(h, *self.stacked, ids, lambda g, u: gated_activation(self.config, g, u),
+                                  swiglu=self.config.hidden_act != "situ")
+            return (out.view(*ids.shape, -1) * weights[..., None].to(out.dtype)).sum(dim=1)
         top_k = ids.shape[1]
         order, offsets = sort_by_expert(ids, len(self.experts))
         tokens = order // top_k
