@@ -313,10 +313,11 @@ def _grouped(x: torch.Tensor, offsets: torch.Tensor, layers: list[nn.Module]) ->
     return grouped_gemm(x, offsets, [layer.weight for layer in layers])
 
 
-# Up to this many (token, expert) pairs a MoE layer with stacked experts runs one expert GEMV per pair (one or two
-# decoding sequences); beyond, pairs are grouped into blocks per expert (`stacked_experts`), so each expert's
-# matrix is read once per block instead of once per pair (at 32 sequences x top-6 that was 3x the bytes).
-DEVICE_ROUTING_MAX_PAIRS = 16
+# Up to this many (token, expert) pairs a MoE layer with stacked experts runs one expert GEMV per pair (decode
+# batches of a few sequences); beyond, pairs are grouped into blocks per expert (`stacked_experts`), so each
+# expert's matrix is read once per block instead of once per pair. On the H200 (benchmarks/RESULTS.md) per-pair
+# GEMVs won at 8 sequences x top-6 (48 pairs), grouping at 32 x 6 (192 pairs).
+DEVICE_ROUTING_MAX_PAIRS = 64
 
 
 class K3Router(nn.Module):
