@@ -99,12 +99,13 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     if args.image is not None and not __import__("pathlib").Path(args.image).is_file():
         raise RequestError(f"--image {args.image} does not exist.", "image")
     planner = _planner(args.model, args.device, args.api_key)
+    show = (lambda text: print(text, end="", flush=True)) if args.stream else None
     try:
         result = planner.plan(args.prompt, image=args.image, max_tokens=args.max_tokens, seed=args.seed,
-                              temperature=args.temperature)
+                              temperature=args.temperature, on_text=show)
     except PlannerError as error:
         raise RequestError(str(error)) from None
-    print(result.planned)
+    print() if args.stream else print(result.planned)
     print(f"h3gen: planned by {result.backend} in {result.seconds:.1f} s"
           + (f", {result.tokens} tokens" if result.tokens is not None else ""), file=sys.stderr)
     return 0
@@ -352,6 +353,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--seed", type=int, default=None, help="sampling seed (default: random)")
     plan.add_argument("--temperature", type=float, default=None, help="sampling temperature (default 0.6)")
     plan.add_argument("--device", choices=("cuda", "cpu"), default=None, help="default: cuda if available")
+    plan.add_argument("--stream", action="store_true", help="print the text as it is written")
     plan.set_defaults(run=_cmd_plan)
     return parser
 

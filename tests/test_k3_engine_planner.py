@@ -145,6 +145,9 @@ def test_cli_plan_prints_the_planned_prompt(stub, capsys):
     assert main(["plan", "fail", "--model", stub]) == 2
     assert "HTTP 500" in capsys.readouterr().err
     assert main(["plan", "x", "--model", stub, "--image", "/no/such.png"]) == 2
+    capsys.readouterr()
+    assert main(["plan", "waves at dawn", "--model", stub, "--stream"]) == 0
+    assert capsys.readouterr().out.strip().endswith("): waves at dawn")
 
 
 def test_rest_plan_endpoint_and_plan_true_jobs(stub, h3_model, tmp_path):
@@ -225,3 +228,48 @@ def test_local_planner_reads_an_image_through_the_vision_tower(tiny_k3, tmp_path
     assert not torch.allclose(other, same)
     with pytest.raises(RequestError, match="cannot read the image"):
         planner.plan("x", image=b"not an image")
+
+
+def _events(body: str) -> list[tuple[str, dict]]:
+    """Server-sent events -> [(event, data)]."""
+    out = []
+    for block in body.strip().split("\n\n"):
+        fields = dict(line.split(": ", 1) for line in block.splitlines())
+        out.append((fields["event"], json.loads(fields["data"])))
+    return out
+
+
+def test_planned_text_streams_locally_and_over_rest(tiny_k3, stub, h3_model, tmp_path):
+    from fastapi.testclient import TestClient
+
+    from h3gen.server.app import create_app
+    from h3gen.server.engine import H3Engine
+    from h3gen.server.jobs import JobManager
+
+    planner = LocalPlanner.from_pretrained(tiny_k3, device="cpu")
+    pieces = []
+    result = planner.plan("waves on rocks", max_tokens=24, seed=5, on_text=pieces.append)
+    assert len(pieces) > 1 and "".join(pieces).strip() == result.planned  # the text came piece by piece
+    cancel = threading.Event()
+    cancel.set()
+    with pytest.raises(PlannerError, match="cancelled"):
+        planner.plan("waves on rocks", max_tokens=24, cancel=cancel)
+    assert not planner.engine.has_work()  # the cancelled request left the engine
+
+    engine = H3Engine(h3_model, device="cpu", planner=planner)
+    with TestClient(create_app(JobManager(engine, tmp_path / "results"), ui=False)) as http:
+        plain = http.post("/v1/prompts/plan", json={"prompt": "waves on rocks", "max_tokens": 24, "seed": 5})
+        streamed = http.post("/v1/prompts/plan", json={"prompt": "waves on rocks", "max_tokens": 24, "seed": 5,
+                                                       "stream": True})
+        assert streamed.status_code == 200 and streamed.headers["content-type"].startswith("text/event-stream")
+        events = _events(streamed.text)
+        assert [e for e, _ in events[:-1]] == ["delta"] * (len(events) - 1) and events[-1][0] == "done"
+        assert "".join(d["text"] for _, d in events[:-1]).strip() == events[-1][1]["planned_prompt"]
+        assert events[-1][1]["planned_prompt"] == plain.json()["planned_prompt"] == result.planned
+
+    remote = H3Engine(h3_model, device="cpu", planner=RemotePlanner(stub))
+    with TestClient(create_app(JobManager(remote, tmp_path / "results2"), ui=False)) as http:
+        events = _events(http.post("/v1/prompts/plan", json={"prompt": "a gong", "stream": True}).text)
+        assert [e for e, _ in events] == ["delta", "done"] and events[0][1]["text"].endswith(": a gong")
+        failed = http.post("/v1/prompts/plan", json={"prompt": "fail", "stream": True})  # fails before any text
+        assert failed.status_code == 424 and "HTTP 500" in failed.json()["detail"]

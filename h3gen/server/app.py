@@ -2,18 +2,20 @@
 `/metrics`, and the Gradio UI at `/ui`. Every bad request is a 4xx naming what was wrong; nothing a client sends reaches the engine
 unvalidated, and no failure of one job affects another."""
 
+import asyncio
 import json
 import logging
 import re
 import secrets
 import shutil
+import threading
 from contextlib import asynccontextmanager
 from pathlib import Path
 
 from fastapi import Depends, FastAPI, HTTPException, Query, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.encoders import jsonable_encoder
-from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse
+from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import ValidationError
 from starlette.datastructures import UploadFile
 
@@ -32,6 +34,67 @@ MAX_JSON_BYTES = 64 * 1024
 _MULTIPART_FIELDS = tuple(GenerationRequest.model_fields)
 _FILE_FIELDS = IMAGE_FIELDS + REFERENCE_FIELDS
 MAX_FILES = len(IMAGE_FIELDS) + MAX_REFERENCES + 1  # one more, so a 13th reference gets the count's own message
+
+
+def _plan_body(result) -> dict:
+    return {"prompt": result.prompt, "planned_prompt": result.planned, "backend": result.backend,
+            "tokens": result.tokens, "seconds": result.seconds}
+
+
+def _sse(event: str, data: dict) -> str:
+    return f"event: {event}\ndata: {json.dumps(data)}\n\n"
+
+
+async def _plan_events(planner, prompt: str, options: dict, staging):
+    """Run `planner.plan` in a worker thread and answer with server-sent events (`delta`, then `done` or `error`).
+    Errors before any text (a bad field, an unreadable image, no backend) are answered as plain JSON errors instead;
+    a client that goes away cancels the planning. `staging` (the upload folder) is removed when the plan ends."""
+    loop = asyncio.get_running_loop()
+    queue: asyncio.Queue = asyncio.Queue()
+    cancel = threading.Event()
+
+    def put(item):
+        loop.call_soon_threadsafe(queue.put_nowait, item)
+
+    def work():
+        try:
+            put(("done", planner.plan(prompt, on_text=lambda text: put(("delta", text)), cancel=cancel, **options)))
+        except Exception as error:  # noqa: BLE001 - every failure becomes an answer, never a dead stream
+            put(("error", error))
+        finally:
+            if staging is not None:
+                shutil.rmtree(staging, ignore_errors=True)
+
+    worker = loop.run_in_executor(None, work)
+    first = await queue.get()
+    if first[0] == "error":
+        await worker
+        error = first[1]
+        if isinstance(error, RequestError):
+            return _field_error(error.field or "body", str(error))
+        if isinstance(error, PlannerError):
+            return JSONResponse({"detail": str(error)}, status_code=424)
+        raise error
+
+    async def events():
+        item = first
+        try:
+            while True:
+                kind, value = item
+                if kind == "delta":
+                    yield _sse("delta", {"text": value})
+                elif kind == "done":
+                    yield _sse("done", _plan_body(value))
+                    return
+                else:
+                    status = 422 if isinstance(value, RequestError) else 424 if isinstance(value, PlannerError) else 500
+                    yield _sse("error", {"detail": str(value), "status": status})
+                    return
+                item = await queue.get()
+        finally:
+            cancel.set()  # no-op when the plan is done; stops it when the client left
+
+    return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
 
 async def _json_object(request: Request) -> dict | JSONResponse:
@@ -208,7 +271,9 @@ def create_app(manager: JobManager, *, api_key: str | None = None, max_upload_by
                 shutil.rmtree(staging, ignore_errors=True)
 
     @app.post("/v1/prompts/plan", response_model=PlanResponse, dependencies=auth,
-              responses={409: {"description": "the server has no planner"}, 413: {"description": "too large"},
+              responses={200: {"description": "the planned prompt; with `stream: true` server-sent events",
+                               "content": {"text/event-stream": {"schema": {"type": "string"}}}},
+                         409: {"description": "the server has no planner"}, 413: {"description": "too large"},
                          415: {"description": "unsupported body"}, 422: {"description": "invalid field"},
                          424: {"description": "the planner backend failed"}})
     async def plan_prompt(request: Request):
@@ -243,10 +308,12 @@ def create_app(manager: JobManager, *, api_key: str | None = None, max_upload_by
             if planner is None:
                 raise HTTPException(409, "this server has no prompt planner; start it with --planner tiny|<K3 "
                                          "folder>|<OpenAI-compatible base URL>")
-            result = await run_in_threadpool(planner.plan, plan.prompt, image=image, max_tokens=plan.max_tokens,
-                                             seed=plan.seed, temperature=plan.temperature)
-            return {"prompt": result.prompt, "planned_prompt": result.planned, "backend": result.backend,
-                    "tokens": result.tokens, "seconds": result.seconds}
+            options = dict(image=image, max_tokens=plan.max_tokens, seed=plan.seed, temperature=plan.temperature)
+            if plan.stream:
+                response = await _plan_events(planner, plan.prompt, options, staging)
+                staging = None  # the stream removes it when it ends
+                return response
+            return _plan_body(await run_in_threadpool(planner.plan, plan.prompt, **options))
         except RequestError as error:
             return _field_error(error.field or "body", str(error))
         except PlannerError as error:

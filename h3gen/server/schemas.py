@@ -47,6 +47,8 @@ class PlanRequest(BaseModel):
     max_tokens: int = Field(512, ge=1, le=4096, description="Most tokens the planner may write.")
     seed: int | None = Field(None, ge=0, le=2**63 - 1, description="Sampling seed; random when omitted.")
     temperature: float | None = Field(None, ge=0.0, le=2.0, description="Sampling temperature (planner default).")
+    stream: bool = Field(False, description="Answer as server-sent events: `delta` events with the text as it is "
+                                            "written, then one `done` event holding the PlanResponse (or `error`).")
 
 
 class PlanResponse(BaseModel):

@@ -1,7 +1,8 @@
 """The prompt planner: a short user prompt (and optionally an image) -> an H3 prompt that describes the picture,
 the motion and the sound of one clip.
 
-Two backends with one method, `plan(prompt, image=None, max_tokens=None, seed=None) -> PlannedPrompt`:
+Two backends with one method, `plan(prompt, image=None, max_tokens=None, seed=None, on_text=None, cancel=None)
+-> PlannedPrompt` (`on_text(delta)` receives the text as it is written; a set `cancel` event stops it):
 - `LocalPlanner`: a K3 model served by `K3Engine` in this process (continuous batching across concurrent calls,
   the system prompt stays in the prefix cache);
 - `RemotePlanner`: any OpenAI-compatible `/chat/completions` endpoint (`base_url`, e.g. `http://host:8000/v1`).
@@ -148,7 +149,10 @@ class LocalPlanner:
             raise RequestError(f"cannot read the image: {error}", "image") from None
 
     def plan(self, prompt: str, image=None, max_tokens: int | None = None, seed: int | None = None,
-             temperature: float | None = None) -> PlannedPrompt:
+             temperature: float | None = None, on_text=None, cancel: threading.Event | None = None) -> PlannedPrompt:
+        """Plan `prompt` (and `image`). `on_text(delta)` is called with each new piece of text as the engine writes
+        it (the pieces add up to the raw text; the result's `planned` is it stripped). Setting `cancel` aborts the
+        request and raises `PlannerError`."""
         from h3gen.pipelines.k3.engine import SamplingParams
         from h3gen.pipelines.k3.engine.engine import FINISHED
 
@@ -162,13 +166,23 @@ class LocalPlanner:
         with self._lock:
             images = self.process_image(image) if image is not None else None
             request = self.engine.add_request(self.prompt_ids(prompt, images), params, images=images)
+        shown = 0
         while True:  # whoever holds the lock steps the engine for every caller
             with self._lock:
+                if cancel is not None and cancel.is_set():
+                    self.engine.abort(request)
+                    raise PlannerError("the planning was cancelled.")
                 if request.status == FINISHED:
                     break
                 self.engine.step()
+                visible = request.text[: request.sent]  # the engine holds back a possible stop string's start
+            if on_text is not None and len(visible) > shown:
+                on_text(visible[shown:])
+                shown = len(visible)
         if request.error:
             raise PlannerError(f"the planner failed: {request.error}")
+        if on_text is not None and len(request.text) > shown:
+            on_text(request.text[shown:])
         return _finish(prompt, request.text, self.backend, len(request.output_ids), started)
 
 
@@ -200,8 +214,12 @@ class RemotePlanner:
         return body
 
     def plan(self, prompt: str, image=None, max_tokens: int | None = None, seed: int | None = None,
-             temperature: float | None = None) -> PlannedPrompt:
+             temperature: float | None = None, on_text=None, cancel: threading.Event | None = None) -> PlannedPrompt:
+        """Plan through the remote endpoint (one request, not streamed: `on_text` receives the whole text at once;
+        `cancel` is checked before the request is sent)."""
         max_tokens = _check(prompt, max_tokens)
+        if cancel is not None and cancel.is_set():
+            raise PlannerError("the planning was cancelled.")
         started = time.perf_counter()
         data = json.dumps(self.body(prompt, image, max_tokens, seed, temperature)).encode()
         headers = {"Content-Type": "application/json"}
@@ -225,7 +243,10 @@ class RemotePlanner:
         if not isinstance(text, str):
             raise PlannerError(f"the planner at {url} answered a non-text message.")
         tokens = (answer.get("usage") or {}).get("completion_tokens")
-        return _finish(prompt, text, self.backend, tokens, started)
+        result = _finish(prompt, text, self.backend, tokens, started)
+        if on_text is not None:
+            on_text(text)
+        return result
 
 
 def _data_url(image) -> str:
