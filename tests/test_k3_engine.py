@@ -40,13 +40,23 @@ FAMILIES = {
     "kda": lambda: _small_config(["kda", "kda", "kda"]),
     # The tiny K3: KDA + gated MLA, LatentMoE with SiTU, block Attention Residuals.
     "hybrid": lambda: dataclasses.replace(K3Config.from_dict(tiny_config()), experts_mxfp4=False),
+    # The same with its routed experts in MXFP4, as K3 ships them (see `_model`).
+    "hybrid-mxfp4": lambda: dataclasses.replace(K3Config.from_dict(tiny_config()), experts_mxfp4=False),
 }
 _MODELS = {}
 
 
 def _model(family: str) -> K3ForCausalLM:
     if family not in _MODELS:
-        _MODELS[family] = randomize(K3ForCausalLM(FAMILIES[family]()), seed=3).eval()
+        model = randomize(K3ForCausalLM(FAMILIES[family]()), seed=3).eval()
+        if family.endswith("mxfp4"):  # quantize the routed experts
+            from h3gen.pipelines.k3.model import K3Expert
+            from h3gen.quant.mxfp4 import MXFP4Linear
+
+            for expert in [m for m in model.modules() if isinstance(m, K3Expert)]:
+                for name in ("w1", "w2", "w3"):
+                    setattr(expert, name, MXFP4Linear.from_linear(getattr(expert, name)))
+        _MODELS[family] = model
     return _MODELS[family]
 
 
@@ -67,7 +77,7 @@ def _engine(model, **kwargs):
 
 
 @pytest.mark.parametrize("static_decode", [False, True], ids=["eager", "static-decode"])
-@pytest.mark.parametrize("family", ["mla", "kda", "hybrid"])
+@pytest.mark.parametrize("family", ["mla", "kda", "hybrid", "hybrid-mxfp4"])
 def test_batched_greedy_generation_equals_one_at_a_time_fp32(family, static_decode):
     """`static_decode`: the decode steps run through the CUDA-graph path (static buffers, stacked experts, padded
     batches), eagerly on the CPU."""
@@ -96,6 +106,14 @@ def test_batched_greedy_generation_equals_one_at_a_time_fp32(family, static_deco
     assert usage["slots_used"] == scratch * engine.pool.uses_slots
     if static_decode:  # every decode step took the static path, at batch sizes that needed padding too
         assert sum(calls) == engine.stats["decode_tokens"] and {3, 5, 6} & set(calls)
+        moes = [m for m in model.modules() if hasattr(m, "stack_experts")]
+        stacked = [m.stacked_mxfp4 if family.endswith("mxfp4") else m.stacked for m in moes]
+        assert moes and all(s is not None for s in stacked)  # the experts were picked on the device
+    if family.endswith("mxfp4"):  # captured only on request until measured on a GPU
+        from h3gen.pipelines.k3.engine.graphs import capture_blocker
+
+        assert "cuda_graphs=True" in capture_blocker(model, 16, True, measured_only=True)
+        assert capture_blocker(model, 16, True) is None
 
 
 @pytest.mark.parametrize("family", ["mla", "kda", "hybrid"])

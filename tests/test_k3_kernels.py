@@ -148,3 +148,18 @@ def test_grouped_expert_gemm_matches_per_expert_reference(tokens, experts, top_k
     assert sorted(placed.tolist()) == list(range(pairs.numel()))
     block_of = torch.nonzero(rows.view(-1, 16) >= 0)[:, 0]
     assert torch.equal(block_expert[block_of], pairs[placed])
+
+
+@pytest.mark.parametrize("rows,experts,n,k", [(1, 3, 37, 64), (6, 5, 20, 40), (4, 2, 48, 300)])
+def test_mxfp4_expert_gemv_matches_reference(rows, experts, n, k):
+    from h3gen.quant.mxfp4 import quantize
+
+    g = torch.Generator(device=DEVICE).manual_seed(rows * n + k)
+    weights = [torch.randn(n, k, generator=g, device=DEVICE) for _ in range(experts)]
+    packed, scales = (torch.stack(parts) for parts in zip(*(quantize(w) for w in weights)))
+    x = torch.randn(rows, k, generator=g, device=DEVICE)
+    ids = torch.randint(0, experts, (rows,), generator=g, device=DEVICE)
+    expected = moe_ref.expert_gemv_mxfp4(x, packed, scales, ids)
+    got = moe_triton.expert_gemv_mxfp4(x, packed, scales, ids)
+    assert got.shape == (rows, n)
+    assert _err(got, expected) <= 1e-5

@@ -30,6 +30,15 @@ def expert_gemv(x, weight, ids):
     return reference.expert_gemv(x, weight, ids)
 
 
+def expert_gemv_mxfp4(x, packed, scales, ids):
+    """`expert_gemv` for MXFP4 experts: `packed` `[E, N, Kp / 2]`, `scales` `[E, N, Kp / 32]` -> `[P, N]`."""
+    if use_triton(x):
+        from h3gen.kernels.moe import triton as fast
+
+        return fast.expert_gemv_mxfp4(x, packed, scales, ids)
+    return reference.expert_gemv_mxfp4(x, packed, scales, ids)
+
+
 def stacked_experts(h, up_gate, down, ids, activation, swiglu: bool):
     """`h` `[T, W]` through the experts `ids` `[T, k]` picks (stacked `up_gate` `[E, 2I, W]`, `down` `[E, W, I]`) ->
     `[T * k, W]` in pair order. On CUDA with `swiglu` (the activation is silu(gate) * up) the Triton grouped GEMMs
@@ -45,4 +54,4 @@ def stacked_experts(h, up_gate, down, ids, activation, swiglu: bool):
     return reference.stacked_experts(h, up_gate, down, ids, activation)
 
 
-__all__ = ["expert_gemv", "grouped_gemm", "grouped_mxfp4_gemm", "route_topk", "sort_by_expert", "stacked_experts"]
+__all__ = ["expert_gemv", "expert_gemv_mxfp4", "grouped_gemm", "grouped_mxfp4_gemm", "route_topk", "sort_by_expert", "stacked_experts"]

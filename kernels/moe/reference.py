@@ -81,3 +81,14 @@ def stacked_experts(h: torch.Tensor, up_gate: torch.Tensor, down: torch.Tensor, 
     both = grouped_gemm(h[order // top_k], offsets, list(up_gate))
     out = grouped_gemm(activation(both[:, inter:], both[:, :inter]), offsets, list(down))
     return torch.empty_like(out).index_copy_(0, order, out)
+
+
+def expert_gemv_mxfp4(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """`expert_gemv` with MXFP4 experts: `packed` `[E, N, Kp / 2]` uint8, `scales` `[E, N, Kp / 32]` uint8 (`Kp`
+    the input width padded to 32, `x` `[P, K]` with K <= Kp) -> `[P, N]` in x.dtype, float32 math."""
+    out = x.new_empty(x.shape[0], packed.shape[1])
+    for row in range(x.shape[0]):
+        expert = int(ids[row])
+        weight = dequantize(packed[expert], scales[expert], torch.float32, in_features=x.shape[-1])
+        out[row] = (weight @ x[row].float()).to(x.dtype)
+    return out

@@ -6,6 +6,7 @@ import triton
 import triton.language as tl
 
 from h3gen.kernels._dispatch import next_power_of_2
+from h3gen.kernels.mxfp4_gemm.triton import _weight_tile
 
 
 @triton.jit
@@ -171,4 +172,40 @@ def grouped_expert_gemm(x: torch.Tensor, weight: torch.Tensor, rows: torch.Tenso
                                weight.stride(1), out.stride(0), row_divisor, BLOCK_M=block_m, BLOCK_N=block_n,
                                BLOCK_K=block_k, SWIGLU=swiglu, IEEE=x.dtype == torch.float32,
                                num_warps=num_warps, num_stages=num_stages)
+    return out
+
+
+@triton.jit
+def _expert_gemv_mxfp4_kernel(x_ptr, packed_ptr, scale_ptr, ids_ptr, out_ptr, N, K, stride_pe, stride_pn, stride_se,
+                              stride_sn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    expert = tl.load(ids_ptr + row).to(tl.int64)
+    packed = packed_ptr + expert * stride_pe
+    scales = scale_ptr + expert * stride_se
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        low, high = _weight_tile(packed, scales, offs_n, n_ok, k0, K, stride_pn, stride_sn, tl.float32, BLOCK_N,
+                                 BLOCK_K)  # the even and odd input elements' weights, [BLOCK_N, BLOCK_K / 2]
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(x_ptr + row * K + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
+        x_even, x_odd = tl.split(tl.reshape(x, (BLOCK_K // 2, 2)))
+        acc += tl.sum(low * x_even[None, :], axis=1) + tl.sum(high * x_odd[None, :], axis=1)
+    tl.store(out_ptr + row * N + offs_n, acc.to(out_ptr.dtype.element_ty), mask=n_ok)
+
+
+def expert_gemv_mxfp4(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, ids: torch.Tensor,
+                      block_n: int = 16, block_k: int = 256, num_warps: int = 4) -> torch.Tensor:
+    """See `reference.expert_gemv_mxfp4`: each row's expert is decoded from its packed bytes inside the kernel."""
+    x = x.contiguous()
+    rows, k = x.shape
+    n = packed.shape[1]
+    out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
+    if rows == 0:
+        return out
+    block_k = min(block_k, max(32, next_power_of_2(k)))
+    _expert_gemv_mxfp4_kernel[(rows, triton.cdiv(n, block_n))](
+        x, packed, scales, ids.contiguous(), out, n, k, packed.stride(0), packed.stride(1), scales.stride(0),
+        scales.stride(1), BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps)
     return out

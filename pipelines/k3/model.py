@@ -13,7 +13,8 @@ import torch.nn.functional as F
 
 from h3gen.kernels.kda import kda_chunked, kda_decode, kda_gate, l2_normalize, short_conv
 from h3gen.kernels.mla_decode import mla_decode
-from h3gen.kernels.moe import expert_gemv, grouped_gemm, grouped_mxfp4_gemm, route_topk, sort_by_expert, stacked_experts
+from h3gen.kernels.moe import (expert_gemv, expert_gemv_mxfp4, grouped_gemm, grouped_mxfp4_gemm, route_topk,
+                               sort_by_expert, stacked_experts)
 from h3gen.kernels.rmsnorm import rms_norm
 from h3gen.kernels.swiglu import swiglu
 from h3gen.linear import LinearFactory, LinearSpec, dense_linear
@@ -318,6 +319,9 @@ def _grouped(x: torch.Tensor, offsets: torch.Tensor, layers: list[nn.Module]) ->
 # expert's matrix is read once per block instead of once per pair. On the H200 (benchmarks/RESULTS.md) per-pair
 # GEMVs won at 8 sequences x top-6 (48 pairs), grouping at 32 x 6 (192 pairs).
 DEVICE_ROUTING_MAX_PAIRS = 64
+# MXFP4 experts have no grouped device kernel: decode batches of up to this many pairs go per pair (a whole CUDA
+# graph needs that), larger (prefill) batches through the per-expert loop.
+MXFP4_DEVICE_ROUTING_MAX_PAIRS = 512
 
 
 class K3Router(nn.Module):
@@ -364,37 +368,53 @@ class K3MoE(nn.Module):
             self.shared_experts = K3MLP(config, d, config.moe_intermediate_size * config.num_shared_experts, linear,
                                         "ffn")
         self.stacked: tuple[torch.Tensor, torch.Tensor] | None = None  # (up_gate [E, 2I, W], down [E, W, I])
+        # MXFP4 experts stacked: ((packed, scales) of up_gate, (packed, scales) of down)
+        self.stacked_mxfp4: tuple | None = None
 
     @torch.no_grad()
     def stack_experts(self) -> bool:
-        """Move the dense experts' weights into two stacked tensors, `up_gate` `[E, 2I, W]` (w3 over w1) and `down`
-        `[E, W, I]`, and point each expert's parameters at its views of them (state-dict keys and values do not
-        change; do it after moving the model to its device). Few-token batches then pick their experts on the
-        device (`expert_gemv`), with no host synchronisation. Returns False, changing nothing, for MXFP4 experts."""
-        if self.stacked is not None:
+        """Move the experts' weights into stacked tensors and point each expert's tensors at its views of them
+        (state-dict keys and values do not change; do it after moving the model to its device): dense experts
+        into `up_gate` `[E, 2I, W]` (w3 over w1) and `down` `[E, W, I]`; MXFP4 experts' packed bytes and scales
+        the same way (`stacked_mxfp4`). Few-token batches then pick their experts on the device (`expert_gemv`,
+        `expert_gemv_mxfp4`), with no host synchronisation. Returns False, changing nothing, for other layers."""
+        if self.stacked is not None or self.stacked_mxfp4 is not None:
             return True
         layers = [layer for expert in self.experts for layer in (expert.w1, expert.w3, expert.w2)]
-        if any(not isinstance(getattr(layer, "weight", None), torch.Tensor) or hasattr(layer, "weight_packed")
-               for layer in layers):
+        if all(hasattr(layer, "weight_packed") for layer in layers):
+            names = ("weight_packed", "weight_scale")
+        elif all(isinstance(getattr(layer, "weight", None), torch.Tensor) and not hasattr(layer, "weight_packed")
+                 for layer in layers):
+            names = ("weight",)
+        else:
             return False
-        first = self.experts[0]
-        inter, width = first.w1.weight.shape
-        up_gate = first.w1.weight.new_empty(len(self.experts), 2 * inter, width)
-        down = first.w2.weight.new_empty(len(self.experts), width, inter)
-        for e, expert in enumerate(self.experts):
-            up_gate[e, :inter].copy_(expert.w3.weight)
-            up_gate[e, inter:].copy_(expert.w1.weight)
-            down[e].copy_(expert.w2.weight)
-            expert.w3.weight.data = up_gate[e, :inter]
-            expert.w1.weight.data = up_gate[e, inter:]
-            expert.w2.weight.data = down[e]
-        self.stacked = (up_gate, down)
+        stacks = []
+        for name in names:
+            first = self.experts[0]
+            inter = getattr(first.w1, name).shape[0]
+            up_gate = getattr(first.w1, name).new_empty(len(self.experts), 2 * inter, getattr(first.w1, name).shape[1])
+            down = getattr(first.w2, name).new_empty(len(self.experts), *getattr(first.w2, name).shape)
+            for e, expert in enumerate(self.experts):
+                for layer, view in ((expert.w3, up_gate[e, :inter]), (expert.w1, up_gate[e, inter:]),
+                                    (expert.w2, down[e])):
+                    view.copy_(getattr(layer, name))
+                    if name == "weight":
+                        layer.weight.data = view
+                    else:
+                        setattr(layer, name, view)  # a buffer: re-registered as the view
+            stacks.append((up_gate, down))
+        if names == ("weight",):
+            self.stacked = stacks[0]
+        else:  # ((packed up_gate, packed down), (scales up_gate, scales down))
+            self.stacked_mxfp4 = tuple(zip(*stacks))
         return True
 
     def routed(self, h: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """`h` `[T, W]` -> `sum_k weights[:, k] E_{ids[:, k]}(h)` `[T, W]`: tokens grouped by expert (with stacked
         experts on the device, `stacked_experts`), or, for few tokens with stacked experts, each (token, expert)
         pair through `expert_gemv`."""
+        if self.stacked_mxfp4 is not None and ids.numel() <= MXFP4_DEVICE_ROUTING_MAX_PAIRS:
+            return self._routed_on_device(h, weights, ids)
         if self.stacked is not None:
             if ids.numel() <= DEVICE_ROUTING_MAX_PAIRS:
                 return self._routed_on_device(h, weights, ids)
@@ -413,15 +433,25 @@ class K3MoE(nn.Module):
 
     def _routed_on_device(self, h: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         tokens, top_k = ids.shape
-        up_gate, down = self.stacked
-        inter = down.shape[-1]
         pairs = ids.reshape(-1)
-        both = expert_gemv(h.repeat_interleave(top_k, dim=0), up_gate, pairs)  # [T * k, 2I]: [up; gate]
+        rows = h.repeat_interleave(top_k, dim=0)
+        if self.stacked_mxfp4 is not None:
+            (packed_up_gate, scales_up_gate), (packed_down, scales_down) = self.stacked_mxfp4
+            compute = self.experts[0].w1.compute_dtype
+            both = expert_gemv_mxfp4(rows.to(compute), packed_up_gate, scales_up_gate, pairs)
+            inter = both.shape[-1] // 2
+        else:
+            up_gate, down = self.stacked
+            inter = down.shape[-1]
+            both = expert_gemv(rows, up_gate, pairs)  # [T * k, 2I]: [up; gate]
         if self.config.hidden_act == "situ":
             act = gated_activation(self.config, both[:, inter:], both[:, :inter])
         else:
             act = swiglu(both)
-        out = expert_gemv(act, down, pairs)
+        if self.stacked_mxfp4 is not None:
+            out = expert_gemv_mxfp4(act, packed_down, scales_down, pairs)
+        else:
+            out = expert_gemv(act, down, pairs)
         out = out.to(h.dtype).view(tokens, top_k, -1) * weights[..., None].to(h.dtype)
         return out.sum(dim=1)
 
