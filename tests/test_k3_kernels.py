@@ -1,165 +1,153 @@
-"""The K3 decode kernels against their torch references: on the CPU under TRITON_INTERPRET=1, on a GPU natively.
-Odd sizes (heads below the head block, ragged lengths ending mid-page, strided pool views)."""
-
-import os
+"""K3 kernels against their references: KDA against fla-core's naive functions, the paged MLA decode against
+plain attention over expanded keys, MoE routing against transformers' Kimi-Linear router, the grouped MXFP4 GEMM
+against dequantized weights."""
 
 import pytest
 import torch
+import torch.nn.functional as F
 
-ON_GPU = torch.cuda.is_available()
-if not ON_GPU:
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # must be set before the kernels are defined
-
-from h3gen.kernels.mla_decode import reference as mla_ref  # noqa: E402
-from h3gen.kernels.mla_decode import triton as mla_triton  # noqa: E402
-from h3gen.kernels.moe import reference as moe_ref  # noqa: E402
-from h3gen.kernels.moe import triton as moe_triton  # noqa: E402
-
-DEVICE = "cuda" if ON_GPU else "cpu"
+from h3gen.kernels.kda import kda_chunked, kda_gate, kda_recurrent, short_conv
+from h3gen.kernels.mla_decode import mla_decode
+from h3gen.kernels.moe import grouped_gemm, grouped_mxfp4_gemm, route_topk, sort_by_expert
+from h3gen.quant.mxfp4 import dequantize, quantize
+from k3_reference import fla_gate, fla_naive, kimi_linear_torch, max_rel_error
 
 
-def _err(actual, expected):
-    actual, expected = actual.double(), expected.double()
-    return ((actual - expected).norm() / expected.norm()).item()
+def _kda_inputs(b, t, h, dk, dv, seed, lower_bound=-5.0):
+    gen = torch.Generator().manual_seed(seed)
+    q = F.normalize(torch.randn(b, t, h, dk, generator=gen), dim=-1)
+    k = F.normalize(torch.randn(b, t, h, dk, generator=gen), dim=-1)
+    v = torch.randn(b, t, h, dv, generator=gen)
+    g = lower_bound * torch.sigmoid(torch.randn(b, t, h, dk, generator=gen))
+    beta = torch.rand(b, t, h, generator=gen)
+    state = torch.randn(b, h, dk, dv, generator=gen)
+    return q, k, v, g, beta, state
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("rows,experts,n,k", [(1, 4, 37, 300), (7, 9, 64, 96), (12, 3, 130, 17)])
-def test_expert_gemv_matches_reference(rows, experts, n, k, dtype):
-    g = torch.Generator(device=DEVICE).manual_seed(rows * 31 + n)
-    x = torch.randn(rows, k, generator=g, device=DEVICE).to(dtype)
-    weight = torch.randn(experts, n, k, generator=g, device=DEVICE).to(dtype)
-    ids = torch.randint(0, experts, (rows,), generator=g, device=DEVICE)
-    got = moe_triton.expert_gemv(x, weight, ids)
-    expected = moe_ref.expert_gemv(x.float(), weight.float(), ids)
-    assert got.shape == (rows, n) and got.dtype == dtype
-    assert _err(got, expected) <= (1e-5 if dtype == torch.float32 else 2e-3)
-    # Equal to running each row through its expert's matrix.
-    row = 0 if rows == 1 else rows // 2
-    direct = x[row].float() @ weight[ids[row]].float().t()
-    assert _err(got[row], direct) <= (1e-5 if dtype == torch.float32 else 2e-3)
+@pytest.mark.parametrize("b,t,h,dk,dv", [(1, 1, 1, 8, 8), (2, 37, 3, 16, 12), (1, 130, 2, 32, 16)])
+def test_kda_recurrent_matches_fla_naive_recurrent(b, t, h, dk, dv):
+    q, k, v, g, beta, state = _kda_inputs(b, t, h, dk, dv, seed=t)
+    ref_o, ref_s = fla_naive().naive_recurrent_kda(q, k, v, g, beta, scale=dk ** -0.5, initial_state=state,
+                                                   output_final_state=True)
+    o, s = kda_recurrent(q, k, v, g, beta, dk ** -0.5, state)
+    assert max_rel_error(o, ref_o) < 1e-5 and max_rel_error(s, ref_s) < 1e-5
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16 if ON_GPU else torch.float16])
-@pytest.mark.parametrize("page", [16, 64])
-@pytest.mark.parametrize("heads,rank,rope", [(5, 32, 8), (16, 64, 16), (20, 48, 8)])
-def test_paged_mla_decode_matches_reference(page, heads, rank, rope, dtype):
-    g = torch.Generator(device=DEVICE).manual_seed(heads + rank + page)
-    dim = rank + rope
-    lengths = [1, page, 3 * page + 5]
-    max_pages = max(-(-n // page) for n in lengths) + 1
-    layers = 2  # the pool interleaves MLA layers: the kernel reads a strided view of one of them
-    pool = torch.randn(40, layers, page, dim, generator=g, device=DEVICE).to(dtype)
-    kv_pages = pool[:, 1]
-    order = torch.randperm(40, generator=torch.Generator().manual_seed(page))
-    table = torch.zeros(len(lengths), max_pages, dtype=torch.int32, device=DEVICE)
+@pytest.mark.parametrize("b,t,h,dk,dv,chunk", [(2, 64, 2, 16, 16, 64), (1, 128, 3, 8, 24, 64), (2, 48, 1, 16, 8, 16)])
+def test_kda_chunked_matches_fla_naive_chunk(b, t, h, dk, dv, chunk):
+    q, k, v, g, beta, state = _kda_inputs(b, t, h, dk, dv, seed=t + 1)
+    ref_o, ref_s = fla_naive().naive_chunk_kda(q, k, v, g, beta, scale=dk ** -0.5, initial_state=state,
+                                               output_final_state=True, chunk_size=chunk)
+    o, s = kda_chunked(q, k, v, g, beta, dk ** -0.5, state, chunk_size=chunk)
+    assert max_rel_error(o, ref_o) < 1e-5 and max_rel_error(s, ref_s) < 1e-5
+
+
+@pytest.mark.parametrize("t,split", [(1, 0), (37, 20), (99, 64), (70, 3)])
+def test_kda_chunked_odd_lengths_and_carried_state_match_fla_recurrent(t, split):
+    # Odd lengths (the chunked form pads the tail) and the state handed from one call to the next.
+    q, k, v, g, beta, state = _kda_inputs(2, t, 2, 16, 12, seed=t + split)
+    ref_o, ref_s = fla_naive().naive_recurrent_kda(q, k, v, g, beta, scale=0.25, initial_state=state,
+                                                   output_final_state=True)
+    first = kda_chunked(q[:, :split], k[:, :split], v[:, :split], g[:, :split], beta[:, :split], 0.25, state)
+    second = kda_chunked(q[:, split:], k[:, split:], v[:, split:], g[:, split:], beta[:, split:], 0.25, first[1])
+    assert max_rel_error(torch.cat([first[0], second[0]], dim=1), ref_o) < 1e-5
+    assert max_rel_error(second[1], ref_s) < 1e-5
+
+
+def test_kda_long_chunk_with_strong_decay_stays_finite():
+    # Cumulative log decay reaches -5 * 64 = -320 inside a chunk: e^-320 underflows float32, the result must not.
+    q, k, v, g, beta, _ = _kda_inputs(1, 128, 2, 16, 16, seed=3, lower_bound=-5.0)
+    g = torch.full_like(g, -4.99)
+    ref_o, ref_s = fla_naive().naive_recurrent_kda(q, k, v, g, beta, scale=0.25, output_final_state=True)
+    o, s = kda_chunked(q, k, v, g, beta, 0.25)
+    assert torch.isfinite(o).all() and max_rel_error(o, ref_o) < 1e-5 and max_rel_error(s, ref_s) < 1e-5
+
+
+@pytest.mark.parametrize("lower_bound", [None, -5.0])
+def test_kda_gate_matches_fla(lower_bound):
+    gen = torch.Generator().manual_seed(0)
+    f = torch.randn(2, 7, 3, 16, generator=gen) * 3
+    a_log = torch.empty(3).uniform_(1, 16, generator=gen).log()
+    dt_bias = torch.randn(48, generator=gen)
+    if lower_bound is None:
+        ref = fla_gate().naive_kda_gate(f, a_log, dt_bias)
+    else:
+        ref = fla_gate().naive_kda_lowerbound_gate(f, a_log, dt_bias, lower_bound=lower_bound)
+    assert max_rel_error(kda_gate(f, a_log, dt_bias, lower_bound), ref) < 1e-6
+
+
+def test_short_conv_matches_transformers_and_carries_state():
+    modeling = kimi_linear_torch()
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(2, 13, 10, generator=gen)
+    weight = torch.randn(10, 4, generator=gen)
+    ref = modeling.causal_conv1d_fn(x.transpose(1, 2), weight, activation="silu").transpose(1, 2)
+    whole, _ = short_conv(x, weight)
+    assert max_rel_error(whole, ref) < 1e-6
+    first, state = short_conv(x[:, :2], weight)  # shorter than the window
+    second, state = short_conv(x[:, 2:9], weight, state)
+    parts = [first, second]
+    for i in range(9, 13):  # one token at a time, as in decode
+        out, state = short_conv(x[:, i:i + 1], weight, state)
+        parts.append(out)
+    assert max_rel_error(torch.cat(parts, dim=1), ref) < 1e-6
+
+
+@pytest.mark.parametrize("page_size,lengths", [(4, [9, 1]), (16, [33, 17]), (1, [5, 3])])
+def test_mla_decode_paged_matches_expanded_attention(page_size, lengths):
+    gen = torch.Generator().manual_seed(page_size)
+    heads, rank, rope = 3, 16, 8
+    batch = len(lengths)
+    pages_per_seq = [-(-n // page_size) for n in lengths]
+    total = sum(pages_per_seq) + 2
+    pool = torch.randn(total, page_size, rank + rope, generator=gen)
+    perm = torch.randperm(total, generator=gen)  # pages scattered through the pool
+    table = torch.zeros(batch, max(pages_per_seq), dtype=torch.int32)
     used = 0
-    for b, n in enumerate(lengths):
-        count = -(-n // page)
-        table[b, :count] = order[used : used + count].to(torch.int32)
+    for b, count in enumerate(pages_per_seq):
+        table[b, :count] = perm[used:used + count].int()
         used += count
-    seq_lens = torch.tensor(lengths, dtype=torch.int32, device=DEVICE)
-    q = torch.randn(len(lengths), heads, dim, generator=g, device=DEVICE)
-    scale = dim ** -0.5
-    expected = mla_ref.mla_decode(q, kv_pages, table, seq_lens, scale, rank)
-    got = mla_triton.mla_decode(q, kv_pages, table, seq_lens, scale, rank)
-    assert got.shape == (len(lengths), heads, rank)
-    # A half-precision cache rounds the query to its dtype for the products.
-    assert _err(got, expected) <= {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}[dtype]
-    masked = mla_ref.mla_decode_masked(q, kv_pages, table, seq_lens, scale, rank)
-    assert _err(masked, expected) <= 1e-5
+    q = torch.randn(batch, heads, rank + rope, generator=gen)
+    out = mla_decode(q, pool, table, torch.tensor(lengths), 0.3, rank)
+    for b, n in enumerate(lengths):
+        rows = pool[table[b, : pages_per_seq[b]].long()].reshape(-1, rank + rope)[:n].double()
+        probs = torch.softmax(0.3 * q[b].double() @ rows.t(), dim=-1)
+        assert max_rel_error(out[b], probs @ rows[:, :rank]) < 1e-6
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("heads,dim,width,lower_bound", [(3, 16, 4, None), (2, 32, 3, -5.0), (5, 8, 4, -5.0)])
-def test_fused_kda_decode_matches_reference(heads, dim, width, lower_bound, dtype):
-    from h3gen.kernels.kda import reference as kda_ref
-    from h3gen.kernels.kda import triton as kda_triton
+@pytest.mark.parametrize("experts,top_k,groups,topk_groups", [(8, 2, 1, 1), (12, 3, 4, 2)])
+def test_route_topk_matches_transformers_router(experts, top_k, groups, topk_groups):
+    modeling = kimi_linear_torch()
+    from transformers import KimiLinearConfig
 
-    g = torch.Generator(device=DEVICE).manual_seed(heads * dim + width)
-    batch, hd = 2, heads * dim
-
-    def rand(*shape, scale=1.0):
-        return (torch.randn(*shape, generator=g, device=DEVICE) * scale).to(dtype)
-
-    # q, k, v, b as column slices of one fused projection (as the model passes them), f and gate on their own.
-    fused = rand(batch, 3 * hd + heads + 5)
-    q, k, v, b = fused[:, :hd], fused[:, hd : 2 * hd], fused[:, 2 * hd : 3 * hd], fused[:, 3 * hd : 3 * hd + heads]
-    f, gate = rand(batch, hd), rand(batch, hd)
-    conv_weights = [torch.randn(hd, 1, width, generator=g, device=DEVICE) * 0.5 for _ in range(3)]
-    a_log = torch.rand(heads, generator=g, device=DEVICE) * 2.0
-    dt_bias = torch.randn(hd, generator=g, device=DEVICE) * 0.5
-    norm_weight = (1.0 + 0.1 * torch.randn(dim, generator=g, device=DEVICE)).to(dtype)
-    # States as the pool holds them: views into per-sequence rows that hold other layers' states too.
-    rows = torch.randn(batch, 3, (width - 1) * 3 * hd + heads * dim * dim, generator=g, device=DEVICE)
-    conv_state = rows[:, 1, : (width - 1) * 3 * hd].view(batch, width - 1, 3 * hd)
-    state = rows[:, 1, (width - 1) * 3 * hd :].view(batch, heads, dim, dim)
-    expected_conv, expected_state = conv_state.clone(), state.clone()
-    args = (f, a_log, dt_bias, lower_bound, b, gate, norm_weight, 1e-5)
-    expected = kda_ref.kda_decode(q, k, v, conv_weights, expected_conv, *args, expected_state, dim ** -0.5)
-    untouched = rows[:, 0].clone()
-    got = kda_triton.kda_decode(q, k, v, conv_weights, conv_state, *args, state, dim ** -0.5)
-    tolerance = 1e-5 if dtype == torch.float32 else 3e-3
-    assert got.shape == (batch, hd) and got.dtype == dtype
-    assert _err(got, expected) <= tolerance
-    assert _err(state, expected_state) <= 1e-5 and torch.equal(conv_state, expected_conv)
-    assert torch.equal(rows[:, 0], untouched)  # the neighbouring layer's state is left alone
+    config = KimiLinearConfig(hidden_size=24, num_local_experts=experts, num_experts_per_tok=top_k, n_group=groups,
+                              topk_group=topk_groups, routed_scaling_factor=2.446, pad_token_id=0,
+                              bos_token_id=1, eos_token_id=2, vocab_size=10)
+    router = modeling.KimiLinearTopkRouter(config)
+    gen = torch.Generator().manual_seed(experts)
+    with torch.no_grad():
+        router.weight.copy_(torch.randn(experts, 24, generator=gen))
+        router.e_score_correction_bias.copy_(torch.randn(experts, generator=gen) * 0.1)
+    x = torch.randn(20, 24, generator=gen)
+    logits, ref_w, ref_ids = router(x)
+    w, ids = route_topk(logits, router.e_score_correction_bias, top_k, groups, topk_groups, True, 2.446)
+    order_ref, order = ref_ids.sort(dim=-1), ids.sort(dim=-1)
+    assert torch.equal(order_ref.values, order.values)
+    assert max_rel_error(w.gather(1, order.indices), ref_w.gather(1, order_ref.indices)) < 1e-6
 
 
-@pytest.mark.parametrize("tokens,experts,top_k,bias,renormalize", [(1, 64, 6, True, True), (5, 37, 3, False, True),
-                                                                    (9, 8, 2, True, False)])
-def test_route_topk_matches_reference(tokens, experts, top_k, bias, renormalize):
-    g = torch.Generator(device=DEVICE).manual_seed(tokens * experts)
-    logits = torch.randn(tokens, experts, generator=g, device=DEVICE)
-    correction = torch.randn(experts, generator=g, device=DEVICE) * 0.1 if bias else None
-    expected_w, expected_ids = moe_ref.route_topk(logits, correction, top_k, renormalize=renormalize, scaling=2.5)
-    got_w, got_ids = moe_triton.route_topk(logits, correction, top_k, renormalize, 2.5)
-    assert torch.equal(got_ids, expected_ids)
-    assert _err(got_w, expected_w) <= 1e-6
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("tokens,experts,top_k,inter,width",
-                         [(37, 5, 2, 24, 40), (3, 9, 3, 16, 33), (70, 4, 1, 20, 16)])
-def test_grouped_expert_gemm_matches_per_expert_reference(tokens, experts, top_k, inter, width, dtype):
-    """The prefill MoE path: pairs grouped into expert blocks on the device, [up; gate] GEMM with SwiGLU fused, then
-    the down GEMM, against the per-expert grouped reference."""
-    g = torch.Generator(device=DEVICE).manual_seed(tokens + experts)
-    h = torch.randn(tokens, width, generator=g, device=DEVICE).to(dtype)
-    up_gate = (torch.randn(experts, 2 * inter, width, generator=g, device=DEVICE) / width ** 0.5).to(dtype)
-    down = (torch.randn(experts, width, inter, generator=g, device=DEVICE) / inter ** 0.5).to(dtype)
-    ids = torch.randint(0, experts - 1, (tokens, top_k), generator=g, device=DEVICE)  # the last expert gets none
-    pairs = ids.reshape(-1)
-    rows, block_expert = moe_triton.moe_blocks(pairs, experts, 16)
-    act = moe_triton.grouped_expert_gemm(h, up_gate, rows, block_expert, pairs.numel(), top_k, swiglu=True,
-                                         block_m=16, block_n=16, block_k=16)
-    out = moe_triton.grouped_expert_gemm(act, down, rows, block_expert, pairs.numel(), 1, block_m=16, block_n=16,
-                                         block_k=16)
-    order, offsets = moe_ref.sort_by_expert(ids, experts)
-    inputs = h.float()[order // top_k]
-    both = moe_ref.grouped_gemm(inputs, offsets, list(up_gate.float()))
-    expected_act = both[:, :inter] * torch.nn.functional.silu(both[:, inter:])
-    expected = moe_ref.grouped_gemm(expected_act, offsets, list(down.float()))
-    tolerance = 1e-5 if dtype == torch.float32 else 3e-3
-    assert _err(act[order], expected_act) <= tolerance
-    assert _err(out[order], expected) <= tolerance
-    # Every pair sits in exactly one block of its own expert.
-    placed = rows[rows >= 0]
-    assert sorted(placed.tolist()) == list(range(pairs.numel()))
-    block_of = torch.nonzero(rows.view(-1, 16) >= 0)[:, 0]
-    assert torch.equal(block_expert[block_of], pairs[placed])
-
-
-@pytest.mark.parametrize("rows,experts,n,k", [(1, 3, 37, 64), (6, 5, 20, 40), (4, 2, 48, 300)])
-def test_mxfp4_expert_gemv_matches_reference(rows, experts, n, k):
-    from h3gen.quant.mxfp4 import quantize
-
-    g = torch.Generator(device=DEVICE).manual_seed(rows * n + k)
-    weights = [torch.randn(n, k, generator=g, device=DEVICE) for _ in range(experts)]
-    packed, scales = (torch.stack(parts) for parts in zip(*(quantize(w) for w in weights)))
-    x = torch.randn(rows, k, generator=g, device=DEVICE)
-    ids = torch.randint(0, experts, (rows,), generator=g, device=DEVICE)
-    expected = moe_ref.expert_gemv_mxfp4(x, packed, scales, ids)
-    got = moe_triton.expert_gemv_mxfp4(x, packed, scales, ids)
-    assert got.shape == (rows, n)
-    assert _err(got, expected) <= 1e-5
+def test_grouped_mxfp4_gemm_matches_dequantized_weights():
+    gen = torch.Generator().manual_seed(5)
+    experts, k, n = 4, 40, 24  # K not a multiple of 32: padded blocks
+    weights = [torch.randn(n, k, generator=gen) for _ in range(experts)]
+    quantized = [quantize(w) for w in weights]
+    ids = torch.randint(0, experts, (9, 2), generator=gen)
+    order, offsets = sort_by_expert(ids, experts)
+    assert torch.equal(ids.reshape(-1)[order], ids.reshape(-1).sort(stable=True).values)
+    x = torch.randn(order.numel(), k, generator=gen)
+    out = grouped_mxfp4_gemm(x, offsets, [p for p, _ in quantized], [s for _, s in quantized])
+    dense = grouped_gemm(x, offsets, [dequantize(p, s, in_features=k) for p, s in quantized])
+    assert max_rel_error(out, dense) < 1e-6
+    expert_of_row = ids.reshape(-1)[order]
+    expected = torch.stack([x[i] @ dequantize(*quantized[e], in_features=k).t() for i, e in enumerate(expert_of_row)])
+    assert max_rel_error(out, expected) < 1e-5

@@ -1,0 +1,167 @@
+"""The K3 Triton kernels (paged MLA decode, fused KDA decode, RMSNorm, top-k routing, expert GEMVs dense and MXFP4,
+grouped expert GEMM) against their torch references: on the CPU under TRITON_INTERPRET=1, on a GPU natively. Odd
+sizes (heads below the head block, ragged lengths ending mid-page, strided pool views). The references themselves
+are checked against fla-core and transformers in test_k3_kernels.py."""
+
+import os
+
+import pytest
+import torch
+
+ON_GPU = torch.cuda.is_available()
+if not ON_GPU:
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # must be set before the kernels are defined
+
+from h3gen.kernels.mla_decode import reference as mla_ref  # noqa: E402
+from h3gen.kernels.mla_decode import triton as mla_triton  # noqa: E402
+from h3gen.kernels.moe import reference as moe_ref  # noqa: E402
+from h3gen.kernels.moe import triton as moe_triton  # noqa: E402
+
+DEVICE = "cuda" if ON_GPU else "cpu"
+
+
+def _err(actual, expected):
+    actual, expected = actual.double(), expected.double()
+    return ((actual - expected).norm() / expected.norm()).item()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("rows,experts,n,k", [(1, 4, 37, 300), (7, 9, 64, 96), (12, 3, 130, 17)])
+def test_expert_gemv_matches_reference(rows, experts, n, k, dtype):
+    g = torch.Generator(device=DEVICE).manual_seed(rows * 31 + n)
+    x = torch.randn(rows, k, generator=g, device=DEVICE).to(dtype)
+    weight = torch.randn(experts, n, k, generator=g, device=DEVICE).to(dtype)
+    ids = torch.randint(0, experts, (rows,), generator=g, device=DEVICE)
+    got = moe_triton.expert_gemv(x, weight, ids)
+    expected = moe_ref.expert_gemv(x.float(), weight.float(), ids)
+    assert got.shape == (rows, n) and got.dtype == dtype
+    assert _err(got, expected) <= (1e-5 if dtype == torch.float32 else 2e-3)
+    # Equal to running each row through its expert's matrix.
+    row = 0 if rows == 1 else rows // 2
+    direct = x[row].float() @ weight[ids[row]].float().t()
+    assert _err(got[row], direct) <= (1e-5 if dtype == torch.float32 else 2e-3)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16 if ON_GPU else torch.float16])
+@pytest.mark.parametrize("page", [16, 64])
+@pytest.mark.parametrize("heads,rank,rope", [(5, 32, 8), (16, 64, 16), (20, 48, 8)])
+def test_paged_mla_decode_matches_reference(page, heads, rank, rope, dtype):
+    g = torch.Generator(device=DEVICE).manual_seed(heads + rank + page)
+    dim = rank + rope
+    lengths = [1, page, 3 * page + 5]
+    max_pages = max(-(-n // page) for n in lengths) + 1
+    layers = 2  # the pool interleaves MLA layers: the kernel reads a strided view of one of them
+    pool = torch.randn(40, layers, page, dim, generator=g, device=DEVICE).to(dtype)
+    kv_pages = pool[:, 1]
+    order = torch.randperm(40, generator=torch.Generator().manual_seed(page))
+    table = torch.zeros(len(lengths), max_pages, dtype=torch.int32, device=DEVICE)
+    used = 0
+    for b, n in enumerate(lengths):
+        count = -(-n // page)
+        table[b, :count] = order[used : used + count].to(torch.int32)
+        used += count
+    seq_lens = torch.tensor(lengths, dtype=torch.int32, device=DEVICE)
+    q = torch.randn(len(lengths), heads, dim, generator=g, device=DEVICE)
+    scale = dim ** -0.5
+    expected = mla_ref.mla_decode(q, kv_pages, table, seq_lens, scale, rank)
+    got = mla_triton.mla_decode(q, kv_pages, table, seq_lens, scale, rank)
+    assert got.shape == (len(lengths), heads, rank)
+    # A half-precision cache rounds the query to its dtype for the products.
+    assert _err(got, expected) <= {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}[dtype]
+    masked = mla_ref.mla_decode_masked(q, kv_pages, table, seq_lens, scale, rank)
+    assert _err(masked, expected) <= 1e-5
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("heads,dim,width,lower_bound", [(3, 16, 4, None), (2, 32, 3, -5.0), (5, 8, 4, -5.0)])
+def test_fused_kda_decode_matches_reference(heads, dim, width, lower_bound, dtype):
+    from h3gen.kernels.kda import reference as kda_ref
+    from h3gen.kernels.kda import triton as kda_triton
+
+    g = torch.Generator(device=DEVICE).manual_seed(heads * dim + width)
+    batch, hd = 2, heads * dim
+
+    def rand(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=g, device=DEVICE) * scale).to(dtype)
+
+    # q, k, v, b as column slices of one fused projection (as the model passes them), f and gate on their own.
+    fused = rand(batch, 3 * hd + heads + 5)
+    q, k, v, b = fused[:, :hd], fused[:, hd : 2 * hd], fused[:, 2 * hd : 3 * hd], fused[:, 3 * hd : 3 * hd + heads]
+    f, gate = rand(batch, hd), rand(batch, hd)
+    conv_weights = [torch.randn(hd, 1, width, generator=g, device=DEVICE) * 0.5 for _ in range(3)]
+    a_log = torch.rand(heads, generator=g, device=DEVICE) * 2.0
+    dt_bias = torch.randn(hd, generator=g, device=DEVICE) * 0.5
+    norm_weight = (1.0 + 0.1 * torch.randn(dim, generator=g, device=DEVICE)).to(dtype)
+    # States as the pool holds them: views into per-sequence rows that hold other layers' states too.
+    rows = torch.randn(batch, 3, (width - 1) * 3 * hd + heads * dim * dim, generator=g, device=DEVICE)
+    conv_state = rows[:, 1, : (width - 1) * 3 * hd].view(batch, width - 1, 3 * hd)
+    state = rows[:, 1, (width - 1) * 3 * hd :].view(batch, heads, dim, dim)
+    expected_conv, expected_state = conv_state.clone(), state.clone()
+    args = (f, a_log, dt_bias, lower_bound, b, gate, norm_weight, 1e-5)
+    expected = kda_ref.kda_decode(q, k, v, conv_weights, expected_conv, *args, expected_state, dim ** -0.5)
+    untouched = rows[:, 0].clone()
+    got = kda_triton.kda_decode(q, k, v, conv_weights, conv_state, *args, state, dim ** -0.5)
+    tolerance = 1e-5 if dtype == torch.float32 else 3e-3
+    assert got.shape == (batch, hd) and got.dtype == dtype
+    assert _err(got, expected) <= tolerance
+    assert _err(state, expected_state) <= 1e-5 and torch.equal(conv_state, expected_conv)
+    assert torch.equal(rows[:, 0], untouched)  # the neighbouring layer's state is left alone
+
+
+@pytest.mark.parametrize("tokens,experts,top_k,bias,renormalize", [(1, 64, 6, True, True), (5, 37, 3, False, True),
+                                                                    (9, 8, 2, True, False)])
+def test_route_topk_matches_reference(tokens, experts, top_k, bias, renormalize):
+    g = torch.Generator(device=DEVICE).manual_seed(tokens * experts)
+    logits = torch.randn(tokens, experts, generator=g, device=DEVICE)
+    correction = torch.randn(experts, generator=g, device=DEVICE) * 0.1 if bias else None
+    expected_w, expected_ids = moe_ref.route_topk(logits, correction, top_k, renormalize=renormalize, scaling=2.5)
+    got_w, got_ids = moe_triton.route_topk(logits, correction, top_k, renormalize, 2.5)
+    assert torch.equal(got_ids, expected_ids)
+    assert _err(got_w, expected_w) <= 1e-6
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("tokens,experts,top_k,inter,width",
+                         [(37, 5, 2, 24, 40), (3, 9, 3, 16, 33), (70, 4, 1, 20, 16)])
+def test_grouped_expert_gemm_matches_per_expert_reference(tokens, experts, top_k, inter, width, dtype):
+    """The prefill MoE path: pairs grouped into expert blocks on the device, [up; gate] GEMM with SwiGLU fused, then
+    the down GEMM, against the per-expert grouped reference."""
+    g = torch.Generator(device=DEVICE).manual_seed(tokens + experts)
+    h = torch.randn(tokens, width, generator=g, device=DEVICE).to(dtype)
+    up_gate = (torch.randn(experts, 2 * inter, width, generator=g, device=DEVICE) / width ** 0.5).to(dtype)
+    down = (torch.randn(experts, width, inter, generator=g, device=DEVICE) / inter ** 0.5).to(dtype)
+    ids = torch.randint(0, experts - 1, (tokens, top_k), generator=g, device=DEVICE)  # the last expert gets none
+    pairs = ids.reshape(-1)
+    rows, block_expert = moe_triton.moe_blocks(pairs, experts, 16)
+    act = moe_triton.grouped_expert_gemm(h, up_gate, rows, block_expert, pairs.numel(), top_k, swiglu=True,
+                                         block_m=16, block_n=16, block_k=16)
+    out = moe_triton.grouped_expert_gemm(act, down, rows, block_expert, pairs.numel(), 1, block_m=16, block_n=16,
+                                         block_k=16)
+    order, offsets = moe_ref.sort_by_expert(ids, experts)
+    inputs = h.float()[order // top_k]
+    both = moe_ref.grouped_gemm(inputs, offsets, list(up_gate.float()))
+    expected_act = both[:, :inter] * torch.nn.functional.silu(both[:, inter:])
+    expected = moe_ref.grouped_gemm(expected_act, offsets, list(down.float()))
+    tolerance = 1e-5 if dtype == torch.float32 else 3e-3
+    assert _err(act[order], expected_act) <= tolerance
+    assert _err(out[order], expected) <= tolerance
+    # Every pair sits in exactly one block of its own expert.
+    placed = rows[rows >= 0]
+    assert sorted(placed.tolist()) == list(range(pairs.numel()))
+    block_of = torch.nonzero(rows.view(-1, 16) >= 0)[:, 0]
+    assert torch.equal(block_expert[block_of], pairs[placed])
+
+
+@pytest.mark.parametrize("rows,experts,n,k", [(1, 3, 37, 64), (6, 5, 20, 40), (4, 2, 48, 300)])
+def test_mxfp4_expert_gemv_matches_reference(rows, experts, n, k):
+    from h3gen.quant.mxfp4 import quantize
+
+    g = torch.Generator(device=DEVICE).manual_seed(rows * n + k)
+    weights = [torch.randn(n, k, generator=g, device=DEVICE) for _ in range(experts)]
+    packed, scales = (torch.stack(parts) for parts in zip(*(quantize(w) for w in weights)))
+    x = torch.randn(rows, k, generator=g, device=DEVICE)
+    ids = torch.randint(0, experts, (rows,), generator=g, device=DEVICE)
+    expected = moe_ref.expert_gemv_mxfp4(x, packed, scales, ids)
+    got = moe_triton.expert_gemv_mxfp4(x, packed, scales, ids)
+    assert got.shape == (rows, n)
+    assert _err(got, expected) <= 1e-5
