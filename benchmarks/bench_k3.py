@@ -5,6 +5,7 @@ the same prompt, must give the same greedy tokens, and are timed the same way.
 
     python benchmarks/bench_k3.py                 # CUDA, mid-size config (bf16)
     python benchmarks/bench_k3.py --tiny          # CPU smoke run on a tiny config (fp32)
+    H3GEN_FLA=1 python benchmarks/bench_k3.py --check   # fla's KDA prefill kernel, checked against the reference
 """
 
 import argparse
@@ -167,15 +168,70 @@ def time_to_first_token(model, system_len, user_len, device, chunk) -> tuple[flo
     return cold, warm, engine.stats["cached_tokens"] - before
 
 
+def correctness_check(tiny: bool, device) -> None:
+    """Before timing: (1) the KDA chunk kernel in use (fla's with H3GEN_FLA=1) against the torch reference, and
+    (2) the engine (CUDA graphs and every fused kernel) against the model's own generate with every kernel on its
+    torch reference (H3GEN_TRITON=0): greedy tokens in float32 on 4 layers of the benchmark's config, b=1 and
+    b=3. Prints what it finds; a mismatch is reported, not raised, so the timings still come."""
+    import dataclasses
+    import os
+
+    from h3gen.kernels.kda import kda_chunked, kda_gate, l2_normalize
+    from h3gen.kernels.kda import reference as kda_reference
+
+    gen = torch.Generator(device=device).manual_seed(0)
+    b, t, h, k = 1, 300, 4, (16 if tiny else 128)
+    q = l2_normalize(torch.randn(b, t, h, k, generator=gen, device=device))
+    key = l2_normalize(torch.randn(b, t, h, k, generator=gen, device=device))
+    v = torch.randn(b, t, h, k, generator=gen, device=device)
+    g = kda_gate(torch.randn(b, t, h, k, generator=gen, device=device), torch.rand(h, device=device) * 2,
+                 torch.randn(h * k, generator=gen, device=device) * 0.5, -5.0)
+    beta = torch.rand(b, t, h, generator=gen, device=device)
+    state = torch.randn(b, h, k, k, generator=gen, device=device) * 0.1
+    expected = kda_reference.kda_chunked(q, key, v, g, beta, k ** -0.5, state)
+    got = kda_chunked(q, key, v, g, beta, k ** -0.5, state)
+    errors = [((x.double() - y.double()).norm() / y.double().norm()).item() for x, y in zip(got, expected)]
+    print(f"check: KDA chunk ({'fla' if os.environ.get('H3GEN_FLA') == '1' else 'torch'}) vs reference, relL2 "
+          f"output {errors[0]:.1e}, state {errors[1]:.1e}", flush=True)
+
+    config = dataclasses.replace(mid_config(tiny), num_hidden_layers=4, attention_types=["kda", "kda", "kda", "mla"],
+                                 ffn_types=["dense", "moe", "moe", "moe"])
+    with torch.device("meta"):
+        model = K3ForCausalLM(config)
+    model = randomize(model.to_empty(device=device), seed=0).float().eval()
+    asks = prompts(3, 100, config.vocab_size, seed=5)
+    asks[1] = asks[1][:37]
+    previous = os.environ.get("H3GEN_TRITON")
+    os.environ["H3GEN_TRITON"] = "0"
+    try:
+        expected = [model.generate(torch.tensor([p], device=device), 20)[0].tolist() for p in asks]
+    finally:
+        if previous is None:
+            del os.environ["H3GEN_TRITON"]
+        else:
+            os.environ["H3GEN_TRITON"] = previous
+    for batch in (1, 3):
+        engine = K3Engine(model, max_batch=batch, prefix_cache=False, page_size=16 if tiny else 64, chunk_size=64,
+                          max_context=512, cuda_graphs=True)
+        done = engine.generate(asks[:batch], SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True))
+        same = [r.output_ids == e for r, e in zip(done, expected)]
+        print(f"check: float32 engine b={batch} ({'CUDA graphs' if device.type == 'cuda' else 'static path'}) "
+              f"greedy tokens equal to the torch reference: {same}", flush=True)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tiny", action="store_true", help="tiny config on the CPU (a smoke run)")
     parser.add_argument("--steps", type=int, default=None, help="decode steps timed per batch size")
+    parser.add_argument("--check", action="store_true", help="check the kernels and the engine against the torch "
+                                                             "references first (float32, 4 layers)")
     args = parser.parse_args()
     device = torch.device("cpu" if args.tiny or not torch.cuda.is_available() else "cuda")
     if device.type == "cpu" and not args.tiny:
         print("no CUDA device: running the tiny config (use --tiny to ask for it)", file=sys.stderr)
         args.tiny = True
+    if args.check:
+        correctness_check(args.tiny, device)
     dtype = torch.float32 if args.tiny else torch.bfloat16
     if args.tiny:
         torch.set_num_threads(1)  # tiny matrices: more OpenMP threads only stall

@@ -7,9 +7,10 @@ batch size and replayed: a batch of n runs as the smallest captured size >= n, t
 scratch page and a scratch slot that the runner keeps for itself.
 
 Inside the forward nothing synchronises with the host: KDA states are gathered from the pool by device row
-indices and scattered back, MLA rows are written through the device block table, the paged MLA decode kernel reads
-lengths on the device, and MoE layers route with `expert_gemv` on stacked experts. On a CPU the same forward runs
-eagerly (no capture), which is how tests check it against the ordinary path.
+indices, updated in place by the fused decode op and scattered back, MLA rows are written through the device block
+table, the paged MLA decode kernel reads lengths on the device, and MoE layers route on the device over stacked
+experts (`expert_gemv` per pair, or blocks per expert for larger batches). On a CPU the same forward runs eagerly
+(no capture), which is how tests check it against the ordinary path; `bench_k3.py --check` checks it on a GPU.
 """
 
 import torch
