@@ -25,18 +25,23 @@ def _expert_gemv_kernel(x_ptr, w_ptr, ids_ptr, out_ptr, N, K, stride_we, stride_
     tl.store(out_ptr + row * N + cols, acc.to(out_ptr.dtype.element_ty), mask=cols < N)
 
 
+def _rows_and_output(x: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`x` made contiguous and the `[rows, n]` output in its dtype."""
+    x = x.contiguous()
+    return x, torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
+
+
 def expert_gemv(x: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor, block_n: int | None = None,
                 block_k: int | None = None, num_warps: int = 4) -> torch.Tensor:
     """See `reference.expert_gemv`: `x` `[P, K]`, `weight` `[E, N, K]` (inner axis contiguous), `ids` `[P]`.
 
     Default tiles: the whole K (up to 2048) in one step and 8 K of weights per program (H200 sweep,
     benchmarks/RESULTS.md: 4 x 2048 for K = 2048, 8 x 1024 for K = 768 were the fastest at 6 to 48 rows)."""
-    x = x.contiguous()
     if weight.stride(-1) != 1:
         weight = weight.contiguous()
+    x, out = _rows_and_output(x, weight.shape[1])
     rows, k = x.shape
-    n = weight.shape[1]
-    out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
+    n = out.shape[1]
     if rows == 0:
         return out
     block_k = block_k or min(2048, max(16, next_power_of_2(k)))
@@ -198,10 +203,9 @@ def _expert_gemv_mxfp4_kernel(x_ptr, packed_ptr, scale_ptr, ids_ptr, out_ptr, N,
 def expert_gemv_mxfp4(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, ids: torch.Tensor,
                       block_n: int = 16, block_k: int = 256, num_warps: int = 4) -> torch.Tensor:
     """See `reference.expert_gemv_mxfp4`: each row's expert is decoded from its packed bytes inside the kernel."""
-    x = x.contiguous()
+    x, out = _rows_and_output(x, packed.shape[1])
     rows, k = x.shape
-    n = packed.shape[1]
-    out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
+    n = out.shape[1]
     if rows == 0:
         return out
     block_k = min(block_k, max(32, next_power_of_2(k)))
