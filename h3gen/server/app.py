@@ -118,6 +118,30 @@ async def _multipart_form(request: Request, limit: int, *, max_files: int, max_f
     return await request.form(max_files=max_files, max_fields=max_fields, max_part_size=MAX_JSON_BYTES)
 
 
+async def _body_fields(request: Request, limit: int, *, max_files: int, max_fields: int, on_file,
+                       file_fields: tuple[str, ...] = ()) -> dict | JSONResponse:
+    """The fields of a JSON object body, or of a multipart body no larger than `limit` bytes whose files go to
+    `await on_file(key, upload)` (which returns a 422 to stop, or None); a text value under one of `file_fields` is
+    refused. A JSONResponse for a body that cannot be read; 415 for any other content type."""
+    content_type = request.headers.get("content-type", "").lower()
+    if content_type.startswith("application/json"):
+        return await _json_object(request)
+    if not content_type.startswith("multipart/form-data"):
+        raise HTTPException(415, "send application/json or multipart/form-data")
+    form = await _multipart_form(request, limit, max_files=max_files, max_fields=max_fields)
+    data = {}
+    for key, value in form.multi_items():
+        if isinstance(value, UploadFile):
+            refusal = await on_file(key, value)
+            if refusal is not None:
+                return refusal
+        elif key in file_fields:
+            return _field_error(key, f"{key} must be a file upload")
+        elif value != "":
+            data[key] = value
+    return data
+
+
 def _validated(schema, data: dict):
     """`schema` (a pydantic model) validated from `data`, or a 422 in FastAPI's own shape (locations under
     "body")."""
@@ -222,37 +246,28 @@ def create_app(manager: JobManager, *, api_key: str | None = None, max_upload_by
         """Validate a generation request (JSON, or multipart with `image` / `last_image` files, or with `ref_image` /
         `ref_video` / `ref_audio` files for ref2va, each repeatable: the order of the parts is the order of the
         references) and queue it."""
-        content_type = request.headers.get("content-type", "").lower()
         staging = None
+        uploads: dict[str, Path] = {}
+        references = 0
+
+        async def save(key: str, upload: UploadFile):
+            nonlocal staging, references
+            if key not in _FILE_FIELDS:
+                return _field_error(key, f"unexpected file field; files go in {', '.join(_FILE_FIELDS)}")
+            if key in uploads:
+                return _field_error(key, f"give {key} once")
+            name = key
+            if key in REFERENCE_FIELDS:
+                name, references = upload_name(key, references), references + 1
+            staging = staging or manager.staging_dir()
+            uploads[name] = await run_in_threadpool(_save_upload, upload, staging, name, max_upload_bytes, key)
+            return None
+
         try:
-            uploads: dict[str, Path] = {}
-            if content_type.startswith("application/json"):
-                data = await _json_object(request)
-                if isinstance(data, JSONResponse):
-                    return data
-            elif content_type.startswith("multipart/form-data"):
-                form = await _multipart_form(request, max_upload_bytes * MAX_FILES + MAX_JSON_BYTES,
-                                             max_files=MAX_FILES, max_fields=len(_MULTIPART_FIELDS) + 4)
-                data = {}
-                staging = manager.staging_dir()
-                references = 0
-                for key, value in form.multi_items():
-                    if isinstance(value, UploadFile):
-                        if key not in _FILE_FIELDS:
-                            return _field_error(key, f"unexpected file field; files go in {', '.join(_FILE_FIELDS)}")
-                        if key in uploads:
-                            return _field_error(key, f"give {key} once")
-                        name = key
-                        if key in REFERENCE_FIELDS:
-                            name, references = upload_name(key, references), references + 1
-                        uploads[name] = await run_in_threadpool(_save_upload, value, staging, name, max_upload_bytes,
-                                                                key)
-                    elif key in _FILE_FIELDS:
-                        return _field_error(key, f"{key} must be a file upload")
-                    elif value != "":
-                        data[key] = value
-            else:
-                raise HTTPException(415, "send application/json or multipart/form-data")
+            data = await _body_fields(request, max_upload_bytes * MAX_FILES + MAX_JSON_BYTES, max_files=MAX_FILES,
+                                      max_fields=len(_MULTIPART_FIELDS) + 4, on_file=save, file_fields=_FILE_FIELDS)
+            if isinstance(data, JSONResponse):
+                return data
             generation = _validated(GenerationRequest, data)
             if isinstance(generation, JSONResponse):
                 return generation
@@ -280,27 +295,21 @@ def create_app(manager: JobManager, *, api_key: str | None = None, max_upload_by
         """Turn a short idea into an H3 prompt (picture, motion, camera, sound, music, dialogue) with the server's
         planner. JSON `PlanRequest`, or multipart with its fields and an optional `image` file for a planner that
         reads images."""
-        content_type = request.headers.get("content-type", "").lower()
         staging, image = None, None
+
+        async def save(key: str, upload: UploadFile):
+            nonlocal staging, image
+            if key != "image":
+                return _field_error(key, "unexpected file field; the only file is image")
+            staging = manager.staging_dir()
+            image = await run_in_threadpool(_save_upload, upload, staging, "image", max_upload_bytes)
+            return None
+
         try:
-            if content_type.startswith("application/json"):
-                data = await _json_object(request)
-                if isinstance(data, JSONResponse):
-                    return data
-            elif content_type.startswith("multipart/form-data"):
-                form = await _multipart_form(request, max_upload_bytes + MAX_JSON_BYTES, max_files=1,
-                                             max_fields=len(PlanRequest.model_fields) + 1)
-                data = {}
-                for key, value in form.multi_items():
-                    if isinstance(value, UploadFile):
-                        if key != "image":
-                            return _field_error(key, "unexpected file field; the only file is image")
-                        staging = manager.staging_dir()
-                        image = await run_in_threadpool(_save_upload, value, staging, "image", max_upload_bytes)
-                    elif value != "":
-                        data[key] = value
-            else:
-                raise HTTPException(415, "send application/json or multipart/form-data")
+            data = await _body_fields(request, max_upload_bytes + MAX_JSON_BYTES, max_files=1,
+                                      max_fields=len(PlanRequest.model_fields) + 1, on_file=save)
+            if isinstance(data, JSONResponse):
+                return data
             plan = _validated(PlanRequest, data)
             if isinstance(plan, JSONResponse):
                 return plan
