@@ -22,7 +22,7 @@ from common import matmul_peak_tflops, print_table, rel_l2, time_cuda  # noqa: E
 
 from h3gen.linear import dense_linear  # noqa: E402
 from h3gen.pipelines.h3.packing import build_layout, row_timesteps  # noqa: E402
-from h3gen.pipelines.h3.tiers import fused_block_forward  # noqa: E402
+from h3gen.pipelines.h3.tiers import fast_block_forward, fused_block_forward  # noqa: E402
 from h3gen.pipelines.h3.transformer import H3RotaryPosEmbed, H3TransformerBlock, H3TransformerConfig  # noqa: E402
 
 CFG = H3TransformerConfig()  # released dims
@@ -139,15 +139,16 @@ def bench_rows(rows: int, reference, ours, fast, peak: float, device, repeat: in
         # "AdaLN precomputed": the block gets its request-wide AdaLN table (what the lossless and fast tiers do
         # in the pipeline: one batched projection per block per request), so no AdaLN GEMM runs per step.
         table = ours.adaln_proj.table(temb)
-        variants = [("ours lossless (cuDNN attention)", ours, "cudnn", False),
-                    ("ours lossless, AdaLN precomputed", ours, "cudnn", True),
-                    ("ours fast (fp8 GEMMs)", fast, "cudnn", False),
-                    ("ours fast, AdaLN precomputed", fast, "cudnn", True)]
+        # (label, block, forward, attention backend, AdaLN table precomputed)
+        variants = [("ours lossless (cuDNN attention)", ours, fused_block_forward, "cudnn", False),
+                    ("ours lossless, AdaLN precomputed", ours, fused_block_forward, "cudnn", True),
+                    ("ours fast, FP8 GEMMs + cuDNN", fast, fast_block_forward, "cudnn", True)]
         if fa3_available:
-            variants += [("ours lossless, FA3 attention", ours, "fa3", True),
-                         ("ours fast, FA3 FP8 attention", fast, "fa3-fp8", True)]
-        for label, model, backend, precomputed in variants:
-            model.fused_forward, model.attn.core.backend = fused_block_forward, backend
+            variants += [("ours lossless, FA3 attention", ours, fused_block_forward, "fa3", True),
+                         ("ours fast, FP8 + FA3 FP8, quantizing passes", fast, fused_block_forward, "fa3-fp8", True),
+                         ("ours fast, FP8 + FA3 FP8 (the tier)", fast, fast_block_forward, "fa3-fp8", True)]
+        for label, model, forward, backend, precomputed in variants:
+            model.fused_forward, model.attn.core.backend = forward, backend
             extra = {"modulation": table} if precomputed else {}
             results[label] = (timed(lambda h, *a, m=model, e=extra: m(h, *a, **e), x, args, repeat),
                               model(x.clone(), *args, **extra))

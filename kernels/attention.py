@@ -59,17 +59,37 @@ def fa3_available() -> bool:
     return _fa3() is not None
 
 
-def _quantize_per_head(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """`(B, S, H, D)` -> e4m3 values and `(B, H)` float32 descales (x ~= values * descale)."""
-    scale = x.abs().amax(dim=(1, 3)).float().clamp_min(1e-12) / 448.0
-    return (x / scale[:, None, :, None].to(x.dtype)).to(torch.float8_e4m3fn), scale
-
-
 def _fa3_fp8(query, key, value):
-    (q, sq), (k, sk), (v, sv) = (_quantize_per_head(t) for t in (query, key, value))
-    out = _fa3()(q, k, v, causal=False, q_descale=sq, k_descale=sk, v_descale=sv)
-    out = out[0] if isinstance(out, tuple) else out
-    return out.to(query.dtype)
+    from h3gen.kernels.fp8_quant import quantize_heads
+
+    return fp8_attention(*(quantize_heads(t) for t in (query, key, value)), out_dtype=query.dtype)
+
+
+def fp8_attention(query: tuple[torch.Tensor, torch.Tensor], key: tuple[torch.Tensor, torch.Tensor],
+                  value: tuple[torch.Tensor, torch.Tensor], out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """Attention over inputs already in e4m3 (the `fast` tier hands them over from its fused kernels).
+
+    Args:
+        query, key, value: each `(values, descale)`: `(B, S, H, D)` e4m3 and `(B, H)` float32, the input being
+            `values * descale` (FlashAttention-3's FP8 contract).
+        out_dtype: the output dtype (FlashAttention-3 writes bf16).
+    Returns:
+        `(B, S, H, D)` in `out_dtype`: FlashAttention-3 on a CUDA device where it is installed; elsewhere the
+        dequantized inputs through torch's SDPA in float32 (the reference, how tests run this path on the CPU).
+    """
+    (q, sq), (k, sk), (v, sv) = query, key, value
+    if q.is_cuda and _fa3() is not None:
+        out = _fa3()(q, k, v, causal=False, q_descale=sq, k_descale=sk, v_descale=sv)
+        out = out[0] if isinstance(out, tuple) else out
+        return out.to(out_dtype)
+    dense = [(t.float() * s[:, None, :, None]).transpose(1, 2) for t, s in ((q, sq), (k, sk), (v, sv))]
+    return F.scaled_dot_product_attention(*dense).transpose(1, 2).to(out_dtype)
+
+
+def takes_fp8_inputs(backend: str | None) -> bool:
+    """Whether attention with this backend (after the `H3GEN_ATTENTION_BACKEND` override) wants e4m3 inputs, so a
+    caller can hand them over through `fp8_attention` instead of quantizing bf16 q/k/v inside `attention`."""
+    return (os.environ.get("H3GEN_ATTENTION_BACKEND") or backend) == "fa3-fp8"
 
 
 def resolve_backend(backend: str | None, device: torch.device) -> str:

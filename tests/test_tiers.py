@@ -75,6 +75,22 @@ def test_fast_tier_is_close_and_irreversible():
         set_quality(fast, "exact")
 
 
+@pytest.mark.parametrize("triton", ["0", "1"])
+def test_fast_tier_hands_fp8_rows_and_heads_to_gemms_and_attention(triton, monkeypatch):
+    model = _model()
+    inputs = random_inputs(TINY_CONFIGS[2], seed=4, **INPUTS)
+    exact = _run(model, inputs)
+    set_quality(model, "fast")
+    monkeypatch.setenv("H3GEN_TRITON", triton)  # "1": the fused FP8 Triton kernels (in the interpreter on a CPU)
+    bf16_attention = _run(model, inputs)
+    for block in model.transformer_blocks:  # set_quality's choice where FlashAttention-3 is installed; here its
+        block.attn.core.backend = "fa3-fp8"  # torch reference (dequantized inputs) runs the same path
+    fp8_attention = _run(model, inputs)
+    for got, other, expected in zip(fp8_attention, bf16_attention, exact):
+        assert 1e-4 < max_rel_err(got, expected) < 0.3
+        assert 1e-4 < max_rel_err(got, other) < 0.3  # the FP8 attention path really ran
+
+
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     return tiny_checkpoint(cache_dir=tmp_path_factory.mktemp("cache"))

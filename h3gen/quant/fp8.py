@@ -5,7 +5,7 @@ the same quantized numbers are multiplied after dequantizing, so tests check the
 import torch
 import torch.nn as nn
 
-from h3gen.kernels.fp8_quant import quantize_rows
+from h3gen.kernels.fp8_quant import Fp8Rows, quantize_rows
 from h3gen.kernels.fp8_quant.reference import quantize_rows as quantize_rows_reference
 
 
@@ -21,10 +21,13 @@ class Fp8Linear(nn.Module):
         self.bias = linear.bias
         self.compute_dtype = linear.weight.dtype
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x `(..., in)` -> `(..., out)` in the layer's original dtype."""
-        rows = x.reshape(-1, self.in_features)
-        q, scale = quantize_rows(rows)
+    def forward(self, x: torch.Tensor | Fp8Rows) -> torch.Tensor:
+        """x `(..., in)`, quantized here per row, or already quantized as `Fp8Rows` (from a fused kernel) ->
+        `(..., out)` in the layer's original dtype."""
+        if not isinstance(x, Fp8Rows):
+            x = quantize_rows(x)  # keeps x's shape, one scale per row
+        q, scale = x.values.reshape(-1, self.in_features), x.scale
+        x = x.values
         if x.is_cuda:
             out = torch._scaled_mm(q, self.weight.t(), scale_a=scale, scale_b=self.weight_scale,
                                    out_dtype=self.compute_dtype, bias=self.bias)

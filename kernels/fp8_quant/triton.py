@@ -1,10 +1,21 @@
-"""Per-row FP8 quantization in one pass: each program reads its row once, finds the amax, writes e4m3 + scale."""
+"""FP8 (e4m3) quantization kernels: per row in one pass (each program reads its row once, finds the amax, writes
+e4m3 + scale) and per (batch, head) in two (partial amaxes, then the quantizing pass). `fp8_row` is the row
+quantizer the fused row kernels (norm + modulate, gated residual, SwiGLU) share."""
 
 import torch
 import triton
 import triton.language as tl
 
 from h3gen.kernels._dispatch import next_power_of_2
+from h3gen.kernels.fp8_quant.reference import FP8, FP8_MAX, Fp8Rows
+
+
+@triton.jit
+def fp8_row(y):
+    """A float32 row `y` (masked lanes zero) -> (`y / scale` saturated to +-448, still float32; the float32
+    scale amax / 448). The caller casts the first to e4m3 when storing."""
+    scale = tl.maximum(tl.max(tl.abs(y), axis=0), 1e-12) / 448.0
+    return tl.clamp(y / scale, -448.0, 448.0), scale
 
 
 @triton.jit
@@ -13,18 +24,77 @@ def _quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, width, BLOCK: tl.constexpr):
     cols = tl.arange(0, BLOCK)
     mask = cols < width
     x = tl.load(x_ptr + row * width + cols, mask=mask, other=0.0).to(tl.float32)
-    scale = tl.maximum(tl.max(tl.abs(x), axis=0), 1e-12) / 448.0
-    q = tl.clamp(x / scale, -448.0, 448.0)
+    q, scale = fp8_row(x)
     tl.store(q_ptr + row * width + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
     tl.store(scale_ptr + row, scale)
+
+
+def row_fp8_warps(block: int) -> int:
+    """Warps for a one-row-per-program FP8 kernel over `block` columns (registers for the whole row)."""
+    return 16 if block >= 8192 else 8
+
+
+def empty_rows(shape, rows: int, device) -> Fp8Rows:
+    """Uninitialised `Fp8Rows` for `rows` rows of the given shape."""
+    return Fp8Rows(torch.empty(shape, dtype=FP8, device=device),
+                   torch.empty((rows, 1), dtype=torch.float32, device=device))
 
 
 def quantize_rows(x):
     """Same contract as `reference.quantize_rows`."""
     x = x.contiguous()
-    rows, width = x.shape
-    q = torch.empty((rows, width), dtype=torch.float8_e4m3fn, device=x.device)
-    scale = torch.empty((rows, 1), dtype=torch.float32, device=x.device)
+    width = x.shape[-1]
+    rows = x.numel() // width
+    out = empty_rows(x.shape, rows, x.device)
     block = next_power_of_2(width)
-    _quantize_rows_kernel[(rows,)](x, q, scale, width, BLOCK=block, num_warps=16 if block >= 8192 else 8)
+    _quantize_rows_kernel[(rows,)](x, out.values, out.scale, width, BLOCK=block, num_warps=row_fp8_warps(block))
+    return out
+
+
+@triton.jit
+def _head_tile(seq_len, head_dim, stride_b, stride_s, stride_h, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+    """This program's `(BLOCK_S, BLOCK_D)` tile of one (batch, head) of a tensor with the given strides: offsets
+    and mask."""
+    b, block, h = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2).to(tl.int64)
+    s = (block * BLOCK_S + tl.arange(0, BLOCK_S)).to(tl.int64)[:, None]
+    d = tl.arange(0, BLOCK_D)[None, :]
+    return b * stride_b + s * stride_s + h * stride_h + d, (s < seq_len) & (d < head_dim)
+
+
+@triton.jit
+def _head_amax_kernel(x_ptr, partial_ptr, seq_len, heads, head_dim, stride_b, stride_s, stride_h,
+                      BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+    offsets, mask = _head_tile(seq_len, head_dim, stride_b, stride_s, stride_h, BLOCK_S, BLOCK_D)
+    x = tl.load(x_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+    b, block, h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    tl.store(partial_ptr + (b * tl.num_programs(1) + block) * heads + h, tl.max(tl.max(tl.abs(x), axis=1), axis=0))
+
+
+@triton.jit
+def _head_quantize_kernel(x_ptr, scale_ptr, q_ptr, seq_len, heads, head_dim, stride_b, stride_s, stride_h,
+                          BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+    offsets, mask = _head_tile(seq_len, head_dim, stride_b, stride_s, stride_h, BLOCK_S, BLOCK_D)
+    x = tl.load(x_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+    scale = tl.load(scale_ptr + tl.program_id(0) * heads + tl.program_id(2))
+    out_offsets, _ = _head_tile(seq_len, head_dim, seq_len * heads * head_dim, heads * head_dim, head_dim,
+                                BLOCK_S, BLOCK_D)
+    tl.store(q_ptr + out_offsets, tl.clamp(x / scale, -448.0, 448.0).to(q_ptr.dtype.element_ty), mask=mask)
+
+
+def quantize_heads(x, block_s: int = 64):
+    """Same contract as `reference.quantize_heads`; `x` may be any `(B, S, H, D)` view with unit channel stride,
+    the values come back contiguous."""
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    batch, seq_len, heads, head_dim = x.shape
+    grid = (batch, triton.cdiv(seq_len, block_s), heads)
+    strides = (x.stride(0), x.stride(1), x.stride(2))
+    dim_block = next_power_of_2(head_dim)
+    partial = torch.empty((batch, grid[1], heads), dtype=torch.float32, device=x.device)
+    _head_amax_kernel[grid](x, partial, seq_len, heads, head_dim, *strides, BLOCK_S=block_s, BLOCK_D=dim_block,
+                            num_warps=4)
+    scale = (partial.amax(dim=1).clamp_min(1e-12) / FP8_MAX).contiguous()
+    q = torch.empty(x.shape, dtype=FP8, device=x.device)
+    _head_quantize_kernel[grid](x, scale, q, seq_len, heads, head_dim, *strides, BLOCK_S=block_s,
+                                BLOCK_D=dim_block, num_warps=4)
     return q, scale

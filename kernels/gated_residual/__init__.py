@@ -14,11 +14,12 @@ def gated_residual(x, y, gate, index, out=None):
     return out.copy_(result) if out is not None else result
 
 
-def gated_residual_norm_modulate(x, y, gate, index, weight, shift, scale, eps, out=None):
-    """`(x_new, rmsnorm_modulate(x_new, weight, shift, scale, index, eps))` with `x_new = x + gate[index] * y`."""
+def gated_residual_norm_modulate(x, y, gate, index, weight, shift, scale, eps, out=None, fp8=False):
+    """`(x_new, rmsnorm_modulate(x_new, weight, shift, scale, index, eps, fp8=fp8))` with
+    `x_new = x + gate[index] * y`."""
     if use_triton(x):
         from h3gen.kernels.gated_residual import triton as fast
 
-        return fast.gated_residual_norm_modulate(x, y, gate, index, weight, shift, scale, eps, out=out)
-    x_new, modulated = reference.gated_residual_norm_modulate(x, y, gate, index, weight, shift, scale, eps)
+        return fast.gated_residual_norm_modulate(x, y, gate, index, weight, shift, scale, eps, out=out, fp8=fp8)
+    x_new, modulated = reference.gated_residual_norm_modulate(x, y, gate, index, weight, shift, scale, eps, fp8=fp8)
     return (out.copy_(x_new) if out is not None else x_new), modulated

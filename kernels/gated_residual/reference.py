@@ -10,8 +10,8 @@ def gated_residual(x: torch.Tensor, y: torch.Tensor, gate: torch.Tensor, index: 
     return x + gate.index_select(0, index) * y
 
 
-def gated_residual_norm_modulate(x, y, gate, index, weight, shift, scale, eps):
-    """`x_new = x + gate[index] * y` and `rmsnorm_modulate(x_new, ...)`: the residual update of one half-block
-    and the input of the next. Returns `(x_new, modulated)`."""
+def gated_residual_norm_modulate(x, y, gate, index, weight, shift, scale, eps, fp8=False):
+    """`x_new = x + gate[index] * y` and `rmsnorm_modulate(x_new, ..., fp8=fp8)`: the residual update of one
+    half-block and the input of the next. Returns `(x_new, modulated)`."""
     x_new = gated_residual(x, y, gate, index)
-    return x_new, rmsnorm_modulate(x_new, weight, shift, scale, index, eps)
+    return x_new, rmsnorm_modulate(x_new, weight, shift, scale, index, eps, fp8=fp8)

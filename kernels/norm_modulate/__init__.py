@@ -4,11 +4,12 @@ from h3gen.kernels._dispatch import use_triton
 from h3gen.kernels.norm_modulate import reference
 
 
-def rmsnorm_modulate(x, weight, shift, scale, index, eps):
-    """`rms_norm(x) * weight * (1 + scale[index]) + shift[index]`; x `(B, S, H)`, tables `(R, H)`, index `(S,)`.
-    Triton on CUDA (one pass, float32 math, one rounding), the torch reference elsewhere."""
+def rmsnorm_modulate(x, weight, shift, scale, index, eps, fp8=False):
+    """`rms_norm(x) * weight * (1 + scale[index]) + shift[index]`; x `(B, S, H)`, tables `(R, H)`, index `(S,)`;
+    `fp8=True` returns `Fp8Rows` (e4m3 per row) for an FP8 GEMM. Triton on CUDA (one pass, float32 math, one
+    rounding), the torch reference elsewhere."""
     if use_triton(x):
         from h3gen.kernels.norm_modulate import triton as fast
 
-        return fast.rmsnorm_modulate(x, weight, shift, scale, index, eps)
-    return reference.rmsnorm_modulate(x, weight, shift, scale, index, eps)
+        return fast.rmsnorm_modulate(x, weight, shift, scale, index, eps, fp8=fp8)
+    return reference.rmsnorm_modulate(x, weight, shift, scale, index, eps, fp8=fp8)

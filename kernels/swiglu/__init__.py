@@ -4,10 +4,11 @@ from h3gen.kernels._dispatch import use_triton
 from h3gen.kernels.swiglu import reference
 
 
-def swiglu(x):
-    """`(..., 2F)` -> `(..., F)`. Triton on CUDA (one pass, float32 math), the torch reference elsewhere."""
+def swiglu(x, fp8=False):
+    """`(..., 2F)` -> `(..., F)`, or `Fp8Rows` (e4m3 per row) with `fp8=True`. Triton on CUDA (one pass, float32
+    math), the torch reference elsewhere."""
     if use_triton(x):
         from h3gen.kernels.swiglu import triton as fast
 
-        return fast.swiglu(x)
-    return reference.swiglu(x)
+        return fast.swiglu(x, fp8=fp8)
+    return reference.swiglu(x, fp8=fp8)

@@ -4,12 +4,16 @@
 - `lossless` (default): the same math with fused kernels (`h3gen.kernels`): one pass for RMSNorm + modulation,
   q/k norm + RoPE, SwiGLU, and the gated residual fused with the next norm; bf16-level differences only.
 - `fast`: `lossless` plus FP8 (e4m3) GEMMs for the block's q/k/v/out and SwiGLU projections, per-row activation and
-  per-column weight scales (`h3gen.quant.fp8`), and FP8 attention where FlashAttention-3 is installed. An
-  approximation with measured error; the weights are quantized in place, so a model set to `fast` cannot go back.
+  per-column weight scales (`h3gen.quant.fp8`), and FP8 attention where FlashAttention-3 is installed; the fused
+  row kernels write their results in e4m3 directly, so no activation is quantized by a pass of its own except
+  the attention output and v. An approximation with measured error; the weights are quantized in place, so a
+  model set to `fast` cannot go back.
 """
 
 import torch
 
+from h3gen.kernels.attention import fp8_attention, takes_fp8_inputs
+from h3gen.kernels.fp8_quant import quantize_heads
 from h3gen.kernels.gated_residual import gated_residual, gated_residual_norm_modulate
 from h3gen.kernels.norm_modulate import rmsnorm_modulate
 from h3gen.kernels.qk_norm_rope import qk_norm_rope
@@ -38,6 +42,35 @@ def fused_block_forward(block, hidden_states: torch.Tensor, table: torch.Tensor,
     return gated_residual(hidden_states, ff, gate_mlp, adaln_indices, out=hidden_states)
 
 
+def fast_block_forward(block, hidden_states: torch.Tensor, table: torch.Tensor, adaln_indices: torch.Tensor,
+                       rotary_emb: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """`fused_block_forward` for a block whose GEMMs are `Fp8Linear`s: the norms and SwiGLU hand e4m3 rows with
+    their scales straight to the GEMMs and, when the attention backend takes FP8 inputs (FlashAttention-3's),
+    q/k norm + RoPE hands e4m3 heads straight to attention. The residual stream is updated in place."""
+    from h3gen.pipelines.h3.transformer import AttentionCore
+
+    shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = table.chunk(6, dim=-1)
+    attn = block.attn
+    normed = rmsnorm_modulate(hidden_states, block.norm1.weight, shift_msa, scale_msa, adaln_indices,
+                              block.norm1.eps, fp8=True)
+    query = attn.to_q(normed).unflatten(-1, (-1, attn.head_dim))
+    key = attn.to_k(normed).unflatten(-1, (-1, attn.head_dim))
+    value = attn.to_v(normed).unflatten(-1, (-1, attn.head_dim))
+    rope_args = (attn.norm_q.weight, attn.norm_k.weight, *rotary_emb, attn.norm_q.eps)
+    # A sequence-parallel core exchanges bf16 heads between ranks: only the plain core takes e4m3 directly.
+    if type(attn.core) is AttentionCore and takes_fp8_inputs(attn.core.backend):
+        query, key = qk_norm_rope(query, key, *rope_args, fp8=True)
+        out = fp8_attention(query, key, quantize_heads(value), out_dtype=hidden_states.dtype)
+    else:
+        out = attn.core(*qk_norm_rope(query, key, *rope_args), value)
+    out = attn.to_out[0](out.flatten(2, 3))
+    hidden_states, normed = gated_residual_norm_modulate(
+        hidden_states, out, gate_msa, adaln_indices, block.norm2.weight, shift_mlp, scale_mlp, block.norm2.eps,
+        out=hidden_states, fp8=True)
+    ff = block.ff.net[2](swiglu(block.ff.net[0].proj(normed), fp8=True))
+    return gated_residual(hidden_states, ff, gate_mlp, adaln_indices, out=hidden_states)
+
+
 def set_quality(transformer, tier: str) -> None:
     """Switch `transformer` (an `H3Transformer`) to a quality tier. `exact` <-> `lossless` is free and reversible;
     `fast` quantizes the block GEMM weights to FP8 in place."""
@@ -51,8 +84,9 @@ def set_quality(transformer, tier: str) -> None:
     # installed, else cuDNN on Hopper; our Triton attention measured slower, benchmarks/RESULTS.md); fast: FA3's
     # FP8 attention when installed.
     backend = {"exact": "sdpa", "lossless": "auto", "fast": "fa3-fp8" if fa3_available() else "auto"}[tier]
+    forward = {"exact": None, "lossless": fused_block_forward, "fast": fast_block_forward}[tier]
     for block in transformer.transformer_blocks:
-        block.fused_forward = None if tier == "exact" else fused_block_forward
+        block.fused_forward = forward
         block.attn.core.backend = backend
     if tier == "fast" and getattr(transformer, "quality", None) != "fast":
         from h3gen.quant.fp8 import quantize_block_linears
