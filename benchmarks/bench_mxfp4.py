@@ -9,6 +9,7 @@ bandwidth), speedup over bf16, error against the bf16 product of the dequantized
 
     python benchmarks/bench_mxfp4.py              # the table with the shipped dispatch
     python benchmarks/bench_mxfp4.py --sweep      # also try tile configurations per shape and M, print the best
+                                                  # (GPU time of graphed calls up to 256 rows)
 """
 
 import argparse
@@ -92,6 +93,17 @@ def small_m_configs(m):
                                split="auto", swap_ab=swap_ab)
 
 
+def scaled_configs(m):
+    """Tiles for the `tl.dot_scaled` path: the rows are the MMA's narrow side, so the row tile follows M."""
+    small = m <= 16
+    for block_m in (16,) if small else (32, 64) if m <= 256 else (64, 128):
+        for block_n in (32, 64, 128) if small else (64, 128):
+            for block_k in (128, 256, 512) if small else (128, 256):
+                yield dict(path="scaled", block_m=block_m, block_n=block_n, block_k=block_k,
+                           num_warps=4 if block_m * block_n <= 64 * 64 else 8, num_stages=3,
+                           split="auto" if m <= 256 else 1)
+
+
 LARGE_M_CONFIGS = [dict(block_m=bm, block_n=bn, block_k=bk, num_warps=w, num_stages=s, split=1, swap_ab=False)
                    for bm, bn, bk, w, s in [(64, 64, 128, 4, 4), (64, 128, 128, 4, 3), (128, 128, 64, 8, 3),
                                             (128, 128, 128, 8, 3), (256, 128, 64, 8, 3)]]
@@ -116,15 +128,18 @@ def sweep_dequantize(log):
 
 def run_config(x, packed, scales, config):
     config = dict(config)
-    if config.pop("path", "fused") == "gemv":
+    path = config.pop("path", "fused")
+    if path == "gemv":
         return mxfp4.gemv(x, packed, scales, **config)
     split = config.pop("split")
     if split == "auto":
         split = mxfp4.auto_split(packed.shape[0], x.shape[1], config["block_n"], config["block_k"])
+    if path == "scaled":
+        return mxfp4.scaled_matmul(x, packed, scales, split_k=split, **config)
     return mxfp4.fused_matmul(x, packed, scales, split_k=split, **config)
 
 
-def sweep(rows_list, log, budget_s):
+def sweep(rows_list, log, budget_s, paths=("gemv", "fused", "scaled")):
     """Best fused configuration per (shape, M) and the dequantize + cuBLAS time, against bf16; stops starting new
     shapes after `budget_s` seconds."""
     import time
@@ -139,20 +154,22 @@ def sweep(rows_list, log, budget_s):
         for m in rows_list:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             sets = [(x, p, s) for _, p, s in weights]
-            bf16_ms = time_rotating(lambda x, w: x @ w.t(), [(x, w) for w, _, _ in weights], repeat=3)
+            graph = m <= 256  # GPU time: at a few rows the host's launch cost would hide the kernels
+            bf16_ms = time_rotating(lambda x, w: x @ w.t(), [(x, w) for w, _, _ in weights], repeat=3, graph=graph)
             configs = list(small_m_configs(m)) if m <= 16 else LARGE_M_CONFIGS if m <= 1024 else []
+            configs = [c for c in configs + list(scaled_configs(m)) if c.get("path", "fused") in paths]
             results = []
             for config in configs:
                 try:
                     ms = time_rotating(lambda x, p, s, c=config: run_config(x, p, s, c), sets, repeat=3,
-                                       calls=None if m < 4096 else 3)
+                                       calls=None if m < 4096 else 3, graph=graph)
                 except Exception as error:  # out of shared memory and the like: skip the configuration
                     log.write(f"{k}x{n} M={m} {config}: {type(error).__name__}: {str(error)[:200]}\n")
                     continue
                 results.append((ms, config))
                 log.write(f"{k}x{n} M={m} {config}: {ms:.4f} ms (bf16 {bf16_ms:.4f})\n")
             dequant_ms = time_rotating(lambda x, p, s: mxfp4.mxfp4_matmul(x, p, s, path="dequant"), sets, repeat=3,
-                                       calls=None if m < 4096 else 3)
+                                       calls=None if m < 4096 else 3, graph=graph)
             ms, config = min(results, key=lambda r: r[0]) if results else (float("nan"), None)
             best_rows.append({"K x N": f"{k}x{n}", "M": m, "bf16 ms": f"{bf16_ms:.4f}", "best fused ms": f"{ms:.4f}",
                               "x bf16": f"{bf16_ms / ms:.2f}", "dequant+cuBLAS ms": f"{dequant_ms:.4f}",
@@ -240,6 +257,8 @@ def main():
     parser.add_argument("--repeat", type=int, default=10)
     parser.add_argument("--sweep", action="store_true")
     parser.add_argument("--sweep-budget", type=float, default=240.0, help="seconds of GEMM sweeping at most")
+    parser.add_argument("--sweep-paths", nargs="+", default=["gemv", "fused", "scaled"],
+                        help="kernel paths the sweep tries")
     parser.add_argument("--out", type=Path, help="folder for the JSON results and the sweep log")
     args = parser.parse_args()
     out = args.out or Path(".")
@@ -251,7 +270,7 @@ def main():
         with open(out / "mxfp4_sweep.log", "w") as log:
             results["dequantize"] = sweep_dequantize(log)
             print_table(results["dequantize"], ["K x N", "config", "ms", "GB/s"])
-            results["sweep"] = sweep(args.rows, log, args.sweep_budget)
+            results["sweep"] = sweep(args.rows, log, args.sweep_budget, args.sweep_paths)
             print_table(results["sweep"], ["K x N", "M", "bf16 ms", "best fused ms", "x bf16", "dequant+cuBLAS ms",
                                            "x bf16 (dequant)", "config"])
     results["gemm"] = bench_gemms(args.rows, copy_gbs)

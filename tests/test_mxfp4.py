@@ -114,13 +114,34 @@ def test_triton_gemm_matches_reference(m, n, k, dtype, config):
                                         (20, 256, dict(block_n=16, block_k=64, split_k=2))])
 def test_triton_gemv_matches_reference(n, k, config):
     g = torch.Generator().manual_seed(n + k)
-    packed, scales = quantize(torch.randn(n, k, generator=g))
-    x = torch.randn(1, k, generator=g)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    packed, scales = (t.to(device) for t in quantize(torch.randn(n, k, generator=g)))
+    x = torch.randn(1, k, generator=g).to(device)
     got = gemm_triton.mxfp4_matmul(x, packed, scales, path="gemv", **config)
     expected = gemm_ref.mxfp4_matmul(x, packed, scales)
     assert got.shape == (1, n) and torch.allclose(got, expected, rtol=1e-4, atol=1e-5)
     with pytest.raises(ValueError, match="one row"):
-        gemm_triton.mxfp4_matmul(torch.randn(2, k), packed, scales, path="gemv")
+        gemm_triton.mxfp4_matmul(torch.randn(2, k, device=device), packed, scales, path="gemv")
+
+
+@pytest.mark.parametrize("m,n,k,dtype,config", [
+    (1, 37, 70, torch.float16, dict(block_n=16, block_k=32)),  # odd N and K: stored width padded to 96
+    (5, 64, 300, torch.bfloat16, dict(block_n=32, block_k=64, split_k=2)),  # K slices summed atomically
+    (17, 40, 256, torch.float16, dict(block_m=16, block_n=16, block_k=128)),  # two row tiles
+    (3, 33, 96, torch.bfloat16, {}),  # default tiles: one K tile wider than K
+])
+def test_scaled_dot_gemm_matches_reference(m, n, k, dtype, config):
+    g = torch.Generator().manual_seed(m + n + k)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    packed, scales = (t.to(device) for t in quantize(torch.randn(n, k, generator=g)))
+    x = torch.randn(m, k, generator=g).to(device, dtype)
+    got = gemm_triton.mxfp4_matmul(x, packed, scales, path="scaled", **config)
+    expected = gemm_ref.mxfp4_matmul(x.float(), packed, scales)
+    assert got.dtype == dtype and got.shape == (m, n)
+    tolerance = 1e-2 if dtype == torch.bfloat16 else 2e-3  # one rounding of the output
+    assert ((got.float() - expected).norm() / expected.norm()).item() < tolerance
+    with pytest.raises(ValueError, match="bf16 or fp16"):
+        gemm_triton.mxfp4_matmul(x.float(), packed, scales, path="scaled")
 
 
 def test_triton_dequantize_matches_reference_including_special_scales():

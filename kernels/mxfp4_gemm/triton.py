@@ -19,6 +19,9 @@ import triton.language as tl
 # Rows at and above which `mxfp4_matmul` dequantizes once and calls cuBLAS (measured on the H200, RESULTS.md).
 DEQUANT_MIN_ROWS = 17
 GEMV_FOR_ONE_ROW = True
+# Tiles of the `tl.dot_scaled` path for 2-16 rows of bf16/fp16 activations: 1.15-1.23x the fused kernel there on the
+# H200 (RESULTS.md); at one row the GEMV is as fast, at 256 rows and more the path is 10x slower than cuBLAS.
+SCALED_SMALL_M = dict(block_m=16, block_n=32, block_k=256, num_warps=4, num_stages=3)
 
 
 @triton.jit
@@ -138,6 +141,41 @@ def _gemv_kernel(x_ptr, packed_ptr, scale_ptr, out_ptr, N, K, k_per_split, strid
 
 
 @triton.jit
+def _scaled_dot_kernel(x_ptr, packed_ptr, scale_ptr, out_ptr, M, N, K, packed_width, k_per_split, stride_xm,
+                       stride_pn, stride_sn, stride_om, X_FORMAT: tl.constexpr, BLOCK_M: tl.constexpr,
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ATOMIC: tl.constexpr):
+    """out[m, n] = sum_k x[m, k] w[n, k] through Triton's microscaling dot (`tl.dot_scaled`: the E2M1 codes and
+    E8M0 scales go in as stored and are widened on the way into the tensor cores), computed transposed: the
+    weight is the left operand and the few rows of x the narrow right one."""
+    pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_ok, n_ok = offs_m < M, offs_n < N
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    k_start = pid_k * k_per_split
+    k_stop = tl.minimum(k_start + k_per_split, K)
+    for k0 in range(k_start, k_stop, BLOCK_K):
+        # Bytes beyond the input width are the stored zero padding (and x is zero there): the byte mask only
+        # guards the stored width, which is a multiple of 16, so the loads stay 16-byte vectors.
+        offs_b = tl.multiple_of(k0 // 2, 16) + tl.arange(0, BLOCK_K // 2)
+        weight = tl.load(packed_ptr + offs_n[:, None] * stride_pn + offs_b[None, :],
+                         mask=n_ok[:, None] & (offs_b < packed_width)[None, :], other=0)
+        offs_g = k0 // 32 + tl.arange(0, BLOCK_K // 32)
+        scale = tl.load(scale_ptr + offs_n[:, None] * stride_sn + offs_g[None, :],
+                        mask=n_ok[:, None] & (offs_g < packed_width // 16)[None, :], other=127)
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        x_t = tl.load(x_ptr + offs_m[None, :] * stride_xm + offs_k[:, None],
+                      mask=m_ok[None, :] & (offs_k < k_stop)[:, None], other=0.0)
+        acc = tl.dot_scaled(weight, scale, "e2m1", x_t, None, X_FORMAT, acc)
+    out_ptrs = out_ptr + offs_m[None, :] * stride_om + offs_n[:, None]
+    mask = n_ok[:, None] & m_ok[None, :]
+    if ATOMIC:
+        tl.atomic_add(out_ptrs, acc, mask=mask)
+    else:
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _dequantize_kernel(packed_ptr, scale_ptr, out_ptr, N, K, stride_pn, stride_sn, stride_on,
                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
@@ -207,6 +245,31 @@ def fused_matmul(x, packed, scales, *, block_m: int, block_n: int, block_k: int,
     return out.to(x.dtype) if atomic else out
 
 
+SCALED_DOT_FORMATS = {torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+def scaled_matmul(x, packed, scales, *, block_m: int = 16, block_n: int = 64, block_k: int = 256,
+                  split_k: int | None = None, num_warps: int = 4, num_stages: int = 3):
+    """The product through `tl.dot_scaled` (bf16 or fp16 activations); `split_k` > 1 (default: enough K slices to
+    keep weight bytes in flight, see `auto_split`) sums K slices with float32 atomics."""
+    if x.dtype not in SCALED_DOT_FORMATS:
+        raise ValueError(f"the scaled-dot path takes bf16 or fp16 activations, got {x.dtype}.")
+    m, k = x.shape
+    n = packed.shape[0]
+    split_k = split_k or auto_split(n, k, block_n, block_k)
+    k_per_split = triton.cdiv(triton.cdiv(k, split_k), block_k) * block_k
+    split_k = triton.cdiv(k, k_per_split)
+    atomic = split_k > 1
+    out = torch.zeros((m, n), dtype=torch.float32, device=x.device) if atomic else \
+        torch.empty((m, n), dtype=x.dtype, device=x.device)
+    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n), split_k)
+    _scaled_dot_kernel[grid](x, packed, scales, out, m, n, k, packed.shape[1], k_per_split, x.stride(0),
+                             packed.stride(0), scales.stride(0), out.stride(0), X_FORMAT=SCALED_DOT_FORMATS[x.dtype],
+                             BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, ATOMIC=atomic, num_warps=num_warps,
+                             num_stages=num_stages)
+    return out.to(x.dtype) if atomic else out
+
+
 def gemv(x, packed, scales, *, block_n: int = 16, block_k: int = 2048, split_k: int | None = None,
          num_warps: int = 4, num_stages: int = 3):
     """`x` `[1, K]` times the dequantized weight transposed -> `[1, N]` without tensor cores."""
@@ -227,8 +290,10 @@ def mxfp4_matmul(x, packed, scales, *, path: str = "auto", **config):
     """Same contract as `reference.mxfp4_matmul`: `x` `[M, K]` (bf16/fp16/fp32) times the dequantized `[N, Kp]`
     weight (`packed` `[N, Kp / 2]`, `scales` `[N, Kp / 32]` uint8) transposed -> `[M, N]` in x.dtype.
 
-    `path`: "fused" (in-kernel dequantization), "gemv" (one row, no tensor cores), "dequant" (dequantize then
-    `torch.matmul`) or "auto" (fused below `DEQUANT_MIN_ROWS` rows). `config` overrides the chosen path's tiles."""
+    `path`: "fused" (in-kernel dequantization), "gemv" (one row, no tensor cores), "scaled" (`tl.dot_scaled`,
+    bf16/fp16 activations), "dequant" (dequantize then `torch.matmul`) or "auto" (one row: the GEMV; up to
+    `DEQUANT_MIN_ROWS` rows: the scaled dot for bf16/fp16, else fused; more: dequant). `config` overrides the
+    chosen path's tiles."""
     x = x.contiguous()
     m, k = x.shape
     n = packed.shape[0]
@@ -236,6 +301,10 @@ def mxfp4_matmul(x, packed, scales, *, path: str = "auto", **config):
         if m != 1:
             raise ValueError(f"the gemv path takes one row of activations, got {m}.")
         return gemv(x, packed, scales, **config)
+    if path == "scaled":
+        return scaled_matmul(x, packed, scales, **config)
+    if path == "auto" and m < DEQUANT_MIN_ROWS and x.dtype in SCALED_DOT_FORMATS and not config:
+        return scaled_matmul(x, packed, scales, **SCALED_SMALL_M)
     if path == "dequant" or (path == "auto" and m >= DEQUANT_MIN_ROWS and not config):
         return x @ dequantize(packed, scales, x.dtype, k).t()
     return fused_matmul(x, packed, scales, **{**default_config(m, n, k), **config})

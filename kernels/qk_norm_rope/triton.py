@@ -34,7 +34,7 @@ def _qk_norm_rope_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, fp8_scale_ptr,
     sin = tl.load(sin_ptr + s * rotary + d, mask=in_rot, other=0.0)
     out = tl.where(in_rot, xn * cos + sign * pn * sin, xn)
     if FP8_OUT:
-        out = tl.clamp(out / tl.load(fp8_scale_ptr), -448.0, 448.0)
+        out = tl.clamp(out * (1.0 / tl.load(fp8_scale_ptr)), -448.0, 448.0)  # one reciprocal: division halves the rate
     target = out_ptr + b * out_b_stride + s * out_s_stride + h * out_h_stride + d
     tl.store(target, out.to(out_ptr.dtype.element_ty), mask=mask)
 
