@@ -1,5 +1,5 @@
-"""The K3 Triton kernels (paged MLA decode, fused KDA decode, RMSNorm, top-k routing, expert GEMVs dense and MXFP4,
-grouped expert GEMM) against their torch references: on the CPU under TRITON_INTERPRET=1, on a GPU natively. Odd
+"""The K3 Triton kernels (paged MLA decode, fused KDA decode, RMSNorm, router logits, top-k routing, expert GEMVs
+dense and MXFP4, the fused SwiGLU + down + slot sum, grouped expert GEMM) against their torch references: on the CPU under TRITON_INTERPRET=1, on a GPU natively. Odd
 sizes (heads below the head block, ragged lengths ending mid-page, strided pool views). The references themselves
 are checked against fla-core and transformers in test_k3_kernels.py."""
 
@@ -40,6 +40,57 @@ def test_expert_gemv_matches_reference(rows, experts, n, k, dtype):
     row = 0 if rows == 1 else rows // 2
     direct = x[row].float() @ weight[ids[row]].float().t()
     assert _err(got[row], direct) <= (1e-5 if dtype == torch.float32 else 2e-3)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("shape", [(1, 70), (3, 5, 200), (4, 33)])
+def test_rms_norm_alone_and_after_a_residual_add_matches_reference(shape, dtype):
+    from h3gen.kernels.rmsnorm import reference as norm_ref
+    from h3gen.kernels.rmsnorm import triton as norm_triton
+
+    g = torch.Generator(device=DEVICE).manual_seed(len(shape) * 100 + shape[-1])
+    x, y = (torch.randn(*shape, generator=g, device=DEVICE).to(dtype) for _ in range(2))
+    weight = torch.randn(shape[-1], generator=g, device=DEVICE).to(dtype)
+    tolerance = 1e-6 if dtype == torch.float32 else 1e-3
+    assert _err(norm_triton.rms_norm(x, weight, 1e-6), norm_ref.rms_norm(x, weight, 1e-6)) <= tolerance
+    wide = torch.randn(*shape[:-1], 2 * shape[-1], generator=g, device=DEVICE).to(dtype)
+    view = wide[..., 1 : shape[-1] + 1]  # a strided view, as the model hands over slices
+    assert _err(norm_triton.rms_norm(view, weight, 1e-6), norm_ref.rms_norm(view, weight, 1e-6)) <= tolerance
+    total, normed = norm_triton.add_rms_norm(x, y, weight, 1e-6)
+    ref_total, ref_normed = norm_ref.add_rms_norm(x, y, weight, 1e-6)
+    assert total.dtype == dtype and torch.equal(total, ref_total)  # one rounding of the same sum
+    assert normed.shape == x.shape and _err(normed, ref_normed) <= tolerance
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("tokens,top_k,experts,inter,width", [(1, 6, 8, 48, 70), (3, 2, 5, 300, 33), (2, 1, 3, 17, 130)])
+def test_decode_expert_chain_matches_reference(tokens, top_k, experts, inter, width, dtype):
+    """Router logits, the up/gate GEMV reading each token's row for its k slots, and the fused SwiGLU + down GEMV +
+    weighted slot sum, each against its reference and together against the plain per-pair computation."""
+    g = torch.Generator(device=DEVICE).manual_seed(tokens * 7 + inter)
+    h = torch.randn(tokens, width, generator=g, device=DEVICE).to(dtype)
+    router = torch.randn(experts, width, generator=g, device=DEVICE)  # float32, as K3 keeps it
+    logits = moe_triton.router_logits(h, router)
+    assert logits.dtype == torch.float32 and _err(logits, moe_ref.router_logits(h, router)) <= 1e-5
+    up_gate = torch.randn(experts, 2 * inter, width, generator=g, device=DEVICE).to(dtype) / width**0.5
+    down = torch.randn(experts, width, inter, generator=g, device=DEVICE).to(dtype) / inter**0.5
+    ids = torch.stack([torch.randperm(experts, generator=torch.Generator().manual_seed(t))[:top_k]
+                       for t in range(tokens)]).to(DEVICE)
+    weights = torch.rand(tokens, top_k, generator=g, device=DEVICE)
+    both = moe_triton.expert_gemv(h, up_gate, ids.reshape(-1), top_k)
+    tolerance = 1e-5 if dtype == torch.float32 else 3e-3
+    assert both.shape == (tokens * top_k, 2 * inter)
+    assert _err(both, moe_ref.expert_gemv(h.float(), up_gate.float(), ids.reshape(-1), top_k)) <= tolerance
+    out = moe_triton.expert_swiglu_down(both, down, ids, weights)
+    assert out.shape == (tokens, width) and out.dtype == dtype
+    assert _err(out, moe_ref.expert_swiglu_down(both, down, ids, weights)) <= tolerance
+    plain = torch.zeros(tokens, width, dtype=torch.float64, device=DEVICE)
+    for t in range(tokens):
+        for j in range(top_k):
+            e = ids[t, j]
+            up, gate = (up_gate[e].double() @ h[t].double()).chunk(2)
+            plain[t] += weights[t, j].double() * (down[e].double() @ (up * torch.sigmoid(gate) * gate))
+    assert _err(out, plain) <= (1e-5 if dtype == torch.float32 else 1e-2)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16 if ON_GPU else torch.float16])

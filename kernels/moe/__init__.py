@@ -1,10 +1,10 @@
 """MoE ops: `route_topk` (sigmoid + correction bias, grouped top-k, renormalise, scale), `sort_by_expert`, the
-grouped expert GEMMs `grouped_gemm` (dense) / `grouped_mxfp4_gemm` (MXFP4 weights), and `expert_gemv` (a few
-rows, each through its own expert of a stacked weight, with no host synchronisation: the decode path, CUDA-graph
-safe).
+grouped expert GEMMs `grouped_gemm` (dense) / `grouped_mxfp4_gemm` (MXFP4 weights), and for the few tokens of a
+decode step with no host synchronisation (CUDA-graph safe): `router_logits`, `expert_gemv` (each (token, slot) pair
+through its own expert of a stacked weight) and `expert_swiglu_down` (SwiGLU, down experts and the weighted sum).
 
-`expert_gemv` and `route_topk` (without expert groups) take their Triton kernels on CUDA; the others are torch
-references on every device."""
+Those, `expert_gemv_mxfp4`, `stacked_experts` and `route_topk` (without expert groups) take their Triton kernels on
+CUDA; the others are torch references on every device."""
 
 from h3gen.kernels._dispatch import use_triton
 from h3gen.kernels.moe import reference
@@ -21,13 +21,33 @@ def route_topk(logits, correction_bias, top_k, num_groups=1, topk_groups=1, reno
     return reference.route_topk(logits, correction_bias, top_k, num_groups, topk_groups, renormalize, scaling)
 
 
-def expert_gemv(x, weight, ids):
-    """`x` `[P, K]`, `weight` `[E, N, K]`, `ids` `[P]` -> `[P, N]`: row p through expert `ids[p]`."""
+def expert_gemv(x, weight, ids, top_k=1):
+    """`x` `[P / top_k, K]`, `weight` `[E, N, K]`, `ids` `[P]` -> `[P, N]`: pair p (row `p // top_k` of x) through
+    expert `ids[p]`."""
     if use_triton(x):
         from h3gen.kernels.moe import triton as fast
 
-        return fast.expert_gemv(x, weight, ids)
-    return reference.expert_gemv(x, weight, ids)
+        return fast.expert_gemv(x, weight, ids, top_k)
+    return reference.expert_gemv(x, weight, ids, top_k)
+
+
+def expert_swiglu_down(both, down, ids, weights):
+    """`both` `[T * k, 2I]` ([up; gate] per pair), `down` `[E, W, I]`, `ids` and `weights` `[T, k]` -> `[T, W]`:
+    SwiGLU, each pair's down expert and the weighted sum over slots (one Triton kernel on CUDA)."""
+    if use_triton(both):
+        from h3gen.kernels.moe import triton as fast
+
+        return fast.expert_swiglu_down(both, down, ids, weights)
+    return reference.expert_swiglu_down(both, down, ids, weights)
+
+
+def router_logits(x, weight):
+    """`x` `[T, D]`, router `weight` `[E, D]` -> `[T, E]` float32 logits (one Triton kernel on CUDA, no casts)."""
+    if use_triton(x):
+        from h3gen.kernels.moe import triton as fast
+
+        return fast.router_logits(x, weight)
+    return reference.router_logits(x, weight)
 
 
 def expert_gemv_mxfp4(x, packed, scales, ids):
@@ -54,4 +74,5 @@ def stacked_experts(h, up_gate, down, ids, activation, swiglu: bool):
     return reference.stacked_experts(h, up_gate, down, ids, activation)
 
 
-__all__ = ["expert_gemv", "expert_gemv_mxfp4", "grouped_gemm", "grouped_mxfp4_gemm", "route_topk", "sort_by_expert", "stacked_experts"]
+__all__ = ["expert_gemv", "expert_gemv_mxfp4", "expert_swiglu_down", "grouped_gemm", "grouped_mxfp4_gemm",
+           "route_topk", "router_logits", "sort_by_expert", "stacked_experts"]

@@ -7,6 +7,7 @@ take the tokens sorted by expert (`sort_by_expert`) and one weight per expert, d
 
 import torch
 
+from h3gen.kernels.swiglu.reference import swiglu
 from h3gen.quant.mxfp4 import dequantize
 
 
@@ -64,11 +65,29 @@ def grouped_mxfp4_gemm(x: torch.Tensor, offsets: torch.Tensor, packed, scales) -
     return out
 
 
-def expert_gemv(x: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """Row p of `x` `[P, K]` times `weight[ids[p]]^T` (`weight` `[E, N, K]` stacked experts, `ids` `[P]` int) ->
-    `[P, N]` in x.dtype, float32 accumulation. No host synchronisation (CUDA-graph safe); reads one expert matrix
-    per row, so it is meant for the few rows of a decode step."""
+def expert_gemv(x: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor, top_k: int = 1) -> torch.Tensor:
+    """Pair p (row `p // top_k` of `x` `[P / top_k, K]`) times `weight[ids[p]]^T` (`weight` `[E, N, K]` stacked
+    experts, `ids` `[P]` int) -> `[P, N]` in x.dtype, float32 accumulation. No host synchronisation (CUDA-graph
+    safe); reads one expert matrix per pair, so it is meant for the few tokens of a decode step."""
+    x = x.repeat_interleave(top_k, dim=0)
     return (weight[ids].float() @ x.float()[:, :, None]).squeeze(-1).to(x.dtype)
+
+
+def expert_swiglu_down(both: torch.Tensor, down: torch.Tensor, ids: torch.Tensor,
+                       weights: torch.Tensor) -> torch.Tensor:
+    """The end of a decode step's routed experts: `both` `[T * k, 2I]` ([up; gate] per (token, slot) pair, from
+    `expert_gemv`), SwiGLU rounded to `both.dtype` as the separate op would, through the pair's `down` expert
+    (`down` `[E, W, I]`, `ids` `[T, k]`), weighted by `weights` `[T, k]` and summed over the k slots in float32 ->
+    `[T, W]` in `both.dtype`."""
+    tokens, top_k = ids.shape
+    act = swiglu(both).float()
+    out = (down[ids.reshape(-1)].float() @ act[:, :, None]).squeeze(-1).view(tokens, top_k, -1)
+    return (out * weights[..., None].float()).sum(dim=1).to(both.dtype)
+
+
+def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """`x` `[T, D]` times the router `weight` `[E, D]` transposed -> `[T, E]` float32 (float32 inputs and math)."""
+    return x.float() @ weight.float().t()
 
 
 def stacked_experts(h: torch.Tensor, up_gate: torch.Tensor, down: torch.Tensor, ids: torch.Tensor,

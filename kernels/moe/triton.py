@@ -10,19 +10,57 @@ from h3gen.kernels.mxfp4_gemm.triton import _weight_tile
 
 
 @triton.jit
-def _expert_gemv_kernel(x_ptr, w_ptr, ids_ptr, out_ptr, N, K, stride_we, stride_wn,
+def _expert_gemv_kernel(x_ptr, w_ptr, ids_ptr, out_ptr, N, K, top_k, stride_we, stride_wn,
                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
+    row = tl.program_id(0).to(tl.int64)  # a (token, slot) pair; its input is the token's row
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     expert = tl.load(ids_ptr + row).to(tl.int64)
     w_rows = w_ptr + expert * stride_we + cols[:, None].to(tl.int64) * stride_wn
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
     for start in range(0, K, BLOCK_K):
         ks = start + tl.arange(0, BLOCK_K)
-        x = tl.load(x_ptr + row * K + ks, mask=ks < K, other=0.0).to(tl.float32)
+        x = tl.load(x_ptr + (row // top_k) * K + ks, mask=ks < K, other=0.0).to(tl.float32)
         w = tl.load(w_rows + ks[None, :], mask=(cols[:, None] < N) & (ks[None, :] < K), other=0.0).to(tl.float32)
         acc += tl.sum(w * x[None, :], axis=1)
     tl.store(out_ptr + row * N + cols, acc.to(out_ptr.dtype.element_ty), mask=cols < N)
+
+
+@triton.jit
+def _expert_swiglu_down_kernel(both_ptr, w_ptr, ids_ptr, weights_ptr, out_ptr, N, inter, top_k, stride_we,
+                               stride_wn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    token = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    total = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for slot in range(0, top_k):
+        pair = token * top_k + slot
+        expert = tl.load(ids_ptr + pair).to(tl.int64)
+        w_rows = w_ptr + expert * stride_we + cols[:, None].to(tl.int64) * stride_wn
+        acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        for start in range(0, inter, BLOCK_K):
+            ks = start + tl.arange(0, BLOCK_K)
+            up = tl.load(both_ptr + pair * 2 * inter + ks, mask=ks < inter, other=0.0).to(tl.float32)
+            gate = tl.load(both_ptr + pair * 2 * inter + inter + ks, mask=ks < inter, other=0.0).to(tl.float32)
+            # rounded as the separate SwiGLU kernel's output would be
+            act = (up * gate * tl.sigmoid(gate)).to(both_ptr.dtype.element_ty).to(tl.float32)
+            w = tl.load(w_rows + ks[None, :], mask=(cols[:, None] < N) & (ks[None, :] < inter),
+                        other=0.0).to(tl.float32)
+            acc += tl.sum(w * act[None, :], axis=1)
+        total += tl.load(weights_ptr + pair).to(tl.float32) * acc
+    tl.store(out_ptr + token * N + cols, total.to(out_ptr.dtype.element_ty), mask=cols < N)
+
+
+@triton.jit
+def _router_logits_kernel(x_ptr, w_ptr, out_ptr, E, D, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr):
+    token = tl.program_id(0).to(tl.int64)
+    experts = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
+    acc = tl.zeros((BLOCK_E,), dtype=tl.float32)
+    for start in range(0, D, BLOCK_D):
+        ds = start + tl.arange(0, BLOCK_D)
+        x = tl.load(x_ptr + token * D + ds, mask=ds < D, other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + experts[:, None].to(tl.int64) * D + ds[None, :],
+                    mask=(experts[:, None] < E) & (ds[None, :] < D), other=0.0).to(tl.float32)
+        acc += tl.sum(w * x[None, :], axis=1)
+    tl.store(out_ptr + token * E + experts, acc, mask=experts < E)
 
 
 def _rows_and_output(x: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -31,24 +69,65 @@ def _rows_and_output(x: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tenso
     return x, torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
 
 
-def expert_gemv(x: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor, block_n: int | None = None,
-                block_k: int | None = None, num_warps: int = 4) -> torch.Tensor:
-    """See `reference.expert_gemv`: `x` `[P, K]`, `weight` `[E, N, K]` (inner axis contiguous), `ids` `[P]`.
+def _gemv_tiles(k: int, block_n: int | None, block_k: int | None) -> tuple[int, int]:
+    """Default tiles of the expert GEMVs: the whole K (up to 2048) in one step and 8 K of weights per program (H200
+    sweep, benchmarks/RESULTS.md: 4 x 2048 for K = 2048, 8 x 1024 for K = 768 were the fastest at 6 to 48 rows)."""
+    block_k = block_k or min(2048, max(16, next_power_of_2(k)))
+    return block_n or max(4, 8192 // block_k), block_k
 
-    Default tiles: the whole K (up to 2048) in one step and 8 K of weights per program (H200 sweep,
-    benchmarks/RESULTS.md: 4 x 2048 for K = 2048, 8 x 1024 for K = 768 were the fastest at 6 to 48 rows)."""
+
+def expert_gemv(x: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor, top_k: int = 1, block_n: int | None = None,
+                block_k: int | None = None, num_warps: int = 4) -> torch.Tensor:
+    """See `reference.expert_gemv`: `x` `[P / top_k, K]`, `weight` `[E, N, K]` (inner axis contiguous), `ids`
+    `[P]`."""
     if weight.stride(-1) != 1:
         weight = weight.contiguous()
-    x, out = _rows_and_output(x, weight.shape[1])
-    rows, k = x.shape
-    n = out.shape[1]
-    if rows == 0:
+    x = x.contiguous()
+    k, n, pairs = x.shape[1], weight.shape[1], ids.numel()
+    out = torch.empty(pairs, n, dtype=x.dtype, device=x.device)
+    if pairs == 0:
         return out
-    block_k = block_k or min(2048, max(16, next_power_of_2(k)))
-    block_n = block_n or max(4, 8192 // block_k)
-    _expert_gemv_kernel[(rows, triton.cdiv(n, block_n))](
-        x, weight, ids.contiguous(), out, n, k, weight.stride(0), weight.stride(1),
+    block_n, block_k = _gemv_tiles(k, block_n, block_k)
+    _expert_gemv_kernel[(pairs, triton.cdiv(n, block_n))](
+        x, weight, ids.contiguous(), out, n, k, top_k, weight.stride(0), weight.stride(1),
         BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps)
+    return out
+
+
+def expert_swiglu_down(both: torch.Tensor, down: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                       block_n: int | None = None, block_k: int = 256, num_warps: int = 1) -> torch.Tensor:
+    """See `reference.expert_swiglu_down`: SwiGLU, the down GEMV and the weighted sum over the k slots in one
+    kernel (one program per token and block of outputs). Default tiles from the H200 sweep (RESULTS.md: 64
+    experts, 2048 x 768, top 6): 2 outputs per program for one token (13.9-14.2 us), 4 for more (37.9 us at 8)."""
+    if down.stride(-1) != 1:
+        down = down.contiguous()
+    both = both.contiguous()
+    tokens, top_k = ids.shape
+    n, inter = down.shape[1], down.shape[2]
+    out = torch.empty(tokens, n, dtype=both.dtype, device=both.device)
+    if tokens == 0:
+        return out
+    block_n = block_n or (2 if tokens <= 2 else 4)
+    _expert_swiglu_down_kernel[(tokens, triton.cdiv(n, block_n))](
+        both, down, ids.contiguous(), weights.contiguous(), out, n, inter, top_k, down.stride(0), down.stride(1),
+        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps)
+    return out
+
+
+def router_logits(x: torch.Tensor, weight: torch.Tensor, block_e: int = 1, block_d: int | None = None,
+                  num_warps: int = 4) -> torch.Tensor:
+    """See `reference.router_logits`: one program per token and `block_e` experts, float32 math on the stored
+    dtypes (no cast copies). One expert per program measured best (H200, 64 x 2048: 1.9 us against 6.1 us for
+    torch's cast + float32 linear; RESULTS.md)."""
+    x, weight = x.contiguous(), weight.contiguous()
+    tokens, d = x.shape
+    experts = weight.shape[0]
+    out = torch.empty(tokens, experts, dtype=torch.float32, device=x.device)
+    if tokens == 0:
+        return out
+    block_d = block_d or min(2048, max(16, next_power_of_2(d)))
+    _router_logits_kernel[(tokens, triton.cdiv(experts, block_e))](x, weight, out, experts, d, BLOCK_E=block_e,
+                                                                     BLOCK_D=block_d, num_warps=num_warps)
     return out
 
 

@@ -1,4 +1,5 @@
-"""RMSNorm with K3's rounding (`rms_norm(x, weight, eps)`): Triton on CUDA, the torch reference elsewhere."""
+"""RMSNorm with K3's rounding (`rms_norm(x, weight, eps)`), alone or after a residual add (`add_rms_norm`): Triton
+on CUDA, the torch reference elsewhere."""
 
 from h3gen.kernels._dispatch import use_triton
 from h3gen.kernels.rmsnorm import reference
@@ -13,4 +14,13 @@ def rms_norm(x, weight, eps):
     return reference.rms_norm(x, weight, eps)
 
 
-__all__ = ["rms_norm"]
+def add_rms_norm(x, y, weight, eps):
+    """`(x + y, rms_norm(x + y, weight, eps))` for `x`, `y` `[..., D]` of one dtype (one pass on CUDA)."""
+    if use_triton(x) and x.dtype == y.dtype and x.shape == y.shape:
+        from h3gen.kernels.rmsnorm import triton as fast
+
+        return fast.add_rms_norm(x, y, weight, eps)
+    return reference.add_rms_norm(x, y, weight, eps)
+
+
+__all__ = ["add_rms_norm", "rms_norm"]

@@ -8,3 +8,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     before the weight; the result in the promoted dtype of `weight` and `x`."""
     xf = x.float()
     return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def add_rms_norm(x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """A residual update and the next sub-layer's norm: `(s, rms_norm(s, weight, eps))` with `s = x + y` (rounded
+    to its dtype first, as the separate add would be)."""
+    total = x + y
+    return total, rms_norm(total, weight, eps)

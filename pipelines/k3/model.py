@@ -13,9 +13,9 @@ import torch.nn.functional as F
 
 from h3gen.kernels.kda import kda_chunked, kda_decode, kda_gate, l2_normalize, short_conv
 from h3gen.kernels.mla_decode import mla_decode
-from h3gen.kernels.moe import (expert_gemv, expert_gemv_mxfp4, grouped_gemm, grouped_mxfp4_gemm, route_topk,
-                               sort_by_expert, stacked_experts)
-from h3gen.kernels.rmsnorm import rms_norm
+from h3gen.kernels.moe import (expert_gemv, expert_gemv_mxfp4, expert_swiglu_down, grouped_gemm, grouped_mxfp4_gemm,
+                               route_topk, router_logits, sort_by_expert, stacked_experts)
+from h3gen.kernels.rmsnorm import add_rms_norm, rms_norm
 from h3gen.kernels.swiglu import swiglu
 from h3gen.linear import LinearFactory, LinearSpec, dense_linear
 from h3gen.pipelines.k3.cache import K3Cache, KDAState, PagedLatentCache
@@ -336,7 +336,7 @@ class K3Router(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """`x` `[T, D]` -> (weights `[T, k]` float32, expert ids `[T, k]`)."""
         c = self.config
-        logits = F.linear(x.float(), self.weight.float())
+        logits = router_logits(x, self.weight)
         return route_topk(logits, self.e_score_correction_bias, c.num_experts_per_token, c.num_expert_group,
                           c.topk_group, c.moe_renormalize, c.routed_scaling_factor)
 
@@ -434,16 +434,18 @@ class K3MoE(nn.Module):
     def _routed_on_device(self, h: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         tokens, top_k = ids.shape
         pairs = ids.reshape(-1)
-        rows = h.repeat_interleave(top_k, dim=0)
         if self.stacked_mxfp4 is not None:
             (packed_up_gate, scales_up_gate), (packed_down, scales_down) = self.stacked_mxfp4
             compute = self.experts[0].w1.compute_dtype
+            rows = h.repeat_interleave(top_k, dim=0)
             both = expert_gemv_mxfp4(rows.to(compute), packed_up_gate, scales_up_gate, pairs)
             inter = both.shape[-1] // 2
         else:
             up_gate, down = self.stacked
             inter = down.shape[-1]
-            both = expert_gemv(rows, up_gate, pairs)  # [T * k, 2I]: [up; gate]
+            both = expert_gemv(h, up_gate, pairs, top_k)  # [T * k, 2I]: [up; gate]
+            if self.config.hidden_act != "situ":  # SwiGLU, down experts and the slots' weighted sum in one kernel
+                return expert_swiglu_down(both, down, ids, weights).to(h.dtype)
         if self.config.hidden_act == "situ":
             act = gated_activation(self.config, both[:, inter:], both[:, :inter])
         else:
@@ -510,15 +512,18 @@ class K3DecoderLayer(nn.Module):
 
     def attention(self, x: torch.Tensor, cache: K3Cache | None, index: int) -> torch.Tensor:
         """The attention sub-layer's output for its (pre-norm) input `x` `[B, T, D]`; updates `cache`."""
-        h = self.input_layernorm(x)
+        return self.attend(self.input_layernorm(x), cache, index)
+
+    def attend(self, h: torch.Tensor, cache: K3Cache | None, index: int) -> torch.Tensor:
+        """`attention` given the already normalised input `h`."""
         if cache is None:
             return self.self_attn(h)[0] if self.attention_type == "kda" else self.self_attn(h)
         if self.attention_type == "kda":
             out, cache.layers[index] = self.self_attn(h, cache.layers[index])
             return out
         if cache.layers[index] is None:
-            cache.layers[index] = PagedLatentCache(x.shape[0], self.self_attn.rank + self.self_attn.rope,
-                                                   x.dtype, x.device, cache.page_size)
+            cache.layers[index] = PagedLatentCache(h.shape[0], self.self_attn.rank + self.self_attn.rope,
+                                                   h.dtype, h.device, cache.page_size)
         return self.self_attn(h, cache.layers[index])
 
     def feed_forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -540,12 +545,19 @@ class K3Model(nn.Module):
 
     def forward(self, inputs_embeds: torch.Tensor, cache: K3Cache | None = None) -> torch.Tensor:
         if not self.config.attn_res_block_size:
-            h = inputs_embeds
-            for index, layer in enumerate(self.layers):
-                h = h + layer.attention(h, cache, index)
-                h = h + layer.feed_forward(h)
-            return self.norm(h)
+            return self._residual_stream(inputs_embeds, cache)
         return self.norm(self._attn_res_stream(inputs_embeds, cache))
+
+    def _residual_stream(self, embeds: torch.Tensor, cache: K3Cache | None) -> torch.Tensor:
+        """`h += attention(norm(h)); h += mlp(norm(h))` per layer, then the final norm; each residual add and the
+        norm after it are one op (`add_rms_norm`), the rounding as in that order."""
+        h, normed = embeds, self.layers[0].input_layernorm(embeds)
+        for index, layer in enumerate(self.layers):
+            post = layer.post_attention_layernorm
+            h, normed = add_rms_norm(h, layer.attend(normed, cache, index), post.weight, post.eps)
+            following = self.layers[index + 1].input_layernorm if index + 1 < len(self.layers) else self.norm
+            h, normed = add_rms_norm(h, layer.mlp(normed), following.weight, following.eps)
+        return normed
 
     def _attn_res_stream(self, embeds: torch.Tensor, cache: K3Cache | None) -> torch.Tensor:
         """Block Attention Residuals. `bank` holds block snapshots; `prefix` is the sum of the sub-layer outputs
