@@ -69,6 +69,11 @@ class Request:
     def all_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
 
+    def token_at(self, position: int) -> int:
+        """`all_ids[position]` without building the list (a decode step reads one token of a long sequence)."""
+        prompt = len(self.prompt_ids)
+        return self.prompt_ids[position] if position < prompt else self.output_ids[position - prompt]
+
 
 class K3Engine:
     """Serve a `K3ForCausalLM`: `add_request` then `step` until done, or `generate` for a list of prompts.
@@ -387,13 +392,14 @@ class K3Engine:
         ready = [r for r in ready if r.status == DECODE]  # growing a later one may have preempted none of these
         if not ready:
             return
+        greedy = None  # the argmax of each row, when the decode graph computed it on the device
         try:
             if self.graphs is not None and len(ready) <= self.graphs.max_batch:
                 rows = [self.pool.slot_row(r.slot) if r.slot is not None else 0 for r in ready]
-                logits = self.graphs.run([r.all_ids[r.computed] for r in ready], rows, [r.pages for r in ready],
-                                         [r.computed for r in ready])
+                logits, greedy = self.graphs.run([r.token_at(r.computed) for r in ready], rows,
+                                                 [r.pages for r in ready], [r.computed for r in ready])
             else:
-                tokens = torch.tensor([[r.all_ids[r.computed]] for r in ready], device=self.device)
+                tokens = torch.tensor([[r.token_at(r.computed)] for r in ready], device=self.device)
                 logits = self._forward(ready, tokens, None)
         except Exception as error:  # noqa: BLE001
             for request in ready:
@@ -402,7 +408,7 @@ class K3Engine:
         self.stats["decode_tokens"] += len(ready)
         for request in ready:
             request.computed += 1
-        chosen = sample(logits, [r.params for r in ready], [r.generator for r in ready])
+        chosen = sample(logits, [r.params for r in ready], [r.generator for r in ready], greedy)
         for request, token in zip(ready, chosen):
             self._accept(request, token, outputs)
 

@@ -45,15 +45,47 @@ class StaticLatentView:
 
 
 class DecodeBuffers:
-    """The fixed inputs and output of one captured batch size."""
+    """The fixed inputs and outputs of one captured batch size. The inputs are views of two device tensors (int64:
+    token ids, state rows; int32: block table, lengths), each filled by one copy from a pinned host twin, so a step
+    costs the host two copies and no device kernels before the replay."""
 
     def __init__(self, size: int, max_pages: int, device):
-        self.size = size
-        self.tokens = torch.zeros(size, 1, dtype=torch.long, device=device)
-        self.state_rows = torch.zeros(size, dtype=torch.long, device=device)
-        self.table = torch.zeros(size, max(1, max_pages), dtype=torch.int32, device=device)
-        self.lens = torch.zeros(size, dtype=torch.int32, device=device)
+        device = torch.device(device)
+        self.size, self.width = size, max(1, max_pages)
+        self.ids = torch.zeros(2 * size, dtype=torch.long, device=device)
+        self.positions = torch.zeros(size * (self.width + 1), dtype=torch.int32, device=device)
+        self.tokens = self.ids[:size].view(size, 1)
+        self.state_rows = self.ids[size:]
+        self.table = self.positions[: size * self.width].view(size, self.width)
+        self.lens = self.positions[size * self.width :]
+        pinned = device.type == "cuda"
+        self.host_ids = torch.zeros(self.ids.shape, dtype=torch.long, pin_memory=pinned)
+        self.host_positions = torch.zeros(self.positions.shape, dtype=torch.int32, pin_memory=pinned)
+        self.copied: torch.cuda.Event | None = None  # the last host-to-device copies
         self.logits: torch.Tensor | None = None
+        self.argmax: torch.Tensor | None = None  # [size] the logits' argmax, computed in the graph
+
+    def stage(self, tokens: list[int], state_rows: list[int], tables: list[list[int]], lens: list[int],
+              scratch_row: int, scratch_page: int) -> None:
+        """Write a step's inputs (rows beyond `len(tokens)` pointed at the scratch slot and page) and copy them to
+        the device. Table entries past a sequence's pages are left as they were: nothing reads them."""
+        if self.copied is not None:
+            self.copied.synchronize()  # the previous step's copies have left the host buffers
+        count, size = len(tokens), self.size
+        ids, positions = self.host_ids.numpy(), self.host_positions.numpy()
+        ids[:count], ids[count:size] = tokens, 0
+        ids[size : size + count], ids[size + count :] = state_rows, scratch_row
+        table = positions[: size * self.width].reshape(size, self.width)
+        for b, pages in enumerate(tables):
+            table[b, : len(pages)] = pages
+        table[count:, 0] = scratch_page
+        positions[size * self.width : size * self.width + count] = lens
+        positions[size * self.width + count :] = 0
+        self.ids.copy_(self.host_ids, non_blocking=True)
+        self.positions.copy_(self.host_positions, non_blocking=True)
+        if self.ids.is_cuda:
+            self.copied = torch.cuda.Event()
+            self.copied.record()
 
 
 def static_decode_forward(model, pool, buffers: DecodeBuffers) -> torch.Tensor:
@@ -143,7 +175,7 @@ class DecodeGraphs:
         if size in self.graphs:
             return self.graphs[size]
         buffers = DecodeBuffers(size, self.max_pages, self.device)
-        self._pad(buffers, 0)
+        buffers.stage([], [], [], [], self.scratch_row, self.scratch_page)  # every row padding until used
         graph = None
         if self.capture:
             side = torch.cuda.Stream(self.device)
@@ -155,37 +187,23 @@ class DecodeGraphs:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.memory_pool):
                 buffers.logits = static_decode_forward(self.model, self.pool, buffers)
+                buffers.argmax = buffers.logits.argmax(dim=-1)
         self.graphs[size] = (graph, buffers)
         return self.graphs[size]
 
-    def _pad(self, buffers: DecodeBuffers, used: int) -> None:
-        """Rows `used..` of `buffers` decode nothing: they read and write the scratch page and slot."""
-        buffers.tokens[used:] = 0
-        buffers.state_rows[used:] = self.scratch_row
-        buffers.table[used:] = self.scratch_page
-        buffers.lens[used:] = 0
-
     @torch.no_grad()
-    def run(self, tokens: list[int], state_rows: list[int], tables: list[list[int]], lens: list[int]) -> torch.Tensor:
+    def run(self, tokens: list[int], state_rows: list[int], tables: list[list[int]],
+            lens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """Decode one token for each of n sequences: `tokens` (their last ids), `state_rows` (pool slot rows),
-        `tables` (page ids), `lens` (rows already cached). Returns logits `[n, vocab]`."""
+        `tables` (page ids), `lens` (rows already cached). Returns logits `[n, vocab]` and their argmax `[n]`."""
         count = len(tokens)
         size = next(s for s in self.sizes if s >= count)
         graph, buffers = self._prepare(size)
-        width = buffers.table.shape[1]
-        if any(len(t) > width for t in tables):
-            raise ValueError(f"a sequence holds more than the {width} pages the decode graphs were built for")
-        table = torch.zeros(count, width, dtype=torch.int32)
-        for b, pages in enumerate(tables):
-            table[b, : len(pages)] = torch.tensor(pages, dtype=torch.int32)
-        staged = torch.cat([torch.tensor(tokens), torch.tensor(state_rows), torch.tensor(lens)])
-        staged = staged.to(self.device, non_blocking=True)
-        buffers.tokens[:count, 0] = staged[:count]
-        buffers.state_rows[:count] = staged[count : 2 * count]
-        buffers.lens[:count] = staged[2 * count :].to(torch.int32)
-        buffers.table[:count] = table.to(self.device, non_blocking=True)
-        self._pad(buffers, count)
+        if any(len(t) > buffers.width for t in tables):
+            raise ValueError(f"a sequence holds more than the {buffers.width} pages the decode graphs were built for")
+        buffers.stage(tokens, state_rows, tables, lens, self.scratch_row, self.scratch_page)
         if graph is None:
-            return static_decode_forward(self.model, self.pool, buffers)[:count]
+            logits = static_decode_forward(self.model, self.pool, buffers)[:count]
+            return logits, logits.argmax(dim=-1)
         graph.replay()
-        return buffers.logits[:count]
+        return buffers.logits[:count], buffers.argmax[:count]

@@ -60,10 +60,16 @@ def filter_logits(logits: torch.Tensor, temperature: float, top_k: int, top_p: f
     return logits
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator]) -> list[int]:
-    """One token per row of `logits` `[B, V]`, each row by its own parameters and generator."""
+def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator],
+           argmax: torch.Tensor | None = None) -> list[int]:
+    """One token per row of `logits` `[B, V]`, each row by its own parameters and generator; `argmax` `[B]`: the
+    rows' argmax when already computed (the decode graphs do, on the device)."""
+    greedy = None
+    if any(p.temperature == 0.0 for p in params):  # one transfer for every greedy row
+        greedy = (argmax if argmax is not None else logits.float().argmax(dim=-1)).tolist()
+    if all(p.temperature == 0.0 for p in params):
+        return greedy
     logits = logits.float()
-    greedy = logits.argmax(dim=-1).tolist() if any(p.temperature == 0.0 for p in params) else None  # one transfer
     out = []
     for row, p, gen, best in zip(logits, params, generators, greedy or [None] * len(params)):
         if p.temperature == 0.0:
