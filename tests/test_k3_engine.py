@@ -282,6 +282,27 @@ def test_stop_strings_and_streaming_deltas_add_up_to_the_text():
     assert all(stop not in o.delta for o in outputs)
 
 
+def test_streamed_text_grows_by_each_tokens_bytes(tmp_path):
+    """The engine appends each token's bytes instead of detokenizing the whole output every step: the text after
+    every step equals a full decode of the tokens so far, also when a character's UTF-8 bytes span tokens. The
+    deltas add up to the text although the first step yields two tokens (the prefill's and a decode's)."""
+    from h3gen.pipelines.k3.tiny import write_tokenizer
+    from h3gen.pipelines.k3.tokenizer import K3Tokenizer
+
+    write_tokenizer(tmp_path)
+    tokenizer = K3Tokenizer.from_folder(tmp_path)
+    model = _model("kda")
+    engine = _engine(model, tokenizer=tokenizer)
+    prompt = _prompts(model, [6], seed=11)[0]
+    seen = []
+    for out in engine.stream(prompt, SamplingParams(max_tokens=24, **GREEDY)):
+        seen.append(out)
+        assert out.text == tokenizer.decode(out.token_ids, skip_special=True)
+    assert "".join(o.delta for o in seen) == seen[-1].text
+    split = "\u00e9".encode()  # two bytes as two single-byte tokens: replaced until both are there
+    assert tokenizer.decode([split[0]]) == "\ufffd" and tokenizer.decode(list(split)) == "\u00e9"
+
+
 @pytest.mark.parametrize("family", ["mla", "hybrid"])
 def test_decode_preparation_keeps_the_model_function(family):
     """Stacking experts and fusing projections (what the decode graphs do to a model) leaves the logits of a long

@@ -115,14 +115,15 @@ class K3Tokenizer:
                 ids += self._bpe(piece.encode("utf-8"))
         return ids
 
+    def token_bytes(self, token_id: int, skip_special: bool = False) -> bytes:
+        """The bytes one token stands for (a special token's name, or nothing with `skip_special`)."""
+        token_id = int(token_id)
+        if token_id in self.decoder:
+            return self.decoder[token_id]
+        return b"" if skip_special else self.special_by_id[token_id].encode()
+
     def decode(self, ids, skip_special: bool = False) -> str:
-        out = b""
-        for i in (int(i) for i in ids):
-            if i in self.decoder:
-                out += self.decoder[i]
-            elif not skip_special:
-                out += self.special_by_id[i].encode()
-        return out.decode("utf-8", errors="replace")
+        return b"".join(self.token_bytes(i, skip_special) for i in ids).decode("utf-8", errors="replace")
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, thinking: bool = True,
                             thinking_effort: str | None = "max", image_prompts: list[str] | None = None,

@@ -61,6 +61,7 @@ class Request:
     embeds: torch.Tensor | None = None  # prompt embeddings when images are given
     sent: int = 0  # characters of text already streamed
     text: str = ""
+    text_bytes: bytearray = field(default_factory=bytearray)  # the output's bytes, one token appended per step
     finish_reason: str | None = None
     error: str | None = None
     preemptions: int = 0
@@ -419,17 +420,38 @@ class K3Engine:
         if (token in self.eos_ids and not params.ignore_eos) or token in params.stop_token_ids:
             request.output_ids.pop()
             request.finish_reason = "stop"
+            token = None
         elif len(request.output_ids) >= params.max_tokens:
             request.finish_reason = "length"
         if self.tokenizer is not None:
-            request.text = self.tokenizer.decode(request.output_ids, skip_special=True)
+            request.text = self._text(request, token)
             for stop in params.stop:
                 where = request.text.find(stop)
                 if where >= 0:
                     request.text, request.finish_reason = request.text[:where], "stop"
         if request.finish_reason is not None:
             self._finish(request)
-        outputs[request.id] = self._output(request)
+        self._emit(request, outputs)
+
+    def _emit(self, request: Request, outputs: dict) -> None:
+        """Record the request's output of this step. A request can take two tokens in one step (its prefill's
+        last chunk, then a decode): the step's output then carries both deltas."""
+        output = self._output(request)
+        earlier = outputs.get(request.id)
+        if earlier is not None:
+            output.delta = earlier.delta + output.delta
+        outputs[request.id] = output
+
+    def _text(self, request: Request, token: int | None) -> str:
+        """The output's text after `token` (None: nothing new): the token's bytes appended to the request's, so
+        a step decodes its bytes once instead of detokenizing the whole output again (tokenizers without
+        `token_bytes` do the latter)."""
+        piece = getattr(self.tokenizer, "token_bytes", None)
+        if piece is None:
+            return self.tokenizer.decode(request.output_ids, skip_special=True)
+        if token is not None:
+            request.text_bytes += piece(token, skip_special=True)
+        return request.text_bytes.decode("utf-8", errors="replace")
 
     def _output(self, request: Request) -> RequestOutput:
         text = request.text
@@ -453,4 +475,4 @@ class K3Engine:
         request.finish_reason = "error"
         self._release(request, donate=False)
         request.status = FINISHED
-        outputs[request.id] = self._output(request)
+        self._emit(request, outputs)
