@@ -1,14 +1,9 @@
 """The kernels' e4m3 outputs (the `fast` tier's fused quantization) against their torch references: on the CPU
 under TRITON_INTERPRET=1 with fp32/fp16 inputs, on a GPU with bf16 and fp32."""
 
-import os
-
 import pytest
 import torch
-
-ON_GPU = torch.cuda.is_available()
-if not ON_GPU:
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # must be set before the kernels are defined
+from kernel_cases import DEVICE, DTYPES, ON_GPU, SHAPES, case as _case, err as _err, half_block_inputs, rand as _rand
 
 from h3gen.kernels.attention import attention, fp8_attention  # noqa: E402
 from h3gen.kernels.fp8_quant import Fp8Rows  # noqa: E402
@@ -22,24 +17,6 @@ from h3gen.kernels.qk_norm_rope import reference as rope_ref  # noqa: E402
 from h3gen.kernels.qk_norm_rope import triton as rope_triton  # noqa: E402
 from h3gen.kernels.swiglu import reference as swiglu_ref  # noqa: E402
 from h3gen.kernels.swiglu import triton as swiglu_triton  # noqa: E402
-
-DEVICE = "cuda" if ON_GPU else "cpu"
-DTYPES = [torch.float32, torch.bfloat16] if ON_GPU else [torch.float32, torch.float16]
-SHAPES = [(1, 37, 200), (2, 5, 96), (1, 64, 328)]
-
-
-def _rand(*shape, dtype, generator, scale=1.0):
-    return (torch.randn(*shape, generator=generator, device=DEVICE) * scale).to(dtype)
-
-
-def _case(seed):
-    return torch.Generator(device=DEVICE).manual_seed(seed)
-
-
-def _err(actual, expected):
-    actual, expected = actual.double(), expected.double()
-    return ((actual - expected).norm() / expected.norm()).item()
-
 
 def assert_same_fp8(got: torch.Tensor, expected: torch.Tensor):
     """Two e4m3 tensors equal up to one rounding step (kernel and reference round float32 values computed in a
@@ -71,13 +48,8 @@ def _dequantized(got, expected):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", SHAPES)
 def test_norm_kernels_write_fp8_rows(shape, dtype):
-    g = _case(11)
     batch, seq, hidden = shape
-    x, y = _rand(*shape, dtype=dtype, generator=g), _rand(*shape, dtype=dtype, generator=g)
-    weight = _rand(hidden, dtype=dtype, generator=g)
-    table = _rand(5, 3 * hidden, dtype=dtype, generator=g)
-    gate, shift, scale = table[:, :hidden], table[:, hidden : 2 * hidden], table[:, 2 * hidden :]
-    index = torch.randint(0, 5, (seq,), generator=g, device=DEVICE)
+    x, y, weight, gate, shift, scale, index = half_block_inputs(shape, dtype, seed=11)
 
     got = norm_triton.rmsnorm_modulate(x, weight, shift, scale, index, 1e-5, fp8=True)
     expected = norm_ref.rmsnorm_modulate(x, weight, shift, scale, index, 1e-5, fp8=True)

@@ -1,14 +1,9 @@
 """Every Triton kernel against its torch reference: on the CPU under TRITON_INTERPRET=1 in fp32/fp16 (the
 interpreter gets bf16 wrong), on a GPU in bf16 and fp32. Odd sizes, fresh random inputs, relative errors."""
 
-import os
-
 import pytest
 import torch
-
-ON_GPU = torch.cuda.is_available()
-if not ON_GPU:
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # must be set before the kernels are defined
+from kernel_cases import DEVICE, DTYPES, ON_GPU, SHAPES, case as _case, err as _err, half_block_inputs, rand as _rand
 
 from h3gen.kernels.gated_residual import reference as residual_ref  # noqa: E402
 from h3gen.kernels.gated_residual import triton as residual_triton  # noqa: E402
@@ -19,24 +14,8 @@ from h3gen.kernels.qk_norm_rope import triton as rope_triton  # noqa: E402
 from h3gen.kernels.swiglu import reference as swiglu_ref  # noqa: E402
 from h3gen.kernels.swiglu import triton as swiglu_triton  # noqa: E402
 
-DEVICE = "cuda" if ON_GPU else "cpu"
-DTYPES = [torch.float32, torch.bfloat16] if ON_GPU else [torch.float32, torch.float16]
 # Reference and kernel round differently (the kernel rounds once, at the end): allow a few ulps of the dtype.
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
-SHAPES = [(1, 37, 200), (2, 5, 96), (1, 64, 328)]
-
-
-def _rand(*shape, dtype, generator):
-    return torch.randn(*shape, generator=generator, device=DEVICE).to(dtype)
-
-
-def _err(actual, expected):
-    actual, expected = actual.double(), expected.double()
-    return ((actual - expected).norm() / expected.norm()).item()
-
-
-def _case(seed):
-    return torch.Generator(device=DEVICE).manual_seed(seed)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -57,13 +36,7 @@ def test_rmsnorm_modulate_matches_reference(shape, dtype):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", SHAPES)
 def test_gated_residual_and_fused_norm_match_reference(shape, dtype):
-    g = _case(2)
-    batch, seq, hidden = shape
-    x, y = _rand(*shape, dtype=dtype, generator=g), _rand(*shape, dtype=dtype, generator=g)
-    weight = _rand(hidden, dtype=dtype, generator=g)
-    table = _rand(5, 3 * hidden, dtype=dtype, generator=g)
-    gate, shift, scale = table[:, :hidden], table[:, hidden : 2 * hidden], table[:, 2 * hidden :]
-    index = torch.randint(0, 5, (seq,), generator=g, device=DEVICE)
+    x, y, weight, gate, shift, scale, index = half_block_inputs(shape, dtype, seed=2)
     f32 = [t.float() for t in (x, y, gate)]
     assert _err(residual_triton.gated_residual(x, y, gate, index), residual_ref.gated_residual(*f32, index)) \
         <= TOLERANCE[dtype]

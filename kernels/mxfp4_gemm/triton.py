@@ -226,23 +226,30 @@ def default_config(m: int, n: int, k: int) -> dict:
     return dict(block_m=128, block_n=128, block_k=64, split_k=1, num_warps=8, num_stages=3)
 
 
+def _k_slices(x, n: int, split_k: int, block_k: int) -> tuple[int, int, torch.Tensor]:
+    """K cut into about `split_k` slices of whole tiles: (elements per slice, slices, output). With several slices
+    the output is float32 zeros they add into atomically (the caller casts it back), else the result itself."""
+    m, k = x.shape
+    k_per_split = triton.cdiv(triton.cdiv(k, split_k), block_k) * block_k
+    slices = triton.cdiv(k, k_per_split)
+    out = torch.zeros((m, n), dtype=torch.float32, device=x.device) if slices > 1 else \
+        torch.empty((m, n), dtype=x.dtype, device=x.device)
+    return k_per_split, slices, out
+
+
 def fused_matmul(x, packed, scales, *, block_m: int, block_n: int, block_k: int, split_k: int = 1,
                  swap_ab: bool = False, num_warps: int = 4, num_stages: int = 3):
     """The in-kernel dequantizing GEMM with explicit tiles; `split_k` > 1 sums K slices with float32 atomics;
     `swap_ab` computes the transposed product (for a few rows)."""
     m, k = x.shape
     n = packed.shape[0]
-    k_per_split = triton.cdiv(triton.cdiv(k, split_k), block_k) * block_k
-    split_k = triton.cdiv(k, k_per_split)
-    atomic = split_k > 1
-    out = torch.zeros((m, n), dtype=torch.float32, device=x.device) if atomic else \
-        torch.empty((m, n), dtype=x.dtype, device=x.device)
+    k_per_split, split_k, out = _k_slices(x, n, split_k, block_k)
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n), split_k)
     _fused_kernel[grid](x, packed, scales, out, m, n, k, k_per_split, x.stride(0), packed.stride(0),
                         scales.stride(0), out.stride(0), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-                        PRECISION="ieee" if x.dtype == torch.float32 else "tf32", ATOMIC=atomic, SWAP_AB=swap_ab, num_warps=num_warps,
-                        num_stages=num_stages)
-    return out.to(x.dtype) if atomic else out
+                        PRECISION="ieee" if x.dtype == torch.float32 else "tf32", ATOMIC=split_k > 1,
+                        SWAP_AB=swap_ab, num_warps=num_warps, num_stages=num_stages)
+    return out.to(x.dtype)
 
 
 SCALED_DOT_FORMATS = {torch.bfloat16: "bf16", torch.float16: "fp16"}
@@ -256,34 +263,24 @@ def scaled_matmul(x, packed, scales, *, block_m: int = 16, block_n: int = 64, bl
         raise ValueError(f"the scaled-dot path takes bf16 or fp16 activations, got {x.dtype}.")
     m, k = x.shape
     n = packed.shape[0]
-    split_k = split_k or auto_split(n, k, block_n, block_k)
-    k_per_split = triton.cdiv(triton.cdiv(k, split_k), block_k) * block_k
-    split_k = triton.cdiv(k, k_per_split)
-    atomic = split_k > 1
-    out = torch.zeros((m, n), dtype=torch.float32, device=x.device) if atomic else \
-        torch.empty((m, n), dtype=x.dtype, device=x.device)
+    k_per_split, split_k, out = _k_slices(x, n, split_k or auto_split(n, k, block_n, block_k), block_k)
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n), split_k)
     _scaled_dot_kernel[grid](x, packed, scales, out, m, n, k, packed.shape[1], k_per_split, x.stride(0),
                              packed.stride(0), scales.stride(0), out.stride(0), X_FORMAT=SCALED_DOT_FORMATS[x.dtype],
-                             BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, ATOMIC=atomic, num_warps=num_warps,
-                             num_stages=num_stages)
-    return out.to(x.dtype) if atomic else out
+                             BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, ATOMIC=split_k > 1,
+                             num_warps=num_warps, num_stages=num_stages)
+    return out.to(x.dtype)
 
 
 def gemv(x, packed, scales, *, block_n: int = 16, block_k: int = 2048, split_k: int | None = None,
          num_warps: int = 4, num_stages: int = 3):
     """`x` `[1, K]` times the dequantized weight transposed -> `[1, N]` without tensor cores."""
     k, n = x.shape[1], packed.shape[0]
-    split_k = split_k or auto_split(n, k, block_n, block_k)
-    k_per_split = triton.cdiv(triton.cdiv(k, split_k), block_k) * block_k
-    split_k = triton.cdiv(k, k_per_split)
-    atomic = split_k > 1
-    out = torch.zeros((1, n), dtype=torch.float32, device=x.device) if atomic else \
-        torch.empty((1, n), dtype=x.dtype, device=x.device)
+    k_per_split, split_k, out = _k_slices(x, n, split_k or auto_split(n, k, block_n, block_k), block_k)
     _gemv_kernel[(triton.cdiv(n, block_n), split_k)](x, packed, scales, out, n, k, k_per_split, packed.stride(0),
                                                       scales.stride(0), BLOCK_N=block_n, BLOCK_K=block_k,
-                                                      ATOMIC=atomic, num_warps=num_warps, num_stages=num_stages)
-    return out.to(x.dtype) if atomic else out
+                                                      ATOMIC=split_k > 1, num_warps=num_warps, num_stages=num_stages)
+    return out.to(x.dtype)
 
 
 def mxfp4_matmul(x, packed, scales, *, path: str = "auto", **config):
