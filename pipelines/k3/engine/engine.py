@@ -165,8 +165,8 @@ class K3Engine:
     def step(self) -> list[RequestOutput]:
         """Admit, prefill, decode once. Returns an output for every request that produced text or finished."""
         self.stats["steps"] += 1
-        self._admit()
         outputs: dict[int, RequestOutput] = {}
+        self._admit(outputs)
         budget = self.prefill_budget
         for request in [r for r in self.running if r.status == PREFILL]:
             if budget <= 0:
@@ -258,9 +258,9 @@ class K3Engine:
         self.waiting.insert(0, request)
 
     # ----------------------------------------------------------------- admission
-    def _admit(self) -> None:
+    def _admit(self, outputs: dict) -> None:
         """Start waiting requests in order while the pool holds their first chunk (evicting cache leaves, never
-        preempting running requests for a new one)."""
+        preempting running requests for a new one). A request the pool can never hold fails into `outputs`."""
         while self.waiting and len(self.running) < self.max_batch:
             request = self.waiting[0]
             ids = request.all_ids
@@ -275,7 +275,7 @@ class K3Engine:
                     break
                 if self.cache is None or not self.cache.evict_one():
                     if not self.running:  # nothing will free memory: drop optional checkpoints, else give up
-                        self._fail(request, RuntimeError("the memory pool is too small for this request"), {})
+                        self._fail(request, RuntimeError("the memory pool is too small for this request"), outputs)
                         self.waiting.pop(0)
                         break
                     return  # waits for running requests to free memory
