@@ -6,9 +6,11 @@ the same prompt, must give the same greedy tokens, and are timed the same way.
     python benchmarks/bench_k3.py                 # CUDA, mid-size config (bf16)
     python benchmarks/bench_k3.py --tiny          # CPU smoke run on a tiny config (fp32)
     H3GEN_FLA=1 python benchmarks/bench_k3.py --check   # fla's KDA prefill kernel, checked against the reference
+    python benchmarks/bench_k3.py --check --mxfp4-experts   # routed experts in MXFP4, as K3 ships them
 """
 
 import argparse
+import itertools
 import statistics
 import sys
 import time
@@ -71,7 +73,7 @@ def decode_bytes(model: K3ForCausalLM, batch: int) -> float:
     of `batch` tokens is expected to touch per MoE layer (uniform routing)."""
     config = model.config
     total = expert = 0
-    for name, param in model.named_parameters():
+    for name, param in itertools.chain(model.named_parameters(), model.named_buffers()):  # MXFP4 bytes are buffers
         size = param.numel() * param.element_size()
         if name == "model.embed_tokens.weight":
             continue  # a gather, not a read of the table
@@ -168,7 +170,17 @@ def time_to_first_token(model, system_len, user_len, device, chunk) -> tuple[flo
     return cold, warm, engine.stats["cached_tokens"] - before
 
 
-def correctness_check(tiny: bool, device) -> None:
+def quantize_experts(model: K3ForCausalLM) -> None:
+    """The routed experts to MXFP4 (as K3 checkpoints ship them), quantized where the model is."""
+    from h3gen.pipelines.k3.model import K3Expert
+    from h3gen.quant.mxfp4 import MXFP4Linear
+
+    for expert in [m for m in model.modules() if isinstance(m, K3Expert)]:
+        for name in ("w1", "w2", "w3"):
+            setattr(expert, name, MXFP4Linear.from_linear(getattr(expert, name)))
+
+
+def correctness_check(tiny: bool, device, mxfp4_experts: bool = False) -> None:
     """Before timing: (1) the KDA chunk kernel in use (fla's with H3GEN_FLA=1) against the torch reference, and
     (2) the engine (CUDA graphs and every fused kernel) against the model's own generate with every kernel on its
     torch reference (H3GEN_TRITON=0): greedy tokens in float32 on 4 layers of the benchmark's config, b=1 and
@@ -199,6 +211,8 @@ def correctness_check(tiny: bool, device) -> None:
     with torch.device("meta"):
         model = K3ForCausalLM(config)
     model = randomize(model.to_empty(device=device), seed=0).float().eval()
+    if mxfp4_experts:
+        quantize_experts(model)
     asks = prompts(3, 100, config.vocab_size, seed=5)
     asks[1] = asks[1][:37]
     previous = os.environ.get("H3GEN_TRITON")
@@ -225,13 +239,15 @@ def main():
     parser.add_argument("--steps", type=int, default=None, help="decode steps timed per batch size")
     parser.add_argument("--check", action="store_true", help="check the kernels and the engine against the torch "
                                                              "references first (float32, 4 layers)")
+    parser.add_argument("--mxfp4-experts", action="store_true",
+                        help="routed experts in MXFP4, as K3 ships them (decode graphs asked for explicitly)")
     args = parser.parse_args()
     device = torch.device("cpu" if args.tiny or not torch.cuda.is_available() else "cuda")
     if device.type == "cpu" and not args.tiny:
         print("no CUDA device: running the tiny config (use --tiny to ask for it)", file=sys.stderr)
         args.tiny = True
     if args.check:
-        correctness_check(args.tiny, device)
+        correctness_check(args.tiny, device, args.mxfp4_experts)
     dtype = torch.float32 if args.tiny else torch.bfloat16
     if args.tiny:
         torch.set_num_threads(1)  # tiny matrices: more OpenMP threads only stall
@@ -246,18 +262,22 @@ def main():
     for name, param in model.named_parameters():  # the float32 islands K3 keeps (the loader's rule)
         if keeps_fp32(name, K3ForCausalLM.keep_fp32_modules):
             param.data = param.data.float()
+    if args.mxfp4_experts:
+        quantize_experts(model)
     bandwidth = measured_bandwidth(device)
     roof_bw = bandwidth if bandwidth == bandwidth else H200_BANDWIDTH
     params = sum(p.numel() for p in model.parameters())
-    print(f"device {torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}, {params / 1e9:.3f} B params "
-          f"({dtype}), measured copy bandwidth {bandwidth / 1e12:.2f} TB/s", flush=True)
+    weight_bytes = sum(t.numel() * t.element_size() for t in itertools.chain(model.parameters(), model.buffers()))
+    print(f"device {torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}, {params / 1e9:.3f} B dense "
+          f"params ({dtype}{', MXFP4 experts' if args.mxfp4_experts else ''}), {weight_bytes / 1e9:.2f} GB of "
+          f"weights, measured copy bandwidth {bandwidth / 1e12:.2f} TB/s", flush=True)
 
     engine_options = dict(page_size=64 if not args.tiny else 16, chunk_size=chunk, max_context=2048)
     ref_rate, ref_tokens = reference_rate(model, prompts(1, 128, config.vocab_size, seed=1)[0], steps, device)
     rows = []
     # The eager engine (no CUDA graphs) first: building a graphed engine stacks the MoE experts of the model.
     variants = [(1, False)] if device.type == "cuda" else []
-    variants += [(batch, None) for batch in (1, 8, 32)]
+    variants += [(batch, True if args.mxfp4_experts else None) for batch in (1, 8, 32)]
     for batch, graphs in variants:
         rate, outputs = decode_rate(model, batch, 128, steps, device, cuda_graphs=graphs, **engine_options)
         roof = batch * roof_bw / decode_bytes(model, batch)

@@ -103,8 +103,7 @@ class K3Engine:
         self.pool = MemoryPool(config, self.dtype, self.device, pool_bytes, page_size)
         self.cache = RadixCache(self.pool) if prefix_cache else None
         if cuda_graphs is None:
-            cuda_graphs = self.device.type == "cuda" and capture_blocker(
-                model, page_size, self.pool.uses_pages, measured_only=True) is None
+            cuda_graphs = self.device.type == "cuda" and capture_blocker(page_size, self.pool.uses_pages) is None
         self.graphs = DecodeGraphs(model, self.pool, max_batch, -(-max_context // page_size), self.device) \
             if cuda_graphs else None
         self.num_layers = config.num_hidden_layers
