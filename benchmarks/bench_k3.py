@@ -24,7 +24,7 @@ from common import print_table  # noqa: E402
 from h3gen.loading.load import keeps_fp32  # noqa: E402
 from h3gen.pipelines.k3.config import K3Config  # noqa: E402
 from h3gen.pipelines.k3.engine import K3Engine, SamplingParams  # noqa: E402
-from h3gen.pipelines.k3.model import K3ForCausalLM  # noqa: E402
+from h3gen.pipelines.k3.model import K3ForCausalLM, quantize_experts_mxfp4  # noqa: E402
 from h3gen.pipelines.k3.tiny import randomize  # noqa: E402
 
 H200_BANDWIDTH = 4.8e12  # bytes/s, HBM3e nominal; the script also measures a device copy
@@ -170,16 +170,6 @@ def time_to_first_token(model, system_len, user_len, device, chunk) -> tuple[flo
     return cold, warm, engine.stats["cached_tokens"] - before
 
 
-def quantize_experts(model: K3ForCausalLM) -> None:
-    """The routed experts to MXFP4 (as K3 checkpoints ship them), quantized where the model is."""
-    from h3gen.pipelines.k3.model import K3Expert
-    from h3gen.quant.mxfp4 import MXFP4Linear
-
-    for expert in [m for m in model.modules() if isinstance(m, K3Expert)]:
-        for name in ("w1", "w2", "w3"):
-            setattr(expert, name, MXFP4Linear.from_linear(getattr(expert, name)))
-
-
 def correctness_check(tiny: bool, device, mxfp4_experts: bool = False) -> None:
     """Before timing: (1) the KDA chunk kernel in use (fla's with H3GEN_FLA=1) against the torch reference, and
     (2) the engine (CUDA graphs and every fused kernel) against the model's own generate with every kernel on its
@@ -212,7 +202,7 @@ def correctness_check(tiny: bool, device, mxfp4_experts: bool = False) -> None:
         model = K3ForCausalLM(config)
     model = randomize(model.to_empty(device=device), seed=0).float().eval()
     if mxfp4_experts:
-        quantize_experts(model)
+        quantize_experts_mxfp4(model)
     asks = prompts(3, 100, config.vocab_size, seed=5)
     asks[1] = asks[1][:37]
     previous = os.environ.get("H3GEN_TRITON")
@@ -263,7 +253,7 @@ def main():
         if keeps_fp32(name, K3ForCausalLM.keep_fp32_modules):
             param.data = param.data.float()
     if args.mxfp4_experts:
-        quantize_experts(model)
+        quantize_experts_mxfp4(model)
     bandwidth = measured_bandwidth(device)
     roof_bw = bandwidth if bandwidth == bandwidth else H200_BANDWIDTH
     params = sum(p.numel() for p in model.parameters())

@@ -11,7 +11,7 @@ from h3gen.errors import RequestError
 from h3gen.pipelines.k3.config import K3Config
 from h3gen.pipelines.k3.engine import K3Engine, MemoryPool, RadixCache, SamplingParams
 from h3gen.pipelines.k3.engine.sampling import filter_logits
-from h3gen.pipelines.k3.model import K3ForCausalLM
+from h3gen.pipelines.k3.model import K3ForCausalLM, quantize_experts_mxfp4
 from h3gen.pipelines.k3.tiny import randomize, tiny_config
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
@@ -49,14 +49,7 @@ _MODELS = {}
 def _model(family: str) -> K3ForCausalLM:
     if family not in _MODELS:
         model = randomize(K3ForCausalLM(FAMILIES[family]()), seed=3).eval()
-        if family.endswith("mxfp4"):  # quantize the routed experts
-            from h3gen.pipelines.k3.model import K3Expert
-            from h3gen.quant.mxfp4 import MXFP4Linear
-
-            for expert in [m for m in model.modules() if isinstance(m, K3Expert)]:
-                for name in ("w1", "w2", "w3"):
-                    setattr(expert, name, MXFP4Linear.from_linear(getattr(expert, name)))
-        _MODELS[family] = model
+        _MODELS[family] = quantize_experts_mxfp4(model) if family.endswith("mxfp4") else model
     return _MODELS[family]
 
 
@@ -300,6 +293,25 @@ def test_streamed_text_grows_by_each_tokens_bytes(tmp_path):
     assert "".join(o.delta for o in seen) == seen[-1].text
     split = "\u00e9".encode()  # two bytes as two single-byte tokens: replaced until both are there
     assert tokenizer.decode([split[0]]) == "\ufffd" and tokenizer.decode(list(split)) == "\u00e9"
+
+
+def test_mxfp4_experts_widened_for_a_long_prefill_match_the_per_expert_path(monkeypatch):
+    """Stacked MXFP4 experts and more (token, slot) pairs than the per-pair path takes: the experts are widened to
+    the compute dtype once for the call and run through the grouped path; equal to the unstacked per-expert loop."""
+    import h3gen.pipelines.k3.model as k3_model
+
+    model = quantize_experts_mxfp4(randomize(K3ForCausalLM(FAMILIES["hybrid-mxfp4"]()), seed=7).eval())
+    moe = next(m for m in model.modules() if isinstance(m, k3_model.K3MoE))
+    x = torch.randn(150, model.config.hidden_size, generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        expected = moe(x)  # per-expert loop over MXFP4 linears
+        assert moe.stack_experts() and moe.stacked_mxfp4 is not None
+        monkeypatch.setattr(k3_model, "MXFP4_DEVICE_ROUTING_MAX_PAIRS", 0)  # force the widened path
+        calls = []
+        original = moe._widened_experts
+        monkeypatch.setattr(moe, "_widened_experts", lambda width: calls.append(width) or original(width))
+        got = moe(x)
+    assert calls and ((got - expected).norm() / expected.norm()).item() < 1e-5
 
 
 @pytest.mark.parametrize("family", ["mla", "hybrid"])

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from h3gen.kernels.kda import kda_chunked, kda_decode, kda_gate, l2_normalize, short_conv
 from h3gen.kernels.mla_decode import mla_decode
+from h3gen.kernels.mxfp4_gemm import dequantize_weight
 from h3gen.kernels.moe import (expert_gemv, expert_gemv_mxfp4, expert_swiglu_down, grouped_gemm, grouped_mxfp4_gemm,
                                route_topk, router_logits, sort_by_expert, stacked_experts)
 from h3gen.kernels.rmsnorm import add_rms_norm, rms_norm
@@ -411,14 +412,18 @@ class K3MoE(nn.Module):
 
     def routed(self, h: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """`h` `[T, W]` -> `sum_k weights[:, k] E_{ids[:, k]}(h)` `[T, W]`: tokens grouped by expert (with stacked
-        experts on the device, `stacked_experts`), or, for few tokens with stacked experts, each (token, expert)
-        pair through `expert_gemv`."""
+        experts on the device, `stacked_experts`; stacked MXFP4 experts widened to the compute dtype for the call),
+        or, for few tokens with stacked experts, each (token, expert) pair through `expert_gemv`."""
         if self.stacked_mxfp4 is not None and ids.numel() <= MXFP4_DEVICE_ROUTING_MAX_PAIRS:
             return self._routed_on_device(h, weights, ids)
-        if self.stacked is not None:
-            if ids.numel() <= DEVICE_ROUTING_MAX_PAIRS:
-                return self._routed_on_device(h, weights, ids)
-            out = stacked_experts(h, *self.stacked, ids, lambda g, u: gated_activation(self.config, g, u),
+        if self.stacked is not None and ids.numel() <= DEVICE_ROUTING_MAX_PAIRS:
+            return self._routed_on_device(h, weights, ids)
+        stacked = self.stacked
+        if self.stacked_mxfp4 is not None:  # a prefill: every expert is likely picked, widen them all once
+            stacked = self._widened_experts(h.shape[-1])
+            h = h.to(stacked[0].dtype)
+        if stacked is not None:
+            out = stacked_experts(h, *stacked, ids, lambda g, u: gated_activation(self.config, g, u),
                                   swiglu=self.config.hidden_act != "situ")
             return (out.view(*ids.shape, -1) * weights[..., None].to(out.dtype)).sum(dim=1)
         top_k = ids.shape[1]
@@ -430,6 +435,18 @@ class K3MoE(nn.Module):
         down = _grouped(gated_activation(self.config, gate, up), offsets, [e.w2 for e in self.experts])
         scaled = down * weights.reshape(-1)[order, None].to(down.dtype)
         return torch.zeros_like(h).index_add_(0, tokens, scaled)
+
+    def _widened_experts(self, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The stacked MXFP4 experts in their compute dtype, `up_gate` `[E, 2I, W]` and `down` `[E, W, I]`: a
+        temporary copy for one call (one dequantizing pass; the grouped GEMMs then need no host synchronisation)."""
+        (packed_up_gate, scales_up_gate), (packed_down, scales_down) = self.stacked_mxfp4
+        dtype = self.experts[0].w1.compute_dtype
+        experts, inter2, _ = packed_up_gate.shape
+        up_gate = dequantize_weight(packed_up_gate.reshape(experts * inter2, -1),
+                                    scales_up_gate.reshape(experts * inter2, -1), dtype, width)
+        down = dequantize_weight(packed_down.reshape(experts * width, -1), scales_down.reshape(experts * width, -1),
+                                 dtype, inter2 // 2)
+        return up_gate.view(experts, inter2, width), down.view(experts, width, inter2 // 2)
 
     def _routed_on_device(self, h: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         tokens, top_k = ids.shape
@@ -471,6 +488,17 @@ class K3MoE(nn.Module):
         if self.config.num_shared_experts:
             y = y + self.shared_experts(x)
         return y.view(shape)
+
+
+def quantize_experts_mxfp4(model: nn.Module) -> nn.Module:
+    """Replace every routed expert's linears by `MXFP4Linear`s quantized from them (the format K3 checkpoints ship
+    their experts in), where the model is; returns the model."""
+    from h3gen.quant.mxfp4 import MXFP4Linear
+
+    for expert in [m for m in model.modules() if isinstance(m, K3Expert)]:
+        for name in ("w1", "w2", "w3"):
+            setattr(expert, name, MXFP4Linear.from_linear(getattr(expert, name)))
+    return model
 
 
 class K3ResidualQuery(nn.Module):
