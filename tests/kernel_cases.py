@@ -40,3 +40,14 @@ def half_block_inputs(shape, dtype, seed: int):
     gate, shift, scale = table[:, :hidden], table[:, hidden : 2 * hidden], table[:, 2 * hidden :]
     index = torch.randint(0, 5, (shape[1],), generator=g, device=DEVICE)
     return x, y, weight, gate, shift, scale, index
+
+
+def qk_inputs(heads: int, head_dim: int, rotary: int, dtype, seed: int, batch: int = 2, seq: int = 19):
+    """The inputs of q/k norm + RoPE: `q`, `k` `(batch, seq, heads, head_dim)`, norm weights `(head_dim,)` each,
+    and `cos`, `sin` `(seq, rotary)` float32 whose two halves repeat (as the model's rotary embedding builds them)."""
+    g = case(seed)
+    q, k = (rand(batch, seq, heads, head_dim, dtype=dtype, generator=g) for _ in range(2))
+    wq, wk = (rand(head_dim, dtype=dtype, generator=g) for _ in range(2))
+    angles = torch.rand(seq, rotary // 2, generator=g, device=DEVICE) * 40
+    angles = torch.cat([angles, angles], dim=-1)
+    return q, k, wq, wk, angles.cos(), angles.sin()

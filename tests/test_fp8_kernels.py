@@ -3,7 +3,8 @@ under TRITON_INTERPRET=1 with fp32/fp16 inputs, on a GPU with bf16 and fp32."""
 
 import pytest
 import torch
-from kernel_cases import DEVICE, DTYPES, ON_GPU, SHAPES, case as _case, err as _err, half_block_inputs, rand as _rand
+from kernel_cases import (DEVICE, DTYPES, ON_GPU, SHAPES, case as _case, err as _err, half_block_inputs, qk_inputs,
+                          rand as _rand)
 
 from h3gen.kernels.attention import attention, fp8_attention  # noqa: E402
 from h3gen.kernels.fp8_quant import Fp8Rows  # noqa: E402
@@ -87,14 +88,9 @@ def test_quantize_rows_keeps_the_shape():
 @pytest.mark.parametrize("heads,head_dim,rotary", [(7, 24, 12), (3, 128, 96)])
 @pytest.mark.parametrize("heads_first", [False, True])
 def test_qk_norm_rope_writes_fp8_heads_with_a_bound_scale(heads, head_dim, rotary, heads_first, dtype):
-    g = _case(14)
-    batch, seq = 2, 19
-    q, k = (_rand(batch, seq, heads, head_dim, dtype=dtype, generator=g) for _ in range(2))
-    # One channel whose weight dominates, as trained norms have: the bound must still hold and values stay normal.
-    wq, wk = (_rand(head_dim, dtype=dtype, generator=g) for _ in range(2))
-    wq[3] = 6.0
-    angles = torch.rand(seq, rotary // 2, generator=g, device=DEVICE) * 40
-    cos, sin = torch.cat([angles, angles], dim=-1).cos(), torch.cat([angles, angles], dim=-1).sin()
+    batch = 2
+    q, k, wq, wk, cos, sin = qk_inputs(heads, head_dim, rotary, dtype, seed=14, batch=batch)
+    wq[3] = 6.0  # one channel whose weight dominates, as trained norms have: the bound must hold, values stay normal
     got = rope_triton.qk_norm_rope(q, k, wq, wk, cos, sin, 1e-5, heads_first, fp8=True)
     expected = rope_ref.qk_norm_rope(q, k, wq, wk, cos, sin, 1e-5, heads_first, fp8=True)
     dense = rope_ref.qk_norm_rope(q.float(), k.float(), wq.float(), wk.float(), cos, sin, 1e-5, heads_first)

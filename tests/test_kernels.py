@@ -3,7 +3,8 @@ interpreter gets bf16 wrong), on a GPU in bf16 and fp32. Odd sizes, fresh random
 
 import pytest
 import torch
-from kernel_cases import DEVICE, DTYPES, ON_GPU, SHAPES, case as _case, err as _err, half_block_inputs, rand as _rand
+from kernel_cases import (DEVICE, DTYPES, ON_GPU, SHAPES, case as _case, err as _err, half_block_inputs, qk_inputs,
+                          rand as _rand)
 
 from h3gen.kernels.gated_residual import reference as residual_ref  # noqa: E402
 from h3gen.kernels.gated_residual import triton as residual_triton  # noqa: E402
@@ -53,13 +54,7 @@ def test_gated_residual_and_fused_norm_match_reference(shape, dtype):
 @pytest.mark.parametrize("heads,head_dim,rotary", [(7, 24, 12), (3, 128, 96), (5, 32, 32)])
 @pytest.mark.parametrize("heads_first", [False, True])
 def test_qk_norm_rope_matches_reference(heads, head_dim, rotary, heads_first, dtype):
-    g = _case(3)
-    batch, seq = 2, 19
-    q, k = (_rand(batch, seq, heads, head_dim, dtype=dtype, generator=g) for _ in range(2))
-    wq, wk = (_rand(head_dim, dtype=dtype, generator=g) for _ in range(2))
-    angles = torch.rand(seq, rotary // 2, generator=g, device=DEVICE) * 40
-    angles = torch.cat([angles, angles], dim=-1)
-    cos, sin = angles.cos(), angles.sin()
+    q, k, wq, wk, cos, sin = qk_inputs(heads, head_dim, rotary, dtype, seed=3)
     expected = rope_ref.qk_norm_rope(q.float(), k.float(), wq.float(), wk.float(), cos, sin, 1e-5, heads_first)
     for per_program in (64, 2):  # all heads in one program, or groups of 2 (the last group partly masked)
         got = rope_triton.qk_norm_rope(q, k, wq, wk, cos, sin, 1e-5, heads_first, heads_per_program=per_program)
