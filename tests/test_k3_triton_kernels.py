@@ -203,16 +203,68 @@ def test_grouped_expert_gemm_matches_per_expert_reference(tokens, experts, top_k
     assert torch.equal(block_expert[block_of], pairs[placed])
 
 
-@pytest.mark.parametrize("rows,experts,n,k", [(1, 3, 37, 64), (6, 5, 20, 40), (4, 2, 48, 300)])
-def test_mxfp4_expert_gemv_matches_reference(rows, experts, n, k):
+@pytest.mark.parametrize("tokens,top_k,experts,n,k", [(1, 1, 3, 37, 64), (3, 2, 5, 20, 40), (2, 2, 2, 48, 300),
+                                                       (1, 6, 8, 16, 520)])
+def test_mxfp4_expert_gemv_matches_reference(tokens, top_k, experts, n, k):
+    """Each (token, slot) pair through its MXFP4 expert, reading the token's row (odd widths end inside a group of
+    32; 520 spans three 256-wide steps), against the dequantized per-pair product."""
     from h3gen.quant.mxfp4 import quantize
 
-    g = torch.Generator(device=DEVICE).manual_seed(rows * n + k)
+    g = torch.Generator(device=DEVICE).manual_seed(tokens * n + k)
     weights = [torch.randn(n, k, generator=g, device=DEVICE) for _ in range(experts)]
     packed, scales = (torch.stack(parts) for parts in zip(*(quantize(w) for w in weights)))
-    x = torch.randn(rows, k, generator=g, device=DEVICE)
-    ids = torch.randint(0, experts, (rows,), generator=g, device=DEVICE)
-    expected = moe_ref.expert_gemv_mxfp4(x, packed, scales, ids)
-    got = moe_triton.expert_gemv_mxfp4(x, packed, scales, ids)
-    assert got.shape == (rows, n)
+    x = torch.randn(tokens, k, generator=g, device=DEVICE)
+    ids = torch.randint(0, experts, (tokens * top_k,), generator=g, device=DEVICE)
+    expected = moe_ref.expert_gemv_mxfp4(x, packed, scales, ids, top_k)
+    got = moe_triton.expert_gemv_mxfp4(x, packed, scales, ids, top_k)
+    assert got.shape == (tokens * top_k, n)
     assert _err(got, expected) <= 1e-5
+    pair = tokens * top_k - 1
+    direct = moe_ref.dequantize(packed[ids[pair]], scales[ids[pair]], torch.float64, k) @ x[pair // top_k].double()
+    assert _err(got[pair], direct) <= 1e-5
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("tokens,top_k,experts,inter,width", [(1, 6, 8, 48, 70), (3, 2, 5, 300, 33), (2, 1, 3, 17, 130)])
+def test_mxfp4_decode_expert_tail_matches_reference(tokens, top_k, experts, inter, width, dtype):
+    """SwiGLU, the MXFP4 down experts and the weighted slot sum in one kernel, against the reference and against the
+    plain per-pair computation over the dequantized experts."""
+    from h3gen.quant.mxfp4 import dequantize, quantize
+
+    g = torch.Generator(device=DEVICE).manual_seed(tokens * 13 + inter)
+    down = [torch.randn(width, inter, generator=g, device=DEVICE) / inter**0.5 for _ in range(experts)]
+    packed, scales = (torch.stack(parts) for parts in zip(*(quantize(w) for w in down)))
+    both = torch.randn(tokens * top_k, 2 * inter, generator=g, device=DEVICE).to(dtype)
+    ids = torch.stack([torch.randperm(experts, generator=torch.Generator().manual_seed(t))[:top_k]
+                       for t in range(tokens)]).to(DEVICE)
+    weights = torch.rand(tokens, top_k, generator=g, device=DEVICE)
+    out = moe_triton.expert_swiglu_down_mxfp4(both, packed, scales, ids, weights)
+    assert out.shape == (tokens, width) and out.dtype == dtype
+    tolerance = 1e-5 if dtype == torch.float32 else 3e-3
+    assert _err(out, moe_ref.expert_swiglu_down_mxfp4(both, packed, scales, ids, weights)) <= tolerance
+    plain = torch.zeros(tokens, width, dtype=torch.float64, device=DEVICE)
+    for t in range(tokens):
+        for j in range(top_k):
+            e = int(ids[t, j])
+            up, gate = both[t * top_k + j].double().chunk(2)
+            weight = dequantize(packed[e], scales[e], torch.float64, inter)
+            plain[t] += weights[t, j].double() * (weight @ (up * torch.sigmoid(gate) * gate))
+    assert _err(out, plain) <= (1e-5 if dtype == torch.float32 else 1e-2)
+
+
+def test_word_decoding_covers_every_code_and_scale_edge():
+    """Every E2M1 code at every position of a word, tiny, unit and huge scales, and NaN scales, through the
+    word-decoding expert GEMV against float64 (activations are powers of two, so every product is exact)."""
+    from h3gen.quant.mxfp4 import dequantize
+
+    n, k = 5, 64
+    codes = torch.arange(16, dtype=torch.uint8).repeat(n, k // 16)
+    packed = (codes[:, 0::2] | (codes[:, 1::2] << 4)).contiguous()[None]  # low nibble = even element
+    scales = torch.tensor([[1, 127], [100, 130], [180, 60], [0, 3], [255, 127]], dtype=torch.uint8)[None]
+    x = torch.tensor([2.0 ** (i % 5 - 2) for i in range(k)])[None]
+    ids = torch.zeros(1, dtype=torch.long)
+    got = moe_triton.expert_gemv_mxfp4(x.to(DEVICE), packed.to(DEVICE), scales.to(DEVICE), ids.to(DEVICE)).cpu()
+    expected = dequantize(packed[0], scales[0], torch.float64, k) @ x[0].double()
+    assert torch.isnan(got[0, 4]) and torch.isnan(expected[4])
+    assert torch.allclose(got[0, :4].double(), expected[:4], rtol=1e-6, atol=0)
+    assert 0 < abs(got[0, 3]) < 1e-30  # a row of the smallest scales keeps its (tiny) value

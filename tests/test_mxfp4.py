@@ -150,13 +150,14 @@ def test_triton_dequantize_matches_reference_including_special_scales():
     weight[5, 40] = float("nan")  # its whole 32-block (elements 32..63) decodes to NaN
     packed, scales = quantize(weight)
     packed[7], scales[7, 0] = 0xFF, 0  # the smallest scale and the largest magnitude codes
-    got = gemm_triton.dequantize(packed, scales, torch.float32, 100)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    got = gemm_triton.dequantize(packed.to(device), scales.to(device), torch.float32, 100).cpu()
     expected = dequantize(packed, scales, torch.float32, 100)
     assert torch.equal(got.isnan(), expected.isnan()) and got[5, 32:64].isnan().all()
     assert torch.equal(torch.nan_to_num(got), torch.nan_to_num(expected))
     x = torch.randn(4, 100, generator=g)
-    product = gemm_triton.mxfp4_matmul(x, packed[:4], scales[:4], path="dequant")
-    assert torch.allclose(product, gemm_ref.mxfp4_matmul(x, packed[:4], scales[:4]), rtol=1e-5, atol=0)
+    product = gemm_triton.mxfp4_matmul(x.to(device), packed[:4].to(device), scales[:4].to(device), path="dequant")
+    assert torch.allclose(product.cpu(), gemm_ref.mxfp4_matmul(x, packed[:4], scales[:4]), rtol=1e-5, atol=0)
 
 
 def test_saved_quantized_checkpoint_round_trips(tmp_path):

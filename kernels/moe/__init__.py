@@ -3,8 +3,9 @@ grouped expert GEMMs `grouped_gemm` (dense) / `grouped_mxfp4_gemm` (MXFP4 weight
 decode step with no host synchronisation (CUDA-graph safe): `router_logits`, `expert_gemv` (each (token, slot) pair
 through its own expert of a stacked weight) and `expert_swiglu_down` (SwiGLU, down experts and the weighted sum).
 
-Those, `expert_gemv_mxfp4`, `stacked_experts` and `route_topk` (without expert groups) take their Triton kernels on
-CUDA; the others are torch references on every device."""
+Those, their MXFP4-expert twins `expert_gemv_mxfp4` and `expert_swiglu_down_mxfp4`, `stacked_experts` and
+`route_topk` (without expert groups) take their Triton kernels on CUDA; the others are torch references on every
+device."""
 
 from h3gen.kernels._dispatch import use_triton
 from h3gen.kernels.moe import reference
@@ -50,13 +51,23 @@ def router_logits(x, weight):
     return reference.router_logits(x, weight)
 
 
-def expert_gemv_mxfp4(x, packed, scales, ids):
+def expert_gemv_mxfp4(x, packed, scales, ids, top_k=1):
     """`expert_gemv` for MXFP4 experts: `packed` `[E, N, Kp / 2]`, `scales` `[E, N, Kp / 32]` -> `[P, N]`."""
     if use_triton(x):
         from h3gen.kernels.moe import triton as fast
 
-        return fast.expert_gemv_mxfp4(x, packed, scales, ids)
-    return reference.expert_gemv_mxfp4(x, packed, scales, ids)
+        return fast.expert_gemv_mxfp4(x, packed, scales, ids, top_k)
+    return reference.expert_gemv_mxfp4(x, packed, scales, ids, top_k)
+
+
+def expert_swiglu_down_mxfp4(both, packed, scales, ids, weights):
+    """`expert_swiglu_down` for MXFP4 down experts: `packed` `[E, W, Ip / 2]`, `scales` `[E, W, Ip / 32]` ->
+    `[T, W]` (one Triton kernel on CUDA)."""
+    if use_triton(both):
+        from h3gen.kernels.moe import triton as fast
+
+        return fast.expert_swiglu_down_mxfp4(both, packed, scales, ids, weights)
+    return reference.expert_swiglu_down_mxfp4(both, packed, scales, ids, weights)
 
 
 def stacked_experts(h, up_gate, down, ids, activation, swiglu: bool):
@@ -74,5 +85,5 @@ def stacked_experts(h, up_gate, down, ids, activation, swiglu: bool):
     return reference.stacked_experts(h, up_gate, down, ids, activation)
 
 
-__all__ = ["expert_gemv", "expert_gemv_mxfp4", "expert_swiglu_down", "grouped_gemm", "grouped_mxfp4_gemm",
+__all__ = ["expert_gemv", "expert_gemv_mxfp4", "expert_swiglu_down", "expert_swiglu_down_mxfp4", "grouped_gemm", "grouped_mxfp4_gemm",
            "route_topk", "router_logits", "sort_by_expert", "stacked_experts"]

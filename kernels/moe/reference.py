@@ -102,12 +102,27 @@ def stacked_experts(h: torch.Tensor, up_gate: torch.Tensor, down: torch.Tensor, 
     return torch.empty_like(out).index_copy_(0, order, out)
 
 
-def expert_gemv_mxfp4(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """`expert_gemv` with MXFP4 experts: `packed` `[E, N, Kp / 2]` uint8, `scales` `[E, N, Kp / 32]` uint8 (`Kp`
-    the input width padded to 32, `x` `[P, K]` with K <= Kp) -> `[P, N]` in x.dtype, float32 math."""
-    out = x.new_empty(x.shape[0], packed.shape[1])
-    for row in range(x.shape[0]):
-        expert = int(ids[row])
+def expert_gemv_mxfp4(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, ids: torch.Tensor,
+                      top_k: int = 1) -> torch.Tensor:
+    """`expert_gemv` with MXFP4 experts: pair p (row `p // top_k` of `x` `[P / top_k, K]`) times expert `ids[p]`
+    (`packed` `[E, N, Kp / 2]` uint8, `scales` `[E, N, Kp / 32]` uint8, `Kp` the input width padded to 32, K <= Kp)
+    -> `[P, N]` in x.dtype, float32 math."""
+    out = x.new_empty(ids.numel(), packed.shape[1])
+    for pair in range(ids.numel()):
+        expert = int(ids[pair])
         weight = dequantize(packed[expert], scales[expert], torch.float32, in_features=x.shape[-1])
-        out[row] = (weight @ x[row].float()).to(x.dtype)
+        out[pair] = (weight @ x[pair // top_k].float()).to(x.dtype)
     return out
+
+
+def expert_swiglu_down_mxfp4(both: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, ids: torch.Tensor,
+                             weights: torch.Tensor) -> torch.Tensor:
+    """`expert_swiglu_down` with MXFP4 down experts (`packed` `[E, W, Ip / 2]`, `scales` `[E, W, Ip / 32]`)."""
+    tokens, top_k = ids.shape
+    act = swiglu(both).float()
+    out = torch.zeros(tokens, packed.shape[1], dtype=torch.float32, device=both.device)
+    for pair in range(ids.numel()):
+        expert = int(ids.reshape(-1)[pair])
+        weight = dequantize(packed[expert], scales[expert], torch.float32, in_features=act.shape[-1])
+        out[pair // top_k] += weights.reshape(-1)[pair].float() * (weight @ act[pair])
+    return out.to(both.dtype)

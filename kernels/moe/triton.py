@@ -6,7 +6,7 @@ import triton
 import triton.language as tl
 
 from h3gen.kernels._dispatch import next_power_of_2
-from h3gen.kernels.mxfp4_gemm.triton import _weight_tile
+from h3gen.kernels.mxfp4_gemm.triton import _word_rows_dot, _word_x, word_rows
 
 
 @triton.jit
@@ -260,35 +260,97 @@ def grouped_expert_gemm(x: torch.Tensor, weight: torch.Tensor, rows: torch.Tenso
 
 
 @triton.jit
-def _expert_gemv_mxfp4_kernel(x_ptr, packed_ptr, scale_ptr, ids_ptr, out_ptr, N, K, stride_pe, stride_pn, stride_se,
-                              stride_sn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
+def _expert_gemv_mxfp4_kernel(x_ptr, packed_ptr, scale_ptr, ids_ptr, out_ptr, N, K, top_k, stride_pe, stride_pn,
+                              stride_se, stride_sn, BLOCK_N: tl.constexpr, WORDS: tl.constexpr):
+    pair = tl.program_id(0).to(tl.int64)  # a (token, slot) pair; its input is the token's row
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
-    expert = tl.load(ids_ptr + row).to(tl.int64)
+    expert = tl.load(ids_ptr + pair).to(tl.int64)
     packed = packed_ptr + expert * stride_pe
     scales = scale_ptr + expert * stride_se
-    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        low, high = _weight_tile(packed, scales, offs_n, n_ok, k0, K, stride_pn, stride_sn, tl.float32, BLOCK_N,
-                                 BLOCK_K)  # the even and odd input elements' weights, [BLOCK_N, BLOCK_K / 2]
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        x = tl.load(x_ptr + row * K + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
-        x_even, x_odd = tl.split(tl.reshape(x, (BLOCK_K // 2, 2)))
-        acc += tl.sum(low * x_even[None, :], axis=1) + tl.sum(high * x_odd[None, :], axis=1)
-    tl.store(out_ptr + row * N + offs_n, acc.to(out_ptr.dtype.element_ty), mask=n_ok)
+    acc = tl.zeros((BLOCK_N, WORDS // 4), dtype=tl.float32)
+    for k0 in range(0, K, 8 * WORDS):
+        x8 = _word_x(x_ptr + (pair // top_k) * K, k0, K, WORDS)
+        acc += _word_rows_dot(packed, scales, offs_n, n_ok, k0, K, stride_pn, stride_sn, x8, WORDS)
+    total = tl.sum(acc, axis=1)
+    tl.store(out_ptr + pair * N + offs_n, total.to(out_ptr.dtype.element_ty), mask=n_ok)
+
+
+@triton.jit
+def _expert_swiglu_down_mxfp4_kernel(both_ptr, packed_ptr, scale_ptr, ids_ptr, weights_ptr, out_ptr, N, inter, top_k,
+                                     stride_pe, stride_pn, stride_se, stride_sn, BLOCK_N: tl.constexpr,
+                                     WORDS: tl.constexpr):
+    token = tl.program_id(0).to(tl.int64)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    total = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for slot in range(0, top_k):
+        pair = token * top_k + slot
+        expert = tl.load(ids_ptr + pair).to(tl.int64)
+        packed = packed_ptr + expert * stride_pe
+        scales = scale_ptr + expert * stride_se
+        acc = tl.zeros((BLOCK_N, WORDS // 4), dtype=tl.float32)
+        for k0 in range(0, inter, 8 * WORDS):
+            ks = k0 + tl.arange(0, WORDS)[:, None] * 8 + tl.arange(0, 8)[None, :]
+            up = tl.load(both_ptr + pair * 2 * inter + ks, mask=ks < inter, other=0.0).to(tl.float32)
+            gate = tl.load(both_ptr + pair * 2 * inter + inter + ks, mask=ks < inter, other=0.0).to(tl.float32)
+            # rounded as the separate SwiGLU kernel's output would be, then carrying 2^64 (see WORD_X_SCALE)
+            act = (up * gate * tl.sigmoid(gate)).to(both_ptr.dtype.element_ty).to(tl.float32)
+            acc += _word_rows_dot(packed, scales, offs_n, n_ok, k0, inter, stride_pn, stride_sn,
+                                  act * 18446744073709551616.0, WORDS)
+        total += tl.load(weights_ptr + pair).to(tl.float32) * tl.sum(acc, axis=1)
+    tl.store(out_ptr + token * N + offs_n, total.to(out_ptr.dtype.element_ty), mask=n_ok)
+
+
+def _word_tiles(k: int, block_n: int, block_k: int | None) -> tuple[int, int]:
+    """Rows and K elements per step of the word-decoding expert kernels: `block_k` a multiple of 32, at most the
+    padded K."""
+    block_k = block_k or 512
+    block_k = min(block_k, max(32, next_power_of_2(k)))
+    if block_k % 32:
+        raise ValueError(f"block_k {block_k} is not a multiple of 32 (one MXFP4 scale group).")
+    return block_n, block_k
 
 
 def expert_gemv_mxfp4(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, ids: torch.Tensor,
-                      block_n: int = 16, block_k: int = 256, num_warps: int = 4) -> torch.Tensor:
-    """See `reference.expert_gemv_mxfp4`: each row's expert is decoded from its packed bytes inside the kernel."""
-    x, out = _rows_and_output(x, packed.shape[1])
-    rows, k = x.shape
-    n = out.shape[1]
-    if rows == 0:
+                      top_k: int = 1, block_n: int = 16, block_k: int | None = None,
+                      num_warps: int | None = None) -> torch.Tensor:
+    """See `reference.expert_gemv_mxfp4`: pair p (row `p // top_k` of `x`) through its expert, decoded from the
+    packed words inside the kernel (`_word_rows_dot`). Default tiles from the H200 sweep (RESULTS.md; 64 experts,
+    2048 -> 1536, top 6): 16 rows x 512 K per program, 4 warps for one token's pairs (7.4 us), 2 for more (38.4 us
+    at 8 tokens)."""
+    x = x.contiguous()
+    packed = word_rows(packed)
+    k, n, pairs = x.shape[1], packed.shape[1], ids.numel()
+    out = torch.empty(pairs, n, dtype=x.dtype, device=x.device)
+    if pairs == 0:
         return out
-    block_k = min(block_k, max(32, next_power_of_2(k)))
-    _expert_gemv_mxfp4_kernel[(rows, triton.cdiv(n, block_n))](
-        x, packed, scales, ids.contiguous(), out, n, k, packed.stride(0), packed.stride(1), scales.stride(0),
-        scales.stride(1), BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps)
+    block_n, block_k = _word_tiles(k, block_n, block_k)
+    num_warps = num_warps or (4 if pairs <= 12 else 2)
+    _expert_gemv_mxfp4_kernel[(pairs, triton.cdiv(n, block_n))](
+        x, packed, scales, ids.contiguous(), out, n, k, top_k, packed.stride(0), packed.stride(1), scales.stride(0),
+        scales.stride(1), BLOCK_N=block_n, WORDS=block_k // 8, num_warps=num_warps)
+    return out
+
+
+def expert_swiglu_down_mxfp4(both: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, ids: torch.Tensor,
+                             weights: torch.Tensor, block_n: int | None = None, block_k: int | None = None,
+                             num_warps: int | None = None) -> torch.Tensor:
+    """See `reference.expert_swiglu_down_mxfp4`: SwiGLU, each pair's MXFP4 down expert and the weighted slot sum in
+    one kernel (one program per token and block of outputs). Default tiles from the H200 sweep (RESULTS.md; 64
+    experts, 768 -> 2048, top 6): 16 x 512 with 4 warps for one or two tokens (11.4 us at one), 32 x 256 with 2
+    warps for more (27.3 us at 8)."""
+    both = both.contiguous()
+    packed = word_rows(packed)
+    tokens, top_k = ids.shape
+    n, inter = packed.shape[1], both.shape[1] // 2
+    out = torch.empty(tokens, n, dtype=both.dtype, device=both.device)
+    if tokens == 0:
+        return out
+    few = tokens <= 2
+    block_n, block_k = _word_tiles(inter, block_n or (16 if few else 32), block_k or (512 if few else 256))
+    _expert_swiglu_down_mxfp4_kernel[(tokens, triton.cdiv(n, block_n))](
+        both, packed, scales, ids.contiguous(), weights.contiguous(), out, n, inter, top_k, packed.stride(0),
+        packed.stride(1), scales.stride(0), scales.stride(1), BLOCK_N=block_n, WORDS=block_k // 8,
+        num_warps=num_warps or (4 if few else 2))
     return out

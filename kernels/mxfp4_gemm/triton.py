@@ -66,6 +66,68 @@ def _weight_tile(packed_ptr, scale_ptr, offs_n, n_ok, k0, k_stop, stride_pn, str
     return low, high
 
 
+# Row-times-vector products (one row of activations, decode-time expert GEMVs) are bound by the integer work of
+# decoding, not by the tensor cores, so they decode from 32-bit words of eight codes with three integer operations per
+# weight (isolate the code, one multiply that copies it to bits 22-25 and 28-31, keep magnitude and sign) where the
+# byte-wise `_weight_tile` takes about eight. The decoded float32 is the E2M1 value times 2^-126 and x carries 2^64,
+# so the products are normal floats for |x| in [2^-64, 2^64]; each group's sum gets 2^62 back before its scale.
+WORD_X_SCALE = 18446744073709551616.0  # 2^64
+
+
+@triton.jit
+def _word_code(words, words_high, i: tl.constexpr):
+    """Code i (bits 4i .. 4i + 3) of uint32 `words` (`words_high` = words >> 16) -> float32 E2M1 value * 2^-126."""
+    source = words if i < 4 else words_high
+    j: tl.constexpr = i % 4
+    code = source & (15 << (4 * j))
+    copies = code * ((1 << (22 - 4 * j)) + (1 << (28 - 4 * j)))
+    return (copies & 0x81C00000).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _x_column(x8, i: tl.constexpr, WORDS: tl.constexpr):
+    """Column i of `x8` `(WORDS, 8)`: the activations that meet code i of each word (element i = 4a + 2b + c)."""
+    c0, c1 = tl.split(tl.reshape(x8, (WORDS, 2, 2, 2)))
+    b0, b1 = tl.split(c0 if i % 2 == 0 else c1)
+    a0, a1 = tl.split(b0 if (i // 2) % 2 == 0 else b1)
+    return a0 if i // 4 == 0 else a1
+
+
+@triton.jit
+def _word_rows_dot(packed_ptr, scale_ptr, offs_n, n_ok, k0, k_stop, stride_pn, stride_sn, x8,
+                   WORDS: tl.constexpr):
+    """Partial products of rows `offs_n` with elements k0 .. k0 + 8 WORDS: `x8` `(WORDS, 8)` float32 activations
+    times `WORD_X_SCALE` (zero beyond `k_stop`) -> `(BLOCK_N, WORDS / 4)` float32, one sum per group of 32.
+    `packed_ptr` rows are read as 16-byte vectors of uint32 words (`stride_pn` bytes, a multiple of 16)."""
+    GROUPS: tl.constexpr = WORDS // 4
+    offs_w = tl.arange(0, WORDS)
+    group_of_word = k0 // 32 + offs_w // 4  # masked per group of four words, so they load as one 16-byte vector
+    ok = n_ok[:, None] & (group_of_word * 32 < k_stop)[None, :]
+    words_ptr = packed_ptr.to(tl.pointer_type(tl.uint32))
+    row_words = tl.multiple_of(offs_n * (stride_pn // 4), 4)  # rows are whole 16-byte vectors (`word_rows`)
+    words = tl.load(words_ptr + row_words[:, None] + tl.multiple_of(k0 // 8, 4) + offs_w[None, :], mask=ok, other=0)
+    words_high = words >> 16
+    part = _word_code(words, words_high, 0) * _x_column(x8, 0, WORDS)[None, :]
+    part += _word_code(words, words_high, 1) * _x_column(x8, 1, WORDS)[None, :]
+    part += _word_code(words, words_high, 2) * _x_column(x8, 2, WORDS)[None, :]
+    part += _word_code(words, words_high, 3) * _x_column(x8, 3, WORDS)[None, :]
+    part += _word_code(words, words_high, 4) * _x_column(x8, 4, WORDS)[None, :]
+    part += _word_code(words, words_high, 5) * _x_column(x8, 5, WORDS)[None, :]
+    part += _word_code(words, words_high, 6) * _x_column(x8, 6, WORDS)[None, :]
+    part += _word_code(words, words_high, 7) * _x_column(x8, 7, WORDS)[None, :]
+    offs_g = k0 // 32 + tl.arange(0, GROUPS)
+    scale = _e8m0_to_f32(tl.load(scale_ptr + offs_n[:, None] * stride_sn + offs_g[None, :],
+                                 mask=n_ok[:, None] & (offs_g * 32 < k_stop)[None, :], other=127).to(tl.uint32))
+    return tl.sum(tl.reshape(part, (part.shape[0], GROUPS, 4)), axis=2) * 4611686018427387904.0 * scale  # 2^62
+
+
+@triton.jit
+def _word_x(x_ptr, k0, k_stop, WORDS: tl.constexpr):
+    """Activations k0 .. k0 + 8 WORDS of one row as `(WORDS, 8)` float32 times `WORD_X_SCALE`, zero from k_stop."""
+    ks = k0 + tl.arange(0, WORDS)[:, None] * 8 + tl.arange(0, 8)[None, :]
+    return tl.load(x_ptr + ks, mask=ks < k_stop, other=0.0).to(tl.float32) * 18446744073709551616.0
+
+
 @triton.jit
 def _fused_kernel(x_ptr, packed_ptr, scale_ptr, out_ptr, M, N, K, k_per_split, stride_xm, stride_pn, stride_sn,
                   stride_om, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -109,35 +171,23 @@ def _fused_kernel(x_ptr, packed_ptr, scale_ptr, out_ptr, M, N, K, k_per_split, s
 
 @triton.jit
 def _gemv_kernel(x_ptr, packed_ptr, scale_ptr, out_ptr, N, K, k_per_split, stride_pn, stride_sn,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ATOMIC: tl.constexpr):
-    """One row of activations: out[n] = sum_k x[k] w[n, k] with CUDA-core FMAs (no MMA, no operand shuffles),
-    the weight tile kept as (rows, groups of 32, 16 bytes) throughout."""
+                 BLOCK_N: tl.constexpr, WORDS: tl.constexpr, ATOMIC: tl.constexpr):
+    """One row of activations: out[n] = sum_k x[k] w[n, k] with CUDA-core FMAs (no MMA, no operand shuffles), the
+    weight decoded from 32-bit words (`_word_rows_dot`)."""
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
-    GROUPS: tl.constexpr = BLOCK_K // 32
-    group = tl.arange(0, GROUPS)
-    offs_byte = tl.arange(0, 16)
-    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_N, WORDS // 4), dtype=tl.float32)
     k_start = pid_k * k_per_split
     k_stop = tl.minimum(k_start + k_per_split, K)
-    for k0 in range(k_start, k_stop, BLOCK_K):
-        first = tl.multiple_of(k0 + 32 * group, 32)  # k0 is a multiple of 32: aligned vector loads
-        offs_k = first[:, None] + tl.arange(0, 32)[None, :]  # (GROUPS, 32), contiguous
-        x = tl.load(x_ptr + offs_k, mask=offs_k < k_stop, other=0.0).to(tl.float32)
-        x_even, x_odd = tl.split(tl.reshape(x, (GROUPS, 16, 2)))
-        group_ok = n_ok[:, None, None] & (first < k_stop)[None, :, None]  # per group: see _weight_tile
-        byte = tl.load(packed_ptr + offs_n[:, None, None] * stride_pn + tl.multiple_of(first // 2, 16)[None, :, None]
-                       + offs_byte[None, None, :], mask=group_ok, other=0).to(tl.uint32)
-        scale = _e8m0_to_f32(tl.load(scale_ptr + offs_n[:, None] * stride_sn + (first // 32)[None, :],
-                                     mask=n_ok[:, None] & (first < k_stop)[None, :], other=127).to(tl.uint32))
-        partial = tl.sum(_e2m1_to_f32(byte & 15) * x_even[None, :, :] + _e2m1_to_f32(byte >> 4) * x_odd[None, :, :],
-                         axis=2)  # (BLOCK_N, GROUPS), before the groups' scales
-        acc += tl.sum(partial * scale, axis=1)
+    for k0 in range(k_start, k_stop, 8 * WORDS):
+        x8 = _word_x(x_ptr, k0, k_stop, WORDS)
+        acc += _word_rows_dot(packed_ptr, scale_ptr, offs_n, n_ok, k0, k_stop, stride_pn, stride_sn, x8, WORDS)
+    total = tl.sum(acc, axis=1)
     if ATOMIC:
-        tl.atomic_add(out_ptr + offs_n, acc, mask=n_ok)
+        tl.atomic_add(out_ptr + offs_n, total, mask=n_ok)
     else:
-        tl.store(out_ptr + offs_n, acc.to(out_ptr.dtype.element_ty), mask=n_ok)
+        tl.store(out_ptr + offs_n, total.to(out_ptr.dtype.element_ty), mask=n_ok)
 
 
 @triton.jit
@@ -272,13 +322,29 @@ def scaled_matmul(x, packed, scales, *, block_m: int = 16, block_n: int = 64, bl
     return out.to(x.dtype)
 
 
-def gemv(x, packed, scales, *, block_n: int = 16, block_k: int = 2048, split_k: int | None = None,
+def word_rows(packed: torch.Tensor) -> torch.Tensor:
+    """`packed` as the word-decoding kernels read it: rows of whole 16-byte vectors, 16-byte aligned (the stored
+    format pads rows to 16 bytes; a view that is not aligned gets copied)."""
+    if packed.stride(-1) != 1 or any(s % 16 for s in packed.stride()[:-1]) or packed.data_ptr() % 16:
+        packed = packed.contiguous()
+    if packed.shape[-1] % 16:
+        raise ValueError(f"MXFP4 rows of {packed.shape[-1]} bytes are not whole 16-byte vectors (the format pads "
+                         "rows to 16 bytes, K to a multiple of 32).")
+    return packed
+
+
+def gemv(x, packed, scales, *, block_n: int = 16, block_k: int = 512, split_k: int | None = None,
          num_warps: int = 4, num_stages: int = 3):
-    """`x` `[1, K]` times the dequantized weight transposed -> `[1, N]` without tensor cores."""
+    """`x` `[1, K]` times the dequantized weight transposed -> `[1, N]` without tensor cores; `block_k` (a multiple
+    of 32) elements per step. The default tile was within 4 % of the best of a sweep at every H3 shape on the H200
+    (RESULTS.md: 1.37-1.64x bf16 cuBLAS, graphed)."""
+    if block_k % 32:
+        raise ValueError(f"the gemv path reads whole groups of 32: block_k {block_k} is not a multiple of 32.")
+    packed = word_rows(packed)
     k, n = x.shape[1], packed.shape[0]
     k_per_split, split_k, out = _k_slices(x, n, split_k or auto_split(n, k, block_n, block_k), block_k)
     _gemv_kernel[(triton.cdiv(n, block_n), split_k)](x, packed, scales, out, n, k, k_per_split, packed.stride(0),
-                                                      scales.stride(0), BLOCK_N=block_n, BLOCK_K=block_k,
+                                                      scales.stride(0), BLOCK_N=block_n, WORDS=block_k // 8,
                                                       ATOMIC=split_k > 1, num_warps=num_warps, num_stages=num_stages)
     return out.to(x.dtype)
 

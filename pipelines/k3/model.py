@@ -14,8 +14,9 @@ import torch.nn.functional as F
 from h3gen.kernels.kda import kda_chunked, kda_decode, kda_gate, l2_normalize, short_conv
 from h3gen.kernels.mla_decode import mla_decode
 from h3gen.kernels.mxfp4_gemm import dequantize_weight
-from h3gen.kernels.moe import (expert_gemv, expert_gemv_mxfp4, expert_swiglu_down, grouped_gemm, grouped_mxfp4_gemm,
-                               route_topk, router_logits, sort_by_expert, stacked_experts)
+from h3gen.kernels.moe import (expert_gemv, expert_gemv_mxfp4, expert_swiglu_down, expert_swiglu_down_mxfp4,
+                               grouped_gemm, grouped_mxfp4_gemm, route_topk, router_logits, sort_by_expert,
+                               stacked_experts)
 from h3gen.kernels.rmsnorm import add_rms_norm, rms_norm
 from h3gen.kernels.swiglu import swiglu
 from h3gen.linear import LinearFactory, LinearSpec, dense_linear
@@ -449,27 +450,28 @@ class K3MoE(nn.Module):
         return up_gate.view(experts, inter2, width), down.view(experts, width, inter2 // 2)
 
     def _routed_on_device(self, h: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Each (token, slot) pair through its expert by GEMVs that read the token's row and the expert's weights
+        where they are stacked; with SwiGLU experts the activation, the down experts and the weighted slot sum are
+        one kernel."""
         tokens, top_k = ids.shape
         pairs = ids.reshape(-1)
+        swiglu_tail = self.config.hidden_act != "situ"
         if self.stacked_mxfp4 is not None:
             (packed_up_gate, scales_up_gate), (packed_down, scales_down) = self.stacked_mxfp4
-            compute = self.experts[0].w1.compute_dtype
-            rows = h.repeat_interleave(top_k, dim=0)
-            both = expert_gemv_mxfp4(rows.to(compute), packed_up_gate, scales_up_gate, pairs)
+            rows = h.to(self.experts[0].w1.compute_dtype)
+            both = expert_gemv_mxfp4(rows, packed_up_gate, scales_up_gate, pairs, top_k)  # [T * k, 2I]: [up; gate]
+            if swiglu_tail:
+                return expert_swiglu_down_mxfp4(both, packed_down, scales_down, ids, weights).to(h.dtype)
             inter = both.shape[-1] // 2
-        else:
-            up_gate, down = self.stacked
-            inter = down.shape[-1]
-            both = expert_gemv(h, up_gate, pairs, top_k)  # [T * k, 2I]: [up; gate]
-            if self.config.hidden_act != "situ":  # SwiGLU, down experts and the slots' weighted sum in one kernel
-                return expert_swiglu_down(both, down, ids, weights).to(h.dtype)
-        if self.config.hidden_act == "situ":
             act = gated_activation(self.config, both[:, inter:], both[:, :inter])
-        else:
-            act = swiglu(both)
-        if self.stacked_mxfp4 is not None:
             out = expert_gemv_mxfp4(act, packed_down, scales_down, pairs)
         else:
+            up_gate, down = self.stacked
+            both = expert_gemv(h, up_gate, pairs, top_k)  # [T * k, 2I]: [up; gate]
+            if swiglu_tail:
+                return expert_swiglu_down(both, down, ids, weights).to(h.dtype)
+            inter = down.shape[-1]
+            act = gated_activation(self.config, both[:, inter:], both[:, :inter])
             out = expert_gemv(act, down, pairs)
         out = out.to(h.dtype).view(tokens, top_k, -1) * weights[..., None].to(h.dtype)
         return out.sum(dim=1)
