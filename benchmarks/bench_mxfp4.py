@@ -93,6 +93,17 @@ def small_m_configs(m):
                                split="auto", swap_ab=swap_ab)
 
 
+def pair_configs(m):
+    """Tiles for the tensor-core few-row path (`pair_matmul`, bf16): K slices fill the GPU at narrow N."""
+    if 1 < m <= 16:
+        for block_n in (32, 64, 128, 256):
+            for block_k in (128, 256):
+                for num_stages in (2, 3, 4):
+                    for split in (1, 2, 4):
+                        yield dict(path="pairs", block_n=block_n, block_k=block_k, num_warps=4,
+                                   num_stages=num_stages, split=split)
+
+
 def scaled_configs(m):
     """Tiles for the `tl.dot_scaled` path: the rows are the MMA's narrow side, so the row tile follows M."""
     small = m <= 16
@@ -136,10 +147,12 @@ def run_config(x, packed, scales, config):
         split = mxfp4.auto_split(packed.shape[0], x.shape[1], config["block_n"], config["block_k"])
     if path == "scaled":
         return mxfp4.scaled_matmul(x, packed, scales, split_k=split, **config)
+    if path == "pairs":
+        return mxfp4.pair_matmul(x, packed, scales, split_k=split, **config)
     return mxfp4.fused_matmul(x, packed, scales, split_k=split, **config)
 
 
-def sweep(rows_list, log, budget_s, paths=("gemv", "fused", "scaled")):
+def sweep(rows_list, log, budget_s, paths=("gemv", "pairs", "fused", "scaled")):
     """Best fused configuration per (shape, M) and the dequantize + cuBLAS time, against bf16; stops starting new
     shapes after `budget_s` seconds."""
     import time
@@ -157,7 +170,8 @@ def sweep(rows_list, log, budget_s, paths=("gemv", "fused", "scaled")):
             graph = m <= 256  # GPU time: at a few rows the host's launch cost would hide the kernels
             bf16_ms = time_rotating(lambda x, w: x @ w.t(), [(x, w) for w, _, _ in weights], repeat=3, graph=graph)
             configs = list(small_m_configs(m)) if m <= 16 else LARGE_M_CONFIGS if m <= 1024 else []
-            configs = [c for c in configs + list(scaled_configs(m)) if c.get("path", "fused") in paths]
+            configs = [c for c in configs + list(scaled_configs(m)) + list(pair_configs(m))
+                       if c.get("path", "fused") in paths]
             results = []
             for config in configs:
                 try:
@@ -257,7 +271,7 @@ def main():
     parser.add_argument("--repeat", type=int, default=10)
     parser.add_argument("--sweep", action="store_true")
     parser.add_argument("--sweep-budget", type=float, default=240.0, help="seconds of GEMM sweeping at most")
-    parser.add_argument("--sweep-paths", nargs="+", default=["gemv", "fused", "scaled"],
+    parser.add_argument("--sweep-paths", nargs="+", default=["gemv", "pairs", "fused", "scaled"],
                         help="kernel paths the sweep tries")
     parser.add_argument("--out", type=Path, help="folder for the JSON results and the sweep log")
     args = parser.parse_args()

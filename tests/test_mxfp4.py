@@ -144,6 +144,48 @@ def test_scaled_dot_gemm_matches_reference(m, n, k, dtype, config):
         gemm_triton.mxfp4_matmul(x.float(), packed, scales, path="scaled")
 
 
+@pytest.mark.parametrize("m,n,k,dtype,config", [
+    (3, 40, 200, torch.float32, {}),  # default tiles; the last K tile runs past the stored width (masked groups)
+    (16, 70, 256, torch.float16, dict(block_n=32, block_k=64, split_k=2)),  # K slices summed atomically
+    (5, 33, 104, torch.float32, dict(block_n=16, block_k=32, split_k=1)),  # odd N, one slice
+])
+def test_pair_gemm_matches_reference(m, n, k, dtype, config):
+    """The tensor-core few-row path's tiling, masks and K permutation (on the CPU through its Triton decode; the
+    inline PTX decode is checked on the GPU below)."""
+    g = torch.Generator().manual_seed(m + n)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    packed, scales = (t.to(device) for t in quantize(torch.randn(n, k, generator=g)))
+    x = torch.randn(m, k, generator=g).to(device, dtype)
+    got = gemm_triton.mxfp4_matmul(x, packed, scales, path="pairs", **config)
+    expected = gemm_ref.mxfp4_matmul(x, packed, scales)
+    assert got.dtype == dtype and got.shape == (m, n)
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-3
+    assert ((got.float() - expected.float()).norm() / expected.float().norm()).item() < tolerance
+    with pytest.raises(ValueError, match="multiple of 8"):
+        gemm_triton.mxfp4_matmul(x[:, : k - 4], packed, scales, path="pairs")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the inline PTX decode runs on a GPU only")
+def test_pair_gemm_ptx_decode_every_code_and_special_scales():
+    g = torch.Generator().manual_seed(11)
+    n, k = 48, 1024
+    packed = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=g)
+    packed[0, :128] = torch.arange(128, dtype=torch.uint8) * 2 + 1  # every code in both nibbles
+    scales = torch.randint(100, 140, (n, k // 32), dtype=torch.uint8, generator=g)
+    scales[1] = torch.tensor([0, 1, 2, 127, 128, 129, 200, 254] * 4, dtype=torch.uint8)  # smallest to largest
+    scales[2, 3] = 255  # NaN: row 2's outputs are NaN
+    packed, scales = packed.cuda(), scales.cuda()
+    weight = dequantize(packed, scales, torch.float32, k).to(torch.bfloat16).double()
+    for m in (2, 7, 16):
+        x = torch.randn(m, k, generator=g).to("cuda", torch.bfloat16)
+        got = gemm_triton.mxfp4_matmul(x, packed, scales).double()  # auto: the pair path
+        expected = x.double() @ weight.t()
+        assert torch.equal(got.isnan(), expected.isnan()) and got[:, 2].isnan().all()
+        finite = expected.isfinite()
+        assert torch.equal(got.isinf(), expected.isinf())
+        error = (got[finite] - expected[finite]).norm() / expected[finite].norm()
+        assert error.item() < 4e-3  # the output's bf16 rounding
+
 def test_triton_dequantize_matches_reference_including_special_scales():
     g = torch.Generator().manual_seed(3)
     weight = torch.randn(37, 100, generator=g) * torch.logspace(-30, 30, 37)[:, None]

@@ -1,16 +1,21 @@
-"""MXFP4-weight GEMM in Triton, two paths:
+"""MXFP4-weight GEMM in Triton. Paths, by rows of activations (`mxfp4_matmul` picks):
 
-- fused: the weight's E2M1 nibbles and E8M0 scales are read and dequantized inside the GEMM (no dequantized copy in
-  memory), multiplied with the activations' tile, float32 accumulation. Reading 4.25 bits per weight instead of 16
-  is what makes it fast when the GEMM is bound by weight bandwidth (decode, M up to a few hundred rows).
+- one row, `gemv`: CUDA-core products with the weights decoded from 32-bit words (three integer operations per
+  weight); bound by the decode's integer issue rate, faster than bf16 cuBLAS there.
+- 2-16 rows of bf16, `pair_matmul`: tensor cores, each word decoded by inline PTX into bf16 pairs already in the
+  MMA's operand registers. fp16 takes the `tl.dot_scaled` path (`scaled_matmul`).
+- fused (`fused_matmul`): the E2M1 nibbles and E8M0 scales read and dequantized inside a tiled GEMM, float32
+  accumulation; the general fallback (any dtype, any tile).
 - dequantize + cuBLAS: for thousands of rows the GEMM is bound by tensor-core throughput, and rebuilding every weight
   tile once per row tile costs more than writing the whole bf16 weight once (about 0.1 ms for the largest H3
   weight) and handing it to cuBLAS. The bf16 copy lives only for the call.
 
-Decoding by bit placement rather than arithmetic: a code's magnitude bits, placed at the bottom of a float32's
-exponent and the top of its mantissa, read as the E2M1 value times 2^-126; the E8M0 scale 2^(b - 127) is the
-float32 with exponent field b.
+Decoding by bit placement rather than arithmetic: a code's magnitude bits, placed at the bottom of a float32's (or
+bfloat16's) exponent and the top of its mantissa, read as the E2M1 value times 2^-126; the E8M0 scale 2^(b - 127)
+is the float with exponent field b.
 """
+
+import os
 
 import torch
 import triton
@@ -19,8 +24,8 @@ import triton.language as tl
 # Rows at and above which `mxfp4_matmul` dequantizes once and calls cuBLAS (measured on the H200, RESULTS.md).
 DEQUANT_MIN_ROWS = 17
 GEMV_FOR_ONE_ROW = True
-# Tiles of the `tl.dot_scaled` path for 2-16 rows of bf16/fp16 activations: 1.15-1.23x the fused kernel there on the
-# H200 (RESULTS.md); at one row the GEMV is as fast, at 256 rows and more the path is 10x slower than cuBLAS.
+# Tiles of the `tl.dot_scaled` path for 2-16 rows of fp16 activations (bf16 takes `pair_matmul`, 1.4-2x faster on
+# the H200): 1.15-1.23x the fused kernel there (RESULTS.md); at 256 rows and more it is 10x slower than cuBLAS.
 SCALED_SMALL_M = dict(block_m=16, block_n=32, block_k=256, num_warps=4, num_stages=3)
 
 
@@ -225,6 +230,106 @@ def _scaled_dot_kernel(x_ptr, packed_ptr, scale_ptr, out_ptr, M, N, K, packed_wi
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+# Tensor-core path for a few rows of bf16 activations ("pairs"): each 32-bit word of eight codes becomes four bf16x2
+# registers with about two integer operations per weight, straight in the MMA's operand registers. PTX below: prmt
+# orders the bytes b0 b2 b1 b3, so that the low codes of b0 and b1 sit 16 bits apart (likewise b2/b3, and the high
+# codes); an AND isolates two codes, one multiply copies each to its magnitude (bits 6-8) and sign (bit 15)
+# positions, an AND keeps those: the bf16 value E2M1 * 2^-126 (code 1 lands on the bf16 subnormal 2^-127). Then
+# * 2^126 and * the group scale 2^(s - 127) as bf16 (s = 0: the subnormal 2^-127, s = 255: NaN). Registers:
+# $0 $1 = low codes of bytes (0, 1), (2, 3); $2 $3 = their high codes; $4 = the four bytes; $5 = the scale byte.
+PAIR_DECODE_ASM = tl.constexpr("""
+{
+.reg .b32 t, u, a, b, c, d, k, m, f;
+.reg .pred p;
+mov.b32 k, 0x7E807E80;
+mul.lo.u32 m, $5, 0x00800080;
+add.u32 f, $5, 1;
+and.b32 f, f, 0xFE;
+setp.eq.u32 p, f, 0;
+@p or.b32 m, m, 0x00400040;
+prmt.b32 t, $4, 0, 0x3120;
+shr.u32 u, t, 8;
+and.b32 a, t, 0x000F000F;
+and.b32 b, u, 0x000F000F;
+and.b32 c, t, 0x00F000F0;
+and.b32 d, u, 0x00F000F0;
+mul.lo.u32 a, a, 4160;
+mul.lo.u32 b, b, 4160;
+mul.lo.u32 c, c, 260;
+mul.lo.u32 d, d, 260;
+and.b32 a, a, 0x81C081C0;
+and.b32 b, b, 0x81C081C0;
+and.b32 c, c, 0x81C081C0;
+and.b32 d, d, 0x81C081C0;
+mul.rn.bf16x2 a, a, k;
+mul.rn.bf16x2 b, b, k;
+mul.rn.bf16x2 c, c, k;
+mul.rn.bf16x2 d, d, k;
+mul.rn.bf16x2 $0, a, m;
+mul.rn.bf16x2 $1, b, m;
+mul.rn.bf16x2 $2, c, m;
+mul.rn.bf16x2 $3, d, m;
+}
+""")
+
+
+@triton.jit
+def _pair_weight_tile(packed_ptr, scale_ptr, offs_n, n_ok, k0, packed_width, stride_pn, stride_sn,
+                      dtype: tl.constexpr, ASM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Dequantized weight tile `(BLOCK_N, BLOCK_K)` for elements k0 .. k0 + BLOCK_K, its K order permuted within
+    each 8 as [0, 2, 4, 6, 1, 3, 5, 7] (the low codes of a word's four bytes, then the high codes: the order
+    `PAIR_DECODE_ASM` produces them in). `ASM` decodes by the inline PTX (bf16 only); otherwise by plain Triton
+    arithmetic in `dtype` (the interpreter)."""
+    GROUPS: tl.constexpr = BLOCK_K // 32
+    first_byte = tl.multiple_of(k0 // 2, 16) + 16 * tl.arange(0, GROUPS)
+    group_ok = n_ok[:, None] & (first_byte < packed_width)[None, :]  # whole 16-byte groups: vector loads
+    byte = tl.load(packed_ptr + offs_n[:, None, None] * stride_pn + first_byte[None, :, None]
+                   + tl.arange(0, 16)[None, None, :], mask=group_ok[:, :, None], other=0)
+    scale = tl.load(scale_ptr + offs_n[:, None] * stride_sn + (k0 // 32 + tl.arange(0, GROUPS))[None, :],
+                    mask=group_ok, other=127).to(tl.int32)
+    byte = tl.reshape(byte, (BLOCK_N, BLOCK_K // 8, 4))
+    scale = tl.reshape(tl.broadcast_to(scale[:, :, None], (BLOCK_N, GROUPS, 16)), (BLOCK_N, BLOCK_K // 8, 4))
+    if ASM:
+        low, high = tl.inline_asm_elementwise(PAIR_DECODE_ASM, "=r,=r,=r,=r,r,r,r,r,r", [byte, scale],
+                                              dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
+    else:
+        value = _e8m0_to_f32(scale.to(tl.uint32))
+        codes = byte.to(tl.uint32)
+        low = (_e2m1_to_f32(codes & 15) * value).to(dtype)
+        high = (_e2m1_to_f32(codes >> 4) * value).to(dtype)
+    return tl.reshape(tl.permute(tl.join(low, high), (0, 1, 3, 2)), (BLOCK_N, BLOCK_K))
+
+
+@triton.jit
+def _pair_kernel(x_ptr, packed_ptr, scale_ptr, out_ptr, M, N, K, packed_width, k_per_split, stride_xm, stride_pn,
+                 stride_sn, stride_om, ASM: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ATOMIC: tl.constexpr):
+    """out[m, n] = sum_k x[m, k] w[n, k] for a few rows: x `(BLOCK_M, BLOCK_K)` tiles as the MMA's left operand, the
+    weight tile decoded straight into the right operand's registers; K % 8 == 0 (x's masks are per 8 elements)."""
+    pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_ok, n_ok = offs_m < M, offs_n < N
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    k_start = pid_k * k_per_split
+    k_stop = tl.multiple_of(tl.minimum(k_start + k_per_split, K), 8)
+    for k0 in range(k_start, k_stop, BLOCK_K):
+        w = _pair_weight_tile(packed_ptr, scale_ptr, offs_n, n_ok, k0, packed_width, stride_pn, stride_sn,
+                              x_ptr.dtype.element_ty, ASM, BLOCK_N, BLOCK_K)
+        offs_k = tl.multiple_of(k0, 32) + tl.arange(0, BLOCK_K)
+        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
+                    mask=m_ok[:, None] & (offs_k < k_stop)[None, :], other=0.0)
+        # the weight tile's K order: [0, 2, 4, 6, 1, 3, 5, 7] within each 8
+        x = tl.reshape(tl.permute(tl.reshape(x, (BLOCK_M, BLOCK_K // 8, 4, 2)), (0, 1, 3, 2)), (BLOCK_M, BLOCK_K))
+        acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
+    out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
+    mask = m_ok[:, None] & n_ok[None, :]
+    if ATOMIC:
+        tl.atomic_add(out_ptrs, acc, mask=mask)
+    else:
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
 @triton.jit
 def _dequantize_kernel(packed_ptr, scale_ptr, out_ptr, N, K, stride_pn, stride_sn, stride_on,
                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
@@ -322,6 +427,28 @@ def scaled_matmul(x, packed, scales, *, block_m: int = 16, block_n: int = 64, bl
     return out.to(x.dtype)
 
 
+def pair_matmul(x, packed, scales, *, block_n: int = 64, block_k: int = 128, split_k: int = 4, num_warps: int = 4,
+                num_stages: int = 3):
+    """The product for a few rows on the tensor cores, the weights decoded by `PAIR_DECODE_ASM` (bf16 activations;
+    other dtypes decode by plain Triton arithmetic, which is how the interpreter runs it). K must be a multiple of 8.
+    The default tile was within 7 % of the best of a sweep at every H3 shape for 8 and 16 rows on the H200
+    (RESULTS.md); `split_k` > 1 sums K slices with float32 atomics."""
+    m, k = x.shape
+    if k % 8:
+        raise ValueError(f"the pair path reads activations 8 at a time: K = {k} is not a multiple of 8.")
+    if m > 16 or block_k % 32:
+        raise ValueError(f"the pair path takes up to 16 rows and block_k a multiple of 32 (got {m} rows, {block_k}).")
+    n = packed.shape[0]
+    k_per_split, split_k, out = _k_slices(x, n, split_k, block_k)
+    asm = x.dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") != "1"
+    grid = (1, triton.cdiv(n, block_n), split_k)
+    _pair_kernel[grid](x, packed, scales, out, m, n, k, packed.shape[1], k_per_split, x.stride(0), packed.stride(0),
+                       scales.stride(0), out.stride(0), ASM=asm, PRECISION="ieee" if x.dtype == torch.float32 else
+                       "tf32", BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k, ATOMIC=split_k > 1,
+                       num_warps=num_warps, num_stages=num_stages)
+    return out.to(x.dtype)
+
+
 def word_rows(packed: torch.Tensor) -> torch.Tensor:
     """`packed` as the word-decoding kernels read it: rows of whole 16-byte vectors, 16-byte aligned (the stored
     format pads rows to 16 bytes; a view that is not aligned gets copied)."""
@@ -353,10 +480,10 @@ def mxfp4_matmul(x, packed, scales, *, path: str = "auto", **config):
     """Same contract as `reference.mxfp4_matmul`: `x` `[M, K]` (bf16/fp16/fp32) times the dequantized `[N, Kp]`
     weight (`packed` `[N, Kp / 2]`, `scales` `[N, Kp / 32]` uint8) transposed -> `[M, N]` in x.dtype.
 
-    `path`: "fused" (in-kernel dequantization), "gemv" (one row, no tensor cores), "scaled" (`tl.dot_scaled`,
-    bf16/fp16 activations), "dequant" (dequantize then `torch.matmul`) or "auto" (one row: the GEMV; up to
-    `DEQUANT_MIN_ROWS` rows: the scaled dot for bf16/fp16, else fused; more: dequant). `config` overrides the
-    chosen path's tiles."""
+    `path`: "fused" (in-kernel dequantization), "gemv" (one row, no tensor cores), "pairs" (up to 16 rows on the
+    tensor cores, `pair_matmul`), "scaled" (`tl.dot_scaled`, bf16/fp16 activations), "dequant" (dequantize then
+    `torch.matmul`) or "auto" (one row: the GEMV; up to `DEQUANT_MIN_ROWS` rows: pairs for bf16 with K a multiple
+    of 8, the scaled dot for fp16, else fused; more: dequant). `config` overrides the chosen path's tiles."""
     x = x.contiguous()
     m, k = x.shape
     n = packed.shape[0]
@@ -364,6 +491,9 @@ def mxfp4_matmul(x, packed, scales, *, path: str = "auto", **config):
         if m != 1:
             raise ValueError(f"the gemv path takes one row of activations, got {m}.")
         return gemv(x, packed, scales, **config)
+    if path == "pairs" or (path == "auto" and 1 < m < DEQUANT_MIN_ROWS and x.dtype == torch.bfloat16 and k % 8 == 0
+                           and not config):
+        return pair_matmul(x, packed, scales, **config)
     if path == "scaled":
         return scaled_matmul(x, packed, scales, **config)
     if path == "auto" and m < DEQUANT_MIN_ROWS and x.dtype in SCALED_DOT_FORMATS and not config:
