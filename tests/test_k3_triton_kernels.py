@@ -225,7 +225,8 @@ def test_mxfp4_expert_gemv_matches_reference(tokens, top_k, experts, n, k):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("tokens,top_k,experts,inter,width", [(1, 6, 8, 48, 70), (3, 2, 5, 300, 33), (2, 1, 3, 17, 130)])
+@pytest.mark.parametrize("tokens,top_k,experts,inter,width", [(1, 6, 8, 48, 70), (3, 2, 5, 300, 33), (2, 1, 3, 17, 130),
+                                                         (10, 3, 6, 80, 40)])  # 10 tokens: the slot loop
 def test_mxfp4_decode_expert_tail_matches_reference(tokens, top_k, experts, inter, width, dtype):
     """SwiGLU, the MXFP4 down experts and the weighted slot sum in one kernel, against the reference and against the
     plain per-pair computation over the dequantized experts."""

@@ -27,25 +27,30 @@ def _expert_gemv_kernel(x_ptr, w_ptr, ids_ptr, out_ptr, N, K, top_k, stride_we, 
 
 @triton.jit
 def _expert_swiglu_down_kernel(both_ptr, w_ptr, ids_ptr, weights_ptr, out_ptr, N, inter, top_k, stride_we,
-                               stride_wn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                               stride_wn, SLOTS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """All k slots of one token at once (`SLOTS` >= top_k, a power of two): the slots' weight tiles are independent
+    loads, so a program has k times the bytes in flight that a loop over slots would."""
     token = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    total = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for slot in range(0, top_k):
-        pair = token * top_k + slot
-        expert = tl.load(ids_ptr + pair).to(tl.int64)
-        w_rows = w_ptr + expert * stride_we + cols[:, None].to(tl.int64) * stride_wn
-        acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-        for start in range(0, inter, BLOCK_K):
-            ks = start + tl.arange(0, BLOCK_K)
-            up = tl.load(both_ptr + pair * 2 * inter + ks, mask=ks < inter, other=0.0).to(tl.float32)
-            gate = tl.load(both_ptr + pair * 2 * inter + inter + ks, mask=ks < inter, other=0.0).to(tl.float32)
-            # rounded as the separate SwiGLU kernel's output would be
-            act = (up * gate * tl.sigmoid(gate)).to(both_ptr.dtype.element_ty).to(tl.float32)
-            w = tl.load(w_rows + ks[None, :], mask=(cols[:, None] < N) & (ks[None, :] < inter),
-                        other=0.0).to(tl.float32)
-            acc += tl.sum(w * act[None, :], axis=1)
-        total += tl.load(weights_ptr + pair).to(tl.float32) * acc
+    slots = tl.arange(0, SLOTS)
+    slot_ok = slots < top_k
+    pairs = token * top_k + slots
+    experts = tl.load(ids_ptr + pairs, mask=slot_ok, other=0).to(tl.int64)
+    rows = w_ptr + experts[:, None, None] * stride_we + cols[None, :, None].to(tl.int64) * stride_wn
+    row_ok = slot_ok[:, None, None] & (cols < N)[None, :, None]
+    acc = tl.zeros((SLOTS, BLOCK_N), dtype=tl.float32)
+    for start in range(0, inter, BLOCK_K):
+        ks = start + tl.arange(0, BLOCK_K)
+        act_ptrs = both_ptr + pairs[:, None] * 2 * inter + ks[None, :]
+        act_ok = slot_ok[:, None] & (ks < inter)[None, :]
+        up = tl.load(act_ptrs, mask=act_ok, other=0.0).to(tl.float32)
+        gate = tl.load(act_ptrs + inter, mask=act_ok, other=0.0).to(tl.float32)
+        # rounded as the separate SwiGLU kernel's output would be
+        act = (up * gate * tl.sigmoid(gate)).to(both_ptr.dtype.element_ty).to(tl.float32)
+        w = tl.load(rows + ks[None, None, :], mask=row_ok & (ks < inter)[None, None, :], other=0.0).to(tl.float32)
+        acc += tl.sum(w * act[:, None, :], axis=2)
+    slot_weight = tl.load(weights_ptr + pairs, mask=slot_ok, other=0.0).to(tl.float32)
+    total = tl.sum(acc * slot_weight[:, None], axis=0)
     tl.store(out_ptr + token * N + cols, total.to(out_ptr.dtype.element_ty), mask=cols < N)
 
 
@@ -95,10 +100,11 @@ def expert_gemv(x: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor, top_k:
 
 
 def expert_swiglu_down(both: torch.Tensor, down: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
-                       block_n: int | None = None, block_k: int = 256, num_warps: int = 1) -> torch.Tensor:
+                       block_n: int = 8, block_k: int = 256, num_warps: int = 4) -> torch.Tensor:
     """See `reference.expert_swiglu_down`: SwiGLU, the down GEMV and the weighted sum over the k slots in one
-    kernel (one program per token and block of outputs). Default tiles from the H200 sweep (RESULTS.md: 64
-    experts, 2048 x 768, top 6): 2 outputs per program for one token (13.9-14.2 us), 4 for more (37.9 us at 8)."""
+    kernel (one program per token and block of outputs, all slots at once). Default tile from the H200 sweep
+    (RESULTS.md: 64 experts, 2048 x 768, top 6): 9.6 us at one token (the slot loop it replaced: 13.9), 13.6 at
+    two (17.1), 38.2 at eight (37.1)."""
     if down.stride(-1) != 1:
         down = down.contiguous()
     both = both.contiguous()
@@ -107,10 +113,9 @@ def expert_swiglu_down(both: torch.Tensor, down: torch.Tensor, ids: torch.Tensor
     out = torch.empty(tokens, n, dtype=both.dtype, device=both.device)
     if tokens == 0:
         return out
-    block_n = block_n or (2 if tokens <= 2 else 4)
     _expert_swiglu_down_kernel[(tokens, triton.cdiv(n, block_n))](
         both, down, ids.contiguous(), weights.contiguous(), out, n, inter, top_k, down.stride(0), down.stride(1),
-        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps)
+        SLOTS=next_power_of_2(top_k), BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps)
     return out
 
 
@@ -277,28 +282,49 @@ def _expert_gemv_mxfp4_kernel(x_ptr, packed_ptr, scale_ptr, ids_ptr, out_ptr, N,
 
 
 @triton.jit
-def _expert_swiglu_down_mxfp4_kernel(both_ptr, packed_ptr, scale_ptr, ids_ptr, weights_ptr, out_ptr, N, inter, top_k,
-                                     stride_pe, stride_pn, stride_se, stride_sn, BLOCK_N: tl.constexpr,
-                                     WORDS: tl.constexpr):
+def _mxfp4_tail_step(both_ptr, packed, scales, pair, offs_n, n_ok, k0, stride_pn, stride_sn, INTER: tl.constexpr,
+                     WORDS: tl.constexpr):
+    """One K step of one slot of the MXFP4 decode tail: SwiGLU of the pair's activations times its down expert's
+    rows -> `(BLOCK_N, WORDS / 4)` float32 group sums."""
+    ks = k0 + tl.arange(0, WORDS)[:, None] * 8 + tl.arange(0, 8)[None, :]
+    up = tl.load(both_ptr + pair * 2 * INTER + ks, mask=ks < INTER, other=0.0).to(tl.float32)
+    gate = tl.load(both_ptr + pair * 2 * INTER + INTER + ks, mask=ks < INTER, other=0.0).to(tl.float32)
+    # rounded as the separate SwiGLU kernel's output would be, then carrying 2^64 (see WORD_X_SCALE)
+    act = (up * gate * tl.sigmoid(gate)).to(both_ptr.dtype.element_ty).to(tl.float32)
+    return _word_rows_dot(packed, scales, offs_n, n_ok, k0, INTER, stride_pn, stride_sn, act * 18446744073709551616.0,
+                          WORDS)
+
+
+@triton.jit
+def _expert_swiglu_down_mxfp4_kernel(both_ptr, packed_ptr, scale_ptr, ids_ptr, weights_ptr, out_ptr, N,
+                                     stride_pe, stride_pn, stride_se, stride_sn, TOP_K: tl.constexpr,
+                                     INTER: tl.constexpr, BLOCK_N: tl.constexpr, WORDS: tl.constexpr,
+                                     UNROLL: tl.constexpr):
+    """With `UNROLL` the slots and K steps are straight-line code, so all slots' word loads are in flight together
+    (a few tokens: few programs, each must keep many bytes in flight); without, a loop over slots (many tokens)."""
     token = tl.program_id(0).to(tl.int64)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
     total = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for slot in range(0, top_k):
-        pair = token * top_k + slot
-        expert = tl.load(ids_ptr + pair).to(tl.int64)
-        packed = packed_ptr + expert * stride_pe
-        scales = scale_ptr + expert * stride_se
-        acc = tl.zeros((BLOCK_N, WORDS // 4), dtype=tl.float32)
-        for k0 in range(0, inter, 8 * WORDS):
-            ks = k0 + tl.arange(0, WORDS)[:, None] * 8 + tl.arange(0, 8)[None, :]
-            up = tl.load(both_ptr + pair * 2 * inter + ks, mask=ks < inter, other=0.0).to(tl.float32)
-            gate = tl.load(both_ptr + pair * 2 * inter + inter + ks, mask=ks < inter, other=0.0).to(tl.float32)
-            # rounded as the separate SwiGLU kernel's output would be, then carrying 2^64 (see WORD_X_SCALE)
-            act = (up * gate * tl.sigmoid(gate)).to(both_ptr.dtype.element_ty).to(tl.float32)
-            acc += _word_rows_dot(packed, scales, offs_n, n_ok, k0, inter, stride_pn, stride_sn,
-                                  act * 18446744073709551616.0, WORDS)
-        total += tl.load(weights_ptr + pair).to(tl.float32) * tl.sum(acc, axis=1)
+    if UNROLL:
+        for slot in tl.static_range(TOP_K):
+            pair = token * TOP_K + slot
+            expert = tl.load(ids_ptr + pair).to(tl.int64)
+            acc = tl.zeros((BLOCK_N, WORDS // 4), dtype=tl.float32)
+            for step in tl.static_range(0, INTER, 8 * WORDS):
+                acc += _mxfp4_tail_step(both_ptr, packed_ptr + expert * stride_pe, scale_ptr + expert * stride_se,
+                                        pair, offs_n, n_ok, tl.full((), step, tl.int32), stride_pn, stride_sn, INTER,
+                                        WORDS)
+            total += tl.load(weights_ptr + pair).to(tl.float32) * tl.sum(acc, axis=1)
+    else:
+        for slot in range(0, TOP_K):
+            pair = token * TOP_K + slot
+            expert = tl.load(ids_ptr + pair).to(tl.int64)
+            acc = tl.zeros((BLOCK_N, WORDS // 4), dtype=tl.float32)
+            for k0 in range(0, INTER, 8 * WORDS):
+                acc += _mxfp4_tail_step(both_ptr, packed_ptr + expert * stride_pe, scale_ptr + expert * stride_se,
+                                        pair, offs_n, n_ok, k0, stride_pn, stride_sn, INTER, WORDS)
+            total += tl.load(weights_ptr + pair).to(tl.float32) * tl.sum(acc, axis=1)
     tl.store(out_ptr + token * N + offs_n, total.to(out_ptr.dtype.element_ty), mask=n_ok)
 
 
@@ -333,13 +359,18 @@ def expert_gemv_mxfp4(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tenso
     return out
 
 
+# Up to this many tokens the MXFP4 decode tail unrolls its slots (measured better at 1, 2 and 8, worse at 32).
+MXFP4_TAIL_UNROLL_TOKENS = 8
+
+
 def expert_swiglu_down_mxfp4(both: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, ids: torch.Tensor,
                              weights: torch.Tensor, block_n: int | None = None, block_k: int | None = None,
                              num_warps: int | None = None) -> torch.Tensor:
     """See `reference.expert_swiglu_down_mxfp4`: SwiGLU, each pair's MXFP4 down expert and the weighted slot sum in
-    one kernel (one program per token and block of outputs). Default tiles from the H200 sweep (RESULTS.md; 64
-    experts, 768 -> 2048, top 6): 16 x 512 with 4 warps for one or two tokens (11.4 us at one), 32 x 256 with 2
-    warps for more (27.3 us at 8)."""
+    one kernel (one program per token and block of outputs). Defaults from the H200 sweep (RESULTS.md; 64 experts,
+    768 -> 2048, top 6): up to `MXFP4_TAIL_UNROLL_TOKENS` tokens the slots unrolled, 4 warps, 8 x 1024 for one token
+    (7.8 us; the slot loop: 11.5), 16 x 1024 for two (10.7; 16.2), 32 x 256 beyond (27.0 at 8; 29.7); more tokens
+    loop over the slots, 32 x 256 with 2 warps (79.7 us at 32; unrolled: 97.8)."""
     both = both.contiguous()
     packed = word_rows(packed)
     tokens, top_k = ids.shape
@@ -347,10 +378,10 @@ def expert_swiglu_down_mxfp4(both: torch.Tensor, packed: torch.Tensor, scales: t
     out = torch.empty(tokens, n, dtype=both.dtype, device=both.device)
     if tokens == 0:
         return out
-    few = tokens <= 2
-    block_n, block_k = _word_tiles(inter, block_n or (16 if few else 32), block_k or (512 if few else 256))
+    few, unroll = tokens <= 2, tokens <= MXFP4_TAIL_UNROLL_TOKENS
+    block_n, block_k = _word_tiles(inter, block_n or (8 * tokens if few else 32), block_k or (1024 if few else 256))
     _expert_swiglu_down_mxfp4_kernel[(tokens, triton.cdiv(n, block_n))](
-        both, packed, scales, ids.contiguous(), weights.contiguous(), out, n, inter, top_k, packed.stride(0),
-        packed.stride(1), scales.stride(0), scales.stride(1), BLOCK_N=block_n, WORDS=block_k // 8,
-        num_warps=num_warps or (4 if few else 2))
+        both, packed, scales, ids.contiguous(), weights.contiguous(), out, n, packed.stride(0), packed.stride(1),
+        scales.stride(0), scales.stride(1), TOP_K=top_k, INTER=inter, BLOCK_N=block_n, WORDS=block_k // 8,
+        UNROLL=unroll, num_warps=num_warps or (4 if unroll else 2))
     return out
