@@ -134,21 +134,42 @@ def _word_x(x_ptr, k0, k_stop, WORDS: tl.constexpr):
 
 
 @triton.jit
+def _program_tile(M, N, K, k_per_split, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """This program's rows and outputs (with their in-range masks) and its K slice [k_start, k_stop), for the grid
+    (row tiles, output tiles, K slices) the GEMM kernels share."""
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    k_start = tl.program_id(2) * k_per_split
+    return offs_m, offs_n, offs_m < M, offs_n < N, k_start, tl.minimum(k_start + k_per_split, K)
+
+
+@triton.jit
+def _store_tile(out_ptr, acc, offs_m, offs_n, m_ok, n_ok, stride_om, TRANSPOSED: tl.constexpr, ATOMIC: tl.constexpr):
+    """Write a program's float32 `acc` (`(rows, outputs)`, or `(outputs, rows)` when `TRANSPOSED`) to the `[M, N]`
+    output: added atomically when K slices share it, else cast to the output's dtype."""
+    if TRANSPOSED:
+        out_ptrs = out_ptr + offs_m[None, :] * stride_om + offs_n[:, None]
+        mask = n_ok[:, None] & m_ok[None, :]
+    else:
+        out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
+        mask = m_ok[:, None] & n_ok[None, :]
+    if ATOMIC:
+        tl.atomic_add(out_ptrs, acc, mask=mask)
+    else:
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _fused_kernel(x_ptr, packed_ptr, scale_ptr, out_ptr, M, N, K, k_per_split, stride_xm, stride_pn, stride_sn,
                   stride_om, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                   PRECISION: tl.constexpr, ATOMIC: tl.constexpr, SWAP_AB: tl.constexpr):
     """out[m, n] = sum_k x[m, k] w[n, k]. With SWAP_AB the product is computed transposed (weight tile as the left
     operand, straight from registers), which suits a handful of rows: the rows become the MMA's narrow dimension."""
-    pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    m_ok, n_ok = offs_m < M, offs_n < N
+    offs_m, offs_n, m_ok, n_ok, k_start, k_stop = _program_tile(M, N, K, k_per_split, BLOCK_M, BLOCK_N)
     if SWAP_AB:
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    k_start = pid_k * k_per_split
-    k_stop = tl.minimum(k_start + k_per_split, K)
     for k0 in range(k_start, k_stop, BLOCK_K):
         low, high = _weight_tile(packed_ptr, scale_ptr, offs_n, n_ok, k0, k_stop, stride_pn, stride_sn,
                                  x_ptr.dtype.element_ty, BLOCK_N, BLOCK_K)
@@ -162,16 +183,7 @@ def _fused_kernel(x_ptr, packed_ptr, scale_ptr, out_ptr, M, N, K, k_per_split, s
         else:
             acc = tl.dot(x_even, tl.trans(low), acc, input_precision=PRECISION)
             acc = tl.dot(x_odd, tl.trans(high), acc, input_precision=PRECISION)
-    if SWAP_AB:
-        out_ptrs = out_ptr + offs_m[None, :] * stride_om + offs_n[:, None]
-        mask = n_ok[:, None] & m_ok[None, :]
-    else:
-        out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
-        mask = m_ok[:, None] & n_ok[None, :]
-    if ATOMIC:
-        tl.atomic_add(out_ptrs, acc, mask=mask)
-    else:
-        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    _store_tile(out_ptr, acc, offs_m, offs_n, m_ok, n_ok, stride_om, SWAP_AB, ATOMIC)
 
 
 @triton.jit
@@ -202,13 +214,8 @@ def _scaled_dot_kernel(x_ptr, packed_ptr, scale_ptr, out_ptr, M, N, K, packed_wi
     """out[m, n] = sum_k x[m, k] w[n, k] through Triton's microscaling dot (`tl.dot_scaled`: the E2M1 codes and
     E8M0 scales go in as stored and are widened on the way into the tensor cores), computed transposed: the
     weight is the left operand and the few rows of x the narrow right one."""
-    pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    m_ok, n_ok = offs_m < M, offs_n < N
+    offs_m, offs_n, m_ok, n_ok, k_start, k_stop = _program_tile(M, N, K, k_per_split, BLOCK_M, BLOCK_N)
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    k_start = pid_k * k_per_split
-    k_stop = tl.minimum(k_start + k_per_split, K)
     for k0 in range(k_start, k_stop, BLOCK_K):
         # Bytes beyond the input width are the stored zero padding (and x is zero there): the byte mask only
         # guards the stored width, which is a multiple of 16, so the loads stay 16-byte vectors.
@@ -222,12 +229,7 @@ def _scaled_dot_kernel(x_ptr, packed_ptr, scale_ptr, out_ptr, M, N, K, packed_wi
         x_t = tl.load(x_ptr + offs_m[None, :] * stride_xm + offs_k[:, None],
                       mask=m_ok[None, :] & (offs_k < k_stop)[:, None], other=0.0)
         acc = tl.dot_scaled(weight, scale, "e2m1", x_t, None, X_FORMAT, acc)
-    out_ptrs = out_ptr + offs_m[None, :] * stride_om + offs_n[:, None]
-    mask = n_ok[:, None] & m_ok[None, :]
-    if ATOMIC:
-        tl.atomic_add(out_ptrs, acc, mask=mask)
-    else:
-        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    _store_tile(out_ptr, acc, offs_m, offs_n, m_ok, n_ok, stride_om, True, ATOMIC)
 
 
 # Tensor-core path for a few rows of bf16 activations ("pairs"): each 32-bit word of eight codes becomes four bf16x2
@@ -306,13 +308,9 @@ def _pair_kernel(x_ptr, packed_ptr, scale_ptr, out_ptr, M, N, K, packed_width, k
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ATOMIC: tl.constexpr):
     """out[m, n] = sum_k x[m, k] w[n, k] for a few rows: x `(BLOCK_M, BLOCK_K)` tiles as the MMA's left operand, the
     weight tile decoded straight into the right operand's registers; K % 8 == 0 (x's masks are per 8 elements)."""
-    pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    m_ok, n_ok = offs_m < M, offs_n < N
+    offs_m, offs_n, m_ok, n_ok, k_start, k_stop = _program_tile(M, N, K, k_per_split, BLOCK_M, BLOCK_N)
+    k_stop = tl.multiple_of(k_stop, 8)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    k_start = pid_k * k_per_split
-    k_stop = tl.multiple_of(tl.minimum(k_start + k_per_split, K), 8)
     for k0 in range(k_start, k_stop, BLOCK_K):
         w = _pair_weight_tile(packed_ptr, scale_ptr, offs_n, n_ok, k0, packed_width, stride_pn, stride_sn,
                               x_ptr.dtype.element_ty, ASM, BLOCK_N, BLOCK_K)
@@ -322,12 +320,7 @@ def _pair_kernel(x_ptr, packed_ptr, scale_ptr, out_ptr, M, N, K, packed_width, k
         # the weight tile's K order: [0, 2, 4, 6, 1, 3, 5, 7] within each 8
         x = tl.reshape(tl.permute(tl.reshape(x, (BLOCK_M, BLOCK_K // 8, 4, 2)), (0, 1, 3, 2)), (BLOCK_M, BLOCK_K))
         acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
-    out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
-    mask = m_ok[:, None] & n_ok[None, :]
-    if ATOMIC:
-        tl.atomic_add(out_ptrs, acc, mask=mask)
-    else:
-        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    _store_tile(out_ptr, acc, offs_m, offs_n, m_ok, n_ok, stride_om, False, ATOMIC)
 
 
 @triton.jit
