@@ -100,8 +100,9 @@ def pair_configs(m):
             for block_k in (128, 256):
                 for num_stages in (2, 3, 4):
                     for split in (1, 2, 4):
-                        yield dict(path="pairs", block_n=block_n, block_k=block_k, num_warps=4,
-                                   num_stages=num_stages, split=split)
+                        for num_warps in (1, 2, 4) if block_n <= 64 else (4, 8):
+                            yield dict(path="pairs", block_n=block_n, block_k=block_k, num_warps=num_warps,
+                                       num_stages=num_stages, split=split)
 
 
 def scaled_configs(m):
