@@ -426,6 +426,8 @@ def pair_matmul(x, packed, scales, *, block_n: int = 64, block_k: int = 128, spl
     other dtypes decode by plain Triton arithmetic, which is how the interpreter runs it). K must be a multiple of 8.
     The default tile was within 7 % of the best of a sweep at every H3 shape for 8 and 16 rows on the H200
     (RESULTS.md); `split_k` > 1 sums K slices with float32 atomics."""
+    if x.stride(-1) != 1:
+        x = x.contiguous()
     m, k = x.shape
     if k % 8:
         raise ValueError(f"the pair path reads activations 8 at a time: K = {k} is not a multiple of 8.")
