@@ -100,11 +100,12 @@ def expert_gemv(x: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor, top_k:
 
 
 def expert_swiglu_down(both: torch.Tensor, down: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
-                       block_n: int = 8, block_k: int = 256, num_warps: int = 4) -> torch.Tensor:
+                       block_n: int = 8, block_k: int | None = None, num_warps: int = 4) -> torch.Tensor:
     """See `reference.expert_swiglu_down`: SwiGLU, the down GEMV and the weighted sum over the k slots in one
     kernel (one program per token and block of outputs, all slots at once). Default tile from the H200 sweep
     (RESULTS.md: 64 experts, 2048 x 768, top 6): 9.6 us at one token (the slot loop it replaced: 13.9), 13.6 at
-    two (17.1), 38.2 at eight (37.1)."""
+    two (17.1), 38.2 at eight (37.1). K steps narrow as top-k grows (256 at 5-8 slots) so the tile of all slots
+    stays in registers."""
     if down.stride(-1) != 1:
         down = down.contiguous()
     both = both.contiguous()
@@ -115,7 +116,8 @@ def expert_swiglu_down(both: torch.Tensor, down: torch.Tensor, ids: torch.Tensor
         return out
     _expert_swiglu_down_kernel[(tokens, triton.cdiv(n, block_n))](
         both, down, ids.contiguous(), weights.contiguous(), out, n, inter, top_k, down.stride(0), down.stride(1),
-        SLOTS=next_power_of_2(top_k), BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps)
+        SLOTS=next_power_of_2(top_k), BLOCK_N=block_n, BLOCK_K=block_k or max(32, 2048 // next_power_of_2(top_k)),
+        num_warps=num_warps)
     return out
 
 
@@ -359,8 +361,10 @@ def expert_gemv_mxfp4(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tenso
     return out
 
 
-# Up to this many tokens the MXFP4 decode tail unrolls its slots (measured better at 1, 2 and 8, worse at 32).
+# Up to this many tokens the MXFP4 decode tail unrolls its slots (measured better at 1, 2 and 8, worse at 32), as
+# long as slots x K steps stay within MXFP4_TAIL_UNROLL_BODIES (code size and compile time grow with them).
 MXFP4_TAIL_UNROLL_TOKENS = 8
+MXFP4_TAIL_UNROLL_BODIES = 24  # the measured mid config unrolls 6 slots x 3 steps at 3-8 tokens
 
 
 def expert_swiglu_down_mxfp4(both: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, ids: torch.Tensor,
@@ -378,8 +382,9 @@ def expert_swiglu_down_mxfp4(both: torch.Tensor, packed: torch.Tensor, scales: t
     out = torch.empty(tokens, n, dtype=both.dtype, device=both.device)
     if tokens == 0:
         return out
-    few, unroll = tokens <= 2, tokens <= MXFP4_TAIL_UNROLL_TOKENS
+    few = tokens <= 2
     block_n, block_k = _word_tiles(inter, block_n or (8 * tokens if few else 32), block_k or (1024 if few else 256))
+    unroll = tokens <= MXFP4_TAIL_UNROLL_TOKENS and top_k * triton.cdiv(inter, block_k) <= MXFP4_TAIL_UNROLL_BODIES
     _expert_swiglu_down_mxfp4_kernel[(tokens, triton.cdiv(n, block_n))](
         both, packed, scales, ids.contiguous(), weights.contiguous(), out, n, packed.stride(0), packed.stride(1),
         scales.stride(0), scales.stride(1), TOP_K=top_k, INTER=inter, BLOCK_N=block_n, WORDS=block_k // 8,
