@@ -316,9 +316,9 @@ def test_mxfp4_experts_widened_for_a_long_prefill_match_the_per_expert_path(monk
 
 @pytest.mark.parametrize("family", ["mla", "hybrid"])
 def test_decode_preparation_keeps_the_model_function(family):
-    """Stacking experts and fusing projections (what the decode graphs do to a model) leaves the logits of a long
-    prefill (grouped stacked-expert path) and of decode steps (per-pair expert path, fused projections) as they
-    were."""
+    """Stacking experts (with the shared expert among them where it fits) and fusing projections (what the decode
+    graphs do to a model) leaves the state dict and the logits of a long prefill (grouped stacked-expert path) and
+    of decode steps (per-pair expert path, fused projections) as they were."""
     from h3gen.pipelines.k3.engine.graphs import prepare_for_decode
 
     model = randomize(K3ForCausalLM(FAMILIES[family]()), seed=4).eval()
@@ -333,8 +333,13 @@ def test_decode_preparation_keeps_the_model_function(family):
 
     with torch.no_grad():
         before = run()
+        state = {k: v.clone() for k, v in model.state_dict().items()}
         prepare_for_decode(model)
-        assert all(m.stacked is not None for m in model.modules() if hasattr(m, "stack_experts"))
+        moes = [m for m in model.modules() if hasattr(m, "stack_experts")]
+        assert moes and all(m.stacked is not None for m in moes)
+        # the shared expert rides in the stack where it has the routed experts' shapes (not under LatentMoE)
+        assert all(m.shared_in_stack == (family == "mla") for m in moes)
+        assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
         after = run()
     # Equal up to float32 rounding (a fused GEMM may sum in another order).
     assert ((after - before).norm() / before.norm()).item() < 1e-5

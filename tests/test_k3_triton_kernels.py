@@ -159,16 +159,22 @@ def test_fused_kda_decode_matches_reference(heads, dim, width, lower_bound, dtyp
     assert torch.equal(rows[:, 0], untouched)  # the neighbouring layer's state is left alone
 
 
-@pytest.mark.parametrize("tokens,experts,top_k,bias,renormalize", [(1, 64, 6, True, True), (5, 37, 3, False, True),
-                                                                    (9, 8, 2, True, False)])
-def test_route_topk_matches_reference(tokens, experts, top_k, bias, renormalize):
+@pytest.mark.parametrize("tokens,experts,top_k,bias,renormalize,always", [
+    (1, 64, 6, True, True, 0), (5, 37, 3, False, True, 1), (9, 8, 2, True, False, 2), (3, 64, 6, True, True, 1)])
+def test_route_topk_matches_reference(tokens, experts, top_k, bias, renormalize, always):
     g = torch.Generator(device=DEVICE).manual_seed(tokens * experts)
     logits = torch.randn(tokens, experts, generator=g, device=DEVICE)
     correction = torch.randn(experts, generator=g, device=DEVICE) * 0.1 if bias else None
-    expected_w, expected_ids = moe_ref.route_topk(logits, correction, top_k, renormalize=renormalize, scaling=2.5)
-    got_w, got_ids = moe_triton.route_topk(logits, correction, top_k, renormalize, 2.5)
-    assert torch.equal(got_ids, expected_ids)
+    expected_w, expected_ids = moe_ref.route_topk(logits, correction, top_k, renormalize=renormalize, scaling=2.5,
+                                                  always=always)
+    got_w, got_ids = moe_triton.route_topk(logits, correction, top_k, renormalize, 2.5, always)
+    assert got_ids.shape == (tokens, top_k + always) and torch.equal(got_ids, expected_ids)
     assert _err(got_w, expected_w) <= 1e-6
+    # the always-on experts follow the routed ones, unscaled, and leave the routed weights as they were
+    assert torch.equal(got_ids[:, top_k:], torch.arange(experts, experts + always, device=DEVICE).expand(tokens, -1))
+    assert torch.equal(got_w[:, top_k:], torch.ones(tokens, always, device=DEVICE))
+    plain_w, plain_ids = moe_ref.route_topk(logits, correction, top_k, renormalize=renormalize, scaling=2.5)
+    assert torch.equal(got_ids[:, :top_k], plain_ids) and _err(got_w[:, :top_k], plain_w) <= 1e-6
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])

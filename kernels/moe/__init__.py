@@ -12,14 +12,15 @@ from h3gen.kernels.moe import reference
 from h3gen.kernels.moe.reference import grouped_gemm, grouped_mxfp4_gemm, sort_by_expert
 
 
-def route_topk(logits, correction_bias, top_k, num_groups=1, topk_groups=1, renormalize=True, scaling=1.0):
-    """`logits` `[T, E]` -> (weights `[T, top_k]` float32, expert ids `[T, top_k]` int64); see
-    `reference.route_topk`. Without expert groups on CUDA, one Triton program per token."""
+def route_topk(logits, correction_bias, top_k, num_groups=1, topk_groups=1, renormalize=True, scaling=1.0, always=0):
+    """`logits` `[T, E]` -> (weights `[T, top_k + always]` float32, expert ids `[T, top_k + always]` int64); see
+    `reference.route_topk` (`always`: always-on experts E .. E + always - 1 appended with weight 1). Without expert
+    groups on CUDA, one Triton program per token."""
     if num_groups <= 1 and use_triton(logits) and logits.shape[-1] <= 1024:
         from h3gen.kernels.moe import triton as fast
 
-        return fast.route_topk(logits, correction_bias, top_k, renormalize, scaling)
-    return reference.route_topk(logits, correction_bias, top_k, num_groups, topk_groups, renormalize, scaling)
+        return fast.route_topk(logits, correction_bias, top_k, renormalize, scaling, always)
+    return reference.route_topk(logits, correction_bias, top_k, num_groups, topk_groups, renormalize, scaling, always)
 
 
 def expert_gemv(x, weight, ids, top_k=1):

@@ -12,10 +12,12 @@ from h3gen.quant.mxfp4 import dequantize
 
 
 def route_topk(logits: torch.Tensor, correction_bias: torch.Tensor | None, top_k: int, num_groups: int = 1,
-               topk_groups: int = 1, renormalize: bool = True, scaling: float = 1.0):
-    """`logits` `[T, E]` -> (weights `[T, top_k]` float32, expert ids `[T, top_k]` int64).
+               topk_groups: int = 1, renormalize: bool = True, scaling: float = 1.0, always: int = 0):
+    """`logits` `[T, E]` -> (weights `[T, top_k + always]` float32, expert ids `[T, top_k + always]` int64).
 
-    Groups are ranked by the sum of their two best biased scores; only the `topk_groups` best take part."""
+    Groups are ranked by the sum of their two best biased scores; only the `topk_groups` best take part. `always`
+    appends that many always-on experts, ids E .. E + always - 1 with weight 1 (shared experts stacked after the
+    routed ones)."""
     scores = logits.float().sigmoid()
     choice = scores if correction_bias is None else scores + correction_bias.float()
     if num_groups > 1:
@@ -29,7 +31,12 @@ def route_topk(logits: torch.Tensor, correction_bias: torch.Tensor | None, top_k
     weights = scores.gather(1, ids)
     if renormalize:
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-    return weights * scaling, ids
+    weights = weights * scaling
+    if always:
+        extra = torch.arange(logits.shape[-1], logits.shape[-1] + always, device=ids.device).expand(ids.shape[0], -1)
+        ids = torch.cat([ids, extra], dim=1)
+        weights = torch.cat([weights, weights.new_ones(weights.shape[0], always)], dim=1)
+    return weights, ids
 
 
 def sort_by_expert(ids: torch.Tensor, num_experts: int):

@@ -140,8 +140,8 @@ def router_logits(x: torch.Tensor, weight: torch.Tensor, block_e: int = 1, block
 
 @triton.jit
 def _route_topk_kernel(logits_ptr, bias_ptr, weights_ptr, ids_ptr, experts, scaling,
-                       TOP_K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr,
-                       RENORMALIZE: tl.constexpr):
+                       TOP_K: tl.constexpr, ALWAYS: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
+                       HAS_BIAS: tl.constexpr, RENORMALIZE: tl.constexpr):
     token = tl.program_id(0).to(tl.int64)
     es = tl.arange(0, BLOCK_E)
     ks = tl.arange(0, BLOCK_K)
@@ -162,23 +162,27 @@ def _route_topk_kernel(logits_ptr, bias_ptr, weights_ptr, ids_ptr, experts, scal
         choice = tl.where(es == index, float("-inf"), choice)
     if RENORMALIZE:
         chosen_w = chosen_w / (tl.sum(chosen_w, axis=0) + 1e-20)
-    keep = ks < TOP_K
-    tl.store(weights_ptr + token * TOP_K + ks, chosen_w * scaling, mask=keep)
-    tl.store(ids_ptr + token * TOP_K + ks, chosen_id, mask=keep)
+    routed = ks < TOP_K
+    # always-on experts after the routed ones: ids experts, experts + 1, ... with weight 1
+    chosen_w = tl.where(routed, chosen_w * scaling, 1.0)
+    chosen_id = tl.where(routed, chosen_id, experts + ks - TOP_K)
+    keep = ks < TOP_K + ALWAYS
+    tl.store(weights_ptr + token * (TOP_K + ALWAYS) + ks, chosen_w, mask=keep)
+    tl.store(ids_ptr + token * (TOP_K + ALWAYS) + ks, chosen_id, mask=keep)
 
 
 def route_topk(logits: torch.Tensor, correction_bias: torch.Tensor | None, top_k: int, renormalize: bool = True,
-               scaling: float = 1.0):
+               scaling: float = 1.0, always: int = 0):
     """`reference.route_topk` without expert groups, one program per token: `logits` `[T, E]` -> (weights
-    `[T, top_k]` float32, ids `[T, top_k]` int64)."""
+    `[T, top_k + always]` float32, ids `[T, top_k + always]` int64)."""
     logits = logits.float().contiguous()
     tokens, experts = logits.shape
-    weights = torch.empty(tokens, top_k, dtype=torch.float32, device=logits.device)
-    ids = torch.empty(tokens, top_k, dtype=torch.long, device=logits.device)
+    weights = torch.empty(tokens, top_k + always, dtype=torch.float32, device=logits.device)
+    ids = torch.empty(tokens, top_k + always, dtype=torch.long, device=logits.device)
     if tokens:
         _route_topk_kernel[(tokens,)](
             logits, correction_bias if correction_bias is not None else logits, weights, ids, experts, scaling,
-            TOP_K=top_k, BLOCK_E=next_power_of_2(experts), BLOCK_K=next_power_of_2(top_k),
+            TOP_K=top_k, ALWAYS=always, BLOCK_E=next_power_of_2(experts), BLOCK_K=next_power_of_2(top_k + always),
             HAS_BIAS=correction_bias is not None, RENORMALIZE=renormalize, num_warps=1 if experts <= 256 else 4)
     return weights, ids
 

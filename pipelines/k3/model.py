@@ -335,12 +335,13 @@ class K3Router(nn.Module):
         self.weight = nn.Parameter(torch.zeros(config.num_experts, config.hidden_size))
         self.register_buffer("e_score_correction_bias", torch.zeros(config.num_experts))
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """`x` `[T, D]` -> (weights `[T, k]` float32, expert ids `[T, k]`)."""
+    def forward(self, x: torch.Tensor, always: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """`x` `[T, D]` -> (weights `[T, k + always]` float32, expert ids `[T, k + always]`); `always` appends
+        always-on experts E, E + 1, ... with weight 1 (see `K3MoE.stack_experts`)."""
         c = self.config
         logits = router_logits(x, self.weight)
         return route_topk(logits, self.e_score_correction_bias, c.num_experts_per_token, c.num_expert_group,
-                          c.topk_group, c.moe_renormalize, c.routed_scaling_factor)
+                          c.topk_group, c.moe_renormalize, c.routed_scaling_factor, always)
 
 
 class K3MoE(nn.Module):
@@ -372,6 +373,7 @@ class K3MoE(nn.Module):
         self.stacked: tuple[torch.Tensor, torch.Tensor] | None = None  # (up_gate [E, 2I, W], down [E, W, I])
         # MXFP4 experts stacked: ((packed, scales) of up_gate, (packed, scales) of down)
         self.stacked_mxfp4: tuple | None = None
+        self.shared_in_stack = False  # the shared expert is stacked expert E (see `stack_experts`)
 
     @torch.no_grad()
     def stack_experts(self) -> bool:
@@ -390,12 +392,14 @@ class K3MoE(nn.Module):
             names = ("weight",)
         else:
             return False
+        shared = self._mergeable_shared_expert() if names == ("weight",) else None
         stacks = []
         for name in names:
             first = self.experts[0]
             inter = getattr(first.w1, name).shape[0]
-            up_gate = getattr(first.w1, name).new_empty(len(self.experts), 2 * inter, getattr(first.w1, name).shape[1])
-            down = getattr(first.w2, name).new_empty(len(self.experts), *getattr(first.w2, name).shape)
+            count = len(self.experts) + (shared is not None)
+            up_gate = getattr(first.w1, name).new_empty(count, 2 * inter, getattr(first.w1, name).shape[1])
+            down = getattr(first.w2, name).new_empty(count, *getattr(first.w2, name).shape)
             for e, expert in enumerate(self.experts):
                 for layer, view in ((expert.w3, up_gate[e, :inter]), (expert.w1, up_gate[e, inter:]),
                                     (expert.w2, down[e])):
@@ -404,12 +408,38 @@ class K3MoE(nn.Module):
                         layer.weight.data = view
                     else:
                         setattr(layer, name, view)  # a buffer: re-registered as the view
+            if shared is not None:  # stacked expert E; its fused [up; gate] is that expert's rows
+                e = len(self.experts)
+                for layer, view in ((shared.up_proj, up_gate[e, :inter]), (shared.gate_proj, up_gate[e, inter:]),
+                                    (shared.down_proj, down[e])):
+                    view.copy_(layer.weight)
+                    layer.weight.data = view
+                shared.fused_in = up_gate[e]
             stacks.append((up_gate, down))
         if names == ("weight",):
             self.stacked = stacks[0]
+            self.shared_in_stack = shared is not None
         else:  # ((packed up_gate, packed down), (scales up_gate, scales down))
             self.stacked_mxfp4 = tuple(zip(*stacks))
         return True
+
+    def _mergeable_shared_expert(self) -> "K3MLP | None":
+        """The shared expert when it can run as one more stacked expert (same input width and intermediate size as
+        the routed experts, one of it, plain bf16/fp32 linears like theirs): then few-token batches route every token
+        to it too, with weight 1, and its three GEMMs, activation and add disappear from a decode step."""
+        c = self.config
+        shared = getattr(self, "shared_experts", None)
+        if shared is None or c.num_shared_experts != 1 or c.routed_expert_hidden_size:
+            return None
+        layers = (shared.up_proj, shared.gate_proj, shared.down_proj)
+        first = self.experts[0]
+        if any(type(layer) is not nn.Linear or layer.bias is not None for layer in layers):
+            return None
+        if (shared.up_proj.weight.shape != first.w3.weight.shape or shared.down_proj.weight.shape != first.w2.weight.shape
+                or any(layer.weight.dtype != first.w1.weight.dtype or layer.weight.device != first.w1.weight.device
+                       for layer in layers)):
+            return None
+        return shared
 
     def routed(self, h: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """`h` `[T, W]` -> `sum_k weights[:, k] E_{ids[:, k]}(h)` `[T, W]`: tokens grouped by expert (with stacked
@@ -479,7 +509,11 @@ class K3MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x = x.reshape(-1, shape[-1])
-        weights, ids = self.gate(x)
+        # Few tokens with the shared expert stacked: it rides along as expert E (weight 1) in the routed kernels.
+        merged = self.shared_in_stack and x.shape[0] * self.config.num_experts_per_token <= DEVICE_ROUTING_MAX_PAIRS
+        weights, ids = self.gate(x, always=1 if merged else 0)
+        if merged:
+            return self.routed(x, weights, ids).view(shape)
         if self.config.routed_expert_hidden_size:
             y = self.routed(self.routed_expert_down_proj(x), weights, ids)
             if self.config.latent_moe_use_norm:
