@@ -123,6 +123,27 @@ def test_paged_mla_decode_matches_reference(page, heads, rank, rope, dtype):
     assert _err(masked, expected) <= 1e-5
 
 
+@pytest.mark.parametrize("dtype,weight_dtype", [(torch.float32, torch.float32), (torch.float16, torch.float16),
+                                                (torch.float16, torch.float32)])
+@pytest.mark.parametrize("rank,rope", [(32, 8), (48, 5)])
+def test_latent_row_write_matches_reference(rank, rope, dtype, weight_dtype):
+    """A decode step's MLA cache rows (norm of the latent, then k_pe) written through the block table into one
+    layer's strided view of the interleaved page pool, in one kernel; other rows untouched."""
+    g = torch.Generator(device=DEVICE).manual_seed(rank + rope)
+    page, batch = 16, 3
+    pool = torch.randn(12, 2, page, rank + rope, generator=g, device=DEVICE).to(dtype)
+    table = torch.tensor([[3, 7, 0], [5, 0, 0], [9, 2, 11]], dtype=torch.int32, device=DEVICE)
+    lens = torch.tensor([20, 0, 47], dtype=torch.int32, device=DEVICE)  # rows 20, 0 and 47: pages 7, 5 and 11
+    latent = torch.randn(batch, rank, generator=g, device=DEVICE).to(dtype) * 3
+    k_pe = torch.randn(batch, rope, generator=g, device=DEVICE).to(dtype)
+    weight = (torch.rand(rank, generator=g, device=DEVICE) + 0.5).to(weight_dtype)
+    expected, got = pool.clone(), pool.clone()
+    mla_ref.write_latent_rows(latent, k_pe, weight, 1e-6, expected[:, 1], table, lens)
+    mla_triton.write_latent_rows(latent, k_pe, weight, 1e-6, got[:, 1], table, lens)
+    assert not torch.equal(expected, pool)  # the rows were written
+    assert torch.allclose(got.float(), expected.float(), rtol=1e-6 if dtype == torch.float32 else 1e-3, atol=0)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("heads,dim,width,lower_bound", [(3, 16, 4, None), (2, 32, 3, -5.0), (5, 8, 4, -5.0)])
 def test_fused_kda_decode_matches_reference(heads, dim, width, lower_bound, dtype):

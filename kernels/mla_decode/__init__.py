@@ -20,4 +20,14 @@ def mla_decode(q, kv_pages, block_table, seq_lens, scale, v_dim):
     return reference.mla_decode(q, kv_pages, block_table, seq_lens, scale, v_dim)
 
 
-__all__ = ["mla_decode", "mla_decode_masked"]
+def write_latent_rows(latent, k_pe, norm_weight, eps, pages, block_table, lens):
+    """Normalise `latent` `[B, r]`, append `k_pe` `[B, d_r]` and write the rows at positions `lens` `[B]` of the
+    paged MLA cache `pages` through `block_table` (see `reference.write_latent_rows`; one Triton kernel on CUDA)."""
+    if use_triton(latent):
+        from h3gen.kernels.mla_decode import triton as fast
+
+        return fast.write_latent_rows(latent, k_pe, norm_weight, eps, pages, block_table, lens)
+    return reference.write_latent_rows(latent, k_pe, norm_weight, eps, pages, block_table, lens)
+
+
+__all__ = ["mla_decode", "mla_decode_masked", "write_latent_rows"]

@@ -34,3 +34,17 @@ def mla_decode_masked(q: torch.Tensor, kv_pages: torch.Tensor, block_table: torc
     valid = torch.arange(rows.shape[1], device=q.device)[None, :] < seq_lens[:, None]
     probs = torch.softmax(scores.masked_fill(~valid[:, None, :], float("-inf")), dim=-1)
     return torch.einsum("bhs,bsv->bhv", probs, rows[..., :v_dim]).to(q.dtype)
+
+
+def write_latent_rows(latent: torch.Tensor, k_pe: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                      pages: torch.Tensor, block_table: torch.Tensor, lens: torch.Tensor) -> None:
+    """One decode step's MLA cache rows: `latent` `[B, r]` RMS-normalised (`rms_norm` rounding), then `k_pe`
+    `[B, d_r]`, written as row `lens[b]` of sequence b into `pages` `[P, page_size, r + d_r]` through
+    `block_table` `[B, W]` (int32 page ids; `lens` `[B]` int32)."""
+    from h3gen.kernels.rmsnorm.reference import rms_norm
+
+    row = torch.cat([rms_norm(latent, norm_weight, eps), k_pe], dim=-1)
+    page_size = pages.shape[1]
+    position = lens.long()
+    page = block_table.long().gather(1, (position // page_size)[:, None])[:, 0]
+    pages[page, position % page_size] = row.to(pages.dtype)

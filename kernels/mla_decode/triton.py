@@ -79,3 +79,41 @@ def mla_decode(q: torch.Tensor, kv_pages: torch.Tensor, block_table: torch.Tenso
         out.stride(1), PAGE=page, BLOCK_S=min(block_s, page), BLOCK_H=block_h, BLOCK_R=max(16, next_power_of_2(v_dim)),
         BLOCK_P=max(16, next_power_of_2(max(rope, 1))), IEEE=kv_pages.dtype == torch.float32, num_warps=num_warps)
     return out
+
+
+@triton.jit
+def _write_latent_rows_kernel(latent_ptr, pe_ptr, weight_ptr, pages_ptr, table_ptr, lens_ptr, rank, rope, eps,
+                              stride_latent, stride_pe, stride_table, stride_page, stride_row, page_size,
+                              ROUND: tl.constexpr,
+                              BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr):
+    b = tl.program_id(0).to(tl.int64)
+    position = tl.load(lens_ptr + b)
+    page = tl.load(table_ptr + b * stride_table + position // page_size).to(tl.int64)
+    row = pages_ptr + page * stride_page + (position % page_size) * stride_row
+    offs = tl.arange(0, BLOCK_R)
+    ok = offs < rank
+    x = tl.load(latent_ptr + b * stride_latent + offs, mask=ok, other=0.0)
+    xf = x.to(tl.float32)
+    normed = (xf * tl.rsqrt(tl.sum(xf * xf, axis=0) / rank + eps)).to(x.dtype).to(tl.float32)
+    value = normed * tl.load(weight_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+    if ROUND:  # the weight's dtype is the latent's: the product is rounded to it, as torch's multiply would
+        value = value.to(x.dtype)
+    tl.store(row + offs, value.to(pages_ptr.dtype.element_ty), mask=ok)
+    offs_p = tl.arange(0, BLOCK_P)
+    pe = tl.load(pe_ptr + b * stride_pe + offs_p, mask=offs_p < rope, other=0.0)
+    tl.store(row + rank + offs_p, pe.to(pages_ptr.dtype.element_ty), mask=offs_p < rope)
+
+
+def write_latent_rows(latent: torch.Tensor, k_pe: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                      pages: torch.Tensor, block_table: torch.Tensor, lens: torch.Tensor) -> None:
+    """See `reference.write_latent_rows`: norm, concatenation and the paged write in one kernel (one program per
+    sequence)."""
+    batch, rank = latent.shape
+    rope = k_pe.shape[1]
+    if latent.stride(1) != 1 or k_pe.stride(1) != 1 or pages.stride(2) != 1 or block_table.stride(1) != 1:
+        raise ValueError("write_latent_rows needs rows, pages and the block table with unit inner stride.")
+    promoted = torch.promote_types(norm_weight.dtype, latent.dtype)
+    _write_latent_rows_kernel[(batch,)](
+        latent, k_pe, norm_weight, pages, block_table, lens, rank, rope, eps, latent.stride(0), k_pe.stride(0),
+        block_table.stride(0), pages.stride(0), pages.stride(1), pages.shape[1], ROUND=promoted == latent.dtype and latent.dtype != torch.float32,
+        BLOCK_R=next_power_of_2(rank), BLOCK_P=next_power_of_2(max(rope, 1)), num_warps=4)

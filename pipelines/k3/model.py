@@ -219,14 +219,17 @@ class K3MLAttention(nn.Module):
         q = q.view(b, t, -1, self.nope + self.rope)
         heads = q.shape[2]
         latent, k_pe = kv.split([self.rank, self.rope], dim=-1)
-        row = torch.cat([self.kv_a_layernorm(latent), k_pe], dim=-1)  # [B, T, r + d_r], what the cache holds
-        past = 0
-        if cache is not None:
-            past = cache.length
-            cache.append(row)
-        if cache is not None and t == 1 and past > 0:
+        past = 0 if cache is None else cache.length
+        if t == 1 and past > 0 and hasattr(cache, "append_normed"):  # a captured decode step: one fused write
+            cache.append_normed(latent, k_pe, self.kv_a_layernorm)
+            o = self._decode_absorbed(q[:, 0], cache).unsqueeze(1)
+        elif cache is not None and t == 1 and past > 0:
+            cache.append(torch.cat([self.kv_a_layernorm(latent), k_pe], dim=-1))
             o = self._decode_absorbed(q[:, 0], cache).unsqueeze(1)
         else:
+            row = torch.cat([self.kv_a_layernorm(latent), k_pe], dim=-1)  # [B, T, r + d_r], what the cache holds
+            if cache is not None:
+                cache.append(row)
             rows = cache.rows() if cache is not None else row
             o = self._attend_expanded(q, rows.to(x.dtype), past)
         if self.config.mla_use_output_gate:

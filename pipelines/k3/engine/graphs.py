@@ -15,6 +15,7 @@ experts (`expert_gemv` per pair, or blocks per expert for larger batches). On a 
 
 import torch
 
+from h3gen.kernels.mla_decode import write_latent_rows
 from h3gen.pipelines.k3.cache import KDAState
 from h3gen.pipelines.k3.engine.batch import BatchCache
 
@@ -25,8 +26,10 @@ class StaticLatentView:
 
     length = 1  # what the model reads as "rows before this call": > 0 selects the absorbed decode path
 
-    def __init__(self, pages: torch.Tensor, table: torch.Tensor, lens: torch.Tensor, page_size: int):
+    def __init__(self, pages: torch.Tensor, table: torch.Tensor, lens: torch.Tensor, page_size: int,
+                 lens_after: torch.Tensor | None = None):
         self.pages, self.table, self.lens, self.page_size = pages, table, lens, page_size
+        self.lens_after = lens + 1 if lens_after is None else lens_after  # shared by a step's MLA layers
 
     def append(self, rows: torch.Tensor) -> None:
         """`rows` `[B, 1, D]`."""
@@ -34,11 +37,15 @@ class StaticLatentView:
         page = self.table.long().gather(1, (position // self.page_size)[:, None])[:, 0]
         self.pages[page, position % self.page_size] = rows[:, 0].to(self.pages.dtype)
 
+    def append_normed(self, latent: torch.Tensor, k_pe: torch.Tensor, norm) -> None:
+        """`append` of `[norm(latent), k_pe]` (`[B, 1, r]`, `[B, 1, d_r]`, `norm` a `K3RMSNorm`) in one kernel."""
+        write_latent_rows(latent[:, 0], k_pe[:, 0], norm.weight, norm.eps, self.pages, self.table, self.lens)
+
     def block_table(self) -> torch.Tensor:
         return self.table
 
     def seq_lens(self) -> torch.Tensor:
-        return self.lens + 1
+        return self.lens_after
 
     def rows(self) -> torch.Tensor:
         raise RuntimeError("a static decode batch has no expanded-attention path")
@@ -92,8 +99,10 @@ def static_decode_forward(model, pool, buffers: DecodeBuffers) -> torch.Tensor:
     """One decode forward of `buffers.size` sequences: logits `[size, vocab]`; updates their pool memory in place."""
     size = buffers.size
     cache = BatchCache(model.config.num_hidden_layers, pool.page_size)
+    lens_after = buffers.lens + 1 if pool.mla_layers else None
     for j, layer in enumerate(pool.mla_layers):
-        cache.layers[layer] = StaticLatentView(pool.layer_pages(j), buffers.table, buffers.lens, pool.page_size)
+        cache.layers[layer] = StaticLatentView(pool.layer_pages(j), buffers.table, buffers.lens, pool.page_size,
+                                               lens_after)
     given = []
     if pool.uses_slots:
         rows = pool.slots.index_select(0, buffers.state_rows)  # [size, kda layers, floats]
