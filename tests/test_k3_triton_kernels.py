@@ -123,6 +123,27 @@ def test_paged_mla_decode_matches_reference(page, heads, rank, rope, dtype):
     assert _err(masked, expected) <= 1e-5
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("batch,heads,nope,rope,rank,v_dim", [(1, 3, 16, 8, 40, 16), (3, 2, 24, 5, 160, 20)])
+def test_absorbed_query_and_output_match_reference(batch, heads, nope, rope, rank, v_dim, dtype):
+    """The MLA decode's absorbed query ([q_nope W_kc | q_pe], float32) and output (latents times W_vc, rounded,
+    optionally gated) as one kernel each, against the torch ops they replace; q as a strided view as the model
+    passes it."""
+    g = torch.Generator(device=DEVICE).manual_seed(batch + rank)
+    q = torch.randn(batch, 2, heads, nope + rope, generator=g, device=DEVICE).to(dtype)[:, 1]
+    w_kc = torch.randn(heads, nope, rank, generator=g, device=DEVICE) / nope**0.5
+    got = mla_triton.absorb_query(q, w_kc, nope)
+    assert got.dtype == torch.float32 and _err(got, mla_ref.absorb_query(q, w_kc, nope)) <= 1e-5
+    latent = torch.randn(batch, heads, rank, generator=g, device=DEVICE)
+    w_vc = torch.randn(heads, v_dim, rank, generator=g, device=DEVICE) / rank**0.5
+    gate = torch.randn(batch, 3, heads * v_dim, generator=g, device=DEVICE).to(dtype)[:, 0]
+    for given in (None, gate):
+        out = mla_triton.absorb_output(latent, w_vc, dtype, given)
+        expected = mla_ref.absorb_output(latent, w_vc, dtype, given)
+        assert out.dtype == dtype and out.shape == (batch, heads, v_dim)
+        assert _err(out, expected) <= (1e-5 if dtype == torch.float32 else 1e-3)
+
+
 @pytest.mark.parametrize("dtype,weight_dtype", [(torch.float32, torch.float32), (torch.float16, torch.float16),
                                                 (torch.float16, torch.float32)])
 @pytest.mark.parametrize("rank,rope", [(32, 8), (48, 5)])

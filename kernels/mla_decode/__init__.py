@@ -30,4 +30,23 @@ def write_latent_rows(latent, k_pe, norm_weight, eps, pages, block_table, lens):
     return reference.write_latent_rows(latent, k_pe, norm_weight, eps, pages, block_table, lens)
 
 
-__all__ = ["mla_decode", "mla_decode_masked", "write_latent_rows"]
+def absorb_query(q, w_kc, nope):
+    """`q` `[B, n, nope + d_r]` -> the absorbed query `[B, n, r + d_r]` float32 (see `reference.absorb_query`)."""
+    if use_triton(q):
+        from h3gen.kernels.mla_decode import triton as fast
+
+        return fast.absorb_query(q, w_kc, nope)
+    return reference.absorb_query(q, w_kc, nope)
+
+
+def absorb_output(latent, w_vc, dtype, gate=None):
+    """Attended latents `[B, n, r]` float32 -> `[B, n, v]` in `dtype`, times sigmoid(`gate`) when given (see
+    `reference.absorb_output`)."""
+    if use_triton(latent):
+        from h3gen.kernels.mla_decode import triton as fast
+
+        return fast.absorb_output(latent, w_vc, dtype, gate)
+    return reference.absorb_output(latent, w_vc, dtype, gate)
+
+
+__all__ = ["absorb_output", "absorb_query", "mla_decode", "mla_decode_masked", "write_latent_rows"]

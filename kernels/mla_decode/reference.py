@@ -48,3 +48,21 @@ def write_latent_rows(latent: torch.Tensor, k_pe: torch.Tensor, norm_weight: tor
     position = lens.long()
     page = block_table.long().gather(1, (position // page_size)[:, None])[:, 0]
     pages[page, position % page_size] = row.to(pages.dtype)
+
+
+def absorb_query(q: torch.Tensor, w_kc: torch.Tensor, nope: int) -> torch.Tensor:
+    """The absorbed decode query: `q` `[B, n, nope + d_r]` -> `[B, n, r + d_r]` float32, `[q_nope · W_kc | q_pe]`
+    with `w_kc` `[n, nope, r]` float32."""
+    q_nope, q_pe = q.split([nope, q.shape[-1] - nope], dim=-1)
+    return torch.cat([torch.einsum("bnd,ndr->bnr", q_nope.float(), w_kc), q_pe.float()], dim=-1)
+
+
+def absorb_output(latent: torch.Tensor, w_vc: torch.Tensor, dtype: torch.dtype,
+                  gate: torch.Tensor | None = None) -> torch.Tensor:
+    """The decode output from the attended latents: `latent` `[B, n, r]` float32 times `w_vc` `[n, v, r]` -> `[B, n,
+    v]` in `dtype`; with `gate` `[B, n * v]` (in `dtype`), times its sigmoid, each op rounded to `dtype` as torch's
+    separate ops would be."""
+    out = torch.einsum("bnr,nvr->bnv", latent, w_vc).to(dtype)
+    if gate is not None:
+        out = out * torch.sigmoid(gate).view_as(out)
+    return out

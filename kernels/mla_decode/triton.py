@@ -117,3 +117,70 @@ def write_latent_rows(latent: torch.Tensor, k_pe: torch.Tensor, norm_weight: tor
         latent, k_pe, norm_weight, pages, block_table, lens, rank, rope, eps, latent.stride(0), k_pe.stride(0),
         block_table.stride(0), pages.stride(0), pages.stride(1), pages.shape[1], ROUND=promoted == latent.dtype and latent.dtype != torch.float32,
         BLOCK_R=next_power_of_2(rank), BLOCK_P=next_power_of_2(max(rope, 1)), num_warps=4)
+
+
+@triton.jit
+def _absorb_query_kernel(q_ptr, w_ptr, out_ptr, heads, nope, rope, rank, stride_qb, stride_qn,
+                         BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr):
+    b, head, part = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64), tl.program_id(2)
+    q_row = q_ptr + b * stride_qb + head * stride_qn
+    out_row = out_ptr + (b * heads + head) * (rank + rope)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_r = part * BLOCK_R + tl.arange(0, BLOCK_R)
+    q = tl.load(q_row + offs_d, mask=offs_d < nope, other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + head * nope * rank + offs_d[:, None] * rank + offs_r[None, :],
+                mask=(offs_d[:, None] < nope) & (offs_r[None, :] < rank), other=0.0)
+    tl.store(out_row + offs_r, tl.sum(q[:, None] * w, axis=0), mask=offs_r < rank)
+    if part == 0:
+        offs_p = tl.arange(0, BLOCK_P)
+        pe = tl.load(q_row + nope + offs_p, mask=offs_p < rope, other=0.0).to(tl.float32)
+        tl.store(out_row + rank + offs_p, pe, mask=offs_p < rope)
+
+
+def absorb_query(q: torch.Tensor, w_kc: torch.Tensor, nope: int) -> torch.Tensor:
+    """See `reference.absorb_query`: one kernel (programs per sequence, head and block of latent columns) instead of
+    two casts, a batched GEMV and a concatenation."""
+    batch, heads, width = q.shape
+    rank, rope = w_kc.shape[2], width - nope
+    if q.stride(2) != 1 or not w_kc.is_contiguous():
+        raise ValueError("absorb_query needs q with unit inner stride and a contiguous W_kc.")
+    out = torch.empty(batch, heads, rank + rope, dtype=torch.float32, device=q.device)
+    block_r = min(128, next_power_of_2(rank))
+    _absorb_query_kernel[(batch, heads, triton.cdiv(rank, block_r))](
+        q, w_kc, out, heads, nope, rope, rank, q.stride(0), q.stride(1), BLOCK_D=next_power_of_2(nope),
+        BLOCK_R=block_r, BLOCK_P=next_power_of_2(max(rope, 1)), num_warps=4)
+    return out
+
+
+@triton.jit
+def _absorb_output_kernel(latent_ptr, w_ptr, gate_ptr, out_ptr, heads, rank, v_dim, stride_gate,
+                          HAS_GATE: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_R: tl.constexpr):
+    b, head, part = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64), tl.program_id(2)
+    offs_v = part * BLOCK_V + tl.arange(0, BLOCK_V)
+    offs_r = tl.arange(0, BLOCK_R)
+    latent = tl.load(latent_ptr + (b * heads + head) * rank + offs_r, mask=offs_r < rank, other=0.0)
+    w = tl.load(w_ptr + head * v_dim * rank + offs_v[:, None] * rank + offs_r[None, :],
+                mask=(offs_v[:, None] < v_dim) & (offs_r[None, :] < rank), other=0.0)
+    out = tl.sum(w * latent[None, :], axis=1).to(out_ptr.dtype.element_ty)
+    if HAS_GATE:  # each op rounded to the output dtype, as the separate sigmoid and multiply would be
+        g = tl.load(gate_ptr + b * stride_gate + head * v_dim + offs_v, mask=offs_v < v_dim, other=0.0)
+        gate = tl.sigmoid(g.to(tl.float32)).to(out_ptr.dtype.element_ty)
+        out = (out.to(tl.float32) * gate.to(tl.float32)).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + (b * heads + head) * v_dim + offs_v, out, mask=offs_v < v_dim)
+
+
+def absorb_output(latent: torch.Tensor, w_vc: torch.Tensor, dtype: torch.dtype,
+                  gate: torch.Tensor | None = None) -> torch.Tensor:
+    """See `reference.absorb_output`: one kernel instead of a batched GEMV, a cast and, with the gate, a sigmoid
+    and a multiply."""
+    batch, heads, rank = latent.shape
+    v_dim = w_vc.shape[1]
+    if not latent.is_contiguous() or not w_vc.is_contiguous() or (gate is not None and gate.stride(-1) != 1):
+        raise ValueError("absorb_output needs contiguous latents and W_vc and a gate with unit inner stride.")
+    out = torch.empty(batch, heads, v_dim, dtype=dtype, device=latent.device)
+    block_v = min(32, next_power_of_2(v_dim))
+    gate_rows = gate.reshape(batch, heads * v_dim) if gate is not None else latent
+    _absorb_output_kernel[(batch, heads, triton.cdiv(v_dim, block_v))](
+        latent, w_vc, gate_rows, out, heads, rank, v_dim, gate_rows.stride(0), HAS_GATE=gate is not None,
+        BLOCK_V=block_v, BLOCK_R=next_power_of_2(rank), num_warps=4)
+    return out

@@ -12,7 +12,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from h3gen.kernels.kda import kda_chunked, kda_decode, kda_gate, l2_normalize, short_conv
-from h3gen.kernels.mla_decode import mla_decode
+from h3gen.kernels.mla_decode import absorb_output, absorb_query, mla_decode
 from h3gen.kernels.mxfp4_gemm import dequantize_weight
 from h3gen.kernels.moe import (expert_gemv, expert_gemv_mxfp4, expert_swiglu_down, expert_swiglu_down_mxfp4,
                                grouped_gemm, grouped_mxfp4_gemm, route_topk, router_logits, sort_by_expert,
@@ -220,20 +220,21 @@ class K3MLAttention(nn.Module):
         heads = q.shape[2]
         latent, k_pe = kv.split([self.rank, self.rope], dim=-1)
         past = 0 if cache is None else cache.length
-        if t == 1 and past > 0 and hasattr(cache, "append_normed"):  # a captured decode step: one fused write
-            cache.append_normed(latent, k_pe, self.kv_a_layernorm)
-            o = self._decode_absorbed(q[:, 0], cache).unsqueeze(1)
-        elif cache is not None and t == 1 and past > 0:
-            cache.append(torch.cat([self.kv_a_layernorm(latent), k_pe], dim=-1))
-            o = self._decode_absorbed(q[:, 0], cache).unsqueeze(1)
+        if cache is not None and t == 1 and past > 0:  # decode: the absorbed form, the output gate fused in
+            if hasattr(cache, "append_normed"):  # a captured decode step: norm, concatenation, write in one op
+                cache.append_normed(latent, k_pe, self.kv_a_layernorm)
+            else:
+                cache.append(torch.cat([self.kv_a_layernorm(latent), k_pe], dim=-1))
+            gate_row = gate[0][:, 0] if self.config.mla_use_output_gate else None
+            o = self._decode_absorbed(q[:, 0], cache, gate_row).unsqueeze(1)
         else:
             row = torch.cat([self.kv_a_layernorm(latent), k_pe], dim=-1)  # [B, T, r + d_r], what the cache holds
             if cache is not None:
                 cache.append(row)
             rows = cache.rows() if cache is not None else row
             o = self._attend_expanded(q, rows.to(x.dtype), past)
-        if self.config.mla_use_output_gate:
-            o = o * torch.sigmoid(gate[0]).view_as(o)
+            if self.config.mla_use_output_gate:
+                o = o * torch.sigmoid(gate[0]).view_as(o)
         return self.o_proj(o.reshape(b, t, heads * self.v_dim))
 
     def _attend_expanded(self, q: torch.Tensor, rows: torch.Tensor, past: int) -> torch.Tensor:
@@ -250,16 +251,15 @@ class K3MLAttention(nn.Module):
                                            attn_mask=causal, scale=self.scale)
         return o.transpose(1, 2)
 
-    def _decode_absorbed(self, q: torch.Tensor, cache: PagedLatentCache) -> torch.Tensor:
+    def _decode_absorbed(self, q: torch.Tensor, cache: PagedLatentCache,
+                         gate: torch.Tensor | None = None) -> torch.Tensor:
         """Decode: fold `kv_b_proj` into the query and the output, so attention runs over the cached latent rows
-        directly (one KV head of width r + d_r). `q` `[B, n, qk]` -> `[B, n, v]`."""
-        n = q.shape[1]
-        w_kc, w_vc = self._absorbed_weights(n)
-        q_nope, q_pe = q.split([self.nope, self.rope], dim=-1)
-        q_latent = torch.einsum("bnd,ndr->bnr", q_nope.float(), w_kc)
-        query = torch.cat([q_latent, q_pe.float()], dim=-1)
+        directly (one KV head of width r + d_r). `q` `[B, n, qk]` -> `[B, n, v]`, times sigmoid(`gate` `[B, n v]`)
+        when given."""
+        w_kc, w_vc = self._absorbed_weights(q.shape[1])
+        query = absorb_query(q, w_kc, self.nope)
         latent = mla_decode(query, cache.pages, cache.block_table(), cache.seq_lens(), self.scale, self.rank)
-        return torch.einsum("bnr,nvr->bnv", latent, w_vc).to(q.dtype)
+        return absorb_output(latent, w_vc, q.dtype, gate)
 
     def _absorbed_weights(self, heads: int) -> tuple[torch.Tensor, torch.Tensor]:
         """`kv_b_proj` split per head into float32 `W_kc` `[n, d_n, r]` and `W_vc` `[n, d_v, r]`, kept between
