@@ -314,7 +314,7 @@ def test_mxfp4_experts_widened_for_a_long_prefill_match_the_per_expert_path(monk
     assert calls and ((got - expected).norm() / expected.norm()).item() < 1e-5
 
 
-@pytest.mark.parametrize("family", ["mla", "hybrid"])
+@pytest.mark.parametrize("family", ["mla", "kda", "hybrid"])
 def test_decode_preparation_keeps_the_model_function(family):
     """Stacking experts (with the shared expert among them where it fits) and fusing projections (what the decode
     graphs do to a model) leaves the state dict and the logits of a long prefill (grouped stacked-expert path) and
@@ -338,7 +338,9 @@ def test_decode_preparation_keeps_the_model_function(family):
         moes = [m for m in model.modules() if hasattr(m, "stack_experts")]
         assert moes and all(m.stacked is not None for m in moes)
         # the shared expert rides in the stack where it has the routed experts' shapes (not under LatentMoE)
-        assert all(m.shared_in_stack == (family == "mla") for m in moes)
+        assert all(m.shared_in_stack == (family != "hybrid") for m in moes)
+        kdas = [m for m in model.modules() if hasattr(m, "fused_up_gates")]
+        assert all((m.fused_up_gates is not None) == (not m.config.use_full_rank_gate) for m in kdas)
         assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
         after = run()
     # Equal up to float32 rounding (a fused GEMM may sum in another order).

@@ -79,6 +79,23 @@ def fuse_linears(layers: list[nn.Module]) -> torch.Tensor | None:
     return fused
 
 
+@torch.no_grad()
+def stack_linears(layers: list[nn.Module]) -> torch.Tensor | None:
+    """Like `fuse_linears` for bias-free linears of one shape that read different inputs: their weights moved into
+    one `[len(layers), out, in]` tensor (each layer's weight re-pointed at its slice), for one batched GEMM. None,
+    changing nothing, when they are not all plain `nn.Linear`s of one shape, dtype and device."""
+    if not layers or any(type(layer) is not nn.Linear or layer.bias is not None for layer in layers):
+        return None
+    first = layers[0].weight
+    if any(layer.weight.shape != first.shape or layer.weight.dtype != first.dtype
+           or layer.weight.device != first.device for layer in layers):
+        return None
+    stacked = torch.stack([layer.weight for layer in layers])
+    for layer, weight in zip(layers, stacked):
+        layer.weight.data = weight
+    return stacked
+
+
 def fused_outputs(fused: torch.Tensor, layers: list[nn.Module], x: torch.Tensor) -> list[torch.Tensor]:
     """The outputs of `layers` (fused by `fuse_linears`) for `x`, from one GEMM."""
     return list(F.linear(x, fused).split([layer.weight.shape[0] for layer in layers], dim=-1))
@@ -112,15 +129,22 @@ class K3DeltaAttention(nn.Module):
         self.o_norm = K3RMSNorm(k, config.linear_norm_eps)
         self.o_proj = linear(LinearSpec(width, d, False, "row", "attn.out"))
         self.fused_in: torch.Tensor | None = None  # see `fuse_projections`
+        self.fused_up_gates: torch.Tensor | None = None  # [f_b; g_b] `[2, width, k]`, see `fuse_projections`
 
     def _input_layers(self) -> list[nn.Module]:
-        gate = [self.g_proj] if self.config.use_full_rank_gate else [self.g_a_proj]
-        return [self.q_proj, self.k_proj, self.v_proj, self.f_a_proj, self.b_proj, *gate]
+        """The projections of the input, in the fused GEMM's order: the two low-rank gate inputs last, side by
+        side, so their outputs are one `[B, 2, k]` slice for the batched up-projection."""
+        if self.config.use_full_rank_gate:
+            return [self.q_proj, self.k_proj, self.v_proj, self.b_proj, self.f_a_proj, self.g_proj]
+        return [self.q_proj, self.k_proj, self.v_proj, self.b_proj, self.f_a_proj, self.g_a_proj]
 
     def fuse_projections(self) -> bool:
-        """One GEMM for every projection of the input (q, k, v, the gate and beta inputs); see `fuse_linears`."""
+        """One GEMM for every projection of the input (q, k, v, beta and the gate inputs; see `fuse_linears`) and,
+        with low-rank gates, one batched GEMM for both gate up-projections (`stack_linears`)."""
         if self.fused_in is None:
             self.fused_in = fuse_linears(self._input_layers())
+        if self.fused_up_gates is None and not self.config.use_full_rank_gate and self.fused_in is not None:
+            self.fused_up_gates = stack_linears([self.f_b_proj, self.g_b_proj])
         return self.fused_in is not None
 
     def forward(self, x: torch.Tensor, state: KDAState | None = None) -> tuple[torch.Tensor, KDAState]:
@@ -154,15 +178,22 @@ class K3DeltaAttention(nn.Module):
         """One token `x` `[B, 1, D]` -> `[B, 1, D]` through `kda_decode` (conv, norms, gates, recurrence fused)."""
         row = x[:, 0]
         if self.fused_in is not None:
-            q, k, v, f_a, b, gate = fused_outputs(self.fused_in, self._input_layers(), row)
+            q, k, v, b, f_a, gate = fused_outputs(self.fused_in, self._input_layers(), row)
         else:
             q, k, v, b = self.q_proj(row), self.k_proj(row), self.v_proj(row), self.b_proj(row)
             f_a = self.f_a_proj(row)
             gate = self.g_proj(row) if self.config.use_full_rank_gate else self.g_a_proj(row)
-        if not self.config.use_full_rank_gate:
-            gate = self.g_b_proj(gate)
+        if self.fused_up_gates is not None:
+            # f_a and g_a sit side by side in the fused output's rows: one [2, B, k] view, one batched GEMM
+            rank = f_a.shape[-1]
+            pairs = f_a.as_strided((2, f_a.shape[0], rank), (rank, f_a.stride(0), 1))
+            f, gate = torch.bmm(pairs, self.fused_up_gates.transpose(1, 2))
+        else:
+            f = self.f_b_proj(f_a)
+            if not self.config.use_full_rank_gate:
+                gate = self.g_b_proj(gate)
         o = kda_decode(q, k, v, (self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight), state.conv,
-                       self.f_b_proj(f_a), self.A_log, self.dt_bias, self.config.gate_lower_bound, b, gate,
+                       f, self.A_log, self.dt_bias, self.config.gate_lower_bound, b, gate,
                        self.o_norm.weight, self.o_norm.eps, state.recurrent, self.head_dim ** -0.5)
         return self.o_proj(o)[:, None]
 
