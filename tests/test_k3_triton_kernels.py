@@ -121,27 +121,48 @@ def test_paged_mla_decode_matches_reference(page, heads, rank, rope, dtype):
     assert _err(got, expected) <= {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}[dtype]
     masked = mla_ref.mla_decode_masked(q, kv_pages, table, seq_lens, scale, rank)
     assert _err(masked, expected) <= 1e-5
+    # Split into runs (some empty for the short sequences), then combined: the same attention.
+    tol = {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}[dtype]
+    for splits in (2, 4, 16):
+        runs, lse = mla_triton.mla_decode_partials(q, kv_pages, table, seq_lens, scale, rank, splits, block_s=16)
+        assert runs.shape == (len(lengths), heads, splits, rank) and lse.shape == runs.shape[:3]
+        assert _err(mla_ref.combine_partials(runs, lse), expected.float()) <= tol
+        assert bool(torch.isinf(lse[0, :, 1:]).all()) and not bool(torch.isinf(lse[:, :, 0]).any())
+        ref_runs, ref_lse = mla_ref.mla_decode_partials(q, kv_pages, table, seq_lens, scale, rank, splits)
+        assert _err(mla_ref.combine_partials(ref_runs, ref_lse), expected.float()) <= 1e-5
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("batch,heads,nope,rope,rank,v_dim", [(1, 3, 16, 8, 40, 16), (3, 2, 24, 5, 160, 20)])
+@pytest.mark.parametrize("batch,heads,nope,rope,rank,v_dim", [(1, 3, 16, 8, 40, 16), (3, 2, 24, 5, 160, 20),
+                                                             (6, 2, 8, 4, 48, 12)])
 def test_absorbed_query_and_output_match_reference(batch, heads, nope, rope, rank, v_dim, dtype):
     """The MLA decode's absorbed query ([q_nope W_kc | q_pe], float32) and output (latents times W_vc, rounded,
-    optionally gated) as one kernel each, against the torch ops they replace; q as a strided view as the model
-    passes it."""
+    optionally gated, optionally combining split runs) as one kernel each, against the torch ops they replace; q
+    and the weights as the strided views the model passes (W_kc and W_vc are slices of kv_b_proj's weight, in the
+    model's dtype)."""
     g = torch.Generator(device=DEVICE).manual_seed(batch + rank)
     q = torch.randn(batch, 2, heads, nope + rope, generator=g, device=DEVICE).to(dtype)[:, 1]
-    w_kc = torch.randn(heads, nope, rank, generator=g, device=DEVICE) / nope**0.5
+    kv_b = (torch.randn(heads * (nope + v_dim), rank, generator=g, device=DEVICE) / rank**0.5).to(dtype)
+    w = kv_b.view(heads, nope + v_dim, rank)
+    w_kc, w_vc = w[:, :nope], w[:, nope:]
     got = mla_triton.absorb_query(q, w_kc, nope)
     assert got.dtype == torch.float32 and _err(got, mla_ref.absorb_query(q, w_kc, nope)) <= 1e-5
     latent = torch.randn(batch, heads, rank, generator=g, device=DEVICE)
-    w_vc = torch.randn(heads, v_dim, rank, generator=g, device=DEVICE) / rank**0.5
     gate = torch.randn(batch, 3, heads * v_dim, generator=g, device=DEVICE).to(dtype)[:, 0]
+    runs = torch.randn(batch, heads, 4, rank, generator=g, device=DEVICE)
+    lse = torch.randn(batch, heads, 4, generator=g, device=DEVICE) * 3
+    lse[0, :, 3] = float("-inf")  # an empty run
+    tol = 1e-5 if dtype == torch.float32 else 1e-3
     for given in (None, gate):
-        out = mla_triton.absorb_output(latent, w_vc, dtype, given)
-        expected = mla_ref.absorb_output(latent, w_vc, dtype, given)
-        assert out.dtype == dtype and out.shape == (batch, heads, v_dim)
-        assert _err(out, expected) <= (1e-5 if dtype == torch.float32 else 1e-3)
+        for block_v in (None, 4):
+            out = mla_triton.absorb_output(latent, w_vc, dtype, given, block_v=block_v)
+            expected = mla_ref.absorb_output(latent, w_vc, dtype, given)
+            assert out.dtype == dtype and out.shape == (batch, heads, v_dim)
+            assert _err(out, expected) <= tol
+        out = mla_triton.absorb_output(runs, w_vc, dtype, given, lse)
+        expected = mla_ref.absorb_output(mla_ref.combine_partials(runs, lse), w_vc, dtype, given)
+        assert _err(out, expected) <= tol
+        assert _err(mla_ref.absorb_output(runs, w_vc, dtype, given, lse), expected) <= 1e-6
 
 
 @pytest.mark.parametrize("dtype,weight_dtype", [(torch.float32, torch.float32), (torch.float16, torch.float16),

@@ -50,19 +50,53 @@ def write_latent_rows(latent: torch.Tensor, k_pe: torch.Tensor, norm_weight: tor
     pages[page, position % page_size] = row.to(pages.dtype)
 
 
+def mla_decode_partials(q: torch.Tensor, kv_pages: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
+                        scale: float, v_dim: int, splits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`mla_decode` over `splits` consecutive runs of each sequence's rows (here of `ceil(len / splits)` rows; the
+    kernel rounds runs to its row block): float32 `[B, H, splits, v_dim]` softmax averages per run and
+    `[B, H, splits]` their log-sum-exps (-inf, with zeros, for an empty run). `combine_partials` gives
+    `mla_decode`'s answer (in float32)."""
+    page_size = kv_pages.shape[1]
+    batch, heads = q.shape[:2]
+    out = q.new_zeros(batch, heads, splits, v_dim, dtype=torch.float32)
+    lse = q.new_full((batch, heads, splits), float("-inf"), dtype=torch.float32)
+    for b in range(batch):
+        length = int(seq_lens[b])
+        pages = block_table[b, : -(-length // page_size)].long()
+        rows = kv_pages[pages].reshape(-1, kv_pages.shape[-1])[:length].float()
+        span = -(-length // splits)
+        for s in range(splits):
+            run = rows[s * span : (s + 1) * span]
+            if len(run):
+                scores = scale * q[b].float() @ run.t()
+                out[b, :, s] = torch.softmax(scores, dim=-1) @ run[:, :v_dim]
+                lse[b, :, s] = torch.logsumexp(scores, dim=-1)
+    return out, lse
+
+
+def combine_partials(partials: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+    """`[B, H, S, v]` per-run averages and `[B, H, S]` log-sum-exps -> `[B, H, v]` float32: the average over all
+    runs (each weighted by its share of the softmax mass)."""
+    weight = torch.softmax(lse, dim=-1)
+    return (weight[..., None] * partials).sum(dim=2)
+
+
 def absorb_query(q: torch.Tensor, w_kc: torch.Tensor, nope: int) -> torch.Tensor:
     """The absorbed decode query: `q` `[B, n, nope + d_r]` -> `[B, n, r + d_r]` float32, `[q_nope · W_kc | q_pe]`
-    with `w_kc` `[n, nope, r]` float32."""
+    with `w_kc` `[n, nope, r]` (any float dtype; products in float32)."""
     q_nope, q_pe = q.split([nope, q.shape[-1] - nope], dim=-1)
-    return torch.cat([torch.einsum("bnd,ndr->bnr", q_nope.float(), w_kc), q_pe.float()], dim=-1)
+    return torch.cat([torch.einsum("bnd,ndr->bnr", q_nope.float(), w_kc.float()), q_pe.float()], dim=-1)
 
 
 def absorb_output(latent: torch.Tensor, w_vc: torch.Tensor, dtype: torch.dtype,
-                  gate: torch.Tensor | None = None) -> torch.Tensor:
-    """The decode output from the attended latents: `latent` `[B, n, r]` float32 times `w_vc` `[n, v, r]` -> `[B, n,
-    v]` in `dtype`; with `gate` `[B, n * v]` (in `dtype`), times its sigmoid, each op rounded to `dtype` as torch's
-    separate ops would be."""
-    out = torch.einsum("bnr,nvr->bnv", latent, w_vc).to(dtype)
+                  gate: torch.Tensor | None = None, lse: torch.Tensor | None = None) -> torch.Tensor:
+    """The decode output from the attended latents: `latent` `[B, n, r]` float32 times `w_vc` `[n, v, r]` (any
+    float dtype, products in float32) -> `[B, n, v]` in `dtype`; with `gate` `[B, n * v]` (in `dtype`), times its
+    sigmoid, each op rounded to `dtype` as torch's separate ops would be. With `lse`, `latent` holds
+    `mla_decode_partials`' runs `[B, n, S, r]`, combined first."""
+    if lse is not None:
+        latent = combine_partials(latent, lse)
+    out = torch.einsum("bnr,nvr->bnv", latent, w_vc.float()).to(dtype)
     if gate is not None:
         out = out * torch.sigmoid(gate).view_as(out)
     return out

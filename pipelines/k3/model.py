@@ -12,7 +12,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from h3gen.kernels.kda import kda_chunked, kda_decode, kda_gate, l2_normalize, short_conv
-from h3gen.kernels.mla_decode import absorb_output, absorb_query, mla_decode
+from h3gen.kernels.mla_decode import absorb_output, absorb_query, mla_decode, mla_decode_partials, mla_decode_splits
 from h3gen.kernels.mxfp4_gemm import dequantize_weight
 from h3gen.kernels.moe import (expert_gemv, expert_gemv_mxfp4, expert_swiglu_down, expert_swiglu_down_mxfp4,
                                grouped_gemm, grouped_mxfp4_gemm, route_topk, router_logits, sort_by_expert,
@@ -286,22 +286,22 @@ class K3MLAttention(nn.Module):
                          gate: torch.Tensor | None = None) -> torch.Tensor:
         """Decode: fold `kv_b_proj` into the query and the output, so attention runs over the cached latent rows
         directly (one KV head of width r + d_r). `q` `[B, n, qk]` -> `[B, n, v]`, times sigmoid(`gate` `[B, n v]`)
-        when given."""
+        when given. On a GPU each sequence's rows are split over several programs, combined in the output op."""
         w_kc, w_vc = self._absorbed_weights(q.shape[1])
         query = absorb_query(q, w_kc, self.nope)
-        latent = mla_decode(query, cache.pages, cache.block_table(), cache.seq_lens(), self.scale, self.rank)
-        return absorb_output(latent, w_vc, q.dtype, gate)
+        splits = mla_decode_splits(q.shape[0], q.device)
+        if splits == 1:
+            latent = mla_decode(query, cache.pages, cache.block_table(), cache.seq_lens(), self.scale, self.rank)
+            return absorb_output(latent, w_vc, q.dtype, gate)
+        runs, lse = mla_decode_partials(query, cache.pages, cache.block_table(), cache.seq_lens(), self.scale,
+                                        self.rank, splits)
+        return absorb_output(runs, w_vc, q.dtype, gate, lse)
 
     def _absorbed_weights(self, heads: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """`kv_b_proj` split per head into float32 `W_kc` `[n, d_n, r]` and `W_vc` `[n, d_v, r]`, kept between
-        decode steps (rebuilt when the weight changes)."""
-        weight = self.kv_b_proj.weight
-        key = (weight.data_ptr(), weight._version, weight.dtype, weight.device)
-        if getattr(self, "_absorbed_key", None) != key:
-            w = weight.detach().float().view(heads, self.nope + self.v_dim, self.rank)
-            self._absorbed = (w[:, : self.nope].contiguous(), w[:, self.nope:].contiguous())
-            self._absorbed_key = key
-        return self._absorbed
+        """`kv_b_proj`'s weight seen per head as `W_kc` `[n, d_n, r]` and `W_vc` `[n, d_v, r]` (views, no copy;
+        the decode ops multiply in float32)."""
+        w = self.kv_b_proj.weight.detach().view(heads, self.nope + self.v_dim, self.rank)
+        return w[:, : self.nope], w[:, self.nope:]
 
 
 class K3MLP(nn.Module):
