@@ -71,9 +71,11 @@ def _engine(model, **kwargs):
 
 @pytest.mark.parametrize("static_decode", [False, True], ids=["eager", "static-decode"])
 @pytest.mark.parametrize("family", ["mla", "kda", "hybrid", "hybrid-mxfp4"])
-def test_batched_greedy_generation_equals_one_at_a_time_fp32(family, static_decode):
+def test_batched_greedy_generation_equals_one_at_a_time_fp32(family, static_decode, monkeypatch):
     """`static_decode`: the decode steps run through the CUDA-graph path (static buffers, stacked experts, padded
-    batches), eagerly on the CPU."""
+    batches), eagerly on the CPU, with each MLA sequence's rows split into runs as on a GPU."""
+    if static_decode:
+        monkeypatch.setattr("h3gen.pipelines.k3.model.mla_decode_splits", lambda batch, device: 4)
     model = _model(family)
     prompts = _prompts(model, [5, 23, 1, 40, 17, 9])
     params = [SamplingParams(max_tokens=n, **GREEDY) for n in (12, 7, 12, 10, 3, 12)]
@@ -82,8 +84,8 @@ def test_batched_greedy_generation_equals_one_at_a_time_fp32(family, static_deco
     if static_decode:
         graphs = engine.graphs
         calls = []
-        original = graphs.run
-        graphs.run = lambda *args: calls.append(len(args[0])) or original(*args)
+        original = graphs.launch
+        graphs.launch = lambda *args, **kw: calls.append(len(args[1])) or original(*args, **kw)
     requests = [engine.add_request(p, sp) for p, sp in zip(prompts[:3], params[:3])]
     engine.step()
     engine.step()  # the rest join a batch that is already decoding
@@ -130,6 +132,38 @@ def test_prefix_cache_hit_gives_the_no_cache_output(family):
     assert engine.pool.usage()["pages_used"] == 0 and engine.pool.usage()["slots_used"] == 0
 
 
+@pytest.mark.parametrize("family", ["mla", "hybrid"])
+def test_decode_steps_launched_ahead_drop_the_token_after_a_stop(family):
+    """With decode graphs (run eagerly here) the engine launches each greedy step before reading the previous
+    one's tokens. A request that stops on a stop token then had one token too many computed: that token is dropped,
+    its memory is not donated to the prefix cache, and later requests that hit the cache get the no-cache answer."""
+    model = _model(family)
+    prompts = _prompts(model, [9, 17, 5, 26], seed=7)
+    free = [_reference(model, p, 12) for p in prompts]
+    stops = [[out[5]] for out in free]  # each stops within its first six tokens
+    params = [SamplingParams(max_tokens=12, stop_token_ids=stop, **GREEDY) for stop in stops]
+    plain = _engine(model, prefix_cache=False)
+    expected = [plain.generate([p], sp)[0].output_ids for p, sp in zip(prompts, params)]
+    assert all(len(e) < 6 for e in expected)
+    engine = _engine(model, cuda_graphs=True)
+    launches = []
+    original = engine.graphs.launch
+    engine.graphs.launch = lambda *args, **kw: launches.append((kw.get("after") is not None, len(args[1]))) or \
+        original(*args, **kw)
+    for _ in range(2):  # the second round hits what the first left in the cache
+        got = [engine.generate([p], sp)[0] for p, sp in zip(prompts, params)]
+        assert [r.output_ids for r in got] == expected and all(r.finish_reason == "stop" for r in got)
+    together = engine.generate(prompts, params)  # and as one batch
+    assert [r.output_ids for r in together] == expected
+    # Prompts that run through the stopped requests' rows and on: they resume from what the cache holds there.
+    extended = [p + e + t for p, e, t in zip(prompts, expected, _prompts(model, [3, 2, 4, 3], seed=8))]
+    more = [SamplingParams(max_tokens=5, **GREEDY)] * len(prompts)
+    assert [r.output_ids for r in engine.generate(extended, more)] == \
+        [r.output_ids for r in plain.generate(extended, more)]
+    assert sum(ahead for ahead, _ in launches) > 0 and engine.stats["cached_tokens"] > 0
+    assert sum(rows for _, rows in launches) > engine.stats["decode_tokens"]  # some rows' tokens were dropped
+
+
 @pytest.mark.parametrize("family", ["kda", "hybrid"])
 def test_requests_sharing_a_prefix_do_not_contaminate_each_others_kda_state(family):
     model = _model(family)
@@ -146,8 +180,8 @@ def test_requests_sharing_a_prefix_do_not_contaminate_each_others_kda_state(fami
     assert engine.stats["cached_tokens"] > 0
 
 
-@pytest.mark.parametrize("prefix_cache", [False, True])
-def test_pool_exhaustion_finishes_every_request_through_waiting_and_preemption(prefix_cache):
+@pytest.mark.parametrize("prefix_cache,static_decode", [(False, False), (True, False), (True, True)])
+def test_pool_exhaustion_finishes_every_request_through_waiting_and_preemption(prefix_cache, static_decode):
     model = _model("hybrid")
     prompts = _prompts(model, [37, 30, 41, 26, 33, 39, 29, 35], seed=6)
     expected = [_reference(model, p, 24) for p in prompts]
@@ -155,7 +189,7 @@ def test_pool_exhaustion_finishes_every_request_through_waiting_and_preemption(p
     # Room for about 2.5 requests of 65 tokens (17 pages and a state slot each): the rest wait, and the running
     # ones outgrow the pool while decoding, so some are preempted and resumed.
     pool_bytes = int(2.5 * (17 * probe.page_bytes + probe.slot_bytes))
-    engine = _engine(model, pool_bytes=pool_bytes, prefix_cache=prefix_cache)
+    engine = _engine(model, pool_bytes=pool_bytes, prefix_cache=prefix_cache, cuda_graphs=static_decode)
     requests = [engine.add_request(p, SamplingParams(max_tokens=24, **GREEDY)) for p in prompts]
     most = 0
     while engine.has_work():

@@ -7,6 +7,8 @@ One `step()`:
 2. run prefill chunks (one sequence per forward, at most `prefill_budget` tokens per step); a chunk stops at
    `chunk_size` boundaries and at the prompt's fork point from the cache, where KDA checkpoints are taken;
 3. run one decode forward for every request past its prefill, whatever its length (ragged paged MLA decode).
+   With decode graphs, a batch of greedy requests that stays unchanged has its next step launched before this
+   step's tokens are read (fed on the device from the graph's argmax), so the GPU never waits for the host.
 
 Requests join and leave the running batch at every step. When the pool is full the scheduler first evicts prefix
 cache leaves, then preempts the most recently admitted request (its memory is freed; it goes back to the front of
@@ -21,7 +23,7 @@ import torch
 
 from h3gen.errors import RequestError
 from h3gen.pipelines.k3.engine.batch import BatchCache, LatentView
-from h3gen.pipelines.k3.engine.graphs import DecodeGraphs, capture_blocker
+from h3gen.pipelines.k3.engine.graphs import DecodeGraphs, DecodeLaunch, capture_blocker
 from h3gen.pipelines.k3.engine.pool import MemoryPool
 from h3gen.pipelines.k3.engine.radix import RadixCache
 from h3gen.pipelines.k3.engine.sampling import SamplingParams, sample
@@ -76,6 +78,20 @@ class Request:
         return self.prompt_ids[position] if position < prompt else self.output_ids[position - prompt]
 
 
+@dataclass
+class InFlightDecode:
+    """A launched decode step: its requests and, per request, `(computed, preemptions)` at launch (the position
+    the step decodes), so its token is only taken if the request is still where the step left it."""
+
+    launch: DecodeLaunch
+    requests: list[Request]
+    marks: list[tuple[int, int]]
+
+    @staticmethod
+    def still_valid(request: Request, mark: tuple[int, int]) -> bool:
+        return request.status == DECODE and (request.computed, request.preemptions) == mark
+
+
 class K3Engine:
     """Serve a `K3ForCausalLM`: `add_request` then `step` until done, or `generate` for a list of prompts.
 
@@ -116,6 +132,7 @@ class K3Engine:
         self.running: list[Request] = []  # in admission order
         self._ids = itertools.count()
         self.stats = dict(prefill_tokens=0, decode_tokens=0, cached_tokens=0, preemptions=0, steps=0)
+        self._in_flight: InFlightDecode | None = None  # a decode step launched before its predecessor's tokens
 
     # ----------------------------------------------------------------- requests
     def accepts_images(self) -> bool:
@@ -381,26 +398,49 @@ class K3Engine:
         request.checkpoints[request.computed] = slot
 
     def _decode(self, requests: list[Request], outputs: dict) -> None:
-        ready = []
-        for request in requests:  # oldest first, so memory goes to the requests admitted earliest
-            if request.status != DECODE:
-                continue
-            if self._grow(request, request.computed + 1):
-                ready.append(request)
-            elif request is self.running[0]:
-                self._fail(request, RuntimeError("the memory pool is full"), outputs)
-        ready = [r for r in ready if r.status == DECODE]  # growing a later one may have preempted none of these
-        if not ready:
-            return
-        greedy = None  # the argmax of each row, when the decode graph computed it on the device
-        try:
-            if self.graphs is not None and len(ready) <= self.graphs.max_batch:
+        step = self._take_in_flight()
+        if step is None:
+            ready = []
+            for request in requests:  # oldest first, so memory goes to the requests admitted earliest
+                if request.status != DECODE:
+                    continue
+                if self._grow(request, request.computed + 1):
+                    ready.append(request)
+                elif request is self.running[0]:
+                    self._fail(request, RuntimeError("the memory pool is full"), outputs)
+            ready = [r for r in ready if r.status == DECODE]  # growing a later one may have preempted none of these
+            if not ready:
+                return
+            if self.graphs is None or len(ready) > self.graphs.max_batch:
+                self._decode_eagerly(ready, outputs)
+                return
+            try:
                 rows = [self.pool.slot_row(r.slot) if r.slot is not None else 0 for r in ready]
-                logits, greedy = self.graphs.run([r.token_at(r.computed) for r in ready], rows,
-                                                 [r.pages for r in ready], [r.computed for r in ready])
-            else:
-                tokens = torch.tensor([[r.token_at(r.computed)] for r in ready], device=self.device)
-                logits = self._forward(ready, tokens, None)
+                launch = self.graphs.launch([r.token_at(r.computed) for r in ready], rows, [r.pages for r in ready],
+                                            [r.computed for r in ready])
+            except Exception as error:  # noqa: BLE001
+                for request in ready:
+                    self._fail(request, error, outputs)
+                return
+            step = InFlightDecode(launch, ready, [(r.computed, r.preemptions) for r in ready])
+        self._in_flight = self._launch_ahead(step, requests)
+        if self._in_flight is not None:  # every row greedy: the tokens come from the step's own host copy
+            chosen = step.launch.greedy()
+        else:
+            ready = step.requests
+            chosen = sample(step.launch.logits, [r.params for r in ready], [r.generator for r in ready],
+                            step.launch.argmax)
+        for request, mark, token in zip(step.requests, step.marks, chosen):
+            if not step.still_valid(request, mark):
+                continue  # finished, aborted or preempted since the step was launched: its token is dropped
+            self.stats["decode_tokens"] += 1
+            request.computed += 1
+            self._accept(request, token, outputs)
+
+    def _decode_eagerly(self, ready: list[Request], outputs: dict) -> None:
+        try:
+            tokens = torch.tensor([[r.token_at(r.computed)] for r in ready], device=self.device)
+            logits = self._forward(ready, tokens, None)
         except Exception as error:  # noqa: BLE001
             for request in ready:
                 self._fail(request, error, outputs)
@@ -408,9 +448,45 @@ class K3Engine:
         self.stats["decode_tokens"] += len(ready)
         for request in ready:
             request.computed += 1
-        chosen = sample(logits, [r.params for r in ready], [r.generator for r in ready], greedy)
+        chosen = sample(logits, [r.params for r in ready], [r.generator for r in ready])
         for request, token in zip(ready, chosen):
             self._accept(request, token, outputs)
+
+    def _take_in_flight(self) -> "InFlightDecode | None":
+        """The step launched ahead at the last decode, if any of its requests can still take its token."""
+        step, self._in_flight = self._in_flight, None
+        if step is None or not any(step.still_valid(r, m) for r, m in zip(step.requests, step.marks)):
+            return None
+        return step
+
+    def _launch_ahead(self, step: "InFlightDecode", decoding: list[Request]) -> "InFlightDecode | None":
+        """Launch the step after `step` before reading `step`'s tokens (they are fed on the device), so the GPU
+        does not idle while the host accepts tokens and stages the next step. Only while nothing changes: the same
+        greedy requests are all that run, none reaches `max_tokens` with `step`, nothing waits to be admitted, and
+        the next rows' pages are free without evicting or preempting. A request that stops (EOS, a stop string)
+        after `step` has had one token too many computed; its result is dropped and its memory is not donated to
+        the prefix cache (`_finish`)."""
+        ready = step.requests
+        if self.graphs is None or self.waiting or len(self.running) != len(ready) or \
+                {id(r) for r in decoding if r.status == DECODE} != {id(r) for r in ready}:
+            return None
+        if any(r.params.temperature != 0.0 or not step.still_valid(r, m) or
+               len(r.output_ids) + 1 >= r.params.max_tokens or r.computed + 2 > self.max_context
+               for r, m in zip(ready, step.marks)):
+            return None
+        need = sum(self._pages_for(r, r.computed + 2) for r in ready)
+        if need and not self.pool.can_allocate(need, 0):
+            return None
+        for request in ready:
+            for _ in range(self._pages_for(request, request.computed + 2)):
+                request.pages.append(self.pool.alloc_page())
+        rows = [self.pool.slot_row(r.slot) if r.slot is not None else 0 for r in ready]
+        try:
+            launch = self.graphs.launch(None, rows, [r.pages for r in ready], [r.computed + 1 for r in ready],
+                                        after=step.launch)
+        except Exception:  # noqa: BLE001 - the step is decoded the ordinary way next time
+            return None
+        return InFlightDecode(launch, ready, [(r.computed + 1, r.preemptions) for r in ready])
 
     # ----------------------------------------------------------------- output
     def _accept(self, request: Request, token: int, outputs: dict) -> None:
@@ -466,7 +542,10 @@ class K3Engine:
                              request.finish_reason, request.error)
 
     def _finish(self, request: Request) -> None:
-        self._release(request, donate=True)
+        # A step launched ahead may be computing one more token for it: its memory then holds more than its
+        # tokens say, so it is not offered to the prefix cache.
+        ahead = self._in_flight is not None and any(r is request for r in self._in_flight.requests)
+        self._release(request, donate=not ahead)
         request.status = FINISHED
 
     def _fail(self, request: Request, error: Exception, outputs: dict) -> None:
