@@ -63,7 +63,8 @@ def test_rms_norm_alone_and_after_a_residual_add_matches_reference(shape, dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("tokens,top_k,experts,inter,width", [(1, 6, 8, 48, 70), (3, 2, 5, 300, 33), (2, 1, 3, 17, 130)])
+@pytest.mark.parametrize("tokens,top_k,experts,inter,width", [(1, 6, 8, 48, 70), (3, 2, 5, 300, 33), (2, 1, 3, 17, 130),
+                                                         (2, 8, 9, 600, 24)])  # 2 x 8 slots: three K steps
 def test_decode_expert_chain_matches_reference(tokens, top_k, experts, inter, width, dtype):
     """Router logits, the up/gate GEMV reading each token's row for its k slots, and the fused SwiGLU + down GEMV +
     weighted slot sum, each against its reference and together against the plain per-pair computation."""

@@ -7,16 +7,18 @@ import triton
 import triton.language as tl
 
 from h3gen.kernels._dispatch import next_power_of_2
+from h3gen.kernels._pdl import pdl_flag, pdl_launch, wait_for_inputs
 
 
 @triton.jit
 def _mla_decode_kernel(q_ptr, kv_ptr, table_ptr, lens_ptr, out_ptr, lse_ptr, heads, rank, rope, scale,
                        stride_qb, stride_qh, stride_kp, stride_ks, stride_tb, stride_ob, stride_oh, stride_os,
                        PAGE: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr,
-                       BLOCK_P: tl.constexpr, SPLITS: tl.constexpr, IEEE: tl.constexpr):
+                       BLOCK_P: tl.constexpr, SPLITS: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):
     seq = tl.program_id(0).to(tl.int64)
     hs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     split = tl.program_id(2)
+    wait_for_inputs(PDL)
     rs = tl.arange(0, BLOCK_R)
     ps = tl.arange(0, BLOCK_P)
     slots = tl.arange(0, BLOCK_S)  # rows per iteration: a part of one page (BLOCK_S divides PAGE)
@@ -81,12 +83,13 @@ def _launch_mla_decode(q, kv_pages, block_table, seq_lens, scale, v_dim, out, ls
     page, rope = kv_pages.shape[1], dim - v_dim
     table = block_table.to(torch.int32)
     grid = (batch, triton.cdiv(heads, block_h), splits)
+    pdl = pdl_launch(q)
     _mla_decode_kernel[grid](
         q, kv_pages, table, seq_lens.to(torch.int32), out, lse if lse is not None else out, heads, v_dim, rope,
         scale, q.stride(0), q.stride(1), kv_pages.stride(0), kv_pages.stride(1), table.stride(0), out.stride(0),
         out.stride(1), out.stride(2) if splits > 1 else 0, PAGE=page, BLOCK_S=min(block_s, page), BLOCK_H=block_h,
         BLOCK_R=max(16, next_power_of_2(v_dim)), BLOCK_P=max(16, next_power_of_2(max(rope, 1))), SPLITS=splits,
-        IEEE=kv_pages.dtype == torch.float32, num_warps=num_warps)
+        IEEE=kv_pages.dtype == torch.float32, PDL=pdl_flag(pdl), num_warps=num_warps, **pdl)
 
 
 def mla_decode(q: torch.Tensor, kv_pages: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
@@ -123,18 +126,20 @@ def mla_decode_partials(q: torch.Tensor, kv_pages: torch.Tensor, block_table: to
 @triton.jit
 def _write_latent_rows_kernel(latent_ptr, pe_ptr, weight_ptr, pages_ptr, table_ptr, lens_ptr, rank, rope, eps,
                               stride_latent, stride_pe, stride_table, stride_page, stride_row, page_size,
-                              ROUND: tl.constexpr,
-                              BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr):
+                              ROUND: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr,
+                              PDL: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK_R)
+    ok = offs < rank
+    norm_w = tl.load(weight_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+    wait_for_inputs(PDL)
     position = tl.load(lens_ptr + b)
     page = tl.load(table_ptr + b * stride_table + position // page_size).to(tl.int64)
     row = pages_ptr + page * stride_page + (position % page_size) * stride_row
-    offs = tl.arange(0, BLOCK_R)
-    ok = offs < rank
     x = tl.load(latent_ptr + b * stride_latent + offs, mask=ok, other=0.0)
     xf = x.to(tl.float32)
     normed = (xf * tl.rsqrt(tl.sum(xf * xf, axis=0) / rank + eps)).to(x.dtype).to(tl.float32)
-    value = normed * tl.load(weight_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+    value = normed * norm_w
     if ROUND:  # the weight's dtype is the latent's: the product is rounded to it, as torch's multiply would
         value = value.to(x.dtype)
     tl.store(row + offs, value.to(pages_ptr.dtype.element_ty), mask=ok)
@@ -153,23 +158,25 @@ def write_latent_rows(latent: torch.Tensor, k_pe: torch.Tensor, norm_weight: tor
         raise ValueError("write_latent_rows needs rows, pages and the block table with unit inner stride.")
     promoted = torch.promote_types(norm_weight.dtype, latent.dtype)
     rounds = promoted == latent.dtype and latent.dtype != torch.float32
+    pdl = pdl_launch(latent)
     _write_latent_rows_kernel[(batch,)](
         latent, k_pe, norm_weight, pages, block_table, lens, rank, rope, eps, latent.stride(0), k_pe.stride(0),
         block_table.stride(0), pages.stride(0), pages.stride(1), pages.shape[1], ROUND=rounds,
-        BLOCK_R=next_power_of_2(rank), BLOCK_P=next_power_of_2(max(rope, 1)), num_warps=4)
+        BLOCK_R=next_power_of_2(rank), BLOCK_P=next_power_of_2(max(rope, 1)), PDL=pdl_flag(pdl), num_warps=4, **pdl)
 
 
 @triton.jit
 def _absorb_query_kernel(q_ptr, w_ptr, out_ptr, heads, nope, rope, rank, stride_qb, stride_qn, stride_wn, stride_wd,
-                         BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr):
+                         BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, PDL: tl.constexpr):
     b, head, part = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64), tl.program_id(2)
     q_row = q_ptr + b * stride_qb + head * stride_qn
     out_row = out_ptr + (b * heads + head) * (rank + rope)
     offs_d = tl.arange(0, BLOCK_D)
     offs_r = part * BLOCK_R + tl.arange(0, BLOCK_R)
-    q = tl.load(q_row + offs_d, mask=offs_d < nope, other=0.0).to(tl.float32)
     w = tl.load(w_ptr + head * stride_wn + offs_d[:, None] * stride_wd + offs_r[None, :],
                 mask=(offs_d[:, None] < nope) & (offs_r[None, :] < rank), other=0.0).to(tl.float32)
+    wait_for_inputs(PDL)
+    q = tl.load(q_row + offs_d, mask=offs_d < nope, other=0.0).to(tl.float32)
     tl.store(out_row + offs_r, tl.sum(q[:, None] * w, axis=0), mask=offs_r < rank)
     if part == 0:
         offs_p = tl.arange(0, BLOCK_P)
@@ -187,21 +194,24 @@ def absorb_query(q: torch.Tensor, w_kc: torch.Tensor, nope: int, block_r: int = 
         raise ValueError("absorb_query needs q and W_kc with unit inner stride.")
     out = torch.empty(batch, heads, rank + rope, dtype=torch.float32, device=q.device)
     block_r = min(block_r, next_power_of_2(rank))
+    pdl = pdl_launch(q)
     _absorb_query_kernel[(batch, heads, triton.cdiv(rank, block_r))](
         q, w_kc, out, heads, nope, rope, rank, q.stride(0), q.stride(1), w_kc.stride(0), w_kc.stride(1),
-        BLOCK_D=next_power_of_2(nope), BLOCK_R=block_r, BLOCK_P=next_power_of_2(max(rope, 1)), num_warps=4)
+        BLOCK_D=next_power_of_2(nope), BLOCK_R=block_r, BLOCK_P=next_power_of_2(max(rope, 1)), PDL=pdl_flag(pdl),
+        num_warps=4, **pdl)
     return out
 
 
 @triton.jit
 def _absorb_output_kernel(latent_ptr, lse_ptr, w_ptr, gate_ptr, out_ptr, heads, rank, v_dim, stride_wn, stride_wv,
                           stride_gate, SPLITS: tl.constexpr, HAS_GATE: tl.constexpr, BLOCK_V: tl.constexpr,
-                          BLOCK_R: tl.constexpr):
+                          BLOCK_R: tl.constexpr, PDL: tl.constexpr):
     b, head, part = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64), tl.program_id(2)
     offs_v = part * BLOCK_V + tl.arange(0, BLOCK_V)
     offs_r = tl.arange(0, BLOCK_R)
     w = tl.load(w_ptr + head * stride_wn + offs_v[:, None] * stride_wv + offs_r[None, :],
                 mask=(offs_v[:, None] < v_dim) & (offs_r[None, :] < rank), other=0.0).to(tl.float32)
+    wait_for_inputs(PDL)
     row = (b * heads + head) * SPLITS
     if SPLITS > 1:  # combine the runs' softmax averages, weighted by their share of the softmax mass
         offs_s = tl.arange(0, SPLITS)
@@ -238,8 +248,9 @@ def absorb_output(latent: torch.Tensor, w_vc: torch.Tensor, dtype: torch.dtype, 
     # Narrow blocks give a batch of one enough programs; wider ones re-read the latents less at larger batches.
     block_v = min(block_v or (8 if batch <= 4 else 32), next_power_of_2(v_dim))
     gate_rows = gate.reshape(batch, heads * v_dim) if gate is not None else latent
+    pdl = pdl_launch(latent)
     _absorb_output_kernel[(batch, heads, triton.cdiv(v_dim, block_v))](
         latent, lse if lse is not None else latent, w_vc, gate_rows, out, heads, rank, v_dim, w_vc.stride(0),
         w_vc.stride(1), gate_rows.stride(0), SPLITS=splits, HAS_GATE=gate is not None, BLOCK_V=block_v,
-        BLOCK_R=next_power_of_2(rank), num_warps=4)
+        BLOCK_R=next_power_of_2(rank), PDL=pdl_flag(pdl), num_warps=4, **pdl)
     return out

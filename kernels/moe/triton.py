@@ -6,14 +6,16 @@ import triton
 import triton.language as tl
 
 from h3gen.kernels._dispatch import next_power_of_2
+from h3gen.kernels._pdl import pdl_flag, pdl_launch, wait_for_inputs
 from h3gen.kernels.mxfp4_gemm.triton import _word_rows_dot, _word_x, word_rows
 
 
 @triton.jit
 def _expert_gemv_kernel(x_ptr, w_ptr, ids_ptr, out_ptr, N, K, top_k, stride_we, stride_wn,
-                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)  # a (token, slot) pair; its input is the token's row
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    wait_for_inputs(PDL)  # the ids come from the kernel just before
     expert = tl.load(ids_ptr + row).to(tl.int64)
     w_rows = w_ptr + expert * stride_we + cols[:, None].to(tl.int64) * stride_wn
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
@@ -26,10 +28,26 @@ def _expert_gemv_kernel(x_ptr, w_ptr, ids_ptr, out_ptr, N, K, top_k, stride_we, 
 
 
 @triton.jit
+def _swiglu_down_step(both_ptr, pairs, slot_ok, ks, inter, w):
+    """One K step of the decode tail: SwiGLU of the slots' activations at `ks` times their weight tile `w`
+    `(SLOTS, BLOCK_N, BLOCK_K)` -> `(SLOTS, BLOCK_N)` float32."""
+    act_ptrs = both_ptr + pairs[:, None] * 2 * inter + ks[None, :]
+    act_ok = slot_ok[:, None] & (ks < inter)[None, :]
+    up = tl.load(act_ptrs, mask=act_ok, other=0.0).to(tl.float32)
+    gate = tl.load(act_ptrs + inter, mask=act_ok, other=0.0).to(tl.float32)
+    # rounded as the separate SwiGLU kernel's output would be
+    act = (up * gate * tl.sigmoid(gate)).to(both_ptr.dtype.element_ty).to(tl.float32)
+    return tl.sum(w.to(tl.float32) * act[:, None, :], axis=2)
+
+
+@triton.jit
 def _expert_swiglu_down_kernel(both_ptr, w_ptr, ids_ptr, weights_ptr, out_ptr, N, inter, top_k, stride_we,
-                               stride_wn, SLOTS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                               stride_wn, SLOTS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                               PDL: tl.constexpr, PREFETCH: tl.constexpr):
     """All k slots of one token at once (`SLOTS` >= top_k, a power of two): the slots' weight tiles are independent
-    loads, so a program has k times the bytes in flight that a loop over slots would."""
+    loads, so a program has k times the bytes in flight that a loop over slots would. With `PREFETCH` (and PDL)
+    the routing (written two kernels back) and the first K step's weights load while the gate/up kernel drains;
+    that holds more registers, so it is for a token or two (few programs), not for larger batches."""
     token = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     slots = tl.arange(0, SLOTS)
@@ -38,33 +56,41 @@ def _expert_swiglu_down_kernel(both_ptr, w_ptr, ids_ptr, weights_ptr, out_ptr, N
     experts = tl.load(ids_ptr + pairs, mask=slot_ok, other=0).to(tl.int64)
     rows = w_ptr + experts[:, None, None] * stride_we + cols[None, :, None].to(tl.int64) * stride_wn
     row_ok = slot_ok[:, None, None] & (cols < N)[None, :, None]
-    acc = tl.zeros((SLOTS, BLOCK_N), dtype=tl.float32)
-    for start in range(0, inter, BLOCK_K):
+    if PREFETCH:
+        ks = tl.arange(0, BLOCK_K)
+        w = tl.load(rows + ks[None, None, :], mask=row_ok & (ks < inter)[None, None, :], other=0.0)
+        wait_for_inputs(PDL)
+        acc = _swiglu_down_step(both_ptr, pairs, slot_ok, ks, inter, w)
+        first = BLOCK_K
+    else:
+        wait_for_inputs(PDL)
+        acc = tl.zeros((SLOTS, BLOCK_N), dtype=tl.float32)
+        first = 0
+    for start in range(first, inter, BLOCK_K):
         ks = start + tl.arange(0, BLOCK_K)
-        act_ptrs = both_ptr + pairs[:, None] * 2 * inter + ks[None, :]
-        act_ok = slot_ok[:, None] & (ks < inter)[None, :]
-        up = tl.load(act_ptrs, mask=act_ok, other=0.0).to(tl.float32)
-        gate = tl.load(act_ptrs + inter, mask=act_ok, other=0.0).to(tl.float32)
-        # rounded as the separate SwiGLU kernel's output would be
-        act = (up * gate * tl.sigmoid(gate)).to(both_ptr.dtype.element_ty).to(tl.float32)
-        w = tl.load(rows + ks[None, None, :], mask=row_ok & (ks < inter)[None, None, :], other=0.0).to(tl.float32)
-        acc += tl.sum(w * act[:, None, :], axis=2)
+        w = tl.load(rows + ks[None, None, :], mask=row_ok & (ks < inter)[None, None, :], other=0.0)
+        acc += _swiglu_down_step(both_ptr, pairs, slot_ok, ks, inter, w)
     slot_weight = tl.load(weights_ptr + pairs, mask=slot_ok, other=0.0).to(tl.float32)
     total = tl.sum(acc * slot_weight[:, None], axis=0)
     tl.store(out_ptr + token * N + cols, total.to(out_ptr.dtype.element_ty), mask=cols < N)
 
 
 @triton.jit
-def _router_logits_kernel(x_ptr, w_ptr, out_ptr, E, D, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr):
+def _router_logits_kernel(x_ptr, w_ptr, out_ptr, E, D, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr,
+                          PDL: tl.constexpr):
     token = tl.program_id(0).to(tl.int64)
     experts = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
     acc = tl.zeros((BLOCK_E,), dtype=tl.float32)
+    w_rows = w_ptr + experts[:, None].to(tl.int64) * D
+    ds = tl.arange(0, BLOCK_D)
+    w = tl.load(w_rows + ds[None, :], mask=(experts[:, None] < E) & (ds[None, :] < D), other=0.0)
+    wait_for_inputs(PDL)  # the first step's weights are in flight while the previous kernel drains
     for start in range(0, D, BLOCK_D):
         ds = start + tl.arange(0, BLOCK_D)
         x = tl.load(x_ptr + token * D + ds, mask=ds < D, other=0.0).to(tl.float32)
-        w = tl.load(w_ptr + experts[:, None].to(tl.int64) * D + ds[None, :],
-                    mask=(experts[:, None] < E) & (ds[None, :] < D), other=0.0).to(tl.float32)
-        acc += tl.sum(w * x[None, :], axis=1)
+        acc += tl.sum(w.to(tl.float32) * x[None, :], axis=1)
+        ds += BLOCK_D
+        w = tl.load(w_rows + ds[None, :], mask=(experts[:, None] < E) & (ds[None, :] < D), other=0.0)
     tl.store(out_ptr + token * E + experts, acc, mask=experts < E)
 
 
@@ -93,9 +119,10 @@ def expert_gemv(x: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor, top_k:
     if pairs == 0:
         return out
     block_n, block_k = _gemv_tiles(k, block_n, block_k)
+    pdl = pdl_launch(x)
     _expert_gemv_kernel[(pairs, triton.cdiv(n, block_n))](
         x, weight, ids.contiguous(), out, n, k, top_k, weight.stride(0), weight.stride(1),
-        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps)
+        BLOCK_N=block_n, BLOCK_K=block_k, PDL=pdl_flag(pdl), num_warps=num_warps, **pdl)
     return out
 
 
@@ -114,10 +141,11 @@ def expert_swiglu_down(both: torch.Tensor, down: torch.Tensor, ids: torch.Tensor
     out = torch.empty(tokens, n, dtype=both.dtype, device=both.device)
     if tokens == 0:
         return out
+    pdl = pdl_launch(both)
     _expert_swiglu_down_kernel[(tokens, triton.cdiv(n, block_n))](
         both, down, ids.contiguous(), weights.contiguous(), out, n, inter, top_k, down.stride(0), down.stride(1),
         SLOTS=next_power_of_2(top_k), BLOCK_N=block_n, BLOCK_K=block_k or max(32, 2048 // next_power_of_2(top_k)),
-        num_warps=num_warps)
+        PDL=pdl_flag(pdl), PREFETCH=tokens <= 2, num_warps=num_warps, **pdl)
     return out
 
 
@@ -133,23 +161,29 @@ def router_logits(x: torch.Tensor, weight: torch.Tensor, block_e: int = 1, block
     if tokens == 0:
         return out
     block_d = block_d or min(2048, max(16, next_power_of_2(d)))
+    pdl = pdl_launch(x)
     _router_logits_kernel[(tokens, triton.cdiv(experts, block_e))](x, weight, out, experts, d, BLOCK_E=block_e,
-                                                                     BLOCK_D=block_d, num_warps=num_warps)
+                                                                     BLOCK_D=block_d, PDL=pdl_flag(pdl),
+                                                                     num_warps=num_warps, **pdl)
     return out
 
 
 @triton.jit
 def _route_topk_kernel(logits_ptr, bias_ptr, weights_ptr, ids_ptr, experts, scaling,
                        TOP_K: tl.constexpr, ALWAYS: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
-                       HAS_BIAS: tl.constexpr, RENORMALIZE: tl.constexpr):
+                       HAS_BIAS: tl.constexpr, RENORMALIZE: tl.constexpr, PDL: tl.constexpr):
     token = tl.program_id(0).to(tl.int64)
     es = tl.arange(0, BLOCK_E)
     ks = tl.arange(0, BLOCK_K)
     valid = es < experts
+    bias = tl.zeros((BLOCK_E,), dtype=tl.float32)
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + es, mask=valid, other=0.0).to(tl.float32)
+    wait_for_inputs(PDL)
     scores = tl.sigmoid(tl.load(logits_ptr + token * experts + es, mask=valid, other=0.0).to(tl.float32))
     choice = scores
     if HAS_BIAS:
-        choice = choice + tl.load(bias_ptr + es, mask=valid, other=0.0).to(tl.float32)
+        choice = choice + bias
     choice = tl.where(valid, choice, float("-inf"))
     chosen_w = tl.zeros((BLOCK_K,), dtype=tl.float32)
     chosen_id = tl.zeros((BLOCK_K,), dtype=tl.int64)
@@ -180,10 +214,12 @@ def route_topk(logits: torch.Tensor, correction_bias: torch.Tensor | None, top_k
     weights = torch.empty(tokens, top_k + always, dtype=torch.float32, device=logits.device)
     ids = torch.empty(tokens, top_k + always, dtype=torch.long, device=logits.device)
     if tokens:
+        pdl = pdl_launch(logits)
         _route_topk_kernel[(tokens,)](
             logits, correction_bias if correction_bias is not None else logits, weights, ids, experts, scaling,
             TOP_K=top_k, ALWAYS=always, BLOCK_E=next_power_of_2(experts), BLOCK_K=next_power_of_2(top_k + always),
-            HAS_BIAS=correction_bias is not None, RENORMALIZE=renormalize, num_warps=1 if experts <= 256 else 4)
+            HAS_BIAS=correction_bias is not None, RENORMALIZE=renormalize, PDL=pdl_flag(pdl),
+            num_warps=1 if experts <= 256 else 4, **pdl)
     return weights, ids
 
 
@@ -272,10 +308,11 @@ def grouped_expert_gemm(x: torch.Tensor, weight: torch.Tensor, rows: torch.Tenso
 
 @triton.jit
 def _expert_gemv_mxfp4_kernel(x_ptr, packed_ptr, scale_ptr, ids_ptr, out_ptr, N, K, top_k, stride_pe, stride_pn,
-                              stride_se, stride_sn, BLOCK_N: tl.constexpr, WORDS: tl.constexpr):
+                              stride_se, stride_sn, BLOCK_N: tl.constexpr, WORDS: tl.constexpr, PDL: tl.constexpr):
     pair = tl.program_id(0).to(tl.int64)  # a (token, slot) pair; its input is the token's row
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
+    wait_for_inputs(PDL)
     expert = tl.load(ids_ptr + pair).to(tl.int64)
     packed = packed_ptr + expert * stride_pe
     scales = scale_ptr + expert * stride_se
@@ -305,13 +342,14 @@ def _mxfp4_tail_step(both_ptr, packed, scales, pair, offs_n, n_ok, k0, stride_pn
 def _expert_swiglu_down_mxfp4_kernel(both_ptr, packed_ptr, scale_ptr, ids_ptr, weights_ptr, out_ptr, N,
                                      stride_pe, stride_pn, stride_se, stride_sn, TOP_K: tl.constexpr,
                                      INTER: tl.constexpr, BLOCK_N: tl.constexpr, WORDS: tl.constexpr,
-                                     UNROLL: tl.constexpr):
+                                     UNROLL: tl.constexpr, PDL: tl.constexpr):
     """With `UNROLL` the slots and K steps are straight-line code, so all slots' word loads are in flight together
     (a few tokens: few programs, each must keep many bytes in flight); without, a loop over slots (many tokens)."""
     token = tl.program_id(0).to(tl.int64)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
     total = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    wait_for_inputs(PDL)
     if UNROLL:
         for slot in tl.static_range(TOP_K):
             pair = token * TOP_K + slot
@@ -359,9 +397,10 @@ def expert_gemv_mxfp4(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tenso
         return out
     block_n, block_k = _word_tiles(k, block_n, block_k)
     num_warps = num_warps or (4 if pairs <= 12 else 2)
+    pdl = pdl_launch(x)
     _expert_gemv_mxfp4_kernel[(pairs, triton.cdiv(n, block_n))](
         x, packed, scales, ids.contiguous(), out, n, k, top_k, packed.stride(0), packed.stride(1), scales.stride(0),
-        scales.stride(1), BLOCK_N=block_n, WORDS=block_k // 8, num_warps=num_warps)
+        scales.stride(1), BLOCK_N=block_n, WORDS=block_k // 8, PDL=pdl_flag(pdl), num_warps=num_warps, **pdl)
     return out
 
 
@@ -389,8 +428,9 @@ def expert_swiglu_down_mxfp4(both: torch.Tensor, packed: torch.Tensor, scales: t
     few = tokens <= 2
     block_n, block_k = _word_tiles(inter, block_n or (8 * tokens if few else 32), block_k or (1024 if few else 256))
     unroll = tokens <= MXFP4_TAIL_UNROLL_TOKENS and top_k * triton.cdiv(inter, block_k) <= MXFP4_TAIL_UNROLL_BODIES
+    pdl = pdl_launch(both)
     _expert_swiglu_down_mxfp4_kernel[(tokens, triton.cdiv(n, block_n))](
         both, packed, scales, ids.contiguous(), weights.contiguous(), out, n, packed.stride(0), packed.stride(1),
         scales.stride(0), scales.stride(1), TOP_K=top_k, INTER=inter, BLOCK_N=block_n, WORDS=block_k // 8,
-        UNROLL=unroll, num_warps=num_warps or (4 if unroll else 2))
+        UNROLL=unroll, PDL=pdl_flag(pdl), num_warps=num_warps or (4 if unroll else 2), **pdl)
     return out

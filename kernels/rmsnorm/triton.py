@@ -6,14 +6,17 @@ import triton
 import triton.language as tl
 
 from h3gen.kernels._dispatch import next_power_of_2
+from h3gen.kernels._pdl import pdl_flag, pdl_launch, wait_for_inputs
 
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, y_ptr, sum_ptr, w_ptr, out_ptr, stride_x, dim, eps, ADD: tl.constexpr,
-                     BLOCK: tl.constexpr):
+                     BLOCK: tl.constexpr, PDL: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < dim
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    wait_for_inputs(PDL)
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     if ADD:  # the residual update first, rounded and stored; the norm reads the rounded sum
         x += tl.load(y_ptr + row * dim + cols, mask=mask, other=0.0).to(tl.float32)
@@ -22,7 +25,6 @@ def _rms_norm_kernel(x_ptr, y_ptr, sum_ptr, w_ptr, out_ptr, stride_x, dim, eps, 
         x = x.to(tl.float32)
     normed = x * tl.rsqrt(tl.sum(x * x, axis=0) / dim + eps)
     normed = normed.to(x_ptr.dtype.element_ty).to(tl.float32)
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + row * dim + cols, (w * normed).to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -37,8 +39,9 @@ def _launch(x: torch.Tensor, y: torch.Tensor | None, weight: torch.Tensor, eps: 
     if rows.shape[0]:
         block = next_power_of_2(dim)
         extra = (rows, rows) if y is None else (y.reshape(-1, dim).contiguous(), total)
+        pdl = pdl_launch(rows)
         _rms_norm_kernel[(rows.shape[0],)](rows, *extra, weight, out, rows.stride(0), dim, eps, ADD=y is not None,
-                                           BLOCK=block, num_warps=8 if block >= 4096 else 4)
+                                           BLOCK=block, PDL=pdl_flag(pdl), num_warps=8 if block >= 4096 else 4, **pdl)
     return (out.view(shape) if total is None else (total.view(shape), out.view(shape)))
 
 
