@@ -1,4 +1,4 @@
-"""The K3 Triton kernels (paged MLA decode, fused KDA decode, RMSNorm, router logits, top-k routing, expert GEMVs
+"""The K3 Triton kernels (few-row linears, paged MLA decode, fused KDA decode, RMSNorm, router logits, top-k routing, expert GEMVs
 dense and MXFP4, the fused SwiGLU + down + slot sum, grouped expert GEMM) against their torch references: on the CPU under TRITON_INTERPRET=1, on a GPU natively. Odd
 sizes (heads below the head block, ragged lengths ending mid-page, strided pool views). The references themselves
 are checked against fla-core and transformers in test_k3_kernels.py."""
@@ -12,6 +12,8 @@ ON_GPU = torch.cuda.is_available()
 if not ON_GPU:
     os.environ.setdefault("TRITON_INTERPRET", "1")  # must be set before the kernels are defined
 
+from h3gen.kernels.gemv import reference as gemv_ref  # noqa: E402
+from h3gen.kernels.gemv import triton as gemv_triton  # noqa: E402
 from h3gen.kernels.mla_decode import reference as mla_ref  # noqa: E402
 from h3gen.kernels.mla_decode import triton as mla_triton  # noqa: E402
 from h3gen.kernels.moe import reference as moe_ref  # noqa: E402
@@ -23,6 +25,26 @@ DEVICE = "cuda" if ON_GPU else "cpu"
 def _err(actual, expected):
     actual, expected = actual.double(), expected.double()
     return ((actual - expected).norm() / expected.norm()).item()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("rows,n,k,block_k", [(1, 37, 300, None), (3, 64, 96, 32), (4, 130, 17, None),
+                                              (2, 5, 2100, 512)])  # 2100 over 512: five K steps, the last partial
+def test_few_row_linears_match_reference(rows, n, k, block_k, dtype):
+    g = torch.Generator(device=DEVICE).manual_seed(rows * 7 + n)
+    x = torch.randn(rows, k, generator=g, device=DEVICE).to(dtype)
+    weight = (torch.randn(n, k, generator=g, device=DEVICE) / k**0.5).to(dtype)
+    tol = 1e-5 if dtype == torch.float32 else 2e-3
+    got = gemv_triton.rows_linear(x, weight, block_k=block_k)
+    assert got.shape == (rows, n) and got.dtype == dtype
+    assert _err(got, gemv_ref.rows_linear(x.float(), weight.float())) <= tol
+    # Groups: two linears of one shape over side-by-side slices of one row (the KDA gates' layout).
+    both = torch.randn(rows, 3 * k, generator=g, device=DEVICE).to(dtype)
+    pairs = both.as_strided((2, rows, k), (k, both.stride(0), 1))
+    weights = (torch.randn(2, n, k, generator=g, device=DEVICE) / k**0.5).to(dtype)
+    got = gemv_triton.grouped_rows_linear(pairs, weights, block_k=block_k)
+    assert got.shape == (2, rows, n)
+    assert _err(got, gemv_ref.grouped_rows_linear(pairs.float(), weights.float())) <= tol
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])

@@ -7,6 +7,7 @@ import triton
 import triton.language as tl
 
 from h3gen.kernels._dispatch import next_power_of_2
+from h3gen.kernels._pdl import pdl_flag, pdl_launch, wait_for_inputs
 
 
 @triton.jit
@@ -34,8 +35,9 @@ def _conv_silu(x_ptr, w_ptr, state_ptr, channel, local, mask, stride_tap, WIDTH:
 def _kda_decode_kernel(q_ptr, k_ptr, v_ptr, wq_ptr, wk_ptr, wv_ptr, conv_ptr, f_ptr, alog_ptr, dtb_ptr, b_ptr,
                        gate_ptr, normw_ptr, state_ptr, out_ptr, heads, dim, stride_row, stride_f, stride_gate, stride_conv_b,
                        stride_conv_tap, stride_sb, stride_sh, scale, lower_bound, norm_eps,
-                       BLOCK: tl.constexpr, WIDTH: tl.constexpr, SAFE_GATE: tl.constexpr):
+                       BLOCK: tl.constexpr, WIDTH: tl.constexpr, SAFE_GATE: tl.constexpr, PDL: tl.constexpr):
     seq = tl.program_id(0).to(tl.int64)
+    wait_for_inputs(PDL)
     head = tl.program_id(1)
     cols = tl.arange(0, BLOCK)
     mask = cols < dim
@@ -90,11 +92,12 @@ def kda_decode(q, k, v, conv_weights, conv_state, f, a_log, dt_bias, lower_bound
     if state.stride(3) != 1 or state.stride(2) != dim or conv_state.stride(2) != 1:
         raise ValueError("kda_decode needs the state's [D, D] and the conv state's channels contiguous.")
     out = torch.empty(batch, heads * dim, dtype=q.dtype, device=q.device)
+    pdl = pdl_launch(q)
     _kda_decode_kernel[(batch, heads)](
         q, k, v, *(w.reshape(heads * dim, width) for w in conv_weights), conv_state, f, a_log, dt_bias,
         b.contiguous(), gate, norm_weight, state, out, heads, dim, q.stride(0), f.stride(0), gate.stride(0),
         conv_state.stride(0), conv_state.stride(1), state.stride(0), state.stride(1), scale,
         0.0 if lower_bound is None else float(lower_bound), norm_eps,
-        BLOCK=next_power_of_2(dim), WIDTH=width, SAFE_GATE=lower_bound is not None,
-        num_warps=num_warps or 4)  # 4 warps: 5.9 us at 16 heads x 128 on the H200, 8 warps 13.7 us (RESULTS.md)
+        BLOCK=next_power_of_2(dim), WIDTH=width, SAFE_GATE=lower_bound is not None, PDL=pdl_flag(pdl),
+        num_warps=num_warps or 4, **pdl)  # 4 warps: 5.9 us at 16 heads x 128 on the H200, 8 warps 13.7 us (RESULTS.md)
     return out

@@ -11,6 +11,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from h3gen.kernels.gemv import grouped_rows_linear, rows_linear
 from h3gen.kernels.kda import kda_chunked, kda_decode, kda_gate, l2_normalize, short_conv
 from h3gen.kernels.mla_decode import absorb_output, absorb_query, mla_decode, mla_decode_partials, mla_decode_splits
 from h3gen.kernels.mxfp4_gemm import dequantize_weight
@@ -97,8 +98,17 @@ def stack_linears(layers: list[nn.Module]) -> torch.Tensor | None:
 
 
 def fused_outputs(fused: torch.Tensor, layers: list[nn.Module], x: torch.Tensor) -> list[torch.Tensor]:
-    """The outputs of `layers` (fused by `fuse_linears`) for `x`, from one GEMM."""
-    return list(F.linear(x, fused).split([layer.weight.shape[0] for layer in layers], dim=-1))
+    """The outputs of `layers` (fused by `fuse_linears`) for `x`, from one GEMM (`rows_linear`)."""
+    return list(rows_linear(x, fused).split([layer.weight.shape[0] for layer in layers], dim=-1))
+
+
+def project(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """`layer(x)`, where a plain bias-free `nn.Linear` goes through `rows_linear`: a decode step's few rows then take
+    the few-row kernel (`h3gen.kernels.gemv`), anything else `F.linear` as before. Other linears (quantized,
+    tensor parallel) are called as they are."""
+    if type(layer) is nn.Linear and layer.bias is None:
+        return rows_linear(x, layer.weight)
+    return layer(x)
 
 
 class K3DeltaAttention(nn.Module):
@@ -172,7 +182,7 @@ class K3DeltaAttention(nn.Module):
         of = o.float()
         of = of * torch.rsqrt(of.pow(2).mean(-1, keepdim=True) + self.o_norm.eps) * self.o_norm.weight.float()
         o = (of * torch.sigmoid(gate.float().view(shape))).to(x.dtype)
-        return self.o_proj(o.reshape(b, t, -1)), KDAState(conv_state, recurrent)
+        return project(self.o_proj, o.reshape(b, t, -1)), KDAState(conv_state, recurrent)
 
     def _decode(self, x: torch.Tensor, state: KDAState) -> torch.Tensor:
         """One token `x` `[B, 1, D]` -> `[B, 1, D]` through `kda_decode` (conv, norms, gates, recurrence fused)."""
@@ -187,7 +197,7 @@ class K3DeltaAttention(nn.Module):
             # f_a and g_a sit side by side in the fused output's rows: one [2, B, k] view, one batched GEMM
             rank = f_a.shape[-1]
             pairs = f_a.as_strided((2, f_a.shape[0], rank), (rank, f_a.stride(0), 1))
-            f, gate = torch.bmm(pairs, self.fused_up_gates.transpose(1, 2))
+            f, gate = grouped_rows_linear(pairs, self.fused_up_gates)
         else:
             f = self.f_b_proj(f_a)
             if not self.config.use_full_rank_gate:
@@ -195,7 +205,7 @@ class K3DeltaAttention(nn.Module):
         o = kda_decode(q, k, v, (self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight), state.conv,
                        f, self.A_log, self.dt_bias, self.config.gate_lower_bound, b, gate,
                        self.o_norm.weight, self.o_norm.eps, state.recurrent, self.head_dim ** -0.5)
-        return self.o_proj(o)[:, None]
+        return project(self.o_proj, o)[:, None]
 
 
 class K3MLAttention(nn.Module):
@@ -246,7 +256,7 @@ class K3MLAttention(nn.Module):
             kv = self.kv_a_proj_with_mqa(x)
             gate = [self.g_proj(x)] if self.config.mla_use_output_gate else []
         if self.config.q_lora_rank is not None:
-            q = self.q_b_proj(self.q_a_layernorm(q))
+            q = project(self.q_b_proj, self.q_a_layernorm(q))
         q = q.view(b, t, -1, self.nope + self.rope)
         heads = q.shape[2]
         latent, k_pe = kv.split([self.rank, self.rope], dim=-1)
@@ -266,7 +276,7 @@ class K3MLAttention(nn.Module):
             o = self._attend_expanded(q, rows.to(x.dtype), past)
             if self.config.mla_use_output_gate:
                 o = o * torch.sigmoid(gate[0]).view_as(o)
-        return self.o_proj(o.reshape(b, t, heads * self.v_dim))
+        return project(self.o_proj, o.reshape(b, t, heads * self.v_dim))
 
     def _attend_expanded(self, q: torch.Tensor, rows: torch.Tensor, past: int) -> torch.Tensor:
         """Prefill: expand every cached latent to per-head keys and values. `q` `[B, T, n, qk]`, `rows`
@@ -323,11 +333,11 @@ class K3MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fused_in is not None:
-            both = F.linear(x, self.fused_in)
+            both = rows_linear(x, self.fused_in)
             if self.config.hidden_act != "situ":
-                return self.down_proj(swiglu(both))
+                return project(self.down_proj, swiglu(both))
             up, gate = both.chunk(2, dim=-1)
-            return self.down_proj(gated_activation(self.config, gate, up))
+            return project(self.down_proj, gated_activation(self.config, gate, up))
         return self.down_proj(gated_activation(self.config, self.gate_proj(x), self.up_proj(x)))
 
 
@@ -744,7 +754,7 @@ class K3ForCausalLM(nn.Module):
         hidden = self.model(inputs_embeds, cache)
         if cache is not None:
             cache.seen_tokens += inputs_embeds.shape[1]
-        return self.lm_head(hidden)
+        return project(self.lm_head, hidden)
 
     def new_cache(self, page_size: int = 16) -> K3Cache:
         return K3Cache(self.config.num_hidden_layers, page_size)
