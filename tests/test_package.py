@@ -52,6 +52,7 @@ def test_regular_install_has_the_same_namespace(tmp_path):
     assert build.returncode == 0, build.stderr[-2000:]
     top_level = sorted(p.name for p in target.iterdir() if not p.name.endswith(".dist-info") and p.name != "bin")
     assert top_level == ["h3gen"]
-    for sub in ("kernels", "pipelines/h3", "pipelines/k3", "kernels/kda", "kernels/mla_decode", "kernels/moe", "offload",
+    for sub in ("kernels", "pipelines/h3", "pipelines/k3", "kernels/kda", "kernels/mla_decode", "kernels/moe",
+                "kernels/gemv", "offload",
                 "ui", "loading"):
         assert (target / "h3gen" / sub / "__init__.py").exists(), sub
