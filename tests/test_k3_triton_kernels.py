@@ -234,6 +234,7 @@ def test_fused_kda_decode_matches_reference(heads, dim, width, lower_bound, dtyp
     conv_state = rows[:, 1, : (width - 1) * 3 * hd].view(batch, width - 1, 3 * hd)
     state = rows[:, 1, (width - 1) * 3 * hd :].view(batch, heads, dim, dim)
     expected_conv, expected_state = conv_state.clone(), state.clone()
+    start = rows.clone()
     args = (f, a_log, dt_bias, lower_bound, b, gate, norm_weight, 1e-5)
     expected = kda_ref.kda_decode(q, k, v, conv_weights, expected_conv, *args, expected_state, dim ** -0.5)
     untouched = rows[:, 0].clone()
@@ -243,6 +244,23 @@ def test_fused_kda_decode_matches_reference(heads, dim, width, lower_bound, dtyp
     assert _err(got, expected) <= tolerance
     assert _err(state, expected_state) <= 1e-5 and torch.equal(conv_state, expected_conv)
     assert torch.equal(rows[:, 0], untouched)  # the neighbouring layer's state is left alone
+    # The states where they lie in a pool of five slots, picked by row indices (a decode graph's layout).
+    pool = torch.randn(5, 3, rows.shape[-1], generator=g, device=DEVICE)
+    picked = torch.tensor([3, 0], device=DEVICE)
+    pool[picked, 1] = start[:, 1]
+    pool_conv = pool[:, 1, : (width - 1) * 3 * hd].view(5, width - 1, 3 * hd)
+    pool_state = pool[:, 1, (width - 1) * 3 * hd :].view(5, heads, dim, dim)
+    before = pool.clone()
+    got = kda_triton.kda_decode(q, k, v, conv_weights, pool_conv, *args, pool_state, dim ** -0.5, rows=picked)
+    assert _err(got, expected) <= tolerance
+    assert _err(pool_state[picked], expected_state) <= 1e-5 and torch.equal(pool_conv[picked], expected_conv)
+    others = [1, 2, 4]
+    assert torch.equal(pool[others], before[others]) and torch.equal(pool[:, 0], before[:, 0])
+    via_ref = before.clone()  # the reference with rows gathers, computes and writes back the same
+    ref_conv = via_ref[:, 1, : (width - 1) * 3 * hd].view(5, width - 1, 3 * hd)
+    ref_state = via_ref[:, 1, (width - 1) * 3 * hd :].view(5, heads, dim, dim)
+    ref_out = kda_ref.kda_decode(q, k, v, conv_weights, ref_conv, *args, ref_state, dim ** -0.5, rows=picked)
+    assert _err(ref_out, expected) <= 1e-6 and _err(via_ref, pool) <= 1e-5
 
 
 @pytest.mark.parametrize("tokens,experts,top_k,bias,renormalize,always", [

@@ -53,6 +53,5 @@ def test_regular_install_has_the_same_namespace(tmp_path):
     top_level = sorted(p.name for p in target.iterdir() if not p.name.endswith(".dist-info") and p.name != "bin")
     assert top_level == ["h3gen"]
     for sub in ("kernels", "pipelines/h3", "pipelines/k3", "kernels/kda", "kernels/mla_decode", "kernels/moe",
-                "kernels/gemv", "offload",
-                "ui", "loading"):
+                "kernels/gemv", "offload", "ui", "loading"):
         assert (target / "h3gen" / sub / "__init__.py").exists(), sub

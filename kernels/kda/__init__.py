@@ -41,15 +41,16 @@ def kda_chunked(q, k, v, g, beta, scale, initial_state=None, chunk_size: int = 6
 
 
 def kda_decode(q, k, v, conv_weights, conv_state, f, a_log, dt_bias, lower_bound, b, gate, norm_weight, norm_eps,
-               state, scale):
-    """One decode token of a KDA layer (see `reference.kda_decode`); `conv_state` and `state` change in place."""
+               state, scale, rows=None):
+    """One decode token of a KDA layer (see `reference.kda_decode`); `conv_state` and `state` change in place (with
+    `rows`, the rows of them the sequences own)."""
     if use_triton(q) and state.stride(3) == 1 and state.stride(2) == state.shape[3] and conv_state.stride(2) == 1:
         from h3gen.kernels.kda import triton as fast
 
         return fast.kda_decode(q, k, v, conv_weights, conv_state, f, a_log, dt_bias, lower_bound, b, gate,
-                               norm_weight, norm_eps, state, scale)
+                               norm_weight, norm_eps, state, scale, rows=rows)
     return reference.kda_decode(q, k, v, conv_weights, conv_state, f, a_log, dt_bias, lower_bound, b, gate,
-                                norm_weight, norm_eps, state, scale)
+                                norm_weight, norm_eps, state, scale, rows)
 
 
 __all__ = ["kda_chunked", "kda_decode", "kda_gate", "kda_recurrent", "l2_normalize", "short_conv"]

@@ -114,7 +114,7 @@ def kda_chunked(q, k, v, g, beta, scale: float, initial_state: torch.Tensor | No
 def kda_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, conv_weights, conv_state: torch.Tensor,
                f: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor, lower_bound: float | None,
                b: torch.Tensor, gate: torch.Tensor, norm_weight: torch.Tensor, norm_eps: float,
-               state: torch.Tensor, scale: float) -> torch.Tensor:
+               state: torch.Tensor, scale: float, rows: torch.Tensor | None = None) -> torch.Tensor:
     """One decode token of a KDA layer after its projections, updating `conv_state` and `state` in place.
 
     Args:
@@ -124,9 +124,17 @@ def kda_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, conv_weights, 
         f: `[B, H * D]` gate projection (after `f_b_proj`); `a_log` `[H]`, `dt_bias` `[H * D]`.
         b: `[B, H]` beta logits. gate: `[B, H * D]` output-gate logits.
         norm_weight: `[D]` the output RMSNorm weight; state: `[B, H, D, D]` float32.
+        rows: optional `[B]` indices: then `conv_state` and `state` hold more rows, sequence b's being `rows[b]`.
     Returns:
         `[B, H * D]` in q.dtype: RMSNorm(o) * sigmoid(gate) with o the recurrence's output.
     """
+    if rows is not None:
+        conv_rows, state_rows = conv_state[rows], state[rows]
+        out = kda_decode(q, k, v, conv_weights, conv_rows, f, a_log, dt_bias, lower_bound, b, gate, norm_weight,
+                         norm_eps, state_rows, scale)
+        conv_state.index_copy_(0, rows, conv_rows)
+        state.index_copy_(0, rows, state_rows)
+        return out
     batch, heads, dim = state.shape[0], state.shape[1], state.shape[2]
     shape = (batch, 1, heads, dim)
     weight = torch.cat([w.reshape(w.shape[0], -1) for w in conv_weights])  # [3 * H * D, W]

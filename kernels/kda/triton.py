@@ -33,18 +33,22 @@ def _conv_silu(x_ptr, w_ptr, state_ptr, channel, local, mask, stride_tap, WIDTH:
 
 @triton.jit
 def _kda_decode_kernel(q_ptr, k_ptr, v_ptr, wq_ptr, wk_ptr, wv_ptr, conv_ptr, f_ptr, alog_ptr, dtb_ptr, b_ptr,
-                       gate_ptr, normw_ptr, state_ptr, out_ptr, heads, dim, stride_row, stride_f, stride_gate, stride_conv_b,
-                       stride_conv_tap, stride_sb, stride_sh, scale, lower_bound, norm_eps,
-                       BLOCK: tl.constexpr, WIDTH: tl.constexpr, SAFE_GATE: tl.constexpr, PDL: tl.constexpr):
+                       gate_ptr, normw_ptr, state_ptr, rows_ptr, out_ptr, heads, dim, stride_row, stride_f, stride_gate,
+                       stride_conv_b, stride_conv_tap, stride_sb, stride_sh, scale, lower_bound, norm_eps,
+                       BLOCK: tl.constexpr, WIDTH: tl.constexpr, SAFE_GATE: tl.constexpr, ROWS: tl.constexpr,
+                       PDL: tl.constexpr):
     seq = tl.program_id(0).to(tl.int64)
     wait_for_inputs(PDL)
+    slot = seq  # the sequence's row of the states
+    if ROWS:
+        slot = tl.load(rows_ptr + seq).to(tl.int64)
     head = tl.program_id(1)
     cols = tl.arange(0, BLOCK)
     mask = cols < dim
     local = head * dim + cols  # this head's channels within q (and k, v)
     width = heads * dim
     row = seq * stride_row
-    conv = conv_ptr + seq * stride_conv_b
+    conv = conv_ptr + slot * stride_conv_b
     out_dtype = q_ptr.dtype.element_ty
     q = _conv_silu(q_ptr + row + local, wq_ptr, conv, local, local, mask, stride_conv_tap, WIDTH)
     k = _conv_silu(k_ptr + row + local, wk_ptr, conv, width + local, local, mask, stride_conv_tap, WIDTH)
@@ -64,7 +68,7 @@ def _kda_decode_kernel(q_ptr, k_ptr, v_ptr, wq_ptr, wk_ptr, wv_ptr, conv_ptr, f_
         g = -rate * tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(x)))
     beta = tl.sigmoid(tl.load(b_ptr + seq * heads + head).to(tl.float32))
     # The state [D (k), D (v)] of this sequence and head.
-    tile = state_ptr + seq * stride_sb + head * stride_sh + cols[:, None] * dim + cols[None, :]
+    tile = state_ptr + slot * stride_sb + head * stride_sh + cols[:, None] * dim + cols[None, :]
     both = mask[:, None] & mask[None, :]
     state = tl.load(tile, mask=both, other=0.0) * tl.exp(g)[:, None]
     tl.debug_barrier()  # every thread holds its copy of the old state before any writes the new one
@@ -80,11 +84,12 @@ def _kda_decode_kernel(q_ptr, k_ptr, v_ptr, wq_ptr, wk_ptr, wv_ptr, conv_ptr, f_
 
 
 def kda_decode(q, k, v, conv_weights, conv_state, f, a_log, dt_bias, lower_bound, b, gate, norm_weight, norm_eps,
-               state, scale, num_warps=None):
+               state, scale, rows=None, num_warps=None):
     """See `reference.kda_decode` (same arguments; `conv_state` and `state` are updated in place). `q`, `k`, `v`
     may be column slices of one tensor (the fused projection); `state`'s `[D, D]` and `conv_state`'s channel axis
-    must be contiguous. `num_warps` tunes the launch (one program per sequence and head)."""
-    batch, heads, dim = state.shape[0], state.shape[1], state.shape[2]
+    must be contiguous; with `rows` `[B]` they hold more rows and sequence b's is `rows[b]`. `num_warps` tunes the
+    launch (one program per sequence and head)."""
+    batch, heads, dim = q.shape[0], state.shape[1], state.shape[2]
     width = conv_weights[0].shape[-1]
     if len({t.stride(0) for t in (q, k, v)}) != 1 or any(t.stride(-1) != 1 for t in (q, k, v)):
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
@@ -95,9 +100,11 @@ def kda_decode(q, k, v, conv_weights, conv_state, f, a_log, dt_bias, lower_bound
     pdl = pdl_launch(q)
     _kda_decode_kernel[(batch, heads)](
         q, k, v, *(w.reshape(heads * dim, width) for w in conv_weights), conv_state, f, a_log, dt_bias,
-        b.contiguous(), gate, norm_weight, state, out, heads, dim, q.stride(0), f.stride(0), gate.stride(0),
+        b.contiguous(), gate, norm_weight, state, rows if rows is not None else b, out, heads, dim, q.stride(0),
+        f.stride(0), gate.stride(0),
         conv_state.stride(0), conv_state.stride(1), state.stride(0), state.stride(1), scale,
         0.0 if lower_bound is None else float(lower_bound), norm_eps,
-        BLOCK=next_power_of_2(dim), WIDTH=width, SAFE_GATE=lower_bound is not None, PDL=pdl_flag(pdl),
+        BLOCK=next_power_of_2(dim), WIDTH=width, SAFE_GATE=lower_bound is not None, ROWS=rows is not None,
+        PDL=pdl_flag(pdl),
         num_warps=num_warps or 4, **pdl)  # 4 warps: 5.9 us at 16 heads x 128 on the H200, 8 warps 13.7 us (RESULTS.md)
     return out

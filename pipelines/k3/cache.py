@@ -14,6 +14,9 @@ import torch
 class KDAState:
     conv: torch.Tensor  # [B, W - 1, 3 * H * K] float32
     recurrent: torch.Tensor  # [B, H, K, V] float32
+    # With `rows` `[B]` (int64, on the device), `conv` and `recurrent` are a whole pool of states and sequence b's
+    # is row `rows[b]`: a decode step updates them where they lie (no gathered copy).
+    rows: torch.Tensor | None = None
 
 
 class PagedLatentCache:

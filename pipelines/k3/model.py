@@ -204,7 +204,7 @@ class K3DeltaAttention(nn.Module):
                 gate = self.g_b_proj(gate)
         o = kda_decode(q, k, v, (self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight), state.conv,
                        f, self.A_log, self.dt_bias, self.config.gate_lower_bound, b, gate,
-                       self.o_norm.weight, self.o_norm.eps, state.recurrent, self.head_dim ** -0.5)
+                       self.o_norm.weight, self.o_norm.eps, state.recurrent, self.head_dim ** -0.5, rows=state.rows)
         return project(self.o_proj, o)[:, None]
 
 

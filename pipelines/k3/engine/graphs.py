@@ -6,11 +6,12 @@ device buffers (token ids, each sequence's KDA slot row, block table and length)
 batch size and replayed: a batch of n runs as the smallest captured size >= n, the extra rows pointing at a
 scratch page and a scratch slot that the runner keeps for itself.
 
-Inside the forward nothing synchronises with the host: KDA states are gathered from the pool by device row
-indices, updated in place by the fused decode op and scattered back, MLA rows are written through the device block
-table, the paged MLA decode kernel reads lengths on the device, and MoE layers route on the device over stacked
-experts (`expert_gemv` per pair, or blocks per expert for larger batches). On a CPU the same forward runs eagerly
-(no capture), which is how tests check it against the ordinary path; `bench_k3.py --check` checks it on a GPU.
+Inside the forward nothing synchronises with the host: the fused KDA decode op updates each sequence's states where
+they lie in the pool (rows picked by device indices; padding rows share the scratch slot, whose contents nobody
+reads), MLA rows are written through the device block table, the paged MLA decode kernel reads lengths on the
+device, and MoE layers route on the device over stacked experts (`expert_gemv` per pair, or blocks per expert for
+larger batches). On a CPU the same forward runs eagerly (no capture), which is how tests check it against the
+ordinary path; `bench_k3.py --check` checks it on a GPU.
 """
 
 import torch
@@ -107,21 +108,20 @@ def static_decode_forward(model, pool, buffers: DecodeBuffers) -> torch.Tensor:
         cache.layers[layer] = StaticLatentView(pool.layer_pages(j), buffers.table, buffers.lens, pool.page_size,
                                                lens_after)
     given = []
-    if pool.uses_slots:
-        rows = pool.slots.index_select(0, buffers.state_rows)  # [size, kda layers, floats]
+    if pool.uses_slots:  # each KDA layer's states where they lie in the pool, the batch's rows picked on the device
+        slots = pool.slots.shape[0]
         for j, layer in enumerate(pool.kda_layers):
-            conv, recurrent = rows[:, j].split([pool.conv_floats, rows.shape[-1] - pool.conv_floats], dim=-1)
-            given.append(KDAState(conv.reshape(size, *pool.conv_shape), recurrent.reshape(size, *pool.recurrent_shape)))
+            conv, recurrent = pool.slots[:, j].split([pool.conv_floats, pool.slots.shape[-1] - pool.conv_floats],
+                                                     dim=-1)
+            given.append(KDAState(conv.view(slots, *pool.conv_shape), recurrent.view(slots, *pool.recurrent_shape),
+                                  rows=buffers.state_rows))
             cache.layers[layer] = given[-1]
     logits = model(buffers.tokens, cache)[:, -1]
     if pool.uses_slots:
-        states = cache.kda_states(pool.kda_layers)
-        if all(new is old for new, old in zip(states, given)):  # updated in place (the decode op does that)
-            packed = rows
-        else:
-            packed = torch.stack([torch.cat([s.conv.reshape(size, -1), s.recurrent.reshape(size, -1)], dim=-1)
-                                  for s in states], dim=1).float()
-        pool.slots.index_copy_(0, buffers.state_rows, packed)
+        for j, (new, old) in enumerate(zip(cache.kda_states(pool.kda_layers), given)):
+            if new is not old:  # a layer that returned new states instead of updating its rows (not the decode op)
+                packed = torch.cat([new.conv.reshape(size, -1), new.recurrent.reshape(size, -1)], dim=-1)
+                pool.slots[:, j].index_copy_(0, buffers.state_rows, packed.float())
     return logits
 
 
