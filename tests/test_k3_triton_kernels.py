@@ -379,3 +379,17 @@ def test_word_decoding_covers_every_code_and_scale_edge():
     assert torch.isnan(got[0, 4]) and torch.isnan(expected[4])
     assert torch.allclose(got[0, :4].double(), expected[:4], rtol=1e-6, atol=0)
     assert 0 < abs(got[0, 3]) < 1e-30  # a row of the smallest scales keeps its (tiny) value
+
+
+def test_programmatic_dependent_launch_only_where_it_exists(monkeypatch):
+    """PDL launch options: never for CPU tensors (nor under the interpreter), switched off by H3GEN_PDL=0, and on
+    a GPU only from compute capability 9.0."""
+    from h3gen.kernels import _pdl
+
+    assert _pdl.pdl_launch(torch.zeros(1)) == {} and not _pdl.pdl_flag({})
+    if ON_GPU:
+        expected = {"launch_pdl": True} if torch.cuda.get_device_capability()[0] >= 9 else {}
+        assert _pdl.pdl_launch(torch.zeros(1, device="cuda")) == expected
+        monkeypatch.setenv("H3GEN_PDL", "0")
+        assert _pdl.pdl_launch(torch.zeros(1, device="cuda")) == {}
+    assert _pdl.pdl_flag({"launch_pdl": True})
