@@ -85,7 +85,7 @@ def test_batched_greedy_generation_equals_one_at_a_time_fp32(family, static_deco
         graphs = engine.graphs
         calls = []
         original = graphs.launch
-        graphs.launch = lambda *args, **kw: calls.append(len(args[1])) or original(*args, **kw)
+        graphs.launch = lambda *args: calls.append(len(args[1])) or original(*args)
     requests = [engine.add_request(p, sp) for p, sp in zip(prompts[:3], params[:3])]
     engine.step()
     engine.step()  # the rest join a batch that is already decoding
@@ -148,8 +148,8 @@ def test_decode_steps_launched_ahead_drop_the_token_after_a_stop(family):
     engine = _engine(model, cuda_graphs=True)
     launches = []
     original = engine.graphs.launch
-    engine.graphs.launch = lambda *args, **kw: launches.append((kw.get("after") is not None, len(args[1]))) or \
-        original(*args, **kw)
+    engine.graphs.launch = lambda *args: launches.append((isinstance(args[0], torch.Tensor), len(args[1]))) or \
+        original(*args)
     for _ in range(2):  # the second round hits what the first left in the cache
         got = [engine.generate([p], sp)[0] for p, sp in zip(prompts, params)]
         assert [r.output_ids for r in got] == expected and all(r.finish_reason == "stop" for r in got)
@@ -162,6 +162,38 @@ def test_decode_steps_launched_ahead_drop_the_token_after_a_stop(family):
         [r.output_ids for r in plain.generate(extended, more)]
     assert sum(ahead for ahead, _ in launches) > 0 and engine.stats["cached_tokens"] > 0
     assert sum(rows for _, rows in launches) > engine.stats["decode_tokens"]  # some rows' tokens were dropped
+
+
+def test_sampled_requests_draw_the_same_tokens_with_steps_launched_ahead():
+    """Decode graphs (run eagerly here) launch each step before the host reads the previous one's tokens; rows that
+    sample draw on the device with the request's own generator. Every request, greedy or sampled, batched or
+    preempted and resumed, then gets what it gets alone without graphs."""
+    model = _model("hybrid")
+    prompts = _prompts(model, [11, 6, 19, 14, 9, 16], seed=9)
+    params = [SamplingParams(max_tokens=16, temperature=t, top_k=k, top_p=p, seed=seed, ignore_eos=True)
+              for t, k, p, seed in ((0.8, 0, 1.0, 11), (1.3, 20, 0.9, 12), (0.0, 0, 1.0, None), (1.0, 5, 1.0, 13),
+                                    (0.7, 0, 0.8, 14), (1.1, 30, 0.95, 15))]
+    alone = [_engine(model, prefix_cache=False).generate([p], sp)[0].output_ids for p, sp in zip(prompts, params)]
+    engine = _engine(model, prefix_cache=False, cuda_graphs=True)
+    launches = []
+    original = engine.graphs.launch
+    engine.graphs.launch = lambda *args: launches.append(isinstance(args[0], torch.Tensor)) or original(*args)
+    assert [r.output_ids for r in engine.generate(prompts, params)] == alone
+    assert sum(launches) > 0  # steps were launched ahead with sampled rows in the batch
+    # A pool for about two of them: the rest wait, running ones are preempted and resume with their sampler state.
+    probe = MemoryPool(model.config, torch.float32, "cpu", 0, page_size=4)
+    small = _engine(model, prefix_cache=False, cuda_graphs=True,
+                    pool_bytes=int(2.5 * (10 * probe.page_bytes + probe.slot_bytes)))
+    assert [r.output_ids for r in small.generate(prompts, params)] == alone
+    assert small.stats["preemptions"] > 0
+    # Preempted while a step for it is in flight: that step's draw is dropped without touching its generator.
+    requests = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+    while engine._in_flight is None or len(requests[1].output_ids) < 4:
+        engine.step()
+    engine._preempt(requests[1])
+    while engine.has_work():
+        engine.step()
+    assert [r.output_ids for r in requests] == alone and requests[1].preemptions == 1
 
 
 @pytest.mark.parametrize("family", ["kda", "hybrid"])

@@ -7,8 +7,9 @@ One `step()`:
 2. run prefill chunks (one sequence per forward, at most `prefill_budget` tokens per step); a chunk stops at
    `chunk_size` boundaries and at the prompt's fork point from the cache, where KDA checkpoints are taken;
 3. run one decode forward for every request past its prefill, whatever its length (ragged paged MLA decode).
-   With decode graphs, a batch of greedy requests that stays unchanged has its next step launched before this
-   step's tokens are read (fed on the device from the graph's argmax), so the GPU never waits for the host.
+   With decode graphs, a batch of requests that stays unchanged has its next step launched before this step's
+   tokens are read (fed on the device: the graph's argmax, or tokens drawn on the device), so the GPU does not
+   wait for the host.
 
 Requests join and leave the running batch at every step. When the pool is full the scheduler first evicts prefix
 cache leaves, then preempts the most recently admitted request (its memory is freed; it goes back to the front of
@@ -26,7 +27,7 @@ from h3gen.pipelines.k3.engine.batch import BatchCache, LatentView
 from h3gen.pipelines.k3.engine.graphs import DecodeGraphs, DecodeLaunch, capture_blocker
 from h3gen.pipelines.k3.engine.pool import MemoryPool
 from h3gen.pipelines.k3.engine.radix import RadixCache
-from h3gen.pipelines.k3.engine.sampling import SamplingParams, sample
+from h3gen.pipelines.k3.engine.sampling import SamplingParams, sample, sample_on_device
 
 WAITING, PREFILL, DECODE, FINISHED = "waiting", "prefill", "decode", "finished"
 
@@ -423,19 +424,41 @@ class K3Engine:
                     self._fail(request, error, outputs)
                 return
             step = InFlightDecode(launch, ready, [(r.computed, r.preemptions) for r in ready])
-        self._in_flight = self._launch_ahead(step, requests)
-        if self._in_flight is not None:  # every row greedy: the tokens come from the step's own host copy
-            chosen = step.launch.greedy()
-        else:
+        if self._can_launch_ahead(step, requests):
             ready = step.requests
-            chosen = sample(step.launch.logits, [r.params for r in ready], [r.generator for r in ready],
-                            step.launch.argmax)
+            feed = step.launch.argmax
+            if any(r.params.temperature != 0.0 for r in ready):  # drawn on the device, the host reads them later
+                feed = sample_on_device(step.launch.logits, [r.params for r in ready], [r.generator for r in ready],
+                                        step.launch.argmax)
+                step.launch.fetch(feed)
+            self._in_flight = self._launch_next(step, feed)
+            chosen = step.launch.tokens()
+        else:
+            chosen = self._sample_valid(step)
         for request, mark, token in zip(step.requests, step.marks, chosen):
             if not step.still_valid(request, mark):
                 continue  # finished, aborted or preempted since the step was launched: its token is dropped
             self.stats["decode_tokens"] += 1
             request.computed += 1
             self._accept(request, token, outputs)
+
+    @staticmethod
+    def _sample_valid(step: "InFlightDecode") -> list[int | None]:
+        """The step's tokens drawn on the host, only for the requests still where the step left them (a dropped
+        row must not advance its request's generator: a preempted request resumes with the same sampler state)."""
+        rows = [i for i, (r, m) in enumerate(zip(step.requests, step.marks)) if step.still_valid(r, m)]
+        chosen: list[int | None] = [None] * len(step.requests)
+        if not rows:
+            return chosen
+        logits, argmax = step.launch.logits, step.launch.argmax
+        if len(rows) < len(step.requests):
+            index = torch.tensor(rows, device=logits.device)
+            logits, argmax = logits[index], argmax[index]
+        requests = [step.requests[i] for i in rows]
+        for i, token in zip(rows, sample(logits, [r.params for r in requests], [r.generator for r in requests],
+                                         argmax)):
+            chosen[i] = token
+        return chosen
 
     def _decode_eagerly(self, ready: list[Request], outputs: dict) -> None:
         try:
@@ -459,31 +482,32 @@ class K3Engine:
             return None
         return step
 
-    def _launch_ahead(self, step: "InFlightDecode", decoding: list[Request]) -> "InFlightDecode | None":
-        """Launch the step after `step` before reading `step`'s tokens (they are fed on the device), so the GPU
-        does not idle while the host accepts tokens and stages the next step. Only while nothing changes: the same
-        greedy requests are all that run, none reaches `max_tokens` with `step`, nothing waits to be admitted, and
-        the next rows' pages are free without evicting or preempting. A request that stops (EOS, a stop string)
-        after `step` has had one token too many computed; its result is dropped and its memory is not donated to
-        the prefix cache (`_finish`)."""
+    def _can_launch_ahead(self, step: "InFlightDecode", decoding: list[Request]) -> bool:
+        """Whether the step after `step` can be launched before `step`'s tokens are read (they are then fed on the
+        device: the argmax, or tokens drawn on the device), so the GPU does not idle while the host accepts tokens
+        and stages the next step. Only while nothing changes: `step`'s requests are all that run, none reaches
+        `max_tokens` with it, nothing waits to be admitted, and their next rows' pages are free without evicting or
+        preempting. A request that stops (EOS, a stop string) after `step` has had one token too many computed; its
+        result is dropped and its memory is not donated to the prefix cache (`_finish`)."""
         ready = step.requests
         if self.graphs is None or self.waiting or len(self.running) != len(ready) or \
                 {id(r) for r in decoding if r.status == DECODE} != {id(r) for r in ready}:
-            return None
-        if any(r.params.temperature != 0.0 or not step.still_valid(r, m) or
-               len(r.output_ids) + 1 >= r.params.max_tokens or r.computed + 2 > self.max_context
-               for r, m in zip(ready, step.marks)):
-            return None
+            return False
+        if any(not step.still_valid(r, m) or len(r.output_ids) + 1 >= r.params.max_tokens or
+               r.computed + 2 > self.max_context for r, m in zip(ready, step.marks)):
+            return False
         need = sum(self._pages_for(r, r.computed + 2) for r in ready)
-        if need and not self.pool.can_allocate(need, 0):
-            return None
+        return not need or self.pool.can_allocate(need, 0)
+
+    def _launch_next(self, step: "InFlightDecode", feed: torch.Tensor) -> "InFlightDecode | None":
+        """Launch the step after `step` with its tokens `feed` `[n]` on the device (see `_can_launch_ahead`)."""
+        ready = step.requests
         for request in ready:
             for _ in range(self._pages_for(request, request.computed + 2)):
                 request.pages.append(self.pool.alloc_page())
         rows = [self.pool.slot_row(r.slot) if r.slot is not None else 0 for r in ready]
         try:
-            launch = self.graphs.launch(None, rows, [r.pages for r in ready], [r.computed + 1 for r in ready],
-                                        after=step.launch)
+            launch = self.graphs.launch(feed, rows, [r.pages for r in ready], [r.computed + 1 for r in ready])
         except Exception:  # noqa: BLE001 - the step is decoded the ordinary way next time
             return None
         return InFlightDecode(launch, ready, [(r.computed + 1, r.preemptions) for r in ready])

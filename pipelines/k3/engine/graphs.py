@@ -72,8 +72,8 @@ class DecodeBuffers:
         self.copied: torch.cuda.Event | None = None  # the last host-to-device copies
         self.logits: torch.Tensor | None = None
         self.argmax: torch.Tensor | None = None  # [size] the logits' argmax, computed in the graph
-        # Two host buffers for the argmax, used in turn: a step's tokens are read while the next step runs.
-        self.host_argmax = [torch.zeros(size, dtype=torch.long, pin_memory=pinned) for _ in range(2)]
+        # Two host buffers for a step's chosen tokens, used in turn: they are read while the next step runs.
+        self.host_tokens = [torch.zeros(size, dtype=torch.long, pin_memory=pinned) for _ in range(2)]
         self.turn = 0
 
     def stage(self, tokens: list[int], state_rows: list[int], tables: list[list[int]], lens: list[int],
@@ -198,36 +198,32 @@ class DecodeGraphs:
         return self.graphs[size]
 
     @torch.no_grad()
-    def launch(self, tokens: list[int] | None, state_rows: list[int], tables: list[list[int]], lens: list[int],
-               after: "DecodeLaunch | None" = None) -> "DecodeLaunch":
-        """Start one decode step for n sequences: `tokens` (their last ids), `state_rows` (pool slot rows),
-        `tables` (page ids), `lens` (rows already cached). With `after` (the launch of the previous step of the
-        same n sequences) and `tokens` None, each sequence's token is that step's argmax, taken on the device: the
-        step can start before the host has read the previous one's tokens. Nothing here waits for the GPU."""
+    def launch(self, tokens: list[int] | torch.Tensor, state_rows: list[int], tables: list[list[int]],
+               lens: list[int]) -> "DecodeLaunch":
+        """Start one decode step for n sequences: `tokens` (their last ids: a list, or a `[n]` int64 device tensor
+        such as the previous step's argmax, so the step can start before the host has read that step's tokens),
+        `state_rows` (pool slot rows), `tables` (page ids), `lens` (rows already cached). Nothing here waits for
+        the GPU."""
         count = len(state_rows)
         size = next(s for s in self.sizes if s >= count)
         graph, buffers = self._prepare(size)
         if any(len(t) > buffers.width for t in tables):
             raise ValueError(f"a sequence holds more than the {buffers.width} pages the decode graphs were built for")
-        if tokens is None and (after is None or after.count != count or after.buffers is not buffers):
-            raise ValueError("a decode step without host tokens follows the launch of the same batch")
-        buffers.stage(tokens if tokens is not None else [0] * count, state_rows, tables, lens, self.scratch_row,
+        on_device = isinstance(tokens, torch.Tensor)
+        buffers.stage([0] * count if on_device else tokens, state_rows, tables, lens, self.scratch_row,
                       self.scratch_page)
-        if tokens is None:
-            buffers.tokens[:count, 0].copy_(buffers.argmax[:count])
+        if on_device:  # after the staged copy, so it wins; before the replay that overwrites a previous argmax
+            buffers.tokens[:count, 0].copy_(tokens)
         if graph is None:
             buffers.logits = static_decode_forward(self.model, self.pool, buffers)
             buffers.argmax = buffers.logits.argmax(dim=-1)
         else:
             graph.replay()
-        host = buffers.host_argmax[buffers.turn]
+        host = buffers.host_tokens[buffers.turn]
         buffers.turn ^= 1
-        host[:count].copy_(buffers.argmax[:count], non_blocking=True)
-        done = None
-        if self.capture:
-            done = torch.cuda.Event()
-            done.record()
-        return DecodeLaunch(buffers, count, host, done)
+        launched = DecodeLaunch(buffers, count, host)
+        launched.fetch(launched.argmax)
+        return launched
 
     def run(self, tokens: list[int], state_rows: list[int], tables: list[list[int]],
             lens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -239,15 +235,24 @@ class DecodeGraphs:
 
 class DecodeLaunch:
     """A decode step handed to the GPU. `logits` `[n, vocab]` and `argmax` `[n]` are device views of the batch
-    size's buffers, valid until its next launch; `greedy()` reads the argmax from a host copy of its own, so it
-    stays readable while a following step runs."""
+    size's buffers, valid until its next launch. `tokens()` reads the step's chosen tokens (its argmax, or what
+    `fetch` was last given) from a host copy of its own, so they stay readable while a following step runs."""
 
-    def __init__(self, buffers: DecodeBuffers, count: int, host_argmax: torch.Tensor, done):
-        self.buffers, self.count, self.host_argmax, self.done = buffers, count, host_argmax, done
+    def __init__(self, buffers: DecodeBuffers, count: int, host: torch.Tensor):
+        self.buffers, self.count, self.host = buffers, count, host
         self.logits, self.argmax = buffers.logits[:count], buffers.argmax[:count]
+        self.done = None
 
-    def greedy(self) -> list[int]:
-        """Each row's argmax token; waits for this step (not for any launched after it)."""
+    def fetch(self, tokens: torch.Tensor) -> None:
+        """Start copying `tokens` `[n]` (int64, on the device: the step's choices) to the host; call it before the
+        next step is launched, so reading them does not wait for that step."""
+        self.host[: self.count].copy_(tokens, non_blocking=True)
+        if tokens.is_cuda:
+            self.done = torch.cuda.Event()
+            self.done.record()
+
+    def tokens(self) -> list[int]:
+        """The fetched tokens; waits for this step (not for any launched after it)."""
         if self.done is not None:
             self.done.synchronize()
-        return self.host_argmax[: self.count].tolist()
+        return self.host[: self.count].tolist()

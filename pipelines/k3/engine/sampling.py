@@ -78,3 +78,19 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
         probs = torch.softmax(filter_logits(row, p.temperature, p.top_k, p.top_p), dim=-1)
         out.append(int(torch.multinomial(probs, 1, generator=gen)))
     return out
+
+
+def sample_on_device(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator],
+                     argmax: torch.Tensor) -> torch.Tensor:
+    """`sample` without reading anything back: `[B]` int64 tokens on the logits' device, greedy rows from `argmax`
+    `[B]`, the others drawn by the same operations and generators as `sample` draws them (so the same tokens), for
+    a step that is launched before the host has them."""
+    logits = logits.float()
+    rows = []
+    for index, (row, p, gen) in enumerate(zip(logits, params, generators)):
+        if p.temperature == 0.0:
+            rows.append(argmax[index : index + 1])
+            continue
+        probs = torch.softmax(filter_logits(row, p.temperature, p.top_k, p.top_p), dim=-1)
+        rows.append(torch.multinomial(probs, 1, generator=gen))
+    return torch.cat(rows)
