@@ -1,5 +1,5 @@
-"""K3 engine throughput on a mid-size random config: decode tokens/s at batch 1, 8 and 32 against the
-weight-bytes / bandwidth roofline, prefill tokens/s, and time to first token with and without a cached 4k-token
+"""K3 engine throughput on a mid-size random config: decode tokens/s at batch 1, 8 and 32 (greedy; batch 1 also
+sampled as the planner samples) against the weight-bytes / bandwidth roofline, prefill tokens/s, and time to first token with and without a cached 4k-token
 system prompt. The reference is the model's own `generate` (no engine) at batch 1: both run in this process on
 the same prompt, must give the same greedy tokens, and are timed the same way.
 
@@ -91,13 +91,21 @@ def prompts(count: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     return [torch.randint(2, vocab, (length,), generator=gen).tolist() for _ in range(count)]
 
 
-def decode_rate(model, batch, prompt_len, steps, device, **engine_options) -> tuple[float, list[list[int]]]:
-    """Tokens/s of decode steps alone, with `batch` requests decoding together (`steps` steps in a row)."""
+# What a planner samples with (pipelines/k3/planner.py defaults), for the sampled decode row.
+PLANNER_SAMPLING = dict(temperature=0.6, top_p=0.95)
+
+
+def decode_rate(model, batch, prompt_len, steps, device, sampled=False,
+                **engine_options) -> tuple[float, list[list[int]]]:
+    """Tokens/s of decode steps alone, with `batch` requests decoding together (`steps` steps in a row), greedy or
+    (`sampled`) drawing as the planner does, with fixed seeds."""
     engine = K3Engine(model, max_batch=batch, prefix_cache=False, **engine_options)
     # Enough tokens that the first request still decodes when the last one's prefill is done.
     budget = steps + 4 + batch * -(-prompt_len // engine.prefill_budget)
-    requests = [engine.add_request(p, SamplingParams(max_tokens=budget, temperature=0.0, ignore_eos=True))
-                for p in prompts(batch, prompt_len, model.config.vocab_size, seed=batch)]
+    choice = dict(PLANNER_SAMPLING) if sampled else dict(temperature=0.0)
+    requests = [engine.add_request(p, SamplingParams(max_tokens=budget, ignore_eos=True, seed=i if sampled else None,
+                                                     **choice))
+                for i, p in enumerate(prompts(batch, prompt_len, model.config.vocab_size, seed=batch))]
     while any(r.status != "decode" for r in requests):
         engine.step()
         errors = [r.error for r in requests if r.error]
@@ -279,15 +287,18 @@ def main():
     ref_rate, ref_tokens = reference_rate(model, prompts(1, 128, config.vocab_size, seed=1)[0], steps, device)
     rows = []
     # The eager engine (no CUDA graphs) first: building a graphed engine stacks the MoE experts of the model.
-    variants = [(1, False)] if device.type == "cuda" else []
-    variants += [(batch, True if args.mxfp4_experts else None) for batch in (1, 8, 32)]
-    for batch, graphs in variants:
-        rate, outputs = decode_rate(model, batch, 128, steps, device, cuda_graphs=graphs, **engine_options)
+    variants = [(1, False, False)] if device.type == "cuda" else []
+    variants += [(batch, True if args.mxfp4_experts else None, False) for batch in (1, 8, 32)]
+    variants.append((1, True if args.mxfp4_experts else None, True))  # sampled as a planner samples
+    for batch, graphs, sampled in variants:
+        rate, outputs = decode_rate(model, batch, 128, steps, device, sampled=sampled, cuda_graphs=graphs,
+                                    **engine_options)
         roof = batch * roof_bw / decode_bytes(model, batch)
         label = "eager" if graphs is False else ("CUDA graphs" if device.type == "cuda" else "eager")
+        label += ", sampled" if sampled else ""
         row = dict(phase=f"decode b={batch} ({label})", tokens_per_s=f"{rate:.1f}",
                    ms_per_step=f"{batch / rate * 1e3:.3f}", roofline=f"{roof:.0f}", of_roofline=f"{rate / roof:.1%}")
-        if batch == 1:
+        if batch == 1 and not sampled:
             same = outputs[0][: len(ref_tokens)] == ref_tokens[: len(outputs[0])]
             row.update(reference=f"{ref_rate:.1f}", ratio=f"{rate / ref_rate:.2f}", same_tokens=same)
         rows.append(row)
