@@ -1,6 +1,6 @@
 """K3 engine throughput on a mid-size random config: decode tokens/s at batch 1, 8 and 32 (greedy; batch 1 also
-sampled as the planner samples) against the weight-bytes / bandwidth roofline, prefill tokens/s, and time to first token with and without a cached 4k-token
-system prompt. The reference is the model's own `generate` (no engine) at batch 1: both run in this process on
+sampled as the planner samples) against the weight-bytes / bandwidth roofline, prefill tokens/s, and time to first
+token with and without a cached 4k-token system prompt. The reference is the model's own `generate` (no engine) at batch 1: both run in this process on
 the same prompt, must give the same greedy tokens, and are timed the same way.
 
     python benchmarks/bench_k3.py                 # CUDA, mid-size config (bf16)
