@@ -210,8 +210,9 @@ def test_latent_row_write_matches_reference(rank, rope, dtype, weight_dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("heads,dim,width,lower_bound", [(3, 16, 4, None), (2, 32, 3, -5.0), (5, 8, 4, -5.0)])
-def test_fused_kda_decode_matches_reference(heads, dim, width, lower_bound, dtype):
+@pytest.mark.parametrize("heads,dim,width,lower_bound,parts", [
+    (3, 16, 4, None, 1), (2, 32, 3, -5.0, 4), (5, 8, 4, -5.0, None), (2, 24, 4, None, 4), (3, 16, 4, None, 16)])
+def test_fused_kda_decode_matches_reference(heads, dim, width, lower_bound, dtype, parts):
     from h3gen.kernels.kda import reference as kda_ref
     from h3gen.kernels.kda import triton as kda_triton
 
@@ -238,7 +239,7 @@ def test_fused_kda_decode_matches_reference(heads, dim, width, lower_bound, dtyp
     args = (f, a_log, dt_bias, lower_bound, b, gate, norm_weight, 1e-5)
     expected = kda_ref.kda_decode(q, k, v, conv_weights, expected_conv, *args, expected_state, dim ** -0.5)
     untouched = rows[:, 0].clone()
-    got = kda_triton.kda_decode(q, k, v, conv_weights, conv_state, *args, state, dim ** -0.5)
+    got = kda_triton.kda_decode(q, k, v, conv_weights, conv_state, *args, state, dim ** -0.5, parts=parts)
     tolerance = 1e-5 if dtype == torch.float32 else 3e-3
     assert got.shape == (batch, hd) and got.dtype == dtype
     assert _err(got, expected) <= tolerance
@@ -251,7 +252,8 @@ def test_fused_kda_decode_matches_reference(heads, dim, width, lower_bound, dtyp
     pool_conv = pool[:, 1, : (width - 1) * 3 * hd].view(5, width - 1, 3 * hd)
     pool_state = pool[:, 1, (width - 1) * 3 * hd :].view(5, heads, dim, dim)
     before = pool.clone()
-    got = kda_triton.kda_decode(q, k, v, conv_weights, pool_conv, *args, pool_state, dim ** -0.5, rows=picked)
+    got = kda_triton.kda_decode(q, k, v, conv_weights, pool_conv, *args, pool_state, dim ** -0.5, rows=picked,
+                                parts=parts)
     assert _err(got, expected) <= tolerance
     assert _err(pool_state[picked], expected_state) <= 1e-5 and torch.equal(pool_conv[picked], expected_conv)
     others = [1, 2, 4]
@@ -261,6 +263,17 @@ def test_fused_kda_decode_matches_reference(heads, dim, width, lower_bound, dtyp
     ref_state = via_ref[:, 1, (width - 1) * 3 * hd :].view(5, heads, dim, dim)
     ref_out = kda_ref.kda_decode(q, k, v, conv_weights, ref_conv, *args, ref_state, dim ** -0.5, rows=picked)
     assert _err(ref_out, expected) <= 1e-6 and _err(via_ref, pool) <= 1e-5
+    from h3gen.kernels._arrivals import arrival_counters
+
+    assert not arrival_counters(q.device, "kda_decode", 1).any()  # every head's last part reset its counter
+
+
+def test_kda_decode_default_parts():
+    from h3gen.kernels.kda.triton import default_parts
+
+    assert default_parts(1, 16, 128) == 4 and default_parts(2, 16, 128) == 4 and default_parts(4, 16, 128) == 2
+    assert default_parts(8, 16, 128) == 1
+    assert default_parts(1, 2, 32) == 2 and default_parts(1, 2, 16) == 1  # never parts under 16 columns
 
 
 @pytest.mark.parametrize("tokens,experts,top_k,bias,renormalize,always", [

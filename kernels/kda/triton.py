@@ -1,58 +1,101 @@
-"""KDA decode in one Triton kernel: per (sequence, head) program, the short conv + SiLU of its q/k/v channels, the
-L2 norms, the decay gate and beta, the delta-rule update of its `[D, D]` state (in place) and the output RMSNorm
-times the sigmoid gate. Replaces some forty small kernels of the torch path per layer and step."""
+"""KDA decode in one Triton kernel: per (sequence, head, part of the value columns) program, the short conv + SiLU
+of its q/k/v channels, the L2 norms, the decay gate and beta, the delta-rule update of its columns of the `[D, D]`
+state (in place) and, once every part of the head is done, the output RMSNorm times the sigmoid gate. Replaces
+some forty small kernels of the torch path per layer and step.
+
+The state's value columns are independent (column j of the state only meets column j of v and of the output), so
+a head splits over `parts` programs: a decode step at batch 1 has a few dozen heads, too few programs to stream
+the states at the GPU's bandwidth. The output RMSNorm needs the whole head, so each part stores its columns of the
+raw output and counts itself in; the last part of the head normalises them (and shifts the head's q/k conv
+state, which every part reads)."""
 
 import torch
 import triton
 import triton.language as tl
 
+from h3gen.kernels._arrivals import arrival_counters
 from h3gen.kernels._dispatch import next_power_of_2
 from h3gen.kernels._pdl import pdl_flag, pdl_launch, wait_for_inputs
 
 
 @triton.jit
-def _conv_silu(x_ptr, w_ptr, state_ptr, channel, local, mask, stride_tap, WIDTH: tl.constexpr):
-    """Causal depthwise conv of one token over `WIDTH` taps (the state holds the `WIDTH - 1` earlier raw inputs),
-    then SiLU; shifts the new input into the state. Returns float32.
-
-    A vector shorter than the program's threads is held by several threads, which do not run in lockstep: every
-    rewrite of state memory waits at a barrier until all threads have read what it overwrites."""
-    x = tl.load(x_ptr, mask=mask, other=0.0).to(tl.float32)
+def _conv_silu(x, w_ptr, state_ptr, channel, local, mask, stride_tap, WIDTH: tl.constexpr):
+    """Causal depthwise conv of one token's raw input `x` (float32) over `WIDTH` taps (the state holds the
+    `WIDTH - 1` earlier raw inputs), then SiLU. Returns float32; the state is left as it is (`_conv_shift`)."""
     acc = x * tl.load(w_ptr + local * WIDTH + (WIDTH - 1), mask=mask, other=0.0).to(tl.float32)
     for tap in tl.static_range(WIDTH - 1):
         earlier = tl.load(state_ptr + tap * stride_tap + channel, mask=mask, other=0.0)
         acc += earlier * tl.load(w_ptr + local * WIDTH + tap, mask=mask, other=0.0).to(tl.float32)
-    for tap in tl.static_range(WIDTH - 2):  # shift: state[tap] = state[tap + 1]
+    return acc * tl.sigmoid(acc)
+
+
+@triton.jit
+def _conv_shift(x, state_ptr, channel, mask, stride_tap, WIDTH: tl.constexpr):
+    """Shift the raw input `x` into the conv state (`state[tap] = state[tap + 1]`, the last tap = x).
+
+    A vector shorter than the program's threads is held by several threads, which do not run in lockstep: every
+    rewrite of state memory waits at a barrier until all threads have read what it overwrites."""
+    for tap in tl.static_range(WIDTH - 2):
         later = tl.load(state_ptr + (tap + 1) * stride_tap + channel, mask=mask, other=0.0)
         tl.debug_barrier()
         tl.store(state_ptr + tap * stride_tap + channel, later, mask=mask)
     tl.debug_barrier()
     tl.store(state_ptr + (WIDTH - 2) * stride_tap + channel, x, mask=mask)
-    return acc * tl.sigmoid(acc)
+
+
+@triton.jit
+def _norm_gate_store(o, cols, mask, dim, normw_ptr, gate_ptr, out_ptr, norm_eps, out_dtype):
+    """The head's output RMSNorm over its `dim` values times the sigmoid of its gate logits, stored."""
+    o = o * tl.rsqrt(tl.sum(o * o, axis=0) / dim + norm_eps) * tl.load(normw_ptr + cols, mask=mask, other=0.0).to(
+        tl.float32)
+    gate = tl.load(gate_ptr, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr, (o * tl.sigmoid(gate)).to(out_dtype), mask=mask)
 
 
 @triton.jit
 def _kda_decode_kernel(q_ptr, k_ptr, v_ptr, wq_ptr, wk_ptr, wv_ptr, conv_ptr, f_ptr, alog_ptr, dtb_ptr, b_ptr,
-                       gate_ptr, normw_ptr, state_ptr, rows_ptr, out_ptr, heads, dim, stride_row, stride_f, stride_gate,
-                       stride_conv_b, stride_conv_tap, stride_sb, stride_sh, scale, lower_bound, norm_eps,
-                       BLOCK: tl.constexpr, WIDTH: tl.constexpr, SAFE_GATE: tl.constexpr, ROWS: tl.constexpr,
-                       PDL: tl.constexpr):
+                       gate_ptr, normw_ptr, state_ptr, rows_ptr, out_ptr, raw_ptr, count_ptr, heads, dim, stride_row,
+                       stride_f, stride_gate, stride_conv_b, stride_conv_tap, stride_sb, stride_sh, scale, lower_bound,
+                       norm_eps, BLOCK: tl.constexpr, PARTS: tl.constexpr, WIDTH: tl.constexpr,
+                       SAFE_GATE: tl.constexpr, ROWS: tl.constexpr, PDL: tl.constexpr):
     seq = tl.program_id(0).to(tl.int64)
-    wait_for_inputs(PDL)
-    slot = seq  # the sequence's row of the states
-    if ROWS:
-        slot = tl.load(rows_ptr + seq).to(tl.int64)
     head = tl.program_id(1)
-    cols = tl.arange(0, BLOCK)
+    part = tl.program_id(2)
+    cols = tl.arange(0, BLOCK)  # the key channels (all of them)
     mask = cols < dim
+    part_cols = part * (BLOCK // PARTS) + tl.arange(0, BLOCK // PARTS)  # this program's value columns
+    part_mask = part_cols < dim
+    if PARTS > 1:
+        # A part's state columns are few enough to hold while waiting: they load as the projection drains (the
+        # states and rows are written a step earlier, never by the kernel just before).
+        slot = seq
+        if ROWS:
+            slot = tl.load(rows_ptr + seq).to(tl.int64)
+        tile = state_ptr + slot * stride_sb + head * stride_sh + cols[:, None] * dim + part_cols[None, :]
+        both = mask[:, None] & part_mask[None, :]
+        state = tl.load(tile, mask=both, other=0.0)
+        wait_for_inputs(PDL)
+    else:
+        wait_for_inputs(PDL)
+        slot = seq  # the sequence's row of the states
+        if ROWS:
+            slot = tl.load(rows_ptr + seq).to(tl.int64)
     local = head * dim + cols  # this head's channels within q (and k, v)
+    part_local = head * dim + part_cols
     width = heads * dim
     row = seq * stride_row
     conv = conv_ptr + slot * stride_conv_b
     out_dtype = q_ptr.dtype.element_ty
-    q = _conv_silu(q_ptr + row + local, wq_ptr, conv, local, local, mask, stride_conv_tap, WIDTH)
-    k = _conv_silu(k_ptr + row + local, wk_ptr, conv, width + local, local, mask, stride_conv_tap, WIDTH)
-    v = _conv_silu(v_ptr + row + local, wv_ptr, conv, 2 * width + local, local, mask, stride_conv_tap, WIDTH)
+    q_raw = tl.load(q_ptr + row + local, mask=mask, other=0.0).to(tl.float32)
+    k_raw = tl.load(k_ptr + row + local, mask=mask, other=0.0).to(tl.float32)
+    v_raw = tl.load(v_ptr + row + part_local, mask=part_mask, other=0.0).to(tl.float32)
+    q = _conv_silu(q_raw, wq_ptr, conv, local, local, mask, stride_conv_tap, WIDTH)
+    k = _conv_silu(k_raw, wk_ptr, conv, width + local, local, mask, stride_conv_tap, WIDTH)
+    v = _conv_silu(v_raw, wv_ptr, conv, 2 * width + part_local, part_local, part_mask, stride_conv_tap, WIDTH)
+    _conv_shift(v_raw, conv, 2 * width + part_local, part_mask, stride_conv_tap, WIDTH)  # only this part reads it
+    if PARTS == 1:
+        _conv_shift(q_raw, conv, local, mask, stride_conv_tap, WIDTH)
+        _conv_shift(k_raw, conv, width + local, mask, stride_conv_tap, WIDTH)
     q = q.to(out_dtype).to(tl.float32)  # the conv output is rounded to the model dtype, as in the torch path
     k = k.to(out_dtype).to(tl.float32)
     v = v.to(out_dtype).to(tl.float32)
@@ -67,28 +110,52 @@ def _kda_decode_kernel(q_ptr, k_ptr, v_ptr, wq_ptr, wk_ptr, wv_ptr, conv_ptr, f_
     else:
         g = -rate * tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(x)))
     beta = tl.sigmoid(tl.load(b_ptr + seq * heads + head).to(tl.float32))
-    # The state [D (k), D (v)] of this sequence and head.
-    tile = state_ptr + slot * stride_sb + head * stride_sh + cols[:, None] * dim + cols[None, :]
-    both = mask[:, None] & mask[None, :]
-    state = tl.load(tile, mask=both, other=0.0) * tl.exp(g)[:, None]
+    # The state's columns [D (k), D / PARTS (v)] of this sequence, head and part.
+    if PARTS == 1:
+        tile = state_ptr + slot * stride_sb + head * stride_sh + cols[:, None] * dim + part_cols[None, :]
+        both = mask[:, None] & part_mask[None, :]
+        state = tl.load(tile, mask=both, other=0.0)
+    state = state * tl.exp(g)[:, None]
     tl.debug_barrier()  # every thread holds its copy of the old state before any writes the new one
     delta = v - tl.sum(k[:, None] * state, axis=0)
     state = state + k[:, None] * (beta * delta)[None, :]
     o = tl.sum((q * scale)[:, None] * state, axis=0)
     tl.store(tile, state, mask=both)
-    # Output RMSNorm over the head's values, times the sigmoid gate.
-    o = o * tl.rsqrt(tl.sum(o * o, axis=0) / dim + norm_eps) * tl.load(normw_ptr + cols, mask=mask, other=0.0).to(
-        tl.float32)
-    gate = tl.load(gate_ptr + seq * stride_gate + local, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + seq * width + local, (o * tl.sigmoid(gate)).to(out_dtype), mask=mask)
+    if PARTS == 1:
+        _norm_gate_store(o, cols, mask, dim, normw_ptr, gate_ptr + seq * stride_gate + local, out_ptr + seq * width +
+                         local, norm_eps, out_dtype)
+    else:
+        tl.store(raw_ptr + seq * width + part_local, o, mask=part_mask)
+        # Every thread's stores (and reads of the q/k conv state) come before the count, released by its atomic.
+        tl.debug_barrier()
+        done = tl.atomic_add(count_ptr + seq * heads + head, 1, sem="acq_rel", scope="gpu")
+        if done == PARTS - 1:  # the head's last part: every other part's columns are stored
+            _conv_shift(q_raw, conv, local, mask, stride_conv_tap, WIDTH)
+            _conv_shift(k_raw, conv, width + local, mask, stride_conv_tap, WIDTH)
+            o_all = tl.load(raw_ptr + seq * width + local, mask=mask, other=0.0, cache_modifier=".cg")
+            _norm_gate_store(o_all, cols, mask, dim, normw_ptr, gate_ptr + seq * stride_gate + local,
+                             out_ptr + seq * width + local, norm_eps, out_dtype)
+            tl.store(count_ptr + seq * heads + head, 0)  # ready for the next step (and graph replay)
+
+
+def default_parts(batch: int, heads: int, dim: int) -> int:
+    """Value-column parts per head: 4 up to 32 (sequence, head) pairs, 2 up to 64, else 1, never parts under 16
+    columns (H200, 16 heads x 128, `.gpu/ab_kda2.py` in RESULTS.md: 4.8 us for 4 parts against 5.6 for 1 at batch 1
+    and 2; one part is the fastest from batch 8)."""
+    pairs = batch * heads
+    parts = 4 if pairs <= 32 else 2 if pairs <= 64 else 1
+    while parts > 1 and next_power_of_2(dim) // parts < 16:
+        parts //= 2
+    return parts
 
 
 def kda_decode(q, k, v, conv_weights, conv_state, f, a_log, dt_bias, lower_bound, b, gate, norm_weight, norm_eps,
-               state, scale, rows=None, num_warps=None):
+               state, scale, rows=None, num_warps=None, parts=None):
     """See `reference.kda_decode` (same arguments; `conv_state` and `state` are updated in place). `q`, `k`, `v`
     may be column slices of one tensor (the fused projection); `state`'s `[D, D]` and `conv_state`'s channel axis
-    must be contiguous; with `rows` `[B]` they hold more rows and sequence b's is `rows[b]`. `num_warps` tunes the
-    launch (one program per sequence and head)."""
+    must be contiguous; with `rows` `[B]` they hold more rows and sequence b's is `rows[b]`. With PDL, `state` and
+    `rows` must not be written by the kernel just before (they load while it drains). `parts` (a power of two)
+    splits each head's value columns over that many programs (`default_parts`); `num_warps` tunes the launch."""
     batch, heads, dim = q.shape[0], state.shape[1], state.shape[2]
     width = conv_weights[0].shape[-1]
     if len({t.stride(0) for t in (q, k, v)}) != 1 or any(t.stride(-1) != 1 for t in (q, k, v)):
@@ -96,15 +163,20 @@ def kda_decode(q, k, v, conv_weights, conv_state, f, a_log, dt_bias, lower_bound
     f, gate = (t if t.stride(-1) == 1 else t.contiguous() for t in (f, gate))
     if state.stride(3) != 1 or state.stride(2) != dim or conv_state.stride(2) != 1:
         raise ValueError("kda_decode needs the state's [D, D] and the conv state's channels contiguous.")
+    block = next_power_of_2(dim)
+    parts = parts or default_parts(batch, heads, dim)
+    if parts & (parts - 1) or not 1 <= parts <= block:
+        raise ValueError(f"kda_decode's parts must be a power of two up to {block} (got {parts}).")
     out = torch.empty(batch, heads * dim, dtype=q.dtype, device=q.device)
+    raw = torch.empty(batch, heads * dim, dtype=torch.float32, device=q.device) if parts > 1 else out
+    counts = arrival_counters(q.device, "kda_decode", batch * heads) if parts > 1 else out
     pdl = pdl_launch(q)
-    _kda_decode_kernel[(batch, heads)](
+    _kda_decode_kernel[(batch, heads, parts)](
         q, k, v, *(w.reshape(heads * dim, width) for w in conv_weights), conv_state, f, a_log, dt_bias,
-        b.contiguous(), gate, norm_weight, state, rows if rows is not None else b, out, heads, dim, q.stride(0),
-        f.stride(0), gate.stride(0),
-        conv_state.stride(0), conv_state.stride(1), state.stride(0), state.stride(1), scale,
-        0.0 if lower_bound is None else float(lower_bound), norm_eps,
-        BLOCK=next_power_of_2(dim), WIDTH=width, SAFE_GATE=lower_bound is not None, ROWS=rows is not None,
+        b.contiguous(), gate, norm_weight, state, rows if rows is not None else b, out, raw, counts, heads, dim,
+        q.stride(0), f.stride(0), gate.stride(0), conv_state.stride(0), conv_state.stride(1), state.stride(0),
+        state.stride(1), scale, 0.0 if lower_bound is None else float(lower_bound), norm_eps,
+        BLOCK=block, PARTS=parts, WIDTH=width, SAFE_GATE=lower_bound is not None, ROWS=rows is not None,
         PDL=pdl_flag(pdl),
         num_warps=num_warps or 4, **pdl)  # 4 warps: 5.9 us at 16 heads x 128 on the H200, 8 warps 13.7 us (RESULTS.md)
     return out
