@@ -295,6 +295,39 @@ def test_route_topk_matches_reference(tokens, experts, top_k, bias, renormalize,
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("tokens,experts,width,top_k,always,bias", [
+    (1, 64, 128, 6, 1, True), (3, 37, 40, 3, 0, False), (5, 8, 33, 2, 2, True)])
+def test_router_topk_matches_router_then_topk(tokens, experts, width, top_k, always, bias, dtype):
+    """The fused router + top-k (and its residual-update + norm prologue) against the separate reference ops; the
+    token's last program routes it and sets its arrival counter back to zero."""
+    from h3gen.kernels._arrivals import arrival_counters
+    from h3gen.kernels.rmsnorm import reference as norm_ref
+
+    g = torch.Generator(device=DEVICE).manual_seed(tokens * experts + width)
+    x = torch.randn(tokens, width, generator=g, device=DEVICE).to(dtype)
+    delta = torch.randn(tokens, width, generator=g, device=DEVICE).to(dtype)
+    router = torch.randn(experts, width, generator=g, device=DEVICE) / width ** 0.5  # float32, as K3 keeps it
+    norm_weight = (1.0 + 0.1 * torch.randn(width, generator=g, device=DEVICE)).to(dtype)
+    correction = torch.randn(experts, generator=g, device=DEVICE) * 0.1 if bias else None
+    route = (correction, top_k, True, 2.5, always)
+
+    def expected(rows):
+        return moe_ref.route_topk(moe_ref.router_logits(rows, router), correction, top_k, renormalize=True,
+                                  scaling=2.5, always=always)
+
+    got_w, got_ids = moe_triton.router_topk(x, router, *route)
+    want_w, want_ids = expected(x)
+    assert torch.equal(got_ids, want_ids) and _err(got_w, want_w) <= 1e-6
+    total, normed, got_w, got_ids = moe_triton.router_topk(x, router, *route, residual=(delta, norm_weight, 1e-6))
+    want_total, want_normed = norm_ref.add_rms_norm(x, delta, norm_weight, 1e-6)
+    want_w, want_ids = expected(want_normed)
+    assert torch.equal(total, want_total) and normed.dtype == want_normed.dtype
+    assert _err(normed, want_normed) <= (1e-6 if dtype == torch.float32 else 1e-3)
+    assert torch.equal(got_ids, want_ids) and _err(got_w, want_w) <= 1e-6
+    assert not arrival_counters(x.device, "router_topk", 1).any()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("tokens,experts,top_k,inter,width",
                          [(37, 5, 2, 24, 40), (3, 9, 3, 16, 33), (70, 4, 1, 20, 16)])
 def test_grouped_expert_gemm_matches_per_expert_reference(tokens, experts, top_k, inter, width, dtype):

@@ -1,6 +1,7 @@
 """MoE ops: `route_topk` (sigmoid + correction bias, grouped top-k, renormalise, scale), `sort_by_expert`, the
 grouped expert GEMMs `grouped_gemm` (dense) / `grouped_mxfp4_gemm` (MXFP4 weights), and for the few tokens of a
-decode step with no host synchronisation (CUDA-graph safe): `router_logits`, `expert_gemv` (each (token, slot) pair
+decode step with no host synchronisation (CUDA-graph safe): `router_logits`, `router_topk` (the router and the
+top-k, optionally after the residual update and norm, in one kernel), `expert_gemv` (each (token, slot) pair
 through its own expert of a stacked weight) and `expert_swiglu_down` (SwiGLU, down experts and the weighted sum).
 
 Those, their MXFP4-expert twins `expert_gemv_mxfp4` and `expert_swiglu_down_mxfp4`, `stacked_experts` and
@@ -21,6 +22,31 @@ def route_topk(logits, correction_bias, top_k, num_groups=1, topk_groups=1, reno
 
         return fast.route_topk(logits, correction_bias, top_k, renormalize, scaling, always)
     return reference.route_topk(logits, correction_bias, top_k, num_groups, topk_groups, renormalize, scaling, always)
+
+
+ROUTER_TOPK_MAX_TOKENS = 16  # one program per token and expert, each norming the row: for decode batches
+
+
+def router_topk(x, weight, correction_bias, top_k, num_groups=1, topk_groups=1, renormalize=True, scaling=1.0,
+                always=0, residual=None):
+    """`route_topk(router_logits(x, weight), ...)`: `x` `[T, D]` -> (weights `[T, top_k + always]` float32, ids
+    `[T, top_k + always]` int64). With `residual` = (delta, norm weight, eps) the router reads
+    `rms_norm(x + delta)` and the call returns (total, normed, weights, ids) as `add_rms_norm` then the router
+    would. One Triton kernel on CUDA without expert groups for up to `ROUTER_TOPK_MAX_TOKENS` tokens."""
+    if num_groups <= 1 and use_triton(x) and 0 < x.shape[0] <= ROUTER_TOPK_MAX_TOKENS and weight.shape[0] <= 1024:
+        from h3gen.kernels.moe import triton as fast
+
+        return fast.router_topk(x, weight, correction_bias, top_k, renormalize, scaling, always, residual)
+    total = normed = None
+    if residual is not None:
+        from h3gen.kernels.rmsnorm import add_rms_norm
+
+        delta, norm_weight, eps = residual
+        total, normed = add_rms_norm(x, delta, norm_weight, eps)
+        x = normed
+    weights, ids = route_topk(router_logits(x, weight), correction_bias, top_k, num_groups, topk_groups,
+                              renormalize, scaling, always)
+    return (total, normed, weights, ids) if residual is not None else (weights, ids)
 
 
 def expert_gemv(x, weight, ids, top_k=1):
@@ -87,4 +113,4 @@ def stacked_experts(h, up_gate, down, ids, activation, swiglu: bool):
 
 
 __all__ = ["expert_gemv", "expert_gemv_mxfp4", "expert_swiglu_down", "expert_swiglu_down_mxfp4", "grouped_gemm", "grouped_mxfp4_gemm",
-           "route_topk", "router_logits", "sort_by_expert", "stacked_experts"]
+           "route_topk", "router_logits", "router_topk", "sort_by_expert", "stacked_experts"]

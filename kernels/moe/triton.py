@@ -5,6 +5,7 @@ import torch
 import triton
 import triton.language as tl
 
+from h3gen.kernels._arrivals import arrival_counters
 from h3gen.kernels._dispatch import next_power_of_2
 from h3gen.kernels._pdl import pdl_flag, pdl_launch, wait_for_inputs
 from h3gen.kernels.mxfp4_gemm.triton import _word_rows_dot, _word_x, word_rows
@@ -100,15 +101,19 @@ def _rows_and_output(x: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tenso
     return x, torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
 
 
-def _gemv_tiles(k: int, block_n: int | None, block_k: int | None) -> tuple[int, int]:
-    """Default tiles of the expert GEMVs: the whole K (up to 2048) in one step and 8 K of weights per program (H200
-    sweep, benchmarks/RESULTS.md: 4 x 2048 for K = 2048, 8 x 1024 for K = 768 were the fastest at 6 to 48 rows)."""
+def _gemv_tiles(k: int, pairs: int, block_n: int | None, block_k: int | None,
+                num_warps: int | None) -> tuple[int, int, int]:
+    """Default tiles and warps of the expert GEMVs: the whole K (up to 2048) in one step; for up to 16 (token,
+    expert) pairs (decode at one or two tokens) 4 K of weights per program and 2 warps, else 8 K and 4 warps (H200
+    sweeps in RESULTS.md: in a graphed chain of 15 MoE layers, 2 x 2048 with 2 warps took 25.4 us per layer at
+    one token against 27.9 for 4 x 2048 with 4; 4 x 2048 and 8 x 1024 were the fastest at 6 to 48 pairs)."""
     block_k = block_k or min(2048, max(16, next_power_of_2(k)))
-    return block_n or max(4, 8192 // block_k), block_k
+    few = pairs <= 16
+    return block_n or max(2 if few else 4, (4096 if few else 8192) // block_k), block_k, num_warps or (2 if few else 4)
 
 
 def expert_gemv(x: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor, top_k: int = 1, block_n: int | None = None,
-                block_k: int | None = None, num_warps: int = 4) -> torch.Tensor:
+                block_k: int | None = None, num_warps: int | None = None) -> torch.Tensor:
     """See `reference.expert_gemv`: `x` `[P / top_k, K]`, `weight` `[E, N, K]` (inner axis contiguous), `ids`
     `[P]`."""
     if weight.stride(-1) != 1:
@@ -118,7 +123,7 @@ def expert_gemv(x: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor, top_k:
     out = torch.empty(pairs, n, dtype=x.dtype, device=x.device)
     if pairs == 0:
         return out
-    block_n, block_k = _gemv_tiles(k, block_n, block_k)
+    block_n, block_k, num_warps = _gemv_tiles(k, pairs, block_n, block_k, num_warps)
     pdl = pdl_launch(x)
     _expert_gemv_kernel[(pairs, triton.cdiv(n, block_n))](
         x, weight, ids.contiguous(), out, n, k, top_k, weight.stride(0), weight.stride(1),
@@ -127,12 +132,12 @@ def expert_gemv(x: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor, top_k:
 
 
 def expert_swiglu_down(both: torch.Tensor, down: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
-                       block_n: int = 8, block_k: int | None = None, num_warps: int = 4) -> torch.Tensor:
+                       block_n: int = 8, block_k: int | None = None, num_warps: int | None = None) -> torch.Tensor:
     """See `reference.expert_swiglu_down`: SwiGLU, the down GEMV and the weighted sum over the k slots in one
-    kernel (one program per token and block of outputs, all slots at once). Default tile from the H200 sweep
-    (RESULTS.md: 64 experts, 2048 x 768, top 6): 9.6 us at one token (the slot loop it replaced: 13.9), 13.6 at
-    two (17.1), 38.2 at eight (37.1). K steps narrow as top-k grows (256 at 5-8 slots) so the tile of all slots
-    stays in registers."""
+    kernel (one program per token and block of outputs, all slots at once). Default tile from the H200 sweeps
+    (RESULTS.md: 64 experts, 2048 x 768, top 6 + the shared expert): K steps narrow as top-k grows (256 at 5-8
+    slots) so the tile of all slots stays in registers; 8 warps at one token (26.3 against 27.9 us per MoE layer
+    in a graphed 15-layer chain), K steps halved at two (35.2 against 39.6)."""
     if down.stride(-1) != 1:
         down = down.contiguous()
     both = both.contiguous()
@@ -141,11 +146,12 @@ def expert_swiglu_down(both: torch.Tensor, down: torch.Tensor, ids: torch.Tensor
     out = torch.empty(tokens, n, dtype=both.dtype, device=both.device)
     if tokens == 0:
         return out
+    block_k = block_k or max(32, 2048 // next_power_of_2(top_k) // (2 if tokens == 2 else 1))
     pdl = pdl_launch(both)
     _expert_swiglu_down_kernel[(tokens, triton.cdiv(n, block_n))](
         both, down, ids.contiguous(), weights.contiguous(), out, n, inter, top_k, down.stride(0), down.stride(1),
-        SLOTS=next_power_of_2(top_k), BLOCK_N=block_n, BLOCK_K=block_k or max(32, 2048 // next_power_of_2(top_k)),
-        PDL=pdl_flag(pdl), PREFETCH=tokens <= 2, num_warps=num_warps, **pdl)
+        SLOTS=next_power_of_2(top_k), BLOCK_N=block_n, BLOCK_K=block_k, PDL=pdl_flag(pdl), PREFETCH=tokens <= 2,
+        num_warps=num_warps or (8 if tokens == 1 else 4), **pdl)
     return out
 
 
@@ -169,21 +175,19 @@ def router_logits(x: torch.Tensor, weight: torch.Tensor, block_e: int = 1, block
 
 
 @triton.jit
-def _route_topk_kernel(logits_ptr, bias_ptr, weights_ptr, ids_ptr, experts, scaling,
-                       TOP_K: tl.constexpr, ALWAYS: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
-                       HAS_BIAS: tl.constexpr, RENORMALIZE: tl.constexpr, PDL: tl.constexpr):
-    token = tl.program_id(0).to(tl.int64)
+def _route_row(logits_ptr, bias_ptr, experts, scaling, TOP_K: tl.constexpr, ALWAYS: tl.constexpr,
+               BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr, RENORMALIZE: tl.constexpr):
+    """One token's routing from its float32 logits row (read from L2: other programs may have just written it):
+    (weights float32, ids int64), each `(BLOCK_K,)`. Sigmoid scores, the correction bias for the selection only,
+    the best first (topk's order), optionally renormalised, times `scaling`; always-on experts E, E + 1, ... after
+    them with weight 1."""
     es = tl.arange(0, BLOCK_E)
     ks = tl.arange(0, BLOCK_K)
     valid = es < experts
-    bias = tl.zeros((BLOCK_E,), dtype=tl.float32)
-    if HAS_BIAS:
-        bias = tl.load(bias_ptr + es, mask=valid, other=0.0).to(tl.float32)
-    wait_for_inputs(PDL)
-    scores = tl.sigmoid(tl.load(logits_ptr + token * experts + es, mask=valid, other=0.0).to(tl.float32))
+    scores = tl.sigmoid(tl.load(logits_ptr + es, mask=valid, other=0.0, cache_modifier=".cg").to(tl.float32))
     choice = scores
     if HAS_BIAS:
-        choice = choice + bias
+        choice = choice + tl.load(bias_ptr + es, mask=valid, other=0.0).to(tl.float32)
     choice = tl.where(valid, choice, float("-inf"))
     chosen_w = tl.zeros((BLOCK_K,), dtype=tl.float32)
     chosen_id = tl.zeros((BLOCK_K,), dtype=tl.int64)
@@ -197,12 +201,61 @@ def _route_topk_kernel(logits_ptr, bias_ptr, weights_ptr, ids_ptr, experts, scal
     if RENORMALIZE:
         chosen_w = chosen_w / (tl.sum(chosen_w, axis=0) + 1e-20)
     routed = ks < TOP_K
-    # always-on experts after the routed ones: ids experts, experts + 1, ... with weight 1
     chosen_w = tl.where(routed, chosen_w * scaling, 1.0)
     chosen_id = tl.where(routed, chosen_id, experts + ks - TOP_K)
+    return chosen_w, chosen_id
+
+
+@triton.jit
+def _route_topk_kernel(logits_ptr, bias_ptr, weights_ptr, ids_ptr, experts, scaling,
+                       TOP_K: tl.constexpr, ALWAYS: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
+                       HAS_BIAS: tl.constexpr, RENORMALIZE: tl.constexpr, PDL: tl.constexpr):
+    token = tl.program_id(0).to(tl.int64)
+    wait_for_inputs(PDL)
+    chosen_w, chosen_id = _route_row(logits_ptr + token * experts, bias_ptr, experts, scaling, TOP_K, ALWAYS,
+                                     BLOCK_E, BLOCK_K, HAS_BIAS, RENORMALIZE)
+    ks = tl.arange(0, BLOCK_K)
     keep = ks < TOP_K + ALWAYS
     tl.store(weights_ptr + token * (TOP_K + ALWAYS) + ks, chosen_w, mask=keep)
     tl.store(ids_ptr + token * (TOP_K + ALWAYS) + ks, chosen_id, mask=keep)
+
+
+@triton.jit
+def _router_topk_kernel(x_ptr, delta_ptr, nw_ptr, w_ptr, total_ptr, normed_ptr, logits_ptr, bias_ptr, weights_ptr,
+                        ids_ptr, count_ptr, experts, D, eps, scaling, RESIDUAL: tl.constexpr, BLOCK_D: tl.constexpr,
+                        TOP_K: tl.constexpr, ALWAYS: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
+                        HAS_BIAS: tl.constexpr, RENORMALIZE: tl.constexpr, PDL: tl.constexpr):
+    """One program per (token, expert): the expert's logit from the whole row (with `RESIDUAL`, the row is the
+    residual sum `x + delta` normalised, both rounded as `add_rms_norm` rounds them and stored by expert 0's
+    program); the token's last program to arrive routes it from all the logits."""
+    token = tl.program_id(0).to(tl.int64)
+    expert = tl.program_id(1)
+    ds = tl.arange(0, BLOCK_D)
+    ok = ds < D
+    w = tl.load(w_ptr + expert.to(tl.int64) * D + ds, mask=ok, other=0.0).to(tl.float32)
+    if RESIDUAL:
+        norm_w = tl.load(nw_ptr + ds, mask=ok, other=0.0).to(tl.float32)
+    wait_for_inputs(PDL)  # the router's (and the norm's) weights are in flight while the previous kernel drains
+    row = tl.load(x_ptr + token * D + ds, mask=ok, other=0.0)
+    if RESIDUAL:
+        total = (row.to(tl.float32) + tl.load(delta_ptr + token * D + ds, mask=ok, other=0.0).to(tl.float32)).to(
+            x_ptr.dtype.element_ty)
+        v = total.to(tl.float32)
+        normed = (v * tl.rsqrt(tl.sum(v * v, axis=0) / D + eps)).to(x_ptr.dtype.element_ty).to(tl.float32)
+        row = (norm_w * normed).to(normed_ptr.dtype.element_ty)
+        if expert == 0:
+            tl.store(total_ptr + token * D + ds, total, mask=ok)
+            tl.store(normed_ptr + token * D + ds, row, mask=ok)
+    tl.store(logits_ptr + token * experts + expert, tl.sum(w * row.to(tl.float32), axis=0))
+    tl.debug_barrier()  # every thread's stores come before the count, which its atomic releases
+    if tl.atomic_add(count_ptr + token, 1, sem="acq_rel", scope="gpu") == experts - 1:  # all logits are stored
+        chosen_w, chosen_id = _route_row(logits_ptr + token * experts, bias_ptr, experts, scaling, TOP_K, ALWAYS,
+                                         BLOCK_E, BLOCK_K, HAS_BIAS, RENORMALIZE)
+        ks = tl.arange(0, BLOCK_K)
+        keep = ks < TOP_K + ALWAYS
+        tl.store(weights_ptr + token * (TOP_K + ALWAYS) + ks, chosen_w, mask=keep)
+        tl.store(ids_ptr + token * (TOP_K + ALWAYS) + ks, chosen_id, mask=keep)
+        tl.store(count_ptr + token, 0)  # ready for the next launch (and graph replay)
 
 
 def route_topk(logits: torch.Tensor, correction_bias: torch.Tensor | None, top_k: int, renormalize: bool = True,
@@ -221,6 +274,43 @@ def route_topk(logits: torch.Tensor, correction_bias: torch.Tensor | None, top_k
             HAS_BIAS=correction_bias is not None, RENORMALIZE=renormalize, PDL=pdl_flag(pdl),
             num_warps=1 if experts <= 256 else 4, **pdl)
     return weights, ids
+
+
+def router_topk(x: torch.Tensor, weight: torch.Tensor, correction_bias: torch.Tensor | None, top_k: int,
+                renormalize: bool = True, scaling: float = 1.0, always: int = 0, residual=None, num_warps: int = 1):
+    """`router_logits` then `route_topk` in one kernel (no expert groups): `x` `[T, D]`, router `weight` `[E, D]`
+    -> (weights `[T, top_k + always]` float32, ids `[T, top_k + always]` int64). With `residual` = (delta, norm
+    weight, eps), the router reads `rms_norm(x + delta)` and the call returns (total, normed, weights, ids) as
+    `add_rms_norm` then the router would. One program per token and expert (each forms the whole row's norm:
+    meant for decode batches); the token's last one routes it. One warp: the top-k's reductions stay in it."""
+    x, weight = x.contiguous(), weight.contiguous()
+    tokens, d = x.shape
+    experts = weight.shape[0]
+    if d > 16384 or experts > 1024:
+        raise ValueError(f"router_topk takes rows up to 16384 wide and up to 1024 experts (got {d}, {experts}).")
+    slots = top_k + always
+    weights = torch.empty(tokens, slots, dtype=torch.float32, device=x.device)
+    ids = torch.empty(tokens, slots, dtype=torch.long, device=x.device)
+    if residual is not None:
+        delta, norm_weight, eps = residual
+        delta = delta.contiguous()
+        if delta.shape != x.shape or delta.dtype != x.dtype:
+            raise ValueError(f"router_topk's residual must match x (got {tuple(delta.shape)} {delta.dtype}).")
+        total = torch.empty_like(x)
+        normed = torch.empty(tokens, d, dtype=torch.promote_types(norm_weight.dtype, x.dtype), device=x.device)
+    else:
+        delta, norm_weight, eps, total, normed = x, x, 0.0, x, x
+    if tokens:
+        logits = torch.empty(tokens, experts, dtype=torch.float32, device=x.device)
+        pdl = pdl_launch(x)
+        _router_topk_kernel[(tokens, experts)](
+            x, delta, norm_weight, weight, total, normed, logits,
+            correction_bias if correction_bias is not None else logits, weights, ids,
+            arrival_counters(x.device, "router_topk", tokens), experts, d, eps, scaling,
+            RESIDUAL=residual is not None, BLOCK_D=next_power_of_2(d), TOP_K=top_k, ALWAYS=always,
+            BLOCK_E=next_power_of_2(experts), BLOCK_K=next_power_of_2(slots), HAS_BIAS=correction_bias is not None,
+            RENORMALIZE=renormalize, PDL=pdl_flag(pdl), num_warps=num_warps, **pdl)
+    return (total, normed, weights, ids) if residual is not None else (weights, ids)
 
 
 def moe_blocks(pairs: torch.Tensor, num_experts: int, block_m: int):

@@ -16,7 +16,7 @@ from h3gen.kernels.kda import kda_chunked, kda_decode, kda_gate, l2_normalize, s
 from h3gen.kernels.mla_decode import absorb_output, absorb_query, mla_decode, mla_decode_partials, mla_decode_splits
 from h3gen.kernels.mxfp4_gemm import dequantize_weight
 from h3gen.kernels.moe import (expert_gemv, expert_gemv_mxfp4, expert_swiglu_down, expert_swiglu_down_mxfp4,
-                               grouped_gemm, grouped_mxfp4_gemm, route_topk, router_logits, sort_by_expert,
+                               grouped_gemm, grouped_mxfp4_gemm, router_topk, sort_by_expert,
                                stacked_experts)
 from h3gen.kernels.rmsnorm import add_rms_norm, rms_norm
 from h3gen.kernels.swiglu import swiglu
@@ -382,10 +382,17 @@ class K3Router(nn.Module):
     def forward(self, x: torch.Tensor, always: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """`x` `[T, D]` -> (weights `[T, k + always]` float32, expert ids `[T, k + always]`); `always` appends
         always-on experts E, E + 1, ... with weight 1 (see `K3MoE.stack_experts`)."""
+        return router_topk(x, self.weight, *self._routing(always))
+
+    def after_residual(self, h: torch.Tensor, delta: torch.Tensor, norm: "K3RMSNorm", always: int = 0):
+        """The residual update, the norm after it and this router in one op: (`h + delta`, its norm, weights,
+        ids), rounded as `add_rms_norm` then `forward` (one kernel for decode batches, see `router_topk`)."""
+        return router_topk(h, self.weight, *self._routing(always), residual=(delta, norm.weight, norm.eps))
+
+    def _routing(self, always: int) -> tuple:
         c = self.config
-        logits = router_logits(x, self.weight)
-        return route_topk(logits, self.e_score_correction_bias, c.num_experts_per_token, c.num_expert_group,
-                          c.topk_group, c.moe_renormalize, c.routed_scaling_factor, always)
+        return (self.e_score_correction_bias, c.num_experts_per_token, c.num_expert_group, c.topk_group,
+                c.moe_renormalize, c.routed_scaling_factor, always)
 
 
 class K3MoE(nn.Module):
@@ -550,14 +557,31 @@ class K3MoE(nn.Module):
         out = out.to(h.dtype).view(tokens, top_k, -1) * weights[..., None].to(h.dtype)
         return out.sum(dim=1)
 
+    def _always(self, tokens: int) -> int:
+        """Always-on experts the router appends for a batch of `tokens`: the shared expert, when it rides in the
+        stack as expert E (weight 1) for few tokens (see `stack_experts`)."""
+        merged = self.shared_in_stack and tokens * self.config.num_experts_per_token <= DEVICE_ROUTING_MAX_PAIRS
+        return 1 if merged else 0
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x = x.reshape(-1, shape[-1])
-        # Few tokens with the shared expert stacked: it rides along as expert E (weight 1) in the routed kernels.
-        merged = self.shared_in_stack and x.shape[0] * self.config.num_experts_per_token <= DEVICE_ROUTING_MAX_PAIRS
-        weights, ids = self.gate(x, always=1 if merged else 0)
-        if merged:
-            return self.routed(x, weights, ids).view(shape)
+        weights, ids = self.gate(x, always=self._always(x.shape[0]))
+        return self.from_routing(x, weights, ids).view(shape)
+
+    def after_residual(self, h: torch.Tensor, delta: torch.Tensor,
+                       norm: K3RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+        """`(h + delta, self(norm(h + delta)))` with the residual update, the norm and the router as one op
+        (`K3Router.after_residual`): a decode step's MoE layer starts with one kernel instead of three."""
+        shape, width = h.shape, h.shape[-1]
+        total, normed, weights, ids = self.gate.after_residual(h.reshape(-1, width), delta.reshape(-1, width), norm,
+                                                               always=self._always(h.numel() // width))
+        return total.view(shape), self.from_routing(normed, weights, ids).view(shape)
+
+    def from_routing(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """The layer's output for `x` `[T, D]` routed to `ids` with `weights` (the router's output for x)."""
+        if self._always(x.shape[0]):  # the shared expert is in the routing, as expert E
+            return self.routed(x, weights, ids)
         if self.config.routed_expert_hidden_size:
             y = self.routed(self.routed_expert_down_proj(x), weights, ids)
             if self.config.latent_moe_use_norm:
@@ -567,7 +591,7 @@ class K3MoE(nn.Module):
             y = self.routed(x, weights, ids)
         if self.config.num_shared_experts:
             y = y + self.shared_experts(x)
-        return y.view(shape)
+        return y
 
 
 def quantize_experts_mxfp4(model: nn.Module) -> nn.Module:
@@ -662,9 +686,14 @@ class K3Model(nn.Module):
         h, normed = embeds, self.layers[0].input_layernorm(embeds)
         for index, layer in enumerate(self.layers):
             post = layer.post_attention_layernorm
-            h, normed = add_rms_norm(h, layer.attend(normed, cache, index), post.weight, post.eps)
+            attended = layer.attend(normed, cache, index)
+            if isinstance(layer.mlp, K3MoE):  # the add, the norm and the router: one kernel in decode steps
+                h, out = layer.mlp.after_residual(h, attended, post)
+            else:
+                h, normed = add_rms_norm(h, attended, post.weight, post.eps)
+                out = layer.mlp(normed)
             following = self.layers[index + 1].input_layernorm if index + 1 < len(self.layers) else self.norm
-            h, normed = add_rms_norm(h, layer.mlp(normed), following.weight, following.eps)
+            h, normed = add_rms_norm(h, out, following.weight, following.eps)
         return normed
 
     def _attn_res_stream(self, embeds: torch.Tensor, cache: K3Cache | None) -> torch.Tensor:
