@@ -43,16 +43,20 @@ def _rows_linear_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xg, stride_x, str
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
 
-def _tiles(rows: int, k: int, block_n: int | None, block_k: int | None) -> tuple[int, int]:
-    """Default tiles: up to 2048 of K per step and about 8K weights per program at one row, fewer as the rows grow
-    (H200, `.gpu/gemv_bench.py` in RESULTS.md: 4 x 2048 at K = 2048, 8 x 1024 at K = 768 were the best at one
-    row)."""
+def _tiles(rows: int, k: int, block_n: int | None, block_k: int | None,
+           num_warps: int | None) -> tuple[int, int, int]:
+    """Default tiles and warps: up to 2048 of K per step; at one or two rows 4 weight rows per program (8 below K
+    = 2048) and one warp: many small programs keep the most bytes in flight (H200, `.gpu/rows_sweep.py` in
+    RESULTS.md: the best or within 10 % of it at every decode shape of the K3 mid config, 1.2-1.5x faster than
+    4 x 2048 with 4 warps at two rows); from three rows about 8 K weights per program and 4 warps."""
     block_k = block_k or min(2048, max(16, next_power_of_2(k)))
-    return block_n or max(1, 8192 // (block_k * next_power_of_2(rows))), block_k
+    if rows <= 2:
+        return block_n or (4 if block_k >= 2048 else 8), block_k, num_warps or 1
+    return block_n or max(1, 8192 // (block_k * next_power_of_2(rows))), block_k, num_warps or 4
 
 
 def grouped_rows_linear(x: torch.Tensor, weight: torch.Tensor, block_n: int | None = None,
-                        block_k: int | None = None, num_warps: int = 4) -> torch.Tensor:
+                        block_k: int | None = None, num_warps: int | None = None) -> torch.Tensor:
     """See `reference.grouped_rows_linear`: `x` `[G, M <= 4, K]` and `weight` `[G, N, K]` with unit inner strides
     (any other strides) -> `[G, M, N]` in x.dtype."""
     groups, m, k = x.shape
@@ -62,7 +66,7 @@ def grouped_rows_linear(x: torch.Tensor, weight: torch.Tensor, block_n: int | No
         raise ValueError(f"rows_linear takes up to {MAX_ROWS} rows with unit inner strides and matching widths "
                          f"(got x {tuple(x.shape)}, weight {tuple(weight.shape)}).")
     out = torch.empty(groups, m, n, dtype=x.dtype, device=x.device)
-    block_n, block_k = _tiles(m, k, block_n, block_k)
+    block_n, block_k, num_warps = _tiles(m, k, block_n, block_k, num_warps)
     pdl = pdl_launch(x)
     _rows_linear_kernel[(triton.cdiv(n, block_n), groups)](
         x, weight, out, m, n, k, x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), out.stride(0),
@@ -72,6 +76,6 @@ def grouped_rows_linear(x: torch.Tensor, weight: torch.Tensor, block_n: int | No
 
 
 def rows_linear(x: torch.Tensor, weight: torch.Tensor, block_n: int | None = None, block_k: int | None = None,
-                num_warps: int = 4) -> torch.Tensor:
+                num_warps: int | None = None) -> torch.Tensor:
     """See `reference.rows_linear` for `x` `[M <= 4, K]` and `weight` `[N, K]`, both with unit inner stride."""
     return grouped_rows_linear(x[None], weight[None], block_n, block_k, num_warps)[0]
