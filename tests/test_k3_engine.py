@@ -325,6 +325,26 @@ class _CharTokenizer:
         return "".join(chr(30 + i) for i in ids if i >= 2)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU: host waits are a CUDA stream's")
+def test_device_sampling_never_waits_for_the_gpu():
+    """Tokens drawn for a step launched ahead must not make the host wait for the GPU (the next step is queued
+    behind them): no synchronising call in `sample_on_device`, with top-k and top-p both on."""
+    from h3gen.pipelines.k3.engine.sampling import sample_on_device
+
+    logits = torch.randn(3, 1000, device="cuda")
+    params = [SamplingParams(temperature=0.6, top_p=0.95), SamplingParams(temperature=0.0),
+              SamplingParams(temperature=0.9, top_p=0.9, top_k=40)]
+    generators = [p.generator("cuda") for p in params]
+    argmax = logits.argmax(dim=-1)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        tokens = sample_on_device(logits, params, generators, argmax)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert tokens.shape == (3,) and tokens[1] == argmax[1]
+
+
 def test_stop_strings_and_streaming_deltas_add_up_to_the_text():
     model = _model("kda")
     prompt = _prompts(model, [7], seed=8)[0]

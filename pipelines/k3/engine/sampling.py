@@ -55,7 +55,9 @@ def filter_logits(logits: torch.Tensor, temperature: float, top_k: int, top_p: f
         probs = torch.softmax(sorted_logits, dim=-1)
         # Keep the smallest prefix whose mass reaches top_p: drop a token when the mass before it already does.
         drop = (torch.cumsum(probs, dim=-1) - probs) >= top_p
-        drop[0] = False
+        # Never the best token. fill_ takes the value as a kernel argument: an assignment would copy it from the
+        # host, which waits for everything queued on the GPU (a decode step launched ahead of this sampling).
+        drop[0].fill_(False)
         logits = logits.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
     return logits
 
