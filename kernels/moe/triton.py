@@ -175,16 +175,18 @@ def router_logits(x: torch.Tensor, weight: torch.Tensor, block_e: int = 1, block
 
 
 @triton.jit
-def _route_row(logits_ptr, bias_ptr, experts, scaling, TOP_K: tl.constexpr, ALWAYS: tl.constexpr,
-               BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr, RENORMALIZE: tl.constexpr):
-    """One token's routing from its float32 logits row (read from L2: other programs may have just written it):
-    (weights float32, ids int64), each `(BLOCK_K,)`. Sigmoid scores, the correction bias for the selection only,
+def _route_token(logits_ptr, bias_ptr, weights_ptr, ids_ptr, token, experts, scaling, TOP_K: tl.constexpr,
+                 ALWAYS: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr,
+                 RENORMALIZE: tl.constexpr):
+    """Route `token` from its float32 logits row (read from L2: other programs may have just written it) and store
+    its `TOP_K + ALWAYS` weights (float32) and expert ids (int64). Sigmoid scores, the correction bias for the selection only,
     the best first (topk's order), optionally renormalised, times `scaling`; always-on experts E, E + 1, ... after
     them with weight 1."""
     es = tl.arange(0, BLOCK_E)
     ks = tl.arange(0, BLOCK_K)
     valid = es < experts
-    scores = tl.sigmoid(tl.load(logits_ptr + es, mask=valid, other=0.0, cache_modifier=".cg").to(tl.float32))
+    scores = tl.sigmoid(tl.load(logits_ptr + token * experts + es, mask=valid, other=0.0,
+                                cache_modifier=".cg").to(tl.float32))
     choice = scores
     if HAS_BIAS:
         choice = choice + tl.load(bias_ptr + es, mask=valid, other=0.0).to(tl.float32)
@@ -203,7 +205,9 @@ def _route_row(logits_ptr, bias_ptr, experts, scaling, TOP_K: tl.constexpr, ALWA
     routed = ks < TOP_K
     chosen_w = tl.where(routed, chosen_w * scaling, 1.0)
     chosen_id = tl.where(routed, chosen_id, experts + ks - TOP_K)
-    return chosen_w, chosen_id
+    keep = ks < TOP_K + ALWAYS
+    tl.store(weights_ptr + token * (TOP_K + ALWAYS) + ks, chosen_w, mask=keep)
+    tl.store(ids_ptr + token * (TOP_K + ALWAYS) + ks, chosen_id, mask=keep)
 
 
 @triton.jit
@@ -212,12 +216,8 @@ def _route_topk_kernel(logits_ptr, bias_ptr, weights_ptr, ids_ptr, experts, scal
                        HAS_BIAS: tl.constexpr, RENORMALIZE: tl.constexpr, PDL: tl.constexpr):
     token = tl.program_id(0).to(tl.int64)
     wait_for_inputs(PDL)
-    chosen_w, chosen_id = _route_row(logits_ptr + token * experts, bias_ptr, experts, scaling, TOP_K, ALWAYS,
-                                     BLOCK_E, BLOCK_K, HAS_BIAS, RENORMALIZE)
-    ks = tl.arange(0, BLOCK_K)
-    keep = ks < TOP_K + ALWAYS
-    tl.store(weights_ptr + token * (TOP_K + ALWAYS) + ks, chosen_w, mask=keep)
-    tl.store(ids_ptr + token * (TOP_K + ALWAYS) + ks, chosen_id, mask=keep)
+    _route_token(logits_ptr, bias_ptr, weights_ptr, ids_ptr, token, experts, scaling, TOP_K, ALWAYS, BLOCK_E,
+                 BLOCK_K, HAS_BIAS, RENORMALIZE)
 
 
 @triton.jit
@@ -249,12 +249,8 @@ def _router_topk_kernel(x_ptr, delta_ptr, nw_ptr, w_ptr, total_ptr, normed_ptr, 
     tl.store(logits_ptr + token * experts + expert, tl.sum(w * row.to(tl.float32), axis=0))
     tl.debug_barrier()  # every thread's stores come before the count, which its atomic releases
     if tl.atomic_add(count_ptr + token, 1, sem="acq_rel", scope="gpu") == experts - 1:  # all logits are stored
-        chosen_w, chosen_id = _route_row(logits_ptr + token * experts, bias_ptr, experts, scaling, TOP_K, ALWAYS,
-                                         BLOCK_E, BLOCK_K, HAS_BIAS, RENORMALIZE)
-        ks = tl.arange(0, BLOCK_K)
-        keep = ks < TOP_K + ALWAYS
-        tl.store(weights_ptr + token * (TOP_K + ALWAYS) + ks, chosen_w, mask=keep)
-        tl.store(ids_ptr + token * (TOP_K + ALWAYS) + ks, chosen_id, mask=keep)
+        _route_token(logits_ptr, bias_ptr, weights_ptr, ids_ptr, token, experts, scaling, TOP_K, ALWAYS, BLOCK_E,
+                     BLOCK_K, HAS_BIAS, RENORMALIZE)
         tl.store(count_ptr + token, 0)  # ready for the next launch (and graph replay)
 
 
