@@ -345,6 +345,17 @@ def test_device_sampling_never_waits_for_the_gpu():
     assert tokens.shape == (3,) and tokens[1] == argmax[1]
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (engines on a CPU leave the model as it is)")
+def test_engine_without_graphs_decodes_with_stacked_experts():
+    """Turning CUDA graphs off must not leave decode on the per-expert host-routed path."""
+    from h3gen.pipelines.k3.model import K3MoE
+
+    model = randomize(K3ForCausalLM(FAMILIES["kda"]()), seed=0).cuda().eval()
+    engine = K3Engine(model, page_size=16, chunk_size=16, max_batch=2, prefix_cache=False, cuda_graphs=False)
+    assert engine.graphs is None
+    assert all(m.stacked is not None for m in model.modules() if isinstance(m, K3MoE))
+
+
 def test_stop_strings_and_streaming_deltas_add_up_to_the_text():
     model = _model("kda")
     prompt = _prompts(model, [7], seed=8)[0]

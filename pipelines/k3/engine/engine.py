@@ -24,7 +24,7 @@ import torch
 
 from h3gen.errors import RequestError
 from h3gen.pipelines.k3.engine.batch import BatchCache, LatentView
-from h3gen.pipelines.k3.engine.graphs import DecodeGraphs, DecodeLaunch, capture_blocker
+from h3gen.pipelines.k3.engine.graphs import DecodeGraphs, DecodeLaunch, capture_blocker, prepare_for_decode
 from h3gen.pipelines.k3.engine.pool import MemoryPool
 from h3gen.pipelines.k3.engine.radix import RadixCache
 from h3gen.pipelines.k3.engine.sampling import SamplingParams, sample, sample_on_device
@@ -99,7 +99,9 @@ class K3Engine:
     `pool_bytes` sizes the one buffer for MLA pages and KDA slots (default: room for `max_batch` sequences of
     `max_context` tokens plus as much again for the prefix cache). `cuda_graphs` (default: on a CUDA device) runs
     decode steps on static buffers captured as CUDA graphs (`engine/graphs.py`); True on a CPU runs that same
-    path eagerly."""
+    path eagerly. On a GPU the model is prepared for decoding either way (`prepare_for_decode`: experts stacked,
+    projections fused, values unchanged): without it every decode step would route its tokens expert by expert
+    from the host."""
 
     def __init__(self, model, tokenizer=None, pool_bytes: int | None = None, page_size: int = 16,
                  chunk_size: int = 256, max_batch: int = 32, prefill_budget: int | None = None,
@@ -121,6 +123,8 @@ class K3Engine:
         self.cache = RadixCache(self.pool) if prefix_cache else None
         if cuda_graphs is None:
             cuda_graphs = self.device.type == "cuda" and capture_blocker(page_size, self.pool.uses_pages) is None
+        if self.device.type == "cuda":  # stacked experts and fused projections, with or without graphs
+            prepare_for_decode(model)
         self.graphs = DecodeGraphs(model, self.pool, max_batch, -(-max_context // page_size), self.device) \
             if cuda_graphs else None
         self.num_layers = config.num_hidden_layers
