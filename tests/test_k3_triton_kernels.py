@@ -294,6 +294,25 @@ def test_route_topk_matches_reference(tokens, experts, top_k, bias, renormalize,
     assert torch.equal(got_ids[:, :top_k], plain_ids) and _err(got_w[:, :top_k], plain_w) <= 1e-6
 
 
+@pytest.mark.parametrize("ahead", [0, 2, 3, 4])
+def test_expert_tail_with_k_steps_loaded_ahead_matches_reference(ahead):
+    """The SwiGLU + down tail with 0 to 4 of its K steps' weights loaded before the wait: the same sums (five K
+    steps of 128 here, so the loop still runs after the steps loaded ahead, and ahead steps past the end masked)."""
+    g = torch.Generator(device=DEVICE).manual_seed(ahead)
+    tokens, top_k, experts, inter, width = 2, 3, 5, 600, 24
+    both = torch.randn(tokens * top_k, 2 * inter, generator=g, device=DEVICE)
+    down = torch.randn(experts, width, inter, generator=g, device=DEVICE) / inter ** 0.5
+    ids = torch.tensor([[0, 3, 4], [2, 1, 3]], device=DEVICE)
+    weights = torch.rand(tokens, top_k, generator=g, device=DEVICE)
+    expected = moe_ref.expert_swiglu_down(both, down, ids, weights)
+    got = moe_triton.expert_swiglu_down(both, down, ids, weights, block_k=128, ahead=ahead)
+    assert _err(got, expected) <= 1e-5
+    short = moe_triton.expert_swiglu_down(both, down, ids, weights, block_k=512, ahead=ahead)  # 2 steps
+    assert _err(short, expected) <= 1e-5
+    with pytest.raises(ValueError, match="K steps ahead"):
+        moe_triton.expert_swiglu_down(both, down, ids, weights, ahead=5)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("tokens,experts,width,top_k,always,bias", [
     (1, 64, 128, 6, 1, True), (3, 37, 40, 3, 0, False), (5, 8, 33, 2, 2, True)])

@@ -44,11 +44,12 @@ def _swiglu_down_step(both_ptr, pairs, slot_ok, ks, inter, w):
 @triton.jit
 def _expert_swiglu_down_kernel(both_ptr, w_ptr, ids_ptr, weights_ptr, out_ptr, N, inter, top_k, stride_we,
                                stride_wn, SLOTS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                               PDL: tl.constexpr, PREFETCH: tl.constexpr):
+                               PDL: tl.constexpr, AHEAD: tl.constexpr):
     """All k slots of one token at once (`SLOTS` >= top_k, a power of two): the slots' weight tiles are independent
-    loads, so a program has k times the bytes in flight that a loop over slots would. With `PREFETCH` (and PDL)
-    the routing (written two kernels back) and the first K step's weights load while the gate/up kernel drains;
-    that holds more registers, so it is for a token or two (few programs), not for larger batches."""
+    loads, so a program has k times the bytes in flight that a loop over slots would. With `AHEAD` > 0 (up to 4,
+    and PDL) the routing (written two kernels back) and the first `AHEAD` K steps' weights load while the gate/up
+    kernel drains, all before any is used; that holds more registers, so it is for a token or two (few programs),
+    not for larger batches."""
     token = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     slots = tl.arange(0, SLOTS)
@@ -57,17 +58,30 @@ def _expert_swiglu_down_kernel(both_ptr, w_ptr, ids_ptr, weights_ptr, out_ptr, N
     experts = tl.load(ids_ptr + pairs, mask=slot_ok, other=0).to(tl.int64)
     rows = w_ptr + experts[:, None, None] * stride_we + cols[None, :, None].to(tl.int64) * stride_wn
     row_ok = slot_ok[:, None, None] & (cols < N)[None, :, None]
-    if PREFETCH:
-        ks = tl.arange(0, BLOCK_K)
-        w = tl.load(rows + ks[None, None, :], mask=row_ok & (ks < inter)[None, None, :], other=0.0)
-        wait_for_inputs(PDL)
-        acc = _swiglu_down_step(both_ptr, pairs, slot_ok, ks, inter, w)
-        first = BLOCK_K
-    else:
+    if AHEAD == 0:
         wait_for_inputs(PDL)
         acc = tl.zeros((SLOTS, BLOCK_N), dtype=tl.float32)
-        first = 0
-    for start in range(first, inter, BLOCK_K):
+    else:
+        ks0 = tl.arange(0, BLOCK_K)
+        w0 = tl.load(rows + ks0[None, None, :], mask=row_ok & (ks0 < inter)[None, None, :], other=0.0)
+        if AHEAD > 1:
+            ks1 = BLOCK_K + tl.arange(0, BLOCK_K)
+            w1 = tl.load(rows + ks1[None, None, :], mask=row_ok & (ks1 < inter)[None, None, :], other=0.0)
+        if AHEAD > 2:
+            ks2 = 2 * BLOCK_K + tl.arange(0, BLOCK_K)
+            w2 = tl.load(rows + ks2[None, None, :], mask=row_ok & (ks2 < inter)[None, None, :], other=0.0)
+        if AHEAD > 3:
+            ks3 = 3 * BLOCK_K + tl.arange(0, BLOCK_K)
+            w3 = tl.load(rows + ks3[None, None, :], mask=row_ok & (ks3 < inter)[None, None, :], other=0.0)
+        wait_for_inputs(PDL)
+        acc = _swiglu_down_step(both_ptr, pairs, slot_ok, ks0, inter, w0)
+        if AHEAD > 1:
+            acc += _swiglu_down_step(both_ptr, pairs, slot_ok, ks1, inter, w1)
+        if AHEAD > 2:
+            acc += _swiglu_down_step(both_ptr, pairs, slot_ok, ks2, inter, w2)
+        if AHEAD > 3:
+            acc += _swiglu_down_step(both_ptr, pairs, slot_ok, ks3, inter, w3)
+    for start in range(AHEAD * BLOCK_K, inter, BLOCK_K):
         ks = start + tl.arange(0, BLOCK_K)
         w = tl.load(rows + ks[None, None, :], mask=row_ok & (ks < inter)[None, None, :], other=0.0)
         acc += _swiglu_down_step(both_ptr, pairs, slot_ok, ks, inter, w)
@@ -132,17 +146,21 @@ def expert_gemv(x: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor, top_k:
 
 
 def expert_swiglu_down(both: torch.Tensor, down: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
-                       block_n: int = 8, block_k: int | None = None, num_warps: int | None = None) -> torch.Tensor:
+                       block_n: int = 8, block_k: int | None = None, num_warps: int | None = None,
+                       ahead: int | None = None) -> torch.Tensor:
     """See `reference.expert_swiglu_down`: SwiGLU, the down GEMV and the weighted sum over the k slots in one
     kernel (one program per token and block of outputs, all slots at once). Default tile from the H200 sweeps
     (RESULTS.md: 64 experts, 2048 x 768, top 6 + the shared expert): K steps narrow as top-k grows (256 at 5-8
     slots) so the tile of all slots stays in registers; 8 warps at one token (26.3 against 27.9 us per MoE layer
-    in a graphed 15-layer chain), K steps halved at two (35.2 against 39.6)."""
+    in a graphed 15-layer chain), K steps halved at two (35.2 against 39.6). `ahead` (0 to 4; default 1 for up to
+    two tokens, else 0): K steps whose weights load before the PDL wait."""
     if down.stride(-1) != 1:
         down = down.contiguous()
     both = both.contiguous()
     tokens, top_k = ids.shape
     n, inter = down.shape[1], down.shape[2]
+    if ahead is not None and not 0 <= ahead <= 4:
+        raise ValueError(f"expert_swiglu_down loads 0 to 4 K steps ahead (got {ahead}).")
     out = torch.empty(tokens, n, dtype=both.dtype, device=both.device)
     if tokens == 0:
         return out
@@ -150,7 +168,8 @@ def expert_swiglu_down(both: torch.Tensor, down: torch.Tensor, ids: torch.Tensor
     pdl = pdl_launch(both)
     _expert_swiglu_down_kernel[(tokens, triton.cdiv(n, block_n))](
         both, down, ids.contiguous(), weights.contiguous(), out, n, inter, top_k, down.stride(0), down.stride(1),
-        SLOTS=next_power_of_2(top_k), BLOCK_N=block_n, BLOCK_K=block_k, PDL=pdl_flag(pdl), PREFETCH=tokens <= 2,
+        SLOTS=next_power_of_2(top_k), BLOCK_N=block_n, BLOCK_K=block_k, PDL=pdl_flag(pdl),
+        AHEAD=(1 if tokens <= 2 else 0) if ahead is None else ahead,
         num_warps=num_warps or (8 if tokens == 1 else 4), **pdl)
     return out
 
