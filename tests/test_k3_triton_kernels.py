@@ -294,6 +294,24 @@ def test_route_topk_matches_reference(tokens, experts, top_k, bias, renormalize,
     assert torch.equal(got_ids[:, :top_k], plain_ids) and _err(got_w[:, :top_k], plain_w) <= 1e-6
 
 
+@pytest.mark.parametrize("always,block_k", [(1, None), (2, 16)])
+def test_expert_gemv_with_always_on_slots_matches_reference(always, block_k):
+    """Always-on slots (the last of each token's, experts stacked after the routed ones) take their expert from
+    their slot, not from the ids: the same output as the reference reading the ids (two K steps with block_k 16)."""
+    g = torch.Generator(device=DEVICE).manual_seed(always)
+    tokens, routed, experts, n, k = 3, 2, 5, 12, 24
+    x = torch.randn(tokens, k, generator=g, device=DEVICE)
+    weight = torch.randn(experts + always, n, k, generator=g, device=DEVICE)
+    chosen = torch.stack([torch.randperm(experts, generator=torch.Generator().manual_seed(t))[:routed]
+                          for t in range(tokens)]).to(DEVICE)
+    ids = torch.cat([chosen, torch.arange(experts, experts + always, device=DEVICE).expand(tokens, -1)], dim=1)
+    top_k = routed + always
+    got = moe_triton.expert_gemv(x, weight, ids.reshape(-1), top_k, block_k=block_k, always=always)
+    assert _err(got, moe_ref.expert_gemv(x, weight, ids.reshape(-1), top_k)) <= 1e-6
+    with pytest.raises(ValueError, match="always-on"):
+        moe_triton.expert_gemv(x, weight, ids.reshape(-1), top_k, always=top_k + 1)
+
+
 @pytest.mark.parametrize("ahead", [0, 2, 3, 4])
 def test_expert_tail_with_k_steps_loaded_ahead_matches_reference(ahead):
     """The SwiGLU + down tail with 0 to 4 of its K steps' weights loaded before the wait: the same sums (five K

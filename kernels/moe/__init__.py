@@ -49,13 +49,14 @@ def router_topk(x, weight, correction_bias, top_k, num_groups=1, topk_groups=1, 
     return (total, normed, weights, ids) if residual is not None else (weights, ids)
 
 
-def expert_gemv(x, weight, ids, top_k=1):
+def expert_gemv(x, weight, ids, top_k=1, always=0):
     """`x` `[P / top_k, K]`, `weight` `[E, N, K]`, `ids` `[P]` -> `[P, N]`: pair p (row `p // top_k` of x) through
-    expert `ids[p]`."""
+    expert `ids[p]`. `always`: the last that many slots of each token hold the always-on experts E - always ..
+    E - 1 (their ids say so too); the Triton kernel then loads their weights before the routing is known."""
     if use_triton(x):
         from h3gen.kernels.moe import triton as fast
 
-        return fast.expert_gemv(x, weight, ids, top_k)
+        return fast.expert_gemv(x, weight, ids, top_k, always=always)
     return reference.expert_gemv(x, weight, ids, top_k)
 
 

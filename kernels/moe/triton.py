@@ -12,20 +12,37 @@ from h3gen.kernels.mxfp4_gemm.triton import _word_rows_dot, _word_x, word_rows
 
 
 @triton.jit
-def _expert_gemv_kernel(x_ptr, w_ptr, ids_ptr, out_ptr, N, K, top_k, stride_we, stride_wn,
-                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+def _expert_gemv_kernel(x_ptr, w_ptr, ids_ptr, out_ptr, N, K, top_k, first_always, stride_we, stride_wn,
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ALWAYS: tl.constexpr, PDL: tl.constexpr):
+    """One (token, slot) pair and block of N outputs per program. The last `ALWAYS` slots of each token hold the
+    always-on experts `first_always`, `first_always + 1`, ...: their programs know their expert without the
+    routing, so their first K step's weights load while the kernel before drains (the routed ones wait for it)."""
     row = tl.program_id(0).to(tl.int64)  # a (token, slot) pair; its input is the token's row
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    wait_for_inputs(PDL)  # the ids come from the kernel just before
-    expert = tl.load(ids_ptr + row).to(tl.int64)
-    w_rows = w_ptr + expert * stride_we + cols[:, None].to(tl.int64) * stride_wn
-    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for start in range(0, K, BLOCK_K):
+    col_ok = cols < N
+    ks = tl.arange(0, BLOCK_K)
+    slot = row % top_k
+    known = False
+    if ALWAYS > 0:
+        known = slot >= top_k - ALWAYS
+    if known:
+        expert = (first_always + slot - (top_k - ALWAYS)).to(tl.int64)
+        w_rows = w_ptr + expert * stride_we + cols[:, None].to(tl.int64) * stride_wn
+        w = tl.load(w_rows + ks[None, :], mask=col_ok[:, None] & (ks < K)[None, :], other=0.0)
+        wait_for_inputs(PDL)
+    else:
+        wait_for_inputs(PDL)  # the ids come from the kernel just before
+        expert = tl.load(ids_ptr + row).to(tl.int64)
+        w_rows = w_ptr + expert * stride_we + cols[:, None].to(tl.int64) * stride_wn
+        w = tl.load(w_rows + ks[None, :], mask=col_ok[:, None] & (ks < K)[None, :], other=0.0)
+    x = tl.load(x_ptr + (row // top_k) * K + ks, mask=ks < K, other=0.0).to(tl.float32)
+    acc = tl.sum(w.to(tl.float32) * x[None, :], axis=1)
+    for start in range(BLOCK_K, K, BLOCK_K):
         ks = start + tl.arange(0, BLOCK_K)
         x = tl.load(x_ptr + (row // top_k) * K + ks, mask=ks < K, other=0.0).to(tl.float32)
-        w = tl.load(w_rows + ks[None, :], mask=(cols[:, None] < N) & (ks[None, :] < K), other=0.0).to(tl.float32)
-        acc += tl.sum(w * x[None, :], axis=1)
-    tl.store(out_ptr + row * N + cols, acc.to(out_ptr.dtype.element_ty), mask=cols < N)
+        tile = tl.load(w_rows + ks[None, :], mask=col_ok[:, None] & (ks[None, :] < K), other=0.0)
+        acc += tl.sum(tile.to(tl.float32) * x[None, :], axis=1)
+    tl.store(out_ptr + row * N + cols, acc.to(out_ptr.dtype.element_ty), mask=col_ok)
 
 
 @triton.jit
@@ -127,21 +144,25 @@ def _gemv_tiles(k: int, pairs: int, block_n: int | None, block_k: int | None,
 
 
 def expert_gemv(x: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor, top_k: int = 1, block_n: int | None = None,
-                block_k: int | None = None, num_warps: int | None = None) -> torch.Tensor:
+                block_k: int | None = None, num_warps: int | None = None, always: int = 0) -> torch.Tensor:
     """See `reference.expert_gemv`: `x` `[P / top_k, K]`, `weight` `[E, N, K]` (inner axis contiguous), `ids`
-    `[P]`."""
+    `[P]`. `always`: the last that many of each token's `top_k` slots are the always-on experts E - always, ...,
+    E - 1 (stacked after the routed ones, as `route_topk(..., always=)` routes them), whose weights then load
+    before the routing is known."""
     if weight.stride(-1) != 1:
         weight = weight.contiguous()
     x = x.contiguous()
     k, n, pairs = x.shape[1], weight.shape[1], ids.numel()
+    if not 0 <= always <= top_k:
+        raise ValueError(f"expert_gemv's always-on slots must be between 0 and top_k = {top_k} (got {always}).")
     out = torch.empty(pairs, n, dtype=x.dtype, device=x.device)
     if pairs == 0:
         return out
     block_n, block_k, num_warps = _gemv_tiles(k, pairs, block_n, block_k, num_warps)
     pdl = pdl_launch(x)
     _expert_gemv_kernel[(pairs, triton.cdiv(n, block_n))](
-        x, weight, ids.contiguous(), out, n, k, top_k, weight.stride(0), weight.stride(1),
-        BLOCK_N=block_n, BLOCK_K=block_k, PDL=pdl_flag(pdl), num_warps=num_warps, **pdl)
+        x, weight, ids.contiguous(), out, n, k, top_k, weight.shape[0] - always, weight.stride(0), weight.stride(1),
+        BLOCK_N=block_n, BLOCK_K=block_k, ALWAYS=always, PDL=pdl_flag(pdl), num_warps=num_warps, **pdl)
     return out
 
 

@@ -492,14 +492,15 @@ class K3MoE(nn.Module):
             return None
         return shared
 
-    def routed(self, h: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    def routed(self, h: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, always: int = 0) -> torch.Tensor:
         """`h` `[T, W]` -> `sum_k weights[:, k] E_{ids[:, k]}(h)` `[T, W]`: tokens grouped by expert (with stacked
         experts on the device, `stacked_experts`; stacked MXFP4 experts widened to the compute dtype for the call),
-        or, for few tokens with stacked experts, each (token, expert) pair through `expert_gemv`."""
+        or, for few tokens with stacked experts, each (token, expert) pair through `expert_gemv`. `always`: the last
+        that many slots are always-on experts stacked after the routed ones (see `stack_experts`)."""
         if self.stacked_mxfp4 is not None and ids.numel() <= MXFP4_DEVICE_ROUTING_MAX_PAIRS:
             return self._routed_on_device(h, weights, ids)
         if self.stacked is not None and ids.numel() <= DEVICE_ROUTING_MAX_PAIRS:
-            return self._routed_on_device(h, weights, ids)
+            return self._routed_on_device(h, weights, ids, always)
         stacked = self.stacked
         if self.stacked_mxfp4 is not None:  # a prefill: every expert is likely picked, widen them all once
             stacked = self._widened_experts(h.shape[-1])
@@ -530,10 +531,11 @@ class K3MoE(nn.Module):
                                  dtype, inter2 // 2)
         return up_gate.view(experts, inter2, width), down.view(experts, width, inter2 // 2)
 
-    def _routed_on_device(self, h: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    def _routed_on_device(self, h: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                          always: int = 0) -> torch.Tensor:
         """Each (token, slot) pair through its expert by GEMVs that read the token's row and the expert's weights
-        where they are stacked; with SwiGLU experts the activation, the down experts and the weighted slot sum are
-        one kernel."""
+        where they are stacked (the `always` always-on slots' weights load before the routing is known); with SwiGLU
+        experts the activation, the down experts and the weighted slot sum are one kernel."""
         tokens, top_k = ids.shape
         pairs = ids.reshape(-1)
         swiglu_tail = self.config.hidden_act != "situ"
@@ -548,7 +550,7 @@ class K3MoE(nn.Module):
             out = expert_gemv_mxfp4(act, packed_down, scales_down, pairs)
         else:
             up_gate, down = self.stacked
-            both = expert_gemv(h, up_gate, pairs, top_k)  # [T * k, 2I]: [up; gate]
+            both = expert_gemv(h, up_gate, pairs, top_k, always)  # [T * k, 2I]: [up; gate]
             if swiglu_tail:
                 return expert_swiglu_down(both, down, ids, weights).to(h.dtype)
             inter = down.shape[-1]
@@ -580,8 +582,9 @@ class K3MoE(nn.Module):
 
     def from_routing(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """The layer's output for `x` `[T, D]` routed to `ids` with `weights` (the router's output for x)."""
-        if self._always(x.shape[0]):  # the shared expert is in the routing, as expert E
-            return self.routed(x, weights, ids)
+        always = self._always(x.shape[0])
+        if always:  # the shared expert is in the routing, as expert E
+            return self.routed(x, weights, ids, always)
         if self.config.routed_expert_hidden_size:
             y = self.routed(self.routed_expert_down_proj(x), weights, ids)
             if self.config.latent_moe_use_norm:
