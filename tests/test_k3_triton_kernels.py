@@ -306,7 +306,8 @@ def test_expert_gemv_with_always_on_slots_matches_reference(always, block_k):
                           for t in range(tokens)]).to(DEVICE)
     ids = torch.cat([chosen, torch.arange(experts, experts + always, device=DEVICE).expand(tokens, -1)], dim=1)
     top_k = routed + always
-    got = moe_triton.expert_gemv(x, weight, ids.reshape(-1), top_k, block_k=block_k, always=always)
+    got = moe_triton.expert_gemv(x, weight, ids.reshape(-1), top_k, block_k=block_k, always=always,
+                                   early=True)
     assert _err(got, moe_ref.expert_gemv(x, weight, ids.reshape(-1), top_k)) <= 1e-6
     with pytest.raises(ValueError, match="always-on"):
         moe_triton.expert_gemv(x, weight, ids.reshape(-1), top_k, always=top_k + 1)

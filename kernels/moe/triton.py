@@ -144,11 +144,14 @@ def _gemv_tiles(k: int, pairs: int, block_n: int | None, block_k: int | None,
 
 
 def expert_gemv(x: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor, top_k: int = 1, block_n: int | None = None,
-                block_k: int | None = None, num_warps: int | None = None, always: int = 0) -> torch.Tensor:
+                block_k: int | None = None, num_warps: int | None = None, always: int = 0,
+                early: bool | None = None) -> torch.Tensor:
     """See `reference.expert_gemv`: `x` `[P / top_k, K]`, `weight` `[E, N, K]` (inner axis contiguous), `ids`
     `[P]`. `always`: the last that many of each token's `top_k` slots are the always-on experts E - always, ...,
-    E - 1 (stacked after the routed ones, as `route_topk(..., always=)` routes them), whose weights then load
-    before the routing is known."""
+    E - 1 (stacked after the routed ones, as `route_topk(..., always=)` routes them); with `early` their weights
+    load before the routing is known. Default: early above 16 pairs (H200, RESULTS.md ninth session: b=8 decode
+    2.414 -> 2.301 ms per step; at one or two tokens the MoE layer lost 1.2 us, and so did running the always-on
+    pairs as a kernel of their own, 3 us)."""
     if weight.stride(-1) != 1:
         weight = weight.contiguous()
     x = x.contiguous()
@@ -159,10 +162,12 @@ def expert_gemv(x: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor, top_k:
     if pairs == 0:
         return out
     block_n, block_k, num_warps = _gemv_tiles(k, pairs, block_n, block_k, num_warps)
+    if early is None:
+        early = pairs > 16
     pdl = pdl_launch(x)
     _expert_gemv_kernel[(pairs, triton.cdiv(n, block_n))](
         x, weight, ids.contiguous(), out, n, k, top_k, weight.shape[0] - always, weight.stride(0), weight.stride(1),
-        BLOCK_N=block_n, BLOCK_K=block_k, ALWAYS=always, PDL=pdl_flag(pdl), num_warps=num_warps, **pdl)
+        BLOCK_N=block_n, BLOCK_K=block_k, ALWAYS=always if early else 0, PDL=pdl_flag(pdl), num_warps=num_warps, **pdl)
     return out
 
 
@@ -174,7 +179,8 @@ def expert_swiglu_down(both: torch.Tensor, down: torch.Tensor, ids: torch.Tensor
     (RESULTS.md: 64 experts, 2048 x 768, top 6 + the shared expert): K steps narrow as top-k grows (256 at 5-8
     slots) so the tile of all slots stays in registers; 8 warps at one token (26.3 against 27.9 us per MoE layer
     in a graphed 15-layer chain), K steps halved at two (35.2 against 39.6). `ahead` (0 to 4; default 1 for up to
-    two tokens, else 0): K steps whose weights load before the PDL wait."""
+    two tokens, else 0): K steps whose weights load before the PDL wait (2 to 4 were no faster on the H200
+    at one or two tokens, RESULTS.md ninth session)."""
     if down.stride(-1) != 1:
         down = down.contiguous()
     both = both.contiguous()
