@@ -16,6 +16,7 @@ ordinary path; `bench_k3.py --check` checks it on a GPU.
 
 import torch
 
+from h3gen.kernels.argmax import argmax_rows
 from h3gen.kernels.mla_decode import write_latent_rows
 from h3gen.pipelines.k3.cache import KDAState
 from h3gen.pipelines.k3.engine.batch import BatchCache
@@ -193,7 +194,7 @@ class DecodeGraphs:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.memory_pool):
                 buffers.logits = static_decode_forward(self.model, self.pool, buffers)
-                buffers.argmax = buffers.logits.argmax(dim=-1)
+                buffers.argmax = argmax_rows(buffers.logits)
         self.graphs[size] = (graph, buffers)
         return self.graphs[size]
 
@@ -216,7 +217,7 @@ class DecodeGraphs:
             buffers.tokens[:count, 0].copy_(tokens)
         if graph is None:
             buffers.logits = static_decode_forward(self.model, self.pool, buffers)
-            buffers.argmax = buffers.logits.argmax(dim=-1)
+            buffers.argmax = argmax_rows(buffers.logits)
         else:
             graph.replay()
         host = buffers.host_tokens[buffers.turn]
