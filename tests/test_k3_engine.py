@@ -316,6 +316,20 @@ def test_sampler_seed_top_k_top_p_and_max_tokens():
         engine.add_request(prompt, SamplingParams(max_tokens=4), images=["picture"])
 
 
+@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.7, 0, 0.8), (1.5, 3, 1.0), (1.0, 4, 0.9)])
+def test_draws_follow_the_filtered_distribution(temperature, top_k, top_p):
+    """`draw` gives only tokens `filter_logits` keeps, at their renormalised probabilities (3,000 draws)."""
+    from h3gen.pipelines.k3.engine.sampling import draw
+
+    logits = torch.tensor([2.0, 1.5, 1.5, 0.5, 0.0, -1.0, float("-inf"), 0.8])
+    expected = torch.softmax(filter_logits(logits, temperature, top_k, top_p), dim=-1)
+    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=3)
+    generator = params.generator("cpu")
+    counts = torch.bincount(torch.cat([draw(logits, params, generator) for _ in range(3000)]), minlength=8)
+    assert counts[expected == 0].sum() == 0
+    assert (counts / 3000 - expected).abs().max() < 0.03
+
+
 class _CharTokenizer:
     """One token per character (ids 2..96), id 1 is end of sequence."""
 

@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 import torch
 
 from h3gen.errors import RequestError
+from h3gen.kernels.sampling import draw_token
 
 
 @dataclass
@@ -45,7 +46,8 @@ class SamplingParams:
 
 
 def filter_logits(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
-    """`logits` `[V]` float32 -> scaled logits with the tokens outside top-k / top-p set to -inf."""
+    """`logits` `[V]` float32 -> scaled logits with the tokens outside top-k / top-p set to -inf: the rule `draw`
+    samples by, written out with torch ops (the sampler itself never builds this row)."""
     logits = logits / temperature
     if 0 < top_k < logits.shape[-1]:
         kth = torch.topk(logits, top_k).values[-1]
@@ -62,37 +64,34 @@ def filter_logits(logits: torch.Tensor, temperature: float, top_k: int, top_p: f
     return logits
 
 
+def draw(row: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> torch.Tensor:
+    """One token `[1]` int64 (on the row's device) from `row` `[V]` logits by `params` (temperature > 0) and the
+    request's generator: Exp(1) noise per token from the generator, the row sorted when top-k or top-p needs it,
+    then `draw_token` (one kernel on a GPU): the tokens `filter_logits` keeps, drawn by their probabilities."""
+    noise = torch.empty(row.shape[-1], dtype=torch.float32, device=row.device).exponential_(generator=generator)
+    if params.top_p < 1.0 or 0 < params.top_k < row.shape[-1]:
+        values, order = torch.sort(row, descending=True)
+        return draw_token(values, order, noise, params.temperature, params.top_k, params.top_p)
+    return draw_token(row, None, noise, params.temperature, 0, 1.0)
+
+
 def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator],
            argmax: torch.Tensor | None = None) -> list[int]:
     """One token per row of `logits` `[B, V]`, each row by its own parameters and generator; `argmax` `[B]`: the
     rows' argmax when already computed (the decode graphs do, on the device)."""
-    greedy = None
-    if any(p.temperature == 0.0 for p in params):  # one transfer for every greedy row
-        greedy = (argmax if argmax is not None else logits.float().argmax(dim=-1)).tolist()
+    if argmax is None and any(p.temperature == 0.0 for p in params):
+        argmax = logits.float().argmax(dim=-1)
     if all(p.temperature == 0.0 for p in params):
-        return greedy
-    logits = logits.float()
-    out = []
-    for row, p, gen, best in zip(logits, params, generators, greedy or [None] * len(params)):
-        if p.temperature == 0.0:
-            out.append(best)
-            continue
-        probs = torch.softmax(filter_logits(row, p.temperature, p.top_k, p.top_p), dim=-1)
-        out.append(int(torch.multinomial(probs, 1, generator=gen)))
-    return out
+        return argmax.tolist()
+    return sample_on_device(logits, params, generators, argmax).tolist()
 
 
 def sample_on_device(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator],
                      argmax: torch.Tensor) -> torch.Tensor:
     """`sample` without reading anything back: `[B]` int64 tokens on the logits' device, greedy rows from `argmax`
-    `[B]`, the others drawn by the same operations and generators as `sample` draws them (so the same tokens), for
-    a step that is launched before the host has them."""
-    logits = logits.float()
+    `[B]`, the others by `draw` with their generators (so the same tokens as `sample`), for a step that is launched
+    before the host has them."""
     rows = []
     for index, (row, p, gen) in enumerate(zip(logits, params, generators)):
-        if p.temperature == 0.0:
-            rows.append(argmax[index : index + 1])
-            continue
-        probs = torch.softmax(filter_logits(row, p.temperature, p.top_k, p.top_p), dim=-1)
-        rows.append(torch.multinomial(probs, 1, generator=gen))
+        rows.append(argmax[index : index + 1] if p.temperature == 0.0 else draw(row, p, gen))
     return torch.cat(rows)

@@ -1,0 +1,17 @@
+"""`draw_token`: one token from a row of logits with temperature, top-k and top-p, given the row's Exp(1) noise
+(see `reference`): one Triton program on CUDA, torch elsewhere."""
+
+from h3gen.kernels._dispatch import use_triton
+from h3gen.kernels.sampling import reference
+
+
+def draw_token(values, order, noise, temperature, top_k, top_p):
+    """`values` `[V]` (sorted descending when `order` `[V]` is given), `noise` `[V]` float32 -> `[1]` int64 id."""
+    if use_triton(values):
+        from h3gen.kernels.sampling import triton as fast
+
+        return fast.draw_token(values, order, noise, temperature, top_k, top_p)
+    return reference.draw_token(values, order, noise, temperature, top_k, top_p)
+
+
+__all__ = ["draw_token"]
