@@ -425,14 +425,26 @@ def test_mxfp4_experts_widened_for_a_long_prefill_match_the_per_expert_path(monk
     assert calls and ((got - expected).norm() / expected.norm()).item() < 1e-5
 
 
-@pytest.mark.parametrize("family", ["mla", "kda", "hybrid"])
-def test_decode_preparation_keeps_the_model_function(family):
-    """Stacking experts (with the shared expert among them where it fits) and fusing projections (what the decode
-    graphs do to a model) leaves the state dict and the logits of a long prefill (grouped stacked-expert path) and
-    of decode steps (per-pair expert path, fused projections) as they were."""
+@pytest.mark.parametrize("family", ["mla", "kda", "hybrid", "hybrid-mxfp4", "hybrid-mxfp4-silu"])
+def test_decode_preparation_keeps_the_model_function(family, monkeypatch):
+    """Stacking experts (with the shared expert among them where it fits, else its SwiGLU and down fused with the
+    add of the routed output) and fusing projections (what the decode graphs do to a model) leaves the state dict
+    and the logits of a long prefill (grouped stacked-expert path) and of decode steps (per-pair expert path, fused
+    projections) as they were."""
     from h3gen.pipelines.k3.engine.graphs import prepare_for_decode
 
-    model = randomize(K3ForCausalLM(FAMILIES[family]()), seed=4).eval()
+    import h3gen.pipelines.k3.model as k3_model
+
+    config = FAMILIES[family.removesuffix("-silu")]()
+    if family.endswith("-silu"):  # SwiGLU experts: the shared expert's fused decode tail applies
+        config = dataclasses.replace(config, hidden_act="silu")
+    model = randomize(K3ForCausalLM(config), seed=4).eval()
+    if "mxfp4" in family:
+        model = quantize_experts_mxfp4(model)
+    added = []
+    original_tail = k3_model.expert_swiglu_down
+    monkeypatch.setattr(k3_model, "expert_swiglu_down",
+                        lambda *args, add=None: added.append(add is not None) or original_tail(*args, add=add))
     prompt = torch.tensor(_prompts(model, [150], seed=9))  # 150 tokens x top-2 = 300 pairs: the grouped path
 
     def run():
@@ -447,12 +459,17 @@ def test_decode_preparation_keeps_the_model_function(family):
         state = {k: v.clone() for k, v in model.state_dict().items()}
         prepare_for_decode(model)
         moes = [m for m in model.modules() if hasattr(m, "stack_experts")]
-        assert moes and all(m.stacked is not None for m in moes)
-        # the shared expert rides in the stack where it has the routed experts' shapes (not under LatentMoE)
-        assert all(m.shared_in_stack == (family != "hybrid") for m in moes)
+        mxfp4 = "mxfp4" in family
+        assert moes and all((m.stacked if mxfp4 else m.stacked_mxfp4) is None for m in moes)
+        assert all((m.stacked_mxfp4 if mxfp4 else m.stacked) is not None for m in moes)
+        # the shared expert rides in the stack where it has the routed experts' shapes (not under LatentMoE, not
+        # with MXFP4 experts); else its decode tail takes the one-slot routing
+        assert all(m.shared_in_stack == (not family.startswith("hybrid")) for m in moes)
+        assert all((m.one_slot is not None) == family.startswith("hybrid") for m in moes)
         kdas = [m for m in model.modules() if hasattr(m, "fused_up_gates")]
         assert all((m.fused_up_gates is not None) == (not m.config.use_full_rank_gate) for m in kdas)
         assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
         after = run()
+    assert any(added) == family.endswith("-silu")
     # Equal up to float32 rounding (a fused GEMM may sum in another order).
     assert ((after - before).norm() / before.norm()).item() < 1e-5

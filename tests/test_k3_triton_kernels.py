@@ -159,6 +159,10 @@ def test_decode_expert_chain_matches_reference(tokens, top_k, experts, inter, wi
     out = moe_triton.expert_swiglu_down(both, down, ids, weights)
     assert out.shape == (tokens, width) and out.dtype == dtype
     assert _err(out, moe_ref.expert_swiglu_down(both, down, ids, weights)) <= tolerance
+    base = torch.randn(tokens, width, generator=g, device=DEVICE).to(dtype)  # another output to add (shared expert)
+    summed = moe_triton.expert_swiglu_down(both, down, ids, weights, add=base)
+    assert _err(summed, moe_ref.expert_swiglu_down(both, down, ids, weights, base)) <= tolerance
+    assert _err(summed, out.double() + base.double()) <= 2 * tolerance
     plain = torch.zeros(tokens, width, dtype=torch.float64, device=DEVICE)
     for t in range(tokens):
         for j in range(top_k):

@@ -60,14 +60,15 @@ def expert_gemv(x, weight, ids, top_k=1, always=0):
     return reference.expert_gemv(x, weight, ids, top_k)
 
 
-def expert_swiglu_down(both, down, ids, weights):
+def expert_swiglu_down(both, down, ids, weights, add=None):
     """`both` `[T * k, 2I]` ([up; gate] per pair), `down` `[E, W, I]`, `ids` and `weights` `[T, k]` -> `[T, W]`:
-    SwiGLU, each pair's down expert and the weighted sum over slots (one Triton kernel on CUDA)."""
+    SwiGLU, each pair's down expert and the weighted sum over slots, plus `add` `[T, W]` when given (one Triton
+    kernel on CUDA)."""
     if use_triton(both):
         from h3gen.kernels.moe import triton as fast
 
-        return fast.expert_swiglu_down(both, down, ids, weights)
-    return reference.expert_swiglu_down(both, down, ids, weights)
+        return fast.expert_swiglu_down(both, down, ids, weights, add=add)
+    return reference.expert_swiglu_down(both, down, ids, weights, add)
 
 
 def router_logits(x, weight):

@@ -80,16 +80,17 @@ def expert_gemv(x: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor, top_k:
     return (weight[ids].float() @ x.float()[:, :, None]).squeeze(-1).to(x.dtype)
 
 
-def expert_swiglu_down(both: torch.Tensor, down: torch.Tensor, ids: torch.Tensor,
-                       weights: torch.Tensor) -> torch.Tensor:
+def expert_swiglu_down(both: torch.Tensor, down: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                       add: torch.Tensor | None = None) -> torch.Tensor:
     """The end of a decode step's routed experts: `both` `[T * k, 2I]` ([up; gate] per (token, slot) pair, from
     `expert_gemv`), SwiGLU rounded to `both.dtype` as the separate op would, through the pair's `down` expert
-    (`down` `[E, W, I]`, `ids` `[T, k]`), weighted by `weights` `[T, k]` and summed over the k slots in float32 ->
-    `[T, W]` in `both.dtype`."""
+    (`down` `[E, W, I]`, `ids` `[T, k]`), weighted by `weights` `[T, k]` and summed over the k slots in float32
+    (plus `add` `[T, W]` when given, before the one rounding) -> `[T, W]` in `both.dtype`."""
     tokens, top_k = ids.shape
     act = swiglu(both).float()
     out = (down[ids.reshape(-1)].float() @ act[:, :, None]).squeeze(-1).view(tokens, top_k, -1)
-    return (out * weights[..., None].float()).sum(dim=1).to(both.dtype)
+    total = (out * weights[..., None].float()).sum(dim=1)
+    return (total if add is None else total + add.float()).to(both.dtype)
 
 
 def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

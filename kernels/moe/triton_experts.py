@@ -59,9 +59,9 @@ def _swiglu_down_step(both_ptr, pairs, slot_ok, ks, inter, w):
 
 
 @triton.jit
-def _expert_swiglu_down_kernel(both_ptr, w_ptr, ids_ptr, weights_ptr, out_ptr, N, inter, top_k, stride_we,
+def _expert_swiglu_down_kernel(both_ptr, w_ptr, ids_ptr, weights_ptr, add_ptr, out_ptr, N, inter, top_k, stride_we,
                                stride_wn, SLOTS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                               PDL: tl.constexpr, AHEAD: tl.constexpr):
+                               PDL: tl.constexpr, AHEAD: tl.constexpr, ADD: tl.constexpr):
     """All k slots of one token at once (`SLOTS` >= top_k, a power of two): the slots' weight tiles are independent
     loads, so a program has k times the bytes in flight that a loop over slots would. With `AHEAD` > 0 (up to 4,
     and PDL) the routing (written two kernels back) and the first `AHEAD` K steps' weights load while the gate/up
@@ -104,6 +104,8 @@ def _expert_swiglu_down_kernel(both_ptr, w_ptr, ids_ptr, weights_ptr, out_ptr, N
         acc += _swiglu_down_step(both_ptr, pairs, slot_ok, ks, inter, w)
     slot_weight = tl.load(weights_ptr + pairs, mask=slot_ok, other=0.0).to(tl.float32)
     total = tl.sum(acc * slot_weight[:, None], axis=0)
+    if ADD:  # written by the kernel just before: read after the wait
+        total += tl.load(add_ptr + token * N + cols, mask=cols < N, other=0.0).to(tl.float32)
     tl.store(out_ptr + token * N + cols, total.to(out_ptr.dtype.element_ty), mask=cols < N)
 
 
@@ -148,14 +150,14 @@ def expert_gemv(x: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor, top_k:
 
 def expert_swiglu_down(both: torch.Tensor, down: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
                        block_n: int = 8, block_k: int | None = None, num_warps: int | None = None,
-                       ahead: int | None = None) -> torch.Tensor:
+                       ahead: int | None = None, add: torch.Tensor | None = None) -> torch.Tensor:
     """See `reference.expert_swiglu_down`: SwiGLU, the down GEMV and the weighted sum over the k slots in one
     kernel (one program per token and block of outputs, all slots at once). Default tile from the H200 sweeps
     (RESULTS.md: 64 experts, 2048 x 768, top 6 + the shared expert): K steps narrow as top-k grows (256 at 5-8
     slots) so the tile of all slots stays in registers; 8 warps at one token (26.3 against 27.9 us per MoE layer
     in a graphed 15-layer chain), K steps halved at two (35.2 against 39.6). `ahead` (0 to 4; default 1 for up to
     two tokens, else 0): K steps whose weights load before the PDL wait (2 to 4 were no faster on the H200
-    at one or two tokens, RESULTS.md ninth session)."""
+    at one or two tokens, RESULTS.md ninth session). `add` `[T, W]`: added to the sum before its rounding."""
     if down.stride(-1) != 1:
         down = down.contiguous()
     both = both.contiguous()
@@ -169,9 +171,10 @@ def expert_swiglu_down(both: torch.Tensor, down: torch.Tensor, ids: torch.Tensor
     block_k = block_k or max(32, 2048 // next_power_of_2(top_k) // (2 if tokens == 2 else 1))
     pdl = pdl_launch(both)
     _expert_swiglu_down_kernel[(tokens, triton.cdiv(n, block_n))](
-        both, down, ids.contiguous(), weights.contiguous(), out, n, inter, top_k, down.stride(0), down.stride(1),
-        SLOTS=next_power_of_2(top_k), BLOCK_N=block_n, BLOCK_K=block_k, PDL=pdl_flag(pdl),
-        AHEAD=(1 if tokens <= 2 else 0) if ahead is None else ahead,
+        both, down, ids.contiguous(), weights.contiguous(), add.contiguous() if add is not None else out, out, n,
+        inter, top_k, down.stride(0), down.stride(1), SLOTS=next_power_of_2(top_k), BLOCK_N=block_n,
+        BLOCK_K=block_k, PDL=pdl_flag(pdl), AHEAD=(1 if tokens <= 2 else 0) if ahead is None else ahead,
+        ADD=add is not None,
         num_warps=num_warps or (8 if tokens == 1 else 4), **pdl)
     return out
 

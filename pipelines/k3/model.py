@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from h3gen.kernels.gemv import grouped_rows_linear, rows_linear
+from h3gen.kernels.gemv import MAX_ROWS, grouped_rows_linear, rows_linear
 from h3gen.kernels.kda import kda_chunked, kda_decode, kda_gate, l2_normalize, short_conv
 from h3gen.kernels.mla_decode import absorb_output, absorb_query, mla_decode, mla_decode_partials, mla_decode_splits
 from h3gen.kernels.mxfp4_gemm import dequantize_weight
@@ -425,6 +425,8 @@ class K3MoE(nn.Module):
         # MXFP4 experts stacked: ((packed, scales) of up_gate, (packed, scales) of down)
         self.stacked_mxfp4: tuple | None = None
         self.shared_in_stack = False  # the shared expert is stacked expert E (see `stack_experts`)
+        # (zeros [R, 1] int64, ones [R, 1] float32): the one-slot routing of the shared expert's decode tail
+        self.one_slot: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @torch.no_grad()
     def stack_experts(self) -> bool:
@@ -472,6 +474,10 @@ class K3MoE(nn.Module):
             self.shared_in_stack = shared is not None
         else:  # ((packed up_gate, packed down), (scales up_gate, scales down))
             self.stacked_mxfp4 = tuple(zip(*stacks))
+        down = getattr(getattr(self, "shared_experts", None), "down_proj", None)
+        if not self.shared_in_stack and type(down) is nn.Linear and down.bias is None:
+            self.one_slot = (torch.zeros(MAX_ROWS, 1, dtype=torch.long, device=down.weight.device),
+                             torch.ones(MAX_ROWS, 1, dtype=torch.float32, device=down.weight.device))
         return True
 
     def _mergeable_shared_expert(self) -> "K3MLP | None":
@@ -585,6 +591,7 @@ class K3MoE(nn.Module):
         always = self._always(x.shape[0])
         if always:  # the shared expert is in the routing, as expert E
             return self.routed(x, weights, ids, always)
+        shared_both = self._shared_up_gate(x)
         if self.config.routed_expert_hidden_size:
             y = self.routed(self.routed_expert_down_proj(x), weights, ids)
             if self.config.latent_moe_use_norm:
@@ -592,9 +599,22 @@ class K3MoE(nn.Module):
             y = self.routed_expert_up_proj(y)
         else:
             y = self.routed(x, weights, ids)
+        if shared_both is not None:  # the shared expert's SwiGLU and down, plus the routed output, in one op
+            zeros, ones = (t[: x.shape[0]] for t in self.one_slot)
+            return expert_swiglu_down(shared_both, self.shared_experts.down_proj.weight[None], zeros, ones, add=y)
         if self.config.num_shared_experts:
             y = y + self.shared_experts(x)
         return y
+
+    def _shared_up_gate(self, x: torch.Tensor) -> torch.Tensor | None:
+        """For a decode step of up to `MAX_ROWS` tokens with a shared expert not riding in the stack (MXFP4
+        experts; see `stack_experts`): its fused [up; gate] projection `[T, 2I]`, computed before the routed
+        experts (its weights need no routing, so they load while the router runs); else None."""
+        shared = getattr(self, "shared_experts", None)
+        if (self.one_slot is None or shared is None or shared.fused_in is None or x.shape[0] > MAX_ROWS
+                or self.config.hidden_act == "situ"):
+            return None
+        return rows_linear(x, shared.fused_in)
 
 
 def quantize_experts_mxfp4(model: nn.Module) -> nn.Module:
