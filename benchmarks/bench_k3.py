@@ -290,7 +290,7 @@ def main():
     # fused), then with them.
     variants = [(1, False, False)] if device.type == "cuda" else []
     variants += [(batch, True if args.mxfp4_experts else None, False) for batch in (1, 8, 32)]
-    variants.append((1, True if args.mxfp4_experts else None, True))  # sampled as a planner samples
+    variants += [(batch, True if args.mxfp4_experts else None, True) for batch in (1, 8)]  # sampled as a planner
     for batch, graphs, sampled in variants:
         rate, outputs = decode_rate(model, batch, 128, steps, device, sampled=sampled, cuda_graphs=graphs,
                                     **engine_options)

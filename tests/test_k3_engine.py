@@ -330,6 +330,21 @@ def test_draws_follow_the_filtered_distribution(temperature, top_k, top_p):
     assert (counts / 3000 - expected).abs().max() < 0.03
 
 
+@pytest.mark.parametrize("temperature,top_k,top_p", [(0.8, 0, 1.0), (0.6, 0, 0.95), (1.2, 5, 0.9)])
+def test_a_batch_sampling_alike_draws_what_its_rows_draw_alone(temperature, top_k, top_p):
+    """Rows that share their sampling parameters are drawn together (one sort, one kernel): each gets the token it
+    gets alone from the same generator state, tied logits included."""
+    from h3gen.pipelines.k3.engine.sampling import draw, sample_on_device
+
+    logits = torch.randn(4, 300, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16).float()  # ties
+    params = [SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=s) for s in range(4)]
+    for _ in range(5):
+        together = sample_on_device(logits, params, [p.generator("cpu") for p in params], logits.argmax(-1))
+        alone = torch.cat([draw(row, p, p.generator("cpu")) for row, p in zip(logits, params)])
+        assert torch.equal(together, alone)
+        logits = logits.roll(7, dims=1)
+
+
 class _CharTokenizer:
     """One token per character (ids 2..96), id 1 is end of sequence."""
 

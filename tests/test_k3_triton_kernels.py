@@ -56,6 +56,18 @@ def test_draw_token_matches_reference(temperature, top_k, top_p, flat):
         sampling_triton.draw_token(logits, None, noise, 1.0, 5, 1.0)
 
 
+@pytest.mark.parametrize("sort,top_k,top_p", [(False, 0, 1.0), (True, 0, 0.9), (True, 30, 0.95)])
+def test_draw_tokens_of_a_batch_match_reference(sort, top_k, top_p):
+    """One program per row, every row by the same parameters: each row's token as the reference draws it."""
+    g = torch.Generator(device=DEVICE).manual_seed(top_k + 3)
+    logits = torch.randn(3, 2100, generator=g, device=DEVICE) * 2.0
+    values, order = torch.sort(logits, dim=-1, descending=True) if sort else (logits, None)
+    for _ in range(4):
+        noise = torch.empty(3, 2100, device=DEVICE).exponential_(generator=g)
+        got = sampling_triton.draw_tokens(values, order, noise, 0.8, top_k, top_p, block=512)
+        assert got.shape == (3,) and torch.equal(got, sampling_ref.draw_tokens(values, order, noise, 0.8, top_k, top_p))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("rows,width,block", [(1, 5000, 1024), (3, 777, 256), (2, 300, 512), (5, 4099, 4096)])
 def test_argmax_rows_matches_torch(rows, width, block, dtype):

@@ -27,3 +27,11 @@ def draw_token(values: torch.Tensor, order: torch.Tensor | None, noise: torch.Te
     # an excluded token (weight 0) scores 0 whatever its noise (0 / 0 would be NaN, which argmax would pick)
     best = torch.argmax(torch.where(weights > 0, weights / noise, torch.zeros_like(weights))).reshape(1)
     return best if order is None else order[best]
+
+
+def draw_tokens(values: torch.Tensor, order: torch.Tensor | None, noise: torch.Tensor, temperature: float,
+                top_k: int, top_p: float) -> torch.Tensor:
+    """`draw_token` for each row of `values`, `order` and `noise` `[B, V]`, every row by the same parameters ->
+    `[B]` int64."""
+    return torch.cat([draw_token(values[i], None if order is None else order[i], noise[i], temperature, top_k, top_p)
+                      for i in range(values.shape[0])])

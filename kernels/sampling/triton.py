@@ -11,8 +11,14 @@ from h3gen.kernels._dispatch import next_power_of_2
 
 
 @triton.jit
-def _draw_kernel(values_ptr, order_ptr, noise_ptr, out_ptr, V, temperature, top_k, top_p, SORTED: tl.constexpr,
-                 TOP_K: tl.constexpr, TOP_P: tl.constexpr, BLOCK: tl.constexpr):
+def _draw_kernel(values_ptr, order_ptr, noise_ptr, out_ptr, V, temperature, top_k, top_p, stride_values,
+                 stride_order, stride_noise, SORTED: tl.constexpr, TOP_K: tl.constexpr, TOP_P: tl.constexpr,
+                 BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)  # one program per row, every row by the same parameters
+    values_ptr += row * stride_values
+    order_ptr += row * stride_order
+    noise_ptr += row * stride_noise
+    out_ptr += row
     offs = tl.arange(0, BLOCK)
     if SORTED:
         top = tl.load(values_ptr).to(tl.float32) / temperature
@@ -66,17 +72,30 @@ def _draw_kernel(values_ptr, order_ptr, noise_ptr, out_ptr, V, temperature, top_
         tl.store(out_ptr, index.to(tl.int64))
 
 
-def draw_token(values: torch.Tensor, order: torch.Tensor | None, noise: torch.Tensor, temperature: float,
-               top_k: int, top_p: float, block: int = 4096, num_warps: int = 8) -> torch.Tensor:
-    """See `reference.draw_token` (`values`, `order`, `noise` contiguous)."""
-    width = values.shape[-1]
+def draw_tokens(values: torch.Tensor, order: torch.Tensor | None, noise: torch.Tensor, temperature: float,
+                top_k: int, top_p: float, block: int = 4096, num_warps: int = 8) -> torch.Tensor:
+    """See `reference.draw_tokens`: `values`, `order`, `noise` `[B, V]` with unit inner strides -> `[B]` int64, one
+    program per row."""
+    rows, width = values.shape
     sorted_ = order is not None
     if not sorted_ and (top_k > 0 or top_p < 1.0):
         raise ValueError("draw_token: top-k and top-p need the values sorted (pass their order).")
-    out = torch.empty(1, dtype=torch.int64, device=values.device)
+    if values.stride(-1) != 1 or noise.stride(-1) != 1 or (sorted_ and order.stride(-1) != 1):
+        raise ValueError("draw_tokens needs rows with unit inner stride.")
+    out = torch.empty(rows, dtype=torch.int64, device=values.device)
+    if rows == 0:
+        return out
     use_k = sorted_ and 0 < top_k < width
-    _draw_kernel[(1,)](values.contiguous(), order.contiguous() if sorted_ else values, noise.contiguous(), out,
-                       width, float(temperature), int(top_k) if use_k else 1, float(top_p), SORTED=sorted_,
-                       TOP_K=use_k, TOP_P=sorted_ and top_p < 1.0, BLOCK=min(block, next_power_of_2(width)),
-                       num_warps=num_warps)
+    source = order if sorted_ else values
+    _draw_kernel[(rows,)](values, source, noise, out, width, float(temperature), int(top_k) if use_k else 1,
+                          float(top_p), values.stride(0), source.stride(0), noise.stride(0), SORTED=sorted_,
+                          TOP_K=use_k, TOP_P=sorted_ and top_p < 1.0, BLOCK=min(block, next_power_of_2(width)),
+                          num_warps=num_warps)
     return out
+
+
+def draw_token(values: torch.Tensor, order: torch.Tensor | None, noise: torch.Tensor, temperature: float,
+               top_k: int, top_p: float, block: int = 4096, num_warps: int = 8) -> torch.Tensor:
+    """See `reference.draw_token`: one row `[V]` -> `[1]` int64."""
+    return draw_tokens(values.contiguous()[None], None if order is None else order.contiguous()[None],
+                       noise.contiguous()[None], temperature, top_k, top_p, block, num_warps)

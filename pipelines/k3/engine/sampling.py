@@ -5,7 +5,7 @@ from dataclasses import dataclass, field
 import torch
 
 from h3gen.errors import RequestError
-from h3gen.kernels.sampling import draw_token
+from h3gen.kernels.sampling import draw_token, draw_tokens
 
 
 @dataclass
@@ -70,9 +70,23 @@ def draw(row: torch.Tensor, params: SamplingParams, generator: torch.Generator) 
     then `draw_token` (one kernel on a GPU): the tokens `filter_logits` keeps, drawn by their probabilities."""
     noise = torch.empty(row.shape[-1], dtype=torch.float32, device=row.device).exponential_(generator=generator)
     if params.top_p < 1.0 or 0 < params.top_k < row.shape[-1]:
-        values, order = torch.sort(row, descending=True)
+        # stable: tied logits keep their vocabulary order, so a row draws the same alone or in a batch
+        values, order = torch.sort(row, descending=True, stable=True)
         return draw_token(values, order, noise, params.temperature, params.top_k, params.top_p)
     return draw_token(row, None, noise, params.temperature, 0, 1.0)
+
+
+def draw_batch(logits: torch.Tensor, params: SamplingParams, generators: list[torch.Generator]) -> torch.Tensor:
+    """`draw` for every row of `logits` `[B, V]` when all rows sample by the same `params`: each row's noise from its
+    own generator (as `draw` makes it), one sort and one kernel for the batch -> `[B]` int64 (the tokens `draw`
+    gives row by row)."""
+    noise = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)
+    for row, generator in zip(noise, generators):
+        row.exponential_(generator=generator)
+    if params.top_p < 1.0 or 0 < params.top_k < logits.shape[-1]:
+        values, order = torch.sort(logits, dim=-1, descending=True, stable=True)
+        return draw_tokens(values, order, noise, params.temperature, params.top_k, params.top_p)
+    return draw_tokens(logits.contiguous(), None, noise, params.temperature, 0, 1.0)
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator],
@@ -91,6 +105,10 @@ def sample_on_device(logits: torch.Tensor, params: list[SamplingParams], generat
     """`sample` without reading anything back: `[B]` int64 tokens on the logits' device, greedy rows from `argmax`
     `[B]`, the others by `draw` with their generators (so the same tokens as `sample`), for a step that is launched
     before the host has them."""
+    first = params[0]
+    if len(params) > 1 and first.temperature != 0.0 and all(
+            (p.temperature, p.top_k, p.top_p) == (first.temperature, first.top_k, first.top_p) for p in params):
+        return draw_batch(logits, first, generators)  # a planner's batch: every row samples alike
     rows = []
     for index, (row, p, gen) in enumerate(zip(logits, params, generators)):
         rows.append(argmax[index : index + 1] if p.temperature == 0.0 else draw(row, p, gen))
