@@ -111,6 +111,35 @@ def test_few_row_linears_match_reference(rows, n, k, block_k, dtype):
     assert _err(got, gemv_ref.grouped_rows_linear(pairs.float(), weights.float())) <= tol
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])  # (the interpreter truncates to bfloat16)
+@pytest.mark.parametrize("rows,n,k,add", [(1, 37, 300, True), (2, 64, 96, False), (3, 130, 17, True),
+                                          (4, 5, 2048, True), (1, 9, 2048, False)])
+def test_normed_few_row_linear_matches_reference(rows, n, k, add, dtype):
+    """The residual add + RMSNorm in the GEMV's prologue: the stored sum exactly as the reference's, the output
+    as the reference norm followed by the reference linear (the norm's float32 sum may be reduced in another order,
+    so within a rounding of it)."""
+    g = torch.Generator(device=DEVICE).manual_seed(rows * 11 + k)
+    x = torch.randn(rows, k, generator=g, device=DEVICE).to(dtype)
+    residual = torch.randn(rows, k, generator=g, device=DEVICE).to(dtype) if add else None
+    norm = (1 + 0.1 * torch.randn(k, generator=g, device=DEVICE)).to(dtype)
+    weight = (torch.randn(n, k, generator=g, device=DEVICE) / k**0.5).to(dtype)
+    total, got = gemv_triton.normed_rows_linear(x, norm, 1e-6, weight, residual)
+    want_total, want = gemv_ref.normed_rows_linear(x, norm, 1e-6, weight, residual)
+    assert got.shape == (rows, n) and got.dtype == dtype
+    assert torch.equal(total, want_total) and (add or total is x)
+    normed = want_total.float() * torch.rsqrt(want_total.float().pow(2).mean(-1, keepdim=True) + 1e-6)
+    exact = gemv_ref.rows_linear((norm.float() * normed), weight.float())
+    tol = 1e-5 if dtype == torch.float32 else 2e-3
+    assert _err(got, want.float()) <= tol and _err(got, exact) <= tol
+    with pytest.raises(ValueError, match="normed_rows_linear"):
+        gemv_triton.normed_rows_linear(torch.zeros(5, k, device=DEVICE, dtype=dtype), norm, 1e-6, weight)
+    if not add:  # a strided view of x (MLA's q slice of the fused input projection)
+        wide = torch.randn(rows, k + 3, generator=g, device=DEVICE).to(dtype)
+        view = wide[:, 2 : k + 2]
+        total, got = gemv_triton.normed_rows_linear(view, norm, 1e-6, weight)
+        assert total is view and _err(got, gemv_ref.normed_rows_linear(view, norm, 1e-6, weight)[1].float()) <= tol
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("rows,experts,n,k", [(1, 4, 37, 300), (7, 9, 64, 96), (12, 3, 130, 17)])
 def test_expert_gemv_matches_reference(rows, experts, n, k, dtype):

@@ -18,11 +18,12 @@ from h3gen.kernels.mxfp4_gemm import dequantize_weight
 from h3gen.kernels.moe import (expert_gemv, expert_gemv_mxfp4, expert_swiglu_down, expert_swiglu_down_mxfp4,
                                grouped_gemm, grouped_mxfp4_gemm, router_topk, sort_by_expert,
                                stacked_experts)
-from h3gen.kernels.rmsnorm import add_rms_norm, rms_norm
+from h3gen.kernels.rmsnorm import rms_norm
 from h3gen.kernels.swiglu import swiglu
 from h3gen.linear import LinearFactory, LinearSpec, dense_linear
 from h3gen.pipelines.k3.cache import K3Cache, KDAState, PagedLatentCache
 from h3gen.pipelines.k3.config import K3Config
+from h3gen.pipelines.k3.pending_norm import PendingNorm, linear_rows, resolved
 
 
 class K3RMSNorm(nn.Module):
@@ -97,18 +98,19 @@ def stack_linears(layers: list[nn.Module]) -> torch.Tensor | None:
     return stacked
 
 
-def fused_outputs(fused: torch.Tensor, layers: list[nn.Module], x: torch.Tensor) -> list[torch.Tensor]:
-    """The outputs of `layers` (fused by `fuse_linears`) for `x`, from one GEMM (`rows_linear`)."""
-    return list(rows_linear(x, fused).split([layer.weight.shape[0] for layer in layers], dim=-1))
+def fused_outputs(fused: torch.Tensor, layers: list[nn.Module], x: torch.Tensor | PendingNorm) -> list[torch.Tensor]:
+    """The outputs of `layers` (fused by `fuse_linears`) for `x`, from one GEMM (`rows_linear`; for a pending norm,
+    the GEMM computes the norm)."""
+    return list(linear_rows(x, fused).split([layer.weight.shape[0] for layer in layers], dim=-1))
 
 
-def project(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+def project(layer: nn.Module, x: torch.Tensor | PendingNorm) -> torch.Tensor:
     """`layer(x)`, where a plain bias-free `nn.Linear` goes through `rows_linear`: a decode step's few rows then take
     the few-row kernel (`h3gen.kernels.gemv`), anything else `F.linear` as before. Other linears (quantized,
     tensor parallel) are called as they are."""
     if type(layer) is nn.Linear and layer.bias is None:
-        return rows_linear(x, layer.weight)
-    return layer(x)
+        return linear_rows(x, layer.weight)
+    return layer(resolved(x))
 
 
 class K3DeltaAttention(nn.Module):
@@ -157,14 +159,17 @@ class K3DeltaAttention(nn.Module):
             self.fused_up_gates = stack_linears([self.f_b_proj, self.g_b_proj])
         return self.fused_in is not None
 
-    def forward(self, x: torch.Tensor, state: KDAState | None = None) -> tuple[torch.Tensor, KDAState]:
-        """`x` `[B, T, D]` (after the pre-norm), `state` from the previous call or None -> (`[B, T, D]`, new state).
+    def forward(self, x: torch.Tensor | PendingNorm,
+                state: KDAState | None = None) -> tuple[torch.Tensor, KDAState]:
+        """`x` `[B, T, D]` (after the pre-norm, or a `PendingNorm`), `state` from the previous call or None ->
+        (`[B, T, D]`, new state).
 
         One token with a state takes the fused decode op (its conv and recurrent states are updated in place and
         returned); anything else the chunked recurrence (prefill, or a prefill chunk continuing from `state`)."""
         b, t, _ = x.shape
         if t == 1 and state is not None:
             return self._decode(x, state), state
+        x = resolved(x)
         shape = (b, t, self.num_heads, self.head_dim)
         qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
         conv_weight = torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight]).squeeze(1)
@@ -184,12 +189,12 @@ class K3DeltaAttention(nn.Module):
         o = (of * torch.sigmoid(gate.float().view(shape))).to(x.dtype)
         return project(self.o_proj, o.reshape(b, t, -1)), KDAState(conv_state, recurrent)
 
-    def _decode(self, x: torch.Tensor, state: KDAState) -> torch.Tensor:
+    def _decode(self, x: torch.Tensor | PendingNorm, state: KDAState) -> torch.Tensor:
         """One token `x` `[B, 1, D]` -> `[B, 1, D]` through `kda_decode` (conv, norms, gates, recurrence fused)."""
-        row = x[:, 0]
         if self.fused_in is not None:
-            q, k, v, b, f_a, gate = fused_outputs(self.fused_in, self._input_layers(), row)
+            q, k, v, b, f_a, gate = (out[:, 0] for out in fused_outputs(self.fused_in, self._input_layers(), x))
         else:
+            row = resolved(x)[:, 0]
             q, k, v, b = self.q_proj(row), self.k_proj(row), self.v_proj(row), self.b_proj(row)
             f_a = self.f_a_proj(row)
             gate = self.g_proj(row) if self.config.use_full_rank_gate else self.g_a_proj(row)
@@ -246,17 +251,20 @@ class K3MLAttention(nn.Module):
             self.fused_in = fuse_linears(self._input_layers())
         return self.fused_in is not None
 
-    def forward(self, x: torch.Tensor, cache: PagedLatentCache | None = None) -> torch.Tensor:
-        """`x` `[B, T, D]` -> `[B, T, D]`; appends this call's latent rows to `cache` when given."""
+    def forward(self, x: torch.Tensor | PendingNorm, cache: PagedLatentCache | None = None) -> torch.Tensor:
+        """`x` `[B, T, D]` (or a `PendingNorm`) -> `[B, T, D]`; appends this call's latent rows to `cache` when
+        given."""
         b, t, _ = x.shape
         if self.fused_in is not None:
             q, kv, *gate = fused_outputs(self.fused_in, self._input_layers(), x)
         else:
+            x = resolved(x)
             q = self.q_proj(x) if self.config.q_lora_rank is None else self.q_a_proj(x)
             kv = self.kv_a_proj_with_mqa(x)
             gate = [self.g_proj(x)] if self.config.mla_use_output_gate else []
-        if self.config.q_lora_rank is not None:
-            q = project(self.q_b_proj, self.q_a_layernorm(q))
+        if self.config.q_lora_rank is not None:  # a decode step's q_b kernel normalises q itself
+            q = project(self.q_b_proj, PendingNorm(q, None, self.q_a_layernorm) if b * t <= MAX_ROWS
+                        else self.q_a_layernorm(q))
         q = q.view(b, t, -1, self.nope + self.rope)
         heads = q.shape[2]
         latent, k_pe = kv.split([self.rank, self.rope], dim=-1)
@@ -331,13 +339,14 @@ class K3MLP(nn.Module):
             self.fused_in = fuse_linears([self.up_proj, self.gate_proj])
         return self.fused_in is not None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | PendingNorm) -> torch.Tensor:
         if self.fused_in is not None:
-            both = rows_linear(x, self.fused_in)
+            both = linear_rows(x, self.fused_in)
             if self.config.hidden_act != "situ":
                 return project(self.down_proj, swiglu(both))
             up, gate = both.chunk(2, dim=-1)
             return project(self.down_proj, gated_activation(self.config, gate, up))
+        x = resolved(x)
         return self.down_proj(gated_activation(self.config, self.gate_proj(x), self.up_proj(x)))
 
 
@@ -698,26 +707,41 @@ class K3Model(nn.Module):
             self.output_attn_res_proj = K3ResidualQuery(config.hidden_size)
             self.output_attn_res_norm = K3RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, inputs_embeds: torch.Tensor, cache: K3Cache | None = None) -> torch.Tensor:
+    def forward(self, inputs_embeds: torch.Tensor, cache: K3Cache | None = None,
+                pending: bool = False) -> torch.Tensor | PendingNorm:
+        """`inputs_embeds` `[B, T, D]` -> the final hidden states `[B, T, D]`; with `pending`, for a few tokens,
+        the final norm may come back as a `PendingNorm` for the head's kernel to compute."""
         if not self.config.attn_res_block_size:
-            return self._residual_stream(inputs_embeds, cache)
+            out = self._residual_stream(inputs_embeds, cache)
+            return out if pending else resolved(out)
         return self.norm(self._attn_res_stream(inputs_embeds, cache))
 
-    def _residual_stream(self, embeds: torch.Tensor, cache: K3Cache | None) -> torch.Tensor:
+    def _residual_stream(self, embeds: torch.Tensor, cache: K3Cache | None) -> torch.Tensor | PendingNorm:
         """`h += attention(norm(h)); h += mlp(norm(h))` per layer, then the final norm; each residual add and the
-        norm after it are one op (`add_rms_norm`), the rounding as in that order."""
-        h, normed = embeds, self.layers[0].input_layernorm(embeds)
+        norm after it are one op, the rounding as in that order. For a few tokens (a decode step) that op is left
+        to the kernel of the projection that reads it (`PendingNorm`); the MoE's router computes it itself."""
+        defer = embeds.shape[0] * embeds.shape[1] <= MAX_ROWS
+
+        def norm_after(h: torch.Tensor, delta: torch.Tensor | None, norm: K3RMSNorm) -> PendingNorm:
+            pending = PendingNorm(h, delta, norm)
+            if not defer:
+                pending.value()
+            return pending
+
+        normed = norm_after(embeds, None, self.layers[0].input_layernorm)
         for index, layer in enumerate(self.layers):
             post = layer.post_attention_layernorm
-            attended = layer.attend(normed, cache, index)
+            attended = layer.attend(normed if defer else normed.value(), cache, index)
+            h = normed.total()
             if isinstance(layer.mlp, K3MoE):  # the add, the norm and the router: one kernel in decode steps
                 h, out = layer.mlp.after_residual(h, attended, post)
             else:
-                h, normed = add_rms_norm(h, attended, post.weight, post.eps)
-                out = layer.mlp(normed)
+                ffn_in = norm_after(h, attended, post)
+                out = layer.mlp(ffn_in if defer else ffn_in.value())
+                h = ffn_in.total()
             following = self.layers[index + 1].input_layernorm if index + 1 < len(self.layers) else self.norm
-            h, normed = add_rms_norm(h, out, following.weight, following.eps)
-        return normed
+            normed = norm_after(h, out, following)
+        return normed if defer else normed.value()
 
     def _attn_res_stream(self, embeds: torch.Tensor, cache: K3Cache | None) -> torch.Tensor:
         """Block Attention Residuals. `bank` holds block snapshots; `prefix` is the sum of the sub-layer outputs
@@ -803,7 +827,7 @@ class K3ForCausalLM(nn.Module):
         `grid_thws` (see `encode_images`), the image embeddings replace the `<|media_pad|>` embeddings."""
         if inputs_embeds is None:
             inputs_embeds = self.embed_multimodal(input_ids, pixel_values, grid_thws)
-        hidden = self.model(inputs_embeds, cache)
+        hidden = self.model(inputs_embeds, cache, pending=True)  # the final norm in the head's kernel
         if cache is not None:
             cache.seen_tokens += inputs_embeds.shape[1]
         return project(self.lm_head, hidden)
