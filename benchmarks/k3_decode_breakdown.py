@@ -19,13 +19,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_k3  # noqa: E402
 
 import h3gen.pipelines.k3.model as k3_model  # noqa: E402
+import h3gen.pipelines.k3.pending_norm as pending_norm  # noqa: E402
 from h3gen.loading.load import keeps_fp32  # noqa: E402
 from h3gen.pipelines.k3.model import K3ForCausalLM  # noqa: E402
 from h3gen.pipelines.k3.tiny import randomize  # noqa: E402
 
-# The model module's ops a variant may replace (restored before each variant).
-PATCHED = ("add_rms_norm", "rms_norm", "kda_decode", "grouped_rows_linear", "absorb_query", "mla_decode",
-           "mla_decode_partials", "absorb_output", "router_topk", "expert_swiglu_down", "rows_linear", "expert_gemv")
+# The ops a variant may replace, by module (restored before each variant): the model's, and those through which a
+# decode step's norms reach the projection kernels (`PendingNorm`).
+PATCHED = {k3_model: ("rms_norm", "kda_decode", "grouped_rows_linear", "absorb_query", "mla_decode",
+                      "mla_decode_partials", "absorb_output", "router_topk", "expert_swiglu_down", "rows_linear",
+                      "expert_gemv"),
+           pending_norm: ("add_rms_norm", "rms_norm", "rows_linear", "normed_rows_linear")}
 
 
 def fixed_router(num_experts: int):
@@ -49,32 +53,43 @@ def fixed_router(num_experts: int):
 
 
 def skips() -> dict:
-    """Each skipped family's replacement ops: outputs of the right shape, nothing launched."""
+    """Each skipped family's replacement ops, by (module, name): outputs of the right shape, nothing launched (the
+    norms computed in a projection's kernel: that projection without its norm prologue)."""
     def empty(*shape, dtype, like):
         return torch.empty(*shape, dtype=dtype, device=like.device)
 
+    def unnormed_linear(x, norm_weight, eps, weight, residual=None):
+        return x, pending_norm.rows_linear(x, weight)
+
+    m, p = k3_model, pending_norm
     return {
-        "norms (add_rms_norm, rms_norm)": {"add_rms_norm": lambda x, y, w, e: (x, x), "rms_norm": lambda x, w, e: x},
-        "KDA decode": {"kda_decode": lambda q, *a, **k: torch.empty_like(q)},
+        "norms (separate, and in the projections' prologues)": {
+            (m, "rms_norm"): lambda x, w, e: x, (p, "rms_norm"): lambda x, w, e: x,
+            (p, "add_rms_norm"): lambda x, y, w, e: (x, x), (p, "normed_rows_linear"): unnormed_linear},
+        "KDA decode": {(m, "kda_decode"): lambda q, *a, **k: torch.empty_like(q)},
         "low-rank gate up-projection GEMV": {
-            "grouped_rows_linear": lambda x, w: empty(x.shape[0], x.shape[1], w.shape[1], dtype=x.dtype, like=x)},
+            (m, "grouped_rows_linear"): lambda x, w: empty(x.shape[0], x.shape[1], w.shape[1], dtype=x.dtype, like=x)},
         "MLA absorb + decode": {
-            "absorb_query": lambda q, w, nope: empty(q.shape[0], q.shape[1], w.shape[-1] + q.shape[-1] - nope,
+            (m, "absorb_query"): lambda q, w, nope: empty(q.shape[0], q.shape[1], w.shape[-1] + q.shape[-1] - nope,
                                                      dtype=torch.float32, like=q),
-            "mla_decode": lambda q, pages, table, lens, scale, v: empty(q.shape[0], q.shape[1], v,
+            (m, "mla_decode"): lambda q, pages, table, lens, scale, v: empty(q.shape[0], q.shape[1], v,
                                                                         dtype=torch.float32, like=q),
-            "mla_decode_partials": lambda q, pages, table, lens, scale, v, splits: (
+            (m, "mla_decode_partials"): lambda q, pages, table, lens, scale, v, splits: (
                 empty(q.shape[0], q.shape[1], splits, v, dtype=torch.float32, like=q),
                 empty(q.shape[0], q.shape[1], splits, dtype=torch.float32, like=q)),
-            "absorb_output": lambda latent, w_vc, dtype, gate=None, lse=None: empty(
+            (m, "absorb_output"): lambda latent, w_vc, dtype, gate=None, lse=None: empty(
                 latent.shape[0], w_vc.shape[0], w_vc.shape[1], dtype=dtype, like=latent)},
         "expert SwiGLU + down tail": {
-            "expert_swiglu_down": lambda both, down, ids, w, add=None: empty(ids.shape[0], down.shape[1],
+            (m, "expert_swiglu_down"): lambda both, down, ids, w, add=None: empty(ids.shape[0], down.shape[1],
                                                                             dtype=both.dtype, like=both)},
         "expert gate/up GEMV": {
-            "expert_gemv": lambda x, w, ids, top_k=1, always=0: empty(ids.numel(), w.shape[1], dtype=x.dtype, like=x)},
-        "few-row GEMVs (rows_linear)": {
-            "rows_linear": lambda x, w: empty(*x.shape[:-1], w.shape[0], dtype=x.dtype, like=x)},
+            (m, "expert_gemv"): lambda x, w, ids, top_k=1, always=0, out=None: empty(ids.numel(), w.shape[1],
+                                                                                     dtype=x.dtype, like=x)},
+        "few-row GEMVs (rows_linear, normed_rows_linear)": {
+            (m, "rows_linear"): lambda x, w: empty(*x.shape[:-1], w.shape[0], dtype=x.dtype, like=x),
+            (p, "rows_linear"): lambda x, w: empty(*x.shape[:-1], w.shape[0], dtype=x.dtype, like=x),
+            (p, "normed_rows_linear"): lambda x, nw, e, w, residual=None: (
+                x, empty(*x.shape[:-1], w.shape[0], dtype=x.dtype, like=x))},
     }
 
 
@@ -93,25 +108,23 @@ def main():
     for name, param in model.named_parameters():
         if keeps_fp32(name, K3ForCausalLM.keep_fp32_modules):
             param.data = param.data.float()
-    originals = {name: getattr(k3_model, name) for name in PATCHED}
-    fixed = {"router_topk": fixed_router(config.num_experts)}
+    originals = {(module, name): getattr(module, name) for module, names in PATCHED.items() for name in names}
+    fixed = {(k3_model, "router_topk"): fixed_router(config.num_experts)}
     variants = [("full step", {}), ("fixed routing (the base; router kernel skipped)", fixed)]
     variants += [(f"no {family}", {**fixed, **ops}) for family, ops in skips().items()]
     options = dict(page_size=16 if tiny else 64, chunk_size=64 if tiny else 2048, max_context=2048)
     rows = []
     try:
         for label, ops in variants:
-            for name, op in originals.items():
-                setattr(k3_model, name, op)
-            for name, op in ops.items():
-                setattr(k3_model, name, op)
+            for (module, name), op in [*originals.items(), *ops.items()]:
+                setattr(module, name, op)
             times = [args.batch * 1e3 / bench_k3.decode_rate(model, args.batch, 128, args.steps, device,
                                                               cuda_graphs=None, **options)[0] for _ in range(2)]
             rows.append((label, min(times)))
             print(f"{label}: {min(times):.4f} ms per step", flush=True)
     finally:
-        for name, op in originals.items():
-            setattr(k3_model, name, op)
+        for (module, name), op in originals.items():
+            setattr(module, name, op)
     base = rows[1][1]
     print(f"\nbatch {args.batch}, {'tiny' if tiny else 'mid'} config on {device.type}; saved = fixed-routing step - "
           "variant (the first row's saving is the router's)")
