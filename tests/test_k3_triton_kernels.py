@@ -574,3 +574,46 @@ def test_programmatic_dependent_launch_only_where_it_exists(monkeypatch):
         monkeypatch.setenv("H3GEN_PDL", "0")
         assert _pdl.pdl_launch(torch.zeros(1, device="cuda")) == {}
     assert _pdl.pdl_flag({"launch_pdl": True})
+
+
+def test_tiny_decode_through_the_triton_kernels_matches_torch(monkeypatch):
+    """The tiny K3 (residual stream, stacked experts with the shared one riding as expert E, fused projections)
+    prefilled and decoded two steps on the Triton kernels gives the torch path's logits; a decode step's norms are
+    computed in its projections' kernels (`normed_rows_linear`: with a residual add into every layer's input
+    projection, the dense MLP's and lm_head; without one for the embeddings and MLA's q_a)."""
+    import dataclasses
+
+    from h3gen.pipelines.k3.config import K3Config
+    from h3gen.pipelines.k3.engine.graphs import prepare_for_decode
+    from h3gen.pipelines.k3.model import K3ForCausalLM
+    from h3gen.pipelines.k3.tiny import randomize, tiny_config
+
+    config = dataclasses.replace(K3Config.from_dict(tiny_config()), experts_mxfp4=False, attn_res_block_size=0)
+    with torch.device("meta"):
+        model = K3ForCausalLM(config)
+    model = randomize(model.to_empty(device=DEVICE), seed=5).float().eval()
+    prepare_for_decode(model)
+    normed_calls = []
+    kernel = gemv_triton.normed_rows_linear
+    monkeypatch.setattr(gemv_triton, "normed_rows_linear",
+                        lambda *args, **kw: normed_calls.append(args[4] is not None) or kernel(*args, **kw))
+
+    def prefill_and_decode(triton: str) -> torch.Tensor:
+        monkeypatch.setenv("H3GEN_TRITON", triton)
+        cache = model.new_cache()
+        logits = [model(torch.tensor([[3, 7, 11, 5, 9]], device=DEVICE), cache)[:, -1]]
+        for _ in range(2):
+            logits.append(model(logits[-1].argmax(-1)[:, None], cache)[:, -1])
+        return torch.cat(logits)
+
+    with torch.no_grad():
+        expected = prefill_and_decode("0")
+        assert not normed_calls
+        got = prefill_and_decode("1")
+    assert _err(got, expected) <= 1e-5
+    layers = config.num_hidden_layers
+    mla = config.attention_types.count("mla")
+    # per decode step: the layers' ends (into the next input projection or lm_head) and the dense layer's
+    # post-attention norm with a residual; the embeddings' norm and each MLA layer's q_a norm without
+    assert normed_calls.count(True) == 2 * (layers + config.ffn_types.count("dense"))
+    assert normed_calls.count(False) == 2 * (1 + mla)

@@ -22,7 +22,7 @@ class PendingNorm:
 
     def linear(self, weight: torch.Tensor) -> torch.Tensor:
         """`rows_linear(self.value(), weight)` `[..., N]`; the first call computes the norm in the linear's kernel."""
-        if self._value is not None or self._total is not None and self.delta is not None:
+        if self._value is not None or (self._total is not None and self.delta is not None):  # computed already
             return rows_linear(self.value(), weight)
         self._total, out = normed_rows_linear(self.h, self.weight, self.eps, weight, self.delta)
         return out
