@@ -14,6 +14,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from h3gen.kernels.mxfp4_gemm import reference as gemm_ref  # noqa: E402
+from h3gen.kernels.mxfp4_gemm import gluon as gemm_gluon  # noqa: E402
 from h3gen.kernels.mxfp4_gemm import triton as gemm_triton  # noqa: E402
 from h3gen.quant.mxfp4 import E2M1_VALUES, MXFP4Linear, dequantize, quantize  # noqa: E402
 
@@ -168,13 +169,103 @@ def test_pair_gemm_ptx_decode_every_code_and_special_scales():
     weight = dequantize(packed, scales, torch.float32, k).to(torch.bfloat16).double()
     for m in (2, 7, 16):
         x = torch.randn(m, k, generator=g).to("cuda", torch.bfloat16)
-        got = gemm_triton.mxfp4_matmul(x, packed, scales).double()  # auto: the pair path
+        got = gemm_triton.mxfp4_matmul(x, packed, scales, path="pairs").double()
         expected = x.double() @ weight.t()
         assert torch.equal(got.isnan(), expected.isnan()) and got[:, 2].isnan().all()
         finite = expected.isfinite()
         assert torch.equal(got.isinf(), expected.isinf())
         error = (got[finite] - expected[finite]).norm() / expected[finite].norm()
         assert error.item() < 4e-3  # the output's bf16 rounding
+
+def test_gluon_decode_bit_arithmetic_gives_every_code_in_mma_order():
+    """The few-row kernel's PTX decode, replayed in torch integers: word bytes b0..b3 -> (low codes of b0, b1),
+    (low of b2, b3), (high of b0, b1), (high of b2, b3), each half the bf16 bits of E2M1 * 2^-126."""
+    g = torch.Generator().manual_seed(5)
+    words = torch.randint(0, 2**32, (4096,), dtype=torch.int64, generator=g)
+    words[:256] = torch.arange(256) * 0x01010101  # every byte in every position
+    outputs = gemm_gluon.decode_words_reference(words)
+    byte = [(words >> (8 * i)) & 0xFF for i in range(4)]
+    codes = [(byte[0] & 15, byte[1] & 15), (byte[2] & 15, byte[3] & 15), (byte[0] >> 4, byte[1] >> 4),
+             (byte[2] >> 4, byte[3] >> 4)]
+    table = torch.tensor(list(E2M1_VALUES) + [-v for v in E2M1_VALUES], dtype=torch.float64)
+    for pair, (first, second) in zip(outputs, codes):
+        for half, code in ((pair & 0xFFFF, first), (pair >> 16, second)):
+            value = half.to(torch.int32).to(torch.int16).view(torch.bfloat16).double() * 2.0**126
+            assert torch.equal(value, table[code]), "decoded value or element order differs"
+
+
+def test_gluon_plan_divides_k_and_fills_the_gpu():
+    for m, n, k in [(1, 7168, 5376), (16, 7168, 5376), (8, 28672, 5376), (1, 5376, 14336), (4, 2048, 2048),
+                    (1, 200, 384), (9, 1536, 768)]:
+        block_n, warps, splits = gemm_gluon.plan(m, n, k, sms=132)
+        steps = k // gemm_gluon.BLOCK_K
+        assert steps % splits == 0 and block_n in (32, 64, 128) and warps * 16 <= block_n
+        default = 128 if m <= 8 else 64
+        assert block_n == default or -(-n // (2 * block_n)) * steps < 264  # narrower only for small weights
+        assert -(-n // block_n) * splits >= 264 or splits == steps  # at least two programs per SM when possible
+    assert gemm_gluon.plan(1, 7168, 5376, sms=132) == (128, 4, 7)  # the H200's best tile for this shape
+
+
+def test_gluon_path_declines_what_it_cannot_run():
+    packed, scales = quantize(torch.randn(64, 256))
+    assert not gemm_gluon.supports(torch.randn(2, 256, dtype=torch.bfloat16), packed, scales)  # a CPU tensor
+    if torch.cuda.is_available():
+        packed, scales = packed.cuda(), scales.cuda()
+        x = torch.randn(2, 256, device="cuda", dtype=torch.bfloat16)
+        assert gemm_gluon.supports(x, packed, scales) == gemm_gluon.AVAILABLE
+        assert not gemm_gluon.supports(x.half(), packed, scales)  # fp16 takes the scaled dot
+        assert not gemm_gluon.supports(torch.randn(17, 256, device="cuda", dtype=torch.bfloat16), packed, scales)
+        odd_packed, odd_scales = quantize(torch.randn(64, 160, device="cuda"))
+        assert not gemm_gluon.supports(torch.randn(2, 160, device="cuda", dtype=torch.bfloat16), odd_packed,
+                                       odd_scales)  # K not a multiple of 128
+    with pytest.raises(ValueError, match="1-16 rows of bf16"):
+        gemm_gluon.few_rows_matmul(torch.randn(2, 256), packed.cpu(), scales.cpu())
+
+
+@pytest.mark.skipif(not (torch.cuda.is_available() and gemm_gluon.AVAILABLE), reason="Gluon kernels run on a GPU only")
+@pytest.mark.parametrize("n,k,splits", [(200, 1024, None), (200, 1024, 1), (200, 1024, 8), (48, 384, None),
+                                        (1536, 768, None)])
+def test_gluon_few_rows_every_code_special_scales_and_tails(n, k, splits, monkeypatch):
+    g = torch.Generator().manual_seed(13)
+    packed = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=g)
+    packed[0, :128] = torch.arange(128, dtype=torch.uint8) * 2 + 1  # every code in both nibbles
+    scales = torch.randint(100, 140, (n, k // 32), dtype=torch.uint8, generator=g)
+    scales[1, :8] = torch.tensor([0, 1, 2, 127, 128, 129, 200, 254], dtype=torch.uint8)  # smallest to largest
+    scales[2, 3] = 255  # NaN: row 2's outputs are NaN
+    packed, scales = packed.cuda(), scales.cuda()
+    weight = dequantize(packed, scales, torch.float32, k).to(torch.bfloat16).double()
+    calls = []
+    monkeypatch.setattr(gemm_gluon, "few_rows_matmul",
+                        lambda *a, _real=gemm_gluon.few_rows_matmul, **kw: calls.append(1) or _real(*a, **kw))
+    for m in (1, 3, 8, 9, 16):
+        x = torch.randn(m, k, generator=g).to("cuda", torch.bfloat16)
+        expected = x.double() @ weight.t()
+        finite = expected.isfinite()
+        # the explicit call, and `mxfp4_matmul`'s automatic choice (which must be this path)
+        for got in (gemm_gluon.few_rows_matmul(x, packed, scales, splits=splits).double(),
+                    gemm_triton.mxfp4_matmul(x, packed, scales).double()):
+            assert torch.equal(got.isnan(), expected.isnan()) and got[:, 2].isnan().all()
+            assert torch.equal(got.isinf(), expected.isinf())
+            error = (got[finite] - expected[finite]).norm() / expected[finite].norm()
+            assert error.item() < 4e-3  # the output's bf16 rounding
+    assert len(calls) == 10
+    assert not gemm_gluon._WORKSPACES[torch.device("cuda", torch.cuda.current_device())].any()  # left at zero
+
+
+@pytest.mark.skipif(not (torch.cuda.is_available() and gemm_gluon.AVAILABLE), reason="Gluon kernels run on a GPU only")
+def test_gluon_few_rows_replays_in_a_cuda_graph():
+    packed, scales = quantize(torch.randn(640, 1280, device="cuda"))
+    static_x = torch.randn(5, 1280, device="cuda", dtype=torch.bfloat16)
+    gemm_gluon.few_rows_matmul(static_x, packed, scales)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = gemm_gluon.few_rows_matmul(static_x, packed, scales)
+    for seed in range(3):
+        x = torch.randn(5, 1280, device="cuda", generator=torch.Generator("cuda").manual_seed(seed)).bfloat16()
+        static_x.copy_(x)
+        graph.replay()
+        assert torch.equal(static_out, gemm_gluon.few_rows_matmul(x, packed, scales))
+
 
 def test_triton_dequantize_matches_reference_including_special_scales():
     g = torch.Generator().manual_seed(3)

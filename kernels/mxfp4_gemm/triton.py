@@ -1,5 +1,9 @@
 """MXFP4-weight GEMM in Triton. Paths, by rows of activations (`mxfp4_matmul` picks):
 
+- 1-16 rows of bf16 on a CUDA GPU with K a multiple of 128, `few_rows` (`kernels.mxfp4_gemm.gluon`, written in
+  Gluon): the packed words loaded straight into the MMA's operand registers, no shared memory; 1.4-2.1x bf16
+  cuBLAS at the H3 shapes on the H200, ahead of the two paths below (RESULTS.md). The paths below remain for the
+  other cases and for the interpreter.
 - one row, `gemv`: CUDA-core products with the weights decoded from 32-bit words (three integer operations per
   weight); bound by the decode's integer issue rate, faster than bf16 cuBLAS there.
 - 2-16 rows of bf16, `pair_matmul`: tensor cores, each word decoded by inline PTX into bf16 pairs already in the
@@ -20,6 +24,8 @@ import os
 import torch
 import triton
 import triton.language as tl
+
+from h3gen.kernels.mxfp4_gemm import gluon
 
 # Rows at and above which `mxfp4_matmul` dequantizes once and calls cuBLAS (measured on the H200, RESULTS.md).
 DEQUANT_MIN_ROWS = 17
@@ -475,13 +481,18 @@ def mxfp4_matmul(x, packed, scales, *, path: str = "auto", **config):
     """Same contract as `reference.mxfp4_matmul`: `x` `[M, K]` (bf16/fp16/fp32) times the dequantized `[N, Kp]`
     weight (`packed` `[N, Kp / 2]`, `scales` `[N, Kp / 32]` uint8) transposed -> `[M, N]` in x.dtype.
 
-    `path`: "fused" (in-kernel dequantization), "gemv" (one row, no tensor cores), "pairs" (up to 16 rows on the
-    tensor cores, `pair_matmul`), "scaled" (`tl.dot_scaled`, bf16/fp16 activations), "dequant" (dequantize then
-    `torch.matmul`) or "auto" (one row: the GEMV; up to `DEQUANT_MIN_ROWS` rows: pairs for bf16 with K a multiple
-    of 8, the scaled dot for fp16, else fused; more: dequant). `config` overrides the chosen path's tiles."""
+    `path`: "few_rows" (1-16 rows of bf16, Gluon: `gluon.few_rows_matmul`), "fused" (in-kernel dequantization),
+    "gemv" (one row, no tensor cores), "pairs" (up to 16 rows on the tensor cores, `pair_matmul`), "scaled"
+    (`tl.dot_scaled`, bf16/fp16 activations), "dequant" (dequantize then `torch.matmul`) or "auto" (up to 16 rows of
+    bf16 where `gluon.supports` them: few_rows; else one row: the GEMV; up to `DEQUANT_MIN_ROWS` rows: pairs for
+    bf16 with K a multiple of 8, the scaled dot for fp16, else fused; more: dequant). `config` overrides the
+    chosen path's tiles."""
     x = x.contiguous()
     m, k = x.shape
     n = packed.shape[0]
+    if path == "few_rows" or (path == "auto" and m <= gluon.MAX_ROWS and not config
+                              and gluon.supports(x, packed, scales)):
+        return gluon.few_rows_matmul(x, packed, scales, **config)
     if path == "gemv" or (path == "auto" and m == 1 and GEMV_FOR_ONE_ROW):
         if m != 1:
             raise ValueError(f"the gemv path takes one row of activations, got {m}.")

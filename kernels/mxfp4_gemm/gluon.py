@@ -1,0 +1,280 @@
+"""MXFP4 weights times 1-16 rows of bf16 activations on the tensor cores, in Gluon (Triton's explicit-layout
+dialect): `few_rows_matmul(x, packed, scales)`.
+
+Why Gluon: in Triton the layouts are the compiler's, and a decoded weight tile reaches the MMA through shared
+memory; here the packed weights are loaded as int32 words straight into a layout whose registers, once each word is
+widened to eight bf16 codes, are the MMA's left operand (`word_layout`), so nothing passes through shared memory.
+
+- Each word (eight codes, four bytes) is decoded by inline PTX into four bf16 pairs, E2M1 times 2^-126 by bit
+  placement and then times 2^126 (`DECODE`); the group's E8M0 scale multiplies afterwards as bf16 (exact: powers of
+  two; 0 is the subnormal 2^-127, 255 NaN).
+- The low codes of the words (the even K positions) form one MMA operand and the high codes (odd K) another; x is
+  read as int32 pairs (even, odd) and split the same way, so no permutation is needed.
+- One K step ahead of the decode and MMAs, the next step's words, scales and x pairs are loaded into registers.
+- K is cut into slices of whole steps (about six steps per program, more slices while the grid is small); slices
+  add into a float32 workspace kept at zero and the slice that arrives last writes the bf16 result and clears its
+  part (`h3gen.kernels._arrivals`), so there is no zero fill or cast kernel.
+
+Hopper (and Ampere) GPUs, bf16 activations, K a multiple of 128; other cases take the Triton paths
+(`kernels.mxfp4_gemm.triton`). Gluon kernels cannot run under the Triton interpreter: tests check this path on a
+GPU, and the decode's bit arithmetic on the CPU (`decode_words_reference`)."""
+
+import functools
+import os
+
+import torch
+import triton
+
+from h3gen.kernels._arrivals import arrival_counters
+
+try:  # Gluon ships with Triton 3.4+ as an experimental module; without it this path is off.
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+
+    _barrier = getattr(gl, "thread_barrier", None) or gl.barrier  # renamed in Triton 3.7
+    AVAILABLE = True
+except (ImportError, AttributeError):  # pragma: no cover - depends on the installed Triton
+    AVAILABLE = False
+
+BLOCK_K = 128  # K elements per step: 64 bytes of each weight row
+TARGET_STEPS = 6  # K steps per program, balancing the per-program latency against the split-K reduction
+MAX_ROWS = 16
+
+# Four bytes (eight codes) in $4 -> $0 $1: the low codes of bytes (0, 1) and (2, 3) as bf16 pairs (element order
+# low half first), $2 $3: their high codes. The bytes are reordered b0 b2 b1 b3 so that two codes sit 16 bits apart;
+# an AND isolates them, one multiply copies each to its magnitude (bits 6-8) and sign (bit 15) positions, an AND
+# keeps those: the bf16 value E2M1 * 2^-126 (code 1 is the subnormal 2^-127), then * 2^126 (0x7E80).
+DECODE = """
+{
+.reg .b32 t, u, a, b, c, d, k;
+mov.b32 k, 0x7E807E80;
+prmt.b32 t, $4, 0, 0x3120;
+shr.u32 u, t, 8;
+and.b32 a, t, 0x000F000F;
+and.b32 b, u, 0x000F000F;
+and.b32 c, t, 0x00F000F0;
+and.b32 d, u, 0x00F000F0;
+mul.lo.u32 a, a, 4160;
+mul.lo.u32 b, b, 4160;
+mul.lo.u32 c, c, 260;
+mul.lo.u32 d, d, 260;
+and.b32 a, a, 0x81C081C0;
+and.b32 b, b, 0x81C081C0;
+and.b32 c, c, 0x81C081C0;
+and.b32 d, d, 0x81C081C0;
+mul.rn.bf16x2 $0, a, k;
+mul.rn.bf16x2 $1, b, k;
+mul.rn.bf16x2 $2, c, k;
+mul.rn.bf16x2 $3, d, k;
+}
+"""
+
+
+def decode_words_reference(words: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """What `DECODE` computes, in torch integer arithmetic (for CPU tests): int64 words `[...]` holding 32-bit
+    values -> four int64 tensors of bf16 bit pairs (low half = first element), before the final * 2^126."""
+    t = (words & 0xFF) | (((words >> 16) & 0xFF) << 8) | (((words >> 8) & 0xFF) << 16) | (((words >> 24) & 0xFF) << 24)
+    u = t >> 8
+    mask = 0x81C081C0
+    a = (((t & 0x000F000F) * 4160) & 0xFFFFFFFF) & mask
+    b = (((u & 0x000F000F) * 4160) & 0xFFFFFFFF) & mask
+    c = (((t & 0x00F000F0) * 260) & 0xFFFFFFFF) & mask
+    d = (((u & 0x00F000F0) * 260) & 0xFFFFFFFF) & mask
+    return a, b, c, d
+
+
+if AVAILABLE:
+    _DECODE = gl.constexpr(DECODE)
+
+    @gluon.constexpr_function
+    def word_layout(block_n, block_k, warps):
+        """The int32 layout of a `[block_n, block_k / 8]` word tile whose registers, each word widened to eight
+        codes and split into low and high codes, are `DotOperandLayout(0, mma v2, k_width=8)` over
+        `[block_n, block_k / 2]`: that layout's bases (registers: 8 consecutive K, then row + 8, then K and row
+        repeats; lanes: K by 8 and 16, rows 1, 2, 4; warps: rows by 16) with K counted in words and the two
+        byte-in-word register bases dropped."""
+        registers = [[0, 1], [8, 0]]
+        k = 8
+        while k < block_k // 8:
+            registers.append([0, k])
+            k *= 2
+        warp_bases = []
+        n, w = 16, 1
+        while w < warps:
+            warp_bases.append([n, 0])
+            n, w = n * 2, w * 2
+        while n < block_n:
+            registers.append([n, 0])
+            n *= 2
+        return gl.DistributedLinearLayout(reg_bases=registers, lane_bases=[[0, 2], [0, 4], [1, 0], [2, 0], [4, 0]],
+                                          warp_bases=warp_bases, block_bases=[], shape=[block_n, block_k // 8])
+
+    @gluon.jit
+    def _pairs_to_bf16(o0, o1, BN: gl.constexpr, BK: gl.constexpr):
+        """Two int32 tensors of bf16 pairs `[BN, BK/8]` (o0: elements 4w, 4w+1; o1: 4w+2, 4w+3) -> bf16
+        `[BN, BK/2]` (each pair stays in its register)."""
+        p0 = gl.join(o0.to(gl.int16).to(gl.bfloat16, bitcast=True),
+                     (o0 >> 16).to(gl.int16).to(gl.bfloat16, bitcast=True))
+        p1 = gl.join(o1.to(gl.int16).to(gl.bfloat16, bitcast=True),
+                     (o1 >> 16).to(gl.int16).to(gl.bfloat16, bitcast=True))
+        return gl.reshape(gl.permute(gl.join(p0, p1), [0, 1, 3, 2]), [BN, BK // 2])
+
+    @gluon.jit
+    def _step(words, scale_bytes, pairs, acc, BN: gl.constexpr, BK: gl.constexpr, a_l: gl.constexpr):
+        """One K step: decode `words` `[BN, BK/8]` int32, scale by `scale_bytes` `[BN, BK/32]`, and add
+        w_low @ x_even + w_high @ x_odd into `acc` `[BN, MN]` float32 (`pairs` `[BK/2, MN]` int32 = x's
+        (even, odd) bf16 pairs, transposed)."""
+        o0, o1, o2, o3 = gl.inline_asm_elementwise(_DECODE, "=r,=r,=r,=r,r", [words],
+                                                   dtype=(gl.int32, gl.int32, gl.int32, gl.int32), is_pure=True,
+                                                   pack=1)
+        low = gl.reshape(_pairs_to_bf16(o0, o1, BN, BK), [BN, BK // 32, 16])
+        high = gl.reshape(_pairs_to_bf16(o2, o3, BN, BK), [BN, BK // 32, 16])
+        sb = gl.convert_layout(scale_bytes, gl.SliceLayout(2, low.type.layout), assert_trivial=True).to(gl.int16)
+        scale = gl.where(sb == 0, 0x0040, gl.where(sb == 255, 0x7FC0, sb << 7)).to(gl.bfloat16, bitcast=True)
+        scale = gl.expand_dims(scale, 2)
+        a_low = gl.convert_layout(gl.reshape(low * scale, [BN, BK // 2]), a_l, assert_trivial=True)
+        a_high = gl.convert_layout(gl.reshape(high * scale, [BN, BK // 2]), a_l, assert_trivial=True)
+        x_even = pairs.to(gl.int16).to(gl.bfloat16, bitcast=True)
+        x_odd = (pairs >> 16).to(gl.int16).to(gl.bfloat16, bitcast=True)
+        acc = mma_v2(a_low, x_even, acc)
+        return mma_v2(a_high, x_odd, acc)
+
+    @gluon.jit
+    def _few_rows_kernel(w32_ptr, s_ptr, x32_ptr, ws_ptr, count_ptr, out_ptr, N, M, k_per_split, splits,
+                         stride_w32, stride_s, stride_x32,
+                         BN: gl.constexpr, BK: gl.constexpr, MN: gl.constexpr, WARPS: gl.constexpr):
+        """out `[M, N]` bf16 = x `[M, K]` @ dequantized W `[N, K]`^T for the program's rows of W (axis 0) and K
+        slice (axis 1). `w32_ptr`: the packed codes as int32 words `[N, K/8]`; `s_ptr`: E8M0 bytes `[N, K/32]`;
+        `x32_ptr`: x as int32 pairs `[M, K/2]`; `ws_ptr`/`count_ptr`: float32 zeros `[M, N]` and int32 zeros
+        (one per row tile) when `splits` > 1."""
+        mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[WARPS, 1], instr_shape=[16, 8])
+        a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=8)
+        b_l: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=8)
+        w_l: gl.constexpr = word_layout(BN, BK, WARPS)
+        groups: gl.constexpr = gl.reshape(gl.full([BN, BK // 2], 0, gl.bfloat16, layout=a_l),
+                                          [BN, BK // 32, 16]).type.layout
+        s_l: gl.constexpr = gl.SliceLayout(2, groups)
+        pid_n = gl.program_id(0)
+        k_start = gl.program_id(1) * k_per_split
+        k_last = k_start + k_per_split - BK
+        rows = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, w_l))
+        w_at = w32_ptr + rows[:, None] * stride_w32 + gl.arange(0, BK // 8, layout=gl.SliceLayout(0, w_l))[None, :]
+        w_ok = rows[:, None] < N
+        s_rows = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, s_l))
+        s_at = s_ptr + s_rows[:, None] * stride_s + gl.arange(0, BK // 32, layout=gl.SliceLayout(0, s_l))[None, :]
+        s_ok = s_rows[:, None] < N
+        x_cols = gl.arange(0, MN, layout=gl.SliceLayout(0, b_l))
+        x_at = x32_ptr + x_cols[None, :] * stride_x32 + gl.arange(0, BK // 2, layout=gl.SliceLayout(1, b_l))[:, None]
+        x_ok = x_cols[None, :] < M
+        acc = gl.zeros([BN, MN], gl.float32, layout=mma)
+        words = gl.load(w_at + gl.multiple_of(k_start // 8, 16), mask=w_ok, other=0)
+        scale_bytes = gl.load(s_at + gl.multiple_of(k_start // 32, 4), mask=s_ok, other=127)
+        pairs = gl.load(x_at + gl.multiple_of(k_start // 2, 64), mask=x_ok, other=0)
+        for k0 in range(k_start, k_start + k_per_split, BK):
+            ahead = gl.minimum(k0 + BK, k_last)  # the last step re-reads its own (cached) tile instead of branching
+            next_words = gl.load(w_at + gl.multiple_of(ahead // 8, 16), mask=w_ok, other=0)
+            next_scales = gl.load(s_at + gl.multiple_of(ahead // 32, 4), mask=s_ok, other=127)
+            next_pairs = gl.load(x_at + gl.multiple_of(ahead // 2, 64), mask=x_ok, other=0)
+            acc = _step(words, scale_bytes, pairs, acc, BN, BK, a_l)
+            words = next_words
+            scale_bytes = next_scales
+            pairs = next_pairs
+        out_rows = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, mma))
+        out_cols = gl.arange(0, MN, layout=gl.SliceLayout(0, mma))
+        tile = out_cols[None, :] * N + out_rows[:, None]
+        ok = (out_cols[None, :] < M) & (out_rows[:, None] < N)
+        if splits == 1:
+            gl.store(out_ptr + tile, acc.to(gl.bfloat16), mask=ok)
+        else:
+            gl.atomic_add(ws_ptr + tile, acc, mask=ok, sem="relaxed")
+            _barrier()  # every thread's additions come before the count, which its atomic releases
+            if gl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel", scope="gpu") == splits - 1:
+                total = gl.load(ws_ptr + tile, mask=ok, cache_modifier=".cg")
+                gl.store(out_ptr + tile, total.to(gl.bfloat16), mask=ok)
+                gl.store(ws_ptr + tile, gl.zeros([BN, MN], gl.float32, layout=mma), mask=ok)
+                gl.store(count_ptr + pid_n, 0)
+
+
+_WORKSPACES: dict[torch.device, torch.Tensor] = {}
+_SMS: dict[torch.device, int] = {}
+_CAPABLE: dict[torch.device, bool] = {}
+
+
+def _sm_count(device: torch.device) -> int:
+    if device not in _SMS:
+        _SMS[device] = torch.cuda.get_device_properties(device).multi_processor_count
+    return _SMS[device]
+
+
+def _workspace(device: torch.device, needed: int) -> torch.Tensor:
+    """Float32 zeros the K slices add into (kept at zero between launches; one per device, never shrunk, so a
+    captured graph keeps using the buffer it was captured with)."""
+    buffer = _WORKSPACES.get(device)
+    if buffer is None or buffer.numel() < needed:
+        buffer = torch.zeros(max(needed, 1 << 18), dtype=torch.float32, device=device)
+        _WORKSPACES[device] = buffer
+    return buffer
+
+
+def supports(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> bool:
+    """Whether `few_rows_matmul` takes this product: Gluon importable, a CUDA GPU of compute capability 8.0 or
+    newer, bf16 activations of 1-16 rows, K a multiple of `BLOCK_K`, packed rows 16-byte aligned."""
+    if not AVAILABLE or not x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1":
+        return False
+    if x.dtype != torch.bfloat16 or x.dim() != 2 or not 1 <= x.shape[0] <= MAX_ROWS or x.shape[1] % BLOCK_K:
+        return False
+    if packed.shape[1] * 2 != x.shape[1] or packed.stride(-1) != 1 or packed.stride(0) % 4 or packed.data_ptr() % 16:
+        return False
+    if scales.stride(-1) != 1:
+        return False
+    if x.device not in _CAPABLE:
+        _CAPABLE[x.device] = torch.cuda.get_device_capability(x.device)[0] >= 8
+    return _CAPABLE[x.device]
+
+
+@functools.lru_cache(maxsize=1024)
+def plan(m: int, n: int, k: int, sms: int) -> tuple[int, int, int]:
+    """(rows of W per program, warps, K slices) for an `[m, k] x [k, n]` product: 128 rows on 4 warps up to 8
+    activation rows, 64 on 2 beyond (the accumulator doubles); K slices dividing K's steps, about `TARGET_STEPS`
+    steps each, more while fewer than two programs per SM (swept on the H200: RESULTS.md)."""
+    block_n, warps = (128, 4) if m <= 8 else (64, 2)
+    steps = k // BLOCK_K
+    divisors = [d for d in range(1, steps + 1) if steps % d == 0]
+    splits = min(divisors, key=lambda d: (abs(steps / d - TARGET_STEPS), -d))
+    while block_n > 32 and triton.cdiv(n, block_n) * steps < 2 * sms:  # small weights: narrower tiles
+        block_n, warps = block_n // 2, 2
+    tiles = triton.cdiv(n, block_n)
+    for d in divisors:
+        if d > splits and tiles * splits < 2 * sms:
+            splits = d
+    return block_n, warps, splits
+
+
+def few_rows_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, *, block_n: int | None = None,
+                    warps: int | None = None, splits: int | None = None) -> torch.Tensor:
+    """`x` `[M, K]` bf16 (M <= 16) times the dequantized weight (`packed` `[N, K/2]` uint8, `scales` `[N, K/32]`
+    uint8) transposed -> `[M, N]` bf16, float32 accumulation. `block_n`, `warps`, `splits` override `plan`."""
+    if not supports(x, packed, scales):
+        raise ValueError("the Gluon few-row path takes 1-16 rows of bf16 activations on a CUDA GPU (compute "
+                         f"capability 8.0+) with K a multiple of {BLOCK_K}; got {tuple(x.shape)} {x.dtype} on "
+                         f"{x.device}.")
+    x = x.contiguous()
+    m, k = x.shape
+    n = packed.shape[0]
+    sms = _sm_count(x.device)
+    planned = plan(m, n, k, sms)
+    block_n = block_n or planned[0]
+    warps = warps or planned[1]
+    splits = splits or planned[2]
+    if (k // BLOCK_K) % splits:
+        raise ValueError(f"{splits} K slices do not divide the {k // BLOCK_K} steps of K = {k}.")
+    tiles = triton.cdiv(n, block_n)
+    out = torch.empty((m, n), dtype=torch.bfloat16, device=x.device)
+    workspace = _workspace(x.device, m * n)
+    counts = arrival_counters(x.device, "mxfp4_few_rows", tiles)
+    _few_rows_kernel[(tiles, splits)](packed.view(torch.int32), scales, x.view(torch.int32), workspace, counts, out,
+                                      n, m, k // splits, splits, packed.stride(0) // 4, scales.stride(0),
+                                      x.stride(0) // 2, BN=block_n, BK=BLOCK_K, MN=8 if m <= 8 else 16,
+                                      WARPS=warps, num_warps=warps)
+    return out
