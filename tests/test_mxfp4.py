@@ -206,13 +206,16 @@ def test_gluon_plan_divides_k_and_fills_the_gpu():
     assert gemm_gluon.plan(1, 7168, 5376, sms=132) == (128, 4, 7)  # the H200's best tile for this shape
 
 
-def test_gluon_path_declines_what_it_cannot_run():
+def test_gluon_path_declines_what_it_cannot_run(monkeypatch):
     packed, scales = quantize(torch.randn(64, 256))
     assert not gemm_gluon.supports(torch.randn(2, 256, dtype=torch.bfloat16), packed, scales)  # a CPU tensor
     if torch.cuda.is_available():
         packed, scales = packed.cuda(), scales.cuda()
         x = torch.randn(2, 256, device="cuda", dtype=torch.bfloat16)
         assert gemm_gluon.supports(x, packed, scales) == gemm_gluon.AVAILABLE
+        monkeypatch.setenv("H3GEN_GLUON", "0")
+        assert not gemm_gluon.supports(x, packed, scales)  # the switch back to the Triton paths
+        monkeypatch.delenv("H3GEN_GLUON")
         assert not gemm_gluon.supports(x.half(), packed, scales)  # fp16 takes the scaled dot
         assert not gemm_gluon.supports(torch.randn(17, 256, device="cuda", dtype=torch.bfloat16), packed, scales)
         odd_packed, odd_scales = quantize(torch.randn(64, 160, device="cuda"))

@@ -219,8 +219,11 @@ def _workspace(device: torch.device, needed: int) -> torch.Tensor:
 
 def supports(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> bool:
     """Whether `few_rows_matmul` takes this product: Gluon importable, a CUDA GPU of compute capability 8.0 or
-    newer, bf16 activations of 1-16 rows, K a multiple of `BLOCK_K`, packed rows 16-byte aligned."""
+    newer, bf16 activations of 1-16 rows, K a multiple of `BLOCK_K`, packed rows 16-byte aligned. `H3GEN_GLUON=0`
+    turns this path off (the Triton paths run instead)."""
     if not AVAILABLE or not x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1":
+        return False
+    if os.environ.get("H3GEN_GLUON") == "0":
         return False
     if x.dtype != torch.bfloat16 or x.dim() != 2 or not 1 <= x.shape[0] <= MAX_ROWS or x.shape[1] % BLOCK_K:
         return False
