@@ -26,6 +26,7 @@ import torch
 import triton
 
 from h3gen.kernels._arrivals import arrival_counters
+from h3gen.kernels.mxfp4_gemm.ptx import WIDEN_CODES
 
 try:  # Gluon ships with Triton 3.4+ as an experimental module; without it this path is off.
     from triton.experimental import gluon
@@ -42,38 +43,19 @@ TARGET_STEPS = 6  # K steps per program, balancing the per-program latency again
 MAX_ROWS = 16
 
 # Four bytes (eight codes) in $4 -> $0 $1: the low codes of bytes (0, 1) and (2, 3) as bf16 pairs (element order
-# low half first), $2 $3: their high codes. The bytes are reordered b0 b2 b1 b3 so that two codes sit 16 bits apart;
-# an AND isolates them, one multiply copies each to its magnitude (bits 6-8) and sign (bit 15) positions, an AND
-# keeps those: the bf16 value E2M1 * 2^-126 (code 1 is the subnormal 2^-127), then * 2^126 (0x7E80).
-DECODE = """
-{
-.reg .b32 t, u, a, b, c, d, k;
-mov.b32 k, 0x7E807E80;
-prmt.b32 t, $4, 0, 0x3120;
-shr.u32 u, t, 8;
-and.b32 a, t, 0x000F000F;
-and.b32 b, u, 0x000F000F;
-and.b32 c, t, 0x00F000F0;
-and.b32 d, u, 0x00F000F0;
-mul.lo.u32 a, a, 4160;
-mul.lo.u32 b, b, 4160;
-mul.lo.u32 c, c, 260;
-mul.lo.u32 d, d, 260;
-and.b32 a, a, 0x81C081C0;
-and.b32 b, b, 0x81C081C0;
-and.b32 c, c, 0x81C081C0;
-and.b32 d, d, 0x81C081C0;
-mul.rn.bf16x2 $0, a, k;
-mul.rn.bf16x2 $1, b, k;
-mul.rn.bf16x2 $2, c, k;
-mul.rn.bf16x2 $3, d, k;
+# low half first), $2 $3: their high codes (`ptx.WIDEN_CODES`).
+DECODE = "{" + WIDEN_CODES + """mov.b32 $0, a;
+mov.b32 $1, b;
+mov.b32 $2, c;
+mov.b32 $3, d;
 }
 """
 
 
 def decode_words_reference(words: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """What `DECODE` computes, in torch integer arithmetic (for CPU tests): int64 words `[...]` holding 32-bit
-    values -> four int64 tensors of bf16 bit pairs (low half = first element), before the final * 2^126."""
+    """What `DECODE` (`ptx.WIDEN_CODES`) computes, in torch integer arithmetic (for CPU tests): int64 words `[...]`
+    holding 32-bit values -> four int64 tensors of bf16 bit pairs (low half = first element), before the final
+    * 2^126."""
     t = (words & 0xFF) | (((words >> 16) & 0xFF) << 8) | (((words >> 8) & 0xFF) << 16) | (((words >> 24) & 0xFF) << 24)
     u = t >> 8
     mask = 0x81C081C0

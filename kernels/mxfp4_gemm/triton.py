@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 
 from h3gen.kernels.mxfp4_gemm import gluon
+from h3gen.kernels.mxfp4_gemm.ptx import WIDEN_CODES
 
 # Rows at and above which `mxfp4_matmul` dequantizes once and calls cuBLAS (measured on the H200, RESULTS.md).
 DEQUANT_MIN_ROWS = 17
@@ -239,44 +240,24 @@ def _scaled_dot_kernel(x_ptr, packed_ptr, scale_ptr, out_ptr, M, N, K, packed_wi
 
 
 # Tensor-core path for a few rows of bf16 activations ("pairs"): each 32-bit word of eight codes becomes four bf16x2
-# registers with about two integer operations per weight, straight in the MMA's operand registers. PTX below: prmt
-# orders the bytes b0 b2 b1 b3, so that the low codes of b0 and b1 sit 16 bits apart (likewise b2/b3, and the high
-# codes); an AND isolates two codes, one multiply copies each to its magnitude (bits 6-8) and sign (bit 15)
-# positions, an AND keeps those: the bf16 value E2M1 * 2^-126 (code 1 lands on the bf16 subnormal 2^-127). Then
-# * 2^126 and * the group scale 2^(s - 127) as bf16 (s = 0: the subnormal 2^-127, s = 255: NaN). Registers:
-# $0 $1 = low codes of bytes (0, 1), (2, 3); $2 $3 = their high codes; $4 = the four bytes; $5 = the scale byte.
+# registers with about two integer operations per weight, straight in the MMA's operand registers (`ptx.WIDEN_CODES`),
+# then * the group scale 2^(s - 127) as bf16 (s = 0: the subnormal 2^-127, s = 255: NaN). Registers: $0 $1 = low
+# codes of bytes (0, 1), (2, 3); $2 $3 = their high codes; $4 = the four bytes; $5 = the scale byte.
 PAIR_DECODE_ASM = tl.constexpr("""
 {
-.reg .b32 t, u, a, b, c, d, k, m, f;
+.reg .b32 m, f;
 .reg .pred p;
-mov.b32 k, 0x7E807E80;
 mul.lo.u32 m, $5, 0x00800080;
 add.u32 f, $5, 1;
 and.b32 f, f, 0xFE;
 setp.eq.u32 p, f, 0;
 @p or.b32 m, m, 0x00400040;
-prmt.b32 t, $4, 0, 0x3120;
-shr.u32 u, t, 8;
-and.b32 a, t, 0x000F000F;
-and.b32 b, u, 0x000F000F;
-and.b32 c, t, 0x00F000F0;
-and.b32 d, u, 0x00F000F0;
-mul.lo.u32 a, a, 4160;
-mul.lo.u32 b, b, 4160;
-mul.lo.u32 c, c, 260;
-mul.lo.u32 d, d, 260;
-and.b32 a, a, 0x81C081C0;
-and.b32 b, b, 0x81C081C0;
-and.b32 c, c, 0x81C081C0;
-and.b32 d, d, 0x81C081C0;
-mul.rn.bf16x2 a, a, k;
-mul.rn.bf16x2 b, b, k;
-mul.rn.bf16x2 c, c, k;
-mul.rn.bf16x2 d, d, k;
+{""" + WIDEN_CODES + """
 mul.rn.bf16x2 $0, a, m;
 mul.rn.bf16x2 $1, b, m;
 mul.rn.bf16x2 $2, c, m;
 mul.rn.bf16x2 $3, d, m;
+}
 }
 """)
 
