@@ -23,6 +23,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import print_table, rel_l2  # noqa: E402
 
+from h3gen.kernels.mxfp4_gemm import gluon  # noqa: E402
 from h3gen.kernels.mxfp4_gemm import triton as mxfp4  # noqa: E402
 from h3gen.quant.mxfp4 import dequantize, quantize  # noqa: E402
 
@@ -105,6 +106,15 @@ def pair_configs(m):
                                        num_stages=num_stages, split=split)
 
 
+def few_rows_configs(m):
+    """Tiles for the Gluon few-row path (`gluon.few_rows_matmul`, bf16): rows of W per program, warps, and K slices
+    (None: `gluon.plan`'s choice)."""
+    if m <= 16:
+        for block_n, warps in ((32, 2), (64, 2), (64, 4), (128, 4)):
+            for splits in (None, 1, 2, 3, 6, 7, 14):
+                yield dict(path="few_rows", block_n=block_n, warps=warps, splits=splits)
+
+
 def scaled_configs(m):
     """Tiles for the `tl.dot_scaled` path: the rows are the MMA's narrow side, so the row tile follows M."""
     small = m <= 16
@@ -143,6 +153,8 @@ def run_config(x, packed, scales, config):
     path = config.pop("path", "fused")
     if path == "gemv":
         return mxfp4.gemv(x, packed, scales, **config)
+    if path == "few_rows":  # K slices must divide K's steps: others raise and the sweep skips them
+        return gluon.few_rows_matmul(x, packed, scales, **config)
     split = config.pop("split")
     if split == "auto":
         split = mxfp4.auto_split(packed.shape[0], x.shape[1], config["block_n"], config["block_k"])
@@ -153,7 +165,7 @@ def run_config(x, packed, scales, config):
     return mxfp4.fused_matmul(x, packed, scales, split_k=split, **config)
 
 
-def sweep(rows_list, log, budget_s, paths=("gemv", "pairs", "fused", "scaled")):
+def sweep(rows_list, log, budget_s, paths=("few_rows", "gemv", "pairs", "fused", "scaled")):
     """Best fused configuration per (shape, M) and the dequantize + cuBLAS time, against bf16; stops starting new
     shapes after `budget_s` seconds."""
     import time
@@ -171,7 +183,7 @@ def sweep(rows_list, log, budget_s, paths=("gemv", "pairs", "fused", "scaled")):
             graph = m <= 256  # GPU time: at a few rows the host's launch cost would hide the kernels
             bf16_ms = time_rotating(lambda x, w: x @ w.t(), [(x, w) for w, _, _ in weights], repeat=3, graph=graph)
             configs = list(small_m_configs(m)) if m <= 16 else LARGE_M_CONFIGS if m <= 1024 else []
-            configs = [c for c in configs + list(scaled_configs(m)) + list(pair_configs(m))
+            configs = [c for c in configs + list(scaled_configs(m)) + list(pair_configs(m)) + list(few_rows_configs(m))
                        if c.get("path", "fused") in paths]
             results = []
             for config in configs:
@@ -272,7 +284,7 @@ def main():
     parser.add_argument("--repeat", type=int, default=10)
     parser.add_argument("--sweep", action="store_true")
     parser.add_argument("--sweep-budget", type=float, default=240.0, help="seconds of GEMM sweeping at most")
-    parser.add_argument("--sweep-paths", nargs="+", default=["gemv", "pairs", "fused", "scaled"],
+    parser.add_argument("--sweep-paths", nargs="+", default=["few_rows", "gemv", "pairs", "fused", "scaled"],
                         help="kernel paths the sweep tries")
     parser.add_argument("--out", type=Path, help="folder for the JSON results and the sweep log")
     args = parser.parse_args()
