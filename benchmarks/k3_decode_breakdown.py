@@ -67,11 +67,11 @@ def skips() -> dict:
             (m, "rms_norm"): lambda x, w, e: x, (p, "rms_norm"): lambda x, w, e: x,
             (p, "add_rms_norm"): lambda x, y, w, e: (x, x), (p, "normed_rows_linear"): unnormed_linear},
         "KDA decode": {(m, "kda_decode"): lambda q, *a, **k: torch.empty_like(q)},
-        "low-rank gate up-projection GEMV": {
+        "low-rank gate GEMV (above 4 rows)": {
             (m, "grouped_rows_linear"): lambda x, w: empty(x.shape[0], x.shape[1], w.shape[1], dtype=x.dtype, like=x)},
-        "MLA absorb + decode": {
-            (m, "absorb_query"): lambda q, w, nope: empty(q.shape[0], q.shape[1], w.shape[-1] + q.shape[-1] - nope,
-                                                     dtype=torch.float32, like=q),
+        "MLA cache write + absorb + decode": {
+            (m, "absorb_query"): lambda q, w, nope, new_rows=None: empty(
+                q.shape[0], q.shape[1], w.shape[-1] + q.shape[-1] - nope, dtype=torch.float32, like=q),
             (m, "mla_decode"): lambda q, pages, table, lens, scale, v: empty(q.shape[0], q.shape[1], v,
                                                                         dtype=torch.float32, like=q),
             (m, "mla_decode_partials"): lambda q, pages, table, lens, scale, v, splits: (

@@ -304,6 +304,14 @@ def test_latent_row_write_matches_reference(rank, rope, dtype, weight_dtype):
     mla_triton.write_latent_rows(latent, k_pe, weight, 1e-6, got[:, 1], table, lens)
     assert not torch.equal(expected, pool)  # the rows were written
     assert torch.allclose(got.float(), expected.float(), rtol=1e-6 if dtype == torch.float32 else 1e-3, atol=0)
+    # The same rows written by the absorbed query's launch (one more program per sequence), its query unchanged.
+    q = torch.randn(batch, 3, 40, generator=g, device=DEVICE).to(dtype)
+    w_kc = torch.randn(3, 24, 72, generator=g, device=DEVICE).to(dtype)
+    with_write = pool.clone()
+    query = mla_triton.absorb_query(q, w_kc, 24, new_rows=(latent, k_pe, weight, 1e-6, with_write[:, 1], table, lens))
+    assert torch.equal(with_write, got) and _err(query, mla_ref.absorb_query(q, w_kc, 24)) <= 1e-5
+    with pytest.raises(ValueError, match="new rows"):
+        mla_triton.absorb_query(q[:2], w_kc, 24, new_rows=(latent, k_pe, weight, 1e-6, with_write[:, 1], table, lens))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -363,6 +371,54 @@ def test_fused_kda_decode_matches_reference(heads, dim, width, lower_bound, dtyp
     from h3gen.kernels._arrivals import arrival_counters
 
     assert not arrival_counters(q.device, "kda_decode", 1).any()  # every head's last part reset its counter
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("heads,dim,rank,width,parts", [(3, 16, 12, 4, 1), (2, 64, 24, 3, 4), (2, 24, 16, 4, 2),
+                                                         (2, 32, 16, 4, 4), (3, 8, 12, 2, 1)])
+def test_fused_kda_decode_with_low_rank_gates(heads, dim, rank, width, parts, dtype):
+    """`gate_up`: the decay and output gates projected up from their low-rank inputs inside the kernel (a rank that
+    is no power of two, a head width below its block, one part and several) equal the reference that runs the two
+    linears first, and the same kernel fed the projected gates; the states move the same way."""
+    from h3gen.kernels.kda import reference as kda_ref
+    from h3gen.kernels.kda import triton as kda_triton
+
+    g = torch.Generator(device=DEVICE).manual_seed(heads * dim + rank)
+    batch, hd = 2, heads * dim
+
+    def rand(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=g, device=DEVICE) * scale).to(dtype)
+
+    # q, k, v, b and the two low-rank inputs as column slices of one fused projection, as the model passes them.
+    fused = rand(batch, 3 * hd + heads + 2 * rank)
+    q, k, v, b = fused[:, :hd], fused[:, hd : 2 * hd], fused[:, 2 * hd : 3 * hd], fused[:, 3 * hd : 3 * hd + heads]
+    f_a, g_a = fused[:, 3 * hd + heads : 3 * hd + heads + rank], fused[:, 3 * hd + heads + rank :]
+    gate_up = rand(2, hd, rank, scale=rank ** -0.5)
+    conv_weights = [torch.randn(hd, 1, width, generator=g, device=DEVICE) * 0.5 for _ in range(3)]
+    a_log = torch.rand(heads, generator=g, device=DEVICE) * 2.0
+    dt_bias = torch.randn(hd, generator=g, device=DEVICE) * 0.5
+    norm_weight = (1.0 + 0.1 * torch.randn(dim, generator=g, device=DEVICE)).to(dtype)
+    conv_state = torch.randn(batch, width - 1, 3 * hd, generator=g, device=DEVICE)
+    state = torch.randn(batch, heads, dim, dim, generator=g, device=DEVICE)
+    states = {name: (conv_state.clone(), state.clone()) for name in ("reference", "low rank", "projected")}
+
+    def run(name, fn, f, gate, **extra):
+        conv, recurrent = states[name]
+        return fn(q, k, v, conv_weights, conv, f, a_log, dt_bias, -5.0, b, gate, norm_weight, 1e-5, recurrent,
+                  dim ** -0.5, **extra)
+
+    expected = run("reference", kda_ref.kda_decode, f_a, g_a, gate_up=gate_up)
+    got = run("low rank", kda_triton.kda_decode, f_a, g_a, gate_up=gate_up, parts=parts)
+    projected = run("projected", kda_triton.kda_decode, torch.nn.functional.linear(f_a, gate_up[0]),
+                    torch.nn.functional.linear(g_a, gate_up[1]), parts=parts)
+    tolerance = 1e-5 if dtype == torch.float32 else 3e-3
+    assert _err(got, expected) <= tolerance and _err(got, projected) <= tolerance
+    for name in ("low rank", "projected"):
+        assert torch.equal(states[name][0], states["reference"][0])  # the conv states shift the same
+        assert _err(states[name][1], states["reference"][1]) <= 1e-5
+    assert not torch.equal(states["reference"][0], conv_state)
+    with pytest.raises(ValueError, match="gate_up"):
+        run("low rank", kda_triton.kda_decode, f_a, g_a, gate_up=gate_up[:, :, 1:])
 
 
 def test_kda_decode_default_parts():

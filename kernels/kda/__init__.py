@@ -1,9 +1,9 @@
 """Kimi Delta Attention (KDA) ops: `short_conv`, `kda_gate`, `l2_normalize`, `kda_recurrent` (token by token),
 `kda_chunked` (prefill) and `kda_decode` (one token of a layer after its projections, states updated in place).
 
-`kda_decode` runs its fused Triton kernel on CUDA, the composed torch reference elsewhere; `kda_chunked` runs
-fla-core's Triton chunk kernel (`fla.ops.kda.chunk_kda`) on CUDA when asked (`H3GEN_FLA=1`) and installed; the
-others are torch on every device.
+`kda_decode` runs its fused Triton kernel on CUDA (convs of 2-4 taps), the composed torch reference elsewhere;
+`kda_chunked` runs fla-core's Triton chunk kernel (`fla.ops.kda.chunk_kda`) on CUDA when asked (`H3GEN_FLA=1`) and
+installed; the others are torch on every device.
 """
 
 import os
@@ -41,16 +41,18 @@ def kda_chunked(q, k, v, g, beta, scale, initial_state=None, chunk_size: int = 6
 
 
 def kda_decode(q, k, v, conv_weights, conv_state, f, a_log, dt_bias, lower_bound, b, gate, norm_weight, norm_eps,
-               state, scale, rows=None):
+               state, scale, rows=None, gate_up=None):
     """One decode token of a KDA layer (see `reference.kda_decode`); `conv_state` and `state` change in place (with
-    `rows`, the rows of them the sequences own)."""
-    if use_triton(q) and state.stride(3) == 1 and state.stride(2) == state.shape[3] and conv_state.stride(2) == 1:
+    `rows`, the rows of them the sequences own). With `gate_up` (`[2, H * D, R]`), `f` and `gate` are the low-rank
+    gate inputs, projected up inside the op."""
+    if (use_triton(q) and state.stride(3) == 1 and state.stride(2) == state.shape[3] and conv_state.stride(2) == 1
+            and conv_weights[0].shape[-1] <= 4):
         from h3gen.kernels.kda import triton as fast
 
         return fast.kda_decode(q, k, v, conv_weights, conv_state, f, a_log, dt_bias, lower_bound, b, gate,
-                               norm_weight, norm_eps, state, scale, rows=rows)
+                               norm_weight, norm_eps, state, scale, rows=rows, gate_up=gate_up)
     return reference.kda_decode(q, k, v, conv_weights, conv_state, f, a_log, dt_bias, lower_bound, b, gate,
-                                norm_weight, norm_eps, state, scale, rows)
+                                norm_weight, norm_eps, state, scale, rows, gate_up)
 
 
 __all__ = ["kda_chunked", "kda_decode", "kda_gate", "kda_recurrent", "l2_normalize", "short_conv"]

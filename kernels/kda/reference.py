@@ -114,7 +114,8 @@ def kda_chunked(q, k, v, g, beta, scale: float, initial_state: torch.Tensor | No
 def kda_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, conv_weights, conv_state: torch.Tensor,
                f: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor, lower_bound: float | None,
                b: torch.Tensor, gate: torch.Tensor, norm_weight: torch.Tensor, norm_eps: float,
-               state: torch.Tensor, scale: float, rows: torch.Tensor | None = None) -> torch.Tensor:
+               state: torch.Tensor, scale: float, rows: torch.Tensor | None = None,
+               gate_up: torch.Tensor | None = None) -> torch.Tensor:
     """One decode token of a KDA layer after its projections, updating `conv_state` and `state` in place.
 
     Args:
@@ -125,9 +126,14 @@ def kda_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, conv_weights, 
         b: `[B, H]` beta logits. gate: `[B, H * D]` output-gate logits.
         norm_weight: `[D]` the output RMSNorm weight; state: `[B, H, D, D]` float32.
         rows: optional `[B]` indices: then `conv_state` and `state` hold more rows, sequence b's being `rows[b]`.
+        gate_up: optional `[2, H * D, R]` (`f_b_proj`'s and `g_b_proj`'s weights stacked, model dtype): then `f` and
+            `gate` are the low-rank gate inputs `[B, R]` (`f_a_proj`'s and `g_a_proj`'s outputs), projected up
+            here (each rounded to the model dtype, as the linears would).
     Returns:
         `[B, H * D]` in q.dtype: RMSNorm(o) * sigmoid(gate) with o the recurrence's output.
     """
+    if gate_up is not None:
+        f, gate = F.linear(f, gate_up[0]), F.linear(gate, gate_up[1])
     if rows is not None:
         conv_rows, state_rows = conv_state[rows], state[rows]
         out = kda_decode(q, k, v, conv_weights, conv_rows, f, a_log, dt_bias, lower_bound, b, gate, norm_weight,

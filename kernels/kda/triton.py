@@ -7,7 +7,11 @@ The state's value columns are independent (column j of the state only meets colu
 a head splits over `parts` programs: a decode step at batch 1 has a few dozen heads, too few programs to stream
 the states at the GPU's bandwidth. The output RMSNorm needs the whole head, so each part stores its columns of the
 raw output and counts itself in; the last part of the head normalises them (and shifts the head's q/k conv
-state, which every part reads)."""
+state, which every part reads, from the values it read itself: no second read).
+
+With low-rank gates (`gate_up`) the two up-projections happen here too: each program multiplies the decay gate's
+rows for its head and the output gate's rows for its columns (loaded before the PDL wait) by the low-rank inputs,
+so a decode step has no GEMV kernel for them."""
 
 import torch
 import triton
@@ -19,45 +23,66 @@ from h3gen.kernels._pdl import pdl_flag, pdl_launch, wait_for_inputs
 
 
 @triton.jit
-def _conv_silu(x, w_ptr, state_ptr, channel, local, mask, stride_tap, WIDTH: tl.constexpr):
-    """Causal depthwise conv of one token's raw input `x` (float32) over `WIDTH` taps (the state holds the
-    `WIDTH - 1` earlier raw inputs), then SiLU. Returns float32; the state is left as it is (`_conv_shift`)."""
-    acc = x * tl.load(w_ptr + local * WIDTH + (WIDTH - 1), mask=mask, other=0.0).to(tl.float32)
-    for tap in tl.static_range(WIDTH - 1):
-        earlier = tl.load(state_ptr + tap * stride_tap + channel, mask=mask, other=0.0)
-        acc += earlier * tl.load(w_ptr + local * WIDTH + tap, mask=mask, other=0.0).to(tl.float32)
-    return acc * tl.sigmoid(acc)
+def _tap(state_ptr, channel, mask, stride_tap, tap: tl.constexpr, WIDTH: tl.constexpr):
+    """The conv state's earlier raw input number `tap` (zeros for a tap the conv does not have)."""
+    if tap < WIDTH - 1:
+        return tl.load(state_ptr + tap * stride_tap + channel, mask=mask, other=0.0)
+    return tl.zeros(channel.shape, tl.float32)
 
 
 @triton.jit
-def _conv_shift(x, state_ptr, channel, mask, stride_tap, WIDTH: tl.constexpr):
-    """Shift the raw input `x` into the conv state (`state[tap] = state[tap + 1]`, the last tap = x).
+def _conv_silu(x, w_ptr, state_ptr, channel, local, mask, stride_tap, WIDTH: tl.constexpr):
+    """Causal depthwise conv of one token's raw input `x` (float32) over `WIDTH` <= 4 taps (the state holds the
+    `WIDTH - 1` earlier raw inputs), then SiLU. Returns the float32 output and the earlier inputs 1 and 2 as read
+    (zeros past `WIDTH - 1`), which `_conv_shift` writes back one place earlier; the state is left as it is."""
+    t0 = _tap(state_ptr, channel, mask, stride_tap, 0, WIDTH)
+    t1 = _tap(state_ptr, channel, mask, stride_tap, 1, WIDTH)
+    t2 = _tap(state_ptr, channel, mask, stride_tap, 2, WIDTH)
+    acc = x * tl.load(w_ptr + local * WIDTH + (WIDTH - 1), mask=mask, other=0.0).to(tl.float32)
+    acc += t0 * tl.load(w_ptr + local * WIDTH, mask=mask, other=0.0).to(tl.float32)
+    if WIDTH > 2:
+        acc += t1 * tl.load(w_ptr + local * WIDTH + 1, mask=mask, other=0.0).to(tl.float32)
+    if WIDTH > 3:
+        acc += t2 * tl.load(w_ptr + local * WIDTH + 2, mask=mask, other=0.0).to(tl.float32)
+    return acc * tl.sigmoid(acc), t1, t2
 
-    A vector shorter than the program's threads is held by several threads, which do not run in lockstep: every
-    rewrite of state memory waits at a barrier until all threads have read what it overwrites."""
-    for tap in tl.static_range(WIDTH - 2):
-        later = tl.load(state_ptr + (tap + 1) * stride_tap + channel, mask=mask, other=0.0)
-        tl.debug_barrier()
-        tl.store(state_ptr + tap * stride_tap + channel, later, mask=mask)
-    tl.debug_barrier()
+
+@triton.jit
+def _conv_shift(x, t1, t2, state_ptr, channel, mask, stride_tap, WIDTH: tl.constexpr):
+    """Shift the raw input `x` into the conv state from the earlier inputs `_conv_silu` read (`state[tap] =
+    earlier[tap + 1]`, the last tap = x), with no second read. The caller makes sure that every reader of these
+    taps (every thread of the program, every part of the head) has read them before."""
+    if WIDTH > 2:
+        tl.store(state_ptr + channel, t1, mask=mask)
+    if WIDTH > 3:
+        tl.store(state_ptr + stride_tap + channel, t2, mask=mask)
     tl.store(state_ptr + (WIDTH - 2) * stride_tap + channel, x, mask=mask)
 
 
 @triton.jit
-def _norm_gate_store(o, cols, mask, dim, normw_ptr, gate_ptr, out_ptr, norm_eps, out_dtype):
-    """The head's output RMSNorm over its `dim` values times the sigmoid of its gate logits, stored."""
+def _norm_gate_store(o, gate, cols, mask, dim, normw_ptr, out_ptr, norm_eps, out_dtype):
+    """The head's output RMSNorm over its `dim` values times the sigmoid of its gate logits (float32), stored."""
     o = o * tl.rsqrt(tl.sum(o * o, axis=0) / dim + norm_eps) * tl.load(normw_ptr + cols, mask=mask, other=0.0).to(
         tl.float32)
-    gate = tl.load(gate_ptr, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr, (o * tl.sigmoid(gate)).to(out_dtype), mask=mask)
 
 
 @triton.jit
+def _up_project(w, x_ptr, ranks, rank_ok, dtype):
+    """A low-rank gate's up-projection: `w` `[C, R]` (loaded) times the `[R]` input at `x_ptr`, float32 sums
+    rounded to `dtype` (as the linear's output would be). (As a `tl.dot` through shared memory the decode step was
+    10 % slower on the H200: RESULTS.md.)"""
+    x = tl.load(x_ptr + ranks, mask=rank_ok, other=0.0).to(tl.float32)
+    return tl.sum(w.to(tl.float32) * x[None, :], axis=1).to(dtype).to(tl.float32)
+
+
+@triton.jit
 def _kda_decode_kernel(q_ptr, k_ptr, v_ptr, wq_ptr, wk_ptr, wv_ptr, conv_ptr, f_ptr, alog_ptr, dtb_ptr, b_ptr,
-                       gate_ptr, normw_ptr, state_ptr, rows_ptr, out_ptr, raw_ptr, count_ptr, heads, dim, stride_row,
-                       stride_f, stride_gate, stride_conv_b, stride_conv_tap, stride_sb, stride_sh, scale, lower_bound,
-                       norm_eps, BLOCK: tl.constexpr, PARTS: tl.constexpr, WIDTH: tl.constexpr,
-                       SAFE_GATE: tl.constexpr, ROWS: tl.constexpr, PDL: tl.constexpr):
+                       gate_ptr, up_ptr, normw_ptr, state_ptr, rows_ptr, out_ptr, raw_ptr, count_ptr, heads, dim,
+                       rank, stride_row, stride_f, stride_gate, stride_up_g, stride_up_n, stride_conv_b,
+                       stride_conv_tap, stride_sb, stride_sh, scale, lower_bound, norm_eps, BLOCK: tl.constexpr,
+                       PARTS: tl.constexpr, WIDTH: tl.constexpr, SAFE_GATE: tl.constexpr,
+                       ROWS: tl.constexpr, LOWRANK: tl.constexpr, BLOCK_R: tl.constexpr, PDL: tl.constexpr):
     seq = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     part = tl.program_id(2)
@@ -65,6 +90,15 @@ def _kda_decode_kernel(q_ptr, k_ptr, v_ptr, wq_ptr, wk_ptr, wv_ptr, conv_ptr, f_
     mask = cols < dim
     part_cols = part * (BLOCK // PARTS) + tl.arange(0, BLOCK // PARTS)  # this program's value columns
     part_mask = part_cols < dim
+    local = head * dim + cols  # this head's channels within q (and k, v)
+    part_local = head * dim + part_cols
+    if LOWRANK:  # the gates' up-projection weights (the head's decay rows, the part's output-gate rows) load early
+        ranks = tl.arange(0, BLOCK_R)
+        rank_ok = ranks < rank
+        w_decay = tl.load(up_ptr + local[:, None] * stride_up_n + ranks[None, :],
+                          mask=mask[:, None] & rank_ok[None, :], other=0.0)
+        w_gate = tl.load(up_ptr + stride_up_g + part_local[:, None] * stride_up_n + ranks[None, :],
+                         mask=part_mask[:, None] & rank_ok[None, :], other=0.0)
     if PARTS > 1:
         # A part's state columns are few enough to hold while waiting: they load as the projection drains (the
         # states and rows are written a step earlier, never by the kernel just before).
@@ -80,8 +114,6 @@ def _kda_decode_kernel(q_ptr, k_ptr, v_ptr, wq_ptr, wk_ptr, wv_ptr, conv_ptr, f_
         slot = seq  # the sequence's row of the states
         if ROWS:
             slot = tl.load(rows_ptr + seq).to(tl.int64)
-    local = head * dim + cols  # this head's channels within q (and k, v)
-    part_local = head * dim + part_cols
     width = heads * dim
     row = seq * stride_row
     conv = conv_ptr + slot * stride_conv_b
@@ -89,21 +121,30 @@ def _kda_decode_kernel(q_ptr, k_ptr, v_ptr, wq_ptr, wk_ptr, wv_ptr, conv_ptr, f_
     q_raw = tl.load(q_ptr + row + local, mask=mask, other=0.0).to(tl.float32)
     k_raw = tl.load(k_ptr + row + local, mask=mask, other=0.0).to(tl.float32)
     v_raw = tl.load(v_ptr + row + part_local, mask=part_mask, other=0.0).to(tl.float32)
-    q = _conv_silu(q_raw, wq_ptr, conv, local, local, mask, stride_conv_tap, WIDTH)
-    k = _conv_silu(k_raw, wk_ptr, conv, width + local, local, mask, stride_conv_tap, WIDTH)
-    v = _conv_silu(v_raw, wv_ptr, conv, 2 * width + part_local, part_local, part_mask, stride_conv_tap, WIDTH)
-    _conv_shift(v_raw, conv, 2 * width + part_local, part_mask, stride_conv_tap, WIDTH)  # only this part reads it
+    q, q1, q2 = _conv_silu(q_raw, wq_ptr, conv, local, local, mask, stride_conv_tap, WIDTH)
+    k, k1, k2 = _conv_silu(k_raw, wk_ptr, conv, width + local, local, mask, stride_conv_tap, WIDTH)
+    v, v1, v2 = _conv_silu(v_raw, wv_ptr, conv, 2 * width + part_local, part_local, part_mask, stride_conv_tap,
+                           WIDTH)
+    # No other program reads this part's v taps (nor, with one part, the head's q/k taps): shift them now, which
+    # frees their registers; the head's last part shifts the q/k taps when there are several.
+    tl.debug_barrier()  # every thread has read the taps it overwrites
+    _conv_shift(v_raw, v1, v2, conv, 2 * width + part_local, part_mask, stride_conv_tap, WIDTH)
     if PARTS == 1:
-        _conv_shift(q_raw, conv, local, mask, stride_conv_tap, WIDTH)
-        _conv_shift(k_raw, conv, width + local, mask, stride_conv_tap, WIDTH)
+        _conv_shift(q_raw, q1, q2, conv, local, mask, stride_conv_tap, WIDTH)
+        _conv_shift(k_raw, k1, k2, conv, width + local, mask, stride_conv_tap, WIDTH)
     q = q.to(out_dtype).to(tl.float32)  # the conv output is rounded to the model dtype, as in the torch path
     k = k.to(out_dtype).to(tl.float32)
     v = v.to(out_dtype).to(tl.float32)
     q = q / tl.sqrt(tl.sum(q * q, axis=0) + 1e-6)
     k = k / tl.sqrt(tl.sum(k * k, axis=0) + 1e-6)
-    # Decay gate (log space) and beta.
-    x = tl.load(f_ptr + seq * stride_f + local, mask=mask, other=0.0).to(tl.float32) + \
-        tl.load(dtb_ptr + local, mask=mask, other=0.0).to(tl.float32)
+    # Decay gate (log space), output gate logits and beta.
+    if LOWRANK:
+        f = _up_project(w_decay, f_ptr + seq * stride_f, ranks, rank_ok, f_ptr.dtype.element_ty)
+        gate = _up_project(w_gate, gate_ptr + seq * stride_gate, ranks, rank_ok, gate_ptr.dtype.element_ty)
+    else:
+        f = tl.load(f_ptr + seq * stride_f + local, mask=mask, other=0.0).to(tl.float32)
+        gate = tl.load(gate_ptr + seq * stride_gate + part_local, mask=part_mask, other=0.0).to(tl.float32)
+    x = f + tl.load(dtb_ptr + local, mask=mask, other=0.0).to(tl.float32)
     rate = tl.exp(tl.load(alog_ptr + head).to(tl.float32))
     if SAFE_GATE:
         g = lower_bound * tl.sigmoid(rate * x)
@@ -116,25 +157,34 @@ def _kda_decode_kernel(q_ptr, k_ptr, v_ptr, wq_ptr, wk_ptr, wv_ptr, conv_ptr, f_
         both = mask[:, None] & part_mask[None, :]
         state = tl.load(tile, mask=both, other=0.0)
     state = state * tl.exp(g)[:, None]
-    tl.debug_barrier()  # every thread holds its copy of the old state before any writes the new one
+    # Every thread holds its copy of the old state and of the conv taps before any writes the new ones.
+    tl.debug_barrier()
     delta = v - tl.sum(k[:, None] * state, axis=0)
     state = state + k[:, None] * (beta * delta)[None, :]
     o = tl.sum((q * scale)[:, None] * state, axis=0)
     tl.store(tile, state, mask=both)
     if PARTS == 1:
-        _norm_gate_store(o, cols, mask, dim, normw_ptr, gate_ptr + seq * stride_gate + local, out_ptr + seq * width +
-                         local, norm_eps, out_dtype)
+        _norm_gate_store(o, gate, cols, mask, dim, normw_ptr, out_ptr + seq * width + local, norm_eps, out_dtype)
     else:
-        tl.store(raw_ptr + seq * width + part_local, o, mask=part_mask)
+        # The raw output and (with low-rank gates, computed here per part) the gate logits go to a float32 scratch
+        # row `[o | gate]`; the head's last part reads them all.
+        tl.store(raw_ptr + seq * 2 * width + part_local, o, mask=part_mask)
+        if LOWRANK:
+            tl.store(raw_ptr + seq * 2 * width + width + part_local, gate, mask=part_mask)
         # Every thread's stores (and reads of the q/k conv state) come before the count, released by its atomic.
         tl.debug_barrier()
         done = tl.atomic_add(count_ptr + seq * heads + head, 1, sem="acq_rel", scope="gpu")
-        if done == PARTS - 1:  # the head's last part: every other part's columns are stored
-            _conv_shift(q_raw, conv, local, mask, stride_conv_tap, WIDTH)
-            _conv_shift(k_raw, conv, width + local, mask, stride_conv_tap, WIDTH)
-            o_all = tl.load(raw_ptr + seq * width + local, mask=mask, other=0.0, cache_modifier=".cg")
-            _norm_gate_store(o_all, cols, mask, dim, normw_ptr, gate_ptr + seq * stride_gate + local,
-                             out_ptr + seq * width + local, norm_eps, out_dtype)
+        if done == PARTS - 1:  # the head's last part: every other part has read the q/k taps and stored its columns
+            _conv_shift(q_raw, q1, q2, conv, local, mask, stride_conv_tap, WIDTH)
+            _conv_shift(k_raw, k1, k2, conv, width + local, mask, stride_conv_tap, WIDTH)
+            o_all = tl.load(raw_ptr + seq * 2 * width + local, mask=mask, other=0.0, cache_modifier=".cg")
+            if LOWRANK:
+                gate_all = tl.load(raw_ptr + seq * 2 * width + width + local, mask=mask, other=0.0,
+                                   cache_modifier=".cg")
+            else:
+                gate_all = tl.load(gate_ptr + seq * stride_gate + local, mask=mask, other=0.0).to(tl.float32)
+            _norm_gate_store(o_all, gate_all, cols, mask, dim, normw_ptr, out_ptr + seq * width + local, norm_eps,
+                             out_dtype)
             tl.store(count_ptr + seq * heads + head, 0)  # ready for the next step (and graph replay)
 
 
@@ -150,12 +200,14 @@ def default_parts(batch: int, heads: int, dim: int) -> int:
 
 
 def kda_decode(q, k, v, conv_weights, conv_state, f, a_log, dt_bias, lower_bound, b, gate, norm_weight, norm_eps,
-               state, scale, rows=None, num_warps=None, parts=None):
+               state, scale, rows=None, gate_up=None, num_warps=None, parts=None):
     """See `reference.kda_decode` (same arguments; `conv_state` and `state` are updated in place). `q`, `k`, `v`
     may be column slices of one tensor (the fused projection); `state`'s `[D, D]` and `conv_state`'s channel axis
-    must be contiguous; with `rows` `[B]` they hold more rows and sequence b's is `rows[b]`. With PDL, `state` and
-    `rows` must not be written by the kernel just before (they load while it drains). `parts` (a power of two)
-    splits each head's value columns over that many programs (`default_parts`); `num_warps` tunes the launch."""
+    must be contiguous; with `rows` `[B]` they hold more rows and sequence b's is `rows[b]`. With `gate_up`
+    `[2, H * D, R]`, `f` and `gate` are the low-rank gate inputs `[B, R]` and each program projects up the rows it
+    needs (weights loaded before the PDL wait: no GEMV kernel of their own). With PDL, `state` and `rows` must not
+    be written by the kernel just before (they load while it drains). `parts` (a power of two) splits each head's
+    value columns over that many programs (`default_parts`); `num_warps` tunes the launch."""
     batch, heads, dim = q.shape[0], state.shape[1], state.shape[2]
     width = conv_weights[0].shape[-1]
     if len({t.stride(0) for t in (q, k, v)}) != 1 or any(t.stride(-1) != 1 for t in (q, k, v)):
@@ -163,20 +215,33 @@ def kda_decode(q, k, v, conv_weights, conv_state, f, a_log, dt_bias, lower_bound
     f, gate = (t if t.stride(-1) == 1 else t.contiguous() for t in (f, gate))
     if state.stride(3) != 1 or state.stride(2) != dim or conv_state.stride(2) != 1:
         raise ValueError("kda_decode needs the state's [D, D] and the conv state's channels contiguous.")
+    if not 2 <= width <= 4:
+        raise ValueError(f"kda_decode's kernel takes convs of 2 to 4 taps (got {width}).")
+    rank = 1
+    if gate_up is not None:
+        rank = gate_up.shape[2]
+        if (gate_up.shape[:2] != (2, heads * dim) or gate_up.stride(2) != 1 or f.shape != (batch, rank)
+                or gate.shape != (batch, rank)):
+            raise ValueError(f"kda_decode's gate_up must be [2, {heads * dim}, R] with unit inner stride and f, gate "
+                             f"the [B, R] low-rank inputs (got {tuple(gate_up.shape)}, {tuple(f.shape)}, "
+                             f"{tuple(gate.shape)}).")
     block = next_power_of_2(dim)
     parts = parts or default_parts(batch, heads, dim)
     if parts & (parts - 1) or not 1 <= parts <= block:
         raise ValueError(f"kda_decode's parts must be a power of two up to {block} (got {parts}).")
     out = torch.empty(batch, heads * dim, dtype=q.dtype, device=q.device)
-    raw = torch.empty(batch, heads * dim, dtype=torch.float32, device=q.device) if parts > 1 else out
+    raw = torch.empty(batch, 2 * heads * dim, dtype=torch.float32, device=q.device) if parts > 1 else out
     counts = arrival_counters(q.device, "kda_decode", batch * heads) if parts > 1 else out
     pdl = pdl_launch(q)
+    up = gate_up if gate_up is not None else f
     _kda_decode_kernel[(batch, heads, parts)](
         q, k, v, *(w.reshape(heads * dim, width) for w in conv_weights), conv_state, f, a_log, dt_bias,
-        b.contiguous(), gate, norm_weight, state, rows if rows is not None else b, out, raw, counts, heads, dim,
-        q.stride(0), f.stride(0), gate.stride(0), conv_state.stride(0), conv_state.stride(1), state.stride(0),
-        state.stride(1), scale, 0.0 if lower_bound is None else float(lower_bound), norm_eps,
-        BLOCK=block, PARTS=parts, WIDTH=width, SAFE_GATE=lower_bound is not None, ROWS=rows is not None,
-        PDL=pdl_flag(pdl),
+        b.contiguous(), gate, up, norm_weight, state, rows if rows is not None else b, out, raw, counts, heads, dim,
+        rank, q.stride(0), f.stride(0), gate.stride(0), up.stride(0), up.stride(1) if up.dim() > 2 else 0,
+        conv_state.stride(0), conv_state.stride(1), state.stride(0), state.stride(1), scale,
+        0.0 if lower_bound is None else float(lower_bound), norm_eps,
+        BLOCK=block, PARTS=parts, WIDTH=width,
+        SAFE_GATE=lower_bound is not None, ROWS=rows is not None, LOWRANK=gate_up is not None,
+        BLOCK_R=next_power_of_2(rank), PDL=pdl_flag(pdl),
         num_warps=num_warps or 4, **pdl)  # 4 warps: 5.9 us at 16 heads x 128 on the H200, 8 warps 13.7 us (RESULTS.md)
     return out

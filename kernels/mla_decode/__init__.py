@@ -56,13 +56,14 @@ def write_latent_rows(latent, k_pe, norm_weight, eps, pages, block_table, lens):
     return reference.write_latent_rows(latent, k_pe, norm_weight, eps, pages, block_table, lens)
 
 
-def absorb_query(q, w_kc, nope):
-    """`q` `[B, n, nope + d_r]` -> the absorbed query `[B, n, r + d_r]` float32 (see `reference.absorb_query`)."""
+def absorb_query(q, w_kc, nope, new_rows=None):
+    """`q` `[B, n, nope + d_r]` -> the absorbed query `[B, n, r + d_r]` float32 (see `reference.absorb_query`);
+    with `new_rows` (`write_latent_rows`' arguments) the step's cache rows are written by the same launch."""
     if use_triton(q):
         from h3gen.kernels.mla_decode import triton as fast
 
-        return fast.absorb_query(q, w_kc, nope)
-    return reference.absorb_query(q, w_kc, nope)
+        return fast.absorb_query(q, w_kc, nope, new_rows=new_rows)
+    return reference.absorb_query(q, w_kc, nope, new_rows)
 
 
 def absorb_output(latent, w_vc, dtype, gate=None, lse=None):

@@ -81,9 +81,12 @@ def combine_partials(partials: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
     return (weight[..., None] * partials).sum(dim=2)
 
 
-def absorb_query(q: torch.Tensor, w_kc: torch.Tensor, nope: int) -> torch.Tensor:
+def absorb_query(q: torch.Tensor, w_kc: torch.Tensor, nope: int, new_rows: tuple | None = None) -> torch.Tensor:
     """The absorbed decode query: `q` `[B, n, nope + d_r]` -> `[B, n, r + d_r]` float32, `[q_nope · W_kc | q_pe]`
-    with `w_kc` `[n, nope, r]` (any float dtype; products in float32)."""
+    with `w_kc` `[n, nope, r]` (any float dtype; products in float32). `new_rows`: optional arguments of
+    `write_latent_rows` (the step's cache rows), written by the same op."""
+    if new_rows is not None:
+        write_latent_rows(*new_rows)
     q_nope, q_pe = q.split([nope, q.shape[-1] - nope], dim=-1)
     return torch.cat([torch.einsum("bnd,ndr->bnr", q_nope.float(), w_kc.float()), q_pe.float()], dim=-1)
 

@@ -124,11 +124,11 @@ def mla_decode_partials(q: torch.Tensor, kv_pages: torch.Tensor, block_table: to
 
 
 @triton.jit
-def _write_latent_rows_kernel(latent_ptr, pe_ptr, weight_ptr, pages_ptr, table_ptr, lens_ptr, rank, rope, eps,
-                              stride_latent, stride_pe, stride_table, stride_page, stride_row, page_size,
-                              ROUND: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr,
-                              PDL: tl.constexpr):
-    b = tl.program_id(0).to(tl.int64)
+def _write_latent_row(b, latent_ptr, pe_ptr, weight_ptr, pages_ptr, table_ptr, lens_ptr, rank, rope, eps,
+                      stride_latent, stride_pe, stride_table, stride_page, stride_row, page_size,
+                      ROUND: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, PDL: tl.constexpr):
+    """Sequence `b`'s new cache row: its latent normalised (`rms_norm` rounding) and times the norm weight, then
+    k_pe, written at row `lens[b]` through the block table."""
     offs = tl.arange(0, BLOCK_R)
     ok = offs < rank
     norm_w = tl.load(weight_ptr + offs, mask=ok, other=0.0).to(tl.float32)
@@ -148,57 +148,93 @@ def _write_latent_rows_kernel(latent_ptr, pe_ptr, weight_ptr, pages_ptr, table_p
     tl.store(row + rank + offs_p, pe.to(pages_ptr.dtype.element_ty), mask=offs_p < rope)
 
 
-def write_latent_rows(latent: torch.Tensor, k_pe: torch.Tensor, norm_weight: torch.Tensor, eps: float,
-                      pages: torch.Tensor, block_table: torch.Tensor, lens: torch.Tensor) -> None:
-    """See `reference.write_latent_rows`: norm, concatenation and the paged write in one kernel (one program per
-    sequence)."""
-    batch, rank = latent.shape
-    rope = k_pe.shape[1]
+@triton.jit
+def _write_latent_rows_kernel(latent_ptr, pe_ptr, weight_ptr, pages_ptr, table_ptr, lens_ptr, rank, rope, eps,
+                              stride_latent, stride_pe, stride_table, stride_page, stride_row, page_size,
+                              ROUND: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr,
+                              PDL: tl.constexpr):
+    _write_latent_row(tl.program_id(0).to(tl.int64), latent_ptr, pe_ptr, weight_ptr, pages_ptr, table_ptr, lens_ptr,
+                      rank, rope, eps, stride_latent, stride_pe, stride_table, stride_page, stride_row, page_size,
+                      ROUND, BLOCK_R, BLOCK_P, PDL)
+
+
+def _write_arguments(latent: torch.Tensor, k_pe: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                     pages: torch.Tensor, block_table: torch.Tensor, lens: torch.Tensor) -> tuple[tuple, dict]:
+    """`_write_latent_row`'s runtime arguments and constexprs for `write_latent_rows`' arguments."""
+    rank, rope = latent.shape[1], k_pe.shape[1]
     if latent.stride(1) != 1 or k_pe.stride(1) != 1 or pages.stride(2) != 1 or block_table.stride(1) != 1:
         raise ValueError("write_latent_rows needs rows, pages and the block table with unit inner stride.")
     promoted = torch.promote_types(norm_weight.dtype, latent.dtype)
     rounds = promoted == latent.dtype and latent.dtype != torch.float32
+    return ((latent, k_pe, norm_weight, pages, block_table, lens, rank, rope, eps, latent.stride(0), k_pe.stride(0),
+             block_table.stride(0), pages.stride(0), pages.stride(1), pages.shape[1]),
+            dict(ROUND=rounds, BLOCK_R=next_power_of_2(rank), BLOCK_P=next_power_of_2(max(rope, 1))))
+
+
+def write_latent_rows(latent: torch.Tensor, k_pe: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                      pages: torch.Tensor, block_table: torch.Tensor, lens: torch.Tensor) -> None:
+    """See `reference.write_latent_rows`: norm, concatenation and the paged write in one kernel (one program per
+    sequence)."""
+    arguments, constants = _write_arguments(latent, k_pe, norm_weight, eps, pages, block_table, lens)
     pdl = pdl_launch(latent)
-    _write_latent_rows_kernel[(batch,)](
-        latent, k_pe, norm_weight, pages, block_table, lens, rank, rope, eps, latent.stride(0), k_pe.stride(0),
-        block_table.stride(0), pages.stride(0), pages.stride(1), pages.shape[1], ROUND=rounds,
-        BLOCK_R=next_power_of_2(rank), BLOCK_P=next_power_of_2(max(rope, 1)), PDL=pdl_flag(pdl), num_warps=4, **pdl)
+    _write_latent_rows_kernel[(latent.shape[0],)](*arguments, **constants, PDL=pdl_flag(pdl), num_warps=4, **pdl)
 
 
 @triton.jit
 def _absorb_query_kernel(q_ptr, w_ptr, out_ptr, heads, nope, rope, rank, stride_qb, stride_qn, stride_wn, stride_wd,
-                         BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, PDL: tl.constexpr):
-    b, head, part = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64), tl.program_id(2)
-    q_row = q_ptr + b * stride_qb + head * stride_qn
-    out_row = out_ptr + (b * heads + head) * (rank + rope)
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_r = part * BLOCK_R + tl.arange(0, BLOCK_R)
-    w = tl.load(w_ptr + head * stride_wn + offs_d[:, None] * stride_wd + offs_r[None, :],
-                mask=(offs_d[:, None] < nope) & (offs_r[None, :] < rank), other=0.0).to(tl.float32)
-    wait_for_inputs(PDL)
-    q = tl.load(q_row + offs_d, mask=offs_d < nope, other=0.0).to(tl.float32)
-    tl.store(out_row + offs_r, tl.sum(q[:, None] * w, axis=0), mask=offs_r < rank)
-    if part == 0:
-        offs_p = tl.arange(0, BLOCK_P)
-        pe = tl.load(q_row + nope + offs_p, mask=offs_p < rope, other=0.0).to(tl.float32)
-        tl.store(out_row + rank + offs_p, pe, mask=offs_p < rope)
+                         latent_ptr, pe_ptr, weight_ptr, pages_ptr, table_ptr, lens_ptr, latent_rank, pe_width, eps,
+                         stride_latent, stride_pe, stride_table, stride_page, stride_row, page_size,
+                         BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, PARTS: tl.constexpr,
+                         WRITE: tl.constexpr, ROUND: tl.constexpr, WRITE_R: tl.constexpr, WRITE_P: tl.constexpr,
+                         PDL: tl.constexpr):
+    b, task = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    if task < heads * PARTS:
+        head, part = (task // PARTS).to(tl.int64), task % PARTS
+        q_row = q_ptr + b * stride_qb + head * stride_qn
+        out_row = out_ptr + (b * heads + head) * (rank + rope)
+        offs_d = tl.arange(0, BLOCK_D)
+        offs_r = part * BLOCK_R + tl.arange(0, BLOCK_R)
+        w = tl.load(w_ptr + head * stride_wn + offs_d[:, None] * stride_wd + offs_r[None, :],
+                    mask=(offs_d[:, None] < nope) & (offs_r[None, :] < rank), other=0.0).to(tl.float32)
+        wait_for_inputs(PDL)
+        q = tl.load(q_row + offs_d, mask=offs_d < nope, other=0.0).to(tl.float32)
+        tl.store(out_row + offs_r, tl.sum(q[:, None] * w, axis=0), mask=offs_r < rank)
+        if part == 0:
+            offs_p = tl.arange(0, BLOCK_P)
+            pe = tl.load(q_row + nope + offs_p, mask=offs_p < rope, other=0.0).to(tl.float32)
+            tl.store(out_row + rank + offs_p, pe, mask=offs_p < rope)
+    elif WRITE:  # one more program per sequence writes its new cache row
+        _write_latent_row(b, latent_ptr, pe_ptr, weight_ptr, pages_ptr, table_ptr, lens_ptr, latent_rank, pe_width,
+                          eps, stride_latent, stride_pe, stride_table, stride_page, stride_row, page_size, ROUND,
+                          WRITE_R, WRITE_P, PDL)
 
 
-def absorb_query(q: torch.Tensor, w_kc: torch.Tensor, nope: int, block_r: int = 32) -> torch.Tensor:
+def absorb_query(q: torch.Tensor, w_kc: torch.Tensor, nope: int, block_r: int = 32,
+                 new_rows: tuple | None = None) -> torch.Tensor:
     """See `reference.absorb_query`: one kernel (programs per sequence, head and block of `block_r` latent columns)
     instead of two casts, a batched GEMV and a concatenation. `w_kc` `[n, nope, r]` in any float dtype (products
-    in float32) with unit inner stride: a view of `kv_b_proj`'s weight serves."""
+    in float32) with unit inner stride: a view of `kv_b_proj`'s weight serves. With `new_rows` (the arguments of
+    `write_latent_rows`), one more program per sequence writes its cache row: a decode step's MLA layer has no
+    kernel for the write."""
     batch, heads, width = q.shape
     rank, rope = w_kc.shape[2], width - nope
     if q.stride(2) != 1 or w_kc.stride(2) != 1:
         raise ValueError("absorb_query needs q and W_kc with unit inner stride.")
     out = torch.empty(batch, heads, rank + rope, dtype=torch.float32, device=q.device)
     block_r = min(block_r, next_power_of_2(rank))
+    parts = triton.cdiv(rank, block_r)
+    if new_rows is not None:
+        if new_rows[0].shape[0] != batch:
+            raise ValueError(f"absorb_query's new rows are for {new_rows[0].shape[0]} sequences, q for {batch}.")
+        write, constants = _write_arguments(*new_rows)
+        constants = dict(ROUND=constants["ROUND"], WRITE_R=constants["BLOCK_R"], WRITE_P=constants["BLOCK_P"])
+    else:
+        write, constants = (q,) * 6 + (0, 0, 0.0) + (0,) * 6, dict(ROUND=False, WRITE_R=1, WRITE_P=1)
     pdl = pdl_launch(q)
-    _absorb_query_kernel[(batch, heads, triton.cdiv(rank, block_r))](
-        q, w_kc, out, heads, nope, rope, rank, q.stride(0), q.stride(1), w_kc.stride(0), w_kc.stride(1),
-        BLOCK_D=next_power_of_2(nope), BLOCK_R=block_r, BLOCK_P=next_power_of_2(max(rope, 1)), PDL=pdl_flag(pdl),
-        num_warps=4, **pdl)
+    _absorb_query_kernel[(batch, heads * parts + (new_rows is not None))](
+        q, w_kc, out, heads, nope, rope, rank, q.stride(0), q.stride(1), w_kc.stride(0), w_kc.stride(1), *write,
+        BLOCK_D=next_power_of_2(nope), BLOCK_R=block_r, BLOCK_P=next_power_of_2(max(rope, 1)), PARTS=parts,
+        WRITE=new_rows is not None, **constants, PDL=pdl_flag(pdl), num_warps=4, **pdl)
     return out
 
 

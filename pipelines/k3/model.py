@@ -198,7 +198,11 @@ class K3DeltaAttention(nn.Module):
             q, k, v, b = self.q_proj(row), self.k_proj(row), self.v_proj(row), self.b_proj(row)
             f_a = self.f_a_proj(row)
             gate = self.g_proj(row) if self.config.use_full_rank_gate else self.g_a_proj(row)
-        if self.fused_up_gates is not None:
+        gate_up = None
+        if self.fused_up_gates is not None and q.shape[0] <= MAX_ROWS:
+            # a few tokens: the decode op projects the low-rank gates up itself (no GEMV kernel of their own)
+            f, gate_up = f_a, self.fused_up_gates
+        elif self.fused_up_gates is not None:
             # f_a and g_a sit side by side in the fused output's rows: one [2, B, k] view, one batched GEMM
             rank = f_a.shape[-1]
             pairs = f_a.as_strided((2, f_a.shape[0], rank), (rank, f_a.stride(0), 1))
@@ -209,7 +213,8 @@ class K3DeltaAttention(nn.Module):
                 gate = self.g_b_proj(gate)
         o = kda_decode(q, k, v, (self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight), state.conv,
                        f, self.A_log, self.dt_bias, self.config.gate_lower_bound, b, gate,
-                       self.o_norm.weight, self.o_norm.eps, state.recurrent, self.head_dim ** -0.5, rows=state.rows)
+                       self.o_norm.weight, self.o_norm.eps, state.recurrent, self.head_dim ** -0.5, rows=state.rows,
+                       gate_up=gate_up)
         return project(self.o_proj, o)[:, None]
 
 
@@ -270,12 +275,13 @@ class K3MLAttention(nn.Module):
         latent, k_pe = kv.split([self.rank, self.rope], dim=-1)
         past = 0 if cache is None else cache.length
         if cache is not None and t == 1 and past > 0:  # decode: the absorbed form, the output gate fused in
-            if hasattr(cache, "append_normed"):  # a captured decode step: norm, concatenation, write in one op
-                cache.append_normed(latent, k_pe, self.kv_a_layernorm)
+            new_rows = None
+            if hasattr(cache, "normed_row_write"):  # a captured decode step: norm, concatenation and write are
+                new_rows = cache.normed_row_write(latent, k_pe, self.kv_a_layernorm)  # done by the query's op
             else:
                 cache.append(torch.cat([self.kv_a_layernorm(latent), k_pe], dim=-1))
             gate_row = gate[0][:, 0] if self.config.mla_use_output_gate else None
-            o = self._decode_absorbed(q[:, 0], cache, gate_row).unsqueeze(1)
+            o = self._decode_absorbed(q[:, 0], cache, gate_row, new_rows).unsqueeze(1)
         else:
             row = torch.cat([self.kv_a_layernorm(latent), k_pe], dim=-1)  # [B, T, r + d_r], what the cache holds
             if cache is not None:
@@ -300,13 +306,15 @@ class K3MLAttention(nn.Module):
                                            attn_mask=causal, scale=self.scale)
         return o.transpose(1, 2)
 
-    def _decode_absorbed(self, q: torch.Tensor, cache: PagedLatentCache,
-                         gate: torch.Tensor | None = None) -> torch.Tensor:
+    def _decode_absorbed(self, q: torch.Tensor, cache: PagedLatentCache, gate: torch.Tensor | None = None,
+                         new_rows: tuple | None = None) -> torch.Tensor:
         """Decode: fold `kv_b_proj` into the query and the output, so attention runs over the cached latent rows
         directly (one KV head of width r + d_r). `q` `[B, n, qk]` -> `[B, n, v]`, times sigmoid(`gate` `[B, n v]`)
-        when given. On a GPU each sequence's rows are split over several programs, combined in the output op."""
+        when given. `new_rows`: the step's cache rows (`write_latent_rows`' arguments) when not yet written; the
+        query's op writes them. On a GPU each sequence's rows are split over several programs, combined in the
+        output op."""
         w_kc, w_vc = self._absorbed_weights(q.shape[1])
-        query = absorb_query(q, w_kc, self.nope)
+        query = absorb_query(q, w_kc, self.nope, new_rows)
         splits = mla_decode_splits(q.shape[0], q.device)
         if splits == 1:
             latent = mla_decode(query, cache.pages, cache.block_table(), cache.seq_lens(), self.scale, self.rank)

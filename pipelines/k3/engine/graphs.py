@@ -17,7 +17,6 @@ ordinary path; `bench_k3.py --check` checks it on a GPU.
 import torch
 
 from h3gen.kernels.argmax import argmax_rows
-from h3gen.kernels.mla_decode import write_latent_rows
 from h3gen.pipelines.k3.cache import KDAState
 from h3gen.pipelines.k3.engine.batch import BatchCache
 
@@ -39,9 +38,11 @@ class StaticLatentView:
         page = self.table.long().gather(1, (position // self.page_size)[:, None])[:, 0]
         self.pages[page, position % self.page_size] = rows[:, 0].to(self.pages.dtype)
 
-    def append_normed(self, latent: torch.Tensor, k_pe: torch.Tensor, norm) -> None:
-        """`append` of `[norm(latent), k_pe]` (`[B, 1, r]`, `[B, 1, d_r]`, `norm` a `K3RMSNorm`) in one kernel."""
-        write_latent_rows(latent[:, 0], k_pe[:, 0], norm.weight, norm.eps, self.pages, self.table, self.lens)
+    def normed_row_write(self, latent: torch.Tensor, k_pe: torch.Tensor, norm) -> tuple:
+        """The `append` of `[norm(latent), k_pe]` (`[B, 1, r]`, `[B, 1, d_r]`, `norm` a `K3RMSNorm`) left undone:
+        the arguments of `write_latent_rows` for it, which the model hands to the absorbed query's op
+        (`absorb_query(..., new_rows=)`), so the write needs no kernel of its own."""
+        return latent[:, 0], k_pe[:, 0], norm.weight, norm.eps, self.pages, self.table, self.lens
 
     def block_table(self) -> torch.Tensor:
         return self.table
