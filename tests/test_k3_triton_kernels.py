@@ -424,7 +424,7 @@ def test_fused_kda_decode_with_low_rank_gates(heads, dim, rank, width, parts, dt
 def test_kda_decode_default_parts():
     from h3gen.kernels.kda.triton import default_parts
 
-    assert default_parts(1, 16, 128) == 4 and default_parts(2, 16, 128) == 4 and default_parts(4, 16, 128) == 2
+    assert default_parts(1, 16, 128) == 8 and default_parts(2, 16, 128) == 4 and default_parts(4, 16, 128) == 2
     assert default_parts(8, 16, 128) == 1
     assert default_parts(1, 2, 32) == 2 and default_parts(1, 2, 16) == 1  # never parts under 16 columns
 

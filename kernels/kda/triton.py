@@ -189,11 +189,12 @@ def _kda_decode_kernel(q_ptr, k_ptr, v_ptr, wq_ptr, wk_ptr, wv_ptr, conv_ptr, f_
 
 
 def default_parts(batch: int, heads: int, dim: int) -> int:
-    """Value-column parts per head: 4 up to 32 (sequence, head) pairs, 2 up to 64, else 1, never parts under 16
-    columns (H200, 16 heads x 128, `.gpu/ab_kda2.py` in RESULTS.md: 4.8 us for 4 parts against 5.6 for 1 at batch 1
-    and 2; one part is the fastest from batch 8)."""
+    """Value-column parts per head: 8 up to 16 (sequence, head) pairs, 4 up to 32, 2 up to 64, else 1, never parts
+    under 16 columns (H200, 16 heads x 128, RESULTS.md: `.gpu/ab_kda2.py`, 4.8 us for 4 parts against 5.6 for 1 at
+    batch 1 and 2, one part the fastest from batch 8; the thirteenth session's whole b=1 step, with the gates
+    projected here, 0.753 ms at 8 parts against 0.762 at 4)."""
     pairs = batch * heads
-    parts = 4 if pairs <= 32 else 2 if pairs <= 64 else 1
+    parts = 8 if pairs <= 16 else 4 if pairs <= 32 else 2 if pairs <= 64 else 1
     while parts > 1 and next_power_of_2(dim) // parts < 16:
         parts //= 2
     return parts
