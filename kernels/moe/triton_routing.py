@@ -56,7 +56,12 @@ def _route_token(logits_ptr, bias_ptr, weights_ptr, ids_ptr, token, experts, sca
     """Route `token` from its float32 logits row (read from L2: other programs may have just written it) and store
     its `TOP_K + ALWAYS` weights (float32) and expert ids (int64). Sigmoid scores, the correction bias for the selection only,
     the best first (topk's order), optionally renormalised, times `scaling`; always-on experts E, E + 1, ... after
-    them with weight 1."""
+    them with weight 1.
+
+    The selection runs on int32 keys (the float's bits made monotonic; NaN above everything, as in topk): the best
+    remaining key, the lowest index holding it, that expert's score bits (scores are >= 0, so their bits order as
+    they do) are three integer reductions per slot, which a warp does in one instruction each (`redux`), where
+    float reductions take a chain of shuffles."""
     es = tl.arange(0, BLOCK_E)
     ks = tl.arange(0, BLOCK_K)
     valid = es < experts
@@ -65,21 +70,23 @@ def _route_token(logits_ptr, bias_ptr, weights_ptr, ids_ptr, token, experts, sca
     choice = scores
     if HAS_BIAS:
         choice = choice + tl.load(bias_ptr + es, mask=valid, other=0.0).to(tl.float32)
-    choice = tl.where(valid, choice, float("-inf"))
-    chosen_w = tl.zeros((BLOCK_K,), dtype=tl.float32)
-    chosen_id = tl.zeros((BLOCK_K,), dtype=tl.int64)
+    bits = tl.where(valid, choice, float("-inf")).to(tl.int32, bitcast=True)
+    keys = bits ^ ((bits >> 31) & 0x7FFFFFFF)
+    score_bits = scores.to(tl.int32, bitcast=True)
+    chosen_id = tl.zeros((BLOCK_K,), dtype=tl.int32)
+    chosen_bits = tl.zeros((BLOCK_K,), dtype=tl.int32)
     for slot in tl.static_range(TOP_K):  # the best remaining expert, TOP_K times (topk's order: best first)
-        best = tl.max(choice, axis=0)
-        index = tl.min(tl.where(choice == best, es, BLOCK_E), axis=0)
-        weight = tl.sum(tl.where(es == index, scores, 0.0), axis=0)
-        chosen_w = tl.where(ks == slot, weight, chosen_w)
-        chosen_id = tl.where(ks == slot, index.to(tl.int64), chosen_id)
-        choice = tl.where(es == index, float("-inf"), choice)
+        best = tl.max(keys, axis=0)
+        index = tl.min(tl.where(keys == best, es, BLOCK_E - 1), axis=0)
+        chosen_id = tl.where(ks == slot, index, chosen_id)
+        chosen_bits = tl.where(ks == slot, tl.max(tl.where(es == index, score_bits, 0), axis=0), chosen_bits)
+        keys = tl.where(es == index, -2147483647 - 1, keys)  # below every key, -inf's included
+    chosen_w = chosen_bits.to(tl.float32, bitcast=True)
     if RENORMALIZE:
         chosen_w = chosen_w / (tl.sum(chosen_w, axis=0) + 1e-20)
     routed = ks < TOP_K
     chosen_w = tl.where(routed, chosen_w * scaling, 1.0)
-    chosen_id = tl.where(routed, chosen_id, experts + ks - TOP_K)
+    chosen_id = tl.where(routed, tl.minimum(chosen_id, experts - 1).to(tl.int64), experts + ks - TOP_K)
     keep = ks < TOP_K + ALWAYS
     tl.store(weights_ptr + token * (TOP_K + ALWAYS) + ks, chosen_w, mask=keep)
     tl.store(ids_ptr + token * (TOP_K + ALWAYS) + ks, chosen_id, mask=keep)
