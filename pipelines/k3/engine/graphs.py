@@ -57,17 +57,19 @@ class StaticLatentView:
 class DecodeBuffers:
     """The fixed inputs and outputs of one captured batch size. The inputs are views of two device tensors (int64:
     token ids, state rows; int32: block table, lengths), each filled by one copy from a pinned host twin, so a step
-    costs the host two copies and no device kernels before the replay."""
+    costs the host two copies and no device kernels before the replay. `lens_after` (`lens` + 1, what the MLA
+    layers attend over once the step's row is written) comes from the host too, not from a kernel in the step."""
 
     def __init__(self, size: int, max_pages: int, device):
         device = torch.device(device)
         self.size, self.width = size, max(1, max_pages)
         self.ids = torch.zeros(2 * size, dtype=torch.long, device=device)
-        self.positions = torch.zeros(size * (self.width + 1), dtype=torch.int32, device=device)
+        self.positions = torch.zeros(size * (self.width + 2), dtype=torch.int32, device=device)
         self.tokens = self.ids[:size].view(size, 1)
         self.state_rows = self.ids[size:]
         self.table = self.positions[: size * self.width].view(size, self.width)
-        self.lens = self.positions[size * self.width :]
+        self.lens = self.positions[size * self.width : size * (self.width + 1)]
+        self.lens_after = self.positions[size * (self.width + 1) :]
         pinned = device.type == "cuda"
         self.host_ids = torch.zeros(self.ids.shape, dtype=torch.long, pin_memory=pinned)
         self.host_positions = torch.zeros(self.positions.shape, dtype=torch.int32, pin_memory=pinned)
@@ -92,8 +94,10 @@ class DecodeBuffers:
         for b, pages in enumerate(tables):
             table[b, : len(pages)] = pages
         table[count:, 0] = scratch_page
-        positions[size * self.width : size * self.width + count] = lens
-        positions[size * self.width + count :] = 0
+        lens_start, after_start = size * self.width, size * (self.width + 1)
+        positions[lens_start : lens_start + count] = lens
+        positions[lens_start + count : after_start] = 0
+        positions[after_start:] = positions[lens_start:after_start] + 1
         self.ids.copy_(self.host_ids, non_blocking=True)
         self.positions.copy_(self.host_positions, non_blocking=True)
         if self.ids.is_cuda:
@@ -105,10 +109,9 @@ def static_decode_forward(model, pool, buffers: DecodeBuffers) -> torch.Tensor:
     """One decode forward of `buffers.size` sequences: logits `[size, vocab]`; updates their pool memory in place."""
     size = buffers.size
     cache = BatchCache(model.config.num_hidden_layers, pool.page_size)
-    lens_after = buffers.lens + 1 if pool.mla_layers else None
     for j, layer in enumerate(pool.mla_layers):
         cache.layers[layer] = StaticLatentView(pool.layer_pages(j), buffers.table, buffers.lens, pool.page_size,
-                                               lens_after)
+                                               buffers.lens_after)
     given = []
     if pool.uses_slots:  # each KDA layer's states where they lie in the pool, the batch's rows picked on the device
         slots = pool.slots.shape[0]
