@@ -11,6 +11,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from h3gen.kernels.embedding import embedding_rows
 from h3gen.kernels.gemv import MAX_ROWS, grouped_rows_linear, rows_linear
 from h3gen.kernels.kda import kda_chunked, kda_decode, kda_gate, l2_normalize, short_conv
 from h3gen.kernels.mla_decode import absorb_output, absorb_query, mla_decode, mla_decode_partials, mla_decode_splits
@@ -800,7 +801,12 @@ class K3ForCausalLM(nn.Module):
         return load_k3(cls, folder, torch_dtype=torch_dtype, device=device, linear_factory=linear_factory)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.model.embed_tokens(input_ids)
+        """`input_ids` `[B, T]` -> `[B, T, D]`: the embedding rows (a decode step's few ids by the kernel that lets
+        the first projection start while it copies, `kernels.embedding`)."""
+        table = self.model.embed_tokens
+        if type(table) is nn.Embedding and table.padding_idx is None and table.max_norm is None:
+            return embedding_rows(input_ids, table.weight)
+        return table(input_ids)
 
     def encode_images(self, pixel_values: torch.Tensor, grid_thws) -> torch.Tensor:
         """Vision tower + projector: `pixel_values` `[Np, 3, p, p]` and `grid_thws` `[n, 3]` (from
