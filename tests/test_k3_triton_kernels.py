@@ -430,7 +430,8 @@ def test_kda_decode_default_parts():
 
 
 @pytest.mark.parametrize("tokens,experts,top_k,bias,renormalize,always", [
-    (1, 64, 6, True, True, 0), (5, 37, 3, False, True, 1), (9, 8, 2, True, False, 2), (3, 64, 6, True, True, 1)])
+    (1, 64, 6, True, True, 0), (5, 37, 3, False, True, 1), (9, 8, 2, True, False, 2), (3, 64, 6, True, True, 1),
+    (2, 896, 16, True, True, 1), (3, 200, 8, False, False, 0)])
 def test_route_topk_matches_reference(tokens, experts, top_k, bias, renormalize, always):
     g = torch.Generator(device=DEVICE).manual_seed(tokens * experts)
     logits = torch.randn(tokens, experts, generator=g, device=DEVICE)
@@ -445,6 +446,37 @@ def test_route_topk_matches_reference(tokens, experts, top_k, bias, renormalize,
     assert torch.equal(got_w[:, top_k:], torch.ones(tokens, always, device=DEVICE))
     plain_w, plain_ids = moe_ref.route_topk(logits, correction, top_k, renormalize=renormalize, scaling=2.5)
     assert torch.equal(got_ids[:, :top_k], plain_ids) and _err(got_w[:, :top_k], plain_w) <= 1e-6
+
+
+@pytest.mark.parametrize("shape,width,dtype", [((1, 1), 64, torch.float32), ((3, 1), 1500, torch.float16),
+                                               ((2, 5), 33, torch.float32)])
+def test_embedding_rows_matches_reference(shape, width, dtype):
+    """The decode step's embedding lookup: exact rows for ids anywhere in the table (the last row included), widths
+    that are no multiple of the block; an id outside the table gives zeros, not other memory."""
+    from h3gen.kernels.embedding import reference as emb_ref
+    from h3gen.kernels.embedding import triton as emb_triton
+
+    g = torch.Generator(device=DEVICE).manual_seed(width)
+    table = torch.randn(50, width, generator=g, device=DEVICE).to(dtype)
+    ids = torch.randint(0, 50, shape, generator=g, device=DEVICE)
+    ids.view(-1)[0] = 49
+    got = emb_triton.embedding_rows(ids, table, block=32)
+    assert got.shape == (*shape, width) and torch.equal(got, emb_ref.embedding_rows(ids, table))
+    ids.view(-1)[-1] = 50
+    assert not emb_triton.embedding_rows(ids, table).view(-1, width)[-1].any()
+
+
+@pytest.mark.parametrize("experts,top_k", [(64, 6), (37, 5), (300, 7)])
+def test_route_topk_breaks_ties_by_lower_index(experts, top_k):
+    """Tied scores (logits on a coarse grid, one value shared by many experts) are taken in index order, as a
+    stable descending sort orders them: both the all-at-once ranking (up to 128 experts) and the repeated max."""
+    g = torch.Generator(device=DEVICE).manual_seed(experts)
+    logits = torch.randint(-2, 3, (4, experts), generator=g, device=DEVICE).float() * 0.5
+    logits[1] = 0.0  # every expert tied
+    logits[2, -3:] = 4.0  # a tie at the top, at the end of the row
+    _, got_ids = moe_triton.route_topk(logits, None, top_k, True, 1.0)
+    expected = torch.sort(logits.sigmoid(), dim=-1, descending=True, stable=True).indices[:, :top_k]
+    assert torch.equal(got_ids, expected)
 
 
 @pytest.mark.parametrize("always,block_k", [(1, None), (2, 16)])
@@ -673,3 +705,42 @@ def test_tiny_decode_through_the_triton_kernels_matches_torch(monkeypatch):
     # post-attention norm with a residual; the embeddings' norm and each MLA layer's q_a norm without
     assert normed_calls.count(True) == 2 * (layers + config.ffn_types.count("dense"))
     assert normed_calls.count(False) == 2 * (1 + mla)
+
+
+def test_silu_model_decode_through_the_triton_kernels_matches_torch(monkeypatch):
+    """A tiny K3 with SwiGLU experts at full width (the mid-size benchmark's kind: the shared expert rides in the
+    stack; the ids' embeddings come from the embedding kernel) prefilled and decoded two steps on the Triton
+    kernels gives the torch path's logits."""
+    import dataclasses
+
+    from h3gen.kernels.embedding import triton as emb_triton
+    from h3gen.pipelines.k3.config import K3Config
+    from h3gen.pipelines.k3.engine.graphs import prepare_for_decode
+    from h3gen.pipelines.k3.model import K3ForCausalLM
+    from h3gen.pipelines.k3.tiny import randomize, tiny_config
+
+    config = dataclasses.replace(K3Config.from_dict(tiny_config()), experts_mxfp4=False, attn_res_block_size=0,
+                                 hidden_act="silu", routed_expert_hidden_size=None, latent_moe_use_norm=False)
+    with torch.device("meta"):
+        model = K3ForCausalLM(config)
+    model = randomize(model.to_empty(device=DEVICE), seed=6).float().eval()
+    prepare_for_decode(model)
+    calls = []
+    for module, name in ((emb_triton, "embedding_rows"),):
+        kernel = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, _k=kernel, _n=name, **kw: calls.append(_n) or _k(*a, **kw))
+
+    def prefill_and_decode(triton: str) -> torch.Tensor:
+        monkeypatch.setenv("H3GEN_TRITON", triton)
+        cache = model.new_cache()
+        logits = [model(torch.tensor([[3, 7, 11, 5, 9]], device=DEVICE), cache)[:, -1]]
+        for _ in range(2):
+            logits.append(model(logits[-1].argmax(-1)[:, None], cache)[:, -1])
+        return torch.cat(logits)
+
+    with torch.no_grad():
+        expected = prefill_and_decode("0")
+        assert not calls
+        got = prefill_and_decode("1")
+    assert _err(got, expected) <= 1e-5
+    assert calls == ["embedding_rows"] * 3  # the prompt's five ids and each step's one
