@@ -31,20 +31,31 @@ def _tap(state_ptr, channel, mask, stride_tap, tap: tl.constexpr, WIDTH: tl.cons
 
 
 @triton.jit
-def _conv_silu(x, w_ptr, state_ptr, channel, local, mask, stride_tap, WIDTH: tl.constexpr):
-    """Causal depthwise conv of one token's raw input `x` (float32) over `WIDTH` <= 4 taps (the state holds the
-    `WIDTH - 1` earlier raw inputs), then SiLU. Returns the float32 output and the earlier inputs 1 and 2 as read
-    (zeros past `WIDTH - 1`), which `_conv_shift` writes back one place earlier; the state is left as it is."""
-    t0 = _tap(state_ptr, channel, mask, stride_tap, 0, WIDTH)
-    t1 = _tap(state_ptr, channel, mask, stride_tap, 1, WIDTH)
-    t2 = _tap(state_ptr, channel, mask, stride_tap, 2, WIDTH)
-    acc = x * tl.load(w_ptr + local * WIDTH + (WIDTH - 1), mask=mask, other=0.0).to(tl.float32)
-    acc += t0 * tl.load(w_ptr + local * WIDTH, mask=mask, other=0.0).to(tl.float32)
+def _conv_weights(w_ptr, local, mask, WIDTH: tl.constexpr):
+    """The conv weights of channels `local` (float32), taps oldest first; zeros for taps the conv does not have.
+    Weights: loaded before the PDL wait."""
+    w0 = tl.load(w_ptr + local * WIDTH, mask=mask, other=0.0).to(tl.float32)
+    w1 = tl.zeros(local.shape, tl.float32)
+    w2 = tl.zeros(local.shape, tl.float32)
     if WIDTH > 2:
-        acc += t1 * tl.load(w_ptr + local * WIDTH + 1, mask=mask, other=0.0).to(tl.float32)
+        w1 = tl.load(w_ptr + local * WIDTH + 1, mask=mask, other=0.0).to(tl.float32)
     if WIDTH > 3:
-        acc += t2 * tl.load(w_ptr + local * WIDTH + 2, mask=mask, other=0.0).to(tl.float32)
-    return acc * tl.sigmoid(acc), t1, t2
+        w2 = tl.load(w_ptr + local * WIDTH + 2, mask=mask, other=0.0).to(tl.float32)
+    last = tl.load(w_ptr + local * WIDTH + (WIDTH - 1), mask=mask, other=0.0).to(tl.float32)
+    return w0, w1, w2, last
+
+
+@triton.jit
+def _conv_silu(x, t0, t1, t2, w0, w1, w2, last, WIDTH: tl.constexpr):
+    """Causal depthwise conv of one token's raw input `x` (float32) over `WIDTH` <= 4 taps (`t0`.. the state's
+    `WIDTH - 1` earlier raw inputs, oldest first, from `_tap`; weights from `_conv_weights`), then SiLU."""
+    acc = x * last
+    acc += t0 * w0
+    if WIDTH > 2:
+        acc += t1 * w1
+    if WIDTH > 3:
+        acc += t2 * w2
+    return acc * tl.sigmoid(acc)
 
 
 @triton.jit
@@ -68,12 +79,11 @@ def _norm_gate_store(o, gate, cols, mask, dim, normw_ptr, out_ptr, norm_eps, out
 
 
 @triton.jit
-def _up_project(w, x_ptr, ranks, rank_ok, dtype):
-    """A low-rank gate's up-projection: `w` `[C, R]` (loaded) times the `[R]` input at `x_ptr`, float32 sums
+def _up_project(w, x, dtype):
+    """A low-rank gate's up-projection: `w` `[C, R]` times the `[R]` input `x` (both loaded), float32 sums
     rounded to `dtype` (as the linear's output would be). (As a `tl.dot` through shared memory the decode step was
     10 % slower on the H200: RESULTS.md.)"""
-    x = tl.load(x_ptr + ranks, mask=rank_ok, other=0.0).to(tl.float32)
-    return tl.sum(w.to(tl.float32) * x[None, :], axis=1).to(dtype).to(tl.float32)
+    return tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1).to(dtype).to(tl.float32)
 
 
 @triton.jit
@@ -92,13 +102,20 @@ def _kda_decode_kernel(q_ptr, k_ptr, v_ptr, wq_ptr, wk_ptr, wv_ptr, conv_ptr, f_
     part_mask = part_cols < dim
     local = head * dim + cols  # this head's channels within q (and k, v)
     part_local = head * dim + part_cols
-    if LOWRANK:  # the gates' up-projection weights (the head's decay rows, the part's output-gate rows) load early
+    # Weights (and, with several parts, this part's state columns) load before the PDL wait; everything the
+    # projection before wrote loads in one round after it.
+    if LOWRANK:  # the gates' up-projection weights (the head's decay rows, the part's output-gate rows)
         ranks = tl.arange(0, BLOCK_R)
         rank_ok = ranks < rank
         w_decay = tl.load(up_ptr + local[:, None] * stride_up_n + ranks[None, :],
                           mask=mask[:, None] & rank_ok[None, :], other=0.0)
         w_gate = tl.load(up_ptr + stride_up_g + part_local[:, None] * stride_up_n + ranks[None, :],
                          mask=part_mask[:, None] & rank_ok[None, :], other=0.0)
+    qw0, qw1, qw2, qw3 = _conv_weights(wq_ptr, local, mask, WIDTH)
+    kw0, kw1, kw2, kw3 = _conv_weights(wk_ptr, local, mask, WIDTH)
+    vw0, vw1, vw2, vw3 = _conv_weights(wv_ptr, part_local, part_mask, WIDTH)
+    dt_bias = tl.load(dtb_ptr + local, mask=mask, other=0.0).to(tl.float32)
+    rate = tl.exp(tl.load(alog_ptr + head).to(tl.float32))
     if PARTS > 1:
         # A part's state columns are few enough to hold while waiting: they load as the projection drains (the
         # states and rows are written a step earlier, never by the kernel just before).
@@ -121,10 +138,25 @@ def _kda_decode_kernel(q_ptr, k_ptr, v_ptr, wq_ptr, wk_ptr, wv_ptr, conv_ptr, f_
     q_raw = tl.load(q_ptr + row + local, mask=mask, other=0.0).to(tl.float32)
     k_raw = tl.load(k_ptr + row + local, mask=mask, other=0.0).to(tl.float32)
     v_raw = tl.load(v_ptr + row + part_local, mask=part_mask, other=0.0).to(tl.float32)
-    q, q1, q2 = _conv_silu(q_raw, wq_ptr, conv, local, local, mask, stride_conv_tap, WIDTH)
-    k, k1, k2 = _conv_silu(k_raw, wk_ptr, conv, width + local, local, mask, stride_conv_tap, WIDTH)
-    v, v1, v2 = _conv_silu(v_raw, wv_ptr, conv, 2 * width + part_local, part_local, part_mask, stride_conv_tap,
-                           WIDTH)
+    q0 = _tap(conv, local, mask, stride_conv_tap, 0, WIDTH)
+    q1 = _tap(conv, local, mask, stride_conv_tap, 1, WIDTH)
+    q2 = _tap(conv, local, mask, stride_conv_tap, 2, WIDTH)
+    k0 = _tap(conv, width + local, mask, stride_conv_tap, 0, WIDTH)
+    k1 = _tap(conv, width + local, mask, stride_conv_tap, 1, WIDTH)
+    k2 = _tap(conv, width + local, mask, stride_conv_tap, 2, WIDTH)
+    v0 = _tap(conv, 2 * width + part_local, part_mask, stride_conv_tap, 0, WIDTH)
+    v1 = _tap(conv, 2 * width + part_local, part_mask, stride_conv_tap, 1, WIDTH)
+    v2 = _tap(conv, 2 * width + part_local, part_mask, stride_conv_tap, 2, WIDTH)
+    if LOWRANK:
+        f_in = tl.load(f_ptr + seq * stride_f + ranks, mask=rank_ok, other=0.0)
+        gate_in = tl.load(gate_ptr + seq * stride_gate + ranks, mask=rank_ok, other=0.0)
+    else:
+        f = tl.load(f_ptr + seq * stride_f + local, mask=mask, other=0.0).to(tl.float32)
+        gate = tl.load(gate_ptr + seq * stride_gate + part_local, mask=part_mask, other=0.0).to(tl.float32)
+    beta = tl.sigmoid(tl.load(b_ptr + seq * heads + head).to(tl.float32))
+    q = _conv_silu(q_raw, q0, q1, q2, qw0, qw1, qw2, qw3, WIDTH)
+    k = _conv_silu(k_raw, k0, k1, k2, kw0, kw1, kw2, kw3, WIDTH)
+    v = _conv_silu(v_raw, v0, v1, v2, vw0, vw1, vw2, vw3, WIDTH)
     # No other program reads this part's v taps (nor, with one part, the head's q/k taps): shift them now, which
     # frees their registers; the head's last part shifts the q/k taps when there are several.
     tl.debug_barrier()  # every thread has read the taps it overwrites
@@ -137,20 +169,15 @@ def _kda_decode_kernel(q_ptr, k_ptr, v_ptr, wq_ptr, wk_ptr, wv_ptr, conv_ptr, f_
     v = v.to(out_dtype).to(tl.float32)
     q = q / tl.sqrt(tl.sum(q * q, axis=0) + 1e-6)
     k = k / tl.sqrt(tl.sum(k * k, axis=0) + 1e-6)
-    # Decay gate (log space), output gate logits and beta.
+    # Decay gate (log space) and output gate logits.
     if LOWRANK:
-        f = _up_project(w_decay, f_ptr + seq * stride_f, ranks, rank_ok, f_ptr.dtype.element_ty)
-        gate = _up_project(w_gate, gate_ptr + seq * stride_gate, ranks, rank_ok, gate_ptr.dtype.element_ty)
-    else:
-        f = tl.load(f_ptr + seq * stride_f + local, mask=mask, other=0.0).to(tl.float32)
-        gate = tl.load(gate_ptr + seq * stride_gate + part_local, mask=part_mask, other=0.0).to(tl.float32)
-    x = f + tl.load(dtb_ptr + local, mask=mask, other=0.0).to(tl.float32)
-    rate = tl.exp(tl.load(alog_ptr + head).to(tl.float32))
+        f = _up_project(w_decay, f_in, f_ptr.dtype.element_ty)
+        gate = _up_project(w_gate, gate_in, gate_ptr.dtype.element_ty)
+    x = f + dt_bias
     if SAFE_GATE:
         g = lower_bound * tl.sigmoid(rate * x)
     else:
         g = -rate * tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(x)))
-    beta = tl.sigmoid(tl.load(b_ptr + seq * heads + head).to(tl.float32))
     # The state's columns [D (k), D / PARTS (v)] of this sequence, head and part.
     if PARTS == 1:
         tile = state_ptr + slot * stride_sb + head * stride_sh + cols[:, None] * dim + part_cols[None, :]
