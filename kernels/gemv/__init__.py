@@ -9,6 +9,7 @@ import torch
 from h3gen.kernels._dispatch import use_triton
 from h3gen.kernels.gemv import reference
 from h3gen.kernels.rmsnorm import add_rms_norm, rms_norm
+from h3gen.kernels.swiglu import swiglu
 
 MAX_ROWS = 4
 NORMED_MAX_K = 2048  # the widest rows `normed_rows_linear` normalises in its kernel (as `triton.NORMED_MAX_K`)
@@ -18,15 +19,18 @@ def _fast(x, weight) -> bool:
     return use_triton(x) and x.dtype == weight.dtype and x.stride(-1) == 1 and weight.stride(-1) == 1
 
 
-def rows_linear(x, weight):
-    """`x` `[..., K]` @ `weight` `[N, K]`.T -> `[..., N]` (see `reference.rows_linear`)."""
+def rows_linear(x, weight, glu=False):
+    """`x` `[..., K]` @ `weight` `[N, K]`.T -> `[..., N]` (see `reference.rows_linear`); with `glu` (`weight`
+    holding `[value; gate]` rows) SwiGLU of the two halves, `[..., N / 2]`, in the same kernel for few rows."""
     rows = x.numel() // max(1, x.shape[-1])
     if 0 < rows <= MAX_ROWS and _fast(x, weight):
         from h3gen.kernels.gemv import triton as fast
 
         flat = x.reshape(rows, x.shape[-1])
-        return fast.rows_linear(flat, weight).view(*x.shape[:-1], weight.shape[0])
-    return reference.rows_linear(x, weight)
+        out = fast.rows_linear(flat, weight, glu=glu)
+        return out.view(*x.shape[:-1], out.shape[-1])
+    out = reference.rows_linear(x, weight)
+    return swiglu(out) if glu else out
 
 
 def grouped_rows_linear(x, weight):
@@ -38,10 +42,10 @@ def grouped_rows_linear(x, weight):
     return reference.grouped_rows_linear(x, weight)
 
 
-def normed_rows_linear(x, norm_weight, eps, weight, residual=None):
+def normed_rows_linear(x, norm_weight, eps, weight, residual=None, glu=False):
     """`(s, rows_linear(rms_norm(s, norm_weight, eps), weight))` with `s = x + residual` (or `x`), for `x` `[..., K]`
-    (see `reference.normed_rows_linear`). Few rows on CUDA take one kernel (the norm in each program's prologue);
-    otherwise the norm's kernel, then `rows_linear`."""
+    (see `reference.normed_rows_linear`; `glu` as in `rows_linear`). Few rows on CUDA take one kernel (the norm in
+    each program's prologue); otherwise the norm's kernel, then `rows_linear`."""
     rows = x.numel() // max(1, x.shape[-1])
     k = x.shape[-1]
     if (0 < rows <= MAX_ROWS and k <= NORMED_MAX_K and _fast(x, weight)
@@ -50,12 +54,12 @@ def normed_rows_linear(x, norm_weight, eps, weight, residual=None):
         from h3gen.kernels.gemv import triton as fast
 
         res = None if residual is None else residual.reshape(rows, k).contiguous()
-        total, out = fast.normed_rows_linear(x.reshape(rows, k), norm_weight, eps, weight, res)
-        return total.view(x.shape) if residual is not None else x, out.view(*x.shape[:-1], weight.shape[0])
+        total, out = fast.normed_rows_linear(x.reshape(rows, k), norm_weight, eps, weight, res, glu=glu)
+        return total.view(x.shape) if residual is not None else x, out.view(*x.shape[:-1], out.shape[-1])
     if residual is None:
-        return x, rows_linear(rms_norm(x, norm_weight, eps), weight)
+        return x, rows_linear(rms_norm(x, norm_weight, eps), weight, glu)
     total, normed = add_rms_norm(x, residual, norm_weight, eps)
-    return total, rows_linear(normed, weight)
+    return total, rows_linear(normed, weight, glu)
 
 
 __all__ = ["MAX_ROWS", "NORMED_MAX_K", "grouped_rows_linear", "normed_rows_linear", "rows_linear"]
