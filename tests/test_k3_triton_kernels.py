@@ -141,34 +141,6 @@ def test_normed_few_row_linear_matches_reference(rows, n, k, add, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("rows,n,k,block_k,norm", [(1, 37, 300, None, True), (3, 16, 96, 32, False),
-                                                   (4, 9, 2048, None, True), (2, 5, 2100, 512, False)])
-def test_few_row_linears_with_swiglu_match_linear_then_swiglu(rows, n, k, block_k, norm, dtype):
-    """`glu`: the weight holds `[value; gate]` rows and the kernel stores SwiGLU of the two halves (each rounded as
-    the linear would store it, then combined as the SwiGLU kernel combines them), as the linear then SwiGLU would;
-    with and without the norm prologue, several K steps, odd output widths; an odd row count is refused."""
-    from h3gen.kernels.swiglu import reference as swiglu_ref
-
-    g = torch.Generator(device=DEVICE).manual_seed(rows * 13 + n)
-    x = torch.randn(rows, k, generator=g, device=DEVICE).to(dtype)
-    weight = (torch.randn(2 * n, k, generator=g, device=DEVICE) / k**0.5).to(dtype)
-    scale = (1 + 0.1 * torch.randn(k, generator=g, device=DEVICE)).to(dtype)
-    if norm:
-        _, both = gemv_triton.normed_rows_linear(x, scale, 1e-6, weight)
-        _, got = gemv_triton.normed_rows_linear(x, scale, 1e-6, weight, glu=True)
-    else:
-        both = gemv_triton.rows_linear(x, weight, block_k=block_k)
-        got = gemv_triton.rows_linear(x, weight, block_k=block_k, glu=True)
-    value, gate = both.float().chunk(2, dim=-1)
-    assert got.shape == (rows, n) and got.dtype == dtype
-    tol = 1e-6 if dtype == torch.float32 else 2e-3  # sums of another tile shape may round differently
-    assert _err(got, (value * gate * torch.sigmoid(gate)).to(dtype)) <= tol  # the two kernels, as one
-    assert _err(got, swiglu_ref.swiglu(both.float())) <= tol
-    with pytest.raises(ValueError, match="even"):
-        gemv_triton.rows_linear(x, weight[1:], glu=True)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("rows,experts,n,k", [(1, 4, 37, 300), (7, 9, 64, 96), (12, 3, 130, 17)])
 def test_expert_gemv_matches_reference(rows, experts, n, k, dtype):
     g = torch.Generator(device=DEVICE).manual_seed(rows * 31 + n)

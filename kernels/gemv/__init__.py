@@ -9,7 +9,6 @@ import torch
 from h3gen.kernels._dispatch import use_triton
 from h3gen.kernels.gemv import reference
 from h3gen.kernels.rmsnorm import add_rms_norm, rms_norm
-from h3gen.kernels.swiglu import swiglu
 
 MAX_ROWS = 4
 NORMED_MAX_K = 2048  # the widest rows `normed_rows_linear` normalises in its kernel (as `triton.NORMED_MAX_K`)
@@ -19,18 +18,15 @@ def _fast(x, weight) -> bool:
     return use_triton(x) and x.dtype == weight.dtype and x.stride(-1) == 1 and weight.stride(-1) == 1
 
 
-def rows_linear(x, weight, glu=False):
-    """`x` `[..., K]` @ `weight` `[N, K]`.T -> `[..., N]` (see `reference.rows_linear`); with `glu` (`weight`
-    holding `[value; gate]` rows) SwiGLU of the two halves, `[..., N / 2]`, in the same kernel for few rows."""
+def rows_linear(x, weight):
+    """`x` `[..., K]` @ `weight` `[N, K]`.T -> `[..., N]` (see `reference.rows_linear`)."""
     rows = x.numel() // max(1, x.shape[-1])
     if 0 < rows <= MAX_ROWS and _fast(x, weight):
         from h3gen.kernels.gemv import triton as fast
 
         flat = x.reshape(rows, x.shape[-1])
-        out = fast.rows_linear(flat, weight, glu=glu)
-        return out.view(*x.shape[:-1], out.shape[-1])
-    out = reference.rows_linear(x, weight)
-    return swiglu(out) if glu else out
+        return fast.rows_linear(flat, weight).view(*x.shape[:-1], weight.shape[0])
+    return reference.rows_linear(x, weight)
 
 
 def grouped_rows_linear(x, weight):
@@ -42,10 +38,10 @@ def grouped_rows_linear(x, weight):
     return reference.grouped_rows_linear(x, weight)
 
 
-def normed_rows_linear(x, norm_weight, eps, weight, residual=None, glu=False):
+def normed_rows_linear(x, norm_weight, eps, weight, residual=None):
     """`(s, rows_linear(rms_norm(s, norm_weight, eps), weight))` with `s = x + residual` (or `x`), for `x` `[..., K]`
-    (see `reference.normed_rows_linear`; `glu` as in `rows_linear`). Few rows on CUDA take one kernel (the norm in
-    each program's prologue); otherwise the norm's kernel, then `rows_linear`."""
+    (see `reference.normed_rows_linear`). Few rows on CUDA take one kernel (the norm in each program's prologue);
+    otherwise the norm's kernel, then `rows_linear`."""
     rows = x.numel() // max(1, x.shape[-1])
     k = x.shape[-1]
     if (0 < rows <= MAX_ROWS and k <= NORMED_MAX_K and _fast(x, weight)
@@ -54,12 +50,12 @@ def normed_rows_linear(x, norm_weight, eps, weight, residual=None, glu=False):
         from h3gen.kernels.gemv import triton as fast
 
         res = None if residual is None else residual.reshape(rows, k).contiguous()
-        total, out = fast.normed_rows_linear(x.reshape(rows, k), norm_weight, eps, weight, res, glu=glu)
-        return total.view(x.shape) if residual is not None else x, out.view(*x.shape[:-1], out.shape[-1])
+        total, out = fast.normed_rows_linear(x.reshape(rows, k), norm_weight, eps, weight, res)
+        return total.view(x.shape) if residual is not None else x, out.view(*x.shape[:-1], weight.shape[0])
     if residual is None:
-        return x, rows_linear(rms_norm(x, norm_weight, eps), weight, glu)
+        return x, rows_linear(rms_norm(x, norm_weight, eps), weight)
     total, normed = add_rms_norm(x, residual, norm_weight, eps)
-    return total, rows_linear(normed, weight, glu)
+    return total, rows_linear(normed, weight)
 
 
 __all__ = ["MAX_ROWS", "NORMED_MAX_K", "grouped_rows_linear", "normed_rows_linear", "rows_linear"]

@@ -4,14 +4,11 @@ import torch
 import torch.nn.functional as F
 
 from h3gen.kernels.rmsnorm import reference as norm_reference
-from h3gen.kernels.swiglu.reference import swiglu
 
 
-def rows_linear(x: torch.Tensor, weight: torch.Tensor, glu: bool = False) -> torch.Tensor:
-    """`x` `[..., K]` times `weight` `[N, K]` transposed -> `[..., N]` in x.dtype; with `glu` (`weight` holding
-    `[value; gate]` rows) SwiGLU of the two halves, `[..., N / 2]`."""
-    out = F.linear(x, weight)
-    return swiglu(out) if glu else out
+def rows_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """`x` `[..., K]` times `weight` `[N, K]` transposed -> `[..., N]` in x.dtype."""
+    return F.linear(x, weight)
 
 
 def grouped_rows_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -20,10 +17,10 @@ def grouped_rows_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 def normed_rows_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
-                       residual: torch.Tensor | None = None, glu: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                       residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """A residual update, the norm after it and the linear that reads the norm: `s = x + residual` (or `x`), then
     `(s, rows_linear(rms_norm(s, norm_weight, eps), weight))`; `x` `[..., K]`, `weight` `[N, K]`."""
     if residual is None:
-        return x, rows_linear(norm_reference.rms_norm(x, norm_weight, eps), weight, glu)
+        return x, rows_linear(norm_reference.rms_norm(x, norm_weight, eps), weight)
     total, normed = norm_reference.add_rms_norm(x, residual, norm_weight, eps)
-    return total, rows_linear(normed, weight, glu)
+    return total, rows_linear(normed, weight)

@@ -4,8 +4,7 @@ while that kernel drains (a decode step is a chain of such small GEMVs and their
 launched the ordinary way, start only once their predecessor has finished). One program reads `BLOCK_N` whole
 weight rows for every row of x. Groups (`grouped_rows_linear`) are independent linears of one shape in one launch.
 `normed_rows_linear` computes the RMSNorm of x (after a residual add) in each program before the product, so a
-decode step's norm needs no kernel of its own. With `glu` the weight holds `[value; gate]` rows and the kernel
-stores SwiGLU of the two halves (a gated MLP's up projection with its activation: no SwiGLU kernel)."""
+decode step's norm needs no kernel of its own."""
 
 import torch
 import triton
@@ -44,10 +43,7 @@ def _normed_rows(x_rows, res_rows, norm_ptr, sum_rows, ks, row_ok, sum_ok, K, ep
 @triton.jit
 def _rows_linear_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xg, stride_x, stride_wg, stride_w, stride_og, stride_o,
                         res_ptr, norm_ptr, sum_ptr, eps, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
-                        BLOCK_K: tl.constexpr, NORM: tl.constexpr, ADD: tl.constexpr, PDL: tl.constexpr,
-                        GLU: tl.constexpr = False):
-    """With `GLU` the weight holds `[value; gate]` rows (2N of them) and the output is SwiGLU's `value * silu(gate)`
-    `[M, N]`: each program computes both halves of its columns."""
+                        BLOCK_K: tl.constexpr, NORM: tl.constexpr, ADD: tl.constexpr, PDL: tl.constexpr):
     group = tl.program_id(1).to(tl.int64)
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.arange(0, ROWS)
@@ -57,78 +53,58 @@ def _rows_linear_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xg, stride_x, str
     w_rows = w_ptr + group * stride_wg + cols[:, None].to(tl.int64) * stride_w
     ks = tl.arange(0, BLOCK_K)
     w = tl.load(w_rows + ks[None, :], mask=col_ok[:, None] & (ks < K)[None, :], other=0.0)
-    if GLU:
-        g_rows = w_rows + N * stride_w
-        g = tl.load(g_rows + ks[None, :], mask=col_ok[:, None] & (ks < K)[None, :], other=0.0)
     wait_for_inputs(PDL)  # the first K step's weights are in flight while the previous kernel drains
     if NORM:  # one K step (BLOCK_K >= K): the norm needs whole rows
         sum_ok = rows < tl.where(tl.program_id(0) == 0, M, 0)  # the first program stores the sum
         v = _normed_rows(x_rows, res_ptr + rows[:, None] * K, norm_ptr, sum_ptr + rows[:, None] * K, ks, row_ok,
                          sum_ok, K, eps, ADD)
         acc = tl.sum(w.to(tl.float32)[None, :, :] * v[:, None, :], axis=2)
-        if GLU:
-            acc_g = tl.sum(g.to(tl.float32)[None, :, :] * v[:, None, :], axis=2)
     else:
         acc = _rows_step(x_rows, w, ks, row_ok, K)
-        if GLU:
-            acc_g = _rows_step(x_rows, g, ks, row_ok, K)
     for start in range(BLOCK_K, K, BLOCK_K):
         ks = start + tl.arange(0, BLOCK_K)
         w = tl.load(w_rows + ks[None, :], mask=col_ok[:, None] & (ks < K)[None, :], other=0.0)
         acc += _rows_step(x_rows, w, ks, row_ok, K)
-        if GLU:
-            g = tl.load(g_rows + ks[None, :], mask=col_ok[:, None] & (ks < K)[None, :], other=0.0)
-            acc_g += _rows_step(x_rows, g, ks, row_ok, K)
-    dtype = out_ptr.dtype.element_ty
-    if GLU:  # both halves rounded as the linear would store them, then SwiGLU as its kernel computes it
-        value = acc.to(dtype).to(tl.float32)
-        gate = acc_g.to(dtype).to(tl.float32)
-        acc = value * gate * tl.sigmoid(gate)
     out = out_ptr + group * stride_og + rows[:, None] * stride_o + cols[None, :]
-    tl.store(out, acc.to(dtype), mask=row_ok[:, None] & col_ok[None, :])
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
 
 def _tiles(rows: int, k: int, block_n: int | None, block_k: int | None,
-           num_warps: int | None, glu: bool = False) -> tuple[int, int, int]:
+           num_warps: int | None) -> tuple[int, int, int]:
     """Default tiles and warps: up to 2048 of K per step; at one or two rows 4 weight rows per program (8 below K
     = 2048) and one warp: many small programs keep the most bytes in flight (H200, `.gpu/rows_sweep.py` in
     RESULTS.md: the best or within 10 % of it at every decode shape of the K3 mid config, 1.2-1.5x faster than
     4 x 2048 with 4 warps at two rows); from three rows about 8 K weights per program and 4 warps."""
     block_k = block_k or min(2048, max(16, next_power_of_2(k)))
-    halve = 2 if glu else 1  # SwiGLU: each output column reads two weight rows
     if rows <= 2:
-        return block_n or max(1, (4 if block_k >= 2048 else 8) // halve), block_k, num_warps or 1
-    return block_n or max(1, 8192 // (block_k * next_power_of_2(rows) * halve)), block_k, num_warps or 4
+        return block_n or (4 if block_k >= 2048 else 8), block_k, num_warps or 1
+    return block_n or max(1, 8192 // (block_k * next_power_of_2(rows))), block_k, num_warps or 4
 
 
 def grouped_rows_linear(x: torch.Tensor, weight: torch.Tensor, block_n: int | None = None,
-                        block_k: int | None = None, num_warps: int | None = None, glu: bool = False) -> torch.Tensor:
+                        block_k: int | None = None, num_warps: int | None = None) -> torch.Tensor:
     """See `reference.grouped_rows_linear`: `x` `[G, M <= 4, K]` and `weight` `[G, N, K]` with unit inner strides
-    (any other strides) -> `[G, M, N]` in x.dtype; with `glu` (`weight` holding `[value; gate]` rows) SwiGLU of
-    the two halves, `[G, M, N / 2]`."""
+    (any other strides) -> `[G, M, N]` in x.dtype."""
     groups, m, k = x.shape
-    if glu and weight.shape[1] % 2:
-        raise ValueError(f"rows_linear's SwiGLU needs [value; gate] rows, an even count (got {weight.shape[1]}).")
-    n = weight.shape[1] // 2 if glu else weight.shape[1]
+    n = weight.shape[1]
     if m > MAX_ROWS or weight.shape[2] != k or weight.shape[0] != groups or weight.stride(2) != 1 or \
             x.stride(2) != 1:
         raise ValueError(f"rows_linear takes up to {MAX_ROWS} rows with unit inner strides and matching widths "
                          f"(got x {tuple(x.shape)}, weight {tuple(weight.shape)}).")
     out = torch.empty(groups, m, n, dtype=x.dtype, device=x.device)
-    block_n, block_k, num_warps = _tiles(m, k, block_n, block_k, num_warps, glu)
+    block_n, block_k, num_warps = _tiles(m, k, block_n, block_k, num_warps)
     pdl = pdl_launch(x)
     _rows_linear_kernel[(triton.cdiv(n, block_n), groups)](
         x, weight, out, m, n, k, x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), out.stride(0),
         out.stride(1), x, x, x, 0.0, ROWS=next_power_of_2(m), BLOCK_N=block_n, BLOCK_K=block_k, NORM=False,
-        ADD=False, PDL=pdl_flag(pdl), GLU=glu, num_warps=num_warps, **pdl)
+        ADD=False, PDL=pdl_flag(pdl), num_warps=num_warps, **pdl)
     return out
 
 
 def rows_linear(x: torch.Tensor, weight: torch.Tensor, block_n: int | None = None, block_k: int | None = None,
-                num_warps: int | None = None, glu: bool = False) -> torch.Tensor:
-    """See `reference.rows_linear` for `x` `[M <= 4, K]` and `weight` `[N, K]`, both with unit inner stride (with
-    `glu`, SwiGLU of the output's `[value; gate]` halves)."""
-    return grouped_rows_linear(x[None], weight[None], block_n, block_k, num_warps, glu)[0]
+                num_warps: int | None = None) -> torch.Tensor:
+    """See `reference.rows_linear` for `x` `[M <= 4, K]` and `weight` `[N, K]`, both with unit inner stride."""
+    return grouped_rows_linear(x[None], weight[None], block_n, block_k, num_warps)[0]
 
 
 # The widest row the norm prologue takes: whole rows live in one K step.
@@ -137,17 +113,13 @@ NORMED_MAX_K = 2048
 
 def normed_rows_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
                        residual: torch.Tensor | None = None, block_n: int | None = None,
-                       num_warps: int | None = None, glu: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                       num_warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """See `reference.normed_rows_linear`: `x` `[M <= 4, K <= NORMED_MAX_K]` with unit inner stride (contiguous
     with a `residual`, which is too), one dtype with `weight` `[N, K]` (unit inner stride) and `norm_weight` `[K]` ->
     (`x + residual` `[M, K]`, or `x` itself without a residual; the output `[M, N]`). Every program normalises the
-    rows itself (they are in L2, a few KB); the first one stores the sum. With `glu` (`weight` holding `[value;
-    gate]` rows) the output is SwiGLU of the two halves, `[M, N / 2]`."""
+    rows itself (they are in L2, a few KB); the first one stores the sum."""
     m, k = x.shape
-    if glu and weight.shape[0] % 2:
-        raise ValueError(f"normed_rows_linear's SwiGLU needs [value; gate] rows, an even count "
-                         f"(got {weight.shape[0]}).")
-    n = weight.shape[0] // 2 if glu else weight.shape[0]
+    n = weight.shape[0]
     if residual is not None and (residual.shape != x.shape or not residual.is_contiguous() or not x.is_contiguous()):
         raise ValueError(f"normed_rows_linear adds a contiguous residual of x's shape to contiguous x "
                          f"(got x {tuple(x.shape)}, residual {tuple(residual.shape)}).")
@@ -159,11 +131,10 @@ def normed_rows_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, w
     total = x if residual is None else torch.empty_like(x)
     # Two warps at one or two rows: the norm's rows fit in registers beside the weight tile (no spills in sm_90
     # SASS, where one warp spills).
-    block_n, block_k, num_warps = _tiles(m, k, block_n, None, num_warps or (2 if m <= 2 else None), glu)
+    block_n, block_k, num_warps = _tiles(m, k, block_n, None, num_warps or (2 if m <= 2 else None))
     pdl = pdl_launch(x)
     _rows_linear_kernel[(triton.cdiv(n, block_n), 1)](
         x, weight, out, m, n, k, 0, x.stride(0), 0, weight.stride(0), 0, out.stride(0),
         x if residual is None else residual, norm_weight, total, eps, ROWS=next_power_of_2(m), BLOCK_N=block_n,
-        BLOCK_K=block_k, NORM=True, ADD=residual is not None, PDL=pdl_flag(pdl), GLU=glu, num_warps=num_warps,
-        **pdl)
+        BLOCK_K=block_k, NORM=True, ADD=residual is not None, PDL=pdl_flag(pdl), num_warps=num_warps, **pdl)
     return total, out

@@ -20,6 +20,7 @@ from h3gen.kernels.moe import (expert_gemv, expert_gemv_mxfp4, expert_swiglu_dow
                                grouped_gemm, grouped_mxfp4_gemm, router_topk, sort_by_expert,
                                stacked_experts)
 from h3gen.kernels.rmsnorm import rms_norm
+from h3gen.kernels.swiglu import swiglu
 from h3gen.linear import LinearFactory, LinearSpec, dense_linear
 from h3gen.pipelines.k3.cache import K3Cache, KDAState, PagedLatentCache
 from h3gen.pipelines.k3.config import K3Config
@@ -349,9 +350,9 @@ class K3MLP(nn.Module):
 
     def forward(self, x: torch.Tensor | PendingNorm) -> torch.Tensor:
         if self.fused_in is not None:
-            if self.config.hidden_act != "situ":  # SwiGLU in the up projection's kernel for a decode step's rows
-                return project(self.down_proj, linear_rows(x, self.fused_in, glu=True))
             both = linear_rows(x, self.fused_in)
+            if self.config.hidden_act != "situ":
+                return project(self.down_proj, swiglu(both))
             up, gate = both.chunk(2, dim=-1)
             return project(self.down_proj, gated_activation(self.config, gate, up))
         x = resolved(x)

@@ -20,12 +20,11 @@ class PendingNorm:
         self._total = h if delta is None else None
         self._value: torch.Tensor | None = None
 
-    def linear(self, weight: torch.Tensor, glu: bool = False) -> torch.Tensor:
-        """`rows_linear(self.value(), weight, glu)` `[..., N]` (`[..., N / 2]` with `glu`); the first call computes
-        the norm in the linear's kernel."""
+    def linear(self, weight: torch.Tensor) -> torch.Tensor:
+        """`rows_linear(self.value(), weight)` `[..., N]`; the first call computes the norm in the linear's kernel."""
         if self._value is not None or (self._total is not None and self.delta is not None):  # computed already
-            return rows_linear(self.value(), weight, glu)
-        self._total, out = normed_rows_linear(self.h, self.weight, self.eps, weight, self.delta, glu)
+            return rows_linear(self.value(), weight)
+        self._total, out = normed_rows_linear(self.h, self.weight, self.eps, weight, self.delta)
         return out
 
     def value(self) -> torch.Tensor:
@@ -50,6 +49,6 @@ def resolved(x: torch.Tensor | PendingNorm) -> torch.Tensor:
     return x.value() if isinstance(x, PendingNorm) else x
 
 
-def linear_rows(x: torch.Tensor | PendingNorm, weight: torch.Tensor, glu: bool = False) -> torch.Tensor:
-    """`rows_linear(x, weight, glu)` for a tensor or a pending norm (whose kernel then computes the norm)."""
-    return x.linear(weight, glu) if isinstance(x, PendingNorm) else rows_linear(x, weight, glu)
+def linear_rows(x: torch.Tensor | PendingNorm, weight: torch.Tensor) -> torch.Tensor:
+    """`rows_linear(x, weight)` for a tensor or a pending norm (whose kernel then computes the norm)."""
+    return x.linear(weight) if isinstance(x, PendingNorm) else rows_linear(x, weight)
