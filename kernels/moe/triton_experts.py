@@ -75,6 +75,9 @@ def _expert_swiglu_down_kernel(both_ptr, w_ptr, ids_ptr, weights_ptr, add_ptr, o
     experts = tl.load(ids_ptr + pairs, mask=slot_ok, other=0).to(tl.int64)
     rows = w_ptr + experts[:, None, None] * stride_we + cols[None, :, None].to(tl.int64) * stride_wn
     row_ok = slot_ok[:, None, None] & (cols < N)[None, :, None]
+    # The slots' routing weights come with their ids (read before the wait with AHEAD): loaded here, not after the
+    # last K step, where they cost one more round trip at the end of every program.
+    slot_weight = tl.load(weights_ptr + pairs, mask=slot_ok, other=0.0).to(tl.float32)
     if AHEAD == 0:
         wait_for_inputs(PDL)
         acc = tl.zeros((SLOTS, BLOCK_N), dtype=tl.float32)
@@ -102,7 +105,6 @@ def _expert_swiglu_down_kernel(both_ptr, w_ptr, ids_ptr, weights_ptr, add_ptr, o
         ks = start + tl.arange(0, BLOCK_K)
         w = tl.load(rows + ks[None, None, :], mask=row_ok & (ks < inter)[None, None, :], other=0.0)
         acc += _swiglu_down_step(both_ptr, pairs, slot_ok, ks, inter, w)
-    slot_weight = tl.load(weights_ptr + pairs, mask=slot_ok, other=0.0).to(tl.float32)
     total = tl.sum(acc * slot_weight[:, None], axis=0)
     if ADD:  # written by the kernel just before: read after the wait
         total += tl.load(add_ptr + token * N + cols, mask=cols < N, other=0.0).to(tl.float32)
