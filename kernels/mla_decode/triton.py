@@ -248,6 +248,8 @@ def _absorb_output_kernel(latent_ptr, lse_ptr, w_ptr, gate_ptr, out_ptr, heads, 
     w = tl.load(w_ptr + head * stride_wn + offs_v[:, None] * stride_wv + offs_r[None, :],
                 mask=(offs_v[:, None] < v_dim) & (offs_r[None, :] < rank), other=0.0).to(tl.float32)
     wait_for_inputs(PDL)
+    if HAS_GATE:  # loaded with the latents: issued at the end it costs the program one more round trip
+        g = tl.load(gate_ptr + b * stride_gate + head * v_dim + offs_v, mask=offs_v < v_dim, other=0.0)
     row = (b * heads + head) * SPLITS
     if SPLITS > 1:  # combine the runs' softmax averages, weighted by their share of the softmax mass
         offs_s = tl.arange(0, SPLITS)
@@ -260,7 +262,6 @@ def _absorb_output_kernel(latent_ptr, lse_ptr, w_ptr, gate_ptr, out_ptr, heads, 
         latent = tl.load(latent_ptr + row * rank + offs_r, mask=offs_r < rank, other=0.0)
     out = tl.sum(w * latent[None, :], axis=1).to(out_ptr.dtype.element_ty)
     if HAS_GATE:  # each op rounded to the output dtype, as the separate sigmoid and multiply would be
-        g = tl.load(gate_ptr + b * stride_gate + head * v_dim + offs_v, mask=offs_v < v_dim, other=0.0)
         gate = tl.sigmoid(g.to(tl.float32)).to(out_ptr.dtype.element_ty)
         out = (out.to(tl.float32) * gate.to(tl.float32)).to(out_ptr.dtype.element_ty)
     tl.store(out_ptr + (b * heads + head) * v_dim + offs_v, out, mask=offs_v < v_dim)
