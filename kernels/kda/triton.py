@@ -71,10 +71,10 @@ def _conv_shift(x, t1, t2, state_ptr, channel, mask, stride_tap, WIDTH: tl.const
 
 
 @triton.jit
-def _norm_gate_store(o, gate, cols, mask, dim, normw_ptr, out_ptr, norm_eps, out_dtype):
-    """The head's output RMSNorm over its `dim` values times the sigmoid of its gate logits (float32), stored."""
-    o = o * tl.rsqrt(tl.sum(o * o, axis=0) / dim + norm_eps) * tl.load(normw_ptr + cols, mask=mask, other=0.0).to(
-        tl.float32)
+def _norm_gate_store(o, gate, norm_w, mask, dim, out_ptr, norm_eps, out_dtype):
+    """The head's output RMSNorm over its `dim` values (weights `norm_w`, float32, loaded early) times the sigmoid
+    of its gate logits (float32), stored."""
+    o = o * tl.rsqrt(tl.sum(o * o, axis=0) / dim + norm_eps) * norm_w
     tl.store(out_ptr, (o * tl.sigmoid(gate)).to(out_dtype), mask=mask)
 
 
@@ -116,6 +116,7 @@ def _kda_decode_kernel(q_ptr, k_ptr, v_ptr, wq_ptr, wk_ptr, wv_ptr, conv_ptr, f_
     vw0, vw1, vw2, vw3 = _conv_weights(wv_ptr, part_local, part_mask, WIDTH)
     dt_bias = tl.load(dtb_ptr + local, mask=mask, other=0.0).to(tl.float32)
     rate = tl.exp(tl.load(alog_ptr + head).to(tl.float32))
+    norm_w = tl.load(normw_ptr + cols, mask=mask, other=0.0).to(tl.float32)  # read at the end, after reductions
     if PARTS > 1:
         # A part's state columns are few enough to hold while waiting: they load as the projection drains (the
         # states and rows are written a step earlier, never by the kernel just before).
@@ -191,7 +192,7 @@ def _kda_decode_kernel(q_ptr, k_ptr, v_ptr, wq_ptr, wk_ptr, wv_ptr, conv_ptr, f_
     o = tl.sum((q * scale)[:, None] * state, axis=0)
     tl.store(tile, state, mask=both)
     if PARTS == 1:
-        _norm_gate_store(o, gate, cols, mask, dim, normw_ptr, out_ptr + seq * width + local, norm_eps, out_dtype)
+        _norm_gate_store(o, gate, norm_w, mask, dim, out_ptr + seq * width + local, norm_eps, out_dtype)
     else:
         # The raw output and (with low-rank gates, computed here per part) the gate logits go to a float32 scratch
         # row `[o | gate]`; the head's last part reads them all.
@@ -210,8 +211,7 @@ def _kda_decode_kernel(q_ptr, k_ptr, v_ptr, wq_ptr, wk_ptr, wv_ptr, conv_ptr, f_
                                    cache_modifier=".cg")
             else:
                 gate_all = tl.load(gate_ptr + seq * stride_gate + local, mask=mask, other=0.0).to(tl.float32)
-            _norm_gate_store(o_all, gate_all, cols, mask, dim, normw_ptr, out_ptr + seq * width + local, norm_eps,
-                             out_dtype)
+            _norm_gate_store(o_all, gate_all, norm_w, mask, dim, out_ptr + seq * width + local, norm_eps, out_dtype)
             tl.store(count_ptr + seq * heads + head, 0)  # ready for the next step (and graph replay)
 
 
