@@ -664,6 +664,16 @@ def test_programmatic_dependent_launch_only_where_it_exists(monkeypatch):
     assert _pdl.pdl_flag({"launch_pdl": True})
 
 
+def _prefill_and_decode(model, monkeypatch, triton: str) -> torch.Tensor:
+    """Logits `[3, vocab]` of a five-token prefill and two greedy decode steps, with `H3GEN_TRITON=triton`."""
+    monkeypatch.setenv("H3GEN_TRITON", triton)
+    cache = model.new_cache()
+    logits = [model(torch.tensor([[3, 7, 11, 5, 9]], device=DEVICE), cache)[:, -1]]
+    for _ in range(2):
+        logits.append(model(logits[-1].argmax(-1)[:, None], cache)[:, -1])
+    return torch.cat(logits)
+
+
 def test_tiny_decode_through_the_triton_kernels_matches_torch(monkeypatch):
     """The tiny K3 (residual stream, stacked experts with the shared one riding as expert E, fused projections)
     prefilled and decoded two steps on the Triton kernels gives the torch path's logits; a decode step's norms are
@@ -686,18 +696,10 @@ def test_tiny_decode_through_the_triton_kernels_matches_torch(monkeypatch):
     monkeypatch.setattr(gemv_triton, "normed_rows_linear",
                         lambda *args, **kw: normed_calls.append(args[4] is not None) or kernel(*args, **kw))
 
-    def prefill_and_decode(triton: str) -> torch.Tensor:
-        monkeypatch.setenv("H3GEN_TRITON", triton)
-        cache = model.new_cache()
-        logits = [model(torch.tensor([[3, 7, 11, 5, 9]], device=DEVICE), cache)[:, -1]]
-        for _ in range(2):
-            logits.append(model(logits[-1].argmax(-1)[:, None], cache)[:, -1])
-        return torch.cat(logits)
-
     with torch.no_grad():
-        expected = prefill_and_decode("0")
+        expected = _prefill_and_decode(model, monkeypatch, "0")
         assert not normed_calls
-        got = prefill_and_decode("1")
+        got = _prefill_and_decode(model, monkeypatch, "1")
     assert _err(got, expected) <= 1e-5
     layers = config.num_hidden_layers
     mla = config.attention_types.count("mla")
@@ -730,17 +732,9 @@ def test_silu_model_decode_through_the_triton_kernels_matches_torch(monkeypatch)
         kernel = getattr(module, name)
         monkeypatch.setattr(module, name, lambda *a, _k=kernel, _n=name, **kw: calls.append(_n) or _k(*a, **kw))
 
-    def prefill_and_decode(triton: str) -> torch.Tensor:
-        monkeypatch.setenv("H3GEN_TRITON", triton)
-        cache = model.new_cache()
-        logits = [model(torch.tensor([[3, 7, 11, 5, 9]], device=DEVICE), cache)[:, -1]]
-        for _ in range(2):
-            logits.append(model(logits[-1].argmax(-1)[:, None], cache)[:, -1])
-        return torch.cat(logits)
-
     with torch.no_grad():
-        expected = prefill_and_decode("0")
+        expected = _prefill_and_decode(model, monkeypatch, "0")
         assert not calls
-        got = prefill_and_decode("1")
+        got = _prefill_and_decode(model, monkeypatch, "1")
     assert _err(got, expected) <= 1e-5
     assert calls == ["embedding_rows"] * 3  # the prompt's five ids and each step's one
