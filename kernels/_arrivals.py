@@ -4,7 +4,8 @@ that arrives last does the step and sets its counter back to zero, so the buffer
 a captured CUDA graph can replay the kernel as it is.
 
 One buffer per device and kernel family, allocated once and never shrunk (a graph keeps using the buffer it was
-captured with). Launches of one family must not overlap in time: h3gen runs them on one stream."""
+captured with). Launches of one family must not overlap in time: h3gen runs them on one stream. Run a kernel once
+before capturing it in a CUDA graph: a buffer first allocated during a capture is zero-filled by every replay."""
 
 import torch
 

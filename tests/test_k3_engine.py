@@ -385,6 +385,29 @@ def test_engine_without_graphs_decodes_with_stacked_experts():
     assert all(m.stacked is not None for m in model.modules() if isinstance(m, K3MoE))
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU: CUDA-graph capture")
+def test_decode_graph_capture_allocates_no_arrival_counters(monkeypatch):
+    """Every arrival-counter buffer the captured decode step uses exists before the capture (the warm-up runs every
+    op the graph holds): one allocated during it would put its zero-fill into every replay. A vocabulary wide
+    enough for the Triton argmax, whose counters only the graph's last op uses."""
+    from h3gen.kernels import _arrivals
+    from h3gen.kernels.argmax import MIN_WIDTH
+
+    allocations = []
+
+    class Recording(dict):
+        def __setitem__(self, key, value):
+            allocations.append((key[1], torch.cuda.is_current_stream_capturing()))
+            super().__setitem__(key, value)
+
+    monkeypatch.setattr(_arrivals, "_BUFFERS", Recording())
+    config = dataclasses.replace(_small_config(["kda", "mla", "kda"]), vocab_size=MIN_WIDTH + 37)
+    model = randomize(K3ForCausalLM(config), seed=0).cuda().eval()
+    engine = K3Engine(model, page_size=16, chunk_size=16, max_batch=1, prefix_cache=False, cuda_graphs=True)
+    engine.generate(_prompts(model, [9], seed=2), SamplingParams(max_tokens=4, **GREEDY))
+    assert ("argmax", False) in allocations and not [a for a in allocations if a[1]]
+
+
 def test_stop_strings_and_streaming_deltas_add_up_to_the_text():
     model = _model("kda")
     prompt = _prompts(model, [7], seed=8)[0]

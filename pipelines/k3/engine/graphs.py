@@ -191,9 +191,12 @@ class DecodeGraphs:
         if self.capture:
             side = torch.cuda.Stream(self.device)
             side.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(side):  # warm-up outside the capture (kernel compilation, allocator pools)
+            # Warm-up outside the capture, of every op the graph holds (kernel compilation, allocator pools, and
+            # the kernels' arrival counters: one first allocated inside the capture would put its zero-fill into
+            # every replay, between lm_head and the argmax).
+            with torch.cuda.stream(side):
                 for _ in range(2):
-                    static_decode_forward(self.model, self.pool, buffers)
+                    argmax_rows(static_decode_forward(self.model, self.pool, buffers))
             torch.cuda.current_stream(self.device).wait_stream(side)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.memory_pool):
