@@ -141,6 +141,44 @@ def test_normed_few_row_linear_matches_reference(rows, n, k, add, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("case", ["random", "ties", "zeros", "nan"])
+@pytest.mark.parametrize("rows,n,k,normed", [(1, 37, 64, True), (3, 130, 256, False), (4, 301, 512, True)])
+def test_linear_argmax_left_as_keys_matches_torch(rows, n, k, normed, case, dtype):
+    """The head GEMV leaves each row's argmax as keys that `argmax_from_keys` reads: torch's argmax of the output as
+    stored. Through an identity weight the outputs are x's values exactly: a row's maximum repeated in three tiles
+    (the first wins), zero as the maximum at two columns (the first wins; the first may come out as -0, which
+    equals +0), or a NaN in two columns (the first NaN wins, whatever the values); twice in a row, so the keys are
+    back at zero after each launch."""
+    g = torch.Generator(device=DEVICE).manual_seed(rows * 13 + n)
+    x = torch.randn(rows, k, generator=g, device=DEVICE)
+    weight = torch.randn(n, k, generator=g, device=DEVICE) / k**0.5
+    if case != "random":
+        weight = torch.eye(n, k, device=DEVICE)
+    if case == "ties":
+        for r in range(rows):
+            x[r, [n // 5 + r, n // 3 + r, n - 2 - r]] = x[r].max() + 1
+    if case == "zeros":
+        x = -x.abs() - 0.25
+        x[:, 2], x[:, 7] = -0.0, 0.0
+        weight[2, 7] = -0.0  # so output 2 sums only negative zeros: -0 stays -0
+    if case == "nan":
+        weight[n // 2, 0], weight[n - 3, 0] = -float("nan"), float("nan")  # the first with its sign bit set
+    x, weight = x.to(dtype), weight.to(dtype)
+    norm = torch.ones(k, device=DEVICE, dtype=dtype)
+    for _ in range(2):
+        keys = argmax_triton.key_slots(x.device, rows)
+        if normed:
+            _, out = gemv_triton.normed_rows_linear(x, norm, 1e-6, weight, keys=keys)
+        else:
+            out = gemv_triton.rows_linear(x, weight, keys=keys)
+        got = argmax_triton.argmax_from_keys(keys, rows)
+        assert got.dtype == torch.int64 and torch.equal(got, out.argmax(dim=-1)), (got, out.argmax(dim=-1))
+        assert not keys.any()
+    with pytest.raises(ValueError, match="rows_linear"):
+        gemv_triton.grouped_rows_linear(torch.stack([x, x]), torch.stack([weight, weight]), keys=keys)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("rows,experts,n,k", [(1, 4, 37, 300), (7, 9, 64, 96), (12, 3, 130, 17)])
 def test_expert_gemv_matches_reference(rows, experts, n, k, dtype):
     g = torch.Generator(device=DEVICE).manual_seed(rows * 31 + n)
@@ -665,12 +703,16 @@ def test_programmatic_dependent_launch_only_where_it_exists(monkeypatch):
 
 
 def _prefill_and_decode(model, monkeypatch, triton: str) -> torch.Tensor:
-    """Logits `[3, vocab]` of a five-token prefill and two greedy decode steps, with `H3GEN_TRITON=triton`."""
+    """Logits `[3, vocab]` of a five-token prefill and two greedy decode steps, with `H3GEN_TRITON=triton`; each
+    step's argmax as the model returns it with its logits (on the Triton path, found by lm_head's kernel) is the
+    logits' argmax."""
     monkeypatch.setenv("H3GEN_TRITON", triton)
     cache = model.new_cache()
     logits = [model(torch.tensor([[3, 7, 11, 5, 9]], device=DEVICE), cache)[:, -1]]
     for _ in range(2):
-        logits.append(model(logits[-1].argmax(-1)[:, None], cache)[:, -1])
+        step, argmax = model(logits[-1].argmax(-1)[:, None], cache, with_argmax=True)
+        assert argmax.shape == (1, 1) and torch.equal(argmax, step.argmax(-1))
+        logits.append(step[:, -1])
     return torch.cat(logits)
 
 

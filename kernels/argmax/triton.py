@@ -51,6 +51,59 @@ def _argmax_kernel(x_ptr, value_ptr, index_ptr, count_ptr, out_ptr, V, stride_x,
             tl.store(count_ptr + row, 0)  # ready for the next launch (and graph replay)
 
 
+# Keys: a kernel that produces the values (the head's GEMV) can leave the argmax as one 64-bit key per row and
+# value: the value's float32 bits made monotonic (NaN above everything, -0 as +0) above the index's complement, so
+# the largest key is the largest value at its first index, a NaN's if there is one (as torch's argmax). It maxes
+# its keys into `KEY_SLOTS` slots per row (`red.max`, no waiting; slots spread the contention); `argmax_from_keys`
+# then reads them back as indices and zeroes them for the next launch.
+KEY_SLOTS = tl.constexpr(32)
+
+
+@triton.jit
+def argmax_key(values, index):
+    """uint64 keys of float32 `values` at int32 `index`es (see above); padding should be masked to 0 by the caller."""
+    v = tl.where(values == 0, 0.0, values)
+    bits = v.to(tl.uint32, bitcast=True)
+    ordered = tl.where((bits >> 31) != 0, ~bits, bits | 0x80000000)
+    ordered = tl.where(values != values, 0xFFFFFFFF, ordered)
+    return (ordered.to(tl.uint64) << 32) | (0xFFFFFFFF - index.to(tl.uint32)).to(tl.uint64)
+
+
+@triton.jit
+def max_keys_into(keys_ptr, rows, row_ok, keys, part):
+    """Max each row's `keys` `[ROWS]` (uint64) into slot `part % KEY_SLOTS` of its slots at `keys_ptr` (int64)."""
+    slots = keys_ptr.to(tl.pointer_type(tl.uint64)) + rows * KEY_SLOTS + part % KEY_SLOTS
+    tl.atomic_max(slots, keys, mask=row_ok, sem="relaxed", scope="gpu")
+
+
+@triton.jit
+def _keys_argmax_kernel(keys_ptr, out_ptr, M, ROWS: tl.constexpr, PDL: tl.constexpr):
+    rows = tl.arange(0, ROWS)
+    slots = tl.arange(0, KEY_SLOTS)
+    where = keys_ptr.to(tl.pointer_type(tl.uint64)) + rows[:, None] * KEY_SLOTS + slots[None, :]
+    ok = (rows < M)[:, None]
+    wait_for_inputs(PDL)
+    best = tl.max(tl.load(where, mask=ok, other=0, cache_modifier=".cg"), axis=1)
+    tl.store(out_ptr + rows, (0xFFFFFFFF - (best & 0xFFFFFFFF)).to(tl.int64), mask=rows < M)
+    tl.store(where, tl.zeros((ROWS, KEY_SLOTS), dtype=tl.uint64), mask=ok)  # ready for the next launch
+
+
+def key_slots(device: torch.device, rows: int) -> torch.Tensor:
+    """The zeroed int64 key slots `[rows * KEY_SLOTS]` of a kernel that leaves its rows' argmax as keys (one buffer
+    per device, as `arrival_counters`; the same tensor every call, so graphs can replay it)."""
+    return arrival_counters(device, "argmax_keys", 2 * rows * KEY_SLOTS).view(torch.int64)[: rows * KEY_SLOTS]
+
+
+def argmax_from_keys(keys: torch.Tensor, rows: int) -> torch.Tensor:
+    """The `[rows]` int64 argmax that a kernel left in `keys` (from `key_slots`), which are zeroed again."""
+    out = torch.empty(rows, dtype=torch.int64, device=keys.device)
+    if rows:
+        pdl = pdl_launch(keys)
+        _keys_argmax_kernel[(1,)](keys, out, rows, ROWS=next_power_of_2(rows), PDL=pdl_flag(pdl), num_warps=1,
+                                  **pdl)
+    return out
+
+
 def argmax_rows(x: torch.Tensor, block: int = 4096, num_warps: int = 4) -> torch.Tensor:
     """See `reference.argmax_rows`: `x` `[B, V]` (last axis contiguous) -> `[B]` int64."""
     if x.stride(-1) != 1:

@@ -12,6 +12,7 @@ import triton.language as tl
 
 from h3gen.kernels._dispatch import next_power_of_2
 from h3gen.kernels._pdl import pdl_flag, pdl_launch, wait_for_inputs
+from h3gen.kernels.argmax.triton import argmax_key, max_keys_into
 
 MAX_ROWS = 4
 
@@ -42,8 +43,9 @@ def _normed_rows(x_rows, res_rows, norm_ptr, sum_rows, ks, row_ok, sum_ok, K, ep
 
 @triton.jit
 def _rows_linear_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xg, stride_x, stride_wg, stride_w, stride_og, stride_o,
-                        res_ptr, norm_ptr, sum_ptr, eps, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
-                        BLOCK_K: tl.constexpr, NORM: tl.constexpr, ADD: tl.constexpr, PDL: tl.constexpr):
+                        res_ptr, norm_ptr, sum_ptr, eps, keys_ptr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+                        BLOCK_K: tl.constexpr, NORM: tl.constexpr, ADD: tl.constexpr, ARGMAX: tl.constexpr,
+                        PDL: tl.constexpr):
     group = tl.program_id(1).to(tl.int64)
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.arange(0, ROWS)
@@ -67,6 +69,9 @@ def _rows_linear_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xg, stride_x, str
         acc += _rows_step(x_rows, w, ks, row_ok, K)
     out = out_ptr + group * stride_og + rows[:, None] * stride_o + cols[None, :]
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+    if ARGMAX:  # each row's best (value as stored, first index) of this tile, maxed into the row's key slots
+        keys = argmax_key(acc.to(out_ptr.dtype.element_ty).to(tl.float32), cols[None, :])
+        max_keys_into(keys_ptr, rows, row_ok, tl.max(tl.where(col_ok[None, :], keys, 0), axis=1), tl.program_id(0))
 
 
 def _tiles(rows: int, k: int, block_n: int | None, block_k: int | None,
@@ -82,13 +87,15 @@ def _tiles(rows: int, k: int, block_n: int | None, block_k: int | None,
 
 
 def grouped_rows_linear(x: torch.Tensor, weight: torch.Tensor, block_n: int | None = None,
-                        block_k: int | None = None, num_warps: int | None = None) -> torch.Tensor:
+                        block_k: int | None = None, num_warps: int | None = None,
+                        keys: torch.Tensor | None = None) -> torch.Tensor:
     """See `reference.grouped_rows_linear`: `x` `[G, M <= 4, K]` and `weight` `[G, N, K]` with unit inner strides
-    (any other strides) -> `[G, M, N]` in x.dtype."""
+    (any other strides) -> `[G, M, N]` in x.dtype. With `keys` (one group; `kernels.argmax.triton.key_slots`),
+    the kernel also leaves each row's argmax there for `argmax_from_keys`."""
     groups, m, k = x.shape
     n = weight.shape[1]
     if m > MAX_ROWS or weight.shape[2] != k or weight.shape[0] != groups or weight.stride(2) != 1 or \
-            x.stride(2) != 1:
+            x.stride(2) != 1 or (keys is not None and groups != 1):
         raise ValueError(f"rows_linear takes up to {MAX_ROWS} rows with unit inner strides and matching widths "
                          f"(got x {tuple(x.shape)}, weight {tuple(weight.shape)}).")
     out = torch.empty(groups, m, n, dtype=x.dtype, device=x.device)
@@ -96,15 +103,17 @@ def grouped_rows_linear(x: torch.Tensor, weight: torch.Tensor, block_n: int | No
     pdl = pdl_launch(x)
     _rows_linear_kernel[(triton.cdiv(n, block_n), groups)](
         x, weight, out, m, n, k, x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), out.stride(0),
-        out.stride(1), x, x, x, 0.0, ROWS=next_power_of_2(m), BLOCK_N=block_n, BLOCK_K=block_k, NORM=False,
-        ADD=False, PDL=pdl_flag(pdl), num_warps=num_warps, **pdl)
+        out.stride(1), x, x, x, 0.0, out if keys is None else keys, ROWS=next_power_of_2(m), BLOCK_N=block_n,
+        BLOCK_K=block_k, NORM=False, ADD=False, ARGMAX=keys is not None, PDL=pdl_flag(pdl), num_warps=num_warps,
+        **pdl)
     return out
 
 
 def rows_linear(x: torch.Tensor, weight: torch.Tensor, block_n: int | None = None, block_k: int | None = None,
-                num_warps: int | None = None) -> torch.Tensor:
-    """See `reference.rows_linear` for `x` `[M <= 4, K]` and `weight` `[N, K]`, both with unit inner stride."""
-    return grouped_rows_linear(x[None], weight[None], block_n, block_k, num_warps)[0]
+                num_warps: int | None = None, keys: torch.Tensor | None = None) -> torch.Tensor:
+    """See `reference.rows_linear` for `x` `[M <= 4, K]` and `weight` `[N, K]`, both with unit inner stride
+    (`keys`: see `grouped_rows_linear`)."""
+    return grouped_rows_linear(x[None], weight[None], block_n, block_k, num_warps, keys)[0]
 
 
 # The widest row the norm prologue takes: whole rows live in one K step.
@@ -113,11 +122,12 @@ NORMED_MAX_K = 2048
 
 def normed_rows_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
                        residual: torch.Tensor | None = None, block_n: int | None = None,
-                       num_warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                       num_warps: int | None = None,
+                       keys: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """See `reference.normed_rows_linear`: `x` `[M <= 4, K <= NORMED_MAX_K]` with unit inner stride (contiguous
     with a `residual`, which is too), one dtype with `weight` `[N, K]` (unit inner stride) and `norm_weight` `[K]` ->
     (`x + residual` `[M, K]`, or `x` itself without a residual; the output `[M, N]`). Every program normalises the
-    rows itself (they are in L2, a few KB); the first one stores the sum."""
+    rows itself (they are in L2, a few KB); the first one stores the sum. `keys`: see `grouped_rows_linear`."""
     m, k = x.shape
     n = weight.shape[0]
     if residual is not None and (residual.shape != x.shape or not residual.is_contiguous() or not x.is_contiguous()):
@@ -135,6 +145,7 @@ def normed_rows_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, w
     pdl = pdl_launch(x)
     _rows_linear_kernel[(triton.cdiv(n, block_n), 1)](
         x, weight, out, m, n, k, 0, x.stride(0), 0, weight.stride(0), 0, out.stride(0),
-        x if residual is None else residual, norm_weight, total, eps, ROWS=next_power_of_2(m), BLOCK_N=block_n,
-        BLOCK_K=block_k, NORM=True, ADD=residual is not None, PDL=pdl_flag(pdl), num_warps=num_warps, **pdl)
+        x if residual is None else residual, norm_weight, total, eps, out if keys is None else keys,
+        ROWS=next_power_of_2(m), BLOCK_N=block_n, BLOCK_K=block_k, NORM=True, ADD=residual is not None,
+        ARGMAX=keys is not None, PDL=pdl_flag(pdl), num_warps=num_warps, **pdl)
     return total, out

@@ -11,6 +11,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from h3gen.kernels.argmax import argmax_rows
 from h3gen.kernels.embedding import embedding_rows
 from h3gen.kernels.gemv import MAX_ROWS, grouped_rows_linear, rows_linear
 from h3gen.kernels.kda import kda_chunked, kda_decode, kda_gate, l2_normalize, short_conv
@@ -24,7 +25,7 @@ from h3gen.kernels.swiglu import swiglu
 from h3gen.linear import LinearFactory, LinearSpec, dense_linear
 from h3gen.pipelines.k3.cache import K3Cache, KDAState, PagedLatentCache
 from h3gen.pipelines.k3.config import K3Config
-from h3gen.pipelines.k3.pending_norm import PendingNorm, linear_rows, resolved
+from h3gen.pipelines.k3.pending_norm import PendingNorm, linear_rows, linear_rows_argmax, resolved
 
 
 class K3RMSNorm(nn.Module):
@@ -112,6 +113,15 @@ def project(layer: nn.Module, x: torch.Tensor | PendingNorm) -> torch.Tensor:
     if type(layer) is nn.Linear and layer.bias is None:
         return linear_rows(x, layer.weight)
     return layer(resolved(x))
+
+
+def project_argmax(layer: nn.Module, x: torch.Tensor | PendingNorm) -> tuple[torch.Tensor, torch.Tensor]:
+    """(`project(layer, x)` `[..., N]`, its argmax over N `[...]` int64); for a decode step's few rows through a
+    plain linear, the GEMV kernel finds the argmax as it writes the output (`rows_linear_argmax`)."""
+    if type(layer) is nn.Linear and layer.bias is None:
+        return linear_rows_argmax(x, layer.weight)
+    out = layer(resolved(x))
+    return out, argmax_rows(out.reshape(-1, out.shape[-1])).view(out.shape[:-1])
 
 
 class K3DeltaAttention(nn.Module):
@@ -835,16 +845,18 @@ class K3ForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor | None = None, cache: K3Cache | None = None,
                 inputs_embeds: torch.Tensor | None = None, pixel_values: torch.Tensor | None = None,
-                grid_thws=None) -> torch.Tensor:
+                grid_thws=None, with_argmax: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """`input_ids` `[B, T]` (or `inputs_embeds` `[B, T, D]`) -> logits `[B, T, vocab]`. With `cache`, continues
         from the state it holds (prefill chunk or one-token decode) and leaves it updated. With `pixel_values` /
-        `grid_thws` (see `encode_images`), the image embeddings replace the `<|media_pad|>` embeddings."""
+        `grid_thws` (see `encode_images`), the image embeddings replace the `<|media_pad|>` embeddings. With
+        `with_argmax`, returns (logits, their argmax `[B, T]` int64: the greedy tokens, found by the head's kernel
+        in a decode step)."""
         if inputs_embeds is None:
             inputs_embeds = self.embed_multimodal(input_ids, pixel_values, grid_thws)
         hidden = self.model(inputs_embeds, cache, pending=True)  # the final norm in the head's kernel
         if cache is not None:
             cache.seen_tokens += inputs_embeds.shape[1]
-        return project(self.lm_head, hidden)
+        return project_argmax(self.lm_head, hidden) if with_argmax else project(self.lm_head, hidden)
 
     def new_cache(self, page_size: int = 16) -> K3Cache:
         return K3Cache(self.config.num_hidden_layers, page_size)

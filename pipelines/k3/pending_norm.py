@@ -7,7 +7,7 @@ from the ordinary norm kernels; either way the values are the reference's (`kern
 
 import torch
 
-from h3gen.kernels.gemv import normed_rows_linear, rows_linear
+from h3gen.kernels.gemv import normed_rows_linear, normed_rows_linear_argmax, rows_linear, rows_linear_argmax
 from h3gen.kernels.rmsnorm import add_rms_norm, rms_norm
 
 
@@ -26,6 +26,14 @@ class PendingNorm:
             return rows_linear(self.value(), weight)
         self._total, out = normed_rows_linear(self.h, self.weight, self.eps, weight, self.delta)
         return out
+
+    def linear_argmax(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(`self.linear(weight)` `[..., N]`, its argmax over N `[...]` int64), the argmax found by the linear's
+        kernel where it can (`normed_rows_linear_argmax`)."""
+        if self._value is not None or (self._total is not None and self.delta is not None):
+            return rows_linear_argmax(self.value(), weight)
+        self._total, out, index = normed_rows_linear_argmax(self.h, self.weight, self.eps, weight, self.delta)
+        return out, index
 
     def value(self) -> torch.Tensor:
         """The normalised rows `[..., D]`."""
@@ -52,3 +60,8 @@ def resolved(x: torch.Tensor | PendingNorm) -> torch.Tensor:
 def linear_rows(x: torch.Tensor | PendingNorm, weight: torch.Tensor) -> torch.Tensor:
     """`rows_linear(x, weight)` for a tensor or a pending norm (whose kernel then computes the norm)."""
     return x.linear(weight) if isinstance(x, PendingNorm) else rows_linear(x, weight)
+
+
+def linear_rows_argmax(x: torch.Tensor | PendingNorm, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`rows_linear_argmax(x, weight)` for a tensor or a pending norm: (`[..., N]`, argmax `[...]` int64)."""
+    return x.linear_argmax(weight) if isinstance(x, PendingNorm) else rows_linear_argmax(x, weight)

@@ -16,7 +16,6 @@ ordinary path; `bench_k3.py --check` checks it on a GPU.
 
 import torch
 
-from h3gen.kernels.argmax import argmax_rows
 from h3gen.pipelines.k3.cache import KDAState
 from h3gen.pipelines.k3.engine.batch import BatchCache
 
@@ -105,8 +104,9 @@ class DecodeBuffers:
             self.copied.record()
 
 
-def static_decode_forward(model, pool, buffers: DecodeBuffers) -> torch.Tensor:
-    """One decode forward of `buffers.size` sequences: logits `[size, vocab]`; updates their pool memory in place."""
+def static_decode_forward(model, pool, buffers: DecodeBuffers) -> tuple[torch.Tensor, torch.Tensor]:
+    """One decode forward of `buffers.size` sequences: (logits `[size, vocab]`, their argmax `[size]` int64);
+    updates their pool memory in place."""
     size = buffers.size
     cache = BatchCache(model.config.num_hidden_layers, pool.page_size)
     for j, layer in enumerate(pool.mla_layers):
@@ -121,13 +121,13 @@ def static_decode_forward(model, pool, buffers: DecodeBuffers) -> torch.Tensor:
             given.append(KDAState(conv.view(slots, *pool.conv_shape), recurrent.view(slots, *pool.recurrent_shape),
                                   rows=buffers.state_rows))
             cache.layers[layer] = given[-1]
-    logits = model(buffers.tokens, cache)[:, -1]
+    logits, argmax = model(buffers.tokens, cache, with_argmax=True)
     if pool.uses_slots:
         for j, (new, old) in enumerate(zip(cache.kda_states(pool.kda_layers), given)):
             if new is not old:  # a layer that returned new states instead of updating its rows (not the decode op)
                 packed = torch.cat([new.conv.reshape(size, -1), new.recurrent.reshape(size, -1)], dim=-1)
                 pool.slots[:, j].index_copy_(0, buffers.state_rows, packed.float())
-    return logits
+    return logits[:, -1], argmax[:, -1]
 
 
 def prepare_for_decode(model) -> None:
@@ -192,16 +192,15 @@ class DecodeGraphs:
             side = torch.cuda.Stream(self.device)
             side.wait_stream(torch.cuda.current_stream(self.device))
             # Warm-up outside the capture, of every op the graph holds (kernel compilation, allocator pools, and
-            # the kernels' arrival counters: one first allocated inside the capture would put its zero-fill into
-            # every replay, between lm_head and the argmax).
+            # the kernels' arrival counters and argmax keys: one first allocated inside the capture would put its
+            # zero-fill into every replay).
             with torch.cuda.stream(side):
                 for _ in range(2):
-                    argmax_rows(static_decode_forward(self.model, self.pool, buffers))
+                    static_decode_forward(self.model, self.pool, buffers)
             torch.cuda.current_stream(self.device).wait_stream(side)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.memory_pool):
-                buffers.logits = static_decode_forward(self.model, self.pool, buffers)
-                buffers.argmax = argmax_rows(buffers.logits)
+                buffers.logits, buffers.argmax = static_decode_forward(self.model, self.pool, buffers)
         self.graphs[size] = (graph, buffers)
         return self.graphs[size]
 
@@ -223,8 +222,7 @@ class DecodeGraphs:
         if on_device:  # after the staged copy, so it wins; before the replay that overwrites a previous argmax
             buffers.tokens[:count, 0].copy_(tokens)
         if graph is None:
-            buffers.logits = static_decode_forward(self.model, self.pool, buffers)
-            buffers.argmax = argmax_rows(buffers.logits)
+            buffers.logits, buffers.argmax = static_decode_forward(self.model, self.pool, buffers)
         else:
             graph.replay()
         host = buffers.host_tokens[buffers.turn]
