@@ -83,9 +83,14 @@ def test_batched_greedy_generation_equals_one_at_a_time_fp32(family, static_deco
     engine = _engine(model, prefix_cache=False, cuda_graphs=static_decode)
     if static_decode:
         graphs = engine.graphs
-        calls = []
+        calls, kept = [], []
         original = graphs.launch
         graphs.launch = lambda *args: calls.append(len(args[1])) or original(*args)
+        from h3gen.pipelines.k3.engine.graphs import DecodeBuffers
+
+        stage = DecodeBuffers.stage
+        monkeypatch.setattr(DecodeBuffers, "stage", lambda self, *a, keep_tokens=False: kept.append(keep_tokens)
+                            or stage(self, *a, keep_tokens=keep_tokens))
     requests = [engine.add_request(p, sp) for p, sp in zip(prompts[:3], params[:3])]
     engine.step()
     engine.step()  # the rest join a batch that is already decoding
@@ -101,6 +106,8 @@ def test_batched_greedy_generation_equals_one_at_a_time_fp32(family, static_deco
     assert usage["slots_used"] == scratch * engine.pool.uses_slots
     if static_decode:  # every decode step took the static path, at batch sizes that needed padding too
         assert sum(calls) == engine.stats["decode_tokens"] and {3, 5, 6} & set(calls)
+        # steps launched ahead read the previous step's argmax where it was written, with no copy of their ids
+        assert True in kept and False in kept
         moes = [m for m in model.modules() if hasattr(m, "stack_experts")]
         stacked = [m.stacked_mxfp4 if family.endswith("mxfp4") else m.stacked for m in moes]
         assert moes and all(s is not None for s in stacked)  # the experts were picked on the device

@@ -94,9 +94,14 @@ def key_slots(device: torch.device, rows: int) -> torch.Tensor:
     return arrival_counters(device, "argmax_keys", 2 * rows * KEY_SLOTS).view(torch.int64)[: rows * KEY_SLOTS]
 
 
-def argmax_from_keys(keys: torch.Tensor, rows: int) -> torch.Tensor:
-    """The `[rows]` int64 argmax that a kernel left in `keys` (from `key_slots`), which are zeroed again."""
-    out = torch.empty(rows, dtype=torch.int64, device=keys.device)
+def argmax_from_keys(keys: torch.Tensor, rows: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The `[rows]` int64 argmax that a kernel left in `keys` (from `key_slots`), which are zeroed again; written
+    into `out` (contiguous `[rows]` int64) when given."""
+    if out is None:
+        out = torch.empty(rows, dtype=torch.int64, device=keys.device)
+    elif out.shape != (rows,) or out.dtype != torch.int64 or not out.is_contiguous():
+        raise ValueError(f"argmax_from_keys writes a contiguous [{rows}] int64 tensor (got {tuple(out.shape)} "
+                         f"{out.dtype}).")
     if rows:
         pdl = pdl_launch(keys)
         _keys_argmax_kernel[(1,)](keys, out, rows, ROWS=next_power_of_2(rows), PDL=pdl_flag(pdl), num_warps=1,

@@ -32,14 +32,18 @@ def rows_linear(x, weight):
     return reference.rows_linear(x, weight)
 
 
-def _argmax_of(out):
-    """`out` `[..., N]` -> its row argmax `[...]` int64."""
-    return argmax_rows(out.reshape(-1, out.shape[-1])).view(out.shape[:-1])
+def _argmax_of(out, into=None):
+    """`out` `[..., N]` -> its row argmax `[...]` int64 (copied into `into`, `[rows]`, when given)."""
+    index = argmax_rows(out.reshape(-1, out.shape[-1]))
+    if into is not None:
+        index = into.copy_(index)
+    return index.view(out.shape[:-1])
 
 
-def rows_linear_argmax(x, weight):
+def rows_linear_argmax(x, weight, into=None):
     """(`rows_linear(x, weight)` `[..., N]`, its argmax over N `[...]` int64: torch's argmax of the output as
-    stored, the first index of the maximum, a NaN the largest)."""
+    stored, the first index of the maximum, a NaN the largest). `into`: a contiguous int64 tensor of x's rows
+    count that receives the argmax (and is returned, viewed as `[...]`)."""
     rows = x.numel() // max(1, x.shape[-1])
     if 0 < rows <= MAX_ROWS and _fast(x, weight):
         from h3gen.kernels.argmax import triton as fast_argmax
@@ -47,10 +51,10 @@ def rows_linear_argmax(x, weight):
 
         keys = fast_argmax.key_slots(x.device, rows)
         out = fast.rows_linear(x.reshape(rows, x.shape[-1]), weight, keys=keys)
-        index = fast_argmax.argmax_from_keys(keys, rows)
+        index = fast_argmax.argmax_from_keys(keys, rows, into)
         return out.view(*x.shape[:-1], weight.shape[0]), index.view(x.shape[:-1])
     out = reference.rows_linear(x, weight)
-    return out, _argmax_of(out)
+    return out, _argmax_of(out, into)
 
 
 def grouped_rows_linear(x, weight):
@@ -92,18 +96,18 @@ def normed_rows_linear(x, norm_weight, eps, weight, residual=None):
     return total, rows_linear(normed, weight)
 
 
-def normed_rows_linear_argmax(x, norm_weight, eps, weight, residual=None):
-    """`normed_rows_linear` plus the output's argmax over N (as `rows_linear_argmax`): (s `[..., K]`, out
-    `[..., N]`, argmax `[...]` int64)."""
+def normed_rows_linear_argmax(x, norm_weight, eps, weight, residual=None, into=None):
+    """`normed_rows_linear` plus the output's argmax over N (as `rows_linear_argmax`, `into` too): (s `[..., K]`,
+    out `[..., N]`, argmax `[...]` int64)."""
     if _normed_fast(x, norm_weight, weight, residual):
         from h3gen.kernels.argmax import triton as fast_argmax
 
         rows = x.numel() // x.shape[-1]
         keys = fast_argmax.key_slots(x.device, rows)
         total, out = _normed_kernel(x, norm_weight, eps, weight, residual, keys)
-        return total, out, fast_argmax.argmax_from_keys(keys, rows).view(x.shape[:-1])
+        return total, out, fast_argmax.argmax_from_keys(keys, rows, into).view(x.shape[:-1])
     total, out = normed_rows_linear(x, norm_weight, eps, weight, residual)
-    return total, out, _argmax_of(out)
+    return total, out, _argmax_of(out, into)
 
 
 __all__ = ["MAX_ROWS", "NORMED_MAX_K", "grouped_rows_linear", "normed_rows_linear", "normed_rows_linear_argmax",

@@ -115,13 +115,18 @@ def project(layer: nn.Module, x: torch.Tensor | PendingNorm) -> torch.Tensor:
     return layer(resolved(x))
 
 
-def project_argmax(layer: nn.Module, x: torch.Tensor | PendingNorm) -> tuple[torch.Tensor, torch.Tensor]:
-    """(`project(layer, x)` `[..., N]`, its argmax over N `[...]` int64); for a decode step's few rows through a
-    plain linear, the GEMV kernel finds the argmax as it writes the output (`rows_linear_argmax`)."""
+def project_argmax(layer: nn.Module, x: torch.Tensor | PendingNorm,
+                   into: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(`project(layer, x)` `[..., N]`, its argmax over N `[...]` int64, written into `into` (contiguous, one per
+    row) when given); for a decode step's few rows through a plain linear, the GEMV kernel finds the argmax as it
+    writes the output (`rows_linear_argmax`)."""
     if type(layer) is nn.Linear and layer.bias is None:
-        return linear_rows_argmax(x, layer.weight)
+        return linear_rows_argmax(x, layer.weight, into)
     out = layer(resolved(x))
-    return out, argmax_rows(out.reshape(-1, out.shape[-1])).view(out.shape[:-1])
+    index = argmax_rows(out.reshape(-1, out.shape[-1]))
+    if into is not None:
+        index = into.copy_(index)
+    return out, index.view(out.shape[:-1])
 
 
 class K3DeltaAttention(nn.Module):
@@ -845,18 +850,22 @@ class K3ForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor | None = None, cache: K3Cache | None = None,
                 inputs_embeds: torch.Tensor | None = None, pixel_values: torch.Tensor | None = None,
-                grid_thws=None, with_argmax: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+                grid_thws=None, with_argmax: bool = False,
+                argmax_into: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """`input_ids` `[B, T]` (or `inputs_embeds` `[B, T, D]`) -> logits `[B, T, vocab]`. With `cache`, continues
         from the state it holds (prefill chunk or one-token decode) and leaves it updated. With `pixel_values` /
         `grid_thws` (see `encode_images`), the image embeddings replace the `<|media_pad|>` embeddings. With
         `with_argmax`, returns (logits, their argmax `[B, T]` int64: the greedy tokens, found by the head's kernel
-        in a decode step)."""
+        in a decode step); with `argmax_into` (contiguous int64, `B * T` of them) too, the argmax written there
+        (a decode graph puts it where its next step reads its token ids)."""
         if inputs_embeds is None:
             inputs_embeds = self.embed_multimodal(input_ids, pixel_values, grid_thws)
         hidden = self.model(inputs_embeds, cache, pending=True)  # the final norm in the head's kernel
         if cache is not None:
             cache.seen_tokens += inputs_embeds.shape[1]
-        return project_argmax(self.lm_head, hidden) if with_argmax else project(self.lm_head, hidden)
+        if with_argmax or argmax_into is not None:
+            return project_argmax(self.lm_head, hidden, argmax_into)
+        return project(self.lm_head, hidden)
 
     def new_cache(self, page_size: int = 16) -> K3Cache:
         return K3Cache(self.config.num_hidden_layers, page_size)

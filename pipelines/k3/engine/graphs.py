@@ -54,35 +54,41 @@ class StaticLatentView:
 
 
 class DecodeBuffers:
-    """The fixed inputs and outputs of one captured batch size. The inputs are views of two device tensors (int64:
-    token ids, state rows; int32: block table, lengths), each filled by one copy from a pinned host twin, so a step
-    costs the host two copies and no device kernels before the replay. `lens_after` (`lens` + 1, what the MLA
-    layers attend over once the step's row is written) comes from the host too, not from a kernel in the step."""
+    """The fixed inputs and outputs of one captured batch size. The inputs are views of one device byte buffer
+    (int64: token ids, state rows; int32: block table, lengths) filled by one copy from a pinned host twin, so a
+    step costs the host one copy and no device kernels before the replay. `lens_after` (`lens` + 1, what the MLA
+    layers attend over once the step's row is written) comes from the host too, not from a kernel in the step.
+    The step's argmax is written over its token ids (read by then): a greedy step fed on the device finds its ids
+    in place, and its copy leaves them out."""
 
     def __init__(self, size: int, max_pages: int, device):
         device = torch.device(device)
         self.size, self.width = size, max(1, max_pages)
-        self.ids = torch.zeros(2 * size, dtype=torch.long, device=device)
-        self.positions = torch.zeros(size * (self.width + 2), dtype=torch.int32, device=device)
+        id_bytes = 2 * size * 8  # int64 ids first: the int32 positions after them stay aligned
+        self.raw = torch.zeros(id_bytes + 4 * size * (self.width + 2), dtype=torch.uint8, device=device)
+        self.ids = self.raw[:id_bytes].view(torch.long)
+        self.positions = self.raw[id_bytes:].view(torch.int32)
         self.tokens = self.ids[:size].view(size, 1)
         self.state_rows = self.ids[size:]
         self.table = self.positions[: size * self.width].view(size, self.width)
         self.lens = self.positions[size * self.width : size * (self.width + 1)]
         self.lens_after = self.positions[size * (self.width + 1) :]
         pinned = device.type == "cuda"
-        self.host_ids = torch.zeros(self.ids.shape, dtype=torch.long, pin_memory=pinned)
-        self.host_positions = torch.zeros(self.positions.shape, dtype=torch.int32, pin_memory=pinned)
-        self.copied: torch.cuda.Event | None = None  # the last host-to-device copies
+        self.host_raw = torch.zeros(self.raw.shape, dtype=torch.uint8, pin_memory=pinned)
+        self.host_ids = self.host_raw[:id_bytes].view(torch.long)
+        self.host_positions = self.host_raw[id_bytes:].view(torch.int32)
+        self.copied: torch.cuda.Event | None = None  # the last host-to-device copy
         self.logits: torch.Tensor | None = None
-        self.argmax: torch.Tensor | None = None  # [size] the logits' argmax, computed in the graph
+        self.argmax: torch.Tensor | None = None  # [size] the logits' argmax (a view of the token ids' buffer)
         # Two host buffers for a step's chosen tokens, used in turn: they are read while the next step runs.
         self.host_tokens = [torch.zeros(size, dtype=torch.long, pin_memory=pinned) for _ in range(2)]
         self.turn = 0
 
     def stage(self, tokens: list[int], state_rows: list[int], tables: list[list[int]], lens: list[int],
-              scratch_row: int, scratch_page: int) -> None:
+              scratch_row: int, scratch_page: int, keep_tokens: bool = False) -> None:
         """Write a step's inputs (rows beyond `len(tokens)` pointed at the scratch slot and page) and copy them to
-        the device. Table entries past a sequence's pages are left as they were: nothing reads them."""
+        the device; with `keep_tokens`, all but the token ids (the device's are the step's: the previous step's
+        argmax). Table entries past a sequence's pages are left as they were: nothing reads them."""
         if self.copied is not None:
             self.copied.synchronize()  # the previous step's copies have left the host buffers
         count, size = len(tokens), self.size
@@ -97,8 +103,8 @@ class DecodeBuffers:
         positions[lens_start : lens_start + count] = lens
         positions[lens_start + count : after_start] = 0
         positions[after_start:] = positions[lens_start:after_start] + 1
-        self.ids.copy_(self.host_ids, non_blocking=True)
-        self.positions.copy_(self.host_positions, non_blocking=True)
+        start = 8 * size if keep_tokens else 0
+        self.raw[start:].copy_(self.host_raw[start:], non_blocking=True)
         if self.ids.is_cuda:
             self.copied = torch.cuda.Event()
             self.copied.record()
@@ -121,7 +127,8 @@ def static_decode_forward(model, pool, buffers: DecodeBuffers) -> tuple[torch.Te
             given.append(KDAState(conv.view(slots, *pool.conv_shape), recurrent.view(slots, *pool.recurrent_shape),
                                   rows=buffers.state_rows))
             cache.layers[layer] = given[-1]
-    logits, argmax = model(buffers.tokens, cache, with_argmax=True)
+    # the argmax over the token ids: a following step fed on the device reads them there
+    logits, argmax = model(buffers.tokens, cache, argmax_into=buffers.ids[:size])
     if pool.uses_slots:
         for j, (new, old) in enumerate(zip(cache.kda_states(pool.kda_layers), given)):
             if new is not old:  # a layer that returned new states instead of updating its rows (not the decode op)
@@ -217,9 +224,12 @@ class DecodeGraphs:
         if any(len(t) > buffers.width for t in tables):
             raise ValueError(f"a sequence holds more than the {buffers.width} pages the decode graphs were built for")
         on_device = isinstance(tokens, torch.Tensor)
+        # the previous step's own argmax (a greedy step launched ahead) is already where this step reads its ids
+        in_place = (on_device and buffers.argmax is not None and tokens.numel() == count
+                    and tokens.data_ptr() == buffers.argmax.data_ptr())
         buffers.stage([0] * count if on_device else tokens, state_rows, tables, lens, self.scratch_row,
-                      self.scratch_page)
-        if on_device:  # after the staged copy, so it wins; before the replay that overwrites a previous argmax
+                      self.scratch_page, keep_tokens=in_place)
+        if on_device and not in_place:  # after the staged copy, so it wins
             buffers.tokens[:count, 0].copy_(tokens)
         if graph is None:
             buffers.logits, buffers.argmax = static_decode_forward(self.model, self.pool, buffers)
