@@ -6,12 +6,18 @@ Prints, per variant: median time, TFLOP/s, % of the measured bf16 matmul peak, r
 diffusers, and the error against eager diffusers; then a breakdown of the parts (attention backends and layouts,
 GEMMs, fused kernels). Full numbers go to `--out` as JSON.
 
+The H200 runs this block under its power cap (clocks drop part of the time, a spread of about ±3 % between passes
+of the same code); `--rounds N` times every variant once per round, N rounds interleaved, and reports medians and
+the median of the per-round ratios to compiled diffusers.
+
     python benchmarks/bench_h3_block.py --rows 8192 37838 --out block.json
+    python benchmarks/bench_h3_block.py --rows 8192 --no-parts --rounds 7
 """
 
 import argparse
 import copy
 import json
+import statistics
 import sys
 from pathlib import Path
 
@@ -105,8 +111,20 @@ def graphed(fn, x, args):
     return replay
 
 
+def _ours(model, forward, backend, extra):
+    """A call of our block in one configuration (set on every call, so that configurations can be interleaved)."""
+    def run(h, *a):
+        model.fused_forward, model.attn.core.backend = forward, backend
+        return model(h, *a, **extra)
+
+    return run
+
+
 def bench_rows(rows: int, reference, ours, fast, peak: float, device, repeat: int, compile_ref: bool,
-               graph: bool = False) -> list[dict]:
+               graph: bool = False, rounds: int = 1) -> list[dict]:
+    """Every variant's median time over `rounds` interleaved rounds (each round times every variant once, so drift
+    of the clocks under the power cap falls on all variants alike); "x compiled" is the median of the per-round
+    ratios when `rounds` > 1."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from h3gen.kernels.attention import _fa3
@@ -115,7 +133,7 @@ def bench_rows(rows: int, reference, ours, fast, peak: float, device, repeat: in
     x, temb, idx, rope = make_inputs(rows, device)
     args = (temb, idx, rope)
     flops = block_flops(rows)
-    results = {}
+    calls = {}  # label -> (callable(h, *args), output)
 
     with torch.no_grad():
         expected = reference(x.clone(), *args)
@@ -127,15 +145,13 @@ def bench_rows(rows: int, reference, ours, fast, peak: float, device, repeat: in
             with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
                 return reference(h, *a)
 
-        ours.fused_forward, ours.attn.core.backend = None, "sdpa"
-        exact_out = ours(x.clone(), *args)
-        results["diffusers eager"] = (timed(eager, x, args, repeat), expected)
-        results["diffusers eager, cuDNN SDPA"] = (timed(eager_cudnn, x, args, repeat), eager_cudnn(x.clone(), *args))
+        calls["diffusers eager"] = (eager, expected)
+        calls["diffusers eager, cuDNN SDPA"] = (eager_cudnn, eager_cudnn(x.clone(), *args))
         if compile_ref:
             compiled = torch.compile(reference)
-            results["diffusers torch.compile"] = (timed(lambda h, *a: compiled(h, *a), x, args, repeat),
-                                                  compiled(x.clone(), *args))
-        results["ours exact"] = (timed(lambda h, *a: ours(h, *a), x, args, repeat), exact_out)
+            calls["diffusers torch.compile"] = (lambda h, *a: compiled(h, *a), compiled(x.clone(), *args))
+        exact = _ours(ours, None, "sdpa", {})
+        calls["ours exact"] = (exact, exact(x.clone(), *args))
         # "AdaLN precomputed": the block gets its request-wide AdaLN table (what the lossless and fast tiers do
         # in the pipeline: one batched projection per block per request), so no AdaLN GEMM runs per step.
         table = ours.adaln_proj.table(temb)
@@ -148,37 +164,48 @@ def bench_rows(rows: int, reference, ours, fast, peak: float, device, repeat: in
                          ("ours fast, FP8 + FA3 FP8, quantizing passes", fast, fused_block_forward, "fa3-fp8", True),
                          ("ours fast, FP8 + FA3 FP8 (the tier)", fast, fast_block_forward, "fa3-fp8", True)]
         for label, model, forward, backend, precomputed in variants:
-            model.fused_forward, model.attn.core.backend = forward, backend
-            extra = {"modulation": table} if precomputed else {}
-            results[label] = (timed(lambda h, *a, m=model, e=extra: m(h, *a, **e), x, args, repeat),
-                              model(x.clone(), *args, **extra))
+            run = _ours(model, forward, backend, {"modulation": table} if precomputed else {})
+            calls[label] = (run, run(x.clone(), *args))
 
         if fa3_available and graph:
             ours.fused_forward, ours.attn.core.backend = fused_block_forward, "fa3"
             try:
                 replay = graphed(lambda h, *a: ours(h, *a, modulation=table), x, args)
-                results["ours lossless, FA3, CUDA graph"] = (timed(replay, x, args, repeat),
-                                                             replay(x.clone(), *args).clone())
+                calls["ours lossless, FA3, CUDA graph"] = (replay, replay(x.clone(), *args).clone())
             except Exception as error:
                 print(f"CUDA graph capture failed: {type(error).__name__}: {str(error)[:300]}", flush=True)
 
         if compile_ref:  # regional compile of our fused block (user-defined Triton kernels inside the graph)
-            ours.fused_forward, ours.attn.core.backend = fused_block_forward, "cudnn"
+            mine = copy.deepcopy(ours)  # its own module: the others switch configurations between calls
+            mine.fused_forward, mine.attn.core.backend = fused_block_forward, "cudnn"
             try:
-                compiled_ours = torch.compile(ours)
-                results["ours lossless + torch.compile"] = (
-                    timed(lambda h, *a: compiled_ours(h, *a), x, args, repeat), compiled_ours(x.clone(), *args))
+                compiled_ours = torch.compile(mine)
+                calls["ours lossless + torch.compile"] = (lambda h, *a: compiled_ours(h, *a),
+                                                          compiled_ours(x.clone(), *args))
             except Exception as error:  # reported, not fatal: compile support for Triton kernels varies
                 print(f"torch.compile of our block failed: {type(error).__name__}: {str(error)[:300]}", flush=True)
 
-    eager_ms = results["diffusers eager"][0]
-    compiled_ms = results.get("diffusers torch.compile", (None,))[0]
+        samples = {label: [] for label in calls}
+        for _ in range(rounds):
+            for label, (fn, _) in calls.items():
+                samples[label].append(timed(fn, x, args, repeat))
+
+    median = {label: statistics.median(times) for label, times in samples.items()}
+    eager_ms = median["diffusers eager"]
+    compiled_ms = median.get("diffusers torch.compile")
+
+    def versus_compiled(label):
+        ratios = [c / t for c, t in zip(samples["diffusers torch.compile"], samples[label])]
+        return statistics.median(ratios)
+
     table = []
-    for name, (ms, out) in results.items():
+    for name, (_, out) in calls.items():
+        ms = median[name]
         table.append({
             "rows": rows, "variant": name, "ms": f"{ms:.2f}", "TFLOP/s": f"{flops / ms / 1e9:.0f}",
             "% peak": f"{100 * flops / ms / 1e9 / peak:.0f}", "x eager": f"{eager_ms / ms:.3f}",
-            "x compiled": f"{compiled_ms / ms:.3f}" if compiled_ms else "-",
+            "x compiled": f"{versus_compiled(name):.3f}" if compiled_ms else "-",
+            "ms min-max": f"{min(samples[name]):.2f}-{max(samples[name]):.2f}",
             "relL2 vs eager": f"{rel_l2(out, expected):.2e}",
             "maxabs vs eager": f"{(out.float() - expected.float()).abs().max().item():.2e}",
         })
@@ -251,6 +278,8 @@ def main() -> None:
     parser.add_argument("--graph", action="store_true", help="also time our lossless block replayed as a CUDA graph")
     parser.add_argument("--back-to-back", type=int, default=1,
                         help="blocks run back to back per timed sample (as in a step), time reported per block")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="interleaved rounds per variant (medians; ratios to compiled diffusers per round)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     global BACK_TO_BACK
@@ -269,7 +298,7 @@ def main() -> None:
               "blocks": [], "parts": []}
     for rows in args.rows:
         report["blocks"] += bench_rows(rows, reference, ours, fast, peak, device, args.repeat, not args.no_compile,
-                                       args.graph)
+                                       args.graph, args.rounds)
         if not args.no_parts:
             report["parts"] += bench_parts(rows, ours, device, args.repeat)
     if args.out:
@@ -279,7 +308,7 @@ def main() -> None:
         print_table(report["parts"], ["rows", "part", "ms", "TFLOP/s", "GB/s"])
     print()
     print_table(report["blocks"], ["rows", "variant", "ms", "TFLOP/s", "% peak", "x eager", "x compiled",
-                                   "relL2 vs eager", "maxabs vs eager"])
+                                   "ms min-max", "relL2 vs eager", "maxabs vs eager"])
 
 
 if __name__ == "__main__":
