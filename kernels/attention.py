@@ -6,8 +6,10 @@ Backends: "sdpa" lets torch choose (what diffusers' native backend does, so the 
 "flash", "efficient", "math" pin one torch SDPA implementation; "fa3" is FlashAttention-3 when its
 `flash_attn_interface` (or the forward-only `fa3_fwd_interface`) module is importable, "fa3-fp8" the same with q,
 k and v quantized to e4m3 per (batch, head) (an approximation, for the `fast` tier); "triton" is our flash-attention kernel (`kernels/flash_attention`) and
-"triton-fp8" its FP8 variant (an approximation, for the `fast` tier). "auto" picks the fastest available for the device: FA3, else cuDNN
-on Hopper and newer, else flash, else torch's choice. `H3GEN_ATTENTION_BACKEND` overrides every call's choice.
+"triton-fp8" its FP8 variant (an approximation, for the `fast` tier). "auto" picks the fastest available for the device
+and the inputs: for fp16/bf16 heads FA3, else cuDNN on Hopper and newer, else flash; for float32 (which FA3, cuDNN
+and flash do not take) or head sizes they do not take, torch's choice. `H3GEN_ATTENTION_BACKEND` overrides every
+call's choice.
 """
 
 import functools
@@ -43,15 +45,26 @@ def _fa3():
     return None
 
 
-@functools.cache
-def _auto_backend(device_type: str, major: int) -> str:
-    if device_type != "cuda":
+# The backends that take only fp16/bf16 inputs, and the largest head size each takes (a multiple of 8).
+_HALF_ONLY = {"fa3": 256, "cudnn": 128, "flash": 256}
+_HALF = (torch.float16, torch.bfloat16)
+
+
+def _auto_backend(device_type: str, major: int, dtype: torch.dtype, head_dim: int, has_fa3: bool,
+                  has_cudnn: bool) -> str:
+    """The fastest backend for these inputs: FA3 on Hopper, else cuDNN on Hopper and newer, else flash on Ampere
+    and newer, each only where it takes the dtype and head size; else torch's own choice ("sdpa")."""
+    if device_type != "cuda" or not _takes(dtype, head_dim, 256):
         return "sdpa"
-    if major == 9 and _fa3() is not None:
+    if major == 9 and has_fa3:
         return "fa3"
-    if major >= 9 and torch.backends.cudnn.is_available():
+    if major >= 9 and has_cudnn and _takes(dtype, head_dim, _HALF_ONLY["cudnn"]):
         return "cudnn"
     return "flash" if major >= 8 else "sdpa"
+
+
+def _takes(dtype: torch.dtype, head_dim: int, largest: int) -> bool:
+    return dtype in _HALF and head_dim % 8 == 0 and head_dim <= largest
 
 
 def fa3_available() -> bool:
@@ -92,17 +105,23 @@ def takes_fp8_inputs(backend: str | None) -> bool:
     return (os.environ.get("H3GEN_ATTENTION_BACKEND") or backend) == "fa3-fp8"
 
 
-def resolve_backend(backend: str | None, device: torch.device) -> str:
-    """The concrete backend `attention` will use: `H3GEN_ATTENTION_BACKEND` when set (an override for every call),
-    else `backend`, else "sdpa"."""
+def resolve_backend(backend: str | None, device: torch.device, dtype: torch.dtype = torch.bfloat16,
+                    head_dim: int = 128) -> str:
+    """The concrete backend `attention` will use for heads of `dtype` and `head_dim` on `device`:
+    `H3GEN_ATTENTION_BACKEND` when set (an override for every call), else `backend`, else "sdpa". A named backend
+    that cannot take these inputs raises ValueError."""
     name = os.environ.get("H3GEN_ATTENTION_BACKEND") or backend or "sdpa"
     if name not in BACKENDS:
         raise ValueError(f"Unknown attention backend {name!r}; choose one of {', '.join(BACKENDS)}.")
     if name == "auto":
         major = torch.cuda.get_device_capability(device)[0] if device.type == "cuda" else 0
-        name = _auto_backend(device.type, major)
+        name = _auto_backend(device.type, major, dtype, head_dim, _fa3() is not None,
+                             torch.backends.cudnn.is_available())
     if name in ("fa3", "fa3-fp8") and _fa3() is None:
         raise ValueError("attention backend 'fa3' needs FlashAttention-3 (flash_attn_interface), not importable.")
+    if name in _HALF_ONLY and not _takes(dtype, head_dim, _HALF_ONLY[name]):
+        raise ValueError(f"attention backend {name!r} takes fp16 or bf16 heads of a multiple of 8 up to "
+                         f"{_HALF_ONLY[name]} channels, got {dtype} heads of {head_dim}; use 'auto' or 'sdpa'.")
     return name
 
 
@@ -128,7 +147,7 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, ba
             "attention expects 4-D query, key and value that differ at most in the key/value length, got "
             f"{tuple(query.shape)}, {tuple(key.shape)}, {tuple(value.shape)}."
         )
-    name = resolve_backend(backend, query.device)
+    name = resolve_backend(backend, query.device, query.dtype, query.shape[-1])
     if name in ("triton", "triton-fp8") and query.shape != key.shape:
         raise ValueError("the Triton attention kernel needs as many keys as queries.")
     if name in ("triton", "triton-fp8"):
