@@ -7,8 +7,8 @@ Backends: "sdpa" lets torch choose (what diffusers' native backend does, so the 
 `flash_attn_interface` (or the forward-only `fa3_fwd_interface`) module is importable, "fa3-fp8" the same with q,
 k and v quantized to e4m3 per (batch, head) (an approximation, for the `fast` tier); "triton" is our flash-attention kernel (`kernels/flash_attention`) and
 "triton-fp8" its FP8 variant (an approximation, for the `fast` tier). "auto" picks the fastest available for the device
-and the inputs: for fp16/bf16 heads FA3, else cuDNN on Hopper and newer, else flash; for float32 (which FA3, cuDNN
-and flash do not take) or head sizes they do not take, torch's choice. `H3GEN_ATTENTION_BACKEND` overrides every
+and the inputs: FA3 for bf16 heads (the `fa3-fwd` build has no fp16), else cuDNN on Hopper and newer, else flash;
+for float32 (which FA3, cuDNN and flash do not take) or head sizes they do not take, torch's choice. `H3GEN_ATTENTION_BACKEND` overrides every
 call's choice.
 """
 
@@ -52,11 +52,11 @@ _HALF = (torch.float16, torch.bfloat16)
 
 def _auto_backend(device_type: str, major: int, dtype: torch.dtype, head_dim: int, has_fa3: bool,
                   has_cudnn: bool) -> str:
-    """The fastest backend for these inputs: FA3 on Hopper, else cuDNN on Hopper and newer, else flash on Ampere
-    and newer, each only where it takes the dtype and head size; else torch's own choice ("sdpa")."""
+    """The fastest backend for these inputs: FA3 on Hopper (bf16), else cuDNN on Hopper and newer, else flash on
+    Ampere and newer, each only where it takes the dtype and head size; else torch's own choice ("sdpa")."""
     if device_type != "cuda" or not _takes(dtype, head_dim, 256):
         return "sdpa"
-    if major == 9 and has_fa3:
+    if major == 9 and has_fa3 and dtype == torch.bfloat16:  # `fa3-fwd` wheels are built without fp16
         return "fa3"
     if major >= 9 and has_cudnn and _takes(dtype, head_dim, _HALF_ONLY["cudnn"]):
         return "cudnn"

@@ -12,7 +12,8 @@ dispatch = importlib.import_module("h3gen.kernels.attention")  # the module (the
 @pytest.mark.parametrize("device_type, major, dtype, head_dim, has_fa3, has_cudnn, expected", [
     ("cpu", 0, torch.bfloat16, 128, True, True, "sdpa"),
     ("cuda", 9, torch.bfloat16, 128, True, True, "fa3"),
-    ("cuda", 9, torch.float16, 32, True, True, "fa3"),
+    ("cuda", 9, torch.bfloat16, 32, True, True, "fa3"),
+    ("cuda", 9, torch.float16, 64, True, True, "cudnn"),  # the fa3-fwd build refuses fp16
     ("cuda", 9, torch.bfloat16, 128, False, True, "cudnn"),
     ("cuda", 9, torch.float32, 128, True, True, "sdpa"),  # float32 on Hopper with FA3 installed: torch's choice
     ("cuda", 9, torch.float32, 128, False, True, "sdpa"),

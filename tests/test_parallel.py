@@ -1,6 +1,7 @@
 """Tensor parallel x Ulysses sequence parallel on CPU with gloo: 2 and 4 processes give the single-process
 transformer output, each rank holds 1/TP of the sharded weights, and invalid degrees are refused up front."""
 
+import copy
 import datetime
 import os
 
@@ -11,6 +12,7 @@ import torch.multiprocessing as mp
 from h3_tiny import TINY_CONFIGS, max_rel_err, random_inputs, randomize_
 
 from h3gen.errors import RequestError
+from h3gen.pipelines.h3.tiers import set_quality
 from h3gen.parallel.state import check_degrees, valid_degrees
 
 CONFIG = dict(TINY_CONFIGS[2])  # 4 heads: splits as TP2, SP2, SP4 and TP2 x SP2
@@ -47,6 +49,11 @@ def _worker(rank, world, init_file, payload_path, result_dir, config=CONFIG):
                     outputs[tier] = model(**kwargs, return_dict=False)
             linear_bytes = sum(p.numel() * p.element_size() for n, p in model.named_parameters()
                                if n.startswith("transformer_blocks.") and p.ndim == 2)
+            set_quality(model, "fast")  # last: it quantizes each rank's shard to FP8 in place
+            kwargs = dict(payload["inputs"], adaln_tables=model.precompute_adaln([payload["inputs"]["timestep"]]),
+                          step=0)
+            with torch.no_grad():
+                fast = model(**kwargs, return_dict=False)
             # The same rank loaded from the checkpoint files: each rank reads its own shard.
             from h3gen.pipelines.h3.transformer import H3Transformer
 
@@ -54,7 +61,7 @@ def _worker(rank, world, init_file, payload_path, result_dir, config=CONFIG):
             set_quality(loaded, "exact")
             with torch.no_grad():
                 outputs["loaded from files"] = loaded(**payload["inputs"], return_dict=False)
-            results.append({"tp": tp, "sp": sp, "outputs": outputs, "linear_bytes": linear_bytes})
+            results.append({"tp": tp, "sp": sp, "outputs": outputs, "linear_bytes": linear_bytes, "fast": fast})
     finally:
         torch.save(results, os.path.join(result_dir, f"{rank}.pt"))
         dist.destroy_process_group()
@@ -70,10 +77,15 @@ def _reference(folder, config):
         expected = model(**inputs, return_dict=False)
     full_linear_bytes = sum(p.numel() * p.element_size() for n, p in model.named_parameters()
                             if n.startswith("transformer_blocks.") and p.ndim == 2)
+    fast = copy.deepcopy(model)
+    set_quality(fast, "fast")
+    with torch.no_grad():
+        expected_fast = fast(**inputs, adaln_tables=fast.precompute_adaln([inputs["timestep"]]), step=0,
+                             return_dict=False)
     model.save_pretrained(folder / "checkpoint", max_shard_bytes=200_000)
     payload = folder / "payload.pt"
     torch.save({"state_dict": model.state_dict(), "inputs": inputs, "folder": str(folder / "checkpoint")}, payload)
-    return payload, expected, full_linear_bytes, inputs["position_ids"].shape[0]
+    return payload, expected, full_linear_bytes, inputs["position_ids"].shape[0], expected_fast
 
 
 @pytest.fixture(scope="module")
@@ -84,7 +96,7 @@ def reference(tmp_path_factory):
 @pytest.mark.parametrize("world,config", [(2, CONFIG), (4, CONFIG), (2, SECOND_CONFIG)],
                          ids=["world2-4heads", "world4-4heads", "world2-2heads"])
 def test_tp_and_ulysses_match_one_process(world, config, tmp_path):
-    payload, expected, full_linear_bytes, rows = _reference(tmp_path / "reference", config)
+    payload, expected, full_linear_bytes, rows, expected_fast = _reference(tmp_path / "reference", config)
     assert rows % 4 and rows % 2  # odd: the sequence must be padded for SP2 and SP4
     mp.spawn(_worker, args=(world, str(tmp_path / "init"), str(payload), str(tmp_path), config), nprocs=world,
              join=True)
@@ -96,6 +108,13 @@ def test_tp_and_ulysses_match_one_process(world, config, tmp_path):
                 assert video.shape == expected[0].shape and audio.shape == expected[1].shape
                 assert max_rel_err(video, expected[0]) <= 1e-5, (result["tp"], result["sp"], tier)
                 assert max_rel_err(audio, expected[1]) <= 1e-5, (result["tp"], result["sp"], tier)
+            # The fast tier under TP quantizes each rank's shard (row-parallel inputs get per-shard row scales):
+            # as close to the one-process fast output as FP8 rounding allows, and as close to exact as it is.
+            for got, want, exact in zip(result["fast"], expected_fast, expected):
+                one_process_error = max_rel_err(want, exact)
+                if result["tp"] == 1:  # Ulysses alone: the same FP8 numbers as one process
+                    assert max_rel_err(got, want) <= 1e-5
+                assert 1e-3 < max_rel_err(got, exact) <= 1.3 * one_process_error, (result["tp"], result["sp"])
             # Each rank keeps 1/TP of the block linears (all of them sharded here, the AdaLN projection included).
             assert result["linear_bytes"] == pytest.approx(full_linear_bytes / result["tp"], rel=1e-6)
 

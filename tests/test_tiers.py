@@ -115,3 +115,28 @@ def test_pipeline_tiers_on_the_tiny_model(tiny):
     assert 20 < psnr < 200, psnr  # an approximation, but a close one
     with pytest.raises(RequestError, match="fast"):
         fast_pipe("a cat", seed=3, num_inference_steps=4, quality="exact")
+
+
+def test_fast_tier_keeps_mxfp4_gemms_and_their_bf16_rows():
+    from h3gen.kernels.attention import fa3_available
+    from h3gen.pipelines.h3.tiers import fast_block_forward, fused_block_forward
+    from h3gen.quant.mxfp4 import MXFP4Linear
+
+    model = _model()
+    for block in model.transformer_blocks:  # what `quantization="mxfp4"` loads
+        for owner, key in [(block.attn, "to_q"), (block.attn, "to_k"), (block.attn, "to_v"), (block.ff.net[0], "proj")]:
+            setattr(owner, key, MXFP4Linear.from_linear(getattr(owner, key)))
+        block.attn.to_out[0] = MXFP4Linear.from_linear(block.attn.to_out[0])
+        block.ff.net[2] = MXFP4Linear.from_linear(block.ff.net[2])
+    inputs = random_inputs(TINY_CONFIGS[2], seed=5, **INPUTS)
+    set_quality(model, "lossless")
+    lossless = _run(model, inputs)
+    set_quality(model, "fast")  # used to fail: FP8 quantization of an MXFP4Linear
+    block = model.transformer_blocks[0]
+    assert isinstance(block.attn.to_q, MXFP4Linear) and isinstance(block.ff.net[2], MXFP4Linear)
+    assert block.fused_forward is fused_block_forward is not fast_block_forward
+    fp8_attention = fa3_available()  # the tier's attention: FA3's FP8 kernel where installed, else as lossless
+    assert block.attn.core.backend == ("fa3-fp8" if fp8_attention else "auto")
+    for got, expected in zip(_run(model, inputs), lossless):
+        error = max_rel_err(got, expected)
+        assert 1e-4 < error < 0.3 if fp8_attention else error <= 1e-6

@@ -2,7 +2,8 @@
 
 Parameters keep the names `weight` and `bias` (state-dict keys never change); they hold this rank's shard.
 `load_shard(name, full)` cuts a full checkpoint tensor down to the shard, so loading needs no knowledge of the
-layout beyond asking the module.
+layout beyond asking the module. `quantize_fp8()` turns the shard to e4m3 for the `fast` tier: the local product
+becomes an FP8 GEMM (`h3gen.quant.fp8.fp8_matmul`), the collectives stay as they are.
 """
 
 import torch
@@ -19,6 +20,33 @@ def _shape(full) -> list[int]:
     return list(full.shape) if isinstance(full, torch.Tensor) else list(full.get_shape())
 
 
+class _ShardLinear(nn.Module):
+    """The local product of a TP linear: bf16 `F.linear` over the shard, or FP8 after `quantize_fp8()`."""
+
+    fp8 = False
+
+    def quantize_fp8(self) -> None:
+        """Hold this rank's shard as e4m3 with a float32 scale per output feature (the `fast` tier); the local
+        product then takes bf16 rows (quantized per row) or e4m3 `Fp8Rows` from a fused kernel."""
+        from h3gen.quant.fp8 import fp8_weight
+
+        if self.fp8:
+            return
+        self.compute_dtype = self.weight.dtype
+        values, scale = fp8_weight(self.weight)
+        del self.weight
+        self.register_buffer("weight", values)
+        self.register_buffer("weight_scale", scale)
+        self.fp8 = True
+
+    def _local(self, x, bias):
+        if self.fp8:
+            from h3gen.quant.fp8 import fp8_matmul
+
+            return fp8_matmul(x, self.weight, self.weight_scale, bias, self.compute_dtype)
+        return F.linear(x, self.weight, bias)
+
+
 def _rank_range(size: int, parts: int, index: int) -> tuple[int, int]:
     if size % parts:
         raise ValueError(f"cannot split {size} features over {parts} tensor-parallel ranks.")
@@ -26,7 +54,7 @@ def _rank_range(size: int, parts: int, index: int) -> tuple[int, int]:
     return index * step, (index + 1) * step
 
 
-class ColumnParallelLinear(nn.Module):
+class ColumnParallelLinear(_ShardLinear):
     """Output features sharded: `y_local = x @ W_local^T (+ b_local)`; with `gather_output`, the shards are
     all-gathered along the last axis so every rank gets the whole `y`."""
 
@@ -53,7 +81,7 @@ class ColumnParallelLinear(nn.Module):
         return torch.cat(pieces, dim=0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight, self.bias)
+        y = self._local(x, self.bias)
         if self.gather_output and self.state.tp > 1:
             shards = [torch.empty_like(y) for _ in range(self.state.tp)]
             dist.all_gather(shards, y.contiguous(), group=self.state.tp_group)
@@ -61,7 +89,7 @@ class ColumnParallelLinear(nn.Module):
         return y
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(_ShardLinear):
     """Input features sharded (the output of a column-parallel layer): partial products all-reduced, bias added
     once."""
 
@@ -83,7 +111,7 @@ class RowParallelLinear(nn.Module):
         return full[:, start:stop]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)
+        y = self._local(x, None)  # the bias is added once, after the sum over ranks
         if self.state.tp > 1:
             dist.all_reduce(y, group=self.state.tp_group)
         return y + self.bias if self.bias is not None else y

@@ -9,42 +9,77 @@ from h3gen.kernels.fp8_quant import Fp8Rows, quantize_rows
 from h3gen.kernels.fp8_quant.reference import quantize_rows as quantize_rows_reference
 
 
+def fp8_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A weight `[out, in]` as e4m3 `[out, in]` and its float32 scale per output feature `[1, out]`."""
+    values, scale = quantize_rows_reference(weight.detach())
+    return values, scale.reshape(1, -1).contiguous()
+
+
+def fp8_matmul(x: torch.Tensor | Fp8Rows, weight: torch.Tensor, weight_scale: torch.Tensor,
+               bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
+    """`x @ W.T (+ bias)` for an e4m3 `weight` `[out, in]` with `weight_scale` `[1, out]`: x `(..., in)` (quantized
+    here per row) or `Fp8Rows` (from a fused kernel) -> `(..., out)` in `out_dtype`. One `torch._scaled_mm` on a
+    GPU; elsewhere the same quantized numbers multiplied after dequantizing."""
+    if not isinstance(x, Fp8Rows):
+        x = quantize_rows(x)  # keeps x's shape, one scale per row
+    q, scale, shape = x.values.reshape(-1, weight.shape[1]), x.scale, x.values.shape
+    if q.is_cuda:
+        out = torch._scaled_mm(q, weight.t(), scale_a=scale, scale_b=weight_scale, out_dtype=out_dtype, bias=bias)
+    else:
+        dequant = weight.float() * weight_scale.t()
+        out = ((q.float() * scale) @ dequant.t()).to(out_dtype)
+        if bias is not None:
+            out = out + bias
+    return out.reshape(*shape[:-1], weight.shape[0])
+
+
 class Fp8Linear(nn.Module):
     """`y = x @ W.T + b` with W stored as e4m3 plus a float32 scale per output feature."""
 
     def __init__(self, linear: nn.Linear):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        weight, scale = quantize_rows_reference(linear.weight.detach())
+        weight, scale = fp8_weight(linear.weight)
         self.register_buffer("weight", weight)
-        self.register_buffer("weight_scale", scale.reshape(1, -1).contiguous())
+        self.register_buffer("weight_scale", scale)
         self.bias = linear.bias
         self.compute_dtype = linear.weight.dtype
 
     def forward(self, x: torch.Tensor | Fp8Rows) -> torch.Tensor:
         """x `(..., in)`, quantized here per row, or already quantized as `Fp8Rows` (from a fused kernel) ->
         `(..., out)` in the layer's original dtype."""
-        if not isinstance(x, Fp8Rows):
-            x = quantize_rows(x)  # keeps x's shape, one scale per row
-        q, scale = x.values.reshape(-1, self.in_features), x.scale
-        x = x.values
-        if x.is_cuda:
-            out = torch._scaled_mm(q, self.weight.t(), scale_a=scale, scale_b=self.weight_scale,
-                                   out_dtype=self.compute_dtype, bias=self.bias)
-        else:
-            dequant = self.weight.float() * self.weight_scale.t()
-            out = ((q.float() * scale) @ dequant.t()).to(self.compute_dtype)
-            if self.bias is not None:
-                out = out + self.bias
-        return out.reshape(*x.shape[:-1], self.out_features)
+        return fp8_matmul(x, self.weight, self.weight_scale, self.bias, self.compute_dtype)
 
 
-def quantize_block_linears(block) -> None:
-    """Replace a transformer block's q/k/v/out and SwiGLU projections by `Fp8Linear`s (AdaLN stays bf16: it runs
-    on 2-4 rows and is 0 % of the FLOPs)."""
+def _to_fp8(layer: nn.Module) -> nn.Module | None:
+    """`layer` with FP8 weights: a dense `nn.Linear` becomes an `Fp8Linear`, a tensor-parallel linear quantizes its
+    own shard (keeping its collectives); None for a layer whose weights are stored otherwise (an `MXFP4Linear`
+    keeps its 4-bit weights)."""
+    if isinstance(layer, nn.Linear):
+        return Fp8Linear(layer)
+    if hasattr(layer, "quantize_fp8"):
+        layer.quantize_fp8()
+        return layer
+    if hasattr(layer, "weight_packed"):
+        return None
+    raise TypeError(f"cannot quantize a {type(layer).__name__} to FP8 for the fast tier.")
+
+
+def quantize_block_linears(block) -> bool:
+    """Turn a transformer block's q/k/v/out and SwiGLU projections to FP8 where they are dense (plain or tensor
+    parallel) linears; AdaLN stays as it is (it runs on 2-4 rows and is 0 % of the FLOPs). Returns whether every
+    one of them now takes e4m3 rows (`Fp8Rows`); MXFP4 projections stay MXFP4 and take bf16 rows."""
     attn, ff = block.attn, block.ff
-    for name in ("to_q", "to_k", "to_v"):
-        setattr(attn, name, Fp8Linear(getattr(attn, name)))
-    attn.to_out[0] = Fp8Linear(attn.to_out[0])
-    ff.net[0].proj = Fp8Linear(ff.net[0].proj)
-    ff.net[2] = Fp8Linear(ff.net[2])
+    slots = [(attn, name) for name in ("to_q", "to_k", "to_v")] + [(attn.to_out, 0), (ff.net[0], "proj"),
+                                                                   (ff.net, 2)]
+    all_fp8 = True
+    for owner, key in slots:
+        layer = owner[key] if isinstance(key, int) else getattr(owner, key)
+        quantized = _to_fp8(layer)
+        if quantized is None:
+            all_fp8 = False
+        elif isinstance(key, int):
+            owner[key] = quantized
+        else:
+            setattr(owner, key, quantized)
+    return all_fp8

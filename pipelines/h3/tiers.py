@@ -7,7 +7,9 @@
   per-column weight scales (`h3gen.quant.fp8`), and FP8 attention where FlashAttention-3 is installed; the fused
   row kernels write their results in e4m3 directly, so no activation is quantized by a pass of its own except
   the attention output and v. An approximation with measured error; the weights are quantized in place, so a
-  model set to `fast` cannot go back.
+  model set to `fast` cannot go back. Tensor-parallel blocks quantize each rank's shard (the collectives stay);
+  blocks whose GEMMs are MXFP4 (`--quantization mxfp4`) keep them, so there `fast` is `lossless` with FP8
+  attention.
 """
 
 import torch
@@ -92,5 +94,9 @@ def set_quality(transformer, tier: str) -> None:
         from h3gen.quant.fp8 import quantize_block_linears
 
         for block in transformer.transformer_blocks:
-            quantize_block_linears(block)
+            block.fp8_gemms = quantize_block_linears(block)
+    if tier == "fast":
+        for block in transformer.transformer_blocks:
+            if not getattr(block, "fp8_gemms", True):  # MXFP4 GEMMs take bf16 rows: FP8 attention only
+                block.fused_forward = fused_block_forward
     transformer.quality = tier
