@@ -19,6 +19,10 @@ from h3gen.pipelines.h3.tiers import set_quality  # noqa: E402
 from h3gen.pipelines.h3.tiny import tiny_checkpoint  # noqa: E402
 from h3gen.pipelines.h3.transformer import H3Transformer  # noqa: E402
 
+# Tests that force the fused Triton path on CPU tensors: only the interpreter runs that, and it is switched on only
+# where no GPU is present (the kernels' GPU tests are tests/test_kernels.py and tests/test_fp8_kernels.py).
+interpreter_only = pytest.mark.skipif(torch.cuda.is_available(), reason="Triton on CPU tensors needs the interpreter")
+
 INPUTS = dict(num_text=6, latent_frames=3, latent_hw=(4, 2), audio_latents=7, anchors=("first",),
               distinct_timesteps=3)
 
@@ -35,6 +39,7 @@ def _run(model, inputs, **kwargs):
                      **kwargs)
 
 
+@interpreter_only
 @pytest.mark.parametrize("config_index", [0, 2])
 def test_lossless_with_triton_kernels_matches_exact(config_index, monkeypatch):
     model = _model(config_index)
@@ -75,6 +80,7 @@ def test_fast_tier_is_close_and_irreversible():
         set_quality(fast, "exact")
 
 
+@interpreter_only
 @pytest.mark.parametrize("triton", ["0", "1"])
 def test_fast_tier_hands_fp8_rows_and_heads_to_gemms_and_attention(triton, monkeypatch):
     model = _model()
