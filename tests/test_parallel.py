@@ -216,3 +216,22 @@ def test_original_layout_is_read_shard_by_shard(reference, tmp_path, qkv_layout)
             expected = module.load_shard(leaf, full[name]) if hasattr(module, "load_shard") else full[name]
             assert torch.equal(param, expected), name
         assert isinstance(model.transformer_blocks[0].attn.to_q, ColumnParallelLinear)
+
+
+def test_mxfp4_under_tensor_parallelism_warns_that_blocks_stay_whole(reference, caplog):
+    from h3gen.parallel.state import ParallelState
+    from h3gen.pipelines.h3.transformer import H3Transformer
+    from h3gen.quant.mxfp4 import MXFP4Linear
+
+    payload, *_ = reference
+    folder = torch.load(payload)["folder"]
+    state = ParallelState(tp=2, sp=1, tp_rank=0, sp_rank=0)
+    with caplog.at_level("WARNING", logger="h3gen.loading.load"):
+        model = H3Transformer.from_pretrained(folder, torch_dtype=torch.float32, parallel=state, quantization="mxfp4")
+    assert "not sharded" in caplog.text and "Ulysses" in caplog.text
+    to_q = model.transformer_blocks[0].attn.to_q
+    assert isinstance(to_q, MXFP4Linear) and to_q.out_features == CONFIG["num_attention_heads"] * CONFIG["attention_head_dim"]
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="h3gen.loading.load"):
+        H3Transformer.from_pretrained(folder, torch_dtype=torch.float32, quantization="mxfp4")
+    assert "not sharded" not in caplog.text
