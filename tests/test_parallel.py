@@ -61,7 +61,16 @@ def _worker(rank, world, init_file, payload_path, result_dir, config=CONFIG):
             set_quality(loaded, "exact")
             with torch.no_grad():
                 outputs["loaded from files"] = loaded(**payload["inputs"], return_dict=False)
-            results.append({"tp": tp, "sp": sp, "outputs": outputs, "linear_bytes": linear_bytes, "fast": fast})
+            # MXFP4: quantized from the bf16 files shard by shard, and cut from a checkpoint saved quantized.
+            mxfp4 = {}
+            for name, folder, quantization in (("online", payload["folder"], "mxfp4"),
+                                               ("saved", payload["mxfp4_folder"], None)):
+                quantized = H3Transformer.from_pretrained(folder, torch_dtype=torch.float32, parallel=state,
+                                                          quantization=quantization)
+                with torch.no_grad():
+                    mxfp4[name] = quantized(**payload["inputs"], return_dict=False)
+            results.append({"tp": tp, "sp": sp, "outputs": outputs, "linear_bytes": linear_bytes, "fast": fast,
+                            "mxfp4": mxfp4})
     finally:
         torch.save(results, os.path.join(result_dir, f"{rank}.pt"))
         dist.destroy_process_group()
@@ -83,9 +92,14 @@ def _reference(folder, config):
         expected_fast = fast(**inputs, adaln_tables=fast.precompute_adaln([inputs["timestep"]]), step=0,
                              return_dict=False)
     model.save_pretrained(folder / "checkpoint", max_shard_bytes=200_000)
+    quantized = H3Transformer.from_pretrained(folder / "checkpoint", torch_dtype=torch.float32, quantization="mxfp4")
+    quantized.save_pretrained(folder / "mxfp4")
+    with torch.no_grad():
+        expected_mxfp4 = quantized(**inputs, return_dict=False)
     payload = folder / "payload.pt"
-    torch.save({"state_dict": model.state_dict(), "inputs": inputs, "folder": str(folder / "checkpoint")}, payload)
-    return payload, expected, full_linear_bytes, inputs["position_ids"].shape[0], expected_fast
+    torch.save({"state_dict": model.state_dict(), "inputs": inputs, "folder": str(folder / "checkpoint"),
+                "mxfp4_folder": str(folder / "mxfp4")}, payload)
+    return payload, expected, full_linear_bytes, inputs["position_ids"].shape[0], expected_fast, expected_mxfp4
 
 
 @pytest.fixture(scope="module")
@@ -96,7 +110,8 @@ def reference(tmp_path_factory):
 @pytest.mark.parametrize("world,config", [(2, CONFIG), (4, CONFIG), (2, SECOND_CONFIG)],
                          ids=["world2-4heads", "world4-4heads", "world2-2heads"])
 def test_tp_and_ulysses_match_one_process(world, config, tmp_path):
-    payload, expected, full_linear_bytes, rows, expected_fast = _reference(tmp_path / "reference", config)
+    payload, expected, full_linear_bytes, rows, expected_fast, expected_mxfp4 = _reference(tmp_path / "reference",
+                                                                                           config)
     assert rows % 4 and rows % 2  # odd: the sequence must be padded for SP2 and SP4
     mp.spawn(_worker, args=(world, str(tmp_path / "init"), str(payload), str(tmp_path), config), nprocs=world,
              join=True)
@@ -115,6 +130,12 @@ def test_tp_and_ulysses_match_one_process(world, config, tmp_path):
                 if result["tp"] == 1:  # Ulysses alone: the same FP8 numbers as one process
                     assert max_rel_err(got, want) <= 1e-5
                 assert 1e-3 < max_rel_err(got, exact) <= 1.3 * one_process_error, (result["tp"], result["sp"])
+            # MXFP4 shards give the one-process MXFP4 output, quantized online or loaded packed (CONFIG's
+            # row-parallel cuts fall inside 32-element blocks, SECOND_CONFIG's on block edges).
+            for name, outputs in result["mxfp4"].items():
+                for got, want, exact in zip(outputs, expected_mxfp4, expected):
+                    assert max_rel_err(got, want) <= 1e-5, (result["tp"], result["sp"], name)
+                    assert max_rel_err(got, exact) > 1e-4  # MXFP4 really ran
             # Each rank keeps 1/TP of the block linears (all of them sharded here, the AdaLN projection included).
             assert result["linear_bytes"] == pytest.approx(full_linear_bytes / result["tp"], rel=1e-6)
 
@@ -218,20 +239,38 @@ def test_original_layout_is_read_shard_by_shard(reference, tmp_path, qkv_layout)
         assert isinstance(model.transformer_blocks[0].attn.to_q, ColumnParallelLinear)
 
 
-def test_mxfp4_under_tensor_parallelism_warns_that_blocks_stay_whole(reference, caplog):
+def test_mxfp4_linears_are_sharded_under_tensor_parallelism(reference, tmp_path):
+    from h3gen.parallel import linear as tp_linear
     from h3gen.parallel.state import ParallelState
     from h3gen.pipelines.h3.transformer import H3Transformer
     from h3gen.quant.mxfp4 import MXFP4Linear
 
+    state = ParallelState(tp=2, sp=1, tp_rank=1, sp_rank=0)
+    second = torch.load(_reference(tmp_path, SECOND_CONFIG)[0])["folder"]  # 64 wide, 2 x 32 heads, FFN 128
+    whole = H3Transformer.from_pretrained(second, torch_dtype=torch.float32, quantization="mxfp4")
+    model = H3Transformer.from_pretrained(second, torch_dtype=torch.float32, parallel=state, quantization="mxfp4")
+    block, full = model.transformer_blocks[0], whole.transformer_blocks[0]
+    assert isinstance(full.attn.to_q, MXFP4Linear)
+    for layer in (block.attn.to_q, block.ff.net[0].proj, block.adaln_proj.linear):
+        assert isinstance(layer, tp_linear.ColumnParallelMXFP4Linear)
+    for layer in (block.attn.to_out[0], block.ff.net[2]):
+        assert isinstance(layer, tp_linear.RowParallelMXFP4Linear)
+    # Rank 1's shard is the second half of the whole layer's packed rows / columns: quantizing the shard equals
+    # cutting the quantized whole (blocks of 32 along the input never straddle a cut).
+    assert torch.equal(block.attn.to_q.weight_packed, full.attn.to_q.weight_packed[32:])
+    assert torch.equal(block.attn.to_out[0].weight_packed, full.attn.to_out[0].weight_packed[:, 16:])
+    assert torch.equal(block.ff.net[2].weight_scale, full.ff.net[2].weight_scale[:, 2:])
+
+    # CONFIG's row-parallel inputs (96 attention channels, FFN 100) split into 48 and 50: cuts inside blocks, so
+    # each rank holds the blocks covering its columns (rank 1 of 96: columns 48-95, blocks 1-2).
     payload, *_ = reference
     folder = torch.load(payload)["folder"]
-    state = ParallelState(tp=2, sp=1, tp_rank=0, sp_rank=0)
-    with caplog.at_level("WARNING", logger="h3gen.loading.load"):
-        model = H3Transformer.from_pretrained(folder, torch_dtype=torch.float32, parallel=state, quantization="mxfp4")
-    assert "not sharded" in caplog.text and "Ulysses" in caplog.text
-    to_q = model.transformer_blocks[0].attn.to_q
-    assert isinstance(to_q, MXFP4Linear) and to_q.out_features == CONFIG["num_attention_heads"] * CONFIG["attention_head_dim"]
-    caplog.clear()
-    with caplog.at_level("WARNING", logger="h3gen.loading.load"):
-        H3Transformer.from_pretrained(folder, torch_dtype=torch.float32, quantization="mxfp4")
-    assert "not sharded" not in caplog.text
+    whole = H3Transformer.from_pretrained(folder, torch_dtype=torch.float32, quantization="mxfp4")
+    model = H3Transformer.from_pretrained(folder, torch_dtype=torch.float32, parallel=state, quantization="mxfp4")
+    to_out, full = model.transformer_blocks[0].attn.to_out[0], whole.transformer_blocks[0].attn.to_out[0]
+    assert isinstance(to_out, tp_linear.RowParallelMXFP4Linear) and (to_out.offset, to_out.columns) == (16, 48)
+    assert torch.equal(to_out.weight_packed, full.weight_packed[:, 16:48])
+    x = torch.randn(5, 48)  # this rank's columns; the other rank's partial product added gives the whole layer
+    assert to_out._local(x, None).shape == (5, CONFIG["hidden_size"])
+    expected = full(torch.cat([torch.zeros(5, 48), x], dim=1))
+    torch.testing.assert_close(to_out._local(x, None), expected)

@@ -5,7 +5,6 @@ straight from the file dtype to its target dtype (float32 for the islands, the r
 to the target device, one tensor at a time: a full-precision copy of the model never exists.
 """
 
-import logging
 from collections.abc import Callable, Iterable
 from contextlib import contextmanager
 from pathlib import Path
@@ -16,8 +15,6 @@ from safetensors import safe_open
 
 from h3gen.errors import CheckpointError
 from h3gen.loading.files import safetensors_files
-
-logger = logging.getLogger(__name__)
 
 _MAX_LISTED = 12
 
@@ -87,7 +84,7 @@ def assign_tensors(
         except AttributeError:  # not a module of this model: reported as unexpected below
             owner = None
         if owner is not None and hasattr(owner, "load_checkpoint_tensor"):  # e.g. quantized on the fly (MXFP4)
-            if not isinstance(tensor, torch.Tensor):
+            if not isinstance(tensor, torch.Tensor) and not getattr(owner, "takes_lazy_slices", False):
                 tensor = tensor[:]
             if owner.load_checkpoint_tensor(owner_leaf, tensor, device, dtype):
                 loaded.add(target_key)
@@ -171,12 +168,7 @@ def load_transformer(
     if quantization == "mxfp4":
         from h3gen.quant.mxfp4 import mxfp4_linear_factory
 
-        if parallel is not None and parallel.tp > 1:
-            logger.warning("quantization='mxfp4' keeps every block linear whole on each of the %d tensor-parallel "
-                           "ranks (MXFP4 linears are not sharded), so tensor parallelism saves neither memory nor "
-                           "time in the blocks; Ulysses sequence parallelism is the split that pays with MXFP4.",
-                           parallel.tp)
-        linear_factory = mxfp4_linear_factory(base=linear_factory)
+        linear_factory = mxfp4_linear_factory(base=linear_factory, parallel=parallel)
     with meta_parameters():
         model = cls.from_config(config, linear_factory=linear_factory)
     model.quantization = quantization

@@ -3,8 +3,11 @@
 Parameters keep the names `weight` and `bias` (state-dict keys never change); they hold this rank's shard.
 `load_shard(name, full)` cuts a full checkpoint tensor down to the shard, so loading needs no knowledge of the
 layout beyond asking the module. `quantize_fp8()` turns the shard to e4m3 for the `fast` tier: the local product
-becomes an FP8 GEMM (`h3gen.quant.fp8.fp8_matmul`), the collectives stay as they are.
+becomes an FP8 GEMM (`h3gen.quant.fp8.fp8_matmul`), the collectives stay as they are. With `quantization="mxfp4"`
+the block linears are `ColumnParallelMXFP4Linear` / `RowParallelMXFP4Linear`: the same shards held as MXFP4
+(`weight_packed` / `weight_scale`, quantized from the shard as it loads or cut from a checkpoint's packed bytes).
 """
+
 
 import torch
 import torch.distributed as dist
@@ -128,3 +131,93 @@ def tensor_parallel_factory(state: ParallelState):
         return RowParallelLinear(spec, state)
 
     return make
+
+
+class _MXFP4Shard:
+    """This rank's shard held as MXFP4: `weight_packed` `[rows, Kp / 2]` and `weight_scale` `[rows, Kp / 32]` uint8
+    (Kp = the shard's input width padded to 32), the local product `kernels.mxfp4_gemm.mxfp4_matmul`."""
+
+    takes_lazy_slices = True  # `load_checkpoint_tensor` cuts a safetensors slice before reading it
+
+    def _hold_mxfp4(self, rows: int, local_in: int, compute_dtype: torch.dtype) -> None:
+        from h3gen.quant.mxfp4 import BLOCK, padded_width
+
+        del self.weight
+        width = padded_width(local_in)
+        self.register_buffer("weight_packed", torch.zeros(rows, width // 2, dtype=torch.uint8))
+        self.register_buffer("weight_scale", torch.zeros(rows, width // BLOCK, dtype=torch.uint8))
+        self.local_in, self.compute_dtype = local_in, compute_dtype
+
+    def load_checkpoint_tensor(self, name: str, tensor, device, dtype) -> bool:
+        """A full-precision `weight` (tensor or lazy slice): cut to this rank's shard, quantized here. Packed
+        checkpoint tensors go through `load_shard` (returns False)."""
+        from h3gen.quant.mxfp4 import quantize
+
+        if name != "weight":
+            return False
+        shard = self.load_shard("weight", tensor)
+        shard = shard if isinstance(shard, torch.Tensor) else shard[:]
+        self.weight_packed, self.weight_scale = quantize(shard.to(device))
+        self.compute_dtype = dtype
+        return True
+
+    def quantize_fp8(self) -> None:
+        """MXFP4 shards stay MXFP4 in the `fast` tier (re-quantizing them to FP8 would double their bytes)."""
+
+    def _local(self, x, bias):
+        from h3gen.kernels.mxfp4_gemm import mxfp4_matmul
+
+        rows = x.reshape(-1, self.local_in).to(self.compute_dtype)
+        out = mxfp4_matmul(rows, self.weight_packed, self.weight_scale)
+        if bias is not None:
+            out = out + bias.to(out.dtype)
+        return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
+class ColumnParallelMXFP4Linear(_MXFP4Shard, ColumnParallelLinear):
+    """`ColumnParallelLinear` whose shard (its rows of every part) is MXFP4."""
+
+    def __init__(self, spec: LinearSpec, state: ParallelState, compute_dtype: torch.dtype = torch.bfloat16):
+        super().__init__(spec, state)
+        self._hold_mxfp4(self.weight.shape[0], spec.in_features, compute_dtype)
+
+
+class RowParallelMXFP4Linear(_MXFP4Shard, RowParallelLinear):
+    """`RowParallelLinear` whose shard is MXFP4: the 32-element blocks covering this rank's input columns. Where a
+    cut falls inside a block, both ranks hold that block and multiply its other columns by zeros, so the sum over
+    ranks equals the whole layer exactly."""
+
+    def __init__(self, spec: LinearSpec, state: ParallelState, compute_dtype: torch.dtype = torch.bfloat16):
+        from h3gen.quant.mxfp4 import BLOCK
+
+        super().__init__(spec, state)
+        start, stop = _rank_range(spec.in_features, state.tp, state.tp_rank)
+        self.first_block, self.end_block = start // BLOCK, -(-stop // BLOCK)
+        self.offset, self.columns = start - self.first_block * BLOCK, stop - start  # x's place in the blocks
+        self._hold_mxfp4(spec.out_features, (self.end_block - self.first_block) * BLOCK, compute_dtype)
+
+    def load_shard(self, name: str, full):
+        """This rank's covering blocks: columns of a full `weight`, of packed bytes or of scales; `bias` whole."""
+        from h3gen.quant.mxfp4 import BLOCK, padded_width
+
+        shape = _shape(full)
+        per_column = {"weight": 1, "weight_packed": 2, "weight_scale": BLOCK}.get(name)
+        width = self.in_features if name == "weight" else padded_width(self.in_features)
+        if per_column is None or len(shape) != 2 or shape[1] * per_column != width:
+            return full[:]  # the bias, or a mis-shaped tensor for the loader to report
+        stop = min(self.end_block * BLOCK, width)
+        return full[:, self.first_block * BLOCK // per_column : -(-stop // per_column)]
+
+    def _local(self, x, bias):
+        if self.offset or self.columns != self.local_in:  # place x's columns within the covering blocks
+            padded = x.new_zeros(*x.shape[:-1], self.local_in)
+            padded[..., self.offset : self.offset + self.columns] = x
+            x = padded
+        return super()._local(x, bias)
+
+
+def mxfp4_parallel_linear(spec: LinearSpec, state: ParallelState) -> nn.Module:
+    """The TP linear for a column / row `spec` with MXFP4 shards."""
+    if spec.role == "column":
+        return ColumnParallelMXFP4Linear(spec, state)
+    return RowParallelMXFP4Linear(spec, state)

@@ -55,13 +55,13 @@ def _to_fp8(layer: nn.Module) -> nn.Module | None:
     """`layer` with FP8 weights: a dense `nn.Linear` becomes an `Fp8Linear`, a tensor-parallel linear quantizes its
     own shard (keeping its collectives); None for a layer whose weights are stored otherwise (an `MXFP4Linear`
     keeps its 4-bit weights)."""
+    if hasattr(layer, "weight_packed"):
+        return None
     if isinstance(layer, nn.Linear):
         return Fp8Linear(layer)
     if hasattr(layer, "quantize_fp8"):
         layer.quantize_fp8()
         return layer
-    if hasattr(layer, "weight_packed"):
-        return None
     raise TypeError(f"cannot quantize a {type(layer).__name__} to FP8 for the fast tier.")
 
 

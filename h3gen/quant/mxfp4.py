@@ -140,8 +140,10 @@ class MXFP4Linear(torch.nn.Module):
 MXFP4_KINDS = ("attn.qkv", "attn.out", "ffn.up", "ffn.down", "adaln")
 
 
-def mxfp4_linear_factory(base=None, kinds: tuple[str, ...] = MXFP4_KINDS):
-    """A `LinearFactory` making `MXFP4Linear`s for `kinds` (not for float32 islands), `base` for everything else."""
+def mxfp4_linear_factory(base=None, kinds: tuple[str, ...] = MXFP4_KINDS, parallel=None):
+    """A `LinearFactory` making `MXFP4Linear`s for `kinds` (not for float32 islands), `base` for everything else.
+    Under tensor parallelism (`parallel`, a `ParallelState` with tp > 1) the column / row layers among `kinds` are
+    TP linears holding MXFP4 shards (`h3gen.parallel.linear.mxfp4_parallel_linear`)."""
     from h3gen.linear import dense_linear
 
     base = base or dense_linear
@@ -149,6 +151,10 @@ def mxfp4_linear_factory(base=None, kinds: tuple[str, ...] = MXFP4_KINDS):
     def make(spec):
         if spec.fp32 or spec.kind not in kinds:
             return base(spec)
+        if parallel is not None and parallel.tp > 1 and spec.role in ("column", "row"):
+            from h3gen.parallel.linear import mxfp4_parallel_linear
+
+            return mxfp4_parallel_linear(spec, parallel)
         return MXFP4Linear(spec.in_features, spec.out_features, spec.bias)
 
     return make

@@ -75,9 +75,10 @@ class H3TransformerConfig:
 
     @classmethod
     def from_dict(cls, config: dict[str, Any]) -> "H3TransformerConfig":
-        """Build from a diffusers `config.json` dict. Keys starting with `_` (class name, versions) are metadata."""
+        """Build from a diffusers `config.json` dict. Keys starting with `_` (class name, versions) are metadata;
+        `quantization_config` is read by the loader."""
         names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(k for k in config if not k.startswith("_") and k not in names)
+        unknown = sorted(k for k in config if not k.startswith("_") and k not in names and k != "quantization_config")
         if unknown:
             logger.warning("Ignoring unknown transformer config fields: %s", ", ".join(unknown))
         return cls(**{k: v for k, v in config.items() if k in names})
