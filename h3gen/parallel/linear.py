@@ -8,7 +8,6 @@ the block linears are `ColumnParallelMXFP4Linear` / `RowParallelMXFP4Linear`: th
 (`weight_packed` / `weight_scale`, quantized from the shard as it loads or cut from a checkpoint's packed bytes).
 """
 
-
 import torch
 import torch.distributed as dist
 import torch.nn as nn
