@@ -274,3 +274,21 @@ def test_mxfp4_linears_are_sharded_under_tensor_parallelism(reference, tmp_path)
     assert to_out._local(x, None).shape == (5, CONFIG["hidden_size"])
     expected = full(torch.cat([torch.zeros(5, 48), x], dim=1))
     torch.testing.assert_close(to_out._local(x, None), expected)
+
+
+def _build_worker(rank, world, init_file, result_dir):
+    from h3gen.pipelines.h3.tiny import build_tiny_checkpoint
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=120))
+    try:
+        build_tiny_checkpoint(os.path.join(result_dir, f"tiny{rank}"))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_tiny_checkpoint_builds_whole_on_every_rank(tmp_path):
+    # transformers writes model files on rank 0 only; a rank building its own folder must still get all of them.
+    mp.spawn(_build_worker, args=(2, str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True)
+    names = [sorted(p.name for p in (tmp_path / f"tiny{rank}" / "text_encoder").iterdir()) for rank in range(2)]
+    assert names[0] == names[1] and "config.json" in names[1] and any(n.endswith(".safetensors") for n in names[1])

@@ -148,7 +148,11 @@ def build_tiny_checkpoint(folder, seed: int = 0, transformer: dict | None = None
 
         tokenizer = build_tokenizer()
         tokenizer.save_pretrained(folder / "tokenizer")
-        build_text_encoder(tokenizer).save_pretrained(folder / "text_encoder")
+        text_encoder = build_text_encoder(tokenizer)
+        # transformers writes model files only on rank 0 of an initialised process group; this folder is private
+        # to the process building it, so every rank writes its own.
+        text_encoder.should_save_on_this_rank = lambda is_main_process: True
+        text_encoder.save_pretrained(folder / "text_encoder")
 
         # ref2va's own partition: the same architecture, other weights (built last, so the rest keeps its bytes).
         torch.manual_seed(seed + 2)
