@@ -224,6 +224,10 @@ def bench_gemms(rows_list, copy_gbs):
             if m <= 256:  # where launch cost can hide the kernel
                 graph_ms = time_rotating(mxfp4.mxfp4_matmul, [(x, p, s) for _, p, s in weights], graph=True)
                 bf16_graph_ms = time_rotating(lambda x, w: x @ w.t(), [(x, w) for w, _, _ in weights], graph=True)
+            registers_ms = float("nan")
+            if gluon.supports(x, packed, scales) and gluon.uses_ring(packed):  # the kernel before the TMA ring
+                registers_ms = time_rotating(lambda x, p, s: gluon.few_rows_matmul(x, p, s, ring=False, fold=False),
+                                             [(x, p, s) for _, p, s in weights], graph=True)
             flops = 2 * m * n * k
             table.append({"K x N": f"{k}x{n}", "M": m, "bf16 ms": f"{bf16_ms:.4f}", "mxfp4 ms": f"{ours_ms:.4f}",
                           "mxfp4 TFLOP/s": f"{flops / ours_ms / 1e9:.0f}",
@@ -232,7 +236,9 @@ def bench_gemms(rows_list, copy_gbs):
                           "x bf16": f"{bf16_ms / ours_ms:.2f}", "relL2": f"{rel_l2(got, expected):.1e}",
                           "graphed: bf16 ms": f"{bf16_graph_ms:.4f}", "graphed mxfp4 ms": f"{graph_ms:.4f}",
                           "x bf16 (graphed)": f"{bf16_graph_ms / graph_ms:.2f}",
-                          "% copy BW (graphed)": f"{100 * packed_bytes / graph_ms / 1e6 / copy_gbs:.0f}"})
+                          "% copy BW (graphed)": f"{100 * packed_bytes / graph_ms / 1e6 / copy_gbs:.0f}",
+                          "graphed: registers, unfolded ms": f"{registers_ms:.4f}",
+                          "x registers": f"{registers_ms / graph_ms:.2f}"})
             print(table[-1], flush=True)
         del weights
         torch.cuda.empty_cache()
@@ -313,7 +319,7 @@ def main():
     print()
     print_table(results["gemm"], ["K x N", "M", "bf16 ms", "mxfp4 ms", "mxfp4 TFLOP/s", "packed GB/s", "% copy BW",
                                   "x bf16", "relL2", "graphed: bf16 ms", "graphed mxfp4 ms", "x bf16 (graphed)",
-                                  "% copy BW (graphed)"])
+                                  "% copy BW (graphed)", "graphed: registers, unfolded ms", "x registers"])
 
 
 if __name__ == "__main__":

@@ -7,10 +7,15 @@ widened to eight bf16 codes, are the MMA's left operand (`word_layout`), so noth
 
 - Each word (eight codes, four bytes) is decoded by inline PTX into four bf16 pairs, E2M1 times 2^-126 by bit
   placement and then times 2^126 (`DECODE`); the group's E8M0 scale multiplies afterwards as bf16 (exact: powers of
-  two; 0 is the subnormal 2^-127, 255 NaN).
+  two; 0 is the subnormal 2^-127, 255 NaN). When every scale byte is at most 128 (`foldable`: blocks up to 12 in
+  magnitude, i.e. any ordinary weight) the two multiplies are one, by 2^(e-1) (`DECODE_SCALED`), still exact.
+- On Hopper the words come by TMA through a two-slot shared-memory ring (`_few_rows_tma_kernel`, 64 rows of W on
+  two warps); elsewhere straight from global memory into registers (`_few_rows_kernel`). Both with the fold: 3-15 %
+  faster on the H200 than registers without it (RESULTS.md, seventeenth session).
 - The low codes of the words (the even K positions) form one MMA operand and the high codes (odd K) another; x is
   read as int32 pairs (even, odd) and split the same way, so no permutation is needed.
-- One K step ahead of the decode and MMAs, the next step's words, scales and x pairs are loaded into registers.
+- One K step ahead of the decode and MMAs, the next step's scales and x pairs (and words, without the ring) are
+  loaded into registers.
 - K is cut into slices of whole steps (about six steps per program, more slices while the grid is small); slices
   add into a float32 workspace kept at zero and the slice that arrives last writes the bf16 result and clears its
   part (`h3gen.kernels._arrivals`), so there is no zero fill or cast kernel.
@@ -26,7 +31,7 @@ import torch
 import triton
 
 from h3gen.kernels._arrivals import arrival_counters
-from h3gen.kernels.mxfp4_gemm.ptx import WIDEN_CODES
+from h3gen.kernels.mxfp4_gemm.ptx import PLACE_CODES, WIDEN_CODES
 
 try:  # Gluon ships with Triton 3.4+ as an experimental module; without it this path is off.
     from triton.experimental import gluon
@@ -37,10 +42,18 @@ try:  # Gluon ships with Triton 3.4+ as an experimental module; without it this 
     AVAILABLE = True
 except (ImportError, AttributeError):  # pragma: no cover - depends on the installed Triton
     AVAILABLE = False
+try:  # Hopper's bulk copies (TMA) and the barriers they complete on
+    from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    HAS_TMA = AVAILABLE
+except (ImportError, AttributeError):  # pragma: no cover - depends on the installed Triton
+    HAS_TMA = False
 
 BLOCK_K = 128  # K elements per step: 64 bytes of each weight row
 TARGET_STEPS = 6  # K steps per program, balancing the per-program latency against the split-K reduction
 MAX_ROWS = 16
+RING_STAGES = 2  # K steps of weights in shared memory on Hopper (deeper rings measured slower: RESULTS.md)
 
 # Four bytes (eight codes) in $4 -> $0 $1: the low codes of bytes (0, 1) and (2, 3) as bf16 pairs (element order
 # low half first), $2 $3: their high codes (`ptx.WIDEN_CODES`).
@@ -50,6 +63,22 @@ mov.b32 $2, c;
 mov.b32 $3, d;
 }
 """
+
+# As DECODE, with the group scale folded in: $5 holds the bf16 pair (2^(e-1), 2^(e-1)) for the word's E8M0 byte e,
+# so one multiply gives E2M1 * 2^-126 * 2^(e-1) = E2M1 * 2^(e-127), exact in bf16 while e <= 128 (`foldable`).
+DECODE_SCALED = "{" + PLACE_CODES + """mul.rn.bf16x2 $0, a, $5;
+mul.rn.bf16x2 $1, b, $5;
+mul.rn.bf16x2 $2, c, $5;
+mul.rn.bf16x2 $3, d, $5;
+}
+"""
+
+
+def folded_scale_bits(scale_bytes: torch.Tensor) -> torch.Tensor:
+    """What the kernel multiplies a word's decoded codes by when the scales are folded: E8M0 bytes (any integer
+    dtype) -> int32 bf16 bits of 2^(e-1) (NaN for 255). Exact only for e <= 128 (`foldable`)."""
+    e = scale_bytes.to(torch.int32)
+    return torch.where(e == 255, 0x7FC0, (e + 126) << 7)
 
 
 def decode_words_reference(words: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -68,6 +97,7 @@ def decode_words_reference(words: torch.Tensor) -> tuple[torch.Tensor, ...]:
 
 if AVAILABLE:
     _DECODE = gl.constexpr(DECODE)
+    _DECODE_SCALED = gl.constexpr(DECODE_SCALED)
 
     @gluon.constexpr_function
     def word_layout(block_n, block_k, warps):
@@ -123,20 +153,70 @@ if AVAILABLE:
         return mma_v2(a_high, x_odd, acc)
 
     @gluon.jit
+    def _scale_tile(BN: gl.constexpr, BK: gl.constexpr, w_l: gl.constexpr, a_l: gl.constexpr, FOLD: gl.constexpr):
+        """A `[BN, BK/32]` tile in the layout the E8M0 bytes are loaded in (only its layout is used): one byte per
+        four-word group of `word_layout` when the scales fold into the decode, else per 16-code group of the MMA
+        operand."""
+        if FOLD:
+            words = gl.reshape(gl.full([BN, BK // 8], 0, gl.int32, layout=w_l), [BN, BK // 32, 4])
+            return gl.full([BN, BK // 32], 0, gl.int32, layout=gl.SliceLayout(2, words.type.layout))
+        else:
+            groups = gl.reshape(gl.full([BN, BK // 2], 0, gl.bfloat16, layout=a_l), [BN, BK // 32, 16])
+            return gl.full([BN, BK // 32], 0, gl.int32, layout=gl.SliceLayout(2, groups.type.layout))
+
+    @gluon.jit
+    def _step_folded(words, scale_bytes, pairs, acc, BN: gl.constexpr, BK: gl.constexpr, a_l: gl.constexpr):
+        """As `_step`, for scales that fold (`foldable`): each word's four bf16 pairs come out of the decode
+        already scaled (`DECODE_SCALED`); `scale_bytes` `[BN, BK/32]` in `_scale_tile`'s folded layout."""
+        e = scale_bytes.to(gl.int32)
+        bits = gl.where(e == 255, 0x7FC0, (e + 126) << 7)
+        words3, pair3 = gl.broadcast(gl.reshape(words, [BN, BK // 32, 4]), gl.expand_dims(bits | (bits << 16), 2))
+        o0, o1, o2, o3 = gl.inline_asm_elementwise(_DECODE_SCALED, "=r,=r,=r,=r,r,r", [words3, pair3],
+                                                   dtype=(gl.int32, gl.int32, gl.int32, gl.int32), is_pure=True,
+                                                   pack=1)
+        a_low = gl.convert_layout(_pairs_to_bf16(gl.reshape(o0, [BN, BK // 8]), gl.reshape(o1, [BN, BK // 8]),
+                                                 BN, BK), a_l, assert_trivial=True)
+        a_high = gl.convert_layout(_pairs_to_bf16(gl.reshape(o2, [BN, BK // 8]), gl.reshape(o3, [BN, BK // 8]),
+                                                  BN, BK), a_l, assert_trivial=True)
+        x_even = pairs.to(gl.int16).to(gl.bfloat16, bitcast=True)
+        x_odd = (pairs >> 16).to(gl.int16).to(gl.bfloat16, bitcast=True)
+        acc = mma_v2(a_low, x_even, acc)
+        return mma_v2(a_high, x_odd, acc)
+
+    @gluon.jit
+    def _finish(acc, ws_ptr, count_ptr, out_ptr, pid_n, N, M, splits, BN: gl.constexpr, MN: gl.constexpr,
+                mma: gl.constexpr):
+        """Write the program's `acc` `[BN, MN]` float32 as out^T rows, or add it into the workspace, the K slice
+        that arrives last writing the sum and clearing its part (`h3gen.kernels._arrivals`)."""
+        out_rows = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, mma))
+        out_cols = gl.arange(0, MN, layout=gl.SliceLayout(0, mma))
+        tile = out_cols[None, :] * N + out_rows[:, None]
+        ok = (out_cols[None, :] < M) & (out_rows[:, None] < N)
+        if splits == 1:
+            gl.store(out_ptr + tile, acc.to(gl.bfloat16), mask=ok)
+        else:
+            gl.atomic_add(ws_ptr + tile, acc, mask=ok, sem="relaxed")
+            _barrier()  # every thread's additions come before the count, which its atomic releases
+            if gl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel", scope="gpu") == splits - 1:
+                total = gl.load(ws_ptr + tile, mask=ok, cache_modifier=".cg")
+                gl.store(out_ptr + tile, total.to(gl.bfloat16), mask=ok)
+                gl.store(ws_ptr + tile, gl.zeros([BN, MN], gl.float32, layout=mma), mask=ok)
+                gl.store(count_ptr + pid_n, 0)
+
+    @gluon.jit
     def _few_rows_kernel(w32_ptr, s_ptr, x32_ptr, ws_ptr, count_ptr, out_ptr, N, M, k_per_split, splits,
                          stride_w32, stride_s, stride_x32,
-                         BN: gl.constexpr, BK: gl.constexpr, MN: gl.constexpr, WARPS: gl.constexpr):
+                         BN: gl.constexpr, BK: gl.constexpr, MN: gl.constexpr, WARPS: gl.constexpr,
+                         FOLD: gl.constexpr):
         """out `[M, N]` bf16 = x `[M, K]` @ dequantized W `[N, K]`^T for the program's rows of W (axis 0) and K
         slice (axis 1). `w32_ptr`: the packed codes as int32 words `[N, K/8]`; `s_ptr`: E8M0 bytes `[N, K/32]`;
         `x32_ptr`: x as int32 pairs `[M, K/2]`; `ws_ptr`/`count_ptr`: float32 zeros `[M, N]` and int32 zeros
-        (one per row tile) when `splits` > 1."""
+        (one per row tile) when `splits` > 1. `FOLD`: the scales fold into the decode (`foldable`)."""
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[WARPS, 1], instr_shape=[16, 8])
         a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=8)
         b_l: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=8)
         w_l: gl.constexpr = word_layout(BN, BK, WARPS)
-        groups: gl.constexpr = gl.reshape(gl.full([BN, BK // 2], 0, gl.bfloat16, layout=a_l),
-                                          [BN, BK // 32, 16]).type.layout
-        s_l: gl.constexpr = gl.SliceLayout(2, groups)
+        s_l: gl.constexpr = _scale_tile(BN, BK, w_l, a_l, FOLD).type.layout
         pid_n = gl.program_id(0)
         k_start = gl.program_id(1) * k_per_split
         k_last = k_start + k_per_split - BK
@@ -158,24 +238,73 @@ if AVAILABLE:
             next_words = gl.load(w_at + gl.multiple_of(ahead // 8, 16), mask=w_ok, other=0)
             next_scales = gl.load(s_at + gl.multiple_of(ahead // 32, 4), mask=s_ok, other=127)
             next_pairs = gl.load(x_at + gl.multiple_of(ahead // 2, 64), mask=x_ok, other=0)
-            acc = _step(words, scale_bytes, pairs, acc, BN, BK, a_l)
+            if FOLD:
+                acc = _step_folded(words, scale_bytes, pairs, acc, BN, BK, a_l)
+            else:
+                acc = _step(words, scale_bytes, pairs, acc, BN, BK, a_l)
             words = next_words
             scale_bytes = next_scales
             pairs = next_pairs
-        out_rows = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, mma))
-        out_cols = gl.arange(0, MN, layout=gl.SliceLayout(0, mma))
-        tile = out_cols[None, :] * N + out_rows[:, None]
-        ok = (out_cols[None, :] < M) & (out_rows[:, None] < N)
-        if splits == 1:
-            gl.store(out_ptr + tile, acc.to(gl.bfloat16), mask=ok)
-        else:
-            gl.atomic_add(ws_ptr + tile, acc, mask=ok, sem="relaxed")
-            _barrier()  # every thread's additions come before the count, which its atomic releases
-            if gl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel", scope="gpu") == splits - 1:
-                total = gl.load(ws_ptr + tile, mask=ok, cache_modifier=".cg")
-                gl.store(out_ptr + tile, total.to(gl.bfloat16), mask=ok)
-                gl.store(ws_ptr + tile, gl.zeros([BN, MN], gl.float32, layout=mma), mask=ok)
-                gl.store(count_ptr + pid_n, 0)
+        _finish(acc, ws_ptr, count_ptr, out_ptr, pid_n, N, M, splits, BN, MN, mma)
+
+if HAS_TMA:
+
+    @gluon.jit
+    def _few_rows_tma_kernel(w_desc, s_ptr, x32_ptr, ws_ptr, count_ptr, out_ptr, N, M, k_per_split, splits,
+                             stride_s, stride_x32,
+                             BN: gl.constexpr, BK: gl.constexpr, MN: gl.constexpr, WARPS: gl.constexpr,
+                             STAGES: gl.constexpr, FOLD: gl.constexpr):
+        """`_few_rows_kernel` for Hopper: the weight words `[BN, BK/8]` of each K step arrive by TMA (`w_desc`,
+        over the int32 words `[N, K/8]`, rows past N read as zeros) in a ring of `STAGES` shared-memory slots;
+        each warp loads its words from the slot in `word_layout`, and once every warp has, the slot is refilled
+        with the step `STAGES` ahead. Scales and x are loaded one step ahead into registers as there."""
+        mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[WARPS, 1], instr_shape=[16, 8])
+        a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=8)
+        b_l: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=8)
+        w_l: gl.constexpr = word_layout(BN, BK, WARPS)
+        s_l: gl.constexpr = _scale_tile(BN, BK, w_l, a_l, FOLD).type.layout
+        pid_n = gl.program_id(0)
+        k_start = gl.program_id(1) * k_per_split
+        k_last = k_start + k_per_split - BK
+        steps = k_per_split // BK
+        ring = gl.allocate_shared_memory(gl.int32, [STAGES, BN, BK // 8], w_desc.layout)
+        arrived = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(STAGES):
+            mbarrier.init(arrived.index(i), count=1)
+        for i in gl.static_range(STAGES):
+            mbarrier.expect(arrived.index(i), BN * BK // 2, pred=i < steps)
+            tma.async_copy_global_to_shared(w_desc, [pid_n * BN, (k_start + i * BK) // 8], arrived.index(i),
+                                            ring.index(i), pred=i < steps)
+        s_rows = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, s_l))
+        s_at = s_ptr + s_rows[:, None] * stride_s + gl.arange(0, BK // 32, layout=gl.SliceLayout(0, s_l))[None, :]
+        s_ok = s_rows[:, None] < N
+        x_cols = gl.arange(0, MN, layout=gl.SliceLayout(0, b_l))
+        x_at = x32_ptr + x_cols[None, :] * stride_x32 + gl.arange(0, BK // 2, layout=gl.SliceLayout(1, b_l))[:, None]
+        x_ok = x_cols[None, :] < M
+        acc = gl.zeros([BN, MN], gl.float32, layout=mma)
+        scale_bytes = gl.load(s_at + gl.multiple_of(k_start // 32, 4), mask=s_ok, other=127)
+        pairs = gl.load(x_at + gl.multiple_of(k_start // 2, 64), mask=x_ok, other=0)
+        for i in range(steps):
+            ahead = gl.minimum(k_start + (i + 1) * BK, k_last)
+            next_scales = gl.load(s_at + gl.multiple_of(ahead // 32, 4), mask=s_ok, other=127)
+            next_pairs = gl.load(x_at + gl.multiple_of(ahead // 2, 64), mask=x_ok, other=0)
+            slot = i % STAGES
+            mbarrier.wait(arrived.index(slot), (i // STAGES) & 1)
+            words = ring.index(slot).load(w_l)
+            _barrier()  # every warp holds this step's words: the slot can take the step STAGES ahead
+            refill = i + STAGES < steps
+            mbarrier.expect(arrived.index(slot), BN * BK // 2, pred=refill)
+            tma.async_copy_global_to_shared(w_desc, [pid_n * BN, (k_start + (i + STAGES) * BK) // 8],
+                                            arrived.index(slot), ring.index(slot), pred=refill)
+            if FOLD:
+                acc = _step_folded(words, scale_bytes, pairs, acc, BN, BK, a_l)
+            else:
+                acc = _step(words, scale_bytes, pairs, acc, BN, BK, a_l)
+            scale_bytes = next_scales
+            pairs = next_pairs
+        for i in gl.static_range(STAGES):
+            mbarrier.invalidate(arrived.index(i))
+        _finish(acc, ws_ptr, count_ptr, out_ptr, pid_n, N, M, splits, BN, MN, mma)
 
 
 _WORKSPACES: dict[torch.device, torch.Tensor] = {}
@@ -213,17 +342,47 @@ def supports(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> boo
         return False
     if scales.stride(-1) != 1:
         return False
-    if x.device not in _CAPABLE:
-        _CAPABLE[x.device] = torch.cuda.get_device_capability(x.device)[0] >= 8
-    return _CAPABLE[x.device]
+    return _capability(x.device) >= 8
+
+
+def _capability(device: torch.device) -> int:
+    if device not in _CAPABLE:
+        _CAPABLE[device] = torch.cuda.get_device_capability(device)[0]
+    return _CAPABLE[device]
+
+
+def uses_ring(packed: torch.Tensor) -> bool:
+    """Whether the weights go through the TMA ring (`_few_rows_tma_kernel`): Hopper or newer, Triton with Gluon's
+    TMA, packed rows a multiple of 16 bytes apart (TMA's stride rule)."""
+    return HAS_TMA and packed.is_cuda and _capability(packed.device) >= 9 and packed.stride(0) % 16 == 0
+
+
+_FOLDABLE = torch.utils.weak.WeakIdKeyDictionary()
+
+
+def foldable(scales: torch.Tensor) -> bool:
+    """Whether every E8M0 byte of `scales` is at most 128 or 255 (NaN), so the kernel may multiply the decoded codes
+    (E2M1 * 2^-126) by 2^(e-1) in one bf16 multiply and stay exact (2^(e-1) <= 2^127 is a bf16 normal). Weight
+    scales above 128 mean blocks larger than 12 in magnitude; the kernel then multiplies twice. The answer is kept
+    per tensor until it is written to; during CUDA-graph capture an unchecked tensor counts as not foldable (the
+    check needs a synchronizing read)."""
+    cached = _FOLDABLE.get(scales)
+    if cached is not None and cached[0] == scales._version:
+        return cached[1]
+    if scales.is_cuda and torch.cuda.is_current_stream_capturing():
+        return False
+    answer = bool(((scales <= 128) | (scales == 255)).all())
+    _FOLDABLE[scales] = (scales._version, answer)
+    return answer
 
 
 @functools.lru_cache(maxsize=1024)
-def plan(m: int, n: int, k: int, sms: int) -> tuple[int, int, int]:
-    """(rows of W per program, warps, K slices) for an `[m, k] x [k, n]` product: 128 rows on 4 warps up to 8
-    activation rows, 64 on 2 beyond (the accumulator doubles); K slices dividing K's steps, about `TARGET_STEPS`
-    steps each, more while fewer than two programs per SM (swept on the H200: RESULTS.md)."""
-    block_n, warps = (128, 4) if m <= 8 else (64, 2)
+def plan(m: int, n: int, k: int, sms: int, ring: bool = False) -> tuple[int, int, int]:
+    """(rows of W per program, warps, K slices) for an `[m, k] x [k, n]` product: through the TMA ring (`ring`) 64
+    rows on 2 warps; otherwise 128 rows on 4 warps up to 8 activation rows, 64 on 2 beyond (the accumulator
+    doubles); K slices dividing K's steps, about `TARGET_STEPS` steps each, more while fewer than two programs per
+    SM (swept on the H200: RESULTS.md)."""
+    block_n, warps = (128, 4) if m <= 8 and not ring else (64, 2)
     steps = k // BLOCK_K
     divisors = [d for d in range(1, steps + 1) if steps % d == 0]
     splits = min(divisors, key=lambda d: (abs(steps / d - TARGET_STEPS), -d))
@@ -237,18 +396,27 @@ def plan(m: int, n: int, k: int, sms: int) -> tuple[int, int, int]:
 
 
 def few_rows_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, *, block_n: int | None = None,
-                    warps: int | None = None, splits: int | None = None) -> torch.Tensor:
+                    warps: int | None = None, splits: int | None = None, ring: bool | None = None,
+                    fold: bool | None = None) -> torch.Tensor:
     """`x` `[M, K]` bf16 (M <= 16) times the dequantized weight (`packed` `[N, K/2]` uint8, `scales` `[N, K/32]`
-    uint8) transposed -> `[M, N]` bf16, float32 accumulation. `block_n`, `warps`, `splits` override `plan`."""
+    uint8) transposed -> `[M, N]` bf16, float32 accumulation. `block_n`, `warps`, `splits` override `plan`;
+    `ring` (weights through the TMA ring, default `uses_ring`) and `fold` (scales folded into the decode, default
+    `foldable`) override the automatic choices; `fold=True` on scales that do not fold is refused."""
     if not supports(x, packed, scales):
         raise ValueError("the Gluon few-row path takes 1-16 rows of bf16 activations on a CUDA GPU (compute "
                          f"capability 8.0+) with K a multiple of {BLOCK_K}; got {tuple(x.shape)} {x.dtype} on "
                          f"{x.device}.")
+    if ring and not uses_ring(packed):
+        raise ValueError("the TMA ring needs a Hopper GPU, Triton with Gluon's TMA and packed rows a multiple of 16 "
+                         "bytes apart.")
+    ring = uses_ring(packed) if ring is None else ring
+    if fold and not foldable(scales):
+        raise ValueError("these scales do not fold (an E8M0 byte above 128 other than 255).")
+    fold = foldable(scales) if fold is None else fold
     x = x.contiguous()
     m, k = x.shape
     n = packed.shape[0]
-    sms = _sm_count(x.device)
-    planned = plan(m, n, k, sms)
+    planned = plan(m, n, k, _sm_count(x.device), ring)
     block_n = block_n or planned[0]
     warps = warps or planned[1]
     splits = splits or planned[2]
@@ -258,8 +426,40 @@ def few_rows_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
     out = torch.empty((m, n), dtype=torch.bfloat16, device=x.device)
     workspace = _workspace(x.device, m * n)
     counts = arrival_counters(x.device, "mxfp4_few_rows", tiles)
-    _few_rows_kernel[(tiles, splits)](packed.view(torch.int32), scales, x.view(torch.int32), workspace, counts, out,
-                                      n, m, k // splits, splits, packed.stride(0) // 4, scales.stride(0),
-                                      x.stride(0) // 2, BN=block_n, BK=BLOCK_K, MN=8 if m <= 8 else 16,
-                                      WARPS=warps, num_warps=warps)
+    shape = dict(BN=block_n, BK=BLOCK_K, MN=8 if m <= 8 else 16, WARPS=warps, FOLD=fold, num_warps=warps)
+    if ring:
+        words = _words_descriptor(packed, block_n)
+        _few_rows_tma_kernel[(tiles, splits)](words, scales, x.view(torch.int32), workspace, counts, out, n, m,
+                                              k // splits, splits, scales.stride(0), x.stride(0) // 2,
+                                              STAGES=RING_STAGES, **shape)
+    else:
+        _few_rows_kernel[(tiles, splits)](packed.view(torch.int32), scales, x.view(torch.int32), workspace, counts,
+                                          out, n, m, k // splits, splits, packed.stride(0) // 4, scales.stride(0),
+                                          x.stride(0) // 2, **shape)
     return out
+
+
+_DESCRIPTORS = torch.utils.weak.WeakIdKeyDictionary()
+
+
+def _words_descriptor(packed: torch.Tensor, block_n: int) -> "TensorDescriptor":
+    """The TMA descriptor of `packed` `[N, K/2]` uint8 as int32 words `[N, K/8]` in `[block_n, BLOCK_K / 8]` boxes,
+    kept per tensor (building one costs several microseconds of host time per call). The descriptor's int32 tensor
+    shares `packed`'s storage without being a view of it, so the cache entry does not keep `packed` alive."""
+    per_tensor = _DESCRIPTORS.setdefault(packed, {})
+    key = (packed.data_ptr(), block_n)
+    if key not in per_tensor:
+        per_tensor.clear()
+        words = torch.empty(0, dtype=torch.int32, device=packed.device).set_(
+            packed.untyped_storage(), packed.storage_offset() // 4, (packed.shape[0], packed.shape[1] // 4),
+            (packed.stride(0) // 4, 1))
+        per_tensor[key] = TensorDescriptor(words, list(words.shape), list(words.stride()), [block_n, BLOCK_K // 8],
+                                           _ring_layout())
+    return per_tensor[key]
+
+
+@functools.cache
+def _ring_layout():
+    """Shared-memory layout of a ring slot `[rows, 16]` int32: rows of 64 bytes with the 64-byte swizzle, which
+    spreads `word_layout`'s 8-byte reads over all banks."""
+    return gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=32, rank=2)

@@ -6,11 +6,13 @@ widened to four bf16 pairs in about two integer operations per code.
 prmt orders the bytes b0 b2 b1 b3, so that the low codes of b0 and b1 sit 16 bits apart (likewise b2/b3, and the
 high codes); an AND isolates two codes, one multiply copies each to its magnitude (bits 6-8) and sign (bit 15)
 positions, an AND keeps those: the bf16 value E2M1 * 2^-126 (code 1 lands on the bf16 subnormal 2^-127), then
-* 2^126 (0x7E80). Declares `t u a b c d k`; the caller's asm block wraps it in braces and writes its outputs."""
+* 2^126 (0x7E80). Declares `t u a b c d k`; the caller's asm block wraps it in braces and writes its outputs.
 
-WIDEN_CODES = """
-.reg .b32 t, u, a, b, c, d, k;
-mov.b32 k, 0x7E807E80;
+`PLACE_CODES` is the same without the final multiply (a, b, c, d hold E2M1 * 2^-126, declares `t u a b c d`), for
+callers that fold 2^126 into another multiply."""
+
+PLACE_CODES = """
+.reg .b32 t, u, a, b, c, d;
 prmt.b32 t, $4, 0, 0x3120;
 shr.u32 u, t, 8;
 and.b32 a, t, 0x000F000F;
@@ -25,6 +27,10 @@ and.b32 a, a, 0x81C081C0;
 and.b32 b, b, 0x81C081C0;
 and.b32 c, c, 0x81C081C0;
 and.b32 d, d, 0x81C081C0;
+"""
+
+WIDEN_CODES = PLACE_CODES + """.reg .b32 k;
+mov.b32 k, 0x7E807E80;
 mul.rn.bf16x2 a, a, k;
 mul.rn.bf16x2 b, b, k;
 mul.rn.bf16x2 c, c, k;
