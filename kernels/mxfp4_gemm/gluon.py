@@ -169,8 +169,8 @@ if AVAILABLE:
         """As `_step`, for scales that fold (`foldable`): each word's four bf16 pairs come out of the decode
         already scaled (`DECODE_SCALED`); `scale_bytes` `[BN, BK/32]` in `_scale_tile`'s folded layout."""
         e = scale_bytes.to(gl.int32)
-        bits = gl.where(e == 255, 0x7FC0, (e + 126) << 7)
-        words3, pair3 = gl.broadcast(gl.reshape(words, [BN, BK // 32, 4]), gl.expand_dims(bits | (bits << 16), 2))
+        pair = gl.where(e == 255, 0x7FC07FC0, e * 0x00800080 + 0x3F003F00)  # ((e + 126) << 7) in both halves
+        words3, pair3 = gl.broadcast(gl.reshape(words, [BN, BK // 32, 4]), gl.expand_dims(pair, 2))
         o0, o1, o2, o3 = gl.inline_asm_elementwise(_DECODE_SCALED, "=r,=r,=r,=r,r,r", [words3, pair3],
                                                    dtype=(gl.int32, gl.int32, gl.int32, gl.int32), is_pure=True,
                                                    pack=1)
@@ -250,6 +250,30 @@ if AVAILABLE:
 if HAS_TMA:
 
     @gluon.jit
+    def _ring_step(i, acc, scale_bytes, pairs, ring, arrived, w_desc, s_at, x_at, pid_n, k_start, k_last,
+                   steps, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr, FOLD: gl.constexpr,
+                   w_l: gl.constexpr, a_l: gl.constexpr):
+        """Step `i` of `_few_rows_tma_kernel`: load the next step's scales and x pairs, wait for this step's words,
+        take them from the ring, refill the slot with step `i + STAGES`, decode and multiply. Returns the new
+        accumulator and the next step's scales and pairs."""
+        ahead = gl.minimum(k_start + (i + 1) * BK, k_last)
+        next_scales = gl.load(s_at + gl.multiple_of(ahead // 32, 4))
+        next_pairs = gl.load(x_at + gl.multiple_of(ahead // 2, 64))
+        slot = i % STAGES
+        mbarrier.wait(arrived.index(slot), (i // STAGES) & 1)
+        words = ring.index(slot).load(w_l)
+        _barrier()  # every warp holds this step's words: the slot can take the step STAGES ahead
+        refill = i + STAGES < steps
+        mbarrier.expect(arrived.index(slot), BN * BK // 2, pred=refill)
+        tma.async_copy_global_to_shared(w_desc, [pid_n * BN, (k_start + (i + STAGES) * BK) // 8],
+                                        arrived.index(slot), ring.index(slot), pred=refill)
+        if FOLD:
+            acc = _step_folded(words, scale_bytes, pairs, acc, BN, BK, a_l)
+        else:
+            acc = _step(words, scale_bytes, pairs, acc, BN, BK, a_l)
+        return acc, next_scales, next_pairs
+
+    @gluon.jit
     def _few_rows_tma_kernel(w_desc, s_ptr, x32_ptr, ws_ptr, count_ptr, out_ptr, N, M, k_per_split, splits,
                              stride_s, stride_x32,
                              BN: gl.constexpr, BK: gl.constexpr, MN: gl.constexpr, WARPS: gl.constexpr,
@@ -275,33 +299,18 @@ if HAS_TMA:
             mbarrier.expect(arrived.index(i), BN * BK // 2, pred=i < steps)
             tma.async_copy_global_to_shared(w_desc, [pid_n * BN, (k_start + i * BK) // 8], arrived.index(i),
                                             ring.index(i), pred=i < steps)
-        s_rows = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, s_l))
+        # rows of W past N and columns of x past M read the last real one instead of being masked (no zeroing or
+        # predicates per step); the results they feed are not stored
+        s_rows = gl.minimum(pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, s_l)), N - 1)
         s_at = s_ptr + s_rows[:, None] * stride_s + gl.arange(0, BK // 32, layout=gl.SliceLayout(0, s_l))[None, :]
-        s_ok = s_rows[:, None] < N
-        x_cols = gl.arange(0, MN, layout=gl.SliceLayout(0, b_l))
+        x_cols = gl.minimum(gl.arange(0, MN, layout=gl.SliceLayout(0, b_l)), M - 1)
         x_at = x32_ptr + x_cols[None, :] * stride_x32 + gl.arange(0, BK // 2, layout=gl.SliceLayout(1, b_l))[:, None]
-        x_ok = x_cols[None, :] < M
         acc = gl.zeros([BN, MN], gl.float32, layout=mma)
-        scale_bytes = gl.load(s_at + gl.multiple_of(k_start // 32, 4), mask=s_ok, other=127)
-        pairs = gl.load(x_at + gl.multiple_of(k_start // 2, 64), mask=x_ok, other=0)
+        scale_bytes = gl.load(s_at + gl.multiple_of(k_start // 32, 4))
+        pairs = gl.load(x_at + gl.multiple_of(k_start // 2, 64))
         for i in range(steps):
-            ahead = gl.minimum(k_start + (i + 1) * BK, k_last)
-            next_scales = gl.load(s_at + gl.multiple_of(ahead // 32, 4), mask=s_ok, other=127)
-            next_pairs = gl.load(x_at + gl.multiple_of(ahead // 2, 64), mask=x_ok, other=0)
-            slot = i % STAGES
-            mbarrier.wait(arrived.index(slot), (i // STAGES) & 1)
-            words = ring.index(slot).load(w_l)
-            _barrier()  # every warp holds this step's words: the slot can take the step STAGES ahead
-            refill = i + STAGES < steps
-            mbarrier.expect(arrived.index(slot), BN * BK // 2, pred=refill)
-            tma.async_copy_global_to_shared(w_desc, [pid_n * BN, (k_start + (i + STAGES) * BK) // 8],
-                                            arrived.index(slot), ring.index(slot), pred=refill)
-            if FOLD:
-                acc = _step_folded(words, scale_bytes, pairs, acc, BN, BK, a_l)
-            else:
-                acc = _step(words, scale_bytes, pairs, acc, BN, BK, a_l)
-            scale_bytes = next_scales
-            pairs = next_pairs
+            acc, scale_bytes, pairs = _ring_step(i, acc, scale_bytes, pairs, ring, arrived, w_desc, s_at, x_at, pid_n,
+                                                 k_start, k_last, steps, BN, BK, STAGES, FOLD, w_l, a_l)
         for i in gl.static_range(STAGES):
             mbarrier.invalidate(arrived.index(i))
         _finish(acc, ws_ptr, count_ptr, out_ptr, pid_n, N, M, splits, BN, MN, mma)
