@@ -122,6 +122,16 @@ if AVAILABLE:
         return gl.DistributedLinearLayout(reg_bases=registers, lane_bases=[[0, 2], [0, 4], [1, 0], [2, 0], [4, 0]],
                                           warp_bases=warp_bases, block_bases=[], shape=[block_n, block_k // 8])
 
+    @gluon.constexpr_function
+    def mma_layout(warps):
+        """The accumulator layout: mma v2 (m16n8), warps stacked along the rows of W."""
+        return gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[warps, 1], instr_shape=[16, 8])
+
+    @gluon.constexpr_function
+    def x_layout(warps):
+        """x's pairs `[BK/2, MN]` as the MMA's right operand (k_width 8: eight consecutive K per thread)."""
+        return gl.DotOperandLayout(operand_index=1, parent=mma_layout(warps), k_width=8)
+
     @gluon.jit
     def _pairs_to_bf16(o0, o1, BN: gl.constexpr, BK: gl.constexpr):
         """Two int32 tensors of bf16 pairs `[BN, BK/8]` (o0: elements 4w, 4w+1; o1: 4w+2, 4w+3) -> bf16
@@ -184,6 +194,13 @@ if AVAILABLE:
         return mma_v2(a_high, x_odd, acc)
 
     @gluon.jit
+    def _program_slice(k_per_split, BK: gl.constexpr):
+        """The program's row tile (axis 0), the first K of its slice (axis 1) and the first K of the slice's last
+        step."""
+        k_start = gl.program_id(1) * k_per_split
+        return gl.program_id(0), k_start, k_start + k_per_split - BK
+
+    @gluon.jit
     def _finish(acc, ws_ptr, count_ptr, out_ptr, pid_n, N, M, splits, BN: gl.constexpr, MN: gl.constexpr,
                 mma: gl.constexpr):
         """Write the program's `acc` `[BN, MN]` float32 as out^T rows, or add it into the workspace, the K slice
@@ -212,22 +229,19 @@ if AVAILABLE:
         slice (axis 1). `w32_ptr`: the packed codes as int32 words `[N, K/8]`; `s_ptr`: E8M0 bytes `[N, K/32]`;
         `x32_ptr`: x as int32 pairs `[M, K/2]`; `ws_ptr`/`count_ptr`: float32 zeros `[M, N]` and int32 zeros
         (one per row tile) when `splits` > 1. `FOLD`: the scales fold into the decode (`foldable`)."""
-        mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[WARPS, 1], instr_shape=[16, 8])
+        mma: gl.constexpr = mma_layout(WARPS)
         a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=8)
-        b_l: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=8)
         w_l: gl.constexpr = word_layout(BN, BK, WARPS)
         s_l: gl.constexpr = _scale_tile(BN, BK, w_l, a_l, FOLD).type.layout
-        pid_n = gl.program_id(0)
-        k_start = gl.program_id(1) * k_per_split
-        k_last = k_start + k_per_split - BK
+        pid_n, k_start, k_last = _program_slice(k_per_split, BK)
         rows = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, w_l))
         w_at = w32_ptr + rows[:, None] * stride_w32 + gl.arange(0, BK // 8, layout=gl.SliceLayout(0, w_l))[None, :]
         w_ok = rows[:, None] < N
         s_rows = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, s_l))
         s_at = s_ptr + s_rows[:, None] * stride_s + gl.arange(0, BK // 32, layout=gl.SliceLayout(0, s_l))[None, :]
         s_ok = s_rows[:, None] < N
-        x_cols = gl.arange(0, MN, layout=gl.SliceLayout(0, b_l))
-        x_at = x32_ptr + x_cols[None, :] * stride_x32 + gl.arange(0, BK // 2, layout=gl.SliceLayout(1, b_l))[:, None]
+        x_cols = gl.arange(0, MN, layout=gl.SliceLayout(0, x_layout(WARPS)))
+        x_at = x32_ptr + x_cols[None, :] * stride_x32 + gl.arange(0, BK // 2, layout=gl.SliceLayout(1, x_layout(WARPS)))[:, None]
         x_ok = x_cols[None, :] < M
         acc = gl.zeros([BN, MN], gl.float32, layout=mma)
         words = gl.load(w_at + gl.multiple_of(k_start // 8, 16), mask=w_ok, other=0)
@@ -282,14 +296,11 @@ if HAS_TMA:
         over the int32 words `[N, K/8]`, rows past N read as zeros) in a ring of `STAGES` shared-memory slots;
         each warp loads its words from the slot in `word_layout`, and once every warp has, the slot is refilled
         with the step `STAGES` ahead. Scales and x are loaded one step ahead into registers as there."""
-        mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[WARPS, 1], instr_shape=[16, 8])
+        mma: gl.constexpr = mma_layout(WARPS)
         a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=8)
-        b_l: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=8)
         w_l: gl.constexpr = word_layout(BN, BK, WARPS)
         s_l: gl.constexpr = _scale_tile(BN, BK, w_l, a_l, FOLD).type.layout
-        pid_n = gl.program_id(0)
-        k_start = gl.program_id(1) * k_per_split
-        k_last = k_start + k_per_split - BK
+        pid_n, k_start, k_last = _program_slice(k_per_split, BK)
         steps = k_per_split // BK
         ring = gl.allocate_shared_memory(gl.int32, [STAGES, BN, BK // 8], w_desc.layout)
         arrived = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -303,8 +314,8 @@ if HAS_TMA:
         # predicates per step); the results they feed are not stored
         s_rows = gl.minimum(pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, s_l)), N - 1)
         s_at = s_ptr + s_rows[:, None] * stride_s + gl.arange(0, BK // 32, layout=gl.SliceLayout(0, s_l))[None, :]
-        x_cols = gl.minimum(gl.arange(0, MN, layout=gl.SliceLayout(0, b_l)), M - 1)
-        x_at = x32_ptr + x_cols[None, :] * stride_x32 + gl.arange(0, BK // 2, layout=gl.SliceLayout(1, b_l))[:, None]
+        x_cols = gl.minimum(gl.arange(0, MN, layout=gl.SliceLayout(0, x_layout(WARPS))), M - 1)
+        x_at = x32_ptr + x_cols[None, :] * stride_x32 + gl.arange(0, BK // 2, layout=gl.SliceLayout(1, x_layout(WARPS)))[:, None]
         acc = gl.zeros([BN, MN], gl.float32, layout=mma)
         scale_bytes = gl.load(s_at + gl.multiple_of(k_start // 32, 4))
         pairs = gl.load(x_at + gl.multiple_of(k_start // 2, 64))
