@@ -459,6 +459,7 @@ def test_mxfp4_experts_widened_for_a_long_prefill_match_the_per_expert_path(monk
     """Stacked MXFP4 experts and more (token, slot) pairs than the per-pair path takes: the experts are widened to
     the compute dtype once for the call and run through the grouped path; equal to the unstacked per-expert loop."""
     import h3gen.pipelines.k3.model as k3_model
+    import h3gen.pipelines.k3.moe as k3_moe
 
     model = quantize_experts_mxfp4(randomize(K3ForCausalLM(FAMILIES["hybrid-mxfp4"]()), seed=7).eval())
     moe = next(m for m in model.modules() if isinstance(m, k3_model.K3MoE))
@@ -466,10 +467,10 @@ def test_mxfp4_experts_widened_for_a_long_prefill_match_the_per_expert_path(monk
     with torch.no_grad():
         expected = moe(x)  # per-expert loop over MXFP4 linears
         assert moe.stack_experts() and moe.stacked_mxfp4 is not None
-        monkeypatch.setattr(k3_model, "MXFP4_DEVICE_ROUTING_MAX_PAIRS", 0)  # force the widened path
+        monkeypatch.setattr(k3_moe, "MXFP4_DEVICE_ROUTING_MAX_PAIRS", 0)  # force the widened path
         calls = []
-        original = moe._widened_experts
-        monkeypatch.setattr(moe, "_widened_experts", lambda width: calls.append(width) or original(width))
+        original = k3_moe.widened_mxfp4
+        monkeypatch.setattr(k3_moe, "widened_mxfp4", lambda *args: calls.append(args[-1]) or original(*args))
         got = moe(x)
     assert calls and ((got - expected).norm() / expected.norm()).item() < 1e-5
 

@@ -16,15 +16,14 @@ from h3gen.kernels.embedding import embedding_rows
 from h3gen.kernels.gemv import MAX_ROWS, grouped_rows_linear, rows_linear
 from h3gen.kernels.kda import kda_chunked, kda_decode, kda_gate, l2_normalize, short_conv
 from h3gen.kernels.mla_decode import absorb_output, absorb_query, mla_decode, mla_decode_partials, mla_decode_splits
-from h3gen.kernels.mxfp4_gemm import dequantize_weight
-from h3gen.kernels.moe import (expert_gemv, expert_gemv_mxfp4, expert_swiglu_down, expert_swiglu_down_mxfp4,
-                               grouped_gemm, grouped_mxfp4_gemm, router_topk, sort_by_expert,
-                               stacked_experts)
+from h3gen.kernels.moe import expert_swiglu_down
 from h3gen.kernels.rmsnorm import rms_norm
 from h3gen.kernels.swiglu import swiglu
 from h3gen.linear import LinearFactory, LinearSpec, dense_linear
 from h3gen.pipelines.k3.cache import K3Cache, KDAState, PagedLatentCache
+from h3gen.pipelines.k3 import moe
 from h3gen.pipelines.k3.config import K3Config
+from h3gen.pipelines.k3.moe import K3Expert, K3Router, stack_weights
 from h3gen.pipelines.k3.pending_norm import PendingNorm, linear_rows, linear_rows_argmax, resolved
 
 
@@ -374,60 +373,6 @@ class K3MLP(nn.Module):
         return self.down_proj(gated_activation(self.config, self.gate_proj(x), self.up_proj(x)))
 
 
-class K3Expert(nn.Module):
-    """One routed expert, named as in the checkpoint: w1 = gate, w3 = up, w2 = down."""
-
-    def __init__(self, hidden: int, intermediate: int, linear: LinearFactory):
-        super().__init__()
-        self.w1 = linear(LinearSpec(hidden, intermediate, False, "column", "moe.expert"))
-        self.w3 = linear(LinearSpec(hidden, intermediate, False, "column", "moe.expert"))
-        self.w2 = linear(LinearSpec(intermediate, hidden, False, "row", "moe.expert"))
-
-
-def _grouped(x: torch.Tensor, offsets: torch.Tensor, layers: list[nn.Module]) -> torch.Tensor:
-    """Run the grouped GEMM kernel matching how the experts store their weights (MXFP4 or dense)."""
-    if all(hasattr(layer, "weight_packed") for layer in layers):
-        out = grouped_mxfp4_gemm(x.to(layers[0].compute_dtype), offsets, [layer.weight_packed for layer in layers],
-                                 [layer.weight_scale for layer in layers])
-        return out.to(x.dtype)
-    return grouped_gemm(x, offsets, [layer.weight for layer in layers])
-
-
-# Up to this many (token, expert) pairs a MoE layer with stacked experts runs one expert GEMV per pair (decode
-# batches of a few sequences); beyond, pairs are grouped into blocks per expert (`stacked_experts`), so each
-# expert's matrix is read once per block instead of once per pair. On the H200 (benchmarks/RESULTS.md) per-pair
-# GEMVs won at 8 sequences x top-6 (48 pairs), grouping at 32 x 6 (192 pairs).
-DEVICE_ROUTING_MAX_PAIRS = 64
-# MXFP4 experts have no grouped device kernel: decode batches of up to this many pairs go per pair (a whole CUDA
-# graph needs that), larger (prefill) batches through the per-expert loop.
-MXFP4_DEVICE_ROUTING_MAX_PAIRS = 512
-
-
-class K3Router(nn.Module):
-    """Sigmoid router over the full-width token (float32 logits), `e_score_correction_bias` for selection."""
-
-    def __init__(self, config: K3Config):
-        super().__init__()
-        self.config = config
-        self.weight = nn.Parameter(torch.zeros(config.num_experts, config.hidden_size))
-        self.register_buffer("e_score_correction_bias", torch.zeros(config.num_experts))
-
-    def forward(self, x: torch.Tensor, always: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-        """`x` `[T, D]` -> (weights `[T, k + always]` float32, expert ids `[T, k + always]`); `always` appends
-        always-on experts E, E + 1, ... with weight 1 (see `K3MoE.stack_experts`)."""
-        return router_topk(x, self.weight, *self._routing(always))
-
-    def after_residual(self, h: torch.Tensor, delta: torch.Tensor, norm: "K3RMSNorm", always: int = 0):
-        """The residual update, the norm after it and this router in one op: (`h + delta`, its norm, weights,
-        ids), rounded as `add_rms_norm` then `forward` (one kernel for decode batches, see `router_topk`)."""
-        return router_topk(h, self.weight, *self._routing(always), residual=(delta, norm.weight, norm.eps))
-
-    def _routing(self, always: int) -> tuple:
-        c = self.config
-        return (self.e_score_correction_bias, c.num_experts_per_token, c.num_expert_group, c.topk_group,
-                c.moe_renormalize, c.routed_scaling_factor, always)
-
-
 class K3MoE(nn.Module):
     """Routed experts (in a latent space for LatentMoE) plus shared experts at full width:
 
@@ -436,6 +381,9 @@ class K3MoE(nn.Module):
         y = sum_k w_k E_{ids_k}(h)                 E(h) = w2 act(w1 h, w3 h)
         y = up(RMSNorm(y))                         LatentMoE only (the norm when latent_moe_use_norm)
         out = y + shared(x)
+
+    How the routed sum runs (grouped GEMMs, stacked blocks, per-pair GEMVs, dense or MXFP4) is in `moe.py`;
+    `routed` picks one by batch size and by how the experts hold their weights.
     """
 
     def __init__(self, config: K3Config, linear: LinearFactory):
@@ -461,52 +409,29 @@ class K3MoE(nn.Module):
         # (zeros [R, 1] int64, ones [R, 1] float32): the one-slot routing of the shared expert's decode tail
         self.one_slot: tuple[torch.Tensor, torch.Tensor] | None = None
 
+    def _activation(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        return gated_activation(self.config, gate, up)
+
     @torch.no_grad()
     def stack_experts(self) -> bool:
-        """Move the experts' weights into stacked tensors and point each expert's tensors at its views of them
-        (state-dict keys and values do not change; do it after moving the model to its device): dense experts
-        into `up_gate` `[E, 2I, W]` (w3 over w1) and `down` `[E, W, I]`; MXFP4 experts' packed bytes and scales
-        the same way (`stacked_mxfp4`). Few-token batches then pick their experts on the device (`expert_gemv`,
-        `expert_gemv_mxfp4`), with no host synchronisation. Returns False, changing nothing, for other layers."""
+        """Move the experts' weights into stacked tensors (`moe.stack_weights`; do it after moving the model to its
+        device): dense experts into `stacked` = (`up_gate` `[E, 2I, W]`, `down` `[E, W, I]`), MXFP4 experts' packed
+        bytes and scales the same way (`stacked_mxfp4`). Few-token batches then pick their experts on the device,
+        with no host synchronisation. Returns False, changing nothing, for other layers."""
         if self.stacked is not None or self.stacked_mxfp4 is not None:
             return True
         layers = [layer for expert in self.experts for layer in (expert.w1, expert.w3, expert.w2)]
         if all(hasattr(layer, "weight_packed") for layer in layers):
-            names = ("weight_packed", "weight_scale")
+            packed = stack_weights(list(self.experts), "weight_packed")
+            scales = stack_weights(list(self.experts), "weight_scale")
+            self.stacked_mxfp4 = ((packed[0], scales[0]), (packed[1], scales[1]))
         elif all(isinstance(getattr(layer, "weight", None), torch.Tensor) and not hasattr(layer, "weight_packed")
                  for layer in layers):
-            names = ("weight",)
+            shared = self._mergeable_shared_expert()
+            self.stacked = stack_weights(list(self.experts), "weight", shared)
+            self.shared_in_stack = shared is not None
         else:
             return False
-        shared = self._mergeable_shared_expert() if names == ("weight",) else None
-        stacks = []
-        for name in names:
-            first = self.experts[0]
-            inter = getattr(first.w1, name).shape[0]
-            count = len(self.experts) + (shared is not None)
-            up_gate = getattr(first.w1, name).new_empty(count, 2 * inter, getattr(first.w1, name).shape[1])
-            down = getattr(first.w2, name).new_empty(count, *getattr(first.w2, name).shape)
-            for e, expert in enumerate(self.experts):
-                for layer, view in ((expert.w3, up_gate[e, :inter]), (expert.w1, up_gate[e, inter:]),
-                                    (expert.w2, down[e])):
-                    view.copy_(getattr(layer, name))
-                    if name == "weight":
-                        layer.weight.data = view
-                    else:
-                        setattr(layer, name, view)  # a buffer: re-registered as the view
-            if shared is not None:  # stacked expert E; its fused [up; gate] is that expert's rows
-                e = len(self.experts)
-                for layer, view in ((shared.up_proj, up_gate[e, :inter]), (shared.gate_proj, up_gate[e, inter:]),
-                                    (shared.down_proj, down[e])):
-                    view.copy_(layer.weight)
-                    layer.weight.data = view
-                shared.fused_in = up_gate[e]
-            stacks.append((up_gate, down))
-        if names == ("weight",):
-            self.stacked = stacks[0]
-            self.shared_in_stack = shared is not None
-        else:  # ((packed up_gate, packed down), (scales up_gate, scales down))
-            self.stacked_mxfp4 = tuple(zip(*stacks))
         down = getattr(getattr(self, "shared_experts", None), "down_proj", None)
         if not self.shared_in_stack and type(down) is nn.Linear and down.bias is None:
             self.one_slot = (torch.zeros(MAX_ROWS, 1, dtype=torch.long, device=down.weight.device),
@@ -532,76 +457,28 @@ class K3MoE(nn.Module):
         return shared
 
     def routed(self, h: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, always: int = 0) -> torch.Tensor:
-        """`h` `[T, W]` -> `sum_k weights[:, k] E_{ids[:, k]}(h)` `[T, W]`: tokens grouped by expert (with stacked
-        experts on the device, `stacked_experts`; stacked MXFP4 experts widened to the compute dtype for the call),
-        or, for few tokens with stacked experts, each (token, expert) pair through `expert_gemv`. `always`: the last
-        that many slots are always-on experts stacked after the routed ones (see `stack_experts`)."""
-        if self.stacked_mxfp4 is not None and ids.numel() <= MXFP4_DEVICE_ROUTING_MAX_PAIRS:
-            return self._routed_on_device(h, weights, ids)
-        if self.stacked is not None and ids.numel() <= DEVICE_ROUTING_MAX_PAIRS:
-            return self._routed_on_device(h, weights, ids, always)
-        stacked = self.stacked
-        if self.stacked_mxfp4 is not None:  # a prefill: every expert is likely picked, widen them all once
-            stacked = self._widened_experts(h.shape[-1])
-            h = h.to(stacked[0].dtype)
-        if stacked is not None:
-            out = stacked_experts(h, *stacked, ids, lambda g, u: gated_activation(self.config, g, u),
-                                  swiglu=self.config.hidden_act != "situ")
-            return (out.view(*ids.shape, -1) * weights[..., None].to(out.dtype)).sum(dim=1)
-        top_k = ids.shape[1]
-        order, offsets = sort_by_expert(ids, len(self.experts))
-        tokens = order // top_k
-        rows = h[tokens]
-        gate = _grouped(rows, offsets, [e.w1 for e in self.experts])
-        up = _grouped(rows, offsets, [e.w3 for e in self.experts])
-        down = _grouped(gated_activation(self.config, gate, up), offsets, [e.w2 for e in self.experts])
-        scaled = down * weights.reshape(-1)[order, None].to(down.dtype)
-        return torch.zeros_like(h).index_add_(0, tokens, scaled)
-
-    def _widened_experts(self, width: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The stacked MXFP4 experts in their compute dtype, `up_gate` `[E, 2I, W]` and `down` `[E, W, I]`: a
-        temporary copy for one call (one dequantizing pass; the grouped GEMMs then need no host synchronisation)."""
-        (packed_up_gate, scales_up_gate), (packed_down, scales_down) = self.stacked_mxfp4
-        dtype = self.experts[0].w1.compute_dtype
-        experts, inter2, _ = packed_up_gate.shape
-        up_gate = dequantize_weight(packed_up_gate.reshape(experts * inter2, -1),
-                                    scales_up_gate.reshape(experts * inter2, -1), dtype, width)
-        down = dequantize_weight(packed_down.reshape(experts * width, -1), scales_down.reshape(experts * width, -1),
-                                 dtype, inter2 // 2)
-        return up_gate.view(experts, inter2, width), down.view(experts, width, inter2 // 2)
-
-    def _routed_on_device(self, h: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
-                          always: int = 0) -> torch.Tensor:
-        """Each (token, slot) pair through its expert by GEMVs that read the token's row and the expert's weights
-        where they are stacked (the `always` always-on slots' weights load before the routing is known); with SwiGLU
-        experts the activation, the down experts and the weighted slot sum are one kernel."""
-        tokens, top_k = ids.shape
-        pairs = ids.reshape(-1)
-        swiglu_tail = self.config.hidden_act != "situ"
+        """`h` `[T, W]` -> `sum_k weights[:, k] E_{ids[:, k]}(h)` `[T, W]`. Few pairs with stacked experts: one GEMV
+        per (token, expert) pair; more: blocks per expert over the stacked weights (stacked MXFP4 experts widened to
+        the compute dtype for the call); experts not stacked: grouped GEMMs. `always`: the last that many slots are
+        always-on experts stacked after the routed ones (see `stack_experts`)."""
+        swiglu = self.config.hidden_act != "situ"
         if self.stacked_mxfp4 is not None:
-            (packed_up_gate, scales_up_gate), (packed_down, scales_down) = self.stacked_mxfp4
-            rows = h.to(self.experts[0].w1.compute_dtype)
-            both = expert_gemv_mxfp4(rows, packed_up_gate, scales_up_gate, pairs, top_k)  # [T * k, 2I]: [up; gate]
-            if swiglu_tail:
-                return expert_swiglu_down_mxfp4(both, packed_down, scales_down, ids, weights).to(h.dtype)
-            inter = both.shape[-1] // 2
-            act = gated_activation(self.config, both[:, inter:], both[:, :inter])
-            out = expert_gemv_mxfp4(act, packed_down, scales_down, pairs)
-        else:
-            up_gate, down = self.stacked
-            both = expert_gemv(h, up_gate, pairs, top_k, always)  # [T * k, 2I]: [up; gate]
-            if swiglu_tail:
-                return expert_swiglu_down(both, down, ids, weights).to(h.dtype)
-            inter = down.shape[-1]
-            act = gated_activation(self.config, both[:, inter:], both[:, :inter])
-            out = expert_gemv(act, down, pairs)
-        out = out.to(h.dtype).view(tokens, top_k, -1) * weights[..., None].to(h.dtype)
-        return out.sum(dim=1)
+            if ids.numel() <= moe.MXFP4_DEVICE_ROUTING_MAX_PAIRS:
+                return moe.per_pair_mxfp4(h, weights, ids, self.stacked_mxfp4, self.experts[0].w1.compute_dtype,
+                                          self._activation, swiglu)
+            # a prefill: every expert is likely picked, widen them all once
+            up_gate, down = moe.widened_mxfp4(self.stacked_mxfp4, self.experts[0].w1.compute_dtype, h.shape[-1])
+            return moe.stacked_blocks(h.to(up_gate.dtype), weights, ids, up_gate, down, self._activation, swiglu)
+        if self.stacked is not None:
+            if ids.numel() <= moe.DEVICE_ROUTING_MAX_PAIRS:
+                return moe.per_pair(h, weights, ids, *self.stacked, self._activation, swiglu, always)
+            return moe.stacked_blocks(h, weights, ids, *self.stacked, self._activation, swiglu)
+        return moe.grouped_by_expert(h, weights, ids, list(self.experts), self._activation)
 
     def _always(self, tokens: int) -> int:
         """Always-on experts the router appends for a batch of `tokens`: the shared expert, when it rides in the
         stack as expert E (weight 1) for few tokens (see `stack_experts`)."""
-        merged = self.shared_in_stack and tokens * self.config.num_experts_per_token <= DEVICE_ROUTING_MAX_PAIRS
+        merged = self.shared_in_stack and tokens * self.config.num_experts_per_token <= moe.DEVICE_ROUTING_MAX_PAIRS
         return 1 if merged else 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
