@@ -20,7 +20,7 @@ from h3gen.kernels.flash_attention import triton as flash  # noqa: E402
 from h3gen.kernels.fp8_quant import quantize_rows  # noqa: E402
 
 HEADS, DIM = 56, 128
-BF16_CONFIGS = [(128, 64, 8, 3), (128, 64, 8, 4)]  # the best two of the six measured (RESULTS.md, second run)
+BF16_CONFIGS = [(128, 64, 8, 3), (128, 64, 8, 4)]  # the best two of the six measured (history.md, 2026-11-29)
 FP8_CONFIGS = [(128, 128, 8, 4), (128, 64, 8, 3)]
 
 

@@ -89,10 +89,10 @@ def _word_tiles(k: int, block_n: int, block_k: int | None) -> tuple[int, int]:
 def expert_gemv_mxfp4(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, ids: torch.Tensor,
                       top_k: int = 1, block_n: int = 16, block_k: int | None = None,
                       num_warps: int | None = None) -> torch.Tensor:
-    """See `reference.expert_gemv_mxfp4`: pair p (row `p // top_k` of `x`) through its expert, decoded from the
-    packed words inside the kernel (`_word_rows_dot`). Default tiles from the H200 sweep (RESULTS.md; 64 experts,
-    2048 -> 1536, top 6): 16 rows x 512 K per program, 4 warps for one token's pairs (7.4 us), 2 for more (38.4 us
-    at 8 tokens)."""
+    """See `reference.expert_gemv_mxfp4`: pair p (row `p // top_k` of `x`) through its expert, decoded from the packed
+    words inside the kernel (`_word_rows_dot`). Default tiles from the H200 sweep (benchmarks/history.md; 64 experts,
+    2048 -> 1536, top 6): 16 rows x 512 K per program, 4 warps for one token's pairs (7.4 us), 2 for more (38.4 us at 8
+    tokens)."""
     x = x.contiguous()
     packed = word_rows(packed)
     k, n, pairs = x.shape[1], packed.shape[1], ids.numel()
@@ -117,10 +117,10 @@ MXFP4_TAIL_UNROLL_BODIES = 24  # the measured mid config unrolls 6 slots x 3 ste
 def expert_swiglu_down_mxfp4(both: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, ids: torch.Tensor,
                              weights: torch.Tensor, block_n: int | None = None, block_k: int | None = None,
                              num_warps: int | None = None) -> torch.Tensor:
-    """See `reference.expert_swiglu_down_mxfp4`: SwiGLU, each pair's MXFP4 down expert and the weighted slot sum in
-    one kernel (one program per token and block of outputs). Defaults from the H200 sweep (RESULTS.md; 64 experts,
-    768 -> 2048, top 6): up to `MXFP4_TAIL_UNROLL_TOKENS` tokens the slots unrolled, 4 warps, 8 x 1024 for one token
-    (7.8 us; the slot loop: 11.5), 16 x 1024 for two (10.7; 16.2), 32 x 256 beyond (27.0 at 8; 29.7); more tokens
+    """See `reference.expert_swiglu_down_mxfp4`: SwiGLU, each pair's MXFP4 down expert and the weighted slot sum in one
+    kernel (one program per token and block of outputs). Defaults from the H200 sweep (benchmarks/history.md; 64
+    experts, 768 -> 2048, top 6): up to `MXFP4_TAIL_UNROLL_TOKENS` tokens the slots unrolled, 4 warps, 8 x 1024 for one
+    token (7.8 us; the slot loop: 11.5), 16 x 1024 for two (10.7; 16.2), 32 x 256 beyond (27.0 at 8; 29.7); more tokens
     loop over the slots, 32 x 256 with 2 warps (79.7 us at 32; unrolled: 97.8)."""
     both = both.contiguous()
     packed = word_rows(packed)

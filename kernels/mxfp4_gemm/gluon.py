@@ -11,7 +11,7 @@ widened to eight bf16 codes, are the MMA's left operand (`word_layout`), so noth
   magnitude, i.e. any ordinary weight) the two multiplies are one, by 2^(e-1) (`DECODE_SCALED`), still exact.
 - On Hopper the words come by TMA through a two-slot shared-memory ring (`_few_rows_tma_kernel`, 64 rows of W on
   two warps); elsewhere straight from global memory into registers (`_few_rows_kernel`). Both with the fold: 3-15 %
-  faster on the H200 than registers without it (RESULTS.md, seventeenth session).
+  faster on the H200 than registers without it (benchmarks/history.md, 2026-11-30, "weights by TMA").
 - The low codes of the words (the even K positions) form one MMA operand and the high codes (odd K) another; x is
   read as int32 pairs (even, odd) and split the same way, so no permutation is needed.
 - One K step ahead of the decode and MMAs, the next step's scales and x pairs (and words, without the ring) are
@@ -53,7 +53,7 @@ except (ImportError, AttributeError):  # pragma: no cover - depends on the insta
 BLOCK_K = 128  # K elements per step: 64 bytes of each weight row
 TARGET_STEPS = 6  # K steps per program, balancing the per-program latency against the split-K reduction
 MAX_ROWS = 16
-RING_STAGES = 2  # K steps of weights in shared memory on Hopper (deeper rings measured slower: RESULTS.md)
+RING_STAGES = 2  # K steps of weights in shared memory on Hopper (deeper rings measured slower: benchmarks/history.md)
 
 # Four bytes (eight codes) in $4 -> $0 $1: the low codes of bytes (0, 1) and (2, 3) as bf16 pairs (element order
 # low half first), $2 $3: their high codes (`ptx.WIDEN_CODES`).
@@ -401,7 +401,7 @@ def plan(m: int, n: int, k: int, sms: int, ring: bool = False) -> tuple[int, int
     """(rows of W per program, warps, K slices) for an `[m, k] x [k, n]` product: through the TMA ring (`ring`) 64
     rows on 2 warps; otherwise 128 rows on 4 warps up to 8 activation rows, 64 on 2 beyond (the accumulator
     doubles); K slices dividing K's steps, about `TARGET_STEPS` steps each, more while fewer than two programs per
-    SM (swept on the H200: RESULTS.md)."""
+    SM (swept on the H200: benchmarks/history.md)."""
     block_n, warps = (128, 4) if m <= 8 and not ring else (64, 2)
     steps = k // BLOCK_K
     divisors = [d for d in range(1, steps + 1) if steps % d == 0]

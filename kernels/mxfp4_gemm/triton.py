@@ -2,8 +2,8 @@
 
 - 1-16 rows of bf16 on a CUDA GPU with K a multiple of 128, `few_rows` (`kernels.mxfp4_gemm.gluon`, written in
   Gluon): the packed words loaded straight into the MMA's operand registers, no shared memory; 1.4-2.1x bf16
-  cuBLAS at the H3 shapes on the H200, ahead of the two paths below (RESULTS.md). The paths below remain for the
-  other cases and for the interpreter.
+  cuBLAS at the H3 shapes on the H200, ahead of the two paths below (benchmarks/RESULTS.md). The paths below remain
+  for the other cases and for the interpreter.
 - one row, `gemv`: CUDA-core products with the weights decoded from 32-bit words (three integer operations per
   weight); bound by the decode's integer issue rate, faster than bf16 cuBLAS there.
 - 2-16 rows of bf16, `pair_matmul`: tensor cores, each word decoded by inline PTX into bf16 pairs already in the
@@ -28,11 +28,13 @@ import triton.language as tl
 from h3gen.kernels.mxfp4_gemm import gluon
 from h3gen.kernels.mxfp4_gemm.ptx import WIDEN_CODES
 
-# Rows at and above which `mxfp4_matmul` dequantizes once and calls cuBLAS (measured on the H200, RESULTS.md).
+# Rows at and above which `mxfp4_matmul` dequantizes once and calls cuBLAS (measured on the H200,
+# benchmarks/history.md).
 DEQUANT_MIN_ROWS = 17
 GEMV_FOR_ONE_ROW = True
 # Tiles of the `tl.dot_scaled` path for 2-16 rows of fp16 activations (bf16 takes `pair_matmul`, 1.4-2x faster on
-# the H200): 1.15-1.23x the fused kernel there (RESULTS.md); at 256 rows and more it is 10x slower than cuBLAS.
+# the H200): 1.15-1.23x the fused kernel there (benchmarks/history.md); at 256 rows and more it is 10x slower than
+# cuBLAS.
 SCALED_SMALL_M = dict(block_m=16, block_n=32, block_k=256, num_warps=4, num_stages=3)
 
 
@@ -349,9 +351,9 @@ def auto_split(n: int, k: int, block_n: int, block_k: int) -> int:
 
 
 def default_config(m: int, n: int, k: int) -> dict:
-    """Fused-kernel tile sizes for an `[m, k] x [k, n]` product (swept on the H200, RESULTS.md): small M computes the
-    transposed product and splits K until enough weight bytes are in flight; larger M uses tensor-core sized
-    tiles."""
+    """Fused-kernel tile sizes for an `[m, k] x [k, n]` product (swept on the H200, benchmarks/history.md): small M
+    computes the transposed product and splits K until enough weight bytes are in flight; larger M uses tensor-core
+    sized tiles."""
     if m <= 16:
         block_n, block_k = 64, 256
         return dict(block_m=16, block_n=block_n, block_k=block_k, split_k=auto_split(n, k, block_n, block_k),
@@ -412,7 +414,7 @@ def pair_matmul(x, packed, scales, *, block_n: int = 64, block_k: int = 128, spl
     """The product for a few rows on the tensor cores, the weights decoded by `PAIR_DECODE_ASM` (bf16 activations;
     other dtypes decode by plain Triton arithmetic, which is how the interpreter runs it). K must be a multiple of 8.
     The default tile was within 7 % of the best of a sweep at every H3 shape for 8 and 16 rows on the H200
-    (RESULTS.md); `split_k` > 1 sums K slices with float32 atomics."""
+    (benchmarks/history.md); `split_k` > 1 sums K slices with float32 atomics."""
     if x.stride(-1) != 1:
         x = x.contiguous()
     m, k = x.shape
@@ -446,7 +448,7 @@ def gemv(x, packed, scales, *, block_n: int = 16, block_k: int = 512, split_k: i
          num_warps: int = 4, num_stages: int = 3):
     """`x` `[1, K]` times the dequantized weight transposed -> `[1, N]` without tensor cores; `block_k` (a multiple
     of 32) elements per step. The default tile was within 4 % of the best of a sweep at every H3 shape on the H200
-    (RESULTS.md: 1.37-1.64x bf16 cuBLAS, graphed)."""
+    (benchmarks/history.md: 1.37-1.64x bf16 cuBLAS, graphed)."""
     if block_k % 32:
         raise ValueError(f"the gemv path reads whole groups of 32: block_k {block_k} is not a multiple of 32.")
     packed = word_rows(packed)

@@ -69,6 +69,6 @@ def rmsnorm_modulate(x, weight, shift, scale, index, eps, fp8=False, num_warps=N
     _rmsnorm_modulate_kernel[(batch * seq_len,)](
         x, weight if weight is not None else x, shift, scale, index, out, out_scale, seq_len, hidden,
         shift.stride(0), eps, HAS_WEIGHT=weight is not None, FP8_OUT=fp8, BLOCK=block,
-        num_warps=num_warps or (row_fp8_warps(block) if fp8 else 4),  # 4 measured best in bf16 (RESULTS.md)
+        num_warps=num_warps or (row_fp8_warps(block) if fp8 else 4),  # 4 measured best in bf16 (benchmarks/history.md)
     )
     return result
