@@ -1,4 +1,4 @@
-"""Package list for the one-namespace layout (DESIGN.md): each top-level folder installs under `h3gen.*`.
+"""Package list for the one-namespace layout (README, "Layout"): each top-level folder installs under `h3gen.*`.
 
 pyproject.toml maps the folders with `package-dir`; setuptools' package discovery cannot follow such a mapping, so
 the packages are listed here by walking each folder.

@@ -47,7 +47,7 @@ def max_rel_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return ((actual.double() - expected.double()).abs().max() / expected.double().abs().max().clamp_min(1e-30)).item()
 
 
-# --- K3 vision tower, float64, written from the equations of k3-model.md §7 (not from our module) ---------------
+# --- K3 vision tower, float64, written from sglang 0.5.23's kimi_vl_moonvit.py (not from our module) ---------------
 
 def _rms64(x, weight, eps):
     return x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight

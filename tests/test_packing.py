@@ -62,8 +62,8 @@ def test_row_timesteps_equal_diffusers(height, width, num_frames, num_text, anch
         assert torch.equal(ours[0], ref[0]) and torch.equal(ours[1], ref[1])
 
 
-def test_worked_example_from_reference_doc():
-    # h3-model.md §5.1: 64x96 canvas, 124 frames, T = 74.
+def test_worked_example_from_model_doc():
+    # docs/model.md, "Worked example": 64x96 canvas, 124 frames, T = 74.
     layout = build_layout(74, 37, 4, 6, 207)
     assert layout.sequence_length == 710
     assert layout.audio_indices[0] == 74 and layout.video_indices[0] == 488

@@ -24,7 +24,8 @@ def tiny_dir(tmp_path_factory):
 @pytest.fixture(scope="session")
 def diffusers_saved_dir(tiny_dir, tmp_path_factory):
     """The tiny checkpoint loaded by diffusers and written back by diffusers' own `save_pretrained`. The processor
-    cannot be saved without torchvision (reference doc §14.6), so its files are written beside it by hand."""
+    cannot be saved without torchvision (transformers' Qwen3VLVideoProcessor needs it), so its files are written
+    beside it by hand."""
     folder = tmp_path_factory.mktemp("diffusers_saved")
     pipe = load_reference(tiny_dir, "fl2va")
     pipe.update_components(processor=None)

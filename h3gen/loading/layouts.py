@@ -2,7 +2,8 @@
 
 Our state-dict keys equal diffusers'. The original release (and ComfyUI single files) use other names, a fused
 `qkv_proj` and an `mlp.fc1` whose halves are `[gate; value]` where diffusers' SwiGLU reads `[value; gate]`
-(diffusers' `convert_minimax_h3_transformer_checkpoint_to_diffusers` documents the mapping).
+(diffusers' `convert_minimax_h3_transformer_checkpoint_to_diffusers` documents the mapping; docs/model.md,
+"Checkpoint layouts").
 """
 
 from typing import Callable, Iterator

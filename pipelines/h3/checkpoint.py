@@ -17,7 +17,8 @@ REQUIRED = {
     "t2va": ("transformer", "vae", "audio_vae", "text_encoder", "tokenizer", "scheduler", "audio_scheduler"),
     "fl2va": ("transformer", "vae", "audio_vae", "text_encoder", "tokenizer", "processor", "scheduler",
               "audio_scheduler"),
-    # ref2va runs on its own partition of the transformer weights (DEN:136-140).
+    # ref2va runs on its own partition of the transformer weights (diffusers 0.42.1
+    # modular_pipelines/minimax_h3/denoise.py:136-140, `MiniMaxH3Ref2VALoopDenoiser`).
     "ref2va": ("transformer_ref", "vae", "audio_vae", "text_encoder", "tokenizer", "processor", "scheduler",
                "audio_scheduler"),
 }

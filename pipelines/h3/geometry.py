@@ -1,4 +1,5 @@
-"""Request geometry of MiniMax-H3: canvas size, frame alignment and latent counts (h3-model.md §9, §11).
+"""Request geometry of MiniMax-H3: canvas size, frame alignment and latent counts (docs/model.md,
+"Request geometry").
 
 Every check raises `RequestError` naming the value and the allowed range, before any model work.
 """

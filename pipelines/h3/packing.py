@@ -1,4 +1,4 @@
-"""The packed-sequence layout of MiniMax-H3 (h3-model.md §5.1-5.3).
+"""The packed-sequence layout of MiniMax-H3 (docs/model.md, "The packed sequence").
 
 t2va / fl2va: `[text | keyframe conditions | target audio (ch0 block, ch1 block) | target video]`.
 ref2va: `[text | reference blocks in request order | target audio | target video]`, the references advancing a
@@ -248,7 +248,8 @@ def build_ref2va_layout(
     patch_size: tuple[int, int, int] = (1, 2, 2),
     audio_channels: int = AUDIO_CHANNELS,
 ) -> PackedLayout:
-    """The ref2va layout `[text | references | audio ch0, ch1 | video]` (BD:566-729).
+    """The ref2va layout `[text | references | audio ch0, ch1 | video]` (diffusers 0.42.1
+    modular_pipelines/minimax_h3/before_denoise.py:566-730, `build_ref2va_packed_sequence`).
 
     The rotary clock starts at the text length. An image reference sits on its own latent grid at the clock and
     advances it by one; an audio reference is a channel-major block on the target's width ends and advances it by its

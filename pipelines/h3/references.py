@@ -1,11 +1,12 @@
 """The references of a ref2va request: what a caller passes, how it is checked, and how it is normalized.
 
-ref2va conditions on an ordered list of references (h3-model.md §5.2, §6): images (subject, style, scene), videos
+ref2va conditions on an ordered list of references (docs/model.md, "ref2va"): images (subject, style, scene), videos
 (motion and camera, with their soundtrack) and audio clips (voice, music). The order matters twice: it numbers the
 `<Picture i>` / `<Video k>` / `<Audio j>` labels of the prompt and it advances the rotary clock the reference blocks
 share, so a different order is a different request.
 
-Normalization is the reference's (BE:170-520), so the conditioning is identical:
+Normalization is diffusers 0.42.1's (modular_pipelines/minimax_h3/before_encoder.py:167-522,
+`MiniMaxH3Ref2VASetupStep`), so the conditioning is identical:
   - an image is resized (LANCZOS) to its own short edge (2048 for the released checkpoint; no area cap), both
     sides rounded to 32;
   - a video is put on 24 fps by dropping and repeating whole frames, truncated to the generated frame count and
@@ -255,7 +256,8 @@ def _as_waveform(audio, name: str) -> torch.Tensor:
 
 
 def normalize_audio(waveform: torch.Tensor, sample_rate: int, num_frames: int) -> torch.Tensor:
-    """Truncate to the generated length at its own rate, make stereo, resample to 32 kHz (BE:362-400)."""
+    """Truncate to the generated length at its own rate, make stereo, resample to 32 kHz (diffusers 0.42.1
+    before_encoder.py:347-385, `_normalize_audio_condition`)."""
     waveform = waveform[:, : int(num_frames / geometry.FPS * sample_rate)]
     if waveform.shape[0] != 2:
         waveform = waveform.expand(2, -1).contiguous()

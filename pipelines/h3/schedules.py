@@ -1,4 +1,5 @@
-"""MiniMax-H3's two rectified-flow schedules (video shift 12, audio shift 3) and their Euler step (h3-model.md §10).
+"""MiniMax-H3's two rectified-flow schedules (video shift 12, audio shift 3) and their Euler step (docs/model.md,
+"Schedules").
 
 Convention: t = 1 - sigma, t = 1 is clean; the model predicts a data-ward velocity, x0 = x_t + sigma * v. Same
 arithmetic as diffusers' `MiniMaxH3Scheduler`, so the trajectories are identical.

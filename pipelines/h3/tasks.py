@@ -1,4 +1,5 @@
-"""Task-specific preparation: putting fl2va keyframes on the canvas, exactly as the reference does (BE:115-163)."""
+"""Task-specific preparation: putting fl2va keyframes on the canvas, exactly as diffusers 0.42.1 does
+(modular_pipelines/minimax_h3/before_encoder.py:115-164, `MiniMaxH3ResizeStep`)."""
 
 from PIL import Image
 

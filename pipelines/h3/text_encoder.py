@@ -1,11 +1,12 @@
 """The MiniMax-H3 text conditioner: Qwen3-VL `hidden_states[50]` of the prompt, presented exactly as the reference.
 
-Presentation (h3-model.md §7, ENC:139-300): no chat template, no special tokens, the prompt verbatim; for fl2va each
-keyframe first adds a `"<Picture i>: "` label and a vision block (`<|vision_start|>`, image pads, `<|vision_end|>`),
-whose rows are tagged as video for the transformer's AdaLN. For ref2va each reference adds, in order and numbered per
-kind, `"<Picture i>: "` + an image block, `"<Audio j>: "` alone (sound never reaches the encoder; a video with sound
-says it before its video label), or `"<Video k>: "` + per pair of frames sampled at 2 fps a `"<t seconds>"` label and
-a video block (ENC:384-612).
+Presentation (diffusers 0.42.1 modular_pipelines/minimax_h3/encoders.py:30-100 and 139-317): no chat template, no
+special tokens, the prompt verbatim; for fl2va each keyframe first adds a `"<Picture i>: "` label and a vision block
+(`<|vision_start|>`, image pads, `<|vision_end|>`), whose rows are tagged as video for the transformer's AdaLN. For
+ref2va each reference adds, in order and numbered per kind, `"<Picture i>: "` + an image block, `"<Audio j>: "` alone
+(sound never reaches the encoder; a video with sound says it before its video label), or `"<Video k>: "` + per pair of
+frames sampled at 2 fps a `"<t seconds>"` label and a video block (encoders.py:384-658,
+`MiniMaxH3Ref2VATextEncoderStep`).
 
 Only the first 51 decoder layers are loaded and run: `hidden_states[50]` is the input of layer 51 and no later layer
 can change it (the last hidden state of a 50-layer stack would be post-norm, which is why 51 and not 50). For the
@@ -115,9 +116,9 @@ class H3TextEncoder:
 
     @staticmethod
     def sample_video(num_frames: int, fps: float, sample_fps: float, temporal_patch: int) -> tuple[list[int], list[float]]:
-        """The frames the encoder reads of a 24 fps reference video (every `fps / sample_fps`-th, ENC:440-480) and
-        the timestamp of each merged group of `temporal_patch` (the mean of its first and last sampled frame; the
-        last group is padded by repeating the last timestamp)."""
+        """The frames the encoder reads of a 24 fps reference video (every `fps / sample_fps`-th,
+        encoders.py:448-490) and the timestamp of each merged group of `temporal_patch` (the mean of its first and
+        last sampled frame; the last group is padded by repeating the last timestamp)."""
         stride = fps / sample_fps
         indices, cursor = [], 0.0
         while round(cursor) < num_frames:

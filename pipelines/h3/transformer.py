@@ -2,7 +2,7 @@
 
 One packed 1-D sequence holds text rows (Qwen3-VL hidden states), conditioning rows, stereo audio latent rows and
 video latent rows under full bidirectional self-attention. Modalities differ only in their input projections, a
-per-row AdaLN table indexed by `(timestep, modality)` and two output heads. See ../shared/reference/h3-model.md §4.
+per-row AdaLN table indexed by `(timestep, modality)` and two output heads (docs/model.md, "Transformer").
 
 Same config fields, state-dict keys, forward arguments and outputs as diffusers 0.42.1's
 `MiniMaxH3Transformer3DModel`, and the same op order, so the `exact` tier reproduces it. What makes it fast or

@@ -12,8 +12,7 @@
 Keys: `vision_tower.patch_embed.proj.weight`, `vision_tower.patch_embed.pos_emb.weight` `[H0, W0, D]`,
 `vision_tower.encoder.blocks.{i}.{norm0,norm1,wqkv,wo,mlp.fc0,mlp.fc1}.weight`,
 `vision_tower.encoder.final_layernorm.weight`, `mm_projector.proj.{0,2}.weight`, `mm_projector.post_norm.weight`.
-Facts from sglang 0.5.23 `kimi_k3_vl.py`, `kimi_vl_moonvit.py` and `configs/kimi_k3.py`
-(see /work/shared/reference/k3-model.md §7).
+Facts from sglang 0.5.23 `kimi_k3_vl.py`, `kimi_vl_moonvit.py` and `configs/kimi_k3.py`.
 """
 
 import math
