@@ -8,7 +8,8 @@ import torch
 
 def reference_processor(folder):
     """A Qwen3VLProcessor for the tiny checkpoint without torchvision: PIL image processor, no video processor
-    (the reference doc's workaround; t2va and image keyframes never touch the video processor)."""
+    (transformers' Qwen3VLVideoProcessor needs torchvision; t2va and image keyframes never touch the video
+    processor)."""
     from transformers import AutoTokenizer, Qwen3VLProcessor
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
     from transformers.processing_utils import ProcessorMixin
