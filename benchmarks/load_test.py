@@ -375,7 +375,8 @@ class Run:
         while time.monotonic() < deadline:
             started = time.perf_counter()
             response = await self.call(http, "GET", f"/v1/videos/{job_id}", expect=(404,) if cancelled else ())
-            self.tally.poll_ms.append((time.perf_counter() - started) * 1000)
+            if response is not None:  # a transport error is counted as one, not as a latency
+                self.tally.poll_ms.append((time.perf_counter() - started) * 1000)
             polls += 1
             if response is not None and response.status_code == 404 and cancelled:
                 self.tally.jobs[job_id] = "deleted"  # it had finished when we cancelled it, so it was deleted

@@ -27,16 +27,16 @@ def load_test():
 def test_short_run_against_the_real_server(load_test, tmp_path_factory):
     model = tiny_checkpoint(cache_dir=tmp_path_factory.mktemp("cache"))
     # Client 1 cancels its first job and client 0 does not (their random streams are seeded by index).
-    args = load_test.parse_args(["--model", str(model), "--device", "cpu", "--no-ui", "--max-queue", "1",
+    args = load_test.parse_args(["--model", str(model), "--device", "cpu", "--no-ui", "--max-queue", "2",
                                  "--burst", "5", "--clients", "2", "--sustain-seconds", "3", "--drain-seconds", "300",
-                                 "--steps", "2", "--poll-interval", "0.2", "--cancel-fraction", "0.5",
+                                 "--steps", "2", "--poll-interval", "0.5", "--cancel-fraction", "0.5",
                                  "--decode-every", "1"])
     report = load_test.run(args)
     load_test.print_report(report)
     assert report["failures"] == [], report
     burst, sustained = report["phases"]
-    # One job may start running before the others arrive, so the queue of one holds one or two jobs.
-    assert 1 <= burst["accepted"] <= 2 and burst["429"] == 5 - burst["accepted"]
+    # One job may start running before the others arrive, so a queue of two holds two or three jobs.
+    assert 2 <= burst["accepted"] <= 3 and burst["429"] == 5 - burst["accepted"]
     assert burst["succeeded"] == burst["mp4_decoded"] == burst["accepted"]
     assert sustained["accepted"] >= 2 and sustained["cancelled"] >= 1 and sustained["succeeded"] >= 1
     assert sustained["5xx"] == sustained["other_4xx"] == sustained["lost"] == 0
