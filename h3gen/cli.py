@@ -35,17 +35,25 @@ def _cmd_env(args: argparse.Namespace) -> int:
     return 0
 
 
-def _progress_bar(total: int):
-    """A tqdm bar over stages and denoising steps, and the `callback(stage, step, total)` that feeds it."""
+def _progress_bar(units: dict[str, int]):
+    """A tqdm bar over stages and denoising steps, and the `callback(stage, step, total)` that feeds it. `units`
+    gives each stage, in running order, its share of the bar (a stage's own reports are scaled into it). The bar
+    names the stage that is running: stages report when they start."""
     from tqdm import tqdm
 
-    bar = tqdm(total=total, unit="step", dynamic_ncols=True, file=sys.stderr)
-    last = {}
+    order = list(units)
+    bar = tqdm(total=sum(units.values()), unit="step", dynamic_ncols=True, file=sys.stderr)
 
     def callback(stage: str, step: int, stage_total: int) -> None:
-        bar.set_description(stage)
-        bar.update(step - last.get(stage, 0))
-        last[stage] = step
+        if stage not in units:
+            return
+        before = sum(units[name] for name in order[: order.index(stage)])
+        position = before + units[stage] * min(step, stage_total) // max(stage_total, 1)
+        bar.set_description(stage, refresh=False)
+        if position > bar.n:
+            bar.update(position - bar.n)
+        else:
+            bar.refresh()
 
     return bar, callback
 
@@ -183,12 +191,14 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     if rank != 0:  # every rank runs the same steps; rank 0 decodes, reports and writes the file
         pipe(args.prompt, decode=False, **call)
         return 0
-    total = 1 + len(request.keyframes) + len(request.references) + (args.steps - 1) + 3
-    bar, callback = _progress_bar(total)
+    bar, callback = _progress_bar({"encode_text": 1, "encode_conditions": len(request.keyframes) +
+                                   len(request.references), "denoise": args.steps - 1, "decode_video": 1,
+                                   "decode_audio": 1, "write_mp4": 1})
     try:
         output = pipe(args.prompt, callback=callback, **call)
         callback("write_mp4", 0, 1)
-        info = output.save(args.out, audio_sample_rate=args.audio_rate)
+        info = output.save(args.out, audio_sample_rate=args.audio_rate,
+                           progress=lambda done, total: callback("write_mp4", done, total))
         callback("write_mp4", 1, 1)
     except torch.cuda.OutOfMemoryError:
         raise RequestError("the GPU ran out of memory: try fewer seconds, a smaller canvas or --dtype bf16.") from None
@@ -214,6 +224,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     from h3gen.server.app import create_app
     from h3gen.server.engine import H3Engine
     from h3gen.server.jobs import JobManager
+    from h3gen.server.lock import FolderBusy
 
     if args.model is None:
         from h3gen.pipelines.h3.tiny import tiny_checkpoint
@@ -251,14 +262,26 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         engine = H3Engine(args.model, device=args.device, dtype=dtype, **serving)
     if args.planner:
         engine.planner = _planner(args.planner, args.device)
-    manager = JobManager(engine, args.results_dir, max_queue=args.max_queue,
-                         retention_seconds=args.retention_hours * 3600,
-                         max_results_bytes=int(args.max_results_gb * 2**30))
-    app = create_app(manager, api_key=api_key, max_upload_bytes=int(args.max_upload_mb * 2**20),
-                     model_name=args.model, ui=not args.no_ui)
-    print(f"h3gen: serving {args.model} on http://{args.host}:{args.port} (UI at /ui; API key "
-          f"{'required' if api_key else 'not set'}; results in {args.results_dir})", file=sys.stderr)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    try:
+        manager = JobManager(engine, args.results_dir, max_queue=args.max_queue,
+                             retention_seconds=args.retention_hours * 3600,
+                             max_results_bytes=int(args.max_results_gb * 2**30),
+                             owner=f"h3gen serve on http://{args.host}:{args.port}")
+    except FolderBusy as error:
+        print(f"h3gen: error: {error}", file=sys.stderr)
+        if args.tp * args.ulysses > 1:
+            engine.shutdown()  # the other ranks are waiting for jobs
+        return 2
+    try:
+        app = create_app(manager, api_key=api_key, max_upload_bytes=int(args.max_upload_mb * 2**20),
+                         model_name=args.model, ui=not args.no_ui)
+        print(f"h3gen: serving {args.model} on http://{args.host}:{args.port} (UI at /ui; API key "
+              f"{'required' if api_key else 'not set'}; results in {args.results_dir})", file=sys.stderr)
+        # uvicorn turns SIGTERM and SIGINT into a graceful shutdown, whose lifespan end stops the manager: the
+        # running job is recorded as interrupted, the database checkpointed and closed, the folder released.
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    finally:
+        manager.stop()  # idempotent; covers a uvicorn that never ran the lifespan
     return 0
 
 

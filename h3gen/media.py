@@ -10,6 +10,7 @@ import os
 from dataclasses import dataclass
 from fractions import Fraction
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
@@ -66,6 +67,7 @@ def write_mp4(
     crf: int = 18,
     preset: str = "medium",
     verify: bool = True,
+    progress: Callable[[int, int], None] | None = None,
 ) -> MediaInfo | None:
     """Write an MP4 with H.264 video and AAC stereo audio, then (by default) check it by decoding it back.
 
@@ -74,6 +76,8 @@ def write_mp4(
         video: `(F, H, W, 3)` float in [0, 1] (or uint8); H and W must be even.
         audio: `(2, N)` float in [-1, 1] at `sample_rate`; trimmed or padded to the video's duration.
         audio_sample_rate: rate of the AAC stream, 32000 or 48000 (default: `sample_rate`); resampled if different.
+        progress: `progress(done, total)` after each video frame encoded (and decoded back, when `verify`): a
+            cancellation point; an exception it raises stops the write and removes the partial file.
     Returns:
         `MediaInfo` of the decoded file when `verify`.
     """
@@ -100,8 +104,11 @@ def write_mp4(
             audio_stream = container.add_stream("aac", rate=out_rate, layout="stereo")
             audio_stream.bit_rate = 192_000
 
-            for frame in frames:
+            units = num_frames * (2 if verify else 1)
+            for index, frame in enumerate(frames):
                 container.mux(video_stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")))
+                if progress is not None:
+                    progress(index + 1, units)
             container.mux(video_stream.encode())
 
             resampler = av.AudioResampler(format="fltp", layout="stereo", rate=out_rate)
@@ -118,7 +125,8 @@ def write_mp4(
             container.mux(audio_stream.encode())
         info = None
         if verify:
-            info = probe_mp4(partial)
+            on_frame = None if progress is None else (lambda index: progress(num_frames + index, units))
+            info = probe_mp4(partial, on_frame=on_frame)
             check_mp4(info, num_frames=num_frames, width=width, height=height, fps=fps, sample_rate=out_rate)
         partial.replace(path)
         return info
@@ -127,8 +135,9 @@ def write_mp4(
         raise
 
 
-def probe_mp4(path) -> MediaInfo:
-    """Decode an MP4 fully and report what it holds (raises `MediaError` if it cannot be decoded)."""
+def probe_mp4(path, on_frame: Callable[[int], None] | None = None) -> MediaInfo:
+    """Decode an MP4 fully and report what it holds (raises `MediaError` if it cannot be decoded). `on_frame(count)`
+    runs after each decoded video frame."""
     import av
 
     try:
@@ -140,6 +149,8 @@ def probe_mp4(path) -> MediaInfo:
             num_frames, width, height = 0, video_stream.codec_context.width, video_stream.codec_context.height
             for _ in container.decode(video=0):
                 num_frames += 1
+                if on_frame is not None:
+                    on_frame(num_frames)
         channels, rate, samples = 0, 0, 0
         with av.open(str(path)) as container:
             if container.streams.audio:

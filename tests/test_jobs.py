@@ -106,7 +106,7 @@ def test_a_queued_ref2va_job_keeps_its_references_until_it_runs(manager, tmp_pat
     assert job["status"] == "queued" and job["request"]["references"] == ["image", "audio"]
     kept = manager.uploads_dir / job["id"]
     assert sorted(path.name for path in kept.iterdir()) == ["ref_audio_1.wav", "ref_image_0.png"]
-    assert not list(staging.iterdir())  # moved, not copied: the job owns them now
+    assert not staging.exists()  # moved, not copied: the job owns them now, and the emptied staging folder goes
     manager.cancel(first["id"])
     done = manager.wait(job["id"], 120)
     assert done["status"] == "succeeded", done

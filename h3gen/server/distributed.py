@@ -6,7 +6,9 @@ every progress point all ranks agree on one status with a tiny all-reduce, so a 
 rank stops every rank at the same step (no rank is left waiting in a collective), the job fails with the failing
 rank's message, and the next job runs normally.
 
-Only rank 0 decodes and writes the MP4; the other ranks skip the VAE decodes (`decode=False`).
+Only rank 0 decodes and writes the MP4; the other ranks skip the VAE decodes (`decode=False`). The decode and write
+stages report many progress points on rank 0 and none in between on the others, so they are rank 0's alone: no
+agreement there (a cancellation or failure in them stops rank 0, whose peers are already waiting for the next job).
 
 Limits: a failure raised inside a collective (e.g. a rank dying mid-layer) is caught by the collective timeout,
 not by the agreement.
@@ -27,6 +29,7 @@ from h3gen.server.jobs import JobCancelled
 logger = logging.getLogger(__name__)
 
 OK, CANCEL, FAIL = 0, 1, 2
+RANK0_STAGES = ("decode_video", "decode_audio", "write_mp4")  # run on rank 0 only: never agreed on
 # Waiting for the next job can take forever; the control group must not time out while idle.
 CONTROL_TIMEOUT = datetime.timedelta(days=365)
 
@@ -96,7 +99,7 @@ class DistributedEngine(H3Engine):
         dist.broadcast_object_list([("job", payload)], src=0, group=self.control)
 
         def agreed(stage: str, step: int, total: int) -> None:
-            if stage == "write_mp4":  # only rank 0 writes the file: no agreement needed
+            if stage in RANK0_STAGES:
                 callback(stage, step, total)
             else:
                 self.agree(lambda: callback(stage, step, total), request["prompt"], stage, step)
@@ -142,7 +145,8 @@ def follow(model_path, *, parallel, device, dtype, quality, offload=None, workfl
                 images[name].write_bytes(data)
 
             def agreed(stage: str, step: int, total: int) -> None:
-                agree(lambda: None, request["prompt"], stage, step)
+                if stage not in RANK0_STAGES:
+                    agree(lambda: None, request["prompt"], stage, step)
 
             try:
                 engine.pipeline(request["prompt"], callback=agreed, decode=False,

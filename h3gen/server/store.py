@@ -1,9 +1,19 @@
-"""Jobs in SQLite, so a restart keeps finished jobs and knows which ones it interrupted."""
+"""Jobs in SQLite, so a restart keeps finished jobs and knows which ones it interrupted.
+
+The database runs in WAL mode; `close()` checkpoints the WAL into the main file (`wal_checkpoint(TRUNCATE)`), so
+after a clean shutdown `jobs.sqlite3` alone holds every job. On open the file is checked (`PRAGMA quick_check`); a
+database that fails to open or to check is moved aside under a dated name, with an error in the log, and a fresh
+one is started: a damaged store costs the job history, never the server.
+"""
 
 import json
+import logging
 import sqlite3
 import threading
+import time
 from pathlib import Path
+
+logger = logging.getLogger(__name__)
 
 _COLUMNS = ("id", "status", "created_at", "started_at", "finished_at", "request", "progress", "stage", "timings",
             "error", "result_path", "result_bytes", "uploads")
@@ -17,15 +27,50 @@ class JobStore:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()
-        self._db = sqlite3.connect(str(self.path), check_same_thread=False, isolation_level=None)
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute(
+        self.moved_aside: Path | None = None  # where a corrupt database went, if this open found one
+        try:
+            self._db = self._open()
+        except sqlite3.DatabaseError as error:
+            self.moved_aside = self._move_aside(error)
+            self._db = self._open()
+
+    def _open(self) -> sqlite3.Connection:
+        """Connect, check the file and make sure the table exists; `sqlite3.DatabaseError` if the file is damaged."""
+        db = sqlite3.connect(str(self.path), check_same_thread=False, isolation_level=None)
+        try:
+            verdict = db.execute("PRAGMA quick_check").fetchone()
+            if verdict is None or verdict[0] != "ok":
+                raise sqlite3.DatabaseError(f"quick_check: {verdict[0] if verdict else 'no answer'}")
+            self._create(db)
+            db.execute(f"SELECT {', '.join(_COLUMNS)}, seq FROM jobs LIMIT 0")  # a table of some other shape fails
+        except sqlite3.DatabaseError:
+            db.close()
+            raise
+        return db
+
+    def _move_aside(self, error: Exception) -> Path:
+        """Rename the damaged database (and its -wal / -shm files) to `<name>.corrupt-<UTC time>`."""
+        stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+        aside = self.path.with_name(f"{self.path.name}.corrupt-{stamp}")
+        for suffix in ("", "-wal", "-shm"):
+            source = self.path.with_name(self.path.name + suffix)
+            if source.exists():
+                source.replace(aside.with_name(aside.name + suffix))
+        logger.error("THE JOB DATABASE %s IS DAMAGED (%s): moved it aside to %s and started an empty one; the jobs "
+                     "it held are no longer listed (their MP4s are adopted back where they decode).",
+                     self.path, error, aside.name)
+        return aside
+
+    @staticmethod
+    def _create(db: sqlite3.Connection) -> None:
+        db.execute("PRAGMA journal_mode=WAL")
+        db.execute(
             "CREATE TABLE IF NOT EXISTS jobs (id TEXT PRIMARY KEY, status TEXT NOT NULL, created_at REAL NOT NULL, "
             "started_at REAL, finished_at REAL, request TEXT NOT NULL, progress REAL NOT NULL DEFAULT 0, stage TEXT, "
             "timings TEXT NOT NULL DEFAULT '{}', error TEXT, result_path TEXT, result_bytes INTEGER, "
             "uploads TEXT NOT NULL DEFAULT '{}', seq INTEGER)"
         )
-        self._db.execute("CREATE INDEX IF NOT EXISTS jobs_status ON jobs(status)")
+        db.execute("CREATE INDEX IF NOT EXISTS jobs_status ON jobs(status)")
 
     def _row(self, values) -> dict:
         row = dict(zip(_COLUMNS, values))
@@ -81,5 +126,10 @@ class JobStore:
         return dict(rows)
 
     def close(self) -> None:
+        """Fold the WAL into the database file, then close (idempotent). Later calls raise `sqlite3.ProgrammingError`."""
         with self._lock:
+            try:
+                self._db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+            except sqlite3.ProgrammingError:  # closed already
+                return
             self._db.close()

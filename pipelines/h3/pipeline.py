@@ -6,7 +6,10 @@ Stages, each handing one value to the next:
   VAE, sound through the audio VAE) -> denoise (one transformer forward per step, two schedules) -> decode video ->
   decode audio.
 t2va and fl2va run on `transformer/`, ref2va on its own partition `transformer_ref/` (same architecture).
-`callback(stage, step, total)` reports progress from outside the stages; they know nothing about HTTP or bars.
+`callback(stage, step, total)` reports progress from outside the stages; they know nothing about HTTP or bars. Each
+stage reports when it starts (`step` 0), at points inside it (before each unit of work of its long calls: text
+encoder layers, VAE blocks), and when it ends (`step == total`); an exception the callback raises stops the call
+there, which is how a job is cancelled within a fraction of a second in any stage.
 """
 
 import logging
@@ -28,8 +31,9 @@ from h3gen.pipelines.h3.schedules import AUDIO_SHIFT, VIDEO_SHIFT, FlowSchedule,
 from h3gen.pipelines.h3.text_encoder import H3TextEncoder, TextConditioning
 from h3gen.pipelines.h3.tiers import QUALITY_TIERS, set_quality
 from h3gen.pipelines.h3.transformer import H3Transformer
-from h3gen.pipelines.h3.vae import (decode_audio, decode_video, encode_frames, encode_keyframe, encode_sound,
-                                    load_audio_vae, load_video_vae)
+from h3gen.pipelines.h3.vae import (audio_decoder_units, audio_encoder_units, decode_audio, decode_video,
+                                    encode_frames, encode_keyframe, encode_sound, load_audio_vae, load_video_vae,
+                                    video_decoder_units, video_encoder_units)
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +41,18 @@ STAGES = ("encode_text", "encode_conditions", "denoise", "decode_video", "decode
 __all__ = ["AudioReference", "H3Output", "H3Pipeline", "ImageReference", "VideoReference"]
 
 ProgressCallback = Callable[[str, int, int], None]
+
+
+@contextmanager
+def _checkpoints(modules, check: Callable[[], None]):
+    """Run `check()` before each forward of `modules`: progress (and cancellation) points inside one long call. An
+    exception `check` raises propagates out of the call; the hooks are removed either way."""
+    handles = [module.register_forward_pre_hook(lambda *_: check()) for module in modules]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
 
 
 @dataclass
@@ -62,14 +78,15 @@ class H3Output:
     timings: dict[str, float] = field(default_factory=dict)
     planned_prompt: str | None = None  # the planner's prompt the clip was made from (a call with plan=True)
 
-    def save(self, path, audio_sample_rate: int | None = None):
+    def save(self, path, audio_sample_rate: int | None = None, progress: Callable[[int, int], None] | None = None):
         """Write an MP4 (H.264 + AAC stereo at `audio_sample_rate`, default 32000) and verify it decodes back.
-        Returns the decoded file's `MediaInfo`."""
+        `progress(done, total)` runs per frame written and read back (see `write_mp4`). Returns the decoded file's
+        `MediaInfo`."""
         from h3gen.media import write_mp4
 
         return write_mp4(
             path, self.video, self.audio, fps=self.fps, sample_rate=self.sample_rate,
-            audio_sample_rate=audio_sample_rate,
+            audio_sample_rate=audio_sample_rate, progress=progress,
         )
 
 
@@ -258,9 +275,11 @@ class H3Pipeline:
         """Encode each keyframe, noise it to t = 0.999 with its draw, pack into rows (packed order)."""
         if not request.keyframes:
             return None
-        rows = []
+        rows, total = [], len(request.keyframes)
         for index, (keyframe, draw) in enumerate(zip(request.keyframes, noise.condition)):
-            latents = encode_keyframe(self.vae, keyframe).to(self.device)
+            report("encode_conditions", index, total)
+            with _checkpoints(video_encoder_units(self.vae), lambda: report("encode_conditions", index, total)):
+                latents = encode_keyframe(self.vae, keyframe).to(self.device)
             rows.append(patchify_video(noise_to(latents, KEYFRAME_NOISE_AUG, draw), self.config.patch_size))
             report("encode_conditions", index + 1, len(request.keyframes))
         return torch.cat(rows)
@@ -271,18 +290,24 @@ class H3Pipeline:
         None, the layout's blocks)."""
         video_rows, audio_rows, blocks = [], [], []
         draws = iter(noise.condition)
+        total = len(request.references)
         for index, reference in enumerate(request.references):
+            report("encode_conditions", index, total)
+
+            def check():
+                report("encode_conditions", index, total)
+
             grid = (0, 0, 0)
             if reference.kind != "audio":
                 pixels = reference.frames if reference.kind == "video" else np.array(reference.image)[None]
-                with self._stage(self.vae):
+                with self._stage(self.vae), _checkpoints(video_encoder_units(self.vae), check):
                     latents = encode_frames(self.vae, pixels[: reference.num_encoded_frames]).to(self.device)
                 grid = tuple(latents.shape[2:5])
                 video_rows.append(patchify_video(noise_to(latents, KEYFRAME_NOISE_AUG, next(draws)),
                                                  self.config.patch_size))
             sound = 0
             if reference.has_audio:
-                with self._stage(self.audio_vae):
+                with self._stage(self.audio_vae), _checkpoints(audio_encoder_units(self.audio_vae), check):
                     audio_rows.append(encode_sound(self.audio_vae, reference.audio).to(self.device))
                 sound = audio_rows[-1].shape[0] // 2
             blocks.append(ReferenceBlock(reference.kind, *grid, audio_latents=sound))
@@ -296,6 +321,10 @@ class H3Pipeline:
         rows (keyframes, references) are never written."""
         shape = request.shape
         transformer = self._transformer_for(request.task)
+        video_schedule = FlowSchedule.make(request.num_inference_steps, self.video_shift)
+        audio_schedule = FlowSchedule.make(request.num_inference_steps, self.audio_shift)
+        total = len(video_schedule)
+        report("denoise", 0, total)
         if request.task == "ref2va":
             layout = build_ref2va_layout(text.token_tags, blocks, shape.num_latent_frames, shape.latent_height,
                                          shape.latent_width, shape.num_audio_latents,
@@ -304,11 +333,8 @@ class H3Pipeline:
             layout = build_layout(text.token_tags, shape.num_latent_frames, shape.latent_height, shape.latent_width,
                                   shape.num_audio_latents, patch_size=self.config.patch_size,
                                   keyframe_anchors=request.anchors)
-        video_schedule = FlowSchedule.make(request.num_inference_steps, self.video_shift)
-        audio_schedule = FlowSchedule.make(request.num_inference_steps, self.audio_shift)
         on_device = layout.to(self.device)
         cond, cond_audio = layout.num_condition_video_rows, layout.num_condition_audio_rows
-        total = len(video_schedule)
         plan = []  # per step: the distinct timesteps and every row's index into them
         for i in range(total):
             video_t = float(video_schedule.timesteps[i])
@@ -389,7 +415,8 @@ class H3Pipeline:
             num_inference_steps: sigma grid points as in diffusers (N points = N - 1 transformer forwards).
             seed / generator: noise source; a seed makes a fresh CPU generator. Neither: a random seed.
             latents `(1, 24, F_lat, H/16, W/16)`, audio_latents `(2, 32, A)`: initial noise instead of drawing it.
-            callback: `callback(stage, step, total)` after each unit of work.
+            callback: `callback(stage, step, total)` when each stage starts (`step` 0), before each unit of work
+                inside it and after it; an exception it raises stops the call.
             quality: `exact` or `lossless` for this call (default: the pipeline's); `fast` only on a pipeline
                 loaded with it.
             decode: False skips both VAE decodes (the stages are still reported) and returns `video` and `audio`
@@ -413,6 +440,7 @@ class H3Pipeline:
                           width=width, num_inference_steps=num_inference_steps, seed=seed, generator=generator,
                           latents=latents, audio_latents=audio_latents)  # a bad request fails before planning
             keyframe = image if getattr(self.planner, "accepts_images", False) else None
+            report("plan", 0, 1)
             planned = self.planner.plan(prompt, image=keyframe, max_tokens=plan_max_tokens, seed=seed).planned
             prompt = planned
             report("plan", 1, 1)
@@ -434,7 +462,9 @@ class H3Pipeline:
             timings[stage] = now - started
             started = now
 
-        with self._stage(self.text_encoder.model):
+        report("encode_text", 0, 1)
+        layers = self.text_encoder.model.model.language_model.layers
+        with self._stage(self.text_encoder.model), _checkpoints(layers, lambda: report("encode_text", 0, 1)):
             text = self.text_encoder.encode(request.prompt, request.keyframes, request.references)
         text = TextConditioning(text.embeds.to(self.device), text.token_tags)
         report("encode_text", 1, 1)
@@ -455,12 +485,19 @@ class H3Pipeline:
             audio_rows = torch.cat([audio_condition, audio_rows])
         video_latents, audio_latents = self._denoise(request, text, video_rows, audio_rows, report, tier, blocks)
         lap("denoise")
-        with self._stage(self.vae) if decode else nullcontext():
-            video = decode_video(self.vae, video_latents) if decode else None
+        report("decode_video", 0, 1)
+        video = audio = None
+        if decode:
+            with self._stage(self.vae), _checkpoints(video_decoder_units(self.vae),
+                                                     lambda: report("decode_video", 0, 1)):
+                video = decode_video(self.vae, video_latents)
         report("decode_video", 1, 1)
         lap("decode_video")
-        with self._stage(self.audio_vae) if decode else nullcontext():
-            audio = decode_audio(self.audio_vae, audio_latents) if decode else None
+        report("decode_audio", 0, 1)
+        if decode:
+            with self._stage(self.audio_vae), _checkpoints(audio_decoder_units(self.audio_vae),
+                                                           lambda: report("decode_audio", 0, 1)):
+                audio = decode_audio(self.audio_vae, audio_latents)
         report("decode_audio", 1, 1)
         lap("decode_audio")
         return H3Output(video=video, audio=audio, fps=geometry.FPS,

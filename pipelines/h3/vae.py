@@ -91,3 +91,27 @@ def decode_audio(vae, latents: torch.Tensor) -> np.ndarray:
     z = latents * _stat(vae.config.latents_std, device, 3) + _stat(vae.config.latents_mean, device, 3)
     audio = vae.decode(z, return_dict=False)[0]
     return audio.float()[:, 0].cpu().numpy()
+
+
+# The units of work each VAE call is made of, in the order they run: the pipeline reports progress (a cancellation
+# point) before each, so a long encode or decode stops within one unit. They name diffusers' submodules.
+
+
+def video_encoder_units(vae) -> list[torch.nn.Module]:
+    """The video encoder's down blocks (run once per clip and spatial tile)."""
+    return list(vae.encoder.down_blocks)
+
+
+def video_decoder_units(vae) -> list[torch.nn.Module]:
+    """The video ViT decoder's transformer blocks (run once per clip and spatial tile)."""
+    return list(vae.decoder.transformer_blocks)
+
+
+def audio_encoder_units(vae) -> list[torch.nn.Module]:
+    """The audio encoder's stages (one waveform pass)."""
+    return list(vae.encoder.block)
+
+
+def audio_decoder_units(vae) -> list[torch.nn.Module]:
+    """The BigVGAN decoder's upsamplers and residual blocks (one pass; 28 units in the released model)."""
+    return [up[0] for up in vae.decoder.ups] + list(vae.decoder.resblocks)

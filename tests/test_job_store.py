@@ -1,0 +1,252 @@
+"""The job manager's ownership of its results folder: the folder lock, the database's life (checkpoint and close on
+shutdown, a damaged file moved aside), orphan MP4s, the retention timer, cancel of a job this process is not running,
+the state `cancel` answers with, and the Retry-After estimate. In-process with a scripted engine, and through two
+real servers where the process boundary is the point."""
+
+import logging
+import signal
+import sqlite3
+import threading
+import time
+
+import numpy as np
+import pytest
+from server_harness import Server, wait_for
+
+from h3gen.media import write_mp4
+from h3gen.pipelines.h3.tiny import tiny_checkpoint
+from h3gen.server.jobs import INTERRUPTED, JobManager, default_job_seconds
+from h3gen.server.lock import FolderBusy
+from h3gen.server.store import JobStore
+
+FAST = {"num_inference_steps": 3}
+LONG = {"num_inference_steps": 1000}
+
+
+class ScriptedEngine:
+    """Runs each job as `steps` denoising reports `pause` seconds apart, then writes a placeholder file."""
+
+    load_error = None
+    model_path = None
+    ready = True
+
+    def __init__(self, steps: int = 200, pause: float = 0.01):
+        self.steps, self.pause = steps, pause
+
+    def load(self) -> None:
+        pass
+
+    def run(self, request, images, out_path, callback) -> None:
+        callback("denoise", 0, self.steps)
+        for step in range(1, self.steps + 1):
+            time.sleep(self.pause)
+            callback("denoise", step, self.steps)
+        out_path.write_bytes(b"mp4")
+
+
+def _job(manager, **request):
+    return manager.submit({"prompt": "x", **request})
+
+
+@pytest.fixture
+def results(tmp_path):
+    return tmp_path / "results"
+
+
+def test_a_second_manager_on_one_folder_is_refused_naming_the_holder(results):
+    first = JobManager(ScriptedEngine(), results, owner="h3gen serve on http://127.0.0.1:1234")
+    try:
+        with pytest.raises(FolderBusy) as info:
+            JobManager(ScriptedEngine(), results)
+        assert "127.0.0.1:1234" in str(info.value) and "pid" in str(info.value)
+    finally:
+        first.stop()
+    JobManager(ScriptedEngine(), results).stop()  # released by stop()
+
+
+def test_cancel_of_a_running_row_this_process_does_not_run_is_answered(results):
+    manager = JobManager(ScriptedEngine(), results)
+    try:
+        manager.store.insert({"id": "a" * 32, "status": "running", "created_at": time.time(), "request": {},
+                              "uploads": {}, "progress": 40.0, "timings": {}})
+        view = manager.cancel("a" * 32)
+        assert view["status"] == "cancelled" and manager.get("a" * 32)["status"] == "cancelled"
+    finally:
+        manager.stop()
+
+
+def test_cancel_answers_with_the_state_after_the_engine_stopped(results):
+    manager = JobManager(ScriptedEngine(steps=10_000), results)
+    manager.start()
+    try:
+        job = _job(manager)
+        deadline = time.monotonic() + 30
+        while (manager.get(job["id"])["progress"] or 0) < 5 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        view = manager.cancel(job["id"])
+        assert view["status"] == "cancelled" and view["stage"] is None and view["finished_at"]
+        assert job["id"] not in manager._live  # the worker acknowledged before the answer
+        assert view["progress"] > 5 and "denoise" in view["timings"]
+        assert manager.get(job["id"]) == view
+    finally:
+        manager.stop()
+
+
+def test_stop_records_the_running_job_as_interrupted_and_closes_the_store(results):
+    manager = JobManager(ScriptedEngine(steps=10_000), results)
+    manager.start()
+    job = _job(manager)
+    queued = _job(manager)
+    deadline = time.monotonic() + 30
+    while manager.get(job["id"])["status"] != "running" and time.monotonic() < deadline:
+        time.sleep(0.01)
+    manager.stop()
+    with pytest.raises(sqlite3.ProgrammingError):
+        manager.store.get(job["id"])
+    store = JobStore(results / "jobs.sqlite3")
+    assert store.get(job["id"])["status"] == "failed" and store.get(job["id"])["error"] == INTERRUPTED
+    assert store.get(queued["id"])["status"] == "queued"  # kept for the next start
+    store.close()
+    wal = results / "jobs.sqlite3-wal"
+    assert not wal.exists() or wal.stat().st_size == 0  # everything is in the database file
+
+
+def test_a_damaged_database_is_moved_aside_and_the_server_starts_fresh(results, caplog):
+    results.mkdir(parents=True)
+    (results / "jobs.sqlite3").write_bytes(b"this is not a database" * 100)
+    with caplog.at_level(logging.ERROR, logger="h3gen.server.store"):
+        manager = JobManager(ScriptedEngine(steps=2), results)
+    try:
+        aside = manager.store.moved_aside
+        assert aside is not None and aside.name.startswith("jobs.sqlite3.corrupt-")
+        assert aside.read_bytes() == b"this is not a database" * 100
+        assert any("DAMAGED" in record.getMessage() for record in caplog.records)
+        manager.start()
+        job = _job(manager)
+        assert manager.wait(job["id"], 30)["status"] == "succeeded"
+    finally:
+        manager.stop()
+
+
+def test_orphan_mp4s_are_adopted_or_removed(results):
+    results.mkdir(parents=True)
+    orphan, broken = results / ("b" * 32 + ".mp4"), results / ("c" * 32 + ".mp4")
+    frames = np.zeros((12, 32, 48, 3), np.float32)
+    write_mp4(orphan, frames, np.zeros((2, 16000), np.float32), fps=24)
+    broken.write_bytes(b"half an mp4")
+    foreign = results / "mine.mp4"
+    foreign.write_bytes(b"not the server's")
+    manager = JobManager(ScriptedEngine(), results)
+    manager.start()
+    try:
+        view = manager.get("b" * 32)
+        assert view["status"] == "succeeded" and view["content_url"]
+        assert view["request"]["adopted"] is True and view["request"]["width"] == 48
+        assert view["request"]["num_frames"] == 12 and manager.result_path("b" * 32) == orphan
+        assert not broken.exists() and manager.get("c" * 32) is None
+        assert foreign.exists()  # not named like a job: not the server's to judge
+    finally:
+        manager.stop()
+
+
+def test_retention_runs_on_a_timer_on_an_idle_server(results):
+    manager = JobManager(ScriptedEngine(steps=2), results, retention_seconds=0.5, sweep_seconds=0.2)
+    manager.start()
+    try:
+        job = _job(manager)
+        assert manager.wait(job["id"], 30)["status"] == "succeeded"
+        assert (results / f"{job['id']}.mp4").exists()
+        deadline = time.monotonic() + 5
+        while manager.get(job["id"]) is not None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert manager.get(job["id"]) is None and not (results / f"{job['id']}.mp4").exists()
+    finally:
+        manager.stop()
+    assert not any(thread.name == "h3gen-retention" and thread.is_alive() for thread in threading.enumerate())
+
+
+def test_retry_after_is_estimated_from_measured_job_times(results):
+    model = tiny_checkpoint()
+    manager = JobManager(ScriptedEngine(), results)
+    try:
+        manager.engine.model_path = model
+        first_guess = default_job_seconds(model)
+        assert 10 <= first_guess < 11  # the tiny model: a few MB of transformer weights
+        assert manager.retry_after() == 11  # no job measured yet, none running: one whole job
+        manager._recent.extend([8.0, 10.0, 12.0])
+        assert manager.retry_after() == 10
+        manager._running, manager._running_since = "d" * 32, time.monotonic() - 4.0
+        assert manager.retry_after() == 6  # what is left of the running job
+        manager._running_since = time.monotonic() - 60.0
+        assert manager.retry_after() == 1  # overran: a tenth of a job
+    finally:
+        manager.stop()
+
+
+def test_a_restart_after_a_history_seeds_the_estimate(results):
+    manager = JobManager(ScriptedEngine(steps=20, pause=0.05), results)
+    manager.start()
+    job = _job(manager)
+    assert manager.wait(job["id"], 30)["status"] == "succeeded"
+    manager.stop()
+    again = JobManager(ScriptedEngine(), results)
+    again.recover()
+    try:
+        assert 1.0 <= again.mean_job_seconds() < 5.0
+    finally:
+        again.stop()
+
+
+# ---------------------------------------------------------------------- real servers
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return tiny_checkpoint(cache_dir=tmp_path_factory.mktemp("cache"))
+
+
+def test_a_second_server_on_one_folder_exits_naming_the_first(model, tmp_path):
+    results = tmp_path / "results"
+    first = Server(model, results)
+    try:
+        with first.client() as http:
+            running = http.post("/v1/videos", json={"prompt": "first's job", **LONG}).json()["id"]
+            wait_for(http, running, statuses=("running",))
+            with pytest.raises(RuntimeError) as info:
+                Server(model, results)
+            message = str(info.value)
+            assert f"is in use by pid {first.process.pid}" in message and f":{first.port}" in message
+            assert "Traceback" not in message
+            view = http.get(f"/v1/videos/{running}").json()
+            assert view["status"] == "running"  # untouched by the second server
+            assert http.delete(f"/v1/videos/{running}").json()["status"] == "cancelled"
+            done = http.post("/v1/videos", json={"prompt": "after", **FAST}).json()["id"]
+            assert wait_for(http, done)["status"] == "succeeded"
+    finally:
+        first.stop()
+
+
+def test_sigterm_then_a_lost_wal_keeps_every_job(model, tmp_path):
+    results = tmp_path / "results"
+    first = Server(model, results)
+    with first.client() as http:
+        done = http.post("/v1/videos", json={"prompt": "kept", **FAST}).json()["id"]
+        wait_for(http, done)
+        running = http.post("/v1/videos", json={"prompt": "interrupted", **LONG}).json()["id"]
+        queued = http.post("/v1/videos", json={"prompt": "requeued", **FAST}).json()["id"]
+        wait_for(http, running, statuses=("running",))
+    first.process.send_signal(signal.SIGTERM)
+    first.process.wait(60)
+    first.kill()
+    for suffix in ("-wal", "-shm"):
+        (results / f"jobs.sqlite3{suffix}").unlink(missing_ok=True)
+    second = Server(model, results)
+    try:
+        with second.client() as http:
+            assert http.get(f"/v1/videos/{done}").json()["status"] == "succeeded"
+            assert http.get(f"/v1/videos/{done}/content").status_code == 200
+            view = http.get(f"/v1/videos/{running}").json()
+            assert view["status"] == "failed" and "interrupted" in view["error"]
+            assert wait_for(http, queued)["status"] == "succeeded"
+    finally:
+        second.stop()
