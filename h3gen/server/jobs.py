@@ -160,6 +160,7 @@ class JobManager:
         shutdown = getattr(self.engine, "shutdown", None)  # a multi-process engine releases its other ranks
         if shutdown is not None:
             shutdown()
+        gc.unfreeze()  # what the worker froze is collectable again (interpreter exit frees it normally)
         with self._sweep_lock:
             self._closed = True
             self.store.close()
@@ -345,6 +346,10 @@ class JobManager:
 
     def _worker(self) -> None:
         self.engine.load()
+        # The model and the libraries live as long as the server: keep them out of the collections after each job,
+        # which would otherwise walk them all while holding the GIL (a second or more, stalling every request).
+        gc.collect()
+        gc.freeze()
         while True:
             with self._cond:
                 while not self._queue and not self._stopping:
