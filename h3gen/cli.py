@@ -49,11 +49,11 @@ def _progress_bar(units: dict[str, int]):
             return
         before = sum(units[name] for name in order[: order.index(stage)])
         position = before + units[stage] * min(step, stage_total) // max(stage_total, 1)
-        bar.set_description(stage, refresh=False)
         if position > bar.n:
-            bar.update(position - bar.n)
-        else:
-            bar.refresh()
+            bar.set_description(stage, refresh=False)
+            bar.update(position - bar.n)  # tqdm redraws at most every 0.1 s
+        elif bar.desc.removesuffix(": ") != stage:
+            bar.set_description(stage)  # a stage that starts: shown at once
 
     return bar, callback
 

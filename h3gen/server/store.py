@@ -126,7 +126,8 @@ class JobStore:
         return dict(rows)
 
     def close(self) -> None:
-        """Fold the WAL into the database file, then close (idempotent). Later calls raise `sqlite3.ProgrammingError`."""
+        """Fold the WAL into the database file, then close (idempotent). Later calls raise
+        `sqlite3.ProgrammingError`."""
         with self._lock:
             try:
                 self._db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
