@@ -255,8 +255,13 @@ def _cmd_serve(args: argparse.Namespace) -> int:
                          retention_seconds=args.retention_hours * 3600,
                          max_results_bytes=int(args.max_results_gb * 2**30))
     app = create_app(manager, api_key=api_key, max_upload_bytes=int(args.max_upload_mb * 2**20),
-                     model_name=args.model, ui=not args.no_ui)
-    print(f"h3gen: serving {args.model} on http://{args.host}:{args.port} (UI at /ui; API key "
+                     model_name=args.model)
+    if not args.no_ui:
+        from h3gen.ui import mount_ui  # imports gradio, which only the UI needs
+
+        app = mount_ui(app, manager, api_key=api_key)
+    where_ui = "no UI" if args.no_ui else "UI at /ui"
+    print(f"h3gen: serving {args.model} on http://{args.host}:{args.port} ({where_ui}; API key "
           f"{'required' if api_key else 'not set'}; results in {args.results_dir})", file=sys.stderr)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     return 0
