@@ -105,7 +105,7 @@ def build_ui(manager) -> gr.Blocks:
             normalized = manager.engine.validate(request, uploads)
             job = manager.submit(normalized, uploads)
         except RequestError as error:
-            message = str(error)
+            message = str(error).replace(f"{staging}/", "")  # name the field's file, never a server folder
             yield problem(message if not error.field or message.startswith(error.field) else
                           f"{error.field}: {message}")
             return
