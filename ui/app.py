@@ -18,7 +18,7 @@ from h3gen.ui.files import stage_uploads
 
 ASPECTS = ["auto", "16:9", "9:16", "1:1", "4:3", "3:4", "21:9", "4:1", "1:4"]
 HISTORY_COLUMNS = ["job", "status", "prompt", "seconds", "seed"]
-HISTORY_WIDTHS = ["11%", "17%", "36%", "12%", "24%"]
+HISTORY_WIDTHS = ["13%", "17%", "32%", "14%", "24%"]
 POLL_SECONDS = 0.25
 # Job videos are served by the UI's own route, relative to the page at /ui/, one URL per job id (see mount.py).
 MEDIA_ROUTE = "/media/{job_id}.mp4"
