@@ -274,8 +274,13 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         return 2
     try:
         app = create_app(manager, api_key=api_key, max_upload_bytes=int(args.max_upload_mb * 2**20),
-                         model_name=args.model, ui=not args.no_ui)
-        print(f"h3gen: serving {args.model} on http://{args.host}:{args.port} (UI at /ui; API key "
+                         model_name=args.model)
+        if not args.no_ui:
+            from h3gen.ui import mount_ui  # imports gradio, which only the UI needs
+
+            app = mount_ui(app, manager, api_key=api_key)
+        where_ui = "no UI" if args.no_ui else "UI at /ui"
+        print(f"h3gen: serving {args.model} on http://{args.host}:{args.port} ({where_ui}; API key "
               f"{'required' if api_key else 'not set'}; results in {args.results_dir})", file=sys.stderr)
         # uvicorn turns SIGTERM and SIGINT into a graceful shutdown, whose lifespan end stops the manager: the
         # running job is recorded as interrupted, the database checkpointed and closed, the folder released.
@@ -290,10 +295,22 @@ def _offload_arguments(parser: argparse.ArgumentParser) -> None:
                         help="stage: text encoder and VAEs visit the GPU only for their stage; layerwise: also stream "
                              "transformer blocks from pinned host memory")
     parser.add_argument("--gpu-memory", dest="gpu_memory", default=None,
-                        help="GPU memory the transformer may use with --offload layerwise, e.g. 30GiB")
+                        help="GPU memory the transformer may use with --offload layerwise, e.g. 30GiB (needed there; "
+                             "default: unset)")
     parser.add_argument("--prefetch", type=int, default=2, help="blocks copied ahead with --offload layerwise")
     parser.add_argument("--quantization", choices=("mxfp4",), default=None,
-                        help="store the transformer's block linears as MXFP4 (quantized while loading)")
+                        help="store the transformer's block linears as MXFP4 (quantized while loading; default: the "
+                             "checkpoint's dtype)")
+
+
+class _DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Appends "(default: X)" to a flag's help unless it has no value to show (None, a bare switch) or already says
+    its default."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        if action.default in (None, False, argparse.SUPPRESS) or "default" in (action.help or ""):
+            return action.help or ""
+        return super()._get_help_string(action)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -336,32 +353,40 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--out", required=True, help="output .mp4 path")
     gen.set_defaults(run=_cmd_generate)
 
-    serve = commands.add_parser("serve", help="run the REST API and web UI")
+    serve = commands.add_parser("serve", help="run the REST API and web UI", formatter_class=_DefaultsFormatter,
+                                description="Serve MiniMax-H3 over a REST API (/v1/videos) and a web UI (/ui).")
     serve.add_argument("--model", help="local MiniMax-H3 checkpoint folder (default: the tiny random demo model)")
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--api-key", dest="api_key", help="require Authorization: Bearer <key> (or $H3GEN_API_KEY)")
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 for every interface)")
+    serve.add_argument("--port", type=int, default=8000, help="TCP port")
+    serve.add_argument("--api-key", dest="api_key",
+                       help="require Authorization: Bearer <key> on every route but /health; the UI asks for it on its "
+                            "login page (default: $H3GEN_API_KEY, else no key)")
     serve.add_argument("--max-queue", dest="max_queue", type=int, default=16, help="waiting jobs before 429")
     serve.add_argument("--results-dir", dest="results_dir", default="h3gen-results", help="jobs database and MP4s")
-    serve.add_argument("--retention-hours", dest="retention_hours", type=float, default=168.0)
-    serve.add_argument("--max-results-gb", dest="max_results_gb", type=float, default=50.0)
-    serve.add_argument("--max-upload-mb", dest="max_upload_mb", type=float, default=20.0)
-    serve.add_argument("--device", choices=("cuda", "cpu"), default=None)
-    serve.add_argument("--dtype", choices=tuple(DTYPES), default=None)
+    serve.add_argument("--retention-hours", dest="retention_hours", type=float, default=168.0,
+                       help="finished jobs and their MP4s are deleted after this many hours")
+    serve.add_argument("--max-results-gb", dest="max_results_gb", type=float, default=50.0,
+                       help="the oldest results are deleted when the MP4s take more than this")
+    serve.add_argument("--max-upload-mb", dest="max_upload_mb", type=float, default=20.0,
+                       help="largest uploaded file (keyframe or reference)")
+    serve.add_argument("--device", choices=("cuda", "cpu"), default=None, help="default: cuda if available")
+    serve.add_argument("--dtype", choices=tuple(DTYPES), default=None, help="default: bf16 on cuda, fp32 on cpu")
     serve.add_argument("--quality", choices=("exact", "lossless", "fast"), default="lossless",
-                       help="default tier; requests may ask exact or lossless (fast needs --quality fast)")
+                       help="tier; requests may ask exact or lossless (fast needs --quality fast)")
     _offload_arguments(serve)
     serve.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (processes started with torchrun)")
     serve.add_argument("--ulysses", type=int, default=1, help="Ulysses sequence-parallel degree")
     serve.add_argument("--workflow", choices=("auto", "all", "t2va", "fl2va", "ref2va"), default="auto",
                        help="tasks to serve: all (every task the model holds; ref2va loads the transformer_ref/ "
-                            "partition as well), t2va, fl2va, ref2va; auto (default) is all when both partitions "
-                            "take under a quarter of the device's memory, else fl2va")
+                            "partition as well), t2va, fl2va, ref2va; auto is all when both partitions take under a "
+                            "quarter of the device's memory, else fl2va")
     serve.add_argument("--planner", default=None, metavar="SPEC",
                        help="enable plan: true jobs and POST /v1/prompts/plan with a K3 planner: tiny (random demo), a "
-                            "K3 checkpoint folder, or an OpenAI-compatible base URL (off by default)")
-    serve.add_argument("--no-ui", dest="no_ui", action="store_true", help="do not mount the web UI at /ui")
-    serve.add_argument("--log-level", dest="log_level", default="info")
+                            "K3 checkpoint folder, or an OpenAI-compatible base URL (default: off)")
+    serve.add_argument("--no-ui", dest="no_ui", action="store_true", help="do not mount the web UI at /ui "
+                       "(default: mounted)")
+    serve.add_argument("--log-level", dest="log_level", default="info",
+                       choices=("critical", "error", "warning", "info", "debug", "trace"), help="uvicorn's log level")
     serve.set_defaults(run=_cmd_serve)
 
     plan = commands.add_parser("plan", help="turn a short idea into an H3 prompt (picture, motion, camera, sound, "

@@ -17,7 +17,7 @@ def app(tmp_path_factory):
     manager = JobManager(engine, root / "results", max_queue=2)
     manager.start()
     engine.wait_loaded(120)
-    yield create_app(manager, ui=False)
+    yield create_app(manager)
     manager.stop()
 
 

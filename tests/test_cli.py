@@ -151,3 +151,44 @@ def test_bad_references_give_one_line_errors(cache, tmp_path):
         lines = [line for line in result.stderr.splitlines() if line.startswith("h3gen: error:")]
         assert result.returncode != 0 and "Traceback" not in result.stderr, result.stderr
         assert len(lines) == 1 and message in lines[0], result.stderr
+
+
+def test_serve_help_gives_every_flag_a_help_text_and_its_default():
+    import argparse
+
+    from h3gen.cli import build_parser
+
+    commands = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    serve = commands.choices["serve"]
+    text = serve.format_help()
+    options = text.split("options:", 1)[1]
+    for action in serve._actions:
+        if isinstance(action, argparse._HelpAction):
+            continue
+        flag = action.option_strings[0]
+        assert action.help, flag
+        block = options.split(f"\n  {flag}", 1)[1].split("\n  -", 1)[0]  # the flag's entry in the help page
+        assert "default" in " ".join(block.split()), (flag, block)
+    assert "(default: 8000)" in text and "(default: h3gen-results)" in text
+
+
+def test_serve_without_ui_mounts_no_ui(cache, tmp_path):
+    sys.path.insert(0, os.path.dirname(__file__))
+    from server_harness import Server
+
+    server = Server(tiny_checkpoint(cache_dir=cache), tmp_path / "results", ui=False)
+    try:
+        import httpx
+
+        assert httpx.get(f"{server.url}/ui/").status_code == 404
+        assert httpx.get(f"{server.url}/health").status_code == 200
+    finally:
+        server.stop()
+    import ast
+
+    from h3gen.server import app as server_app
+
+    tree = ast.parse(open(server_app.__file__).read())
+    imported = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+    imported |= {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
+    assert not [name for name in imported if name.startswith(("gradio", "h3gen.ui"))]  # the server never imports the UI

@@ -158,7 +158,7 @@ def test_rest_plan_endpoint_and_plan_true_jobs(stub, h3_model, tmp_path):
     from h3gen.server.jobs import JobManager
 
     engine = H3Engine(h3_model, device="cpu", planner=RemotePlanner(stub))
-    with TestClient(create_app(JobManager(engine, tmp_path / "results"), ui=False)) as http:
+    with TestClient(create_app(JobManager(engine, tmp_path / "results"))) as http:
         planned = http.post("/v1/prompts/plan", json={"prompt": "rain on a tin roof", "max_tokens": 40})
         assert planned.status_code == 200, planned.text
         assert planned.json()["planned_prompt"].endswith("): rain on a tin roof")
@@ -183,7 +183,7 @@ def test_rest_plan_endpoint_and_plan_true_jobs(stub, h3_model, tmp_path):
         assert http.get("/health").json()["ready"]
 
     plain = H3Engine(h3_model, device="cpu")
-    with TestClient(create_app(JobManager(plain, tmp_path / "results2"), ui=False)) as http:
+    with TestClient(create_app(JobManager(plain, tmp_path / "results2"))) as http:
         response = http.post("/v1/videos", json={"prompt": "x", "plan": True})
         assert response.status_code == 422 and response.json()["detail"][0]["loc"] == ["body", "plan"]
         response = http.post("/v1/prompts/plan", json={"prompt": "x"})
@@ -257,7 +257,7 @@ def test_planned_text_streams_locally_and_over_rest(tiny_k3, stub, h3_model, tmp
     assert not planner.engine.has_work()  # the cancelled request left the engine
 
     engine = H3Engine(h3_model, device="cpu", planner=planner)
-    with TestClient(create_app(JobManager(engine, tmp_path / "results"), ui=False)) as http:
+    with TestClient(create_app(JobManager(engine, tmp_path / "results"))) as http:
         plain = http.post("/v1/prompts/plan", json={"prompt": "waves on rocks", "max_tokens": 24, "seed": 5})
         streamed = http.post("/v1/prompts/plan", json={"prompt": "waves on rocks", "max_tokens": 24, "seed": 5,
                                                        "stream": True})
@@ -268,7 +268,7 @@ def test_planned_text_streams_locally_and_over_rest(tiny_k3, stub, h3_model, tmp
         assert events[-1][1]["planned_prompt"] == plain.json()["planned_prompt"] == result.planned
 
     remote = H3Engine(h3_model, device="cpu", planner=RemotePlanner(stub))
-    with TestClient(create_app(JobManager(remote, tmp_path / "results2"), ui=False)) as http:
+    with TestClient(create_app(JobManager(remote, tmp_path / "results2"))) as http:
         events = _events(http.post("/v1/prompts/plan", json={"prompt": "a gong", "stream": True}).text)
         assert [e for e, _ in events] == ["delta", "done"] and events[0][1]["text"].endswith(": a gong")
         failed = http.post("/v1/prompts/plan", json={"prompt": "fail", "stream": True})  # fails before any text

@@ -36,21 +36,26 @@ def test_type_prompt_generate_see_progress_and_play_video(server):
     with sync_playwright() as playwright:
         browser = playwright.chromium.launch(executable_path=CHROMIUM, headless=True, args=OFFLINE_FLAGS)
         page = browser.new_page(viewport={"width": 1400, "height": 1000})
-        requests = []
+        requests, console = [], []
         page.on("request", lambda request: requests.append(request.url))
+        page.on("console", lambda message: console.append(message.text))
         page.goto(f"{server.url}/ui/", wait_until="load")
         page.wait_for_selector("#prompt textarea", timeout=30000)
+        demo_note = page.inner_text("#demo-model-note")
         page.fill("#prompt textarea", "a cat playing the piano")
         page.click("#generate-btn")
 
-        statuses, started = set(), time.monotonic()
+        statuses, bars, started = set(), set(), time.monotonic()
         while page.locator("#result-video video").count() == 0:
-            assert time.monotonic() - started < 90, f"no video; statuses seen: {statuses}"
+            assert time.monotonic() - started < 240, f"no video; statuses seen: {statuses}"
             statuses.add(page.input_value("#status textarea"))
+            if page.locator("#progress progress").count():
+                bars.add(float(page.get_attribute("#progress progress", "value")))
             time.sleep(0.05)
         page.wait_for_function(
             "() => { const v = document.querySelector('#result-video video'); return v && v.readyState >= 2 }",
             timeout=30000)
+        bars.add(float(page.get_attribute("#progress progress", "value")))  # the bar once the video is there
         video = page.evaluate("""() => { const v = document.querySelector('#result-video video');
             return {duration: v.duration, width: v.videoWidth, height: v.videoHeight,
                     playable: v.canPlayType('video/mp4; codecs="avc1.64001E, mp4a.40.2"')} }""")
@@ -58,9 +63,17 @@ def test_type_prompt_generate_see_progress_and_play_video(server):
         page.screenshot(path=str(ARTIFACTS / "ui-generate.png"), full_page=True)
         final = page.input_value("#status textarea")
         history = page.inner_text("#history")
+        fits = page.evaluate("""() => { const t = document.querySelector('#history table');
+            return t.getBoundingClientRect().right <= document.querySelector('#history').getBoundingClientRect().right
+                   + 1 }""")
         browser.close()
 
+    assert "random weights" in demo_note and "noise" in demo_note  # the person knows the demo model serves
     assert any("%" in status and "running" in status for status in statuses), statuses  # progress was shown
+    assert any(0 < value < 100 for value in bars) and max(bars) == 100, bars  # and as a bar
+    assert fits  # the history's columns fit the page
+    assert "5.2" in history  # its seconds column shows the clip's length (124 frames at 24 fps)
+    assert not [text for text in console if "Content Security Policy" in text or "Refused to" in text], console
     assert "done" in final and "124 frames" in final
     assert abs(video["duration"] - 124 / 24) < 0.1 and (video["width"], video["height"]) == (128, 64)
     assert video["playable"] in ("probably", "maybe")
@@ -102,3 +115,73 @@ def test_ref2va_with_uploaded_references(server, tmp_path):
         page.screenshot(path=str(ARTIFACTS / "ui-ref2va.png"), full_page=True)
         browser.close()
     assert "done" in final and "124 frames" in final, final  # the UI's seconds slider (5 s) sets the length
+
+
+def visible_error_badges(page) -> list[str]:
+    """Gradio's red "Error" markers on output components (shown when an event handler raises)."""
+    return page.evaluate("""() => [...document.querySelectorAll('.error, .toast-body.error')]
+        .filter(e => e.offsetParent !== null).map(e => e.innerText)""")
+
+
+def test_empty_prompt_is_one_message_in_status(server):
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=CHROMIUM, headless=True, args=OFFLINE_FLAGS)
+        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        page.goto(f"{server.url}/ui/", wait_until="load")
+        page.wait_for_selector("#prompt textarea", timeout=30000)
+        page.click("#generate-btn")
+        page.wait_for_function("() => document.querySelector('#status textarea').value.includes('prompt')",
+                               timeout=30000)
+        status = page.input_value("#status textarea")
+        time.sleep(0.5)
+        badges = visible_error_badges(page)
+        ARTIFACTS.mkdir(exist_ok=True)
+        page.screenshot(path=str(ARTIFACTS / "ui-empty-prompt.png"), full_page=True)
+        browser.close()
+    assert "Write a prompt first" in status and "4000 characters" in status, status
+    assert badges == []
+
+
+def test_cancel_running_then_delete_finished(server):
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=CHROMIUM, headless=True, args=OFFLINE_FLAGS)
+        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        page.goto(f"{server.url}/ui/", wait_until="load")
+        page.wait_for_selector("#prompt textarea", timeout=30000)
+        page.fill("#prompt textarea", "a long walk on the beach")
+        page.fill("#steps input[type=number]", "100")
+        page.press("#steps input[type=number]", "Enter")
+        page.click("#generate-btn")
+        page.wait_for_function("() => document.querySelector('#status textarea').value.includes('running')",
+                               timeout=60000)
+        page.click("#cancel-btn")
+        page.wait_for_function("() => document.querySelector('#status textarea').value.includes('cancelled')",
+                               timeout=30000)
+        page.wait_for_function("() => document.querySelector('#history').innerText.includes('cancelled')",
+                               timeout=30000)
+        history = page.inner_text("#history")
+        badges = visible_error_badges(page)
+
+        page.fill("#steps input[type=number]", "2")  # a finished job: Cancel deletes it and its video
+        page.press("#steps input[type=number]", "Enter")
+        page.fill("#prompt textarea", "a short one")
+        page.click("#generate-btn")
+        page.wait_for_selector("#result-video video", timeout=240000)  # behind the cancelled job, on a busy CPU
+        src = page.get_attribute("#result-video video", "src")
+        before = page.request.get(f"{server.url}/ui/{src}").status
+        page.click("#cancel-btn")
+        page.wait_for_function("() => document.querySelector('#status textarea').value.includes('deleted')",
+                               timeout=30000)
+        after = page.request.get(f"{server.url}/ui/{src}").status
+        browser.close()
+    with server.client() as rest:
+        jobs = rest.get("/v1/videos").json()["data"]
+    cancelled = next(job for job in jobs if job["request"]["prompt"] == "a long walk on the beach")
+    assert cancelled["status"] == "cancelled" and cancelled["id"][:8] in history  # its row says so
+    assert [line for line in history.splitlines() if "cancelled" in line], history
+    assert badges == []
+    assert (before, after) == (200, 404)

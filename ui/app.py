@@ -1,78 +1,117 @@
 """The Gradio web UI, mounted at `/ui` on the API server. It submits to the same job manager as the REST API, so
 a job started here shows up in `/v1/videos` and obeys the same queue, limits and validation."""
 
+import html
 import shutil
 import time
 from pathlib import Path
 
 import gradio as gr
+from gradio.utils import get_upload_folder
 from pydantic import ValidationError
 
 from h3gen.errors import RequestError
-from h3gen.server.engine import upload_name
+from h3gen.pipelines.h3.tiny import TRANSFORMER as TINY_TRANSFORMER
 from h3gen.server.jobs import FINISHED, QueueFull
-from h3gen.server.schemas import GenerationRequest
+from h3gen.server.schemas import MAX_PROMPT_CHARS, GenerationRequest
+from h3gen.ui.files import stage_uploads
 
 ASPECTS = ["auto", "16:9", "9:16", "1:1", "4:3", "3:4", "21:9", "4:1", "1:4"]
-HISTORY_COLUMNS = ["id", "status", "prompt", "seconds", "seed"]
+HISTORY_COLUMNS = ["job", "status", "prompt", "seconds", "seed"]
+HISTORY_WIDTHS = ["13%", "17%", "32%", "14%", "24%"]
 POLL_SECONDS = 0.25
+# Job videos are served by the UI's own route, relative to the page at /ui/, one URL per job id (see mount.py).
+MEDIA_ROUTE = "/media/{job_id}.mp4"
+# Gradio's copies of uploads: swept every hour once a day old (a job keeps its own copy from the moment it is queued).
+UPLOAD_CACHE = (3600, 86400)
+
+
+def media_url(job_id: str) -> str:
+    return MEDIA_ROUTE.format(job_id=job_id).lstrip("/")
+
+
+def video_html(job_id: str | None) -> str:
+    """The player for a job's MP4 (its sound included) and a download link; empty without a job."""
+    if not job_id:
+        return ""
+    url = html.escape(media_url(job_id))
+    return (f'<video src="{url}" controls playsinline preload="metadata" style="width:100%;max-height:480px">'
+            f'</video><a href="{url}" download="{html.escape(job_id)}.mp4">Download MP4</a>')
+
+
+def progress_html(percent: float, label: str) -> str:
+    """A progress bar (0-100) with its label."""
+    percent = max(0.0, min(100.0, float(percent)))
+    return (f'<div class="h3-progress"><progress value="{percent:.0f}" max="100" style="width:100%"></progress>'
+            f"<span>{html.escape(label)}</span></div>")
+
+
+def serves_demo_model(engine) -> bool:
+    """Whether the engine runs the tiny random-weight demo model (its transformer has the demo's shape)."""
+    config = getattr(engine, "config", None)
+    keys = ("hidden_size", "num_layers", "num_attention_heads", "attention_head_dim")
+    return config is not None and all(getattr(config, key, None) == TINY_TRANSFORMER[key] for key in keys)
 
 
 def _history(manager) -> list[list]:
+    """The latest jobs as table rows: short id, status, prompt, seconds of video, seed."""
     jobs, _ = manager.list(limit=20)
-    return [[job["id"], job["status"], job["request"].get("prompt", "")[:80], job["request"].get("duration"),
-             job["request"].get("seed")] for job in jobs]
+    rows = []
+    for job in jobs:
+        request = job["request"] or {}
+        seconds = request.get("duration") or request.get("seconds")
+        rows.append([job["id"][:8], job["status"], (request.get("prompt") or "")[:80],
+                     f"{seconds:.1f}" if seconds else "", str(request.get("seed", ""))])
+    return rows
 
 
 def _validation_message(error: ValidationError) -> str:
     first = error.errors(include_url=False)[0]
     field = ".".join(str(part) for part in first["loc"]) or "request"
+    if field == "prompt" and first["type"] == "string_too_short":
+        return f"Write a prompt first: describe the clip you want (1 to {MAX_PROMPT_CHARS} characters)."
     return f"{field}: {first['msg']}"
 
 
-def _reference_files(paths) -> dict[str, str]:
-    """ref2va uploads keyed as the REST API keys them (`ref_<kind>_<position>`), the kind read off each file."""
-    from h3gen.pipelines.h3.references import reference_kind
-
-    files = {}
-    for position, path in enumerate(paths or []):
-        path = getattr(path, "name", path)  # Gradio hands file paths (or objects with .name)
-        files[upload_name(f"ref_{reference_kind(path, 'references')}", position)] = path
-    return files
+def _problem(message: str) -> str:
+    return f"⚠ {message}"
 
 
 def build_ui(manager) -> gr.Blocks:
     """The Blocks app: prompt, task, keyframes or references, aspect, seconds, seed (with randomize), steps, a
-    progress bar fed by the job's progress, the result as a playable video with audio, and a history of results."""
+    progress bar fed by the job's progress, the result as a playable video with audio, and a history of results.
+    Every problem is one message in Status; nothing is raised to Gradio (which would mark every output an error)."""
 
     has_planner = getattr(manager.engine, "planner", None) is not None
+    upload_folder = Path(get_upload_folder())
 
-    def generate(prompt, task, image, last_image, references, aspect, seconds, steps, seed, randomize, plan,
-                 progress=gr.Progress()):
-        images = {name: path for name, path in (("image", image), ("last_image", last_image)) if path}
-        try:
-            images.update(_reference_files(references))
-        except RequestError as error:
-            raise gr.Error(str(error)) from None
+    def generate(prompt, task, image, last_image, references, aspect, seconds, steps, seed, randomize, plan):
+        idle = (gr.update(),) * 5  # video, job, seed, history, planned prompt stay as they are
+
+        def problem(message):
+            return (_problem(message), progress_html(0, ""), *idle)
+
         fields = dict(prompt=prompt or "", task=task, seconds=float(seconds), num_inference_steps=int(steps),
                       aspect_ratio=None if aspect in (None, "auto") else aspect,
                       seed=None if randomize or seed is None else int(seed), plan=bool(plan))
         try:
             request = GenerationRequest.model_validate(fields)
         except ValidationError as error:
-            raise gr.Error(_validation_message(error)) from None
+            yield problem(_validation_message(error))
+            return
         staging = manager.staging_dir()
         try:
-            uploads = {}
-            for name, path in images.items():  # Gradio's temporary copies may vanish; the job keeps its own
-                uploads[name] = staging / f"{name}{Path(path).suffix}"
-                shutil.copyfile(path, uploads[name])
+            uploads = stage_uploads(image, last_image, references, staging, upload_folder)
             normalized = manager.engine.validate(request, uploads)
             job = manager.submit(normalized, uploads)
         except RequestError as error:
-            raise gr.Error(f"{error.field}: {error}" if error.field else str(error)) from None
+            message = str(error).replace(f"{staging}/", "")  # name the field's file, never a server folder
+            yield problem(message if not error.field or message.startswith(error.field) else
+                          f"{error.field}: {message}")
+            return
         except QueueFull as error:
-            raise gr.Error(str(error)) from None
+            yield problem(str(error))
+            return
         finally:
             shutil.rmtree(staging, ignore_errors=True)
 
@@ -81,41 +120,55 @@ def build_ui(manager) -> gr.Blocks:
         while True:
             view = manager.get(job_id)
             if view is None:
-                raise gr.Error("the job was deleted")
-            stage = view["stage"] or view["status"]
+                yield problem(f"Job {job_id[:8]} was deleted.")
+                return
+            stage_name = view["stage"] or view["status"]
             where = f", #{view['queue_position']} in queue" if view.get("queue_position") else ""
-            progress(view["progress"] / 100.0, desc=f"{stage} {view['progress']:.0f}%")
-            status = f"Job {job_id}: {view['status']}{where} — {stage}, {view['progress']:.0f}%"
+            status = f"Job {job_id[:8]}: {view['status']}{where} — {stage_name}, {view['progress']:.0f}%"
             if view["status"] in FINISHED:
                 break
-            yield status, None, job_id, seed_used, gr.update(), view.get("planned_prompt") or ""
+            yield (status, progress_html(view["progress"], f"{stage_name} {view['progress']:.0f}%"), gr.update(),
+                   job_id, seed_used, gr.update(), view.get("planned_prompt") or "")
             time.sleep(POLL_SECONDS)
-        if view["status"] == "failed":
-            raise gr.Error(f"generation failed: {view['error']}")
-        if view["status"] == "cancelled":
-            yield (f"Job {job_id}: cancelled", None, job_id, seed_used, _history(manager),
-                   view.get("planned_prompt") or "")
+        planned_prompt = view.get("planned_prompt") or ""
+        if view["status"] != "succeeded":
+            message = (f"Job {job_id[:8]}: cancelled." if view["status"] == "cancelled" else
+                       f"Job {job_id[:8]} failed: {view['error']}")
+            yield (message, progress_html(0, view["status"]), gr.update(), job_id, seed_used, _history(manager),
+                   planned_prompt)
             return
         total = sum(view["timings"].values())
-        yield (f"Job {job_id}: done in {total:.1f} s — {view['request']['width']}x{view['request']['height']}, "
-               f"{view['request']['num_frames']} frames, seed {seed_used}", str(manager.result_path(job_id)), job_id,
-               seed_used, _history(manager), view.get("planned_prompt") or "")
+        yield (f"Job {job_id[:8]}: done in {total:.1f} s — {view['request']['width']}x{view['request']['height']}, "
+               f"{view['request']['num_frames']} frames, seed {seed_used}", progress_html(100, "done"),
+               video_html(job_id), job_id, seed_used, _history(manager), planned_prompt)
 
     def cancel(job_id):
         if not job_id:
-            return "Nothing to cancel."
+            return "Nothing to cancel.", gr.update(), gr.update()
         view = manager.cancel(job_id)
-        return f"Job {job_id}: {view['status'] if view else 'gone'}"
+        if view is None:
+            return f"Job {job_id[:8]} is gone.", "", _history(manager)
+        if view.get("deleted"):
+            return f"Job {job_id[:8]}: deleted, with its video.", "", _history(manager)
+        return f"Job {job_id[:8]}: {view['status']}.", gr.update(), _history(manager)
 
-    def show(history, event: gr.SelectData):
-        row = history.iloc[event.index[0]] if hasattr(history, "iloc") else history[event.index[0]]
-        job_id = row[0] if not hasattr(row, "iloc") else row.iloc[0]
-        path = manager.result_path(job_id)
-        return (str(path) if path and path.exists() else None), f"Job {job_id}"
+    def show(event: gr.SelectData):
+        short = str(event.row_value[0]) if event.row_value else ""
+        jobs, _ = manager.list(limit=20)
+        job = next((job for job in jobs if short and job["id"].startswith(short)), None)
+        if job is None:
+            return "", f"Job {short} is gone.", None
+        path = manager.result_path(job["id"])
+        if job["status"] != "succeeded" or path is None or not path.exists():
+            return "", f"Job {short}: {job['status']}, no video to play.", job["id"]
+        return video_html(job["id"]), f"Job {short}: playing its video.", job["id"]
 
-    with gr.Blocks(title="h3gen — MiniMax-H3", analytics_enabled=False) as demo:
+    with gr.Blocks(title="h3gen — MiniMax-H3", analytics_enabled=False, delete_cache=UPLOAD_CACHE) as demo:
         gr.Markdown("## h3gen — MiniMax-H3 video + stereo audio\nDescribe a clip; optionally give the first and/or "
                     "last frame (task fl2va), or reference images, videos and sounds (task ref2va).")
+        gr.Markdown("**Demo model:** this server runs the tiny built-in model with random weights, so every picture "
+                    "and sound it makes is noise. Start `h3gen serve --model <checkpoint folder>` for real clips.",
+                    visible=serves_demo_model(manager.engine), elem_id="demo-model-note")
         job_state = gr.State(None)
         with gr.Row():
             with gr.Column(scale=1):
@@ -143,14 +196,17 @@ def build_ui(manager) -> gr.Blocks:
                     stop = gr.Button("Cancel", elem_id="cancel-btn")
             with gr.Column(scale=1):
                 status = gr.Textbox(label="Status", interactive=False, elem_id="status")
+                progress = gr.HTML(progress_html(0, "idle"), elem_id="progress")
                 planned = gr.Textbox(label="Planned prompt (what the clip is made from)", interactive=False, lines=4,
                                      visible=has_planner, elem_id="planned-prompt")
-                video = gr.Video(label="Result", format="mp4", elem_id="result-video", autoplay=False)
+                video = gr.HTML("", label="Result", elem_id="result-video")
                 history = gr.Dataframe(headers=HISTORY_COLUMNS, value=lambda: _history(manager), interactive=False,
+                                       column_widths=HISTORY_WIDTHS, wrap=True,
                                        label="History (click a row to play it)", elem_id="history")
         run.click(generate,
                   [prompt, task, image, last_image, references, aspect, seconds, steps, seed, randomize, plan],
-                  [status, video, job_state, seed, history, planned], concurrency_limit=None)
-        stop.click(cancel, [job_state], [status])
-        history.select(show, [history], [video, status])
+                  [status, progress, video, job_state, seed, history, planned], concurrency_limit=None,
+                  show_progress="hidden")
+        stop.click(cancel, [job_state], [status, video, history], show_progress="hidden")
+        history.select(show, None, [video, status, job_state], show_progress="hidden")
     return demo

@@ -1,5 +1,5 @@
 """The FastAPI app: `/v1/videos` jobs (create, status, content, cancel, list), `/v1/prompts/plan`, `/health`,
-`/metrics`, and the Gradio UI at `/ui`. Every bad request is a 4xx naming what was wrong; nothing a client sends reaches the engine
+`/metrics` (`h3gen.ui` mounts the Gradio UI at `/ui` on top). Every bad request is a 4xx naming what was wrong; nothing a client sends reaches the engine
 unvalidated, and no failure of one job affects another."""
 
 import asyncio
@@ -202,9 +202,9 @@ def _save_upload(upload: UploadFile, folder: Path, name: str, limit: int, field:
 
 
 def create_app(manager: JobManager, *, api_key: str | None = None, max_upload_bytes: int = 20 * 2**20,
-               model_name: str = "", ui: bool = True) -> FastAPI:
-    """The service around `manager`. With `api_key`, every route but `/health` needs `Authorization: Bearer`
-    (the UI asks for the key on its login page)."""
+               model_name: str = "") -> FastAPI:
+    """The service around `manager`. With `api_key`, every route but `/health` needs `Authorization: Bearer`.
+    The web UI is mounted on top of it by `h3gen.ui.mount_ui`."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -386,13 +386,4 @@ def create_app(manager: JobManager, *, api_key: str | None = None, max_upload_by
                                       jobs_by_status=manager.store.count_by_status(), ready=manager.engine.ready)
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
-    if ui:
-        import gradio as gr
-
-        from h3gen.ui.app import build_ui
-
-        login = (lambda _user, password: secrets.compare_digest(password.encode(), api_key.encode())) if api_key else None
-        app = gr.mount_gradio_app(app, build_ui(manager), path="/ui", auth=login,
-                                  allowed_paths=[str(manager.results_dir)],
-                                  auth_message="Enter any user name and the server's API key." if api_key else None)
     return app
