@@ -10,6 +10,7 @@ t2va and fl2va run on `transformer/`, ref2va on its own partition `transformer_r
 """
 
 import logging
+import time
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Callable
@@ -18,6 +19,7 @@ import numpy as np
 import torch
 
 from h3gen.errors import RequestError
+from h3gen.media import write_mp4
 from h3gen.pipelines.h3 import geometry
 from h3gen.pipelines.h3.checkpoint import REQUIRED, H3Checkpoint
 from h3gen.pipelines.h3.packing import (ReferenceBlock, build_layout, build_ref2va_layout, patchify_video,
@@ -65,8 +67,6 @@ class H3Output:
     def save(self, path, audio_sample_rate: int | None = None):
         """Write an MP4 (H.264 + AAC stereo at `audio_sample_rate`, default 32000) and verify it decodes back.
         Returns the decoded file's `MediaInfo`."""
-        from h3gen.media import write_mp4
-
         return write_mp4(
             path, self.video, self.audio, fps=self.fps, sample_rate=self.sample_rate,
             audio_sample_rate=audio_sample_rate,
@@ -400,8 +400,6 @@ class H3Pipeline:
         Returns:
             `H3Output`.
         """
-        import time
-
         report = callback or (lambda stage, step, total: None)
         planned = None
         if plan:
