@@ -28,7 +28,7 @@ from common import matmul_peak_tflops, print_table, rel_l2, time_cuda  # noqa: E
 
 from h3gen.linear import dense_linear  # noqa: E402
 from h3gen.pipelines.h3.packing import build_layout, row_timesteps  # noqa: E402
-from h3gen.pipelines.h3.tiers import fast_block_forward, fused_block_forward  # noqa: E402
+from h3gen.pipelines.h3.tiers import fast_block_forward, fused_block_forward, quantize_block_linears  # noqa: E402
 from h3gen.pipelines.h3.transformer import H3RotaryPosEmbed, H3TransformerBlock, H3TransformerConfig  # noqa: E402
 
 CFG = H3TransformerConfig()  # released dims
@@ -291,8 +291,6 @@ def main() -> None:
           flush=True)
     reference, ours = build_blocks(device)
     fast = copy.deepcopy(ours)
-    from h3gen.quant.fp8 import quantize_block_linears
-
     quantize_block_linears(fast)
     report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "peak_tflops": peak,
               "blocks": [], "parts": []}

@@ -25,7 +25,7 @@ from common import print_table, rel_l2  # noqa: E402
 
 from h3gen.kernels.mxfp4_gemm import gluon  # noqa: E402
 from h3gen.kernels.mxfp4_gemm import triton as mxfp4  # noqa: E402
-from h3gen.quant.mxfp4 import dequantize, quantize  # noqa: E402
+from h3gen.quant.mxfp4_format import dequantize, quantize  # noqa: E402
 
 SHAPES = [(5376, 7168), (7168, 5376), (5376, 28672), (14336, 5376)]
 ROWS = [1, 8, 16, 256, 4096, 37838]
@@ -250,14 +250,13 @@ def bench_block(rows, repeat):
     from bench_h3_block import CFG, make_inputs
     from common import time_cuda
 
-    from h3gen.linear import dense_linear
+    from h3gen.linear import dense_linear, make_linear_factory
     from h3gen.pipelines.h3.tiers import fused_block_forward
     from h3gen.pipelines.h3.transformer import H3TransformerBlock
-    from h3gen.quant.mxfp4 import mxfp4_linear_factory
 
     torch.manual_seed(0)
     dense = H3TransformerBlock(CFG, dense_linear).to("cuda", torch.bfloat16).eval()
-    quantized = H3TransformerBlock(CFG, mxfp4_linear_factory()).to("cuda").eval()
+    quantized = H3TransformerBlock(CFG, make_linear_factory(quantization="mxfp4")).to("cuda").eval()
     for name, module in quantized.named_modules():
         if hasattr(module, "set_weight"):
             module.set_weight(dense.get_submodule(name).weight)

@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_h3_block import CFG, FFN, HEAD_DIM, HEADS, HIDDEN, make_inputs  # noqa: E402
 from common import print_table, rel_l2, time_cuda  # noqa: E402
 
-from h3gen.linear import dense_linear  # noqa: E402
+from h3gen.linear import dense_linear, make_linear_factory  # noqa: E402
 from h3gen.offload.layerwise import LayerwiseOffload  # noqa: E402
 from h3gen.offload.planner import OffloadPlan, spread  # noqa: E402
 from h3gen.pipelines.h3.tiers import fused_block_forward  # noqa: E402
@@ -31,10 +31,8 @@ GiB = 2**30
 
 def mxfp4_copy(block: H3TransformerBlock, device="cuda", config=CFG) -> H3TransformerBlock:
     """`block` (on `device`) with its block linears quantized to MXFP4 there, returned on the host."""
-    from h3gen.quant.mxfp4 import mxfp4_linear_factory
-
     with torch.device("meta"):
-        quantized = H3TransformerBlock(config, mxfp4_linear_factory())
+        quantized = H3TransformerBlock(config, make_linear_factory(quantization="mxfp4"))
     quantized = quantized.to_empty(device=device)
     for name, module in quantized.named_modules():
         if hasattr(module, "set_weight"):

@@ -29,15 +29,15 @@ import torch.distributed as dist
 import torch.nn as nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(1, str(Path(__file__).resolve().parents[1] / "tests"))  # the test helper that fills TP shards
 from common import print_table, rel_l2, time_cuda  # noqa: E402
+from parallel_model import load_full_state_dict  # noqa: E402
 
-from h3gen.linear import dense_linear  # noqa: E402
+from h3gen.linear import dense_linear, make_linear_factory  # noqa: E402
 from h3gen.offload.apply import ON_DEMAND  # noqa: E402
 from h3gen.offload.layerwise import LayerwiseOffload, _owned_tensors  # noqa: E402
 from h3gen.offload.planner import parse_bytes, plan_residency  # noqa: E402
 from h3gen.offload.shared_host import shared_store_for_ranks  # noqa: E402
-from h3gen.parallel.linear import tensor_parallel_factory  # noqa: E402
-from h3gen.parallel.model import load_full_state_dict  # noqa: E402
 from h3gen.parallel.state import init_parallel, valid_degrees  # noqa: E402
 from h3gen.parallel.ulysses import SequenceShard, UlyssesAttention  # noqa: E402
 from h3gen.pipelines.h3.packing import build_layout, row_timesteps  # noqa: E402
@@ -92,7 +92,7 @@ def shard_blocks(full: nn.ModuleList, cfg, state, shard: SequenceShard | None, d
     blocks = nn.ModuleList()
     for source in full:
         with torch.device("meta"):
-            block = H3TransformerBlock(cfg, tensor_parallel_factory(state))
+            block = H3TransformerBlock(cfg, make_linear_factory(parallel=state))
         block = block.to_empty(device=device).to(dtype)
         load_full_state_dict(block, source.state_dict())
         block.eval().fused_forward = fused_block_forward

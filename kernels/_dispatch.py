@@ -1,6 +1,10 @@
 """When a public kernel function takes its Triton path: CUDA tensors with Triton importable, or everywhere when
 `H3GEN_TRITON=1` (with `TRITON_INTERPRET=1` that runs the Triton code on the CPU, which is how tests check it);
-`H3GEN_TRITON=0` forces the torch reference."""
+`H3GEN_TRITON=0` forces the torch reference.
+
+Each op's public function imports its Triton module inside the function, on the first Triton call: triton is
+optional (no wheel outside Linux), and Triton reads `TRITON_INTERPRET` when a kernel is defined, so tests set it
+before the first call rather than before the first import of h3gen."""
 
 import importlib.util
 import os

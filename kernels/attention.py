@@ -19,6 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from h3gen.kernels.fp8_quant import quantize_heads
+
 _SDPA_BACKENDS = {
     "math": SDPBackend.MATH,
     "flash": SDPBackend.FLASH_ATTENTION,
@@ -73,8 +75,6 @@ def fa3_available() -> bool:
 
 
 def _fa3_fp8(query, key, value):
-    from h3gen.kernels.fp8_quant import quantize_heads
-
     return fp8_attention(*(quantize_heads(t) for t in (query, key, value)), out_dtype=query.dtype)
 
 

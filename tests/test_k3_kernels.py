@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from h3gen.kernels.kda import kda_chunked, kda_gate, kda_recurrent, short_conv
 from h3gen.kernels.mla_decode import mla_decode
 from h3gen.kernels.moe import grouped_gemm, grouped_mxfp4_gemm, route_topk, sort_by_expert
-from h3gen.quant.mxfp4 import dequantize, quantize
+from h3gen.quant.mxfp4_format import dequantize, quantize
 from k3_reference import fla_gate, fla_naive, kimi_linear_torch, max_rel_error
 
 

@@ -625,7 +625,7 @@ def test_grouped_expert_gemm_matches_per_expert_reference(tokens, experts, top_k
 def test_mxfp4_expert_gemv_matches_reference(tokens, top_k, experts, n, k):
     """Each (token, slot) pair through its MXFP4 expert, reading the token's row (odd widths end inside a group of
     32; 520 spans three 256-wide steps), against the dequantized per-pair product."""
-    from h3gen.quant.mxfp4 import quantize
+    from h3gen.quant.mxfp4_format import quantize
 
     g = torch.Generator(device=DEVICE).manual_seed(tokens * n + k)
     weights = [torch.randn(n, k, generator=g, device=DEVICE) for _ in range(experts)]
@@ -647,7 +647,7 @@ def test_mxfp4_expert_gemv_matches_reference(tokens, top_k, experts, n, k):
 def test_mxfp4_decode_expert_tail_matches_reference(tokens, top_k, experts, inter, width, dtype):
     """SwiGLU, the MXFP4 down experts and the weighted slot sum in one kernel, against the reference and against the
     plain per-pair computation over the dequantized experts."""
-    from h3gen.quant.mxfp4 import dequantize, quantize
+    from h3gen.quant.mxfp4_format import dequantize, quantize
 
     g = torch.Generator(device=DEVICE).manual_seed(tokens * 13 + inter)
     down = [torch.randn(width, inter, generator=g, device=DEVICE) / inter**0.5 for _ in range(experts)]
@@ -673,7 +673,7 @@ def test_mxfp4_decode_expert_tail_matches_reference(tokens, top_k, experts, inte
 def test_word_decoding_covers_every_code_and_scale_edge():
     """Every E2M1 code at every position of a word, tiny, unit and huge scales, and NaN scales, through the
     word-decoding expert GEMV against float64 (activations are powers of two, so every product is exact)."""
-    from h3gen.quant.mxfp4 import dequantize
+    from h3gen.quant.mxfp4_format import dequantize
 
     n, k = 5, 64
     codes = torch.arange(16, dtype=torch.uint8).repeat(n, k // 16)

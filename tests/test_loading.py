@@ -10,7 +10,7 @@ from h3_tiny import TINY_CONFIGS, max_rel_err, randomize_, random_inputs
 from safetensors.torch import save_file
 
 from h3gen.errors import CheckpointError
-from h3gen.loading import to_original_layout
+from h3gen.pipelines.h3.layouts import to_original_layout
 from h3gen.pipelines.h3.transformer import H3Transformer
 
 CONFIG = TINY_CONFIGS[2]

@@ -16,7 +16,8 @@ if not torch.cuda.is_available():
 from h3gen.kernels.mxfp4_gemm import reference as gemm_ref  # noqa: E402
 from h3gen.kernels.mxfp4_gemm import gluon as gemm_gluon  # noqa: E402
 from h3gen.kernels.mxfp4_gemm import triton as gemm_triton  # noqa: E402
-from h3gen.quant.mxfp4 import E2M1_VALUES, MXFP4Linear, dequantize, quantize  # noqa: E402
+from h3gen.quant.mxfp4 import MXFP4Linear  # noqa: E402
+from h3gen.quant.mxfp4_format import E2M1_VALUES, dequantize, quantize  # noqa: E402
 
 
 def _spec_codes(row: list[float]) -> tuple[list[int], int]:

@@ -137,13 +137,14 @@ def test_streamed_text_encoder_layers_give_the_same_conditioning(tmp_path):
 
 
 def test_mxfp4_blocks_stream_their_packed_bytes_bit_identically():
-    from h3gen.quant.mxfp4 import MXFP4Linear, mxfp4_linear_factory
+    from h3gen.linear import make_linear_factory
+    from h3gen.quant.mxfp4 import MXFP4Linear
 
     dense = H3Transformer.from_config(CONFIG).eval()
     randomize_(dense, seed=7)
 
     def quantized_copy():
-        model = H3Transformer.from_config(CONFIG, linear_factory=mxfp4_linear_factory()).eval()
+        model = H3Transformer.from_config(CONFIG, linear_factory=make_linear_factory(quantization="mxfp4")).eval()
         state = dense.state_dict()
         for name, module in model.named_modules():
             if isinstance(module, MXFP4Linear):

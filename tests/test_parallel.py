@@ -25,7 +25,7 @@ INPUTS = dict(num_text=7, latent_frames=3, latent_hw=(4, 4), audio_latents=7, an
 
 def _worker(rank, world, init_file, payload_path, result_dir, config=CONFIG):
     from h3gen.parallel import init_parallel
-    from h3gen.parallel.model import load_full_state_dict, parallel_transformer
+    from parallel_model import load_full_state_dict, parallel_transformer
     from h3gen.pipelines.h3.tiers import set_quality
     from h3gen.pipelines.h3.transformer import H3TransformerConfig
 
@@ -155,7 +155,7 @@ def test_invalid_degrees_are_refused_with_the_valid_ones():
 
 
 def test_a_tensor_parallel_rank_reads_only_its_shard(reference, monkeypatch):
-    import h3gen.loading.load as loader
+    import h3gen.pipelines.h3.loader as loader
     from h3gen.parallel.state import ParallelState
     from h3gen.pipelines.h3.transformer import H3Transformer
 
@@ -218,7 +218,7 @@ def test_original_layout_is_read_shard_by_shard(reference, tmp_path, qkv_layout)
 
     from safetensors.torch import save_file
 
-    from h3gen.loading import to_original_layout
+    from h3gen.pipelines.h3.layouts import to_original_layout
     from h3gen.parallel.linear import ColumnParallelLinear
     from h3gen.parallel.state import ParallelState
     from h3gen.pipelines.h3.transformer import H3Transformer

@@ -1,4 +1,5 @@
-"""Streamed safetensors loading into a model built on the meta device.
+"""Streamed safetensors loading into a model built on the meta device (any model: each model's own loader, e.g.
+`pipelines/h3/loader.py`, builds it and names the tensors).
 
 The model's parameters are created on the meta device (no memory), then every tensor is read from its file, cast
 straight from the file dtype to its target dtype (float32 for the islands, the requested dtype elsewhere) and moved
@@ -123,89 +124,3 @@ def assign_tensors(
         problems.append(f"shape mismatches: {_listing(mismatched)}")
     if problems:
         raise CheckpointError(f"{source} does not match the model; " + "; ".join(problems) + ".")
-
-
-def load_transformer(
-    cls,
-    folder,
-    *,
-    torch_dtype: torch.dtype = torch.bfloat16,
-    device: torch.device | str | None = None,
-    linear_factory=None,
-    qkv_layout: str = "interleaved",
-    parallel=None,
-    quantization: str | None = None,
-    skip_prefixes: tuple[str, ...] = (),
-):
-    """Build `cls` (an `H3Transformer`) from `folder/config.json` on the meta device and stream its weights in.
-    Tensors under `skip_prefixes` (e.g. "transformer_blocks.") are not read and stay on the meta device.
-    With `parallel` (a `ParallelState`), the model is this rank's TP shard and SP slice. `quantization="mxfp4"`
-    stores the block linears as MXFP4, quantizing each full-precision tensor as it is read (a checkpoint saved
-    quantized says so in its config and loads as such).
-
-    Accepts the diffusers key layout and the original release's (detected from the keys). Returns the model in
-    eval mode on `device` (default CPU).
-    """
-    from h3gen.loading.files import read_json
-    from h3gen.loading.layouts import detect_layout, iter_converted
-
-    folder = Path(folder)
-    if not folder.is_dir():
-        raise CheckpointError(f"Checkpoint folder {folder} does not exist.")
-    config = read_json(folder / "config.json")
-    class_name = config.get("_class_name")
-    if class_name not in (None, "MiniMaxH3Transformer3DModel", cls.__name__):
-        raise CheckpointError(f"{folder} holds a {class_name}, not a MiniMax-H3 transformer.")
-    device = torch.device(device) if device is not None else torch.device("cpu")
-    if parallel is not None and linear_factory is None:
-        from h3gen.parallel.linear import tensor_parallel_factory
-
-        linear_factory = tensor_parallel_factory(parallel)
-    saved_quantization = (config.get("quantization_config") or {}).get("quant_method")
-    quantization = quantization or saved_quantization
-    if quantization not in (None, "mxfp4"):
-        raise CheckpointError(f"unknown quantization {quantization!r}; h3gen supports mxfp4.")
-    if quantization == "mxfp4":
-        from h3gen.quant.mxfp4 import mxfp4_linear_factory
-
-        linear_factory = mxfp4_linear_factory(base=linear_factory, parallel=parallel)
-    with meta_parameters():
-        model = cls.from_config(config, linear_factory=linear_factory)
-    model.quantization = quantization
-    if parallel is not None:
-        from h3gen.parallel.sequence import enable_sequence_parallel
-
-        model.parallel_state = parallel
-        if parallel.sp > 1:
-            enable_sequence_parallel(model, parallel)
-
-    files = safetensors_files(folder)
-    keys = []
-    for path, listed in files.items():
-        if listed is None:
-            with safe_open(str(path), framework="pt", device="cpu") as handle:
-                listed = list(handle.keys())
-        keys += listed
-    layout = detect_layout(keys)
-    cfg = model.config
-    # Tensor-parallel ranks read only their shards through lazy slices, in either layout (the original layout's
-    # fused q/k/v and swapped SwiGLU halves are converted row range by row range, `layouts.LazyRows`).
-    lazy = getattr(model, "parallel_state", None) is not None or bool(skip_prefixes)
-    tensors = iter_converted(
-        read_tensors(folder, lazy=lazy), layout, cfg.num_attention_heads, cfg.attention_head_dim, qkv_layout
-    )
-    assign_tensors(
-        model,
-        tensors,
-        dtype=torch_dtype,
-        device=device,
-        keep_fp32_modules=cls.keep_fp32_modules,
-        source=f"{folder} ({layout} layout)",
-        skip=(lambda key: key.startswith(tuple(skip_prefixes))) if skip_prefixes else None,
-    )
-    for module in model.modules():  # quantized layers compute in the model's working dtype
-        if hasattr(module, "compute_dtype") and hasattr(module, "weight_packed"):
-            module.compute_dtype = torch_dtype
-    if skip_prefixes:  # every loaded tensor is on `device` already; the skipped ones stay on meta
-        return model.eval().requires_grad_(False)
-    return model.to(device).eval().requires_grad_(False)

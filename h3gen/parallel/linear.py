@@ -1,4 +1,4 @@
-"""Megatron-style tensor-parallel linears and the factory that builds them from a model's `LinearSpec`s.
+"""Megatron-style tensor-parallel linears, built from a model's `LinearSpec`s by the factory in `h3gen.linear`.
 
 Parameters keep the names `weight` and `bias` (state-dict keys never change); they hold this rank's shard.
 `load_shard(name, full)` cuts a full checkpoint tensor down to the shard, so loading needs no knowledge of the
@@ -13,8 +13,11 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from h3gen.linear import LinearSpec, dense_linear
+from h3gen.kernels.mxfp4_gemm import mxfp4_matmul
+from h3gen.linear_spec import LinearSpec
 from h3gen.parallel.state import ParallelState
+from h3gen.quant.fp8 import fp8_matmul, fp8_weight
+from h3gen.quant.mxfp4_format import BLOCK, padded_width, quantize
 
 
 def _shape(full) -> list[int]:
@@ -30,8 +33,6 @@ class _ShardLinear(nn.Module):
     def quantize_fp8(self) -> None:
         """Hold this rank's shard as e4m3 with a float32 scale per output feature (the `fast` tier); the local
         product then takes bf16 rows (quantized per row) or e4m3 `Fp8Rows` from a fused kernel."""
-        from h3gen.quant.fp8 import fp8_weight
-
         if self.fp8:
             return
         self.compute_dtype = self.weight.dtype
@@ -43,8 +44,6 @@ class _ShardLinear(nn.Module):
 
     def _local(self, x, bias):
         if self.fp8:
-            from h3gen.quant.fp8 import fp8_matmul
-
             return fp8_matmul(x, self.weight, self.weight_scale, bias, self.compute_dtype)
         return F.linear(x, self.weight, bias)
 
@@ -119,19 +118,6 @@ class RowParallelLinear(_ShardLinear):
         return y + self.bias if self.bias is not None else y
 
 
-def tensor_parallel_factory(state: ParallelState):
-    """A `LinearFactory`: column / row roles become TP linears (float32 islands and replicated layers stay dense)."""
-
-    def make(spec: LinearSpec) -> nn.Module:
-        if state.tp == 1 or spec.fp32 or spec.role == "replicated":
-            return dense_linear(spec)
-        if spec.role == "column":
-            return ColumnParallelLinear(spec, state)
-        return RowParallelLinear(spec, state)
-
-    return make
-
-
 class _MXFP4Shard:
     """This rank's shard held as MXFP4: `weight_packed` `[rows, Kp / 2]` and `weight_scale` `[rows, Kp / 32]` uint8
     (Kp = the shard's input width padded to 32), the local product `kernels.mxfp4_gemm.mxfp4_matmul`."""
@@ -139,8 +125,6 @@ class _MXFP4Shard:
     takes_lazy_slices = True  # `load_checkpoint_tensor` cuts a safetensors slice before reading it
 
     def _hold_mxfp4(self, rows: int, local_in: int, compute_dtype: torch.dtype) -> None:
-        from h3gen.quant.mxfp4 import BLOCK, padded_width
-
         del self.weight
         width = padded_width(local_in)
         self.register_buffer("weight_packed", torch.zeros(rows, width // 2, dtype=torch.uint8))
@@ -150,8 +134,6 @@ class _MXFP4Shard:
     def load_checkpoint_tensor(self, name: str, tensor, device, dtype) -> bool:
         """A full-precision `weight` (tensor or lazy slice): cut to this rank's shard, quantized here. Packed
         checkpoint tensors go through `load_shard` (returns False)."""
-        from h3gen.quant.mxfp4 import quantize
-
         if name != "weight":
             return False
         shard = self.load_shard("weight", tensor)
@@ -164,8 +146,6 @@ class _MXFP4Shard:
         """MXFP4 shards stay MXFP4 in the `fast` tier (re-quantizing them to FP8 would double their bytes)."""
 
     def _local(self, x, bias):
-        from h3gen.kernels.mxfp4_gemm import mxfp4_matmul
-
         rows = x.reshape(-1, self.local_in).to(self.compute_dtype)
         out = mxfp4_matmul(rows, self.weight_packed, self.weight_scale)
         if bias is not None:
@@ -187,8 +167,6 @@ class RowParallelMXFP4Linear(_MXFP4Shard, RowParallelLinear):
     ranks equals the whole layer exactly."""
 
     def __init__(self, spec: LinearSpec, state: ParallelState, compute_dtype: torch.dtype = torch.bfloat16):
-        from h3gen.quant.mxfp4 import BLOCK
-
         super().__init__(spec, state)
         start, stop = _rank_range(spec.in_features, state.tp, state.tp_rank)
         self.first_block, self.end_block = start // BLOCK, -(-stop // BLOCK)
@@ -197,8 +175,6 @@ class RowParallelMXFP4Linear(_MXFP4Shard, RowParallelLinear):
 
     def load_shard(self, name: str, full):
         """This rank's covering blocks: columns of a full `weight`, of packed bytes or of scales; `bias` whole."""
-        from h3gen.quant.mxfp4 import BLOCK, padded_width
-
         shape = _shape(full)
         per_column = {"weight": 1, "weight_packed": 2, "weight_scale": BLOCK}.get(name)
         width = self.in_features if name == "weight" else padded_width(self.in_features)
@@ -213,10 +189,3 @@ class RowParallelMXFP4Linear(_MXFP4Shard, RowParallelLinear):
             padded[..., self.offset : self.offset + self.columns] = x
             x = padded
         return super()._local(x, bias)
-
-
-def mxfp4_parallel_linear(spec: LinearSpec, state: ParallelState) -> nn.Module:
-    """The TP linear for a column / row `spec` with MXFP4 shards."""
-    if spec.role == "column":
-        return ColumnParallelMXFP4Linear(spec, state)
-    return RowParallelMXFP4Linear(spec, state)

@@ -49,37 +49,3 @@ class Fp8Linear(nn.Module):
         """x `(..., in)`, quantized here per row, or already quantized as `Fp8Rows` (from a fused kernel) ->
         `(..., out)` in the layer's original dtype."""
         return fp8_matmul(x, self.weight, self.weight_scale, self.bias, self.compute_dtype)
-
-
-def _to_fp8(layer: nn.Module) -> nn.Module | None:
-    """`layer` with FP8 weights: a dense `nn.Linear` becomes an `Fp8Linear`, a tensor-parallel linear quantizes its
-    own shard (keeping its collectives); None for a layer whose weights are stored otherwise (an `MXFP4Linear`
-    keeps its 4-bit weights)."""
-    if hasattr(layer, "weight_packed"):
-        return None
-    if isinstance(layer, nn.Linear):
-        return Fp8Linear(layer)
-    if hasattr(layer, "quantize_fp8"):
-        layer.quantize_fp8()
-        return layer
-    raise TypeError(f"cannot quantize a {type(layer).__name__} to FP8 for the fast tier.")
-
-
-def quantize_block_linears(block) -> bool:
-    """Turn a transformer block's q/k/v/out and SwiGLU projections to FP8 where they are dense (plain or tensor
-    parallel) linears; AdaLN stays as it is (it runs on 2-4 rows and is 0 % of the FLOPs). Returns whether every
-    one of them now takes e4m3 rows (`Fp8Rows`); MXFP4 projections stay MXFP4 and take bf16 rows."""
-    attn, ff = block.attn, block.ff
-    slots = [(attn, name) for name in ("to_q", "to_k", "to_v")] + [(attn.to_out, 0), (ff.net[0], "proj"),
-                                                                   (ff.net, 2)]
-    all_fp8 = True
-    for owner, key in slots:
-        layer = owner[key] if isinstance(key, int) else getattr(owner, key)
-        quantized = _to_fp8(layer)
-        if quantized is None:
-            all_fp8 = False
-        elif isinstance(key, int):
-            owner[key] = quantized
-        else:
-            setattr(owner, key, quantized)
-    return all_fp8

@@ -10,7 +10,7 @@ MIN_WIDTH = 8192  # narrower rows: torch's one block per row is as fast
 def argmax_rows(x):
     """`x` `[B, V]` -> `[B]` int64 (see `reference.argmax_rows`)."""
     if x.dim() == 2 and x.shape[1] >= MIN_WIDTH and use_triton(x):
-        from h3gen.kernels.argmax import triton as fast
+        from h3gen.kernels.argmax import triton as fast  # on first use: see _dispatch
 
         return fast.argmax_rows(x)
     return reference.argmax_rows(x)

@@ -11,7 +11,7 @@ MAX_IDS = 64  # more ids (a prefill) gain nothing from the kernel
 def embedding_rows(ids, weight):
     """`ids` `[...]` int, `weight` `[V, D]` -> `[..., D]` in weight.dtype (see `reference.embedding_rows`)."""
     if 0 < ids.numel() <= MAX_IDS and use_triton(weight) and weight.stride(-1) == 1:
-        from h3gen.kernels.embedding import triton as fast
+        from h3gen.kernels.embedding import triton as fast  # on first use: see _dispatch
 
         return fast.embedding_rows(ids, weight)
     return reference.embedding_rows(ids, weight)

@@ -12,7 +12,7 @@ def quantize_rows(x):
     """`(M, K)` -> `Fp8Rows` (`(M, K)` e4m3, `(M, 1)` float32). Triton on CUDA (one pass), the torch reference
     elsewhere."""
     if use_triton(x):
-        from h3gen.kernels.fp8_quant import triton as fast
+        from h3gen.kernels.fp8_quant import triton as fast  # on first use: see _dispatch
 
         return fast.quantize_rows(x)
     return reference.quantize_rows(x)
@@ -22,7 +22,7 @@ def quantize_heads(x):
     """`(B, S, H, D)` -> (e4m3 `(B, S, H, D)`, `(B, H)` float32 descales). Triton on CUDA (an amax pass and a
     quantizing pass), the torch reference elsewhere."""
     if use_triton(x):
-        from h3gen.kernels.fp8_quant import triton as fast
+        from h3gen.kernels.fp8_quant import triton as fast  # on first use: see _dispatch
 
         return fast.quantize_heads(x)
     return reference.quantize_heads(x)

@@ -7,7 +7,7 @@ from h3gen.kernels.gated_residual import reference
 def gated_residual(x, y, gate, index, out=None):
     """`x + gate[index] * y` (x, y `(B, S, H)`, gate `(R, H)`, index `(S,)`); `out=x` writes in place."""
     if use_triton(x):
-        from h3gen.kernels.gated_residual import triton as fast
+        from h3gen.kernels.gated_residual import triton as fast  # on first use: see _dispatch
 
         return fast.gated_residual(x, y, gate, index, out=out)
     result = reference.gated_residual(x, y, gate, index)
@@ -18,7 +18,7 @@ def gated_residual_norm_modulate(x, y, gate, index, weight, shift, scale, eps, o
     """`(x_new, rmsnorm_modulate(x_new, weight, shift, scale, index, eps, fp8=fp8))` with
     `x_new = x + gate[index] * y`."""
     if use_triton(x):
-        from h3gen.kernels.gated_residual import triton as fast
+        from h3gen.kernels.gated_residual import triton as fast  # on first use: see _dispatch
 
         return fast.gated_residual_norm_modulate(x, y, gate, index, weight, shift, scale, eps, out=out, fp8=fp8)
     x_new, modulated = reference.gated_residual_norm_modulate(x, y, gate, index, weight, shift, scale, eps, fp8=fp8)

@@ -25,7 +25,7 @@ def rows_linear(x, weight):
     """`x` `[..., K]` @ `weight` `[N, K]`.T -> `[..., N]` (see `reference.rows_linear`)."""
     rows = x.numel() // max(1, x.shape[-1])
     if 0 < rows <= MAX_ROWS and _fast(x, weight):
-        from h3gen.kernels.gemv import triton as fast
+        from h3gen.kernels.gemv import triton as fast  # on first use: see _dispatch
 
         flat = x.reshape(rows, x.shape[-1])
         return fast.rows_linear(flat, weight).view(*x.shape[:-1], weight.shape[0])
@@ -46,8 +46,8 @@ def rows_linear_argmax(x, weight, into=None):
     count that receives the argmax (and is returned, viewed as `[...]`)."""
     rows = x.numel() // max(1, x.shape[-1])
     if 0 < rows <= MAX_ROWS and _fast(x, weight):
-        from h3gen.kernels.argmax import triton as fast_argmax
-        from h3gen.kernels.gemv import triton as fast
+        from h3gen.kernels.argmax import triton as fast_argmax  # on first use: see _dispatch
+        from h3gen.kernels.gemv import triton as fast  # on first use: see _dispatch
 
         keys = fast_argmax.key_slots(x.device, rows)
         out = fast.rows_linear(x.reshape(rows, x.shape[-1]), weight, keys=keys)
@@ -60,7 +60,7 @@ def rows_linear_argmax(x, weight, into=None):
 def grouped_rows_linear(x, weight):
     """`x` `[G, M, K]`, `weight` `[G, N, K]` -> `[G, M, N]` (see `reference.grouped_rows_linear`)."""
     if 0 < x.shape[1] <= MAX_ROWS and _fast(x, weight):
-        from h3gen.kernels.gemv import triton as fast
+        from h3gen.kernels.gemv import triton as fast  # on first use: see _dispatch
 
         return fast.grouped_rows_linear(x, weight)
     return reference.grouped_rows_linear(x, weight)
@@ -75,7 +75,7 @@ def _normed_fast(x, norm_weight, weight, residual) -> bool:
 
 def _normed_kernel(x, norm_weight, eps, weight, residual, keys=None):
     """The Triton path of `normed_rows_linear` (`keys`: see `triton.grouped_rows_linear`)."""
-    from h3gen.kernels.gemv import triton as fast
+    from h3gen.kernels.gemv import triton as fast  # on first use: see _dispatch
 
     k = x.shape[-1]
     rows = x.numel() // k
@@ -100,7 +100,7 @@ def normed_rows_linear_argmax(x, norm_weight, eps, weight, residual=None, into=N
     """`normed_rows_linear` plus the output's argmax over N (as `rows_linear_argmax`, `into` too): (s `[..., K]`,
     out `[..., N]`, argmax `[...]` int64)."""
     if _normed_fast(x, norm_weight, weight, residual):
-        from h3gen.kernels.argmax import triton as fast_argmax
+        from h3gen.kernels.argmax import triton as fast_argmax  # on first use: see _dispatch
 
         rows = x.numel() // x.shape[-1]
         keys = fast_argmax.key_slots(x.device, rows)

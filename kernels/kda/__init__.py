@@ -47,7 +47,7 @@ def kda_decode(q, k, v, conv_weights, conv_state, f, a_log, dt_bias, lower_bound
     gate inputs, projected up inside the op."""
     if (use_triton(q) and state.stride(3) == 1 and state.stride(2) == state.shape[3] and conv_state.stride(2) == 1
             and conv_weights[0].shape[-1] <= 4):
-        from h3gen.kernels.kda import triton as fast
+        from h3gen.kernels.kda import triton as fast  # on first use: see _dispatch
 
         return fast.kda_decode(q, k, v, conv_weights, conv_state, f, a_log, dt_bias, lower_bound, b, gate,
                                norm_weight, norm_eps, state, scale, rows=rows, gate_up=gate_up)

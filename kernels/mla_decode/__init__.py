@@ -17,7 +17,7 @@ def mla_decode(q, kv_pages, block_table, seq_lens, scale, v_dim):
     `[B, H, v_dim]` (see `reference.mla_decode`)."""
     page = kv_pages.shape[1]
     if use_triton(q) and page >= 16 and not page & (page - 1):
-        from h3gen.kernels.mla_decode import triton as fast
+        from h3gen.kernels.mla_decode import triton as fast  # on first use: see _dispatch
 
         return fast.mla_decode(q, kv_pages, block_table, seq_lens, scale, v_dim)
     return reference.mla_decode(q, kv_pages, block_table, seq_lens, scale, v_dim)
@@ -28,7 +28,7 @@ def mla_decode_partials(q, kv_pages, block_table, seq_lens, scale, v_dim, splits
     `[B, H, splits]` log-sum-exps, for `absorb_output(..., lse=)` (see `reference.mla_decode_partials`)."""
     page = kv_pages.shape[1]
     if use_triton(q) and page >= 16 and not page & (page - 1):
-        from h3gen.kernels.mla_decode import triton as fast
+        from h3gen.kernels.mla_decode import triton as fast  # on first use: see _dispatch
 
         return fast.mla_decode_partials(q, kv_pages, block_table, seq_lens, scale, v_dim, splits)
     return reference.mla_decode_partials(q, kv_pages, block_table, seq_lens, scale, v_dim, splits)
@@ -51,7 +51,7 @@ def write_latent_rows(latent, k_pe, norm_weight, eps, pages, block_table, lens):
     """Normalise `latent` `[B, r]`, append `k_pe` `[B, d_r]` and write the rows at positions `lens` `[B]` of the
     paged MLA cache `pages` through `block_table` (see `reference.write_latent_rows`; one Triton kernel on CUDA)."""
     if use_triton(latent):
-        from h3gen.kernels.mla_decode import triton as fast
+        from h3gen.kernels.mla_decode import triton as fast  # on first use: see _dispatch
 
         return fast.write_latent_rows(latent, k_pe, norm_weight, eps, pages, block_table, lens)
     return reference.write_latent_rows(latent, k_pe, norm_weight, eps, pages, block_table, lens)
@@ -61,7 +61,7 @@ def absorb_query(q, w_kc, nope, new_rows=None):
     """`q` `[B, n, nope + d_r]` -> the absorbed query `[B, n, r + d_r]` float32 (see `reference.absorb_query`);
     with `new_rows` (`write_latent_rows`' arguments) the step's cache rows are written by the same launch."""
     if use_triton(q):
-        from h3gen.kernels.mla_decode import triton as fast
+        from h3gen.kernels.mla_decode import triton as fast  # on first use: see _dispatch
 
         return fast.absorb_query(q, w_kc, nope, new_rows=new_rows)
     return reference.absorb_query(q, w_kc, nope, new_rows)
@@ -71,7 +71,7 @@ def absorb_output(latent, w_vc, dtype, gate=None, lse=None):
     """Attended latents `[B, n, r]` float32 -> `[B, n, v]` in `dtype`, times sigmoid(`gate`) when given; with `lse`,
     the latents are `mla_decode_partials`' runs, combined first (see `reference.absorb_output`)."""
     if use_triton(latent):
-        from h3gen.kernels.mla_decode import triton as fast
+        from h3gen.kernels.mla_decode import triton as fast  # on first use: see _dispatch
 
         return fast.absorb_output(latent, w_vc, dtype, gate, lse)
     return reference.absorb_output(latent, w_vc, dtype, gate, lse)

@@ -7,6 +7,8 @@ is the first `v_dim` (= r) entries of the same row.
 
 import torch
 
+from h3gen.kernels.rmsnorm.reference import rms_norm
+
 
 def mla_decode(q: torch.Tensor, kv_pages: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
                scale: float, v_dim: int) -> torch.Tensor:
@@ -41,8 +43,6 @@ def write_latent_rows(latent: torch.Tensor, k_pe: torch.Tensor, norm_weight: tor
     """One decode step's MLA cache rows: `latent` `[B, r]` RMS-normalised (`rms_norm` rounding), then `k_pe`
     `[B, d_r]`, written as row `lens[b]` of sequence b into `pages` `[P, page_size, r + d_r]` through
     `block_table` `[B, W]` (int32 page ids; `lens` `[B]` int32)."""
-    from h3gen.kernels.rmsnorm.reference import rms_norm
-
     row = torch.cat([rms_norm(latent, norm_weight, eps), k_pe], dim=-1)
     page_size = pages.shape[1]
     position = lens.long()

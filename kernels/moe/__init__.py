@@ -11,6 +11,7 @@ device."""
 from h3gen.kernels._dispatch import use_triton
 from h3gen.kernels.moe import reference
 from h3gen.kernels.moe.reference import grouped_gemm, grouped_mxfp4_gemm, sort_by_expert
+from h3gen.kernels.rmsnorm import add_rms_norm
 
 
 def route_topk(logits, correction_bias, top_k, num_groups=1, topk_groups=1, renormalize=True, scaling=1.0, always=0):
@@ -18,7 +19,7 @@ def route_topk(logits, correction_bias, top_k, num_groups=1, topk_groups=1, reno
     `reference.route_topk` (`always`: always-on experts E .. E + always - 1 appended with weight 1). Without expert
     groups on CUDA, one Triton program per token."""
     if num_groups <= 1 and use_triton(logits) and logits.shape[-1] <= 1024:
-        from h3gen.kernels.moe import triton as fast
+        from h3gen.kernels.moe import triton as fast  # on first use: see _dispatch
 
         return fast.route_topk(logits, correction_bias, top_k, renormalize, scaling, always)
     return reference.route_topk(logits, correction_bias, top_k, num_groups, topk_groups, renormalize, scaling, always)
@@ -34,13 +35,11 @@ def router_topk(x, weight, correction_bias, top_k, num_groups=1, topk_groups=1, 
     `rms_norm(x + delta)` and the call returns (total, normed, weights, ids) as `add_rms_norm` then the router
     would. One Triton kernel on CUDA without expert groups for up to `ROUTER_TOPK_MAX_TOKENS` tokens."""
     if num_groups <= 1 and use_triton(x) and 0 < x.shape[0] <= ROUTER_TOPK_MAX_TOKENS and weight.shape[0] <= 1024:
-        from h3gen.kernels.moe import triton as fast
+        from h3gen.kernels.moe import triton as fast  # on first use: see _dispatch
 
         return fast.router_topk(x, weight, correction_bias, top_k, renormalize, scaling, always, residual)
     total = normed = None
     if residual is not None:
-        from h3gen.kernels.rmsnorm import add_rms_norm
-
         delta, norm_weight, eps = residual
         total, normed = add_rms_norm(x, delta, norm_weight, eps)
         x = normed
@@ -54,7 +53,7 @@ def expert_gemv(x, weight, ids, top_k=1, always=0):
     expert `ids[p]`. `always`: the last that many slots of each token hold the always-on experts E - always ..
     E - 1 (their ids say so too); the Triton kernel then loads their weights before the routing is known."""
     if use_triton(x):
-        from h3gen.kernels.moe import triton as fast
+        from h3gen.kernels.moe import triton as fast  # on first use: see _dispatch
 
         return fast.expert_gemv(x, weight, ids, top_k, always=always)
     return reference.expert_gemv(x, weight, ids, top_k)
@@ -65,7 +64,7 @@ def expert_swiglu_down(both, down, ids, weights, add=None):
     SwiGLU, each pair's down expert and the weighted sum over slots, plus `add` `[T, W]` when given (one Triton
     kernel on CUDA)."""
     if use_triton(both):
-        from h3gen.kernels.moe import triton as fast
+        from h3gen.kernels.moe import triton as fast  # on first use: see _dispatch
 
         return fast.expert_swiglu_down(both, down, ids, weights, add=add)
     return reference.expert_swiglu_down(both, down, ids, weights, add)
@@ -74,7 +73,7 @@ def expert_swiglu_down(both, down, ids, weights, add=None):
 def router_logits(x, weight):
     """`x` `[T, D]`, router `weight` `[E, D]` -> `[T, E]` float32 logits (one Triton kernel on CUDA, no casts)."""
     if use_triton(x):
-        from h3gen.kernels.moe import triton as fast
+        from h3gen.kernels.moe import triton as fast  # on first use: see _dispatch
 
         return fast.router_logits(x, weight)
     return reference.router_logits(x, weight)
@@ -83,7 +82,7 @@ def router_logits(x, weight):
 def expert_gemv_mxfp4(x, packed, scales, ids, top_k=1):
     """`expert_gemv` for MXFP4 experts: `packed` `[E, N, Kp / 2]`, `scales` `[E, N, Kp / 32]` -> `[P, N]`."""
     if use_triton(x):
-        from h3gen.kernels.moe import triton as fast
+        from h3gen.kernels.moe import triton as fast  # on first use: see _dispatch
 
         return fast.expert_gemv_mxfp4(x, packed, scales, ids, top_k)
     return reference.expert_gemv_mxfp4(x, packed, scales, ids, top_k)
@@ -93,7 +92,7 @@ def expert_swiglu_down_mxfp4(both, packed, scales, ids, weights):
     """`expert_swiglu_down` for MXFP4 down experts: `packed` `[E, W, Ip / 2]`, `scales` `[E, W, Ip / 32]` ->
     `[T, W]` (one Triton kernel on CUDA)."""
     if use_triton(both):
-        from h3gen.kernels.moe import triton as fast
+        from h3gen.kernels.moe import triton as fast  # on first use: see _dispatch
 
         return fast.expert_swiglu_down_mxfp4(both, packed, scales, ids, weights)
     return reference.expert_swiglu_down_mxfp4(both, packed, scales, ids, weights)
@@ -105,7 +104,7 @@ def stacked_experts(h, up_gate, down, ids, activation, swiglu: bool):
     run with no host synchronisation (pairs grouped into expert blocks on the device, SwiGLU fused into the first
     GEMM); otherwise the torch reference with `activation(gate, up)`."""
     if swiglu and use_triton(h):
-        from h3gen.kernels.moe import triton as fast
+        from h3gen.kernels.moe import triton as fast  # on first use: see _dispatch
 
         pairs = ids.reshape(-1)
         rows, block_expert = fast.moe_blocks(pairs, up_gate.shape[0], 64)

@@ -8,7 +8,7 @@ take the tokens sorted by expert (`sort_by_expert`) and one weight per expert, d
 import torch
 
 from h3gen.kernels.swiglu.reference import swiglu
-from h3gen.quant.mxfp4 import dequantize
+from h3gen.quant.mxfp4_format import dequantize
 
 
 def route_topk(logits: torch.Tensor, correction_bias: torch.Tensor | None, top_k: int, num_groups: int = 1,

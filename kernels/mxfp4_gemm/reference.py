@@ -2,7 +2,7 @@
 
 import torch
 
-from h3gen.quant.mxfp4 import dequantize
+from h3gen.quant.mxfp4_format import dequantize
 
 
 def mxfp4_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:

@@ -329,7 +329,7 @@ def _dequantize_kernel(packed_ptr, scale_ptr, out_ptr, N, K, stride_pn, stride_s
 def dequantize(packed: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype, in_features: int, *,
                block_n: int = 16, block_k: int = 512, num_warps: int = 4) -> torch.Tensor:
     """(`[N, Kp / 2]` uint8, `[N, Kp / 32]` uint8) -> `[N, in_features]` in `dtype`; same values as
-    `h3gen.quant.mxfp4.dequantize`."""
+    `h3gen.quant.mxfp4_format.dequantize`."""
     n = packed.shape[0]
     out = torch.empty((n, in_features), dtype=dtype, device=packed.device)
     grid = (triton.cdiv(n, block_n), triton.cdiv(in_features, block_k))

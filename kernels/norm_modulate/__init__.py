@@ -9,7 +9,7 @@ def rmsnorm_modulate(x, weight, shift, scale, index, eps, fp8=False):
     `fp8=True` returns `Fp8Rows` (e4m3 per row) for an FP8 GEMM. Triton on CUDA (one pass, float32 math, one
     rounding), the torch reference elsewhere."""
     if use_triton(x):
-        from h3gen.kernels.norm_modulate import triton as fast
+        from h3gen.kernels.norm_modulate import triton as fast  # on first use: see _dispatch
 
         return fast.rmsnorm_modulate(x, weight, shift, scale, index, eps, fp8=fp8)
     return reference.rmsnorm_modulate(x, weight, shift, scale, index, eps, fp8=fp8)

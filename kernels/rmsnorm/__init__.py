@@ -8,7 +8,7 @@ from h3gen.kernels.rmsnorm import reference
 def rms_norm(x, weight, eps):
     """`x` `[..., D]`, `weight` `[D]` -> `[..., D]` (see `reference.rms_norm`)."""
     if use_triton(x):
-        from h3gen.kernels.rmsnorm import triton as fast
+        from h3gen.kernels.rmsnorm import triton as fast  # on first use: see _dispatch
 
         return fast.rms_norm(x, weight, eps)
     return reference.rms_norm(x, weight, eps)
@@ -17,7 +17,7 @@ def rms_norm(x, weight, eps):
 def add_rms_norm(x, y, weight, eps):
     """`(x + y, rms_norm(x + y, weight, eps))` for `x`, `y` `[..., D]` of one dtype (one pass on CUDA)."""
     if use_triton(x) and x.dtype == y.dtype and x.shape == y.shape:
-        from h3gen.kernels.rmsnorm import triton as fast
+        from h3gen.kernels.rmsnorm import triton as fast  # on first use: see _dispatch
 
         return fast.add_rms_norm(x, y, weight, eps)
     return reference.add_rms_norm(x, y, weight, eps)

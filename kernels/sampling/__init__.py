@@ -8,7 +8,7 @@ from h3gen.kernels.sampling import reference
 def draw_token(values, order, noise, temperature, top_k, top_p):
     """`values` `[V]` (sorted descending when `order` `[V]` is given), `noise` `[V]` float32 -> `[1]` int64 id."""
     if use_triton(values):
-        from h3gen.kernels.sampling import triton as fast
+        from h3gen.kernels.sampling import triton as fast  # on first use: see _dispatch
 
         return fast.draw_token(values, order, noise, temperature, top_k, top_p)
     return reference.draw_token(values, order, noise, temperature, top_k, top_p)
@@ -18,7 +18,7 @@ def draw_tokens(values, order, noise, temperature, top_k, top_p):
     """`draw_token` for each row of `[B, V]` `values` / `order` / `noise`, all rows by the same parameters ->
     `[B]` int64."""
     if use_triton(values):
-        from h3gen.kernels.sampling import triton as fast
+        from h3gen.kernels.sampling import triton as fast  # on first use: see _dispatch
 
         return fast.draw_tokens(values, order, noise, temperature, top_k, top_p)
     return reference.draw_tokens(values, order, noise, temperature, top_k, top_p)

@@ -8,7 +8,7 @@ def swiglu(x, fp8=False):
     """`(..., 2F)` -> `(..., F)`, or `Fp8Rows` (e4m3 per row) with `fp8=True`. Triton on CUDA (one pass, float32
     math), the torch reference elsewhere."""
     if use_triton(x):
-        from h3gen.kernels.swiglu import triton as fast
+        from h3gen.kernels.swiglu import triton as fast  # on first use: see _dispatch
 
         return fast.swiglu(x, fp8=fp8)
     return reference.swiglu(x, fp8=fp8)

@@ -13,6 +13,7 @@ there, which is how a job is cancelled within a fraction of a second in any stag
 """
 
 import logging
+import time
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Callable
@@ -21,6 +22,7 @@ import numpy as np
 import torch
 
 from h3gen.errors import RequestError
+from h3gen.media import write_mp4
 from h3gen.pipelines.h3 import geometry
 from h3gen.pipelines.h3.checkpoint import REQUIRED, H3Checkpoint
 from h3gen.pipelines.h3.packing import (ReferenceBlock, build_layout, build_ref2va_layout, patchify_video,
@@ -82,8 +84,6 @@ class H3Output:
         """Write an MP4 (H.264 + AAC stereo at `audio_sample_rate`, default 32000) and verify it decodes back.
         `progress(done, total)` runs per frame written and read back (see `write_mp4`). Returns the decoded file's
         `MediaInfo`."""
-        from h3gen.media import write_mp4
-
         return write_mp4(
             path, self.video, self.audio, fps=self.fps, sample_rate=self.sample_rate,
             audio_sample_rate=audio_sample_rate, progress=progress,
@@ -427,8 +427,6 @@ class H3Pipeline:
         Returns:
             `H3Output`.
         """
-        import time
-
         report = callback or (lambda stage, step, total: None)
         planned = None
         if plan:

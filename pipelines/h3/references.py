@@ -27,6 +27,7 @@ import torch
 from PIL import Image
 
 from h3gen.errors import RequestError
+from h3gen.media import iter_video_frames, probe_video, read_audio, read_image
 from h3gen.pipelines.h3 import geometry
 
 MAX_IMAGES, MAX_VIDEOS, MAX_AUDIOS, MAX_REFERENCES = 9, 3, 3, 12
@@ -150,7 +151,7 @@ def _is_path(value) -> bool:
 
 def reference_kind(path, name: str = "references") -> str:
     """"image", "video" or "audio" for a media file: by its suffix, else by what it decodes as."""
-    import av
+    import av  # PyAV loads FFmpeg's libraries: imported where a file is probed, as in h3gen.media
 
     path = Path(path)
     suffix = path.suffix.lower()
@@ -273,16 +274,12 @@ def _check_rate(rate, name: str) -> int:
 def sound_of(reference: Reference, num_frames: int | None = None) -> tuple[torch.Tensor, int] | None:
     """A reference's raw sound `(channels, samples)` float32 and its rate, or None when it carries none. With
     `num_frames`, a file is decoded only as far as that many frames at 24 fps need."""
-    from h3gen.media import read_audio
-
     if reference.kind == "image":
         return None
     source = reference.audio
     if reference.kind == "video" and source is None:
         if not (reference.soundtrack and _is_path(reference.video)):
             return None
-        from h3gen.media import probe_video
-
         if not probe_video(reference.video, reference.name).has_audio:
             return None
         source = reference.video
@@ -325,8 +322,6 @@ def _check_aspect(width: int, height: int, name: str) -> None:
 
 def load_image(source, name: str) -> Image.Image:
     """An image reference as an RGB PIL image, from a path, PIL image, `(H, W, 3)` array or `(3, H, W)` tensor."""
-    from h3gen.media import read_image
-
     if isinstance(source, torch.Tensor):
         if source.ndim != 3 or source.shape[0] != 3:
             raise RequestError(f"{name} tensor must be (3, height, width) (got {tuple(source.shape)}).", name)
@@ -412,8 +407,6 @@ def normalize_video(frames: Iterable[np.ndarray], fps: float, num_frames: int, *
 def prepare_references(references: list[Reference], num_frames: int, *, multiple: int, short_edge: int,
                        max_pixels: int, image_short_edge: int = REFERENCE_IMAGE_SHORT_EDGE) -> list[PreparedReference]:
     """Decode and normalize every reference for a request of `num_frames` frames (17n + 5), in order."""
-    from h3gen.media import iter_video_frames, probe_video
-
     prepared = []
     for reference in references:
         name = reference.name

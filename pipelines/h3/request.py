@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 import torch
 
 from h3gen.errors import RequestError
+from h3gen.loading.files import read_json
+from h3gen.media import read_image
 from h3gen.pipelines.h3 import geometry
 from h3gen.pipelines.h3.checkpoint import H3Checkpoint
 from h3gen.pipelines.h3.references import PreparedReference, as_references, prepare_references, sound_seconds
@@ -72,8 +74,6 @@ def prepare_request(
     field and the allowed range. Keyframes are read and placed on the canvas here; references are decoded and
     normalized here. Without `seconds` or `num_frames` a request lasts 5 s, or for ref2va as long as its first
     reference that carries sound (held within 5 to 15 s)."""
-    from h3gen.media import read_image
-
     if not isinstance(prompt, str) or not prompt.strip():
         raise RequestError("prompt must be a non-empty string.", "prompt")
     _check_int(num_inference_steps, "num_inference_steps", 2, MAX_STEPS, str(MAX_STEPS))
@@ -142,8 +142,6 @@ def prepare_request(
 def read_transformer_config(checkpoint: H3Checkpoint) -> H3TransformerConfig:
     """The transformer's config from `transformer/config.json` (or `transformer_ref/`'s, same architecture), without
     loading any weights."""
-    from h3gen.loading.files import read_json
-
     name = "transformer" if "transformer" in checkpoint.components or "transformer_ref" not in checkpoint.components \
         else "transformer_ref"
     return H3TransformerConfig.from_dict(read_json(checkpoint.folder(name) / "config.json"))

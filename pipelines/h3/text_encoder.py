@@ -19,7 +19,9 @@ from pathlib import Path
 import torch
 
 from h3gen.errors import CheckpointError, RequestError
+from h3gen.pipelines.h3.references import VIDEO_SAMPLE_FPS
 from h3gen.pipelines.h3.transformer import TEXT_TAG, VIDEO_TAG
+from h3gen.pipelines.h3.video_processor import QwenVideoProcessor
 
 TEXT_ENCODER_LAYER = 50
 
@@ -36,7 +38,7 @@ def load_image_processor(folder: Path):
     """The Qwen3-VL image processor from `processor/`, preferring transformers' own choice of backend and falling
     back to the PIL implementation (no torchvision needed)."""
     try:
-        from transformers import AutoImageProcessor
+        from transformers import AutoImageProcessor  # heavy (seconds to import): imported where it is used
 
         return AutoImageProcessor.from_pretrained(str(folder))
     except Exception:  # e.g. a backend that needs torchvision
@@ -68,6 +70,7 @@ class H3TextEncoder:
         cls, text_encoder_dir: Path, tokenizer_dir: Path, processor_dir: Path | None, *, dtype, device
     ) -> "H3TextEncoder":
         """Load the encoder truncated to `TEXT_ENCODER_LAYER + 1` decoder layers, in `dtype` on `device`."""
+        # transformers is heavy (seconds to import): imported where it is used
         from transformers import AutoConfig, AutoTokenizer, Qwen3VLForConditionalGeneration
         from transformers.utils import logging as hf_logging
 
@@ -93,8 +96,6 @@ class H3TextEncoder:
         image_processor = load_image_processor(processor_dir) if processor_dir is not None else None
         video_processor = None
         if processor_dir is not None:
-            from h3gen.pipelines.h3.video_processor import QwenVideoProcessor
-
             video_processor = QwenVideoProcessor.from_folder(processor_dir)
         return cls(model, tokenizer, image_processor, video_processor=video_processor)
 
@@ -135,8 +136,6 @@ class H3TextEncoder:
     def _present_references(self, prompt: str, references: list) -> tuple[list[int], list[int], dict]:
         """Token ids, tags and vision inputs of a ref2va presentation. Vision tensors are batched per kind (Qwen3-VL
         fills the n-th pad run of a kind with the n-th item of that kind's batch), labels follow request order."""
-        from h3gen.pipelines.h3.references import VIDEO_SAMPLE_FPS
-
         if self.image_processor is None or self.video_processor is None:
             raise CheckpointError("This checkpoint has no processor/ folder, which reference prompts need.")
         merge = self.image_processor.merge_size**2

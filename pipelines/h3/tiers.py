@@ -4,22 +4,24 @@
 - `lossless` (default): the same math with fused kernels (`h3gen.kernels`): one pass for RMSNorm + modulation,
   q/k norm + RoPE, SwiGLU, and the gated residual fused with the next norm; bf16-level differences only.
 - `fast`: `lossless` plus FP8 (e4m3) GEMMs for the block's q/k/v/out and SwiGLU projections, per-row activation and
-  per-column weight scales (`h3gen.quant.fp8`), and FP8 attention where FlashAttention-3 is installed; the fused
-  row kernels write their results in e4m3 directly, so no activation is quantized by a pass of its own except
-  the attention output and v. An approximation with measured error; the weights are quantized in place, so a
-  model set to `fast` cannot go back. Tensor-parallel blocks quantize each rank's shard (the collectives stay);
-  blocks whose GEMMs are MXFP4 (`--quantization mxfp4`) keep them, so there `fast` is `lossless` with FP8
-  attention.
+  per-column weight scales (`h3gen.quant.fp8`, layers made by `h3gen.linear.to_fp8`), and FP8 attention where
+  FlashAttention-3 is installed; the fused row kernels write their results in e4m3 directly, so no activation is
+  quantized by a pass of its own except the attention output and v. An approximation with measured error; the
+  weights are quantized in place, so a model set to `fast` cannot go back. Tensor-parallel blocks quantize each
+  rank's shard (the collectives stay); blocks whose GEMMs are MXFP4 (`--quantization mxfp4`) keep them, so there
+  `fast` is `lossless` with FP8 attention.
 """
 
 import torch
 
-from h3gen.kernels.attention import fp8_attention, takes_fp8_inputs
+from h3gen.kernels.attention import fa3_available, fp8_attention, takes_fp8_inputs
 from h3gen.kernels.fp8_quant import quantize_heads
 from h3gen.kernels.gated_residual import gated_residual, gated_residual_norm_modulate
 from h3gen.kernels.norm_modulate import rmsnorm_modulate
 from h3gen.kernels.qk_norm_rope import qk_norm_rope
 from h3gen.kernels.swiglu import swiglu
+from h3gen.linear import to_fp8
+from h3gen.pipelines.h3.transformer import AttentionCore
 
 QUALITY_TIERS = ("exact", "lossless", "fast")
 
@@ -49,8 +51,6 @@ def fast_block_forward(block, hidden_states: torch.Tensor, table: torch.Tensor, 
     """`fused_block_forward` for a block whose GEMMs are `Fp8Linear`s: the norms and SwiGLU hand e4m3 rows with
     their scales straight to the GEMMs and, when the attention backend takes FP8 inputs (FlashAttention-3's),
     q/k norm + RoPE hands e4m3 heads straight to attention. The residual stream is updated in place."""
-    from h3gen.pipelines.h3.transformer import AttentionCore
-
     shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = table.chunk(6, dim=-1)
     attn = block.attn
     normed = rmsnorm_modulate(hidden_states, block.norm1.weight, shift_msa, scale_msa, adaln_indices,
@@ -73,6 +73,26 @@ def fast_block_forward(block, hidden_states: torch.Tensor, table: torch.Tensor, 
     return gated_residual(hidden_states, ff, gate_mlp, adaln_indices, out=hidden_states)
 
 
+def quantize_block_linears(block) -> bool:
+    """Turn a transformer block's q/k/v/out and SwiGLU projections to FP8 where they are dense (plain or tensor
+    parallel) linears; AdaLN stays as it is (it runs on 2-4 rows and is 0 % of the FLOPs). Returns whether every
+    one of them now takes e4m3 rows (`Fp8Rows`); MXFP4 projections stay MXFP4 and take bf16 rows."""
+    attn, ff = block.attn, block.ff
+    slots = [(attn, name) for name in ("to_q", "to_k", "to_v")] + [(attn.to_out, 0), (ff.net[0], "proj"),
+                                                                   (ff.net, 2)]
+    all_fp8 = True
+    for owner, key in slots:
+        layer = owner[key] if isinstance(key, int) else getattr(owner, key)
+        quantized = to_fp8(layer)
+        if quantized is None:
+            all_fp8 = False
+        elif isinstance(key, int):
+            owner[key] = quantized
+        else:
+            setattr(owner, key, quantized)
+    return all_fp8
+
+
 def set_quality(transformer, tier: str) -> None:
     """Switch `transformer` (an `H3Transformer`) to a quality tier. `exact` <-> `lossless` is free and reversible;
     `fast` quantizes the block GEMM weights to FP8 in place."""
@@ -80,8 +100,6 @@ def set_quality(transformer, tier: str) -> None:
         raise ValueError(f"quality must be one of {', '.join(QUALITY_TIERS)} (got {tier!r}).")
     if getattr(transformer, "quality", None) == "fast" and tier != "fast":
         raise ValueError("this transformer's weights were quantized for the fast tier; reload it for another tier.")
-    from h3gen.kernels.attention import fa3_available
-
     # exact: torch's own SDPA choice, as diffusers; lossless: the fastest exact backend of the device (FA3 when
     # installed, else cuDNN on Hopper; our Triton attention measured slower, benchmarks/history.md); fast: FA3's
     # FP8 attention when installed.
@@ -91,8 +109,6 @@ def set_quality(transformer, tier: str) -> None:
         block.fused_forward = forward
         block.attn.core.backend = backend
     if tier == "fast" and getattr(transformer, "quality", None) != "fast":
-        from h3gen.quant.fp8 import quantize_block_linears
-
         for block in transformer.transformer_blocks:
             block.fp8_gemms = quantize_block_linears(block)
     if tier == "fast":

@@ -15,6 +15,8 @@ from pathlib import Path
 import torch
 
 from h3gen.loading.cached_build import cached_folder, default_cache_dir
+from h3gen.pipelines.h3.schedules import write_scheduler_config
+from h3gen.pipelines.h3.transformer import H3Transformer, H3TransformerConfig
 
 # Bump when the builder changes what it writes, so stale caches are rebuilt.
 TINY_FORMAT = 2  # 2: transformer_ref/, the video processor config, reference_image_short_edge
@@ -49,7 +51,7 @@ COMPONENTS = {
 
 def build_tokenizer():
     """A byte-level BPE with no merges (one token per byte) plus Qwen's special tokens: 263 tokens, offline."""
-    from transformers import Qwen2TokenizerFast
+    from transformers import Qwen2TokenizerFast  # heavy (seconds to import): imported where it is used
     from transformers.convert_slow_tokenizer import bytes_to_unicode
 
     vocab = {"<|endoftext|>": 0}
@@ -62,6 +64,7 @@ def build_tokenizer():
 
 def build_text_encoder(tokenizer):
     """Qwen3-VL with a 64-wide, 51-layer text model and a 2-block vision tower (random weights)."""
+    # transformers is heavy (seconds to import): imported where it is used
     from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
 
     ids = {name: tokenizer.convert_tokens_to_ids(name) for name in SPECIAL_TOKENS}
@@ -85,6 +88,7 @@ def build_text_encoder(tokenizer):
 
 def build_image_processor():
     """Qwen3-VL's image processing (patch 16, merge 2), PIL backend so no torchvision is needed."""
+    # transformers is heavy (seconds to import): imported where it is used
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     return Qwen2VLImageProcessorPil(
@@ -124,10 +128,8 @@ def _write_index(folder: Path) -> None:
 def build_tiny_checkpoint(folder, seed: int = 0, transformer: dict | None = None) -> Path:
     """Write the tiny checkpoint into `folder` (created). Same seed, same bytes (for one torch version).
     `transformer` overrides entries of the transformer config (both partitions; `text_dim` must stay 64)."""
+    # diffusers is heavy (seconds to import): imported where it is used
     from diffusers import AutoencoderKLMiniMaxH3, AutoencoderKLMiniMaxH3Audio
-
-    from h3gen.pipelines.h3.schedules import write_scheduler_config
-    from h3gen.pipelines.h3.transformer import H3Transformer, H3TransformerConfig
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
@@ -172,7 +174,7 @@ def build_tiny_checkpoint(folder, seed: int = 0, transformer: dict | None = None
 
 def tiny_checkpoint(seed: int = 0, cache_dir=None) -> Path:
     """The cached tiny checkpoint for `seed`, built on first use (atomically, so a crash leaves no half folder)."""
-    import diffusers
+    import diffusers  # heavy (seconds to import): only the cache tag needs their versions
     import transformers
 
     cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()

@@ -24,6 +24,8 @@ import torch.nn.functional as F
 
 from h3gen.kernels.attention import attention
 from h3gen.linear import LinearFactory, LinearSpec, dense_linear
+from h3gen.loading import save_component
+from h3gen.pipelines.h3.loader import load_transformer
 
 logger = logging.getLogger(__name__)
 
@@ -458,8 +460,6 @@ class H3Transformer(nn.Module):
         tensor is read. Tensors under `skip_prefixes` are not read and stay on the meta device (a rank that maps
         the blocks from a shared host store skips "transformer_blocks.").
         """
-        from h3gen.loading import load_transformer
-
         return load_transformer(
             cls, folder, torch_dtype=torch_dtype, device=device, linear_factory=linear_factory, qkv_layout=qkv_layout,
             parallel=parallel, quantization=quantization, skip_prefixes=skip_prefixes,
@@ -479,8 +479,6 @@ class H3Transformer(nn.Module):
 
     def save_pretrained(self, folder, max_shard_bytes: int | None = None):
         """Write `config.json` and the weights in diffusers' layout (loadable by diffusers and by us)."""
-        from h3gen.loading import save_component
-
         config = self.config.to_dict()
         if getattr(self, "quantization", None):
             config["quantization_config"] = {"quant_method": self.quantization}

@@ -9,6 +9,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from h3gen.errors import CheckpointError
+
 PIXEL_MEAN = (0.485, 0.456, 0.406)
 PIXEL_STD = (0.229, 0.224, 0.225)
 KEYFRAME_ENCODE_SEED = 42  # the conditioning posterior is sampled under its own fixed seed
@@ -16,19 +18,17 @@ KEYFRAME_ENCODE_SEED = 42  # the conditioning posterior is sampled under its own
 
 def load_video_vae(folder: Path, *, dtype: torch.dtype, device):
     """`AutoencoderKLMiniMaxH3` in `dtype` (its encoder and norms stay float32, as the class pins them)."""
-    from diffusers import AutoencoderKLMiniMaxH3
+    from diffusers import AutoencoderKLMiniMaxH3  # heavy (seconds to import): imported where it is used
 
     return AutoencoderKLMiniMaxH3.from_pretrained(str(folder), torch_dtype=dtype).to(device).eval().requires_grad_(False)
 
 
 def load_audio_vae(folder: Path, *, device):
     """`AutoencoderKLMiniMaxH3Audio`, always float32 (bf16 decodes are ~20 dB quieter)."""
-    from diffusers import AutoencoderKLMiniMaxH3Audio
+    from diffusers import AutoencoderKLMiniMaxH3Audio  # heavy (seconds to import): imported where it is used
 
     vae = AutoencoderKLMiniMaxH3Audio.from_pretrained(str(folder), torch_dtype=torch.float32)
     if vae.config.latents_mean is None or vae.config.latents_std is None:
-        from h3gen.errors import CheckpointError
-
         raise CheckpointError(f"{folder}/config.json must give latents_mean and latents_std (32 floats each).")
     return vae.to(device).eval().requires_grad_(False)
 

@@ -52,6 +52,7 @@ class QwenVideoProcessor:
 
     def grid_size(self, num_frames: int, height: int, width: int) -> tuple[int, int]:
         """The (height, width) a video is resized to: transformers' `smart_resize` on the merge-window grid."""
+        # transformers is heavy (seconds to import): imported where it is used
         from transformers.models.qwen3_vl.video_processing_qwen3_vl import smart_resize
 
         factor = self.patch_size * self.merge_size

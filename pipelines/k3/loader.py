@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from h3gen.errors import CheckpointError
-from h3gen.linear import dense_linear
+from h3gen.linear import make_linear_factory
 from h3gen.loading.files import read_json
 from h3gen.loading.load import assign_tensors, meta_parameters, read_tensors
 from h3gen.pipelines.k3.config import K3Config
@@ -58,12 +58,10 @@ def split_gate_up(key: str, target: str, tensor: torch.Tensor):
 
 
 def expert_linear_factory(base, config: K3Config):
-    """Routed experts as `MXFP4Linear` when the checkpoint stores them MXFP4, `base` for everything else."""
-    if not config.experts_mxfp4:
-        return base
-    from h3gen.quant.mxfp4 import mxfp4_linear_factory
-
-    return mxfp4_linear_factory(base=base, kinds=(EXPERT_KIND,))
+    """Routed experts as `MXFP4Linear` when the checkpoint stores them MXFP4, `base` (dense when None) for everything
+    else."""
+    return make_linear_factory(quantization="mxfp4" if config.experts_mxfp4 else None, quantized_kinds=(EXPERT_KIND,),
+                               base=base)
 
 
 def load_k3(cls, folder, *, torch_dtype: torch.dtype = torch.bfloat16, device=None, linear_factory=None):
@@ -72,7 +70,7 @@ def load_k3(cls, folder, *, torch_dtype: torch.dtype = torch.bfloat16, device=No
         raise CheckpointError(f"Checkpoint folder {folder} does not exist.")
     config = K3Config.from_dict(read_json(folder / "config.json"))
     device = torch.device(device) if device is not None else torch.device("cpu")
-    linear = expert_linear_factory(linear_factory or dense_linear, config)
+    linear = expert_linear_factory(linear_factory, config)
     with meta_parameters():
         model = cls(config, linear)
 

@@ -19,12 +19,14 @@ from h3gen.kernels.mla_decode import absorb_output, absorb_query, mla_decode, ml
 from h3gen.kernels.moe import expert_swiglu_down
 from h3gen.kernels.rmsnorm import rms_norm
 from h3gen.kernels.swiglu import swiglu
-from h3gen.linear import LinearFactory, LinearSpec, dense_linear
+from h3gen.linear import LinearFactory, LinearSpec, dense_linear, to_mxfp4
 from h3gen.pipelines.k3.cache import K3Cache, KDAState, PagedLatentCache
 from h3gen.pipelines.k3 import moe
 from h3gen.pipelines.k3.config import K3Config
+from h3gen.pipelines.k3.loader import load_k3
 from h3gen.pipelines.k3.moe import K3Expert, K3Router, stack_weights
 from h3gen.pipelines.k3.pending_norm import PendingNorm, linear_rows, linear_rows_argmax, resolved
+from h3gen.pipelines.k3.vision import K3MultiModalProjector, K3VisionConfig, K3VisionTower
 
 
 class K3RMSNorm(nn.Module):
@@ -530,11 +532,9 @@ class K3MoE(nn.Module):
 def quantize_experts_mxfp4(model: nn.Module) -> nn.Module:
     """Replace every routed expert's linears by `MXFP4Linear`s quantized from them (the format K3 checkpoints ship
     their experts in), where the model is; returns the model."""
-    from h3gen.quant.mxfp4 import MXFP4Linear
-
     for expert in [m for m in model.modules() if isinstance(m, K3Expert)]:
         for name in ("w1", "w2", "w3"):
-            setattr(expert, name, MXFP4Linear.from_linear(getattr(expert, name)))
+            setattr(expert, name, to_mxfp4(getattr(expert, name)))
     return model
 
 
@@ -678,8 +678,6 @@ class K3ForCausalLM(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         if config.vision_config is not None:
-            from h3gen.pipelines.k3.vision import K3MultiModalProjector, K3VisionConfig, K3VisionTower
-
             vision = K3VisionConfig.from_dict(config.vision_config, config.hidden_size)
             self.vision_tower = K3VisionTower(vision, linear)
             self.mm_projector = K3MultiModalProjector(vision, linear)
@@ -688,8 +686,6 @@ class K3ForCausalLM(nn.Module):
     def from_pretrained(cls, folder, torch_dtype: torch.dtype = torch.bfloat16, device=None,
                         linear_factory: LinearFactory | None = None) -> "K3ForCausalLM":
         """Load a K3 or Kimi-Linear checkpoint folder (see `h3gen.pipelines.k3.loader`)."""
-        from h3gen.pipelines.k3.loader import load_k3
-
         return load_k3(cls, folder, torch_dtype=torch_dtype, device=device, linear_factory=linear_factory)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:

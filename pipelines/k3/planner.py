@@ -22,7 +22,16 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+from PIL import Image, UnidentifiedImageError
+
 from h3gen.errors import RequestError
+from h3gen.pipelines.k3.engine import K3Engine, SamplingParams
+from h3gen.pipelines.k3.engine.engine import FINISHED
+from h3gen.pipelines.k3.image_processor import K3ImageProcessor
+from h3gen.pipelines.k3.model import K3ForCausalLM
+from h3gen.pipelines.k3.tiny import tiny_checkpoint
+from h3gen.pipelines.k3.tokenizer import K3Tokenizer
 
 SYSTEM_PROMPT = """\
 You write prompts for a model that generates a short video together with its soundtrack (5 to 15 seconds, \
@@ -84,16 +93,8 @@ class LocalPlanner:
     @classmethod
     def from_pretrained(cls, folder, device=None, dtype=None, **engine_options) -> "LocalPlanner":
         """A K3 checkpoint folder (weights and tokenizer), or "tiny" for the random demo model."""
-        import torch
-
-        from h3gen.pipelines.k3.engine import K3Engine
-        from h3gen.pipelines.k3.model import K3ForCausalLM
-        from h3gen.pipelines.k3.tokenizer import K3Tokenizer
-
         name = str(folder)
         if name == "tiny":
-            from h3gen.pipelines.k3.tiny import tiny_checkpoint
-
             folder = tiny_checkpoint()
         folder = Path(folder)
         if not (folder / "config.json").exists():
@@ -107,8 +108,6 @@ class LocalPlanner:
         engine_options.setdefault("max_batch", 8)
         image_processor = None
         if getattr(model, "vision_tower", None) is not None:
-            from h3gen.pipelines.k3.image_processor import K3ImageProcessor
-
             image_processor = K3ImageProcessor.from_folder(folder)
         return cls(K3Engine(model, tokenizer, **engine_options), tokenizer, name=name,
                    image_processor=image_processor)
@@ -135,8 +134,6 @@ class LocalPlanner:
 
     def process_image(self, image):
         """A path, bytes or image -> `ProcessedImages`, with a clear error for what cannot be read."""
-        from PIL import Image, UnidentifiedImageError
-
         if isinstance(image, (str, Path)) and not Path(image).is_file():
             raise RequestError(f"image {image} does not exist.", "image")
         try:
@@ -153,9 +150,6 @@ class LocalPlanner:
         """Plan `prompt` (and `image`). `on_text(delta)` is called with each new piece of text as the engine writes
         it (the pieces add up to the raw text; the result's `planned` is it stripped). Setting `cancel` aborts the
         request and raises `PlannerError`."""
-        from h3gen.pipelines.k3.engine import SamplingParams
-        from h3gen.pipelines.k3.engine.engine import FINISHED
-
         max_tokens = _check(prompt, max_tokens)
         if image is not None and (not self.accepts_images or self.image_processor is None):
             raise RequestError(f"the planner model ({self.name}) has no vision tower, so it cannot read an image; "
@@ -260,8 +254,6 @@ def _data_url(image) -> str:
     elif isinstance(image, bytes):
         kind, payload = "application/octet-stream", image
     else:
-        import io
-
         buffer = io.BytesIO()
         image.save(buffer, format="PNG")
         kind, payload = "image/png", buffer.getvalue()

@@ -10,14 +10,19 @@ projector (`vision_tower.*`, `mm_projector.*`, bf16; `preprocessor_config.json` 
 limits so test images stay a few patches). Weights are random, so text is noise.
 """
 
+import base64
 import copy
 import json
 import math
 from pathlib import Path
 
 import torch
+from safetensors.torch import save_file
 
 from h3gen.loading.cached_build import cached_folder, default_cache_dir
+from h3gen.pipelines.k3.config import K3Config
+from h3gen.pipelines.k3.model import K3ForCausalLM
+from h3gen.quant.mxfp4_format import quantize
 
 # Bump when the builder changes what it writes, so stale caches are rebuilt.
 TINY_FORMAT = 2
@@ -117,8 +122,6 @@ def randn_like(tensor: torch.Tensor, generator: torch.Generator) -> torch.Tensor
 
 def checkpoint_tensors(model, config) -> dict[str, torch.Tensor]:
     """The model's state dict under the release's keys, routed experts quantized to MXFP4."""
-    from h3gen.quant.mxfp4 import quantize
-
     fp32 = ("A_log", "dt_bias", "conv1d", "e_score_correction_bias")
     out = {}
     for key, tensor in model.state_dict().items():
@@ -145,8 +148,6 @@ def checkpoint_tensors(model, config) -> dict[str, torch.Tensor]:
 
 def write_tokenizer(folder: Path) -> None:
     """`tiktoken.model` (base64 token, rank) and `tokenizer_config.json` naming the special ids."""
-    import base64
-
     tokens = [bytes([b]) for b in range(256)] + MERGES
     (folder / "tiktoken.model").write_text(
         "".join(f"{base64.b64encode(token).decode()} {rank}\n" for rank, token in enumerate(tokens)))
@@ -159,11 +160,6 @@ def write_tokenizer(folder: Path) -> None:
 
 def build_tiny_checkpoint(folder, seed: int = 0) -> Path:
     """Write the tiny K3 checkpoint into `folder` (created). Same seed, same bytes (for one torch version)."""
-    from safetensors.torch import save_file
-
-    from h3gen.pipelines.k3.config import K3Config
-    from h3gen.pipelines.k3.model import K3ForCausalLM
-
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     config_dict = tiny_config()

@@ -1,22 +1,18 @@
-"""Building an H3 transformer for one rank of a TP x SP grid, and filling it from full-size weights."""
+"""Test helpers: an H3 transformer for one rank of a TP x SP grid, and filling it from full-size weights (the
+production path loads each rank's shard from the checkpoint files instead, `H3Transformer.from_pretrained`)."""
 
 import torch
 
-from h3gen.parallel.linear import tensor_parallel_factory
+from h3gen.linear import make_linear_factory
 from h3gen.parallel.sequence import enable_sequence_parallel
 from h3gen.parallel.state import ParallelState
+from h3gen.pipelines.h3.transformer import H3Transformer
 
 
-def parallel_transformer(config, state: ParallelState, *, meta: bool = False):
+def parallel_transformer(config, state: ParallelState):
     """An `H3Transformer` whose block linears are this rank's TP shards and whose blocks run this rank's slice of
-    the sequence (Ulysses). Same state-dict keys as the full model; `meta=True` allocates nothing."""
-    from h3gen.pipelines.h3.transformer import H3Transformer
-
-    if meta:
-        with torch.device("meta"):
-            model = H3Transformer(config, linear_factory=tensor_parallel_factory(state))
-    else:
-        model = H3Transformer(config, linear_factory=tensor_parallel_factory(state))
+    the sequence (Ulysses). Same state-dict keys as the full model."""
+    model = H3Transformer(config, linear_factory=make_linear_factory(parallel=state))
     if state.sp > 1:
         enable_sequence_parallel(model, state)
     model.parallel_state = state

@@ -1,0 +1,90 @@
+"""Loading MiniMax-H3 transformer checkpoints: the diffusers key layout or the original release's (converted by
+`layouts`), streamed one tensor at a time into a model built on the meta device through the linear factory
+(tensor-parallel shards, MXFP4 weights)."""
+
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from h3gen.errors import CheckpointError
+from h3gen.linear import QUANTIZATIONS, make_linear_factory
+from h3gen.loading.files import read_json, safetensors_files
+from h3gen.loading.load import assign_tensors, meta_parameters, read_tensors
+from h3gen.parallel.sequence import enable_sequence_parallel
+from h3gen.pipelines.h3.layouts import detect_layout, iter_converted
+
+
+def load_transformer(
+    cls,
+    folder,
+    *,
+    torch_dtype: torch.dtype = torch.bfloat16,
+    device: torch.device | str | None = None,
+    linear_factory=None,
+    qkv_layout: str = "interleaved",
+    parallel=None,
+    quantization: str | None = None,
+    skip_prefixes: tuple[str, ...] = (),
+):
+    """Build `cls` (an `H3Transformer`) from `folder/config.json` on the meta device and stream its weights in.
+    Tensors under `skip_prefixes` (e.g. "transformer_blocks.") are not read and stay on the meta device.
+    With `parallel` (a `ParallelState`), the model is this rank's TP shard and SP slice. `quantization="mxfp4"`
+    stores the block linears as MXFP4, quantizing each full-precision tensor as it is read (a checkpoint saved
+    quantized says so in its config and loads as such).
+
+    Accepts the diffusers key layout and the original release's (detected from the keys). Returns the model in
+    eval mode on `device` (default CPU).
+    """
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise CheckpointError(f"Checkpoint folder {folder} does not exist.")
+    config = read_json(folder / "config.json")
+    class_name = config.get("_class_name")
+    if class_name not in (None, "MiniMaxH3Transformer3DModel", cls.__name__):
+        raise CheckpointError(f"{folder} holds a {class_name}, not a MiniMax-H3 transformer.")
+    device = torch.device(device) if device is not None else torch.device("cpu")
+    saved_quantization = (config.get("quantization_config") or {}).get("quant_method")
+    quantization = quantization or saved_quantization
+    if quantization not in (None, *QUANTIZATIONS):
+        raise CheckpointError(f"unknown quantization {quantization!r}; h3gen supports {', '.join(QUANTIZATIONS)}.")
+    if parallel is not None or quantization is not None:
+        linear_factory = make_linear_factory(parallel=parallel, quantization=quantization, base=linear_factory)
+    with meta_parameters():
+        model = cls.from_config(config, linear_factory=linear_factory)
+    model.quantization = quantization
+    if parallel is not None:
+        model.parallel_state = parallel
+        if parallel.sp > 1:
+            enable_sequence_parallel(model, parallel)
+
+    files = safetensors_files(folder)
+    keys = []
+    for path, listed in files.items():
+        if listed is None:
+            with safe_open(str(path), framework="pt", device="cpu") as handle:
+                listed = list(handle.keys())
+        keys += listed
+    layout = detect_layout(keys)
+    cfg = model.config
+    # Tensor-parallel ranks read only their shards through lazy slices, in either layout (the original layout's
+    # fused q/k/v and swapped SwiGLU halves are converted row range by row range, `layouts.LazyRows`).
+    lazy = getattr(model, "parallel_state", None) is not None or bool(skip_prefixes)
+    tensors = iter_converted(
+        read_tensors(folder, lazy=lazy), layout, cfg.num_attention_heads, cfg.attention_head_dim, qkv_layout
+    )
+    assign_tensors(
+        model,
+        tensors,
+        dtype=torch_dtype,
+        device=device,
+        keep_fp32_modules=cls.keep_fp32_modules,
+        source=f"{folder} ({layout} layout)",
+        skip=(lambda key: key.startswith(tuple(skip_prefixes))) if skip_prefixes else None,
+    )
+    for module in model.modules():  # quantized layers compute in the model's working dtype
+        if hasattr(module, "compute_dtype") and hasattr(module, "weight_packed"):
+            module.compute_dtype = torch_dtype
+    if skip_prefixes:  # every loaded tensor is on `device` already; the skipped ones stay on meta
+        return model.eval().requires_grad_(False)
+    return model.to(device).eval().requires_grad_(False)
