@@ -4,8 +4,9 @@ import json
 
 from h3gen.server.throttle import FailureThrottle
 
-# Nothing the API answers is meant to run in a browser: JSON, MP4, server-sent events.
-API_CSP = "default-src 'none'; frame-ancestors 'none'; base-uri 'none'; form-action 'none'"
+# Nothing the API answers is meant to run in a browser: JSON, MP4, server-sent events (an MP4 opened directly
+# plays in the browser's own media page, which needs media-src).
+API_CSP = "default-src 'none'; media-src 'self'; frame-ancestors 'none'; base-uri 'none'; form-action 'none'"
 # /docs and /redoc are FastAPI's HTML pages, which load Swagger UI / ReDoc from their CDN with an inline script.
 DOCS_CSP = ("default-src 'self'; script-src 'self' 'unsafe-inline' https://cdn.jsdelivr.net; style-src 'self' "
             "'unsafe-inline' https://cdn.jsdelivr.net https://fonts.googleapis.com; font-src https://fonts.gstatic.com; "
