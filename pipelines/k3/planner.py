@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from h3gen.errors import RequestError
+from h3gen.media import check_pixels
 
 SYSTEM_PROMPT = """\
 You write prompts for a model that generates a short video together with its soundtrack (5 to 15 seconds, \
@@ -138,12 +139,16 @@ class LocalPlanner:
         from PIL import Image, UnidentifiedImageError
 
         if isinstance(image, (str, Path)) and not Path(image).is_file():
-            raise RequestError(f"image {image} does not exist.", "image")
+            raise RequestError(f"image {Path(image).name} does not exist.", "image")
         try:
             if isinstance(image, (str, Path)):
                 image = Image.open(image)
             elif isinstance(image, bytes):
                 image = Image.open(io.BytesIO(image))
+        except (OSError, UnidentifiedImageError, ValueError, TypeError) as error:
+            raise RequestError(f"cannot read the image: {error}", "image") from None
+        check_pixels(*image.size, "image")  # from the header, before a pixel is decoded
+        try:
             return self.image_processor.preprocess(image)
         except (OSError, UnidentifiedImageError, ValueError, TypeError) as error:
             raise RequestError(f"cannot read the image: {error}", "image") from None
