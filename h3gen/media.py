@@ -7,6 +7,7 @@ the call raises `MediaError`.
 
 import math
 import os
+import warnings
 from dataclasses import dataclass
 from fractions import Fraction
 from pathlib import Path
@@ -143,7 +144,7 @@ def probe_mp4(path, on_frame: Callable[[int], None] | None = None) -> MediaInfo:
     try:
         with av.open(str(path)) as container:
             if not container.streams.video:
-                raise MediaError(f"{path} has no video stream.")
+                raise MediaError(f"{_shown(path)} has no video stream.")
             video_stream = container.streams.video[0]
             fps = float(video_stream.average_rate or video_stream.guessed_rate or 0)
             num_frames, width, height = 0, video_stream.codec_context.width, video_stream.codec_context.height
@@ -159,7 +160,7 @@ def probe_mp4(path, on_frame: Callable[[int], None] | None = None) -> MediaInfo:
                 for frame in container.decode(audio=0):
                     samples += frame.samples
     except av.error.FFmpegError as error:
-        raise MediaError(f"{path} does not decode: {error}") from None
+        raise MediaError(f"{_shown(path)} does not decode: {error}") from None
     return MediaInfo(
         num_frames=num_frames,
         width=width,
@@ -191,10 +192,48 @@ def check_mp4(info: MediaInfo, *, num_frames: int, width: int, height: int, fps:
         raise MediaError("MP4 check failed: " + "; ".join(problems) + ".")
 
 
+# Most pixels an input image (or a reference video's frame) may hold: 40 MP, above any camera still or 8K frame, and
+# 160 MB as RGB. Checked from the file's header before a pixel is decoded, so a small file that claims a huge canvas
+# (a decompression bomb) costs nothing. The server, the UI, the CLI and the Python API all read images through here.
+MAX_IMAGE_PIXELS = 40_000_000
+
+# What an upload's content decodes as, by field kind: container/format name -> the suffix it is stored under.
+IMAGE_FORMATS = {"PNG": ".png", "JPEG": ".jpg", "WEBP": ".webp", "GIF": ".gif", "BMP": ".bmp", "TIFF": ".tiff"}
+VIDEO_FORMATS = {"mov,mp4,m4a,3gp,3g2,mj2": ".mp4", "matroska,webm": ".mkv", "avi": ".avi", "mpegts": ".ts",
+                 "mpeg": ".mpg"}
+AUDIO_FORMATS = {"wav": ".wav", "mp3": ".mp3", "flac": ".flac", "ogg": ".ogg", "aac": ".aac",
+                 "mov,mp4,m4a,3gp,3g2,mj2": ".m4a", "matroska,webm": ".mka"}
+
+
+def _shown(path) -> str:
+    """How a message names a file: its name only, never the folder it lies in (a server's paths stay private)."""
+    return Path(path).name
+
+
+def _pixel_cap_error(field: str, size: str) -> RequestError:
+    return RequestError(f"{field} is {size}; images may hold at most {MAX_IMAGE_PIXELS / 1e6:g} MP.", field)
+
+
+def _open_image(path):
+    """`PIL.Image.open` (header only) without PIL's own bomb warning: the caller checks the pixel count itself."""
+    from PIL import Image
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+        return Image.open(path)
+
+
+def check_pixels(width: int, height: int, field: str) -> None:
+    """Raise `RequestError` naming `field` when a `width` x `height` picture exceeds `MAX_IMAGE_PIXELS`."""
+    if width * height > MAX_IMAGE_PIXELS:
+        raise _pixel_cap_error(field, f"{width}x{height} = {width * height / 1e6:.1f} MP")
+
+
 def read_image(source, field: str = "image"):
     """A keyframe as an RGB PIL image, from a path, PIL image or `(H, W, 3)` uint8 array.
 
-    Raises `RequestError` naming `field` for a missing, unreadable, truncated or non-image file.
+    Raises `RequestError` naming `field` for a missing, unreadable, truncated or non-image file, or one of more than
+    `MAX_IMAGE_PIXELS` pixels (checked from its header, before decoding).
     """
     from PIL import Image, UnidentifiedImageError
 
@@ -206,13 +245,71 @@ def read_image(source, field: str = "image"):
         return Image.fromarray(source[..., :3])
     path = Path(source)
     if not path.is_file():
-        raise RequestError(f"{field} file {path} does not exist.", field)
+        raise RequestError(f"{field} file {_shown(path)} does not exist.", field)
     try:
-        with Image.open(path) as image:
+        with _open_image(path) as image:
+            check_pixels(*image.size, field)
             image.load()
             return image.convert("RGB")
-    except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError) as error:
-        raise RequestError(f"{field} file {path} is not a readable image ({type(error).__name__}).", field) from None
+    except Image.DecompressionBombError:
+        raise _pixel_cap_error(field, "larger than PIL opens") from None
+    except (UnidentifiedImageError, OSError, ValueError) as error:
+        if isinstance(error, RequestError):
+            raise
+        raise RequestError(f"{field} file {_shown(path)} is not a readable image ({type(error).__name__}).",
+                           field) from None
+
+
+def upload_suffix(path, kind: str, field: str) -> str:
+    """The suffix an uploaded file is stored under, from what its content decodes as (never the name a client
+    gave): `kind` "image" (PNG, JPEG, WebP, GIF, BMP, TIFF; pixel count checked from the header), "video" (MP4/MOV,
+    WebM/MKV, AVI, MPEG-TS, MPEG with a video stream) or "audio" (WAV, MP3, FLAC, OGG, AAC, M4A, MKA, or a video
+    container whose soundtrack is taken). Raises `RequestError` naming `field` for content of another kind."""
+    if kind == "image":
+        from PIL import Image
+
+        try:
+            with _open_image(path) as image:
+                found, size = image.format, image.size
+        except Image.DecompressionBombError:
+            raise _pixel_cap_error(field, "larger than PIL opens") from None
+        except Exception:  # noqa: BLE001 - whatever PIL cannot identify is simply not an image
+            found, size = None, (0, 0)
+        if found not in IMAGE_FORMATS:
+            raise RequestError(f"{field} is not a readable image (send PNG, JPEG, WebP, GIF, BMP or TIFF).", field)
+        check_pixels(*size, field)
+        return IMAGE_FORMATS[found]
+    import av
+
+    formats = VIDEO_FORMATS if kind == "video" else AUDIO_FORMATS
+    try:
+        with av.open(str(path)) as container:
+            name, has_video, has_audio = container.format.name, bool(container.streams.video), \
+                bool(container.streams.audio)
+            size = (container.streams.video[0].codec_context.width, container.streams.video[0].codec_context.height) \
+                if has_video else (0, 0)
+    except (av.error.FFmpegError, OSError, ValueError):
+        name, has_video, has_audio, size = None, False, False, (0, 0)
+    if kind == "video":
+        if name not in formats or not has_video:
+            raise RequestError(f"{field} is not a readable video (send MP4, MOV, WebM, MKV, AVI or MPEG).", field)
+        check_pixels(*size, field)
+        return ".webm" if name == "matroska,webm" and _is_webm(path) else formats[name]
+    if name not in formats and name not in VIDEO_FORMATS:
+        raise RequestError(f"{field} is not a readable audio file (send WAV, MP3, M4A, FLAC, OGG or AAC).", field)
+    if not has_audio:
+        raise RequestError(f"{field} has no audio stream.", field)
+    if name == "matroska,webm" and _is_webm(path):
+        return ".webm"
+    if has_video and name in VIDEO_FORMATS:  # a video given for its soundtrack keeps a video's suffix
+        return VIDEO_FORMATS[name]
+    return formats.get(name) or VIDEO_FORMATS[name]
+
+
+def _is_webm(path) -> bool:
+    """Matroska files declare their flavour in the EBML header's DocType, within the first bytes."""
+    with open(path, "rb") as handle:
+        return b"webm" in handle.read(64)
 
 
 # ---------------------------------------------------------------------------------------------- reference media in
@@ -221,7 +318,7 @@ MAX_MEDIA_SECONDS = 60.0  # longest reference clip accepted; the model uses at m
 
 
 def _media_error(field: str, path, what: str, error: Exception) -> RequestError:
-    return RequestError(f"{field} file {path} is not a readable {what} ({type(error).__name__}).", field)
+    return RequestError(f"{field} file {_shown(path)} is not a readable {what} ({type(error).__name__}).", field)
 
 
 def _open_media(source, field: str):
@@ -229,7 +326,7 @@ def _open_media(source, field: str):
 
     path = Path(source)
     if not path.is_file():
-        raise RequestError(f"{field} file {path} does not exist.", field)
+        raise RequestError(f"{field} file {_shown(path)} does not exist.", field)
     try:
         return av.open(str(path))
     except (av.error.FFmpegError, OSError, ValueError) as error:
@@ -238,7 +335,7 @@ def _open_media(source, field: str):
 
 def _check_length(seconds: float | None, field: str, path) -> None:
     if seconds is not None and seconds > MAX_MEDIA_SECONDS + 1e-6:
-        raise RequestError(f"{field} file {path} lasts {seconds:.1f} s; a reference may last at most "
+        raise RequestError(f"{field} file {_shown(path)} lasts {seconds:.1f} s; a reference may last at most "
                            f"{MAX_MEDIA_SECONDS:g} s (the model uses at most the first 15 s).", field)
 
 
@@ -264,16 +361,17 @@ def probe_video(source, field: str = "video") -> VideoFileInfo:
     unreadable or over-long file, or one without a video stream."""
     with _open_media(source, field) as container:
         if not container.streams.video:
-            raise RequestError(f"{field} file {source} has no video stream.", field)
+            raise RequestError(f"{field} file {_shown(source)} has no video stream.", field)
         if container.format.name.startswith("image2") or container.format.name.endswith("_pipe"):
-            raise RequestError(f"{field} file {source} is a still image, not a video.", field)
+            raise RequestError(f"{field} file {_shown(source)} is a still image, not a video.", field)
         stream = container.streams.video[0]
         fps = float(stream.average_rate or stream.guessed_rate or 0)
         width, height = stream.codec_context.width, stream.codec_context.height
+        check_pixels(width, height, field)
         seconds = _container_seconds(container)
         has_audio = bool(container.streams.audio)
     if not fps > 0:
-        raise RequestError(f"{field} file {source} does not say its frame rate.", field)
+        raise RequestError(f"{field} file {_shown(source)} does not say its frame rate.", field)
     _check_length(seconds, field, source)
     return VideoFileInfo(fps=fps, width=width, height=height, has_audio=has_audio, seconds=seconds)
 
@@ -287,7 +385,7 @@ def iter_video_frames(source, field: str = "video", max_frames: int | None = Non
     count = 0
     with _open_media(source, field) as container:
         if not container.streams.video:
-            raise RequestError(f"{field} file {source} has no video stream.", field)
+            raise RequestError(f"{field} file {_shown(source)} has no video stream.", field)
         stream = container.streams.video[0]
         fps = float(stream.average_rate or stream.guessed_rate or 24)
         limit = int(MAX_MEDIA_SECONDS * fps) + 2
@@ -304,7 +402,7 @@ def iter_video_frames(source, field: str = "video", max_frames: int | None = Non
         except av.error.FFmpegError as error:
             raise _media_error(field, source, "video", error) from None
     if count == 0:
-        raise RequestError(f"{field} file {source} has no decodable video frames.", field)
+        raise RequestError(f"{field} file {_shown(source)} has no decodable video frames.", field)
 
 
 def read_audio(source, field: str = "audio", max_seconds: float | None = None):
@@ -318,11 +416,11 @@ def read_audio(source, field: str = "audio", max_seconds: float | None = None):
     chunks, total = [], 0
     with _open_media(source, field) as container:
         if not container.streams.audio:
-            raise RequestError(f"{field} file {source} has no audio stream.", field)
+            raise RequestError(f"{field} file {_shown(source)} has no audio stream.", field)
         stream = container.streams.audio[0]
         rate = int(stream.codec_context.sample_rate or 0)
         if rate <= 0:
-            raise RequestError(f"{field} file {source} does not say its sample rate.", field)
+            raise RequestError(f"{field} file {_shown(source)} does not say its sample rate.", field)
         _check_length(_container_seconds(container), field, source)
         # Planar float at the file's own rate and layout: a format conversion only (resampling is the caller's).
         layout = stream.layout if stream.codec_context.channels <= 2 else "stereo"
@@ -343,5 +441,5 @@ def read_audio(source, field: str = "audio", max_seconds: float | None = None):
         except av.error.FFmpegError as error:
             raise _media_error(field, source, "audio", error) from None
     if not chunks or sum(chunk.shape[-1] for chunk in chunks) == 0:
-        raise RequestError(f"{field} file {source} has no decodable audio.", field)
+        raise RequestError(f"{field} file {_shown(source)} has no decodable audio.", field)
     return np.concatenate(chunks, axis=-1).astype(np.float32), rate

@@ -1,5 +1,7 @@
 """Small media files for reference tests, written with PyAV: videos with and without sound, wav / mp3 / m4a."""
 
+import struct
+import zlib
 from fractions import Fraction
 from pathlib import Path
 
@@ -69,3 +71,20 @@ def _encode_audio(container, stream, audio: np.ndarray, rate: int, layout: str) 
     for converted in resampler.resample(None):
         container.mux(stream.encode(converted))
     container.mux(stream.encode())
+
+
+def bomb_png(path, width: int = 13_000, height: int = 13_000, pixels: bool = True):
+    """A valid grayscale PNG of `width` x `height` black pixels, a few hundred KB on disk (compressed row block by
+    row block, so the test never holds the picture either); `pixels=False` writes the header alone."""
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    compressor, parts = zlib.compressobj(9), []
+    rows = bytes(width + 1) * 256  # filter byte + pixels, 256 rows at a time
+    for _ in range(height // 256 if pixels else 0):
+        parts.append(compressor.compress(rows))
+    parts.append(compressor.compress(bytes(width + 1) * (height % 256 if pixels else 0)) + compressor.flush())
+    header = struct.pack(">IIBBBBB", width, height, 8, 0, 0, 0, 0)
+    path.write_bytes(b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", b"".join(parts))
+                     + chunk(b"IEND", b""))
+    return path

@@ -53,6 +53,7 @@ JSON_CASES = [
     ({"seconds": 5}, 422, "prompt"),
     ({"prompt": "x", "task": "t2i"}, 422, "task"),
     ({"prompt": "x", "aspect_ratio": "wide"}, 422, "aspect_ratio"),
+    ({"prompt": "x", "aspect_ratio": "16/9"}, 422, "aspect_ratio"),
     ({"prompt": "x", "aspect_ratio": "1:5"}, 422, "aspect_ratio"),
     ({"prompt": "x", "audio_sample_rate": 44100}, 422, "audio_sample_rate"),
     ({"prompt": "x", "negative_prompt": "blurry"}, 422, "negative_prompt"),
@@ -73,6 +74,51 @@ def test_bad_json_fields(server, body, status, field):
     with server.client() as http:
         response = http.post("/v1/videos", json=body)
         assert response.status_code == status, response.text
+        assert _field(response) == field, response.text
+        assert http.get("/health").json()["status"] == "ok"
+
+
+def test_bad_aspect_ratio_reads_like_the_cli(server):
+    with server.client() as http:
+        response = http.post("/v1/videos", json={"prompt": "x", "aspect_ratio": "wide"})
+        assert response.status_code == 422 and _field(response) == "aspect_ratio"
+        assert response.json()["detail"][0]["msg"].startswith("aspect_ratio must look like 16:9"), response.text
+
+
+def _deep(depth: int) -> bytes:
+    return b'{"prompt": ' + b"[" * depth + b"]" * depth + b"}"
+
+
+@pytest.mark.parametrize("path", ["/v1/videos", "/v1/prompts/plan"])
+@pytest.mark.parametrize("content", [_deep(5_000), _deep(20_000), b"[" * 30_000, b'{"a": ' + b'{"a": ' * 9000 + b"1"
+                                     + b"}" * 9001, b'{"prompt": "x", "seed": ' + b"7" * 5000 + b"}",
+                                     b'{"prompt": "x", "max_tokens": -' + b"9" * 5000 + b"}"])
+def test_deep_or_huge_json_is_a_422_on_a_live_connection(server, path, content):
+    with server.client() as http:
+        response = http.post(path, content=content, headers={"content-type": "application/json"})
+        assert response.status_code == 422, response.text[:300]
+        assert _field(response) == "body" and ("deep" in response.text or "digits" in response.text)
+        assert response.headers.get("connection") != "close"
+        assert http.get("/health").json()["status"] == "ok"  # on the same connection
+
+
+@pytest.mark.parametrize("data,field", [
+    ([("prompt", b"\xff\xfe")], "prompt"),  # not UTF-8: JSON refuses the same bytes
+    ([("prompt", b"a cat"), ("prompt", b"a dog")], "prompt"),
+    ([("prompt", b"a cat"), ("seed", b"1"), ("seed", b"2")], "seed"),
+    ([("prompt", b"a cat"), ("seed", b"")] * 2, "prompt"),
+    ([("prompt", b"a cat"), ("seed", b"7" * 5000)], "seed"),
+])
+def test_multipart_fields_agree_with_json(server, data, field):
+    import uuid
+
+    boundary = uuid.uuid4().hex
+    body = b"".join(b"--%s\r\nContent-Disposition: form-data; name=\"%s\"\r\n\r\n%s\r\n" % (boundary.encode(),
+                    name.encode(), value) for name, value in data) + b"--%s--\r\n" % boundary.encode()
+    with server.client() as http:
+        response = http.post("/v1/videos", content=body,
+                             headers={"content-type": f"multipart/form-data; boundary={boundary}"})
+        assert response.status_code == 422, response.text
         assert _field(response) == field, response.text
         assert http.get("/health").json()["status"] == "ok"
 
@@ -103,6 +149,7 @@ def test_bad_uploads(server, files, upload, field, status, message):
             response = http.post("/v1/videos", data={"prompt": "x", "task": "fl2va"}, files={field: handle})
         assert response.status_code == status, response.text
         assert _field(response) == field and message in response.text
+        assert "staging-" not in response.text and str(server.log_path.parent) not in response.text
         assert http.get("/health").json()["status"] == "ok"
 
 
@@ -137,18 +184,23 @@ def test_bad_pagination(server):
             assert 400 <= http.get("/v1/videos", params=params).status_code < 500
 
 
-@pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY},
-                                     {"Authorization": "Basic " + KEY}])
-def test_missing_or_wrong_key(server, headers):
+@pytest.mark.parametrize("client,headers", [(2, {}), (3, {"Authorization": "Bearer wrong"}),
+                                            (4, {"Authorization": KEY}), (5, {"Authorization": "Basic " + KEY})])
+def test_missing_or_wrong_key(server, client, headers):
     import httpx
 
-    with httpx.Client(base_url=server.url, headers=headers) as http:
+    # Each case from its own loopback address: wrong keys are throttled per client after a few.
+    transport = httpx.HTTPTransport(local_address=f"127.0.0.{client}")
+    with httpx.Client(base_url=server.url, headers=headers, transport=transport) as http:
         for method, path in (("POST", "/v1/videos"), ("GET", "/v1/videos"), ("GET", "/metrics"),
-                             ("GET", "/v1/videos/" + "a" * 32), ("DELETE", "/v1/videos/" + "a" * 32)):
+                             ("GET", "/v1/videos/" + "a" * 32), ("DELETE", "/v1/videos/" + "a" * 32),
+                             ("GET", "/docs"), ("GET", "/redoc"), ("GET", "/openapi.json")):
             response = http.request(method, path, json={"prompt": "x"} if method == "POST" else None)
-            assert response.status_code == 401, (method, path)
-            assert response.headers["www-authenticate"] == "Bearer"
-        assert http.get("/health").status_code == 200
+            assert response.status_code in ((401, 429) if headers else (401,)), (method, path)
+            if response.status_code == 401:
+                assert response.headers["www-authenticate"] == "Bearer"
+        health = http.get("/health")
+        assert health.status_code == 200 and health.json().keys() == {"status", "ready"}  # readiness only
 
 
 @pytest.mark.parametrize("parts,field,message", [
@@ -171,6 +223,7 @@ def test_bad_reference_uploads(server, files, parts, field, message):
                 handle.close()
         assert response.status_code == 422, response.text
         assert _field(response) == field and message in response.text, response.text
+        assert "staging-" not in response.text and str(server.log_path.parent) not in response.text
         assert http.get("/health").json()["status"] == "ok"
 
 

@@ -1,8 +1,10 @@
 """The request and response shapes of the REST API (validated once, with pydantic)."""
 
+import re
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic_core import PydanticCustomError
 
 MAX_PROMPT_CHARS = 4000
 TASKS = ("t2va", "fl2va", "ref2va")
@@ -10,6 +12,10 @@ JOB_STATUSES = ("queued", "running", "succeeded", "failed", "cancelled")
 IMAGE_FIELDS = ("image", "last_image")
 # ref2va uploads, each repeatable; the order of the parts is the order of the references.
 REFERENCE_FIELDS = ("ref_image", "ref_video", "ref_audio")
+# The kind of content each upload field takes (what its bytes must decode as).
+UPLOAD_KINDS = {"image": "image", "last_image": "image", "ref_image": "image", "ref_video": "video",
+                "ref_audio": "audio"}
+ASPECT_RATIO = r"^[0-9]{1,4}(\.[0-9]{1,3})?:[0-9]{1,4}(\.[0-9]{1,3})?$"
 
 
 class GenerationRequest(BaseModel):
@@ -23,7 +29,7 @@ class GenerationRequest(BaseModel):
                             "ref2va: references (multipart `ref_image`, `ref_video`, `ref_audio`, repeatable, in order)."
     )
     aspect_ratio: str | None = Field(
-        None, pattern=r"^[0-9]{1,4}(\.[0-9]{1,3})?:[0-9]{1,4}(\.[0-9]{1,3})?$",
+        None, json_schema_extra={"pattern": ASPECT_RATIO},
         description="W:H from 1:4 to 4:1; default 16:9 (t2va) or the first keyframe's (fl2va).",
     )
     seconds: float | None = Field(None, ge=5.0, le=15.0, description=(
@@ -36,6 +42,15 @@ class GenerationRequest(BaseModel):
     plan: bool = Field(False, description=(
         "First rewrite the prompt with the server's K3 planner (subjects, motion, camera, sound, music, dialogue); "
         "the job's `planned_prompt` shows what the clip was made from. Needs a server started with --planner."))
+
+    @field_validator("aspect_ratio")
+    @classmethod
+    def _aspect_ratio_shape(cls, value: str | None) -> str | None:
+        # The CLI's wording, not the pattern's (the range, 1:4 to 4:1, is checked with the geometry).
+        if value is not None and not re.fullmatch(ASPECT_RATIO, value):
+            raise PydanticCustomError("value_error", "aspect_ratio must look like 16:9 (W:H from 1:4 to 4:1; got "
+                                      "{value})", {"value": value[:32]})
+        return value
 
 
 class PlanRequest(BaseModel):
@@ -90,10 +105,12 @@ class JobList(BaseModel):
 
 
 class Health(BaseModel):
+    """Readiness for anyone; the rest only for a caller with the API key (or on a server without one)."""
+
     status: Literal["ok"]
     ready: bool
-    model: str
-    devices: list[str]
-    queue_depth: int
+    model: str | None = None
+    devices: list[str] | None = None
+    queue_depth: int | None = None
     running: str | None = None
     load_error: str | None = None

@@ -40,7 +40,8 @@ def resolve_canvas(
     max_pixels: int = CANVAS_MAX_PIXELS,
 ) -> tuple[int, int]:
     """(height, width) of the canvas for an aspect ratio: short edge `short_edge`, area capped at `max_pixels`, both
-    sides rounded to the nearest `multiple` (so the area may end slightly above the cap). Ratio in [1:4, 4:1]."""
+    sides rounded to the nearest `multiple` (so the area may end slightly above the cap), the result again within
+    [1:4, 4:1], so an explicit `height`/`width` of it passes `resolve_geometry`. Ratio in [1:4, 4:1]."""
     if aspect_width <= 0 or aspect_height <= 0:
         raise RequestError(f"aspect ratio must be positive (got {aspect_width:g}:{aspect_height:g}).", "aspect_ratio")
     ratio = aspect_width / aspect_height
@@ -55,7 +56,11 @@ def resolve_canvas(
     if width * height > max_pixels:
         scale = (max_pixels / (width * height)) ** 0.5
         width, height = width * scale, height * scale
-    return max(multiple, round(height / multiple) * multiple), max(multiple, round(width / multiple) * multiple)
+    height, width = max(multiple, round(height / multiple) * multiple), max(multiple, round(width / multiple) * multiple)
+    # Rounding a small canvas can push it past the ratio bounds (4:1 at a 32-pixel short edge rounds to 160x32 = 5:1),
+    # which the model's explicit-size check refuses: bring the long side back within 4x the short one.
+    longest = int(MAX_ASPECT * min(height, width)) // multiple * multiple
+    return min(height, longest), min(width, longest)
 
 
 def align_num_frames(num_frames: int) -> int:

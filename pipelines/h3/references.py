@@ -159,7 +159,7 @@ def reference_kind(path, name: str = "references") -> str:
         if suffix in suffixes:
             return kind
     if not path.is_file():
-        raise RequestError(f"{name} file {path} does not exist.", name)
+        raise RequestError(f"{name} file {path.name} does not exist.", name)
     try:
         with Image.open(path) as image:
             image.verify()
@@ -174,7 +174,7 @@ def reference_kind(path, name: str = "references") -> str:
                 return "audio"
     except (av.error.FFmpegError, OSError, ValueError):
         pass
-    raise RequestError(f"{name} file {path} is neither an image, a video nor an audio file.", name)
+    raise RequestError(f"{name} file {path.name} is neither an image, a video nor an audio file.", name)
 
 
 def as_reference(item, name: str) -> Reference:

@@ -88,14 +88,14 @@ def prepare_request(
             keyframes.append(read_image(source, name))
             anchors.append(anchor)
     if keyframes and "processor" not in checkpoint.components:
-        raise RequestError(f"{checkpoint.root} has no processor/ folder, so it cannot take keyframes.", "image")
+        raise RequestError("this model has no processor/ folder, so it cannot take keyframes.", "image")
     if references is not None:
         if keyframes:
             raise RequestError("give keyframes (image / last_image, fl2va) or references (ref2va), not both.",
                                "references")
         references = as_references(references)
         if "processor" not in checkpoint.components:
-            raise RequestError(f"{checkpoint.root} has no processor/ folder, so it cannot take references.",
+            raise RequestError("this model has no processor/ folder, so it cannot take references.",
                                "references")
         if seconds is None and num_frames is None:
             found = sound_seconds(references)

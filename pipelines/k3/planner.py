@@ -26,6 +26,7 @@ import torch
 from PIL import Image, UnidentifiedImageError
 
 from h3gen.errors import RequestError
+from h3gen.media import check_pixels
 from h3gen.pipelines.k3.engine import K3Engine, SamplingParams
 from h3gen.pipelines.k3.engine.engine import FINISHED
 from h3gen.pipelines.k3.image_processor import K3ImageProcessor
@@ -135,12 +136,16 @@ class LocalPlanner:
     def process_image(self, image):
         """A path, bytes or image -> `ProcessedImages`, with a clear error for what cannot be read."""
         if isinstance(image, (str, Path)) and not Path(image).is_file():
-            raise RequestError(f"image {image} does not exist.", "image")
+            raise RequestError(f"image {Path(image).name} does not exist.", "image")
         try:
             if isinstance(image, (str, Path)):
                 image = Image.open(image)
             elif isinstance(image, bytes):
                 image = Image.open(io.BytesIO(image))
+        except (OSError, UnidentifiedImageError, ValueError, TypeError) as error:
+            raise RequestError(f"cannot read the image: {error}", "image") from None
+        check_pixels(*image.size, "image")  # from the header, before a pixel is decoded
+        try:
             return self.image_processor.preprocess(image)
         except (OSError, UnidentifiedImageError, ValueError, TypeError) as error:
             raise RequestError(f"cannot read the image: {error}", "image") from None
