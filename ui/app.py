@@ -9,6 +9,7 @@ import gradio as gr
 from pydantic import ValidationError
 
 from h3gen.errors import RequestError
+from h3gen.options import TASKS
 from h3gen.server.engine import upload_name
 from h3gen.server.jobs import FINISHED, QueueFull
 from h3gen.server.schemas import GenerationRequest
@@ -121,7 +122,7 @@ def build_ui(manager) -> gr.Blocks:
             with gr.Column(scale=1):
                 prompt = gr.Textbox(label="Prompt", lines=3, elem_id="prompt",
                                     placeholder="a red fox runs through fresh snow, wind howling")
-                task = gr.Radio(["t2va", "fl2va", "ref2va"], value="t2va", label="Task", elem_id="task")
+                task = gr.Radio(list(TASKS), value=TASKS[0], label="Task", elem_id="task")
                 with gr.Row():
                     image = gr.Image(type="filepath", label="First frame (fl2va)", elem_id="image")
                     last_image = gr.Image(type="filepath", label="Last frame (fl2va)", elem_id="last-image")
