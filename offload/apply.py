@@ -3,7 +3,7 @@ which blocks stay and which stream."""
 
 from h3gen.offload.layerwise import LayerwiseOffload, _owned_tensors
 from h3gen.offload.planner import OffloadPlan, plan_residency
-from h3gen.options import OFFLOAD_MODES, parse_bytes  # noqa: F401  (OFFLOAD_MODES: re-exported)
+from h3gen.options import parse_bytes
 
 ON_DEMAND = ("adaln_proj",)
 
