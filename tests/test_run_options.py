@@ -167,6 +167,16 @@ def test_placement_follows_the_offload_mode(tiny, monkeypatch):
         plan_placement(RunOptions(offload="layerwise", gpu_memory="1GiB"), cuda, folders)
 
 
+def test_an_attention_backend_that_cannot_run_is_refused_before_loading(tiny, monkeypatch):
+    from h3gen.pipelines.h3 import pipeline
+    from h3gen.pipelines.h3.pipeline import H3Pipeline
+
+    monkeypatch.setattr(pipeline.H3Transformer, "from_pretrained", None)  # loading would fail differently
+    with pytest.raises(RequestError, match="attention cudnn cannot run here: .*fp16 or bf16") as info:
+        H3Pipeline.from_pretrained(tiny, device="cpu", torch_dtype=torch.float32, attention="cudnn")
+    assert info.value.field == "attention"
+
+
 def test_bad_run_options_fail_before_the_checkpoint_is_read(tmp_path):
     from h3gen.pipelines.h3.pipeline import H3Pipeline
 

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from h3gen.errors import RequestError
+from h3gen.kernels.attention import resolve_backend
 from h3gen.offload import plan_placement
 from h3gen.options import RunOptions
 from h3gen.pipelines.h3 import geometry
@@ -28,7 +29,7 @@ from h3gen.pipelines.h3.checkpoint import REQUIRED, H3Checkpoint, resolve_workfl
 from h3gen.pipelines.h3.packing import (ReferenceBlock, build_layout, build_ref2va_layout, patchify_video,
                                         row_timesteps, unpatchify_video)
 from h3gen.pipelines.h3.references import AudioReference, ImageReference, VideoReference
-from h3gen.pipelines.h3.request import KEYFRAME_NOISE_AUG, H3Request, prepare_request
+from h3gen.pipelines.h3.request import KEYFRAME_NOISE_AUG, H3Request, prepare_request, read_transformer_config
 from h3gen.pipelines.h3.schedules import AUDIO_SHIFT, VIDEO_SHIFT, FlowSchedule, noise_to, read_shift
 from h3gen.pipelines.h3.text_encoder import H3TextEncoder, TextConditioning
 from h3gen.pipelines.h3.tiers import set_quality
@@ -92,6 +93,14 @@ class H3Output:
         )
 
 
+def _check_attention(backend: str, device: torch.device, dtype: torch.dtype, head_dim: int) -> None:
+    """Refuse, before loading, an attention backend that cannot run here (not installed, or not for these heads)."""
+    try:
+        resolve_backend(backend, device, dtype, head_dim)
+    except ValueError as error:
+        raise RequestError(f"attention {backend} cannot run here: {error}", "attention") from None
+
+
 def _resolve_device(device) -> torch.device:
     if device is None:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -151,13 +160,13 @@ class H3Pipeline:
     def from_pretrained(cls, path, device=None, torch_dtype: torch.dtype = torch.bfloat16,
                         workflow: str | None = None, quality: str | None = None, parallel=None,
                         offload: str | None = None, gpu_memory=None, prefetch: int | None = None,
-                        quantization: str | None = None, planner=None,
+                        quantization: str | None = None, planner=None, attention: str | None = None,
                         options: RunOptions | None = None) -> "H3Pipeline":
         """Load every component of a local checkpoint folder in diffusers' layout.
 
         How it loads and runs is one `RunOptions` (`h3gen.options`): pass `options`, or its fields as keywords
-        (`workflow`, `quality`, `offload`, `gpu_memory`, `prefetch`, `quantization`); keywords given next to
-        `options` replace its fields. An invalid value or combination raises `RequestError` naming the field.
+        (`workflow`, `quality`, `offload`, `gpu_memory`, `prefetch`, `quantization`, `attention`); keywords given
+        next to `options` replace its fields. An invalid value or combination raises `RequestError` naming the field.
 
         `torch_dtype` applies to the transformer, the text encoder and the video VAE (their float32 islands stay
         float32); the audio VAE is always float32. `workflow` is "t2va" (default) or "fl2va" (both load the same
@@ -172,11 +181,13 @@ class H3Pipeline:
         make the same calls with the same seed. `offload`: "none" (default, everything on the device), "stage" or
         "layerwise" (with `gpu_memory`, e.g. "30GiB", and `prefetch`, default 2), placed by `h3gen.offload`'s
         `plan_placement`. `quantization="mxfp4"` stores the transformer's block linears as MXFP4, quantized one
-        tensor at a time while loading (a checkpoint saved that way loads as such). `planner` (a `LocalPlanner` or
-        `RemotePlanner` from `h3gen.pipelines.k3.planner`) serves calls with `plan=True`.
+        tensor at a time while loading (a checkpoint saved that way loads as such). `attention` names an attention
+        backend for the lossless and fast tiers (checked against the device before loading). `planner` (a
+        `LocalPlanner` or `RemotePlanner` from `h3gen.pipelines.k3.planner`) serves calls with `plan=True`.
         """
         options = RunOptions.merged(options, workflow=workflow, quality=quality, offload=offload,
-                                    gpu_memory=gpu_memory, prefetch=prefetch, quantization=quantization)
+                                    gpu_memory=gpu_memory, prefetch=prefetch, quantization=quantization,
+                                    attention=attention)
         device = _resolve_device(device)
         checkpoint = H3Checkpoint.open(path)
         options = replace(options, workflow=resolve_workflow(checkpoint, options.workflow, device))
@@ -185,6 +196,9 @@ class H3Pipeline:
             checkpoint.require(task)
         partitions = [name for name in ("transformer", "transformer_ref")
                       if any(name in REQUIRED[task] for task in tasks)]
+        if options.attention is not None:
+            _check_attention(options.attention, device, torch_dtype,
+                             read_transformer_config(checkpoint).attention_head_dim)
         folders = {name: checkpoint.folder(name) for name in (*partitions, "text_encoder", "vae", "audio_vae")}
         placement = plan_placement(options, device, folders, partitions=len(partitions), parallel=parallel)
         loaded = {}
