@@ -1,7 +1,7 @@
 """h3gen: a serving system for MiniMax-H3 (joint video + stereo-audio diffusion).
 
 Public API: `H3Pipeline` / `H3Output` (generation), `ImageReference` / `VideoReference` / `AudioReference` (ref2va
-references), `H3Transformer`, `tiny_checkpoint` (the demo model),
+references), `RunOptions` (how a model loads and runs), `H3Transformer`, `tiny_checkpoint` (the demo model),
 `RequestError`, `CheckpointError`. Heavy modules are imported lazily so `import h3gen` stays light.
 """
 
@@ -29,6 +29,7 @@ _LAZY = {
     "ImageReference": "h3gen.pipelines.h3.references",
     "VideoReference": "h3gen.pipelines.h3.references",
     "AudioReference": "h3gen.pipelines.h3.references",
+    "RunOptions": "h3gen.options",
     "H3Transformer": "h3gen.pipelines.h3.transformer",
     "H3TransformerConfig": "h3gen.pipelines.h3.transformer",
     "tiny_checkpoint": "h3gen.pipelines.h3.tiny",

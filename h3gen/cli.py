@@ -4,6 +4,8 @@ import argparse
 import sys
 
 from h3gen.errors import CheckpointError, RequestError
+from h3gen.options import (ATTENTION_BACKENDS, OFFLOAD_HELP, OFFLOAD_MODES, QUALITY_HELP, QUALITY_TIERS,
+                           QUANTIZATION_HELP, QUANTIZATIONS, WORKFLOW_HELP, WORKFLOWS, RunOptions, describe)
 
 DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
 REFERENCE_FLAGS = {"--ref-image": "image", "--ref-video": "video", "--ref-audio": "audio"}
@@ -140,6 +142,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     dtype_name = args.dtype or ("bf16" if device.startswith("cuda") else "fp32")
     references = _references(args)
     workflow = "ref2va" if references else "fl2va" if (args.image or args.last_image) else "t2va"
+    options = _run_options(args, workflow=workflow)  # checked before anything loads
     call = dict(image=args.image, last_image=args.last_image, references=references, aspect_ratio=args.aspect,
                 seconds=args.seconds, num_inference_steps=args.steps, seed=args.seed)
 
@@ -181,9 +184,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     if rank == 0:
         print(f"h3gen: loading {args.model} on {device} ({dtype_name})", file=sys.stderr)
     pipe = H3Pipeline.from_pretrained(args.model, device=device, torch_dtype=getattr(torch, DTYPES[dtype_name]),
-                                      workflow=workflow, quality=args.quality, parallel=parallel,
-                                      offload=args.offload, gpu_memory=args.gpu_memory, prefetch=args.prefetch,
-                                      quantization=args.quantization)
+                                      parallel=parallel, options=options)
     if args.seed is None:
         call["seed"] = request.seed  # the seed drawn during the check, so it can be reported
     if references and args.seconds is None:
@@ -236,9 +237,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         raise RequestError(f"--max-queue must be at least 1 (got {args.max_queue}).", "max_queue")
     api_key = args.api_key or os.environ.get("H3GEN_API_KEY") or None
     dtype = getattr(torch, DTYPES[args.dtype]) if args.dtype else None
-    offload = {"offload": args.offload, "gpu_memory": args.gpu_memory, "prefetch": args.prefetch,
-               "quantization": args.quantization}
-    serving = {"quality": args.quality, "offload": offload, "workflow": args.workflow}
+    serving = {"options": _run_options(args, workflow=args.workflow)}
     if args.tp * args.ulysses > 1:
         from h3gen.parallel.launch import launched_by_torchrun, relaunch_with_torchrun, start_rank
         from h3gen.parallel.state import check_degrees
@@ -290,17 +289,26 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def _offload_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--offload", choices=("none", "stage", "layerwise"), default="none",
-                        help="stage: text encoder and VAEs visit the GPU only for their stage; layerwise: also stream "
-                             "transformer blocks from pinned host memory")
+def _run_option_arguments(parser: argparse.ArgumentParser, quality_help: str) -> None:
+    """The `RunOptions` flags (`h3gen.options` holds their values and rules)."""
+    parser.add_argument("--quality", choices=QUALITY_TIERS, default="lossless",
+                        help=f"{describe(QUALITY_HELP)}; {quality_help}")
+    parser.add_argument("--offload", choices=OFFLOAD_MODES, default="none", help=describe(OFFLOAD_HELP))
     parser.add_argument("--gpu-memory", dest="gpu_memory", default=None,
                         help="GPU memory the transformer may use with --offload layerwise, e.g. 30GiB (needed there; "
                              "default: unset)")
     parser.add_argument("--prefetch", type=int, default=2, help="blocks copied ahead with --offload layerwise")
-    parser.add_argument("--quantization", choices=("mxfp4",), default=None,
-                        help="store the transformer's block linears as MXFP4 (quantized while loading; default: the "
-                             "checkpoint's dtype)")
+    parser.add_argument("--quantization", choices=QUANTIZATIONS, default=None,
+                        help=f"{describe(QUANTIZATION_HELP)} (default: the checkpoint's dtype)")
+    parser.add_argument("--attention", choices=ATTENTION_BACKENDS, default=None,
+                        help="attention backend for the lossless and fast tiers instead of the tier's own choice "
+                             "(FP8 backends with --quality fast only)")
+
+
+def _run_options(args: argparse.Namespace, **keywords) -> RunOptions:
+    """The validated `RunOptions` of the command line's flags."""
+    return RunOptions(quality=args.quality, offload=args.offload, gpu_memory=args.gpu_memory, prefetch=args.prefetch,
+                      quantization=args.quantization, attention=args.attention, **keywords)
 
 
 class _DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -342,9 +350,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--device", choices=("cuda", "cpu"), default=None, help="default: cuda if available")
     gen.add_argument("--dtype", choices=tuple(DTYPES), default=None, help="default: bf16 on cuda, fp32 on cpu")
     gen.add_argument("--audio-rate", dest="audio_rate", type=int, default=32000, help="AAC rate, 32000 or 48000")
-    gen.add_argument("--quality", choices=("exact", "lossless", "fast"), default="lossless",
-                     help="exact: reference op order; lossless (default): fused kernels; fast: FP8 GEMMs")
-    _offload_arguments(gen)
+    _run_option_arguments(gen, "default lossless")
     gen.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (processes started with torchrun)")
     gen.add_argument("--ulysses", type=int, default=1, help="Ulysses sequence-parallel degree")
     gen.add_argument("--planner", default=None, metavar="SPEC",
@@ -371,15 +377,12 @@ def build_parser() -> argparse.ArgumentParser:
                        help="largest uploaded file (keyframe or reference)")
     serve.add_argument("--device", choices=("cuda", "cpu"), default=None, help="default: cuda if available")
     serve.add_argument("--dtype", choices=tuple(DTYPES), default=None, help="default: bf16 on cuda, fp32 on cpu")
-    serve.add_argument("--quality", choices=("exact", "lossless", "fast"), default="lossless",
-                       help="tier; requests may ask exact or lossless (fast needs --quality fast)")
-    _offload_arguments(serve)
+    _run_option_arguments(serve, "the tier of requests that name none (default lossless); requests may ask exact "
+                                 "or lossless, and a server started with fast serves only fast")
     serve.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (processes started with torchrun)")
     serve.add_argument("--ulysses", type=int, default=1, help="Ulysses sequence-parallel degree")
-    serve.add_argument("--workflow", choices=("auto", "all", "t2va", "fl2va", "ref2va"), default="auto",
-                       help="tasks to serve: all (every task the model holds; ref2va loads the transformer_ref/ "
-                            "partition as well), t2va, fl2va, ref2va; auto is all when both partitions take under a "
-                            "quarter of the device's memory, else fl2va")
+    serve.add_argument("--workflow", choices=WORKFLOWS, default="auto",
+                       help=f"tasks to serve (default auto): {describe(WORKFLOW_HELP)}")
     serve.add_argument("--planner", default=None, metavar="SPEC",
                        help="enable plan: true jobs and POST /v1/prompts/plan with a K3 planner: tiny (random demo), a "
                             "K3 checkpoint folder, or an OpenAI-compatible base URL (default: off)")

@@ -2,9 +2,9 @@
 which blocks stay and which stream."""
 
 from h3gen.offload.layerwise import LayerwiseOffload, _owned_tensors
-from h3gen.offload.planner import OffloadPlan, parse_bytes, plan_residency
+from h3gen.offload.planner import OffloadPlan, plan_residency
+from h3gen.options import parse_bytes
 
-OFFLOAD_MODES = ("none", "stage", "layerwise")
 ON_DEMAND = ("adaln_proj",)
 
 

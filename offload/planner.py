@@ -3,8 +3,7 @@
 from dataclasses import dataclass
 
 from h3gen.errors import RequestError
-
-GiB = 2**30
+from h3gen.options import GiB, parse_bytes  # noqa: F401  (parse_bytes: part of this module's API)
 
 
 @dataclass(frozen=True)
@@ -15,24 +14,6 @@ class OffloadPlan:
     streamed: tuple[int, ...]
     slots: int
     gpu_bytes: int  # block weights on the GPU at the peak: resident blocks + the ring
-
-
-def parse_bytes(text: str | int | float | None) -> int | None:
-    """"30GiB", "24GB", "512MiB" or a number of bytes -> bytes (None stays None)."""
-    if text is None or isinstance(text, (int, float)):
-        return None if text is None else int(text)
-    units = {"gib": GiB, "gb": 10**9, "mib": 2**20, "mb": 10**6, "kib": 2**10, "kb": 10**3, "b": 1}
-    value = text.strip().lower().replace(" ", "")
-    for unit, factor in units.items():
-        if value.endswith(unit):
-            try:
-                return int(float(value[: -len(unit)]) * factor)
-            except ValueError:
-                break
-    try:
-        return int(float(value))
-    except ValueError:
-        raise RequestError(f"gpu_memory must look like 30GiB, 24GB or 512MiB (got {text!r}).", "gpu_memory") from None
 
 
 def format_bytes(n: int) -> str:

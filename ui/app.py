@@ -11,6 +11,7 @@ from gradio.utils import get_upload_folder
 from pydantic import ValidationError
 
 from h3gen.errors import RequestError
+from h3gen.options import TASKS
 from h3gen.pipelines.h3.tiny import TRANSFORMER as TINY_TRANSFORMER
 from h3gen.server.jobs import FINISHED, QueueFull
 from h3gen.server.schemas import MAX_PROMPT_CHARS, GenerationRequest
@@ -174,7 +175,7 @@ def build_ui(manager) -> gr.Blocks:
             with gr.Column(scale=1):
                 prompt = gr.Textbox(label="Prompt", lines=3, elem_id="prompt",
                                     placeholder="a red fox runs through fresh snow, wind howling")
-                task = gr.Radio(["t2va", "fl2va", "ref2va"], value="t2va", label="Task", elem_id="task")
+                task = gr.Radio(list(TASKS), value=TASKS[0], label="Task", elem_id="task")
                 with gr.Row():
                     image = gr.Image(type="filepath", label="First frame (fl2va)", elem_id="image")
                     last_image = gr.Image(type="filepath", label="Last frame (fl2va)", elem_id="last-image")

@@ -115,8 +115,7 @@ def _load(engine) -> None:
 
     try:
         engine.pipeline = H3Pipeline.from_pretrained(engine.model_path, device=engine.device, torch_dtype=engine.dtype,
-                                                     workflow=engine.load_workflow(), quality=engine.quality,
-                                                     parallel=engine.parallel, **engine.offload)
+                                                     parallel=engine.parallel, options=engine.options)
     except Exception as error:
         logger.exception("model failed to load")
         engine.load_error = f"{type(error).__name__}: {error}"
@@ -124,9 +123,11 @@ def _load(engine) -> None:
         engine._loaded.set()
 
 
-def follow(model_path, *, parallel, device, dtype, quality, offload=None, workflow: str = "auto") -> None:
-    """The loop of every rank but 0: load the same model, then run each broadcast job until told to stop."""
-    engine = H3Engine(model_path, device=device, dtype=dtype, quality=quality, offload=offload, workflow=workflow)
+def follow(model_path, *, parallel, device, dtype, quality=None, offload=None, workflow=None, options=None) -> None:
+    """The loop of every rank but 0: load the same model (the same run options as rank 0's engine: `options` or
+    the `H3Engine` keywords), then run each broadcast job until told to stop."""
+    engine = H3Engine(model_path, device=device, dtype=dtype, quality=quality, offload=offload, workflow=workflow,
+                      options=options)
     engine.parallel = parallel
     control = dist.new_group(list(range(dist.get_world_size())), timeout=CONTROL_TIMEOUT)
     agree = StepAgreement(None)

@@ -3,13 +3,15 @@ and runs them through one `H3Pipeline` loaded once."""
 
 import logging
 import threading
+from dataclasses import replace
 from pathlib import Path
 from typing import Callable
 
 import torch
 
 from h3gen.errors import RequestError
-from h3gen.pipelines.h3.checkpoint import H3Checkpoint
+from h3gen.options import RunOptions
+from h3gen.pipelines.h3.checkpoint import H3Checkpoint, resolve_workflow
 from h3gen.pipelines.h3.references import AudioReference, ImageReference, VideoReference
 from h3gen.pipelines.h3.request import prepare_request, read_transformer_config
 from h3gen.server.schemas import REFERENCE_FIELDS, GenerationRequest
@@ -47,7 +49,14 @@ class H3Engine:
     """One model on one device. `validate` runs in request handlers; `load` and `run` on the engine worker."""
 
     def __init__(self, model_path, *, device: str | None = None, dtype: torch.dtype | None = None,
-                 quality: str = "lossless", offload: dict | None = None, workflow: str = "auto", planner=None):
+                 quality: str | None = None, offload: dict | None = None, workflow: str | None = None, planner=None,
+                 options: RunOptions | None = None):
+        """How the model loads and runs is one `RunOptions`: `options`, or its fields as `quality`, `workflow`
+        (default "auto") and the `offload` dict (`offload`, `gpu_memory`, `prefetch`, `quantization`); keywords
+        given next to `options` replace its fields."""
+        if options is None and workflow is None:
+            workflow = "auto"
+        options = RunOptions.merged(options, quality=quality, workflow=workflow, **(offload or {}))
         self.model_path = Path(model_path)
         self.checkpoint = H3Checkpoint.open(self.model_path)
         self.config = read_transformer_config(self.checkpoint)
@@ -55,18 +64,22 @@ class H3Engine:
         # own transformer partition, so serving it next to t2va / fl2va holds both in memory).
         available = self.checkpoint.tasks()
         self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-        if workflow == "auto":
-            workflow = self._auto_workflow(available)
+        workflow = resolve_workflow(self.checkpoint, options.workflow, self.device)
         wanted = {"all": available, "t2va": ("t2va",), "fl2va": ("t2va", "fl2va"), "ref2va": ("ref2va",)}[workflow]
         self.tasks = tuple(task for task in wanted if task in available)
         self.workflow = workflow
+        self.options = replace(options, workflow=self.load_workflow())
         self.dtype = dtype or (torch.bfloat16 if self.device.startswith("cuda") else torch.float32)
-        self.quality = quality
-        self.offload = offload or {}  # offload, gpu_memory, prefetch, quantization for H3Pipeline.from_pretrained
+        self.quality = options.quality
         self.pipeline = None
         self.planner = planner  # h3gen.pipelines.k3.planner backend for `plan: true` jobs and /v1/prompts/plan
         self.load_error: str | None = None
         self._loaded = threading.Event()
+
+    @property
+    def offload(self) -> dict:
+        """The offload fields of `options`, as the `offload` keyword takes them."""
+        return {name: getattr(self.options, name) for name in ("offload", "gpu_memory", "prefetch", "quantization")}
 
     @property
     def ready(self) -> bool:
@@ -83,35 +96,12 @@ class H3Engine:
 
         try:
             self.pipeline = H3Pipeline.from_pretrained(self.model_path, device=self.device, torch_dtype=self.dtype,
-                                                       workflow=self.load_workflow(), quality=self.quality,
-                                                       **self.offload)
+                                                       options=self.options)
         except Exception as error:  # reported on /health and by every job
             logger.exception("model failed to load")
             self.load_error = f"{type(error).__name__}: {error}"
         finally:
             self._loaded.set()
-
-    # "auto" serves every task only while both partitions together take at most this share of the memory they would
-    # load into: the tiny demo serves ref2va out of the box, the released model (2 x 62 GB) loads one partition.
-    AUTO_ALL_SHARE = 0.25
-
-    def _auto_workflow(self, available: tuple[str, ...]) -> str:
-        """"all" when both partitions are small next to the device's memory (host memory on the CPU), else
-        "fl2va" (t2va + fl2va on `transformer/`), logged, since ref2va would hold a second 62 GB partition."""
-        if "ref2va" not in available or len(available) == 1:
-            return "all"
-        from h3gen.offload.host_memory import available_host_bytes, folder_bytes
-
-        partitions = sum(folder_bytes(self.checkpoint.folder(name)) for name in ("transformer", "transformer_ref"))
-        if self.device.startswith("cuda") and torch.cuda.is_available():
-            memory = torch.cuda.get_device_properties(torch.device(self.device)).total_memory
-        else:
-            memory = available_host_bytes() or 0
-        if partitions <= self.AUTO_ALL_SHARE * memory:
-            return "all"
-        logger.info("serving t2va and fl2va only: ref2va needs the transformer_ref/ partition as well (%.0f GB for "
-                    "both); start with --workflow all (or ref2va) to serve it.", partitions / 1e9)
-        return "fl2va"
 
     def load_workflow(self) -> str:
         """The `from_pretrained` workflow that loads what `self.tasks` need."""
@@ -126,11 +116,7 @@ class H3Engine:
         """Check a request fully (task, keyframes or references, geometry, seed) and return it normalized, with the
         resolved canvas, frame count and seed. `images` holds the uploads: `image` / `last_image`, and references
         keyed by `upload_name`. Raises `RequestError` naming the field."""
-        quality = request.quality or self.quality
-        if (quality == "fast") != (self.quality == "fast"):
-            raise RequestError(f"this server runs the {self.quality} tier; quality {quality} is not available "
-                               "(fast needs a server started with --quality fast, and such a server is fast only).",
-                               "quality")
+        quality = self.options.request_quality(request.quality)
         if request.plan and self.planner is None:
             raise RequestError("this server has no prompt planner; start it with --planner tiny|<K3 folder>|<OpenAI-"
                                "compatible base URL>, or send plan: false.", "plan")

@@ -6,8 +6,9 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from pydantic_core import PydanticCustomError
 
+from h3gen.options import QUALITY_HELP, QUALITY_TIERS, TASKS, describe
+
 MAX_PROMPT_CHARS = 4000
-TASKS = ("t2va", "fl2va", "ref2va")
 JOB_STATUSES = ("queued", "running", "succeeded", "failed", "cancelled")
 IMAGE_FIELDS = ("image", "last_image")
 # ref2va uploads, each repeatable; the order of the parts is the order of the references.
@@ -24,7 +25,7 @@ class GenerationRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     prompt: str = Field(min_length=1, max_length=MAX_PROMPT_CHARS, description="What to generate, used verbatim.")
-    task: Literal["t2va", "fl2va", "ref2va"] = Field(
+    task: Literal[TASKS] = Field(
         "t2va", description="t2va: text only; fl2va: first and/or last keyframe (multipart `image`, `last_image`); "
                             "ref2va: references (multipart `ref_image`, `ref_video`, `ref_audio`, repeatable, in order)."
     )
@@ -37,8 +38,9 @@ class GenerationRequest(BaseModel):
     seed: int | None = Field(None, ge=0, le=2**63 - 1, description="Noise seed; random when omitted.")
     num_inference_steps: int = Field(50, ge=2, le=1000, description="Sigma grid points (N - 1 transformer forwards).")
     audio_sample_rate: Literal[32000, 48000] = Field(32000, description="AAC sample rate of the MP4.")
-    quality: Literal["exact", "lossless", "fast"] | None = Field(
-        None, description="exact: reference op order; lossless: fused kernels; fast: FP8 (server default if omitted).")
+    quality: Literal[QUALITY_TIERS] | None = Field(
+        None, description=f"{describe(QUALITY_HELP)}. The server's tier if omitted; fast only on a server started "
+                          "with --quality fast, which serves only fast.")
     plan: bool = Field(False, description=(
         "First rewrite the prompt with the server's K3 planner (subjects, motion, camera, sound, music, dialogue); "
         "the job's `planned_prompt` shows what the clip was made from. Needs a server started with --planner."))

@@ -4,14 +4,23 @@
 Only local folders are read: an index entry that points at a hub repository still resolves to the local subfolder.
 """
 
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
+
 from h3gen.errors import CheckpointError
 from h3gen.loading.files import read_json
+from h3gen.offload import host_memory
 from h3gen.pipelines.h3.geometry import CANVAS_MAX_PIXELS, CANVAS_SHORT_EDGE
 
+logger = logging.getLogger(__name__)
+
 INDEX_NAMES = ("modular_model_index.json", "model_index.json")
+# Workflow "auto" loads every task only while both partitions together take at most this share of the memory they
+# would load into: the tiny demo serves ref2va out of the box, the released model (2 x 62 GB) loads one partition.
+AUTO_ALL_SHARE = 0.25
 # What each workflow needs; the first missing one is reported by name.
 REQUIRED = {
     "t2va": ("transformer", "vae", "audio_vae", "text_encoder", "tokenizer", "scheduler", "audio_scheduler"),
@@ -81,3 +90,25 @@ class H3Checkpoint:
     def tasks(self) -> tuple[str, ...]:
         """The tasks whose components are all present, in the order t2va, fl2va, ref2va."""
         return tuple(task for task, names in REQUIRED.items() if all(name in self.components for name in names))
+
+
+def resolve_workflow(checkpoint: H3Checkpoint, workflow: str, device) -> str:
+    """`workflow` itself, or for "auto": "all" when the checkpoint holds one transformer partition or both are small
+    next to `device`'s memory (host memory on the CPU), else "fl2va" (t2va + fl2va on `transformer/`; "t2va"
+    without `processor/`), logged, since ref2va would hold a second 62 GB partition."""
+    if workflow != "auto":
+        return workflow
+    available = checkpoint.tasks()
+    if "ref2va" not in available or len(available) == 1:
+        return "all"
+    device = torch.device(device)
+    partitions = sum(host_memory.folder_bytes(checkpoint.folder(name)) for name in ("transformer", "transformer_ref"))
+    if device.type == "cuda" and torch.cuda.is_available():
+        memory = torch.cuda.get_device_properties(device).total_memory
+    else:
+        memory = host_memory.available_host_bytes() or 0
+    if partitions <= AUTO_ALL_SHARE * memory:
+        return "all"
+    logger.info("serving t2va and fl2va only: ref2va needs the transformer_ref/ partition as well (%.0f GB for "
+                "both); start with --workflow all (or ref2va) to serve it.", partitions / 1e9)
+    return "fl2va" if "fl2va" in available else "t2va"

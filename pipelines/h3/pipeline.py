@@ -15,23 +15,26 @@ there, which is how a job is cancelled within a fraction of a second in any stag
 import logging
 import time
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 import numpy as np
 import torch
 
 from h3gen.errors import RequestError
+from h3gen.kernels.attention import resolve_backend
 from h3gen.media import write_mp4
+from h3gen.offload import plan_placement
+from h3gen.options import RunOptions
 from h3gen.pipelines.h3 import geometry
-from h3gen.pipelines.h3.checkpoint import REQUIRED, H3Checkpoint
+from h3gen.pipelines.h3.checkpoint import REQUIRED, H3Checkpoint, resolve_workflow
 from h3gen.pipelines.h3.packing import (ReferenceBlock, build_layout, build_ref2va_layout, patchify_video,
                                         row_timesteps, unpatchify_video)
 from h3gen.pipelines.h3.references import AudioReference, ImageReference, VideoReference
-from h3gen.pipelines.h3.request import KEYFRAME_NOISE_AUG, WORKFLOWS, H3Request, prepare_request
+from h3gen.pipelines.h3.request import KEYFRAME_NOISE_AUG, H3Request, prepare_request, read_transformer_config
 from h3gen.pipelines.h3.schedules import AUDIO_SHIFT, VIDEO_SHIFT, FlowSchedule, noise_to, read_shift
 from h3gen.pipelines.h3.text_encoder import H3TextEncoder, TextConditioning
-from h3gen.pipelines.h3.tiers import QUALITY_TIERS, set_quality
+from h3gen.pipelines.h3.tiers import set_quality
 from h3gen.pipelines.h3.transformer import H3Transformer
 from h3gen.pipelines.h3.vae import (audio_decoder_units, audio_encoder_units, decode_audio, decode_video,
                                     encode_frames, encode_keyframe, encode_sound, load_audio_vae, load_video_vae,
@@ -90,6 +93,14 @@ class H3Output:
         )
 
 
+def _check_attention(backend: str, device: torch.device, dtype: torch.dtype, head_dim: int) -> None:
+    """Refuse, before loading, an attention backend that cannot run here (not installed, or not for these heads)."""
+    try:
+        resolve_backend(backend, device, dtype, head_dim)
+    except ValueError as error:
+        raise RequestError(f"attention {backend} cannot run here: {error}", "attention") from None
+
+
 def _resolve_device(device) -> torch.device:
     if device is None:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -104,10 +115,12 @@ class H3Pipeline:
     """
 
     def __init__(self, transformer, text_encoder, vae, audio_vae, *, checkpoint: H3Checkpoint, device,
-                 video_shift: float = VIDEO_SHIFT, audio_shift: float = AUDIO_SHIFT, workflow: str = "t2va",
-                 quality: str = "lossless", offload: str = "none", transformer_ref=None, planner=None):
+                 video_shift: float = VIDEO_SHIFT, audio_shift: float = AUDIO_SHIFT, workflow: str | None = None,
+                 quality: str | None = None, offload: str | None = None, transformer_ref=None, planner=None,
+                 options: RunOptions | None = None):
         if transformer is None and transformer_ref is None:
             raise ValueError("H3Pipeline needs a transformer, a transformer_ref, or both.")
+        self.options = RunOptions.merged(options, workflow=workflow, quality=quality, offload=offload)
         self.transformer = transformer
         self.transformer_ref = transformer_ref
         self.text_encoder = text_encoder
@@ -117,15 +130,13 @@ class H3Pipeline:
         self.device = torch.device(device)
         self.video_shift = video_shift
         self.audio_shift = audio_shift
-        self.workflow = workflow
-        self.offload = offload
-        if quality not in QUALITY_TIERS:
-            raise RequestError(f"quality must be one of {', '.join(QUALITY_TIERS)} (got {quality!r}).", "quality")
-        self.quality = quality
+        self.workflow = self.options.workflow
+        self.offload = self.options.offload
+        self.quality = self.options.quality
         # Optional prompt planner (`h3gen.pipelines.k3.planner`): `plan(prompt, image=...) -> PlannedPrompt`.
         self.planner = planner
         for model in self._transformers():
-            set_quality(model, quality)
+            set_quality(model, self.quality, attention=self.options.attention_for(self.quality))
 
     def _transformers(self) -> list:
         return [model for model in (self.transformer, self.transformer_ref) if model is not None]
@@ -147,88 +158,68 @@ class H3Pipeline:
 
     @classmethod
     def from_pretrained(cls, path, device=None, torch_dtype: torch.dtype = torch.bfloat16,
-                        workflow: str = "t2va", quality: str = "lossless", parallel=None, offload: str = "none",
-                        gpu_memory=None, prefetch: int = 2, quantization: str | None = None,
-                        planner=None) -> "H3Pipeline":
+                        workflow: str | None = None, quality: str | None = None, parallel=None,
+                        offload: str | None = None, gpu_memory=None, prefetch: int | None = None,
+                        quantization: str | None = None, planner=None, attention: str | None = None,
+                        options: RunOptions | None = None) -> "H3Pipeline":
         """Load every component of a local checkpoint folder in diffusers' layout.
 
+        How it loads and runs is one `RunOptions` (`h3gen.options`): pass `options`, or its fields as keywords
+        (`workflow`, `quality`, `offload`, `gpu_memory`, `prefetch`, `quantization`, `attention`); keywords given
+        next to `options` replace its fields. An invalid value or combination raises `RequestError` naming the field.
+
         `torch_dtype` applies to the transformer, the text encoder and the video VAE (their float32 islands stay
-        float32); the audio VAE is always float32. `workflow` is "t2va" or "fl2va" (both load the same components;
-        fl2va also requires `processor/`), "ref2va" (loads `transformer_ref/` instead of `transformer/`) or "all"
-        (every task the checkpoint has the components for; both partitions when it holds both, which then share
-        `gpu_memory` under layer-wise offload). A missing component raises `CheckpointError` naming it. `quality` is
-        the default tier (`exact`, `lossless` or `fast`, see `tiers.py`); `fast` quantizes the transformer's block
-        GEMMs to FP8 at load, and only a pipeline loaded with it serves `fast` requests. `parallel` (an
-        `h3gen.parallel.ParallelState` of an initialised process group) splits the transformer over the ranks
-        (tensor parallel x Ulysses); the text encoder and the VAEs are replicated. Every rank must then make the
-        same calls with the same seed. `offload`: "none" (everything on the device), "stage" (the text encoder
-        and the VAEs visit the device only for their stage), "layerwise" (stage, plus transformer blocks streamed
-        from pinned host memory within `gpu_memory`, e.g. "30GiB", `prefetch` blocks ahead, and the text encoder's
-        decoder layers streamed while it encodes; the host memory it needs is checked before loading; under Ulysses
-        without tensor parallelism the machine's ranks share one host copy of the blocks, in /dev/shm, loaded by local
-        rank 0 only). `quantization="mxfp4"` stores the transformer's block linears as MXFP4,
-        quantized one tensor at a time while loading (a checkpoint saved that way loads as such). `planner` (a
+        float32); the audio VAE is always float32. `workflow` is "t2va" (default) or "fl2va" (both load the same
+        components; fl2va also requires `processor/`), "ref2va" (loads `transformer_ref/` instead of
+        `transformer/`), "all" (every task the checkpoint has the components for; both partitions when it holds
+        both, which then share `gpu_memory` under layer-wise offload) or "auto" (all when both partitions are small
+        next to the device's memory, else fl2va). A missing component raises `CheckpointError` naming it. `quality`
+        is the default tier (`exact`, `lossless` (default) or `fast`, see `tiers.py`); `fast` quantizes the
+        transformer's block GEMMs to FP8 at load, and only a pipeline loaded with it serves `fast` requests.
+        `parallel` (an `h3gen.parallel.ParallelState` of an initialised process group) splits the transformer over
+        the ranks (tensor parallel x Ulysses); the text encoder and the VAEs are replicated. Every rank must then
+        make the same calls with the same seed. `offload`: "none" (default, everything on the device), "stage" or
+        "layerwise" (with `gpu_memory`, e.g. "30GiB", and `prefetch`, default 2), placed by `h3gen.offload`'s
+        `plan_placement`. `quantization="mxfp4"` stores the transformer's block linears as MXFP4, quantized one
+        tensor at a time while loading (a checkpoint saved that way loads as such). `attention` names an attention
+        backend for the lossless and fast tiers (checked against the device before loading). `planner` (a
         `LocalPlanner` or `RemotePlanner` from `h3gen.pipelines.k3.planner`) serves calls with `plan=True`.
         """
-        if workflow not in WORKFLOWS:
-            raise RequestError(f"workflow must be one of {', '.join(WORKFLOWS)} (got {workflow!r}).", "workflow")
-        from h3gen.offload import OFFLOAD_MODES
-
-        if offload not in OFFLOAD_MODES:
-            raise RequestError(f"offload must be one of {', '.join(OFFLOAD_MODES)} (got {offload!r}).", "offload")
-        if offload == "layerwise" and gpu_memory is None:
-            raise RequestError("offload='layerwise' needs gpu_memory, e.g. '30GiB'.", "gpu_memory")
+        options = RunOptions.merged(options, workflow=workflow, quality=quality, offload=offload,
+                                    gpu_memory=gpu_memory, prefetch=prefetch, quantization=quantization,
+                                    attention=attention)
         device = _resolve_device(device)
         checkpoint = H3Checkpoint.open(path)
-        tasks = checkpoint.tasks() if workflow == "all" else (workflow,)
+        options = replace(options, workflow=resolve_workflow(checkpoint, options.workflow, device))
+        tasks = checkpoint.tasks() if options.workflow == "all" else (options.workflow,)
         for task in tasks or ("t2va",):  # an empty "all" reports what t2va misses
             checkpoint.require(task)
         partitions = [name for name in ("transformer", "transformer_ref")
                       if any(name in REQUIRED[task] for task in tasks)]
-        staged = "cpu" if offload != "none" else device  # where the text encoder and the VAEs wait
-        if offload == "layerwise":
-            from h3gen.offload.host_memory import check_host_memory, folder_bytes
-
-            needed = sum(folder_bytes(checkpoint.folder(name)) for name in
-                         (*partitions, "text_encoder", "vae", "audio_vae"))
-            check_host_memory(needed, "layer-wise offload (host copies of the transformer, text encoder and VAEs)")
+        if options.attention is not None:
+            _check_attention(options.attention, device, torch_dtype,
+                             read_transformer_config(checkpoint).attention_head_dim)
+        folders = {name: checkpoint.folder(name) for name in (*partitions, "text_encoder", "vae", "audio_vae")}
+        placement = plan_placement(options, device, folders, partitions=len(partitions), parallel=parallel)
         loaded = {}
         for name in partitions:
-            host_store = None
-            if offload == "layerwise" and parallel is not None and parallel.tp == 1:
-                # Ulysses ranks hold identical weights: one host copy per machine, which only local rank 0 loads.
-                from h3gen.offload.host_memory import folder_bytes
-                from h3gen.offload.shared_host import shared_store_for_ranks
-
-                host_store = shared_store_for_ranks(name, folder_bytes(checkpoint.folder(name)),
-                                                    pin=torch.device(device).type == "cuda")
+            store = placement.host_store(name)
             loaded[name] = H3Transformer.from_pretrained(
-                checkpoint.folder(name), torch_dtype=torch_dtype,
-                device="cpu" if offload == "layerwise" else device, parallel=parallel, quantization=quantization,
-                skip_prefixes=("transformer_blocks.",) if host_store is not None and not host_store.owner else ())
-            if offload == "layerwise":
-                from h3gen.offload import apply_layerwise_offload
-                from h3gen.offload.planner import parse_bytes
-
-                # Both partitions stay loaded, so they share the GPU budget.
-                share = parse_bytes(gpu_memory) // len(partitions)
-                apply_layerwise_offload(loaded[name], device, gpu_memory=share, prefetch=prefetch,
-                                        host_store=host_store)
+                folders[name], torch_dtype=torch_dtype, device=placement.transformer_device, parallel=parallel,
+                quantization=options.quantization, skip_prefixes=placement.skip_prefixes(store))
+            placement.offload_transformer(loaded[name], store)
         text_encoder = H3TextEncoder.from_pretrained(
-            checkpoint.folder("text_encoder"), checkpoint.folder("tokenizer"), checkpoint.components.get("processor"),
-            dtype=torch_dtype, device=staged,
+            folders["text_encoder"], checkpoint.folder("tokenizer"), checkpoint.components.get("processor"),
+            dtype=torch_dtype, device=placement.stage_device,
         )
-        if offload == "layerwise":  # the encoder's decoder layers stream too; the rest of it visits for its stage
-            from h3gen.offload import stream_layers
-
-            stream_layers(text_encoder.model.model.language_model.layers, device, prefetch=prefetch)
-        vae = load_video_vae(checkpoint.folder("vae"), dtype=torch_dtype, device=staged)
-        audio_vae = load_audio_vae(checkpoint.folder("audio_vae"), device=staged)
+        placement.offload_text_encoder(text_encoder.model.model.language_model.layers)
+        vae = load_video_vae(folders["vae"], dtype=torch_dtype, device=placement.stage_device)
+        audio_vae = load_audio_vae(folders["audio_vae"], device=placement.stage_device)
         return cls(
             loaded.get("transformer"), text_encoder, vae, audio_vae, checkpoint=checkpoint, device=device,
             video_shift=read_shift(checkpoint.folder("scheduler"), VIDEO_SHIFT),
-            audio_shift=read_shift(checkpoint.folder("audio_scheduler"), AUDIO_SHIFT), workflow=workflow,
-            quality=quality, offload=offload, transformer_ref=loaded.get("transformer_ref"), planner=planner,
+            audio_shift=read_shift(checkpoint.folder("audio_scheduler"), AUDIO_SHIFT),
+            transformer_ref=loaded.get("transformer_ref"), planner=planner, options=options,
         )
 
     def validate(self, prompt, **kwargs) -> H3Request:
@@ -376,16 +367,11 @@ class H3Pipeline:
                 torch.cuda.empty_cache()
 
     def _tier(self, quality: str | None) -> str:
-        """Check a per-call tier and switch the transformer to it (exact <-> lossless is free)."""
-        tier = quality or self.quality
-        if tier not in QUALITY_TIERS:
-            raise RequestError(f"quality must be one of {', '.join(QUALITY_TIERS)} (got {tier!r}).", "quality")
-        if (tier == "fast") != (self.quality == "fast"):
-            raise RequestError(
-                "the fast tier needs a pipeline loaded with quality='fast' (its block weights are FP8), and such a "
-                f"pipeline serves only fast requests (loaded: {self.quality}, asked: {tier}).", "quality")
+        """Check a per-call tier (`RunOptions.request_quality`) and switch the transformer to it (exact <->
+        lossless is free)."""
+        tier = self.options.request_quality(quality)
         for model in self._transformers():
-            set_quality(model, tier)
+            set_quality(model, tier, attention=self.options.attention_for(tier))
         return tier
 
     # ------------------------------------------------------------------ call

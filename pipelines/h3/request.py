@@ -19,7 +19,6 @@ from h3gen.pipelines.h3.references import PreparedReference, as_references, prep
 from h3gen.pipelines.h3.tasks import place_keyframes
 from h3gen.pipelines.h3.transformer import H3TransformerConfig
 
-WORKFLOWS = ("t2va", "fl2va", "ref2va", "all")
 DEFAULT_SECONDS = 5.0
 KEYFRAME_NOISE_AUG = 0.999  # conditioning rows are held just short of clean
 MAX_SEED = 2**63 - 1

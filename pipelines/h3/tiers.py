@@ -21,9 +21,8 @@ from h3gen.kernels.norm_modulate import rmsnorm_modulate
 from h3gen.kernels.qk_norm_rope import qk_norm_rope
 from h3gen.kernels.swiglu import swiglu
 from h3gen.linear import to_fp8
+from h3gen.options import QUALITY_TIERS, check_choice
 from h3gen.pipelines.h3.transformer import AttentionCore
-
-QUALITY_TIERS = ("exact", "lossless", "fast")
 
 
 def fused_block_forward(block, hidden_states: torch.Tensor, table: torch.Tensor, adaln_indices: torch.Tensor,
@@ -93,17 +92,18 @@ def quantize_block_linears(block) -> bool:
     return all_fp8
 
 
-def set_quality(transformer, tier: str) -> None:
+def set_quality(transformer, tier: str, attention: str | None = None) -> None:
     """Switch `transformer` (an `H3Transformer`) to a quality tier. `exact` <-> `lossless` is free and reversible;
-    `fast` quantizes the block GEMM weights to FP8 in place."""
-    if tier not in QUALITY_TIERS:
-        raise ValueError(f"quality must be one of {', '.join(QUALITY_TIERS)} (got {tier!r}).")
+    `fast` quantizes the block GEMM weights to FP8 in place. `attention` (a backend name, see `RunOptions`) replaces
+    the tier's own attention backend."""
+    check_choice("quality", tier, QUALITY_TIERS)
     if getattr(transformer, "quality", None) == "fast" and tier != "fast":
         raise ValueError("this transformer's weights were quantized for the fast tier; reload it for another tier.")
     # exact: torch's own SDPA choice, as diffusers; lossless: the fastest exact backend of the device (FA3 when
     # installed, else cuDNN on Hopper; our Triton attention measured slower, benchmarks/history.md); fast: FA3's
     # FP8 attention when installed.
-    backend = {"exact": "sdpa", "lossless": "auto", "fast": "fa3-fp8" if fa3_available() else "auto"}[tier]
+    own = {"exact": "sdpa", "lossless": "auto", "fast": "fa3-fp8" if fa3_available() else "auto"}[tier]
+    backend = attention or own
     forward = {"exact": None, "lossless": fused_block_forward, "fast": fast_block_forward}[tier]
     for block in transformer.transformer_blocks:
         block.fused_forward = forward
