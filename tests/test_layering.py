@@ -31,6 +31,7 @@ FLOORS = {
     "h3gen.linear": "linear",
     "h3gen.loading": "loading",
     "h3gen.media": "media",
+    "h3gen.options": "options",  # the run options every face validates against
     "h3gen.pipelines": "pipelines",
     "h3gen.offload": "offload",
     "h3gen.server": "server",
@@ -40,7 +41,7 @@ FLOORS = {
     "h3gen.ui": "ui",
 }
 ALL = frozenset(FLOORS.values())
-CORE = frozenset({"errors", "format", "spec", "quant", "parallel", "linear", "loading", "media"})
+CORE = frozenset({"errors", "format", "spec", "quant", "parallel", "linear", "loading", "media", "options"})
 TOP = frozenset({"server", "cli", "ui", "api"})
 
 
@@ -62,7 +63,7 @@ RULES = (
     Rule(frozenset({"kernels"}), ALL - {"kernels", "format"},
          "kernels import no other h3gen package but the MXFP4 format (h3gen.quant.mxfp4_format)"),
     Rule(CORE, frozenset({"pipelines", "offload"}) | TOP,
-         "the core (errors, linear, loading, quant, parallel, media) imports neither pipelines, offload, server, cli, "
+         "the core (errors, linear, loading, quant, parallel, media, options) imports neither pipelines, offload, server, cli, "
          "ui nor the package root"),
     Rule(frozenset({"quant"}), frozenset({"parallel", "linear", "loading"}),
          "quant sits below the tensor-parallel linears and the linear factory (h3gen.linear), which use it"),
