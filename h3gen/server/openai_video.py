@@ -95,6 +95,7 @@ def video_object(view: dict, *, model: str, retention_seconds: float | None = No
         "width": width,
         "height": height,
         "duration": request.get("duration"),
+        "job_status": view["status"],  # deprecated: the status names before OpenAI's (running, succeeded, ...)
     }
     video.update({name: view.get(name) for name in EXTENSION_FIELDS})
     return video

@@ -140,6 +140,8 @@ class VideoObject(BaseModel):
     width: int | None = None
     height: int | None = None
     duration: float | None = None
+    job_status: str | None = Field(None, description="Deprecated: the status as named before (running, succeeded, "
+                                                     "cancelled, ...); goes in the next release.")
     stage: str | None = Field(None, description="The stage running now.")
     timings: dict[str, float] = Field(default_factory=dict, description="Seconds per stage.")
     request: dict = Field(default_factory=dict, description="The normalized request (resolved size, frames, seed).")
