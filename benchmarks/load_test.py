@@ -47,7 +47,7 @@ from PIL import Image
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import print_table  # noqa: E402
 
-FINISHED = ("succeeded", "failed", "cancelled")
+FINISHED = ("completed", "failed")  # OpenAI's statuses; a cancelled job is failed with error.code "cancelled"
 MAX_CLIENTS = 200  # bounds on what one run may open, whatever the flags say
 MAX_SECONDS = 3600
 REQUEST_TIMEOUT = 30.0
@@ -399,7 +399,7 @@ class Run:
 
     async def check_result(self, http: httpx.AsyncClient, job_id: str, view: dict, cancelled: bool) -> str:
         status = view["status"]
-        if status == "cancelled":
+        if status == "failed" and (view.get("error") or {}).get("code") == "cancelled":
             if not cancelled:
                 return "lost: cancelled though nobody asked"
             response = await self.call(http, "GET", f"/v1/videos/{job_id}/content", expect=(410,))

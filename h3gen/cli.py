@@ -273,7 +273,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         return 2
     try:
         app = create_app(manager, api_key=api_key, max_upload_bytes=int(args.max_upload_mb * 2**20),
-                         model_name=args.model)
+                         model_name=args.model, model_id=args.model_name)
         if not args.no_ui:
             from h3gen.ui import mount_ui  # imports gradio, which only the UI needs
 
@@ -386,6 +386,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--planner", default=None, metavar="SPEC",
                        help="enable plan: true jobs and POST /v1/prompts/plan with a K3 planner: tiny (random demo), a "
                             "K3 checkpoint folder, or an OpenAI-compatible base URL (default: off)")
+    serve.add_argument("--model-name", dest="model_name", default="MiniMax-H3",
+                       help="the model's id in OpenAI's API (`model` of /v1/videos, GET /v1/models)")
     serve.add_argument("--no-ui", dest="no_ui", action="store_true", help="do not mount the web UI at /ui "
                        "(default: mounted)")
     serve.add_argument("--log-level", dest="log_level", default="info",

@@ -77,8 +77,8 @@ class H3Client:
 
     def create(self, prompt: str, *, image=None, last_image=None, references=None, **fields) -> dict:
         """Queue a job (`task` defaults to fl2va when a keyframe is given, ref2va when `references` are: paths,
-        kind by suffix, or `(kind, path)` pairs, in the order the model reads them). Returns
-        `{id, status, created_at}`."""
+        kind by suffix, or `(kind, path)` pairs, in the order the model reads them). Returns the job's `Video`
+        object (OpenAI's shape: `id`, `status` queued / in_progress / completed / failed, `progress`, ...)."""
         files = [(name, Path(path)) for name, path in (("image", image), ("last_image", last_image)) if path]
         files += [_reference_part(reference) for reference in references or ()]
         body = {"prompt": prompt, **{k: v for k, v in fields.items() if v is not None}}
@@ -102,19 +102,23 @@ class H3Client:
         return self._check(self._http.get("/v1/videos", params=params)).json()
 
     def cancel(self, job_id: str) -> dict:
+        """Cancel a queued or running job, or delete a finished one: `{id, object: "video.deleted", deleted, video}`."""
         return self._check(self._http.delete(f"/v1/videos/{job_id}")).json()
 
     def wait(self, job_id: str, *, poll: float = 0.5, timeout: float | None = None, on_progress=None) -> dict:
-        """Poll until the job is finished; `on_progress(view)` sees every poll. Raises on failure or cancel."""
+        """Poll until the video is completed; `on_progress(view)` sees every poll. Raises on failure or cancel
+        (a cancelled job is failed with `error.code` "cancelled")."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             view = self.get(job_id)
             if on_progress:
                 on_progress(view)
-            if view["status"] == "succeeded":
+            if view["status"] == "completed":
                 return view
-            if view["status"] in ("failed", "cancelled"):
-                raise H3ClientError(f"job {job_id} {view['status']}: {view.get('error') or ''}".strip(), None, view)
+            if view["status"] == "failed":
+                error = view.get("error") or {}
+                reason = "cancelled" if error.get("code") == "cancelled" else f"failed: {error.get('message', '')}"
+                raise H3ClientError(f"job {job_id} {reason}".strip(), None, view)
             if deadline is not None and time.monotonic() > deadline:
                 raise H3ClientError(f"job {job_id} still {view['status']} after {timeout} s", None, view)
             time.sleep(poll)

@@ -83,7 +83,12 @@ class Server:
         self.process.wait()
 
 
-def wait_for(client: httpx.Client, job_id: str, statuses=("succeeded", "failed", "cancelled"), timeout=120.0,
+def cancelled(view: dict) -> bool:
+    """Whether a `Video` object is a cancelled job (OpenAI's API shows it as failed with error code "cancelled")."""
+    return view["status"] == "failed" and (view.get("error") or {}).get("code") == "cancelled"
+
+
+def wait_for(client: httpx.Client, job_id: str, statuses=("completed", "failed"), timeout=120.0,
              predicate=None) -> dict:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

@@ -11,7 +11,7 @@ import time
 
 import numpy as np
 import pytest
-from server_harness import Server, wait_for
+from server_harness import Server, cancelled, wait_for
 
 from h3gen.media import write_mp4
 from h3gen.pipelines.h3.tiny import tiny_checkpoint
@@ -211,17 +211,17 @@ def test_a_second_server_on_one_folder_exits_naming_the_first(model, tmp_path):
     try:
         with first.client() as http:
             running = http.post("/v1/videos", json={"prompt": "first's job", **LONG}).json()["id"]
-            wait_for(http, running, statuses=("running",))
+            wait_for(http, running, statuses=("in_progress",))
             with pytest.raises(RuntimeError) as info:
                 Server(model, results)
             message = str(info.value)
             assert f"is in use by pid {first.process.pid}" in message and f":{first.port}" in message
             assert "Traceback" not in message
             view = http.get(f"/v1/videos/{running}").json()
-            assert view["status"] == "running"  # untouched by the second server
-            assert http.delete(f"/v1/videos/{running}").json()["status"] == "cancelled"
+            assert view["status"] == "in_progress"  # untouched by the second server
+            assert cancelled(http.delete(f"/v1/videos/{running}").json()["video"])
             done = http.post("/v1/videos", json={"prompt": "after", **FAST}).json()["id"]
-            assert wait_for(http, done)["status"] == "succeeded"
+            assert wait_for(http, done)["status"] == "completed"
     finally:
         first.stop()
 
@@ -234,7 +234,7 @@ def test_sigterm_then_a_lost_wal_keeps_every_job(model, tmp_path):
         wait_for(http, done)
         running = http.post("/v1/videos", json={"prompt": "interrupted", **LONG}).json()["id"]
         queued = http.post("/v1/videos", json={"prompt": "requeued", **FAST}).json()["id"]
-        wait_for(http, running, statuses=("running",))
+        wait_for(http, running, statuses=("in_progress",))
     first.process.send_signal(signal.SIGTERM)
     first.process.wait(60)
     first.kill()
@@ -243,10 +243,10 @@ def test_sigterm_then_a_lost_wal_keeps_every_job(model, tmp_path):
     second = Server(model, results)
     try:
         with second.client() as http:
-            assert http.get(f"/v1/videos/{done}").json()["status"] == "succeeded"
+            assert http.get(f"/v1/videos/{done}").json()["status"] == "completed"
             assert http.get(f"/v1/videos/{done}/content").status_code == 200
             view = http.get(f"/v1/videos/{running}").json()
             assert view["status"] == "failed" and "interrupted" in view["error"]
-            assert wait_for(http, queued)["status"] == "succeeded"
+            assert wait_for(http, queued)["status"] == "completed"
     finally:
         second.stop()

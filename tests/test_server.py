@@ -4,7 +4,7 @@ import concurrent.futures
 
 import httpx
 import pytest
-from server_harness import Server, wait_for
+from server_harness import Server, cancelled, wait_for
 
 from h3gen.client import H3Client, H3ClientError
 from h3gen.media import probe_mp4
@@ -41,7 +41,7 @@ def test_create_poll_download(server, tmp_path):
         assert body["status"] == "queued" and len(body["id"]) == 32
         seen = []
         view = wait_for(http, body["id"], predicate=lambda v: seen.append(v["progress"]) or True)
-        assert view["status"] == "succeeded" and view["progress"] == 100
+        assert view["status"] == "completed" and view["progress"] == 100
         assert seen == sorted(seen)  # progress only moves forward
         assert view["request"]["seed"] == 5 and view["request"]["num_frames"] == 124
         assert {"encode_text", "denoise", "decode_video", "decode_audio", "write_mp4"} <= set(view["timings"])
@@ -57,7 +57,7 @@ def test_create_poll_download(server, tmp_path):
         assert 'h3gen_jobs{status="succeeded"} 1' in metrics and "h3gen_step_seconds_count" in metrics
     # The Python client does the same round trip.
     view = H3Client(server.url).generate("waves at night", seed=2, out=tmp_path / "client.mp4", **FAST)
-    assert view["status"] == "succeeded"
+    assert view["status"] == "completed"
     _mp4_ok(tmp_path / "client.mp4")
 
 
@@ -65,13 +65,13 @@ def test_cancel_running_job_frees_the_engine_and_next_job_runs(server, tmp_path)
     with server.client() as http:
         long_job = http.post("/v1/videos", json={"prompt": "a very long job", **LONG}).json()["id"]
         next_job = http.post("/v1/videos", json={"prompt": "the next job", **FAST}).json()["id"]
-        wait_for(http, long_job, statuses=("running",), predicate=lambda v: v["progress"] > 5)
-        cancelled = http.delete(f"/v1/videos/{long_job}")
-        assert cancelled.status_code == 200 and cancelled.json()["status"] == "cancelled"
+        wait_for(http, long_job, statuses=("in_progress",), predicate=lambda v: v["progress"] > 5)
+        answer = http.delete(f"/v1/videos/{long_job}")
+        assert answer.status_code == 200 and cancelled(answer.json()["video"])
         view = wait_for(http, next_job)
-        assert view["status"] == "succeeded"
+        assert view["status"] == "completed"
         final = http.get(f"/v1/videos/{long_job}").json()
-        assert final["status"] == "cancelled" and final["progress"] < 99
+        assert cancelled(final) and final["progress"] < 99
         assert http.get(f"/v1/videos/{long_job}/content").status_code == 410
         assert not (tmp_path / "results" / f"{long_job}.mp4").exists()
         assert http.get("/health").json()["running"] is None
@@ -82,7 +82,7 @@ def test_cancel_queued_job_and_delete_finished_job(server):
         blocker = http.post("/v1/videos", json={"prompt": "blocker", **LONG}).json()["id"]
         queued = http.post("/v1/videos", json={"prompt": "waiting", **FAST}).json()["id"]
         assert http.get(f"/v1/videos/{queued}").json()["queue_position"] == 1
-        assert http.delete(f"/v1/videos/{queued}").json()["status"] == "cancelled"
+        assert cancelled(http.delete(f"/v1/videos/{queued}").json()["video"])
         http.delete(f"/v1/videos/{blocker}")
         done = http.post("/v1/videos", json={"prompt": "done", **FAST}).json()["id"]
         wait_for(http, done)
@@ -105,7 +105,7 @@ def test_fifty_concurrent_submissions_with_a_queue_of_ten(server, tmp_path):
     assert all(r.headers.get("retry-after", "").isdigit() for r in responses if r.status_code == 429)
     with server.client() as http:
         for job_id in accepted:
-            assert wait_for(http, job_id, timeout=300)["status"] == "succeeded"
+            assert wait_for(http, job_id, timeout=300)["status"] == "completed"
             path = tmp_path / f"{job_id}.mp4"
             path.write_bytes(http.get(f"/v1/videos/{job_id}/content").content)
             _mp4_ok(path)
@@ -119,7 +119,7 @@ def test_restart_keeps_finished_jobs_and_reports_the_interrupted_one(model, tmp_
         wait_for(http, done)
         running = http.post("/v1/videos", json={"prompt": "interrupted", **LONG}).json()["id"]
         queued = http.post("/v1/videos", json={"prompt": "requeued", **FAST}).json()["id"]
-        wait_for(http, running, statuses=("running",))
+        wait_for(http, running, statuses=("in_progress",))
     first.kill()
     second = Server(model, results)
     try:
@@ -127,7 +127,7 @@ def test_restart_keeps_finished_jobs_and_reports_the_interrupted_one(model, tmp_
             assert http.get(f"/v1/videos/{done}/content").status_code == 200
             view = http.get(f"/v1/videos/{running}").json()
             assert view["status"] == "failed" and "interrupted" in view["error"]
-            assert wait_for(http, queued)["status"] == "succeeded"  # nothing queued is lost
+            assert wait_for(http, queued)["status"] == "completed"  # nothing queued is lost
     finally:
         second.stop()
 
@@ -163,5 +163,5 @@ def test_ref2va_job_with_uploaded_references(server, tmp_path):
             handle.close()
         assert created.status_code == 202, created.text
         done = wait_for(http, created.json()["id"])
-        assert done["status"] == "succeeded", done
+        assert done["status"] == "completed", done
         assert done["request"]["num_frames"] == 158  # the song's 6.3 s

@@ -137,7 +137,7 @@ def test_the_extreme_aspect_ratios_run(server):
             assert created.status_code == 202, created.text
         for created in (wide, tall):
             view = wait_for(http, created.json()["id"], timeout=300)
-            assert view["status"] == "succeeded", view["error"]
+            assert view["status"] == "completed", view["error"]
             assert 1 / 4 <= view["request"]["width"] / view["request"]["height"] <= 4
 
 

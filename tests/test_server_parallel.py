@@ -2,7 +2,7 @@
 one rank fails only that job with its message, cancellation stops both ranks, and the next job succeeds."""
 
 import pytest
-from server_harness import Server, wait_for
+from server_harness import Server, cancelled, wait_for
 
 from h3gen.media import probe_mp4
 from h3gen.pipelines.h3.tiny import tiny_checkpoint
@@ -23,16 +23,16 @@ def test_jobs_failures_and_cancellation_across_ranks(server, tmp_path):
         ok = http.post("/v1/videos", json={"prompt": "a cat", "num_inference_steps": 4, "seed": 1}).json()["id"]
         bad = http.post("/v1/videos", json={"prompt": "boom", "num_inference_steps": 4, "seed": 1}).json()["id"]
         after = http.post("/v1/videos", json={"prompt": "after", "num_inference_steps": 4, "seed": 2}).json()["id"]
-        assert wait_for(http, ok)["status"] == "succeeded"
+        assert wait_for(http, ok)["status"] == "completed"
         failed = wait_for(http, bad)
         assert failed["status"] == "failed" and "rank 1" in failed["error"] and "injected failure" in failed["error"]
-        assert wait_for(http, after)["status"] == "succeeded"
+        assert wait_for(http, after)["status"] == "completed"
         (tmp_path / "ok.mp4").write_bytes(http.get(f"/v1/videos/{ok}/content").content)
         assert probe_mp4(tmp_path / "ok.mp4").num_frames == 124
 
         long_job = http.post("/v1/videos", json={"prompt": "long", "num_inference_steps": 1000}).json()["id"]
-        wait_for(http, long_job, statuses=("running",), predicate=lambda v: v["progress"] > 5)
-        assert http.delete(f"/v1/videos/{long_job}").json()["status"] == "cancelled"
+        wait_for(http, long_job, statuses=("in_progress",), predicate=lambda v: v["progress"] > 5)
+        assert cancelled(http.delete(f"/v1/videos/{long_job}").json()["video"])
         last = http.post("/v1/videos", json={"prompt": "last", "num_inference_steps": 4}).json()["id"]
-        assert wait_for(http, last)["status"] == "succeeded"
+        assert wait_for(http, last)["status"] == "completed"
         assert http.get("/health").json()["status"] == "ok"

@@ -83,7 +83,7 @@ def test_a_server_file_given_as_an_upload_is_refused_and_never_copied(server, se
 def test_the_results_folder_is_not_served(server):
     with server.client() as rest:
         job_id = rest.post("/v1/videos", json={"prompt": "a dog", "num_inference_steps": 2, "seed": 3}).json()["id"]
-        assert wait_for(rest, job_id)["status"] == "succeeded"
+        assert wait_for(rest, job_id)["status"] == "completed"
     with ui_client(server) as client:
         for path in [server.results_dir / "jobs.sqlite3", server.results_dir / f"{job_id}.mp4", server.results_dir]:
             for url in (f"/ui/gradio_api/file={path}", f"/ui/file={path}", f"/ui/gradio_api/file/{path}"):

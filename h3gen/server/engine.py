@@ -12,6 +12,7 @@ import torch
 from h3gen.errors import RequestError
 from h3gen.options import RunOptions
 from h3gen.pipelines.h3.checkpoint import H3Checkpoint, resolve_workflow
+from h3gen.pipelines.h3.geometry import SPATIAL_COMPRESSION, resolve_canvas
 from h3gen.pipelines.h3.references import AudioReference, ImageReference, VideoReference
 from h3gen.pipelines.h3.request import prepare_request, read_transformer_config
 from h3gen.server.schemas import REFERENCE_FIELDS, GenerationRequest
@@ -111,6 +112,11 @@ class H3Engine:
 
     def wait_loaded(self, timeout: float | None = None) -> bool:
         return self._loaded.wait(timeout)
+
+    def canvas(self, aspect_width: float, aspect_height: float) -> tuple[int, int]:
+        """(height, width) of this model's canvas for an aspect ratio within 1:4 .. 4:1."""
+        return resolve_canvas(aspect_width, aspect_height, multiple=SPATIAL_COMPRESSION * self.config.patch_size[2],
+                              short_edge=self.checkpoint.canvas_short_edge, max_pixels=self.checkpoint.canvas_max_pixels)
 
     def validate(self, request: GenerationRequest, images: dict[str, Path]) -> dict:
         """Check a request fully (task, keyframes or references, geometry, seed) and return it normalized, with the

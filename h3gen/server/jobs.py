@@ -438,7 +438,9 @@ class JobManager:
         if status == "cancelled":
             fields.pop("error")
         self.store.update(job_id, **fields)
-        self._remove_files(job, result=False, uploads=True)
+        if status == "cancelled":
+            self._remove_files(job, result=False, uploads=True)
+        # Otherwise a finished job keeps its uploads until it is deleted (a remix reuses them).
 
     # ------------------------------------------------------------------ files
 

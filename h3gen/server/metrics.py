@@ -42,6 +42,11 @@ class Metrics:
         with self._lock:
             return self.job_seconds_sum / self.job_count if self.job_count else default
 
+    def mean_step_seconds(self) -> float | None:
+        """The mean measured denoising step, or None before the first."""
+        with self._lock:
+            return self.step_seconds_sum / self.step_count if self.step_count else None
+
     def render(self, *, queue_depth: int, jobs_by_status: dict[str, int], ready: bool) -> str:
         """The /metrics page."""
         lines = [

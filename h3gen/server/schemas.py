@@ -1,5 +1,6 @@
 """The request and response shapes of the REST API (validated once, with pydantic)."""
 
+import json
 import re
 from typing import Literal
 
@@ -7,6 +8,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from pydantic_core import PydanticCustomError
 
 from h3gen.options import QUALITY_HELP, QUALITY_TIERS, TASKS, describe
+from h3gen.pipelines.h3.geometry import MAX_SECONDS, MIN_SECONDS
 
 MAX_PROMPT_CHARS = 4000
 JOB_STATUSES = ("queued", "running", "succeeded", "failed", "cancelled")
@@ -33,8 +35,16 @@ class GenerationRequest(BaseModel):
         None, json_schema_extra={"pattern": ASPECT_RATIO},
         description="W:H from 1:4 to 4:1; default 16:9 (t2va) or the first keyframe's (fl2va).",
     )
-    seconds: float | None = Field(None, ge=5.0, le=15.0, description=(
-        "Length, 5 to 15 s at 24 fps. Default 5, or for ref2va the length of the first reference with sound."))
+    seconds: float | None = Field(None, description=(
+        "Length, 5 to 15 s at 24 fps, as a number or a numeric string (OpenAI's `\"8\"`). Default 5, or for ref2va "
+        "the length of the first reference with sound."))
+    size: str | None = Field(None, max_length=16, description=(
+        "OpenAI's `WxH` (e.g. 1280x720): sets the aspect ratio; the canvas is made on MiniMax-H3's grid at its own "
+        "resolution (the job's `width` x `height`). Give size or aspect_ratio, not both."))
+    model: str | None = Field(None, max_length=128, description="The served model's id (GET /v1/models); optional.")
+    input_reference: "InputReference | None" = Field(None, description=(
+        "OpenAI's input reference: the first keyframe (task fl2va). As JSON `{image_url: data:image/...;base64,...}` "
+        "or as a multipart file part named input_reference; URLs are never fetched."))
     seed: int | None = Field(None, ge=0, le=2**63 - 1, description="Noise seed; random when omitted.")
     num_inference_steps: int = Field(50, ge=2, le=1000, description="Sigma grid points (N - 1 transformer forwards).")
     audio_sample_rate: Literal[32000, 48000] = Field(32000, description="AAC sample rate of the MP4.")
@@ -53,6 +63,34 @@ class GenerationRequest(BaseModel):
             raise PydanticCustomError("value_error", "aspect_ratio must look like 16:9 (W:H from 1:4 to 4:1; got "
                                       "{value})", {"value": value[:32]})
         return value
+
+    @field_validator("seconds")
+    @classmethod
+    def _seconds_in_range(cls, value: float | None) -> float | None:
+        if value is not None and not MIN_SECONDS <= value <= MAX_SECONDS:
+            raise ValueError(f"seconds must be from {MIN_SECONDS:g} to {MAX_SECONDS:g} (MiniMax-H3 makes 5 to 15 s "
+                             f"per request at 24 fps; got {value:g})")
+        return value
+
+
+class InputReference(BaseModel):
+    """OpenAI's `ImageInputReferenceParam`: an image as a base64 data URL, or a file id."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    image_url: str | None = Field(None, description="data:image/...;base64,... (never fetched from the network)")
+    file_id: str | None = Field(None, max_length=128, description="not served: this server keeps no files")
+
+
+GenerationRequest.model_rebuild()
+
+
+class RemixRequest(BaseModel):
+    """`POST /v1/videos/{id}/remix`: a new job with the source's settings and this prompt."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    prompt: str = Field(min_length=1, max_length=MAX_PROMPT_CHARS, description="The new prompt.")
 
 
 class PlanRequest(BaseModel):
@@ -76,34 +114,60 @@ class PlanResponse(BaseModel):
     seconds: float
 
 
-class JobCreated(BaseModel):
+class VideoError(BaseModel):
+    code: str = Field(description='"cancelled", or "generation_failed" with the reason in `message`.')
+    message: str
+
+
+class VideoObject(BaseModel):
+    """OpenAI's `Video` object (as the `openai` SDK defines it), with H3's job fields as extensions."""
+
+    model_config = ConfigDict(extra="allow")
+
     id: str
-    status: str
-    created_at: float
-
-
-class JobView(BaseModel):
-    """Everything a client may want to know about a job."""
-
-    id: str
-    status: Literal["queued", "running", "succeeded", "failed", "cancelled"]
-    progress: float = Field(description="0-100, by stage and denoising step.")
-    stage: str | None = None
-    timings: dict[str, float] = Field(default_factory=dict, description="Seconds per finished stage.")
-    error: str | None = None
+    object: Literal["video"] = "video"
+    model: str
+    status: Literal["queued", "in_progress", "completed", "failed"] = Field(
+        description="A cancelled job reads as failed with error.code \"cancelled\".")
+    progress: int = Field(description="0-100, by stage and denoising step.")
+    created_at: int
+    completed_at: int | None = None
+    expires_at: int | None = Field(None, description="When retention removes the video (Unix seconds).")
+    prompt: str | None = None
+    remixed_from_video_id: str | None = None
+    seconds: str = Field(description="The length asked for; `duration` is the one made (17n + 5 frames at 24 fps).")
+    size: str = Field(description="The size asked for (WxH); `width` x `height` is the canvas made.")
+    error: VideoError | None = None
+    width: int | None = None
+    height: int | None = None
+    duration: float | None = None
+    job_status: str | None = Field(None, description="Deprecated: the status as named before (running, succeeded, "
+                                                     "cancelled, ...); goes in the next release.")
+    stage: str | None = Field(None, description="The stage running now.")
+    timings: dict[str, float] = Field(default_factory=dict, description="Seconds per stage.")
     request: dict = Field(default_factory=dict, description="The normalized request (resolved size, frames, seed).")
     planned_prompt: str | None = Field(None, description="The planner's prompt, once a job with plan=true has it.")
-    created_at: float
-    started_at: float | None = None
-    finished_at: float | None = None
     queue_position: int | None = None
     content_url: str | None = None
+    started_at: float | None = None
+    finished_at: float | None = None
 
 
-class JobList(BaseModel):
-    data: list[JobView]
+class VideoList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[VideoObject]
     has_more: bool
+    first_id: str | None = None
     last_id: str | None = None
+
+
+class VideoDeleted(BaseModel):
+    """OpenAI's `VideoDeleteResponse`; `video` is the video's state after the call."""
+
+    id: str
+    object: Literal["video.deleted"] = "video.deleted"
+    deleted: bool
+    video: VideoObject
 
 
 class Health(BaseModel):
@@ -116,3 +180,20 @@ class Health(BaseModel):
     queue_depth: int | None = None
     running: str | None = None
     load_error: str | None = None
+
+
+def request_body_schema() -> dict:
+    """The OpenAPI request body of `POST /v1/videos`: JSON, or multipart with its files."""
+    json_schema = GenerationRequest.model_json_schema()
+    multipart = json.loads(json.dumps(json_schema))
+    multipart["additionalProperties"] = False
+    for name in IMAGE_FIELDS:
+        multipart["properties"][name] = {"type": "string", "format": "binary", "description": f"fl2va {name} file"}
+    multipart["properties"]["input_reference"] = {"type": "string", "format": "binary",
+                                                  "description": "OpenAI's input reference: the fl2va first frame"}
+    for name in REFERENCE_FIELDS:
+        multipart["properties"][name] = {
+            "type": "array", "items": {"type": "string", "format": "binary"},
+            "description": f"ref2va {name.split('_')[1]} reference files (repeat the part; parts keep their order)"}
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": json_schema},
+                                                          "multipart/form-data": {"schema": multipart}}}}

@@ -1,0 +1,219 @@
+"""The `/v1/videos` routes (OpenAI's video API: create, retrieve, list, content with its variants, remix, delete)
+and `GET /v1/models`. Every answer about a job is its `Video` object (`openai_video.video_object`)."""
+
+import logging
+import shutil
+import sqlite3
+from pathlib import Path
+
+from fastapi import FastAPI, HTTPException, Query, Request
+from fastapi.concurrency import run_in_threadpool
+from fastapi.encoders import jsonable_encoder
+from fastapi.responses import FileResponse, JSONResponse, Response
+from starlette.datastructures import UploadFile
+
+from h3gen.errors import RequestError
+from h3gen.media import MediaError, mp4_spritesheet, mp4_thumbnail
+from h3gen.pipelines.h3.references import MAX_REFERENCES
+from h3gen.server import openai_video
+from h3gen.server.bodies import (MAX_JSON_BYTES, body_fields, disk_full, field_error, insufficient_storage,
+                                 public_text, public_view, save_upload, validated)
+from h3gen.server.engine import upload_name
+from h3gen.server.jobs import QueueFull
+from h3gen.server.schemas import (IMAGE_FIELDS, REFERENCE_FIELDS, GenerationRequest, RemixRequest, VideoDeleted,
+                                  VideoList, VideoObject, request_body_schema)
+
+logger = logging.getLogger(__name__)
+
+_MULTIPART_FIELDS = tuple(GenerationRequest.model_fields)
+_FILE_FIELDS = IMAGE_FIELDS + REFERENCE_FIELDS + ("input_reference",)
+MAX_FILES = len(IMAGE_FIELDS) + MAX_REFERENCES + 1  # one more, so a 13th reference gets the count's own message
+
+
+def add_video_routes(app: FastAPI, server) -> None:
+    """Add the `/v1/videos` routes and `GET /v1/models` to `app`; `server` is the app's `ServerContext`."""
+    manager = server.manager
+
+    def as_video(view: dict) -> dict:
+        return openai_video.video_object(public_view(view), model=server.model_id,
+                                         retention_seconds=manager.retention_seconds)
+
+    def queue_full(retry_after: int) -> JSONResponse:
+        message = f"the queue is full ({manager.max_queue} jobs waiting); try again later"
+        return JSONResponse({"detail": message, "error": openai_video.error_body(message, kind="rate_limit_error")},
+                            status_code=429, headers={"Retry-After": str(retry_after)})
+
+    def job_or_404(job_id: str) -> dict:
+        job = manager.get(job_id) if server.job_id_pattern.match(job_id) else None
+        if job is None:
+            raise HTTPException(404, f"no video {job_id[:64]!r}")
+        return job
+
+    def submit(generation: GenerationRequest, uploads: dict[str, Path], staging_dir, extra: dict | None = None):
+        """Map OpenAI's fields, validate against the model and queue: the job's `Video` object."""
+
+        def save_image(data: bytes) -> Path:
+            path = staging_dir() / "image.upload"
+            path.write_bytes(data)
+            return path
+
+        generation = openai_video.openai_fields(generation, uploads, model_id=server.model_id,
+                                                canvas=manager.engine.canvas, save_image=save_image)
+        normalized = manager.engine.validate(generation, uploads) | (extra or {})
+        return as_video(manager.submit(normalized, uploads))
+
+    @app.post("/v1/videos", status_code=202, response_model=VideoObject, dependencies=server.auth,
+              openapi_extra=request_body_schema(),
+              responses={413: {"description": "body or upload too large"}, 415: {"description": "unsupported body"},
+                         422: {"description": "invalid field"}, 429: {"description": "queue full"}})
+    async def create_video(request: Request):
+        """Validate a generation request and queue it; answers the job's `Video` object. JSON, or multipart (as
+        OpenAI's SDK sends it) with an `input_reference` or `image` / `last_image` files (fl2va), or `ref_image` /
+        `ref_video` / `ref_audio` files (ref2va), each repeatable: the order of the parts is the order of the
+        references. A full queue is answered (429) before any upload is read."""
+        if manager.queue_depth() >= manager.max_queue:
+            return queue_full(manager.retry_after())
+        staging = None
+        uploads: dict[str, Path] = {}
+        references = 0
+
+        def staging_dir() -> Path:
+            nonlocal staging
+            staging = staging or manager.staging_dir()
+            return staging
+
+        async def save(key: str, upload: UploadFile):
+            nonlocal references
+            if key not in _FILE_FIELDS:
+                return field_error(key, f"unexpected file field; files go in {', '.join(_FILE_FIELDS)}")
+            name = "image" if key == "input_reference" else key
+            if name in uploads:
+                return field_error(key, "give one first frame: image or input_reference, once" if name == "image"
+                                   else f"give {key} once")
+            if key in REFERENCE_FIELDS:
+                name, references = upload_name(key, references), references + 1
+            uploads[name] = await run_in_threadpool(save_upload, upload, staging_dir(), name,
+                                                    server.max_upload_bytes, key)
+            return None
+
+        try:
+            data = await body_fields(request, server.max_upload_bytes * MAX_FILES + MAX_JSON_BYTES,
+                                     max_files=MAX_FILES, max_fields=len(_MULTIPART_FIELDS) + 4, on_file=save,
+                                     file_fields=_FILE_FIELDS, text_limit=server.max_upload_bytes * 4 // 3 + MAX_JSON_BYTES)
+            if isinstance(data, JSONResponse):
+                return data
+            generation = validated(GenerationRequest, data)
+            if isinstance(generation, JSONResponse):
+                return generation
+            video = await run_in_threadpool(submit, generation, uploads, staging_dir)
+            staging = None if uploads else staging
+            return JSONResponse(video, status_code=202)
+        except RequestError as error:
+            return field_error(error.field or "body", str(error))
+        except QueueFull as error:
+            return queue_full(error.retry_after)
+        except (OSError, sqlite3.OperationalError) as error:
+            if not disk_full(error):
+                raise
+            logger.error("disk full while storing a request: %s", error)
+            return insufficient_storage()
+        finally:
+            if staging is not None:
+                shutil.rmtree(staging, ignore_errors=True)
+
+    @app.post("/v1/videos/{job_id}/remix", status_code=202, response_model=VideoObject, dependencies=server.auth,
+              responses={404: {"description": "unknown video"}, 409: {"description": "its files are gone"},
+                         422: {"description": "invalid field"}, 429: {"description": "queue full"}})
+    def remix_video(job_id: str, remix: RemixRequest):
+        """A new job with the source video's settings (task, canvas, length, seed, steps, keyframes and references)
+        and a new prompt; `remixed_from_video_id` names the source."""
+        job_or_404(job_id)
+        source = manager.store.get(job_id)
+        settings = {name: value for name, value in source["request"].items()
+                    if name in GenerationRequest.model_fields and name not in ("prompt", "plan", "input_reference")}
+        staging = manager.staging_dir()
+        try:
+            uploads = {}
+            for name, path in source["uploads"].items():
+                if not Path(path).exists():
+                    raise HTTPException(409, "the source video's uploaded files are gone; create a new video instead")
+                uploads[name] = staging / Path(path).name
+                shutil.copyfile(path, uploads[name])
+            generation = GenerationRequest.model_validate(settings | {"prompt": remix.prompt})
+            video = submit(generation, uploads, lambda: staging, {"remixed_from_video_id": job_id})
+            return JSONResponse(video, status_code=202)
+        except RequestError as error:
+            return field_error(error.field or "body", str(error))
+        except QueueFull as error:
+            return queue_full(error.retry_after)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+
+    @app.get("/v1/videos", response_model=VideoList, dependencies=server.auth)
+    def list_videos(limit: int = Query(20, ge=1, le=100), after: str | None = Query(None, max_length=64),
+                    order: str = Query("desc", pattern="^(asc|desc)$")):
+        """Videos, newest first by default; page with `after` = `last_id` of the previous page."""
+        if after is not None and not server.job_id_pattern.match(after):
+            raise HTTPException(404, f"no video {after!r}")
+        jobs, has_more = manager.list(limit=limit, after=after, newest_first=order == "desc")
+        return {"object": "list", "data": [as_video(job) for job in jobs], "has_more": has_more,
+                "first_id": jobs[0]["id"] if jobs else None, "last_id": jobs[-1]["id"] if jobs else None}
+
+    @app.get("/v1/videos/{job_id}", response_model=VideoObject, dependencies=server.auth)
+    def get_video(job_id: str):
+        """OpenAI's `Video` object, with H3's stage, stage timings, canvas and normalized request; the
+        `openai-poll-after-ms` header says when to look again (one measured denoising step)."""
+        video = as_video(job_or_404(job_id))
+        delay = openai_video.poll_after_ms(manager.metrics.mean_step_seconds())
+        return JSONResponse(jsonable_encoder(video), headers={"openai-poll-after-ms": str(delay)})
+
+    @app.get("/v1/videos/{job_id}/content", dependencies=server.auth, response_class=FileResponse,
+             responses={200: {"content": {"video/mp4": {}, "image/jpeg": {}}},
+                        206: {"description": "partial content (Range)"}, 404: {"description": "unknown job"},
+                        409: {"description": "not ready or failed"}, 410: {"description": "cancelled"},
+                        422: {"description": "unknown variant"}})
+    async def get_content(job_id: str, variant: str = Query("video", max_length=16, description=(
+            "video: the MP4 (H.264 + AAC stereo; Range requests supported); thumbnail: a JPEG of the middle frame; "
+            "spritesheet: a JPEG grid of frames (x-spritesheet-* headers give its layout)"))):
+        """The MP4, or a preview image of it."""
+        if variant not in openai_video.VARIANTS:
+            return field_error("variant", f"variant must be one of {', '.join(openai_video.VARIANTS)}", "enum")
+        job = job_or_404(job_id)
+        if job["status"] == "cancelled":
+            raise HTTPException(410, "the job was cancelled; it has no video")
+        if job["status"] == "failed":
+            raise HTTPException(409, f"the job failed: {public_text(job['error'])}")
+        if job["status"] != "succeeded":
+            raise HTTPException(409, f"the job is {openai_video.OPENAI_STATUS[job['status']]} "
+                                     f"({job['progress']:.0f}%); try again later")
+        path = manager.result_path(job_id)
+        if path is None or not path.exists():
+            raise HTTPException(404, "the video file is gone (removed by retention)")
+        if variant == "video":
+            return FileResponse(path, media_type="video/mp4", filename=f"{job_id}.mp4")
+        try:
+            if variant == "thumbnail":
+                image, headers = await run_in_threadpool(mp4_thumbnail, path), {}
+            else:
+                image, layout = await run_in_threadpool(mp4_spritesheet, path)
+                headers = {f"x-spritesheet-{name.replace('_', '-')}": str(value) for name, value in layout.items()}
+        except MediaError:
+            raise HTTPException(404, "the video file is gone or unreadable") from None
+        return Response(image, media_type="image/jpeg", headers=headers)
+
+    @app.delete("/v1/videos/{job_id}", response_model=VideoDeleted, dependencies=server.auth)
+    def delete_video(job_id: str):
+        """Delete a finished video and its files (`deleted: true`); a queued job is cancelled, a running one at its
+        next step (`deleted: false`: it reads as failed with `error.code` "cancelled" until deleted in turn).
+        OpenAI's `VideoDeleteResponse`, with the video's state after the call under `video`."""
+        job_or_404(job_id)
+        view = manager.cancel(job_id)
+        if view is None:
+            raise HTTPException(404, f"no video {job_id!r}")
+        return {"id": job_id, "object": "video.deleted", "deleted": bool(view.get("deleted")),
+                "video": as_video(view)}
+
+    @app.get("/v1/models", dependencies=server.auth)
+    def list_models():
+        """The served model (OpenAI's model list) and the tasks it answers."""
+        return openai_video.model_list(server.model_id, manager.engine.tasks, server.created)
