@@ -83,8 +83,7 @@ def set_quality(transformer, tier: str) -> None:
     from h3gen.kernels.attention import fa3_available
 
     # exact: torch's own SDPA choice, as diffusers; lossless: the fastest exact backend of the device (FA3 when
-    # installed, else cuDNN on Hopper; our Triton attention measured slower, benchmarks/history.md); fast: FA3's
-    # FP8 attention when installed.
+    # installed, else cuDNN on Hopper); fast: FA3's FP8 attention when installed.
     backend = {"exact": "sdpa", "lossless": "auto", "fast": "fa3-fp8" if fa3_available() else "auto"}[tier]
     forward = {"exact": None, "lossless": fused_block_forward, "fast": fast_block_forward}[tier]
     for block in transformer.transformer_blocks:
