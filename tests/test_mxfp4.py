@@ -19,6 +19,27 @@ from h3gen.kernels.mxfp4_gemm import triton as gemm_triton  # noqa: E402
 from h3gen.quant.mxfp4 import E2M1_VALUES, MXFP4Linear, dequantize, quantize  # noqa: E402
 
 
+def _decode_words(words: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """What the Gluon kernel's `DECODE` (`ptx.WIDEN_CODES`) computes, replayed in torch integers: int64 words `[...]`
+    holding 32-bit values -> four int64 tensors of bf16 bit pairs (low half = first element), before the final
+    * 2^126."""
+    t = (words & 0xFF) | (((words >> 16) & 0xFF) << 8) | (((words >> 8) & 0xFF) << 16) | (((words >> 24) & 0xFF) << 24)
+    u = t >> 8
+    mask = 0x81C081C0
+    a = (((t & 0x000F000F) * 4160) & 0xFFFFFFFF) & mask
+    b = (((u & 0x000F000F) * 4160) & 0xFFFFFFFF) & mask
+    c = (((t & 0x00F000F0) * 260) & 0xFFFFFFFF) & mask
+    d = (((u & 0x00F000F0) * 260) & 0xFFFFFFFF) & mask
+    return a, b, c, d
+
+
+def _folded_scale_bits(scale_bytes: torch.Tensor) -> torch.Tensor:
+    """What the Gluon kernel multiplies a word's decoded codes by when the scales are folded (`DECODE_SCALED`):
+    E8M0 bytes -> int32 bf16 bits of 2^(e-1) (NaN for 255)."""
+    e = scale_bytes.to(torch.int32)
+    return torch.where(e == 255, 0x7FC0, (e + 126) << 7)
+
+
 def _spec_codes(row: list[float]) -> tuple[list[int], int]:
     """One 32-value block by the spec, in float64 scalars: (E2M1 codes, E8M0 scale byte)."""
     if any(not math.isfinite(v) for v in row):
@@ -179,7 +200,7 @@ def test_gluon_decode_bit_arithmetic_gives_every_code_in_mma_order():
     g = torch.Generator().manual_seed(5)
     words = torch.randint(0, 2**32, (4096,), dtype=torch.int64, generator=g)
     words[:256] = torch.arange(256) * 0x01010101  # every byte in every position
-    outputs = gemm_gluon.decode_words_reference(words)
+    outputs = _decode_words(words)
     byte = [(words >> (8 * i)) & 0xFF for i in range(4)]
     codes = [(byte[0] & 15, byte[1] & 15), (byte[2] & 15, byte[3] & 15), (byte[0] >> 4, byte[1] >> 4),
              (byte[2] >> 4, byte[3] >> 4)]
@@ -196,17 +217,17 @@ def test_gluon_folded_scale_is_exact_up_to_128_and_refused_above():
     not for 129 (2^128 is not a bf16 number), which `foldable` therefore refuses."""
     codes = torch.arange(16, dtype=torch.int64)
     words = codes | (codes << 4)  # byte b0 = (code, code); the other bytes zero
-    decoded = gemm_gluon.decode_words_reference(words)[0] & 0xFFFF  # the low code of b0
+    decoded = _decode_words(words)[0] & 0xFFFF  # the low code of b0
     halves = decoded.to(torch.int32).to(torch.int16).view(torch.bfloat16)
     table = torch.tensor(list(E2M1_VALUES) + [-v for v in E2M1_VALUES], dtype=torch.float64)
     for e in list(range(129)) + [255]:
-        scale = gemm_gluon.folded_scale_bits(torch.tensor(e)).to(torch.int16).view(torch.bfloat16)
+        scale = _folded_scale_bits(torch.tensor(e)).to(torch.int16).view(torch.bfloat16)
         got = (halves * scale).double()
         if e == 255:
             assert got.isnan().all()
         else:
             assert torch.equal(got, table * 2.0 ** (e - 127)), f"scale byte {e}"
-    too_large = gemm_gluon.folded_scale_bits(torch.tensor(129)).to(torch.int16).view(torch.bfloat16)
+    too_large = _folded_scale_bits(torch.tensor(129)).to(torch.int16).view(torch.bfloat16)
     assert (halves[1:8] * too_large).double().isinf().all()
     scales = torch.tensor([[0, 1, 127, 128, 255]], dtype=torch.uint8)
     assert gemm_gluon.foldable(scales)

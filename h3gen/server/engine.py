@@ -119,9 +119,6 @@ class H3Engine:
             return "all" if len(self.tasks) > 1 else "ref2va"
         return "fl2va" if "fl2va" in self.tasks else "t2va"
 
-    def wait_loaded(self, timeout: float | None = None) -> bool:
-        return self._loaded.wait(timeout)
-
     def validate(self, request: GenerationRequest, images: dict[str, Path]) -> dict:
         """Check a request fully (task, keyframes or references, geometry, seed) and return it normalized, with the
         resolved canvas, frame count and seed. `images` holds the uploads: `image` / `last_image`, and references
