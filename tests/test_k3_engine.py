@@ -361,6 +361,7 @@ class _CharTokenizer:
         return "".join(chr(30 + i) for i in ids if i >= 2)
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU: host waits are a CUDA stream's")
 def test_device_sampling_never_waits_for_the_gpu():
     """Tokens drawn for a step launched ahead must not make the host wait for the GPU (the next step is queued
@@ -381,6 +382,7 @@ def test_device_sampling_never_waits_for_the_gpu():
     assert tokens.shape == (3,) and tokens[1] == argmax[1]
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (engines on a CPU leave the model as it is)")
 def test_engine_without_graphs_decodes_with_stacked_experts():
     """Turning CUDA graphs off must not leave decode on the per-expert host-routed path."""
@@ -392,6 +394,7 @@ def test_engine_without_graphs_decodes_with_stacked_experts():
     assert all(m.stacked is not None for m in model.modules() if isinstance(m, K3MoE))
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU: CUDA-graph capture")
 @pytest.mark.parametrize("max_batch", [1, 5])
 def test_decode_graph_capture_allocates_no_arrival_counters(monkeypatch, max_batch):
