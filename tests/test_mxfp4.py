@@ -56,7 +56,7 @@ def test_round_trip_error_and_exact_values():
     weight = torch.randn(40, 96, generator=g)
     restored = dequantize(*quantize(weight))
     error = ((restored - weight).norm() / weight.norm()).item()
-    assert 0.05 < error < 0.2  # E2M1 keeps one mantissa bit
+    assert 0.1 < error < 0.13  # E2M1 keeps one mantissa bit: measured 0.115 (exact float64 arithmetic); +-15 %
     exact = torch.tensor([[0.5, -1.5, 3.0, 6.0] * 8])  # representable values survive exactly
     assert torch.equal(dequantize(*quantize(exact)), exact)
 
@@ -99,7 +99,8 @@ def test_saved_quantized_checkpoint_round_trips(tmp_path):
     with torch.no_grad():
         a, b, ref = (model(**inputs, return_dict=False)[0] for model in (quantized, reloaded, full))
     assert torch.equal(a, b)
-    assert 1e-3 < ((a - ref).norm() / ref.norm()).item() < 0.5  # quantized, and still close
+    # quantized, and still close: measured 0.34 (random tiny weights amplify E2M1's error); bounds half and 1.3x
+    assert 0.17 < ((a - ref).norm() / ref.norm()).item() < 0.45
 
 
 ONLINE = r"""
@@ -164,4 +165,5 @@ def test_tiny_pipeline_quality_under_mxfp4(tmp_path):
     video_error = np.linalg.norm(quant.video - plain.video) / np.linalg.norm(plain.video)
     audio_error = np.linalg.norm(quant.audio - plain.audio) / np.linalg.norm(plain.audio)
     print(f"tiny pipeline mxfp4 vs fp32: video rel L2 {video_error:.2e}, audio rel L2 {audio_error:.2e}")
-    assert 0 < video_error < 0.2 and 0 <= audio_error < 0.2
+    # measured 1.7e-3 (video) and 1.1e-5 (audio); bounds half and twice that
+    assert 8.5e-4 < video_error < 3.4e-3 and 5.5e-6 < audio_error < 2.2e-5

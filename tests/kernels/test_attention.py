@@ -62,4 +62,6 @@ def test_fp8_attention_takes_descaled_inputs():
     got = fp8_attention(quant_ref.quantize_heads(q), quant_ref.quantize_heads(k), quant_ref.quantize_heads(v),
                         out_dtype=torch.float32)
     assert got.shape == exact.shape and got.dtype == torch.float32
-    assert 1e-4 < _err(got, exact) < 0.08  # quantized for real, scales applied per (batch, head)
+    # quantized for real, scales applied per (batch, head): measured 0.046 (e4m3's 3 mantissa bits); bounds half and
+    # 1.5x that
+    assert 0.023 < _err(got, exact) < 0.07
