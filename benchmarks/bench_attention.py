@@ -1,5 +1,5 @@
-"""Attention at H3 shapes (56 heads x 128, one packed sequence): cuDNN SDPA against our Triton flash-attention
-kernel (bf16, several tile configs) and its FP8 variant; plus FP8 GEMMs (`torch._scaled_mm`, row/column scales)
+"""Attention at H3 shapes (56 heads x 128, one packed sequence): cuDNN SDPA against FlashAttention-3 (bf16 and
+FP8) and cuDNN over the same problem cut differently; plus FP8 GEMMs (`torch._scaled_mm`, row/column scales)
 against bf16 at the block's GEMM shapes. Prints time, TFLOP/s and the error against cuDNN.
 
     python benchmarks/bench_attention.py --rows 8192 37838
@@ -16,12 +16,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import print_table, rel_l2, time_cuda  # noqa: E402
 
 from h3gen.kernels.attention import attention  # noqa: E402
-from h3gen.kernels.flash_attention import triton as flash  # noqa: E402
 from h3gen.kernels.fp8_quant import quantize_rows  # noqa: E402
 
 HEADS, DIM = 56, 128
-BF16_CONFIGS = [(128, 64, 8, 3), (128, 64, 8, 4)]  # the best two of the six measured (history.md, 2026-11-29)
-FP8_CONFIGS = [(128, 128, 8, 4), (128, 64, 8, 3)]
 
 
 def bench_attention(rows, repeat):
@@ -39,19 +36,6 @@ def bench_attention(rows, repeat):
         except Exception as error:
             table.append({"rows": rows, "kernel": f"FlashAttention-3 ({backend})", "ms": float("nan"),
                           "relL2": float("nan"), "note": f"{type(error).__name__}: {str(error)[:60]}"})
-    views = [t.transpose(1, 2) for t in (q, k, v)]
-    out = torch.empty_like(q)
-    variants = [("bf16", flash.flash_attention, c) for c in BF16_CONFIGS]
-    variants += [("fp8", flash.flash_attention_fp8, c) for c in FP8_CONFIGS]
-    for kind, kernel, (bm, bn, warps, stages) in variants:
-        name = f"triton {kind} {bm}x{bn} w{warps} s{stages}" + (" (incl. quant)" if kind == "fp8" else "")
-        cfg = dict(block_m=bm, block_n=bn, num_warps=warps, num_stages=stages)
-        try:
-            ms = time_cuda(lambda: kernel(*views, out=out.transpose(1, 2), **cfg), repeat=repeat)
-            table.append({"rows": rows, "kernel": name, "ms": ms, "relL2": rel_l2(out, expected)})
-        except Exception as error:  # a config that does not fit (shared memory) is reported, not fatal
-            table.append({"rows": rows, "kernel": name, "ms": float("nan"), "relL2": float("nan"),
-                          "note": str(error)[:60]})
     for row in table:
         row["TFLOP/s"] = f"{flops / row['ms'] / 1e9:.0f}" if row["ms"] == row["ms"] else "-"
         row["ms"] = f"{row['ms']:.3f}"
@@ -133,7 +117,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rows", type=int, nargs="+", default=[8192, 37838])
     parser.add_argument("--repeat", type=int, default=10)
-    parser.add_argument("--splits-only", action="store_true", help="skip the Triton attention configs")
+    parser.add_argument("--splits-only", action="store_true", help="only cuDNN cut differently (no FlashAttention-3)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     attention_rows, gemm_rows = [], []

@@ -86,12 +86,11 @@ def small_m_configs(m):
             for block_k in (512, 1024, 2048):
                 for num_warps in (4, 8):
                     yield dict(path="gemv", block_n=block_n, block_k=block_k, num_warps=num_warps, num_stages=3)
-    for swap_ab in (True, False):
-        for block_n in (64, 128):
-            for block_k in (256, 512):
-                for num_stages in (3, 5):
-                    yield dict(block_m=16, block_n=block_n, block_k=block_k, num_warps=4, num_stages=num_stages,
-                               split="auto", swap_ab=swap_ab)
+    for block_n in (64, 128):
+        for block_k in (256, 512):
+            for num_stages in (3, 5):
+                yield dict(block_m=16, block_n=block_n, block_k=block_k, num_warps=4, num_stages=num_stages,
+                           split="auto")
 
 
 def pair_configs(m):
@@ -126,9 +125,6 @@ def scaled_configs(m):
                            split="auto" if m <= 256 else 1)
 
 
-LARGE_M_CONFIGS = [dict(block_m=bm, block_n=bn, block_k=bk, num_warps=w, num_stages=s, split=1, swap_ab=False)
-                   for bm, bn, bk, w, s in [(64, 64, 128, 4, 4), (64, 128, 128, 4, 3), (128, 128, 64, 8, 3),
-                                            (128, 128, 128, 8, 3), (256, 128, 64, 8, 3)]]
 DEQUANT_CONFIGS = [dict(block_n=bn, block_k=bk, num_warps=w) for bn, bk, w in
                    [(32, 256, 4), (64, 256, 4), (16, 512, 4), (64, 128, 4), (32, 512, 8), (128, 256, 8)]]
 
@@ -182,7 +178,7 @@ def sweep(rows_list, log, budget_s, paths=("few_rows", "gemv", "pairs", "fused",
             sets = [(x, p, s) for _, p, s in weights]
             graph = m <= 256  # GPU time: at a few rows the host's launch cost would hide the kernels
             bf16_ms = time_rotating(lambda x, w: x @ w.t(), [(x, w) for w, _, _ in weights], repeat=3, graph=graph)
-            configs = list(small_m_configs(m)) if m <= 16 else LARGE_M_CONFIGS if m <= 1024 else []
+            configs = list(small_m_configs(m)) if m <= 16 else []
             configs = [c for c in configs + list(scaled_configs(m)) + list(pair_configs(m)) + list(few_rows_configs(m))
                        if c.get("path", "fused") in paths]
             results = []

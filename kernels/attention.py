@@ -5,11 +5,10 @@
 Backends: "sdpa" lets torch choose (what diffusers' native backend does, so the `exact` tier uses it); "cudnn",
 "flash", "efficient", "math" pin one torch SDPA implementation; "fa3" is FlashAttention-3 when its
 `flash_attn_interface` (or the forward-only `fa3_fwd_interface`) module is importable, "fa3-fp8" the same with q,
-k and v quantized to e4m3 per (batch, head) (an approximation, for the `fast` tier); "triton" is our flash-attention kernel (`kernels/flash_attention`) and
-"triton-fp8" its FP8 variant (an approximation, for the `fast` tier). "auto" picks the fastest available for the device
-and the inputs: FA3 for bf16 heads (the `fa3-fwd` build has no fp16), else cuDNN on Hopper and newer, else flash;
-for float32 (which FA3, cuDNN and flash do not take) or head sizes they do not take, torch's choice. `H3GEN_ATTENTION_BACKEND` overrides every
-call's choice.
+k and v quantized to e4m3 per (batch, head) (an approximation, for the `fast` tier). "auto" picks the fastest
+available for the device and the inputs: FA3 for bf16 heads (the `fa3-fwd` build has no fp16), else cuDNN on Hopper
+and newer, else flash; for float32 (which FA3, cuDNN and flash do not take) or head sizes they do not take, torch's
+choice. `H3GEN_ATTENTION_BACKEND` overrides every call's choice.
 """
 
 import functools
@@ -27,7 +26,7 @@ _SDPA_BACKENDS = {
     "efficient": SDPBackend.EFFICIENT_ATTENTION,
     "cudnn": SDPBackend.CUDNN_ATTENTION,
 }
-BACKENDS = ("auto", "sdpa", "fa3", "fa3-fp8", "triton", "triton-fp8", *_SDPA_BACKENDS)
+BACKENDS = ("auto", "sdpa", "fa3", "fa3-fp8", *_SDPA_BACKENDS)
 LAYOUTS = ("bshd", "bhsd")
 
 
@@ -148,20 +147,6 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, ba
             f"{tuple(query.shape)}, {tuple(key.shape)}, {tuple(value.shape)}."
         )
     name = resolve_backend(backend, query.device, query.dtype, query.shape[-1])
-    if name in ("triton", "triton-fp8") and query.shape != key.shape:
-        raise ValueError("the Triton attention kernel needs as many keys as queries.")
-    if name in ("triton", "triton-fp8"):
-        from h3gen.kernels.flash_attention import flash_attention, triton as kernels
-
-        if layout == "bshd":  # the kernel takes strides: read and write (B, S, H, D) buffers through views
-            out = torch.empty_like(query)
-            view = (t.transpose(1, 2) for t in (query, key, value))
-            run = kernels.flash_attention_fp8 if name == "triton-fp8" else kernels.flash_attention
-            run(*view, out=out.transpose(1, 2))
-            return out
-        if name == "triton-fp8":
-            return kernels.flash_attention_fp8(query, key, value)
-        return flash_attention(query, key, value)
     if name in ("fa3", "fa3-fp8"):
         if layout == "bhsd":
             query, key, value = (t.transpose(1, 2) for t in (query, key, value))

@@ -1,5 +1,5 @@
-"""Reference implementations the K3 tests compare against: fla-core's naive KDA functions and transformers'
-Kimi-Linear model on its plain-torch path.
+"""Reference implementations the K3 tests compare against: fla-core's naive KDA functions, transformers'
+Kimi-Linear model on its plain-torch path, and the top-k / top-p rule written out with torch ops.
 
 With fla-core installed, transformers' Kimi-Linear binds fla's Triton kernels at import time, which cannot run on
 a CPU; `kimi_linear_torch()` therefore imports the modeling module afresh with `fla` hidden, so it takes its own
@@ -143,3 +143,20 @@ def hf_navit_resize():
     namespace = {"math": math}
     exec(compile(ast.Module(body=[function], type_ignores=[]), path, "exec"), namespace)
     return namespace["navit_resize"]
+
+
+def filter_logits(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
+    """`logits` `[V]` float32 -> scaled logits with the tokens outside top-k / top-p set to -inf: the rule the
+    engine's sampler draws by, written out plainly (the sampler itself never builds this row)."""
+    logits = logits / temperature
+    if 0 < top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True)
+        probs = torch.softmax(sorted_logits, dim=-1)
+        # Keep the smallest prefix whose mass reaches top_p: drop a token when the mass before it already does.
+        drop = (torch.cumsum(probs, dim=-1) - probs) >= top_p
+        drop[0] = False  # never the best token
+        logits = logits.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
+    return logits

@@ -1,5 +1,6 @@
-"""What the H3 kernel tests share: the device (a GPU, else the CPU with the Triton interpreter, set before any
-kernel is defined: import this module first), dtypes, shapes, random inputs and the error measure."""
+"""What the kernel tests share: the device (a GPU, else the CPU with the Triton interpreter, set before any
+kernel is defined: import this module first), dtypes, shapes, tolerances, random inputs, the error measure and
+the e4m3 comparisons of the `fast` tier's kernels."""
 
 import os
 
@@ -9,10 +10,14 @@ ON_GPU = torch.cuda.is_available()
 if not ON_GPU:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from h3gen.kernels.fp8_quant import Fp8Rows  # noqa: E402
+
 DEVICE = "cuda" if ON_GPU else "cpu"
 # The interpreter gets bf16 wrong: fp16 stands in for it on the CPU.
 DTYPES = [torch.float32, torch.bfloat16] if ON_GPU else [torch.float32, torch.float16]
 SHAPES = [(1, 37, 200), (2, 5, 96), (1, 64, 328)]
+# Reference and kernel round differently (the kernel rounds once, at the end): allow a few ulps of the dtype.
+TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 
 
 def case(seed: int) -> torch.Generator:
@@ -51,3 +56,32 @@ def qk_inputs(heads: int, head_dim: int, rotary: int, dtype, seed: int, batch: i
     angles = torch.rand(seq, rotary // 2, generator=g, device=DEVICE) * 40
     angles = torch.cat([angles, angles], dim=-1)
     return q, k, wq, wk, angles.cos(), angles.sin()
+
+
+def assert_same_fp8(got: torch.Tensor, expected: torch.Tensor):
+    """Two e4m3 tensors equal up to one rounding step (kernel and reference round float32 values computed in a
+    different order). Under the CPU interpreter its e4m3 cast also drops the carry into the next power of two
+    (7.9 -> 4 where 8 is right, 0.0017 -> 0 where 2^-9 is), which a GPU never does: allowed there only."""
+    assert got.dtype == expected.dtype == torch.float8_e4m3fn and got.shape == expected.shape
+    g, e = got.float(), expected.float()
+    codes = (got.view(torch.uint8).int() - expected.view(torch.uint8).int()).abs()
+    ok = (g == e) | ((codes <= 1) & (g.sign() == e.sign()))
+    if not ON_GPU:
+        ok |= ((2 * g == e) | (g == 0)) & (e.abs().log2() == e.abs().log2().round())
+    assert ok.all(), f"{(~ok).sum().item()} of {ok.numel()} e4m3 values differ by more than one step"
+
+
+
+def assert_same_rows(got: Fp8Rows, expected: Fp8Rows, source: torch.Tensor):
+    assert isinstance(got, Fp8Rows) and got.scale.shape == expected.scale.shape
+    assert torch.allclose(got.scale, expected.scale, rtol=1e-5, atol=0)
+    assert_same_fp8(got.values, expected.values)
+    assert err(dequantized(got.values, expected.values) * got.scale, source.reshape(-1, source.shape[-1])) < 0.05
+
+
+
+def dequantized(got, expected):
+    """The values to check the quantization error on: the kernel's on a GPU; the reference's under the CPU
+    interpreter (whose carry bug, allowed by `assert_same_fp8`, would dominate the error)."""
+    values = got if ON_GPU else expected
+    return values.reshape(-1, values.shape[-1]).float()

@@ -97,3 +97,13 @@ def wait_for(client: httpx.Client, job_id: str, statuses=("completed", "failed")
             return view
         time.sleep(0.05)
     raise AssertionError(f"job {job_id} did not reach {statuses}: {view}")
+
+
+def wait_loaded(engine, timeout: float) -> bool:
+    """Wait until an in-process engine has loaded its model or failed to: True when it did within `timeout`."""
+    deadline = time.monotonic() + timeout
+    while not (engine.ready or engine.load_error):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True

@@ -3,6 +3,7 @@
 import pytest
 import schemathesis
 from hypothesis import HealthCheck, given, settings
+from server_harness import wait_loaded
 
 from h3gen.pipelines.h3.tiny import tiny_checkpoint
 from h3gen.server.app import create_app
@@ -16,7 +17,7 @@ def app(tmp_path_factory):
     engine = H3Engine(tiny_checkpoint(cache_dir=root / "cache"), device="cpu")
     manager = JobManager(engine, root / "results", max_queue=2)
     manager.start()
-    engine.wait_loaded(120)
+    assert wait_loaded(engine, 120)
     yield create_app(manager)
     manager.stop()
 

@@ -4,6 +4,7 @@ import time
 
 import pytest
 from PIL import Image
+from server_harness import wait_loaded
 
 from h3gen.pipelines.h3.tiny import tiny_checkpoint
 from h3gen.server.engine import H3Engine
@@ -75,7 +76,7 @@ def test_a_model_that_fails_to_load_fails_jobs_with_the_reason(model, tmp_path):
     manager = JobManager(H3Engine(broken, device="cpu"), tmp_path / "results")
     manager.start()
     try:
-        assert manager.engine.wait_loaded(60) and not manager.engine.ready
+        assert wait_loaded(manager.engine, 60) and not manager.engine.ready
         job = _submit(manager)
         view = manager.wait(job["id"], 30)
         assert view["status"] == "failed" and "failed to load" in view["error"]

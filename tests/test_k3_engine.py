@@ -6,11 +6,11 @@ import dataclasses
 
 import pytest
 import torch
+from k3_reference import filter_logits
 
 from h3gen.errors import RequestError
 from h3gen.pipelines.k3.config import K3Config
 from h3gen.pipelines.k3.engine import K3Engine, MemoryPool, RadixCache, SamplingParams
-from h3gen.pipelines.k3.engine.sampling import filter_logits
 from h3gen.pipelines.k3.model import K3ForCausalLM, quantize_experts_mxfp4
 from h3gen.pipelines.k3.tiny import randomize, tiny_config
 
@@ -95,7 +95,7 @@ def test_batched_greedy_generation_equals_one_at_a_time_fp32(family, static_deco
     engine.step()
     engine.step()  # the rest join a batch that is already decoding
     requests += [engine.add_request(p, sp) for p, sp in zip(prompts[3:], params[3:])]
-    while engine.has_work():
+    while engine.waiting or engine.running:
         engine.step()
     assert [r.output_ids for r in requests] == expected
     assert all(r.finish_reason == "length" for r in requests)
@@ -198,7 +198,7 @@ def test_sampled_requests_draw_the_same_tokens_with_steps_launched_ahead():
     while engine._in_flight is None or len(requests[1].output_ids) < 4:
         engine.step()
     engine._preempt(requests[1])
-    while engine.has_work():
+    while engine.waiting or engine.running:
         engine.step()
     assert [r.output_ids for r in requests] == alone and requests[1].preemptions == 1
 
@@ -231,7 +231,7 @@ def test_pool_exhaustion_finishes_every_request_through_waiting_and_preemption(p
     engine = _engine(model, pool_bytes=pool_bytes, prefix_cache=prefix_cache, cuda_graphs=static_decode)
     requests = [engine.add_request(p, SamplingParams(max_tokens=24, **GREEDY)) for p in prompts]
     most = 0
-    while engine.has_work():
+    while engine.waiting or engine.running:
         engine.step()
         most = max(most, len(engine.running))
     assert [r.output_ids for r in requests] == expected
@@ -361,6 +361,7 @@ class _CharTokenizer:
         return "".join(chr(30 + i) for i in ids if i >= 2)
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU: host waits are a CUDA stream's")
 def test_device_sampling_never_waits_for_the_gpu():
     """Tokens drawn for a step launched ahead must not make the host wait for the GPU (the next step is queued
@@ -381,6 +382,7 @@ def test_device_sampling_never_waits_for_the_gpu():
     assert tokens.shape == (3,) and tokens[1] == argmax[1]
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (engines on a CPU leave the model as it is)")
 def test_engine_without_graphs_decodes_with_stacked_experts():
     """Turning CUDA graphs off must not leave decode on the per-expert host-routed path."""
@@ -392,6 +394,7 @@ def test_engine_without_graphs_decodes_with_stacked_experts():
     assert all(m.stacked is not None for m in model.modules() if isinstance(m, K3MoE))
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU: CUDA-graph capture")
 @pytest.mark.parametrize("max_batch", [1, 5])
 def test_decode_graph_capture_allocates_no_arrival_counters(monkeypatch, max_batch):

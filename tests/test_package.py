@@ -1,7 +1,10 @@
-"""The installed package: one `h3gen` namespace, the console script, the environment report."""
+"""The installed package: one `h3gen` namespace, the console script, the environment report, the environment
+variables it reads (each documented in the README)."""
 
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import h3gen
 
@@ -55,3 +58,20 @@ def test_regular_install_has_the_same_namespace(tmp_path):
     for sub in ("kernels", "pipelines/h3", "pipelines/k3", "kernels/kda", "kernels/mla_decode", "kernels/moe",
                 "kernels/gemv", "offload", "ui", "loading"):
         assert (target / "h3gen" / sub / "__init__.py").exists(), sub
+
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGE_FOLDERS = ("h3gen", "kernels", "pipelines", "offload", "ui")
+
+
+def test_every_environment_variable_read_is_in_the_readme_table():
+    reads = set()
+    for folder in PACKAGE_FOLDERS:
+        for path in (ROOT / folder).rglob("*.py"):
+            text = path.read_text()
+            reads |= set(re.findall(r"environ(?:\.get\(|\[)\s*[\"']([A-Z0-9_]+)[\"']", text))
+            reads |= set(re.findall(r"[\"']([A-Z0-9_]+)[\"']\s+in\s+os\.environ", text))
+    assert {"H3GEN_TRITON", "H3GEN_API_KEY", "LOCAL_RANK", "WORLD_SIZE"} <= reads  # the scan finds what it should
+    table = (ROOT / "README.md").read_text().split("## Environment variables", 1)[1]
+    documented = set(re.findall(r"`([A-Z0-9_]+)(?:=[^`]*)?`", table))
+    assert reads <= documented, f"read but not in the README's table: {sorted(reads - documented)}"

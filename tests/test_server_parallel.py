@@ -1,6 +1,9 @@
 """`h3gen serve --ulysses 2` (two processes under torchrun, gloo on the CPU): jobs run on both ranks, a failure on
 one rank fails only that job with its message, cancellation stops both ranks, and the next job succeeds."""
 
+import os
+from pathlib import Path
+
 import pytest
 from server_harness import Server, cancelled, wait_for
 
@@ -8,11 +11,17 @@ from h3gen.media import probe_mp4
 from h3gen.pipelines.h3.tiny import tiny_checkpoint
 
 
+# Rank 1 fails at denoising step 2 of jobs whose prompt says "boom" (tests/fault_injection/sitecustomize.py).
+FAULT = {"H3GEN_TEST_FAULT": "rank=1,step=2,prompt=boom",
+         "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).parent / "fault_injection"),
+                                                     os.environ.get("PYTHONPATH")]))}
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     root = tmp_path_factory.mktemp("parallel-server")
     instance = Server(tiny_checkpoint(cache_dir=root / "cache"), root / "results", extra=("--ulysses", "2"),
-                      env={"H3GEN_FAULT_INJECT": "rank=1,step=2,prompt=boom"}, ready_timeout=150)
+                      env=FAULT, ready_timeout=150)
     yield instance
     instance.stop()
 

@@ -16,7 +16,6 @@ not by the agreement.
 
 import datetime
 import logging
-import os
 import tempfile
 from pathlib import Path
 
@@ -38,17 +37,6 @@ class RankFailure(RuntimeError):
     """Another rank failed during this step; the message names it."""
 
 
-def _fault_injection(rank: int, prompt: str, step: int) -> None:
-    """`H3GEN_FAULT_INJECT="rank=R,step=N,prompt=WORD"` makes rank R fail at denoising step N of jobs whose prompt
-    contains WORD: how deployments (and our tests) check that one rank's failure fails only that job."""
-    spec = os.environ.get("H3GEN_FAULT_INJECT")
-    if not spec:
-        return
-    fields = dict(part.split("=", 1) for part in spec.split(","))
-    if int(fields.get("rank", -1)) == rank and int(fields.get("step", -1)) == step and fields.get("prompt", "") in prompt:
-        raise RuntimeError(f"injected failure on rank {rank} at step {step}")
-
-
 class StepAgreement:
     """Called at every progress point on every rank: runs the local check, then agrees with the other ranks."""
 
@@ -60,8 +48,6 @@ class StepAgreement:
         status, message = OK, ""
         try:
             local_check()
-            if stage == "denoise":
-                _fault_injection(dist.get_rank(), prompt, step)
         except JobCancelled:
             status = CANCEL
         except Exception as error:  # reported to every rank below

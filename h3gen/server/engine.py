@@ -110,9 +110,6 @@ class H3Engine:
             return "all" if len(self.tasks) > 1 else "ref2va"
         return "fl2va" if "fl2va" in self.tasks else "t2va"
 
-    def wait_loaded(self, timeout: float | None = None) -> bool:
-        return self._loaded.wait(timeout)
-
     def canvas(self, aspect_width: float, aspect_height: float) -> tuple[int, int]:
         """(height, width) of this model's canvas for an aspect ratio within 1:4 .. 4:1."""
         return resolve_canvas(aspect_width, aspect_height, multiple=SPATIAL_COMPRESSION * self.config.patch_size[2],

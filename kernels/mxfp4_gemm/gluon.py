@@ -22,7 +22,7 @@ widened to eight bf16 codes, are the MMA's left operand (`word_layout`), so noth
 
 Hopper (and Ampere) GPUs, bf16 activations, K a multiple of 128; other cases take the Triton paths
 (`kernels.mxfp4_gemm.triton`). Gluon kernels cannot run under the Triton interpreter: tests check this path on a
-GPU, and the decode's bit arithmetic on the CPU (`decode_words_reference`)."""
+GPU, and replay the decode's bit arithmetic in torch integers on the CPU."""
 
 import functools
 import os
@@ -72,27 +72,6 @@ mul.rn.bf16x2 $2, c, $5;
 mul.rn.bf16x2 $3, d, $5;
 }
 """
-
-
-def folded_scale_bits(scale_bytes: torch.Tensor) -> torch.Tensor:
-    """What the kernel multiplies a word's decoded codes by when the scales are folded: E8M0 bytes (any integer
-    dtype) -> int32 bf16 bits of 2^(e-1) (NaN for 255). Exact only for e <= 128 (`foldable`)."""
-    e = scale_bytes.to(torch.int32)
-    return torch.where(e == 255, 0x7FC0, (e + 126) << 7)
-
-
-def decode_words_reference(words: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """What `DECODE` (`ptx.WIDEN_CODES`) computes, in torch integer arithmetic (for CPU tests): int64 words `[...]`
-    holding 32-bit values -> four int64 tensors of bf16 bit pairs (low half = first element), before the final
-    * 2^126."""
-    t = (words & 0xFF) | (((words >> 16) & 0xFF) << 8) | (((words >> 8) & 0xFF) << 16) | (((words >> 24) & 0xFF) << 24)
-    u = t >> 8
-    mask = 0x81C081C0
-    a = (((t & 0x000F000F) * 4160) & 0xFFFFFFFF) & mask
-    b = (((u & 0x000F000F) * 4160) & 0xFFFFFFFF) & mask
-    c = (((t & 0x00F000F0) * 260) & 0xFFFFFFFF) & mask
-    d = (((u & 0x00F000F0) * 260) & 0xFFFFFFFF) & mask
-    return a, b, c, d
 
 
 if AVAILABLE:

@@ -9,7 +9,7 @@
 - 2-16 rows of bf16, `pair_matmul`: tensor cores, each word decoded by inline PTX into bf16 pairs already in the
   MMA's operand registers. fp16 takes the `tl.dot_scaled` path (`scaled_matmul`).
 - fused (`fused_matmul`): the E2M1 nibbles and E8M0 scales read and dequantized inside a tiled GEMM, float32
-  accumulation; the general fallback (any dtype, any tile).
+  accumulation; the fallback for a few rows of any dtype (float32 activations).
 - dequantize + cuBLAS: for thousands of rows the GEMM is bound by tensor-core throughput, and rebuilding every weight
   tile once per row tile costs more than writing the whole bf16 weight once (about 0.1 ms for the largest H3
   weight) and handing it to cuBLAS. The bf16 copy lives only for the call.
@@ -31,7 +31,6 @@ from h3gen.kernels.mxfp4_gemm.ptx import WIDEN_CODES
 # Rows at and above which `mxfp4_matmul` dequantizes once and calls cuBLAS (measured on the H200,
 # benchmarks/history.md).
 DEQUANT_MIN_ROWS = 17
-GEMV_FOR_ONE_ROW = True
 # Tiles of the `tl.dot_scaled` path for 2-16 rows of fp16 activations (bf16 takes `pair_matmul`, 1.4-2x faster on
 # the H200): 1.15-1.23x the fused kernel there (benchmarks/history.md); at 256 rows and more it is 10x slower than
 # cuBLAS.
@@ -171,14 +170,11 @@ def _store_tile(out_ptr, acc, offs_m, offs_n, m_ok, n_ok, stride_om, TRANSPOSED:
 @triton.jit
 def _fused_kernel(x_ptr, packed_ptr, scale_ptr, out_ptr, M, N, K, k_per_split, stride_xm, stride_pn, stride_sn,
                   stride_om, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                  PRECISION: tl.constexpr, ATOMIC: tl.constexpr, SWAP_AB: tl.constexpr):
-    """out[m, n] = sum_k x[m, k] w[n, k]. With SWAP_AB the product is computed transposed (weight tile as the left
-    operand, straight from registers), which suits a handful of rows: the rows become the MMA's narrow dimension."""
+                  PRECISION: tl.constexpr, ATOMIC: tl.constexpr):
+    """out[m, n] = sum_k x[m, k] w[n, k], computed transposed (weight tile as the left operand, straight from
+    registers), which suits a handful of rows: the rows become the MMA's narrow dimension."""
     offs_m, offs_n, m_ok, n_ok, k_start, k_stop = _program_tile(M, N, K, k_per_split, BLOCK_M, BLOCK_N)
-    if SWAP_AB:
-        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    else:
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for k0 in range(k_start, k_stop, BLOCK_K):
         low, high = _weight_tile(packed_ptr, scale_ptr, offs_n, n_ok, k0, k_stop, stride_pn, stride_sn,
                                  x_ptr.dtype.element_ty, BLOCK_N, BLOCK_K)
@@ -186,13 +182,9 @@ def _fused_kernel(x_ptr, packed_ptr, scale_ptr, out_ptr, M, N, K, k_per_split, s
         x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
                     mask=m_ok[:, None] & (offs_k < k_stop)[None, :], other=0.0)  # contiguous, vectorized
         x_even, x_odd = tl.split(tl.reshape(x, (BLOCK_M, BLOCK_K // 2, 2)))
-        if SWAP_AB:
-            acc = tl.dot(low, tl.trans(x_even), acc, input_precision=PRECISION)
-            acc = tl.dot(high, tl.trans(x_odd), acc, input_precision=PRECISION)
-        else:
-            acc = tl.dot(x_even, tl.trans(low), acc, input_precision=PRECISION)
-            acc = tl.dot(x_odd, tl.trans(high), acc, input_precision=PRECISION)
-    _store_tile(out_ptr, acc, offs_m, offs_n, m_ok, n_ok, stride_om, SWAP_AB, ATOMIC)
+        acc = tl.dot(low, tl.trans(x_even), acc, input_precision=PRECISION)
+        acc = tl.dot(high, tl.trans(x_odd), acc, input_precision=PRECISION)
+    _store_tile(out_ptr, acc, offs_m, offs_n, m_ok, n_ok, stride_om, True, ATOMIC)
 
 
 @triton.jit
@@ -351,16 +343,11 @@ def auto_split(n: int, k: int, block_n: int, block_k: int) -> int:
 
 
 def default_config(m: int, n: int, k: int) -> dict:
-    """Fused-kernel tile sizes for an `[m, k] x [k, n]` product (swept on the H200, benchmarks/history.md): small M
-    computes the transposed product and splits K until enough weight bytes are in flight; larger M uses tensor-core
-    sized tiles."""
-    if m <= 16:
-        block_n, block_k = 64, 256
-        return dict(block_m=16, block_n=block_n, block_k=block_k, split_k=auto_split(n, k, block_n, block_k),
-                    swap_ab=True, num_warps=4, num_stages=3)
-    if m <= 128:
-        return dict(block_m=64, block_n=64, block_k=128, split_k=1, num_warps=4, num_stages=4)
-    return dict(block_m=128, block_n=128, block_k=64, split_k=1, num_warps=8, num_stages=3)
+    """Fused-kernel tile sizes for an `[m, k] x [k, n]` product of up to `DEQUANT_MIN_ROWS` - 1 rows (swept on the
+    H200, benchmarks/history.md): K split until enough weight bytes are in flight."""
+    block_n, block_k = 64, 256
+    return dict(block_m=16, block_n=block_n, block_k=block_k, split_k=auto_split(n, k, block_n, block_k),
+                num_warps=4, num_stages=3)
 
 
 def _k_slices(x, n: int, split_k: int, block_k: int) -> tuple[int, int, torch.Tensor]:
@@ -375,9 +362,8 @@ def _k_slices(x, n: int, split_k: int, block_k: int) -> tuple[int, int, torch.Te
 
 
 def fused_matmul(x, packed, scales, *, block_m: int, block_n: int, block_k: int, split_k: int = 1,
-                 swap_ab: bool = False, num_warps: int = 4, num_stages: int = 3):
-    """The in-kernel dequantizing GEMM with explicit tiles; `split_k` > 1 sums K slices with float32 atomics;
-    `swap_ab` computes the transposed product (for a few rows)."""
+                 num_warps: int = 4, num_stages: int = 3):
+    """The in-kernel dequantizing GEMM with explicit tiles; `split_k` > 1 sums K slices with float32 atomics."""
     m, k = x.shape
     n = packed.shape[0]
     k_per_split, split_k, out = _k_slices(x, n, split_k, block_k)
@@ -385,7 +371,7 @@ def fused_matmul(x, packed, scales, *, block_m: int, block_n: int, block_k: int,
     _fused_kernel[grid](x, packed, scales, out, m, n, k, k_per_split, x.stride(0), packed.stride(0),
                         scales.stride(0), out.stride(0), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
                         PRECISION="ieee" if x.dtype == torch.float32 else "tf32", ATOMIC=split_k > 1,
-                        SWAP_AB=swap_ab, num_warps=num_warps, num_stages=num_stages)
+                        num_warps=num_warps, num_stages=num_stages)
     return out.to(x.dtype)
 
 
@@ -476,7 +462,7 @@ def mxfp4_matmul(x, packed, scales, *, path: str = "auto", **config):
     if path == "few_rows" or (path == "auto" and m <= gluon.MAX_ROWS and not config
                               and gluon.supports(x, packed, scales)):
         return gluon.few_rows_matmul(x, packed, scales, **config)
-    if path == "gemv" or (path == "auto" and m == 1 and GEMV_FOR_ONE_ROW):
+    if path == "gemv" or (path == "auto" and m == 1):
         if m != 1:
             raise ValueError(f"the gemv path takes one row of activations, got {m}.")
         return gemv(x, packed, scales, **config)

@@ -3,8 +3,7 @@ the draw is a function of its inputs: the noise comes from the request's generat
 
 The draw is the exponential race: among the kept tokens, the one with the largest `weight / noise`, where `weight`
 is proportional to the token's probability and `noise` ~ Exp(1) independently per token; that token is distributed
-as the weights are (the same rule `torch.multinomial` uses for one sample). Kept tokens, as `filter_logits` keeps
-them: with top-k, those whose logit reaches the k-th largest (ties kept); then with top-p, the smallest prefix in
+as the weights are (the same rule `torch.multinomial` uses for one sample). Kept tokens: with top-k, those whose logit reaches the k-th largest (ties kept); then with top-p, the smallest prefix in
 descending order whose probability mass reaches top_p (the best token always)."""
 
 import torch

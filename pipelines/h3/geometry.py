@@ -111,11 +111,6 @@ class Geometry:
     def seconds(self) -> float:
         return self.num_frames / FPS
 
-    @property
-    def num_audio_samples(self) -> int:
-        """Decoded audio samples per channel at 32 kHz (hop 800)."""
-        return self.num_audio_latents * 800
-
 
 def resolve_geometry(
     *,

@@ -100,8 +100,7 @@ def set_quality(transformer, tier: str, attention: str | None = None) -> None:
     if getattr(transformer, "quality", None) == "fast" and tier != "fast":
         raise ValueError("this transformer's weights were quantized for the fast tier; reload it for another tier.")
     # exact: torch's own SDPA choice, as diffusers; lossless: the fastest exact backend of the device (FA3 when
-    # installed, else cuDNN on Hopper; our Triton attention measured slower, benchmarks/history.md); fast: FA3's
-    # FP8 attention when installed.
+    # installed, else cuDNN on Hopper); fast: FA3's FP8 attention when installed.
     own = {"exact": "sdpa", "lossless": "auto", "fast": "fa3-fp8" if fa3_available() else "auto"}[tier]
     backend = attention or own
     forward = {"exact": None, "lossless": fused_block_forward, "fast": fast_block_forward}[tier]

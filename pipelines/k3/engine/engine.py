@@ -170,9 +170,6 @@ class K3Engine:
         self.waiting.append(request)
         return request
 
-    def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
-
     def abort(self, request: Request) -> None:
         if request in self.waiting:
             self.waiting.remove(request)

@@ -45,29 +45,10 @@ class SamplingParams:
         return gen
 
 
-def filter_logits(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
-    """`logits` `[V]` float32 -> scaled logits with the tokens outside top-k / top-p set to -inf: the rule `draw`
-    samples by, written out with torch ops (the sampler itself never builds this row)."""
-    logits = logits / temperature
-    if 0 < top_k < logits.shape[-1]:
-        kth = torch.topk(logits, top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, descending=True)
-        probs = torch.softmax(sorted_logits, dim=-1)
-        # Keep the smallest prefix whose mass reaches top_p: drop a token when the mass before it already does.
-        drop = (torch.cumsum(probs, dim=-1) - probs) >= top_p
-        # Never the best token. fill_ takes the value as a kernel argument: an assignment would copy it from the
-        # host, which waits for everything queued on the GPU (a decode step launched ahead of this sampling).
-        drop[0].fill_(False)
-        logits = logits.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
-    return logits
-
-
 def draw(row: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> torch.Tensor:
     """One token `[1]` int64 (on the row's device) from `row` `[V]` logits by `params` (temperature > 0) and the
     request's generator: Exp(1) noise per token from the generator, the row sorted when top-k or top-p needs it,
-    then `draw_token` (one kernel on a GPU): the tokens `filter_logits` keeps, drawn by their probabilities."""
+    then `draw_token` (one kernel on a GPU): the tokens top-k and top-p keep, drawn by their probabilities."""
     noise = torch.empty(row.shape[-1], dtype=torch.float32, device=row.device).exponential_(generator=generator)
     if params.top_p < 1.0 or 0 < params.top_k < row.shape[-1]:
         # stable: tied logits keep their vocabulary order, so a row draws the same alone or in a batch
