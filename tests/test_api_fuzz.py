@@ -4,7 +4,7 @@ import pytest
 import schemathesis
 from hypothesis import HealthCheck, given, settings
 
-from h3gen.pipelines.h3.tiny import tiny_checkpoint
+from h3gen.pipelines.h3.tiny_checkpoint import tiny_checkpoint
 from h3gen.server.app import create_app
 from h3gen.server.engine import H3Engine
 from h3gen.server.jobs import JobManager

@@ -5,7 +5,7 @@ import time
 import pytest
 from PIL import Image
 
-from h3gen.pipelines.h3.tiny import tiny_checkpoint
+from h3gen.pipelines.h3.tiny_checkpoint import tiny_checkpoint
 from h3gen.server.engine import H3Engine
 from h3gen.server.jobs import JobManager, progress_of
 from h3gen.server.schemas import GenerationRequest

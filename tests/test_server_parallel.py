@@ -5,7 +5,7 @@ import pytest
 from server_harness import Server, cancelled, wait_for
 
 from h3gen.media import probe_mp4
-from h3gen.pipelines.h3.tiny import tiny_checkpoint
+from h3gen.pipelines.h3.tiny_checkpoint import tiny_checkpoint
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ from fastapi.responses import FileResponse
 from starlette.routing import Mount
 
 from h3gen.server.app import JOB_ID
-from h3gen.ui.app import MEDIA_ROUTE, build_ui
+from h3gen.ui.blocks import MEDIA_ROUTE, build_ui
 
 UI_PATH = "/ui"
 # The UI's pages: Gradio's own scripts and styles (it writes inline ones, and gradio 6's HTML component compiles its
