@@ -24,7 +24,7 @@ from h3gen.loading.load import keeps_fp32  # noqa: E402
 from h3gen.pipelines.k3.config import K3Config  # noqa: E402
 from h3gen.pipelines.k3.engine import K3Engine, SamplingParams  # noqa: E402
 from h3gen.pipelines.k3.model import K3ForCausalLM, quantize_experts_mxfp4  # noqa: E402
-from h3gen.pipelines.k3.tiny import randomize  # noqa: E402
+from h3gen.pipelines.k3.demo_model import randomize  # noqa: E402
 
 H200_BANDWIDTH = 4.8e12  # bytes/s, HBM3e nominal; the script also measures a device copy
 

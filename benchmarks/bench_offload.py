@@ -22,7 +22,7 @@ from common import print_table, rel_l2, time_cuda  # noqa: E402
 
 from h3gen.linear import dense_linear, make_linear_factory  # noqa: E402
 from h3gen.offload.layerwise import LayerwiseOffload  # noqa: E402
-from h3gen.offload.planner import OffloadPlan, spread  # noqa: E402
+from h3gen.offload.residency import OffloadPlan, spread  # noqa: E402
 from h3gen.pipelines.h3.tiers import fused_block_forward  # noqa: E402
 from h3gen.pipelines.h3.transformer import H3TransformerBlock  # noqa: E402
 

@@ -36,7 +36,7 @@ from parallel_model import load_full_state_dict  # noqa: E402
 from h3gen.linear import dense_linear, make_linear_factory  # noqa: E402
 from h3gen.offload.apply import ON_DEMAND  # noqa: E402
 from h3gen.offload.layerwise import LayerwiseOffload, _owned_tensors  # noqa: E402
-from h3gen.offload.planner import parse_bytes, plan_residency  # noqa: E402
+from h3gen.offload.residency import parse_bytes, plan_residency  # noqa: E402
 from h3gen.offload.shared_host import shared_store_for_ranks  # noqa: E402
 from h3gen.parallel.state import init_parallel, valid_degrees  # noqa: E402
 from h3gen.parallel.ulysses import SequenceShard, UlyssesAttention  # noqa: E402

@@ -22,7 +22,7 @@ import h3gen.pipelines.k3.model as k3_model  # noqa: E402
 import h3gen.pipelines.k3.pending_norm as pending_norm  # noqa: E402
 from h3gen.loading.load import keeps_fp32  # noqa: E402
 from h3gen.pipelines.k3.model import K3ForCausalLM  # noqa: E402
-from h3gen.pipelines.k3.tiny import randomize  # noqa: E402
+from h3gen.pipelines.k3.demo_model import randomize  # noqa: E402
 
 # The ops a variant may replace, by module (restored before each variant): the model's, and those through which a
 # decode step's norms reach the projection kernels (`PendingNorm`).

@@ -20,7 +20,7 @@ import bench_k3  # noqa: E402
 from h3gen.loading.load import keeps_fp32  # noqa: E402
 from h3gen.pipelines.k3.engine import K3Engine, SamplingParams  # noqa: E402
 from h3gen.pipelines.k3.model import K3ForCausalLM  # noqa: E402
-from h3gen.pipelines.k3.tiny import randomize  # noqa: E402
+from h3gen.pipelines.k3.demo_model import randomize  # noqa: E402
 
 
 def step_kernels(events: list, replays: int) -> list:

@@ -32,7 +32,7 @@ _LAZY = {
     "RunOptions": "h3gen.options",
     "H3Transformer": "h3gen.pipelines.h3.transformer",
     "H3TransformerConfig": "h3gen.pipelines.h3.transformer",
-    "tiny_checkpoint": "h3gen.pipelines.h3.tiny",
+    "tiny_checkpoint": "h3gen.pipelines.h3.tiny_checkpoint",
 }
 
 __all__ = ["CheckpointError", "RequestError", "__version__", *_LAZY]

@@ -131,7 +131,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     from h3gen.pipelines.h3.request import prepare_request, read_transformer_config
 
     if args.model is None:
-        from h3gen.pipelines.h3.tiny import tiny_checkpoint
+        from h3gen.pipelines.h3.tiny_checkpoint import tiny_checkpoint
 
         print("h3gen: no --model given: using the built-in tiny demo model. Its weights are random, so the picture "
               "and sound are noise.", file=sys.stderr)
@@ -228,7 +228,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     from h3gen.server.lock import FolderBusy
 
     if args.model is None:
-        from h3gen.pipelines.h3.tiny import tiny_checkpoint
+        from h3gen.pipelines.h3.tiny_checkpoint import tiny_checkpoint
 
         print("h3gen: no --model given: serving the built-in tiny demo model (random weights: pictures and sound "
               "are noise).", file=sys.stderr)

@@ -10,7 +10,7 @@ never change.
 import torch.nn as nn
 
 from h3gen.linear_spec import LinearFactory, LinearSpec, ParallelRole
-from h3gen.parallel.linear import (
+from h3gen.parallel.tp_linear import (
     ColumnParallelLinear,
     ColumnParallelMXFP4Linear,
     RowParallelLinear,

@@ -5,7 +5,7 @@ planner keeps as many blocks on the GPU as the budget allows and streams the res
 from h3gen.offload.apply import apply_layerwise_offload, stream_layers
 from h3gen.offload.layerwise import LayerwiseOffload
 from h3gen.offload.placement import Placement, plan_placement
-from h3gen.offload.planner import OffloadPlan, plan_residency
+from h3gen.offload.residency import OffloadPlan, plan_residency
 from h3gen.offload.shared_host import SharedHostStore
 from h3gen.options import OFFLOAD_MODES
 

@@ -2,7 +2,7 @@
 which blocks stay and which stream."""
 
 from h3gen.offload.layerwise import LayerwiseOffload, _owned_tensors
-from h3gen.offload.planner import OffloadPlan, plan_residency
+from h3gen.offload.residency import OffloadPlan, plan_residency
 from h3gen.options import parse_bytes
 
 ON_DEMAND = ("adaln_proj",)

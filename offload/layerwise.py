@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from h3gen.offload.planner import OffloadPlan
+from h3gen.offload.residency import OffloadPlan
 
 
 @dataclass

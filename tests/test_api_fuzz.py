@@ -5,7 +5,7 @@ import schemathesis
 from hypothesis import HealthCheck, given, settings
 from server_harness import wait_loaded
 
-from h3gen.pipelines.h3.tiny import tiny_checkpoint
+from h3gen.pipelines.h3.tiny_checkpoint import tiny_checkpoint
 from h3gen.server.app import create_app
 from h3gen.server.engine import H3Engine
 from h3gen.server.jobs import JobManager

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from h3gen.media import probe_mp4
-from h3gen.pipelines.h3.tiny import tiny_checkpoint
+from h3gen.pipelines.h3.tiny_checkpoint import tiny_checkpoint
 
 
 @pytest.fixture(scope="module")

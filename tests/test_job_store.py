@@ -14,7 +14,7 @@ import pytest
 from server_harness import Server, cancelled, wait_for
 
 from h3gen.media import write_mp4
-from h3gen.pipelines.h3.tiny import tiny_checkpoint
+from h3gen.pipelines.h3.tiny_checkpoint import tiny_checkpoint
 from h3gen.server.jobs import INTERRUPTED, JobManager, default_job_seconds
 from h3gen.server.lock import FolderBusy
 from h3gen.server.store import JobStore

@@ -6,7 +6,7 @@ import pytest
 from PIL import Image
 from server_harness import wait_loaded
 
-from h3gen.pipelines.h3.tiny import tiny_checkpoint
+from h3gen.pipelines.h3.tiny_checkpoint import tiny_checkpoint
 from h3gen.server.engine import H3Engine
 from h3gen.server.jobs import JobManager, progress_of
 from h3gen.server.schemas import GenerationRequest

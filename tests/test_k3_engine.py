@@ -12,7 +12,7 @@ from h3gen.errors import RequestError
 from h3gen.pipelines.k3.config import K3Config
 from h3gen.pipelines.k3.engine import K3Engine, MemoryPool, RadixCache, SamplingParams
 from h3gen.pipelines.k3.model import K3ForCausalLM, quantize_experts_mxfp4
-from h3gen.pipelines.k3.tiny import randomize, tiny_config
+from h3gen.pipelines.k3.demo_model import randomize, tiny_config
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 
@@ -441,7 +441,7 @@ def test_streamed_text_grows_by_each_tokens_bytes(tmp_path):
     """The engine appends each token's bytes instead of detokenizing the whole output every step: the text after
     every step equals a full decode of the tokens so far, also when a character's UTF-8 bytes span tokens. The
     deltas add up to the text although the first step yields two tokens (the prefill's and a decode's)."""
-    from h3gen.pipelines.k3.tiny import write_tokenizer
+    from h3gen.pipelines.k3.demo_model import write_tokenizer
     from h3gen.pipelines.k3.tokenizer import K3Tokenizer
 
     write_tokenizer(tmp_path)

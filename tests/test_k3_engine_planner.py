@@ -13,7 +13,7 @@ from PIL import Image
 
 from h3gen.errors import RequestError
 from h3gen.pipelines.k3.planner import SYSTEM_PROMPT, LocalPlanner, PlannerError, RemotePlanner
-from h3gen.pipelines.k3.tiny import build_tiny_checkpoint
+from h3gen.pipelines.k3.demo_model import build_tiny_checkpoint
 
 
 class _Stub(BaseHTTPRequestHandler):
@@ -69,7 +69,7 @@ def tiny_k3(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def h3_model(tmp_path_factory):
-    from h3gen.pipelines.h3.tiny import tiny_checkpoint
+    from h3gen.pipelines.h3.tiny_checkpoint import tiny_checkpoint
 
     return tiny_checkpoint(cache_dir=tmp_path_factory.mktemp("cache"))
 

@@ -6,7 +6,7 @@ from safetensors.torch import load_file, save_file
 
 from h3gen.errors import CheckpointError
 from h3gen.pipelines.k3.model import K3ForCausalLM
-from h3gen.pipelines.k3.tiny import build_tiny_checkpoint
+from h3gen.pipelines.k3.demo_model import build_tiny_checkpoint
 
 
 def _fuse_gate_up(folder, out, mangle=None):

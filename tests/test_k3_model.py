@@ -11,7 +11,7 @@ import torch
 from h3gen.errors import CheckpointError
 from h3gen.pipelines.k3.config import K3Config
 from h3gen.pipelines.k3.model import K3ForCausalLM, K3MoE
-from h3gen.pipelines.k3.tiny import build_tiny_checkpoint, randomize, tiny_config
+from h3gen.pipelines.k3.demo_model import build_tiny_checkpoint, randomize, tiny_config
 from k3_reference import kimi_linear_torch, max_rel_error
 
 KIMI_LINEAR_CONFIGS = [

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from h3gen.pipelines.k3.model import K3ForCausalLM
-from h3gen.pipelines.k3.tiny import BASE_VOCAB, MEDIA_PAD_ID, VOCAB_SIZE, build_tiny_checkpoint
+from h3gen.pipelines.k3.demo_model import BASE_VOCAB, MEDIA_PAD_ID, VOCAB_SIZE, build_tiny_checkpoint
 from h3gen.pipelines.k3.tokenizer import K3Tokenizer
 
 

@@ -33,7 +33,7 @@ def test_tiny_decode_through_the_triton_kernels_matches_torch(monkeypatch):
     from h3gen.pipelines.k3.config import K3Config
     from h3gen.pipelines.k3.engine.graphs import prepare_for_decode
     from h3gen.pipelines.k3.model import K3ForCausalLM
-    from h3gen.pipelines.k3.tiny import randomize, tiny_config
+    from h3gen.pipelines.k3.demo_model import randomize, tiny_config
 
     config = dataclasses.replace(K3Config.from_dict(tiny_config()), experts_mxfp4=False, attn_res_block_size=0)
     with torch.device("meta"):
@@ -69,7 +69,7 @@ def test_silu_model_decode_through_the_triton_kernels_matches_torch(monkeypatch)
     from h3gen.pipelines.k3.config import K3Config
     from h3gen.pipelines.k3.engine.graphs import prepare_for_decode
     from h3gen.pipelines.k3.model import K3ForCausalLM
-    from h3gen.pipelines.k3.tiny import randomize, tiny_config
+    from h3gen.pipelines.k3.demo_model import randomize, tiny_config
 
     config = dataclasses.replace(K3Config.from_dict(tiny_config()), experts_mxfp4=False, attn_res_block_size=0,
                                  hidden_act="silu", routed_expert_hidden_size=None, latent_moe_use_norm=False)

@@ -12,7 +12,7 @@ from PIL import Image
 from h3gen.errors import CheckpointError
 from h3gen.pipelines.k3.image_processor import K3ImageProcessor, K3MediaConfig, navit_resize
 from h3gen.pipelines.k3.model import K3ForCausalLM
-from h3gen.pipelines.k3.tiny import MEDIA_PAD_ID, build_tiny_checkpoint, randomize
+from h3gen.pipelines.k3.demo_model import MEDIA_PAD_ID, build_tiny_checkpoint, randomize
 from h3gen.pipelines.k3.tokenizer import K3Tokenizer
 from h3gen.pipelines.k3.vision import K3MultiModalProjector, K3VisionConfig, K3VisionTower
 from k3_reference import hf_navit_resize, max_rel_error, vision_reference

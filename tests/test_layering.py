@@ -268,14 +268,14 @@ def test_no_import_cycles():
 
 
 # The imports issue 32 found running back up, each added to today's tree as source text (inside a function where
-# the original hid it there): the checker must report the added line. `parallel/linear.py` importing
+# the original hid it there): the checker must report the added line. `parallel/tp_linear.py` importing
 # `quant.mxfp4` is wrong as the way back of a cycle, so that case adds both directions and expects the cycle.
-_BACK_TO_PARALLEL = "\n\ndef _factory():\n    from h3gen.parallel.linear import ColumnParallelMXFP4Linear\n"
+_BACK_TO_PARALLEL = "\n\ndef _factory():\n    from h3gen.parallel.tp_linear import ColumnParallelMXFP4Linear\n"
 _QUANT_LINEAR = "\nfrom h3gen.quant.mxfp4 import MXFP4Linear\n"
 INJECTED = {  # case -> [(file, source text appended, whether the checker must point at it)]
     "quant imports parallel": [("h3gen/quant/mxfp4.py", _BACK_TO_PARALLEL, True)],
     "parallel imports quant back": [("h3gen/quant/mxfp4.py", _BACK_TO_PARALLEL, False),
-                                    ("h3gen/parallel/linear.py", _QUANT_LINEAR, True)],
+                                    ("h3gen/parallel/tp_linear.py", _QUANT_LINEAR, True)],
     "mxfp4_gemm init imports quant": [
         ("kernels/mxfp4_gemm/__init__.py", "\n\ndef _widen():\n    from h3gen.quant.mxfp4 import MXFP4Linear\n", True)],
     "mxfp4_gemm reference imports quant": [("kernels/mxfp4_gemm/reference.py", _QUANT_LINEAR, True)],
@@ -283,7 +283,7 @@ INJECTED = {  # case -> [(file, source text appended, whether the checker must p
     "parallel model imports the transformer": [(
         "h3gen/parallel/model.py",
         "def parallel_transformer(config):\n    from h3gen.pipelines.h3.transformer import H3Transformer\n", True)],
-    "server imports ui": [("h3gen/server/app.py", "\n\ndef _ui():\n    from h3gen.ui.app import build_ui\n", True)],
+    "server imports ui": [("h3gen/server/app.py", "\n\ndef _ui():\n    from h3gen.ui.blocks import build_ui\n", True)],
 }
 
 

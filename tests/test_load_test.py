@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from media_files import tone, write_video
 
-from h3gen.pipelines.h3.tiny import tiny_checkpoint
+from h3gen.pipelines.h3.tiny_checkpoint import tiny_checkpoint
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "load_test.py"
 

@@ -156,7 +156,7 @@ def test_online_quantization_peak_memory_is_about_one_layer(tmp_path):
 
 def test_tiny_pipeline_quality_under_mxfp4(tmp_path):
     from h3gen.pipelines.h3.pipeline import H3Pipeline
-    from h3gen.pipelines.h3.tiny import tiny_checkpoint
+    from h3gen.pipelines.h3.tiny_checkpoint import tiny_checkpoint
 
     folder = tiny_checkpoint(cache_dir=tmp_path)
     kwargs = dict(seed=1, num_inference_steps=4)

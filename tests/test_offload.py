@@ -9,7 +9,7 @@ from h3_tiny import TINY_CONFIGS, random_inputs, randomize_
 from h3gen.errors import CheckpointError, RequestError
 from h3gen.offload import apply_layerwise_offload, plan_residency
 from h3gen.offload.host_memory import check_host_memory
-from h3gen.offload.planner import GiB, parse_bytes, spread
+from h3gen.offload.residency import GiB, parse_bytes, spread
 from h3gen.pipelines.h3.tiers import set_quality
 from h3gen.pipelines.h3.transformer import H3Transformer
 
@@ -90,7 +90,7 @@ def test_host_memory_refusal_is_clear(monkeypatch, tmp_path):
 
     from h3gen.offload import host_memory
     from h3gen.pipelines.h3.pipeline import H3Pipeline
-    from h3gen.pipelines.h3.tiny import tiny_checkpoint
+    from h3gen.pipelines.h3.tiny_checkpoint import tiny_checkpoint
 
     monkeypatch.setattr(host_memory, "available_host_bytes", lambda: 1024)
     with pytest.raises(CheckpointError, match="layer-wise offload .* needs .* of host memory"):
@@ -100,7 +100,7 @@ def test_host_memory_refusal_is_clear(monkeypatch, tmp_path):
 
 def test_pipeline_offload_modes_give_the_same_clip(tmp_path):
     from h3gen.pipelines.h3.pipeline import H3Pipeline
-    from h3gen.pipelines.h3.tiny import tiny_checkpoint
+    from h3gen.pipelines.h3.tiny_checkpoint import tiny_checkpoint
 
     folder = tiny_checkpoint(cache_dir=tmp_path)
     kwargs = dict(seed=2, num_inference_steps=3, num_frames=130)
@@ -122,7 +122,7 @@ def test_pipeline_offload_modes_give_the_same_clip(tmp_path):
 def test_streamed_text_encoder_layers_give_the_same_conditioning(tmp_path):
     from h3gen.offload import stream_layers
     from h3gen.pipelines.h3.text_encoder import H3TextEncoder
-    from h3gen.pipelines.h3.tiny import tiny_checkpoint
+    from h3gen.pipelines.h3.tiny_checkpoint import tiny_checkpoint
 
     folder = tiny_checkpoint(cache_dir=tmp_path)
     load = lambda: H3TextEncoder.from_pretrained(folder / "text_encoder", folder / "tokenizer", None,  # noqa: E731

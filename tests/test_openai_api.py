@@ -13,7 +13,7 @@ from PIL import Image
 from server_harness import Server
 
 from h3gen.media import SPRITESHEET_COLUMNS, SPRITESHEET_ROWS, probe_mp4
-from h3gen.pipelines.h3.tiny import tiny_checkpoint
+from h3gen.pipelines.h3.tiny_checkpoint import tiny_checkpoint
 
 FAST = {"num_inference_steps": 3}
 LONG = {"num_inference_steps": 1000}  # about ten seconds on the tiny model

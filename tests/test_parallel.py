@@ -198,7 +198,7 @@ def test_pipeline_under_ulysses_gives_the_single_process_clip(tmp_path):
     import numpy as np
 
     from h3gen.pipelines.h3.pipeline import H3Pipeline
-    from h3gen.pipelines.h3.tiny import tiny_checkpoint
+    from h3gen.pipelines.h3.tiny_checkpoint import tiny_checkpoint
 
     model_dir = tiny_checkpoint(cache_dir=tmp_path / "cache")
     single = H3Pipeline.from_pretrained(model_dir, device="cpu", torch_dtype=torch.float32)(
@@ -219,7 +219,7 @@ def test_original_layout_is_read_shard_by_shard(reference, tmp_path, qkv_layout)
     from safetensors.torch import save_file
 
     from h3gen.pipelines.h3.layouts import to_original_layout
-    from h3gen.parallel.linear import ColumnParallelLinear
+    from h3gen.parallel.tp_linear import ColumnParallelLinear
     from h3gen.parallel.state import ParallelState
     from h3gen.pipelines.h3.transformer import H3Transformer
 
@@ -240,7 +240,7 @@ def test_original_layout_is_read_shard_by_shard(reference, tmp_path, qkv_layout)
 
 
 def test_mxfp4_linears_are_sharded_under_tensor_parallelism(reference, tmp_path):
-    from h3gen.parallel import linear as tp_linear
+    from h3gen.parallel import tp_linear
     from h3gen.parallel.state import ParallelState
     from h3gen.pipelines.h3.transformer import H3Transformer
     from h3gen.quant.mxfp4 import MXFP4Linear
@@ -277,7 +277,7 @@ def test_mxfp4_linears_are_sharded_under_tensor_parallelism(reference, tmp_path)
 
 
 def _build_worker(rank, world, init_file, result_dir):
-    from h3gen.pipelines.h3.tiny import build_tiny_checkpoint
+    from h3gen.pipelines.h3.tiny_checkpoint import build_tiny_checkpoint
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=120))

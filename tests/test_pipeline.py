@@ -11,7 +11,7 @@ from PIL import Image
 from h3gen.errors import CheckpointError, RequestError
 from h3gen.media import probe_mp4
 from h3gen.pipelines.h3.pipeline import H3Pipeline
-from h3gen.pipelines.h3.tiny import build_image_processor, tiny_checkpoint
+from h3gen.pipelines.h3.tiny_checkpoint import build_image_processor, tiny_checkpoint
 
 TOLERANCE = 1e-4
 

@@ -14,7 +14,7 @@ from h3gen.errors import RequestError
 from h3gen.pipelines.h3.packing import ReferenceBlock, build_ref2va_layout
 from h3gen.pipelines.h3.pipeline import AudioReference, H3Pipeline, ImageReference, VideoReference
 from h3gen.pipelines.h3.references import resample_audio
-from h3gen.pipelines.h3.tiny import build_tiny_checkpoint, tiny_checkpoint
+from h3gen.pipelines.h3.tiny_checkpoint import build_tiny_checkpoint, tiny_checkpoint
 from h3gen.pipelines.h3.video_processor import QwenVideoProcessor
 
 TOLERANCE = 1e-4

@@ -13,7 +13,7 @@ from h3gen.offload import host_memory, plan_placement
 from h3gen.options import (APPROXIMATE_ATTENTION, ATTENTION_BACKENDS, OFFLOAD_MODES, QUALITY_TIERS, QUANTIZATIONS,
                            TASKS, WORKFLOWS, RunOptions, parse_bytes)
 from h3gen.pipelines.h3.checkpoint import H3Checkpoint, resolve_workflow
-from h3gen.pipelines.h3.tiny import tiny_checkpoint
+from h3gen.pipelines.h3.tiny_checkpoint import tiny_checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -109,7 +109,7 @@ def test_every_face_reads_the_same_values():
 
 
 def test_the_ui_task_choices_are_the_options_tasks():
-    from h3gen.ui.app import build_ui
+    from h3gen.ui.blocks import build_ui
 
     manager = SimpleNamespace(engine=SimpleNamespace(planner=None), list=lambda limit: ([], None))
     demo = build_ui(manager)

@@ -8,7 +8,7 @@ from server_harness import Server, cancelled, wait_for
 
 from h3gen.client import H3Client, H3ClientError
 from h3gen.media import probe_mp4
-from h3gen.pipelines.h3.tiny import tiny_checkpoint
+from h3gen.pipelines.h3.tiny_checkpoint import tiny_checkpoint
 
 FAST = {"num_inference_steps": 3}
 LONG = {"num_inference_steps": 1000}  # about ten seconds on the tiny model: long enough to act on while running

@@ -6,7 +6,7 @@ import pytest
 from PIL import Image
 from server_harness import Server
 
-from h3gen.pipelines.h3.tiny import tiny_checkpoint
+from h3gen.pipelines.h3.tiny_checkpoint import tiny_checkpoint
 
 KEY = "s3cret-test-key-4711"
 
@@ -243,7 +243,7 @@ def test_references_only_with_ref2va_and_keyframes_not_with_it(server, files):
 
 def test_auto_workflow_serves_ref2va_only_when_both_partitions_are_small(monkeypatch, tmp_path):
     from h3gen.offload import host_memory
-    from h3gen.pipelines.h3.tiny import tiny_checkpoint
+    from h3gen.pipelines.h3.tiny_checkpoint import tiny_checkpoint
     from h3gen.server.engine import H3Engine
 
     folder = tiny_checkpoint(cache_dir=tmp_path)

@@ -14,7 +14,7 @@ from PIL import Image
 from media_files import bomb_png
 from server_harness import Server, wait_for
 
-from h3gen.pipelines.h3.tiny import tiny_checkpoint
+from h3gen.pipelines.h3.tiny_checkpoint import tiny_checkpoint
 
 KEY = "hardening-key-0815"
 

@@ -8,7 +8,7 @@ import pytest
 from server_harness import Server, cancelled, wait_for
 
 from h3gen.media import probe_mp4
-from h3gen.pipelines.h3.tiny import tiny_checkpoint
+from h3gen.pipelines.h3.tiny_checkpoint import tiny_checkpoint
 
 
 # Rank 1 fails at denoising step 2 of jobs whose prompt says "boom" (tests/fault_injection/sitecustomize.py).

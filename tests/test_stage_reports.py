@@ -12,7 +12,7 @@ import torch
 from PIL import Image
 
 from h3gen.cli import _progress_bar
-from h3gen.pipelines.h3.tiny import tiny_checkpoint
+from h3gen.pipelines.h3.tiny_checkpoint import tiny_checkpoint
 from h3gen.server.engine import H3Engine
 from h3gen.server.jobs import STAGE_ORDER, JobManager
 from h3gen.server.schemas import GenerationRequest

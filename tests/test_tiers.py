@@ -16,7 +16,7 @@ from h3_tiny import TINY_CONFIGS, cast_with_islands_, max_rel_err, random_inputs
 from h3gen.errors import RequestError  # noqa: E402
 from h3gen.pipelines.h3.pipeline import H3Pipeline  # noqa: E402
 from h3gen.pipelines.h3.tiers import set_quality  # noqa: E402
-from h3gen.pipelines.h3.tiny import tiny_checkpoint  # noqa: E402
+from h3gen.pipelines.h3.tiny_checkpoint import tiny_checkpoint  # noqa: E402
 from h3gen.pipelines.h3.transformer import H3Transformer  # noqa: E402
 
 # The tests that run the fused Triton kernels: on a GPU natively, with the model in bf16 (the served dtype); on a CPU

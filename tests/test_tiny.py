@@ -4,7 +4,7 @@ import hashlib
 
 import torch
 
-from h3gen.pipelines.h3 import tiny
+from h3gen.pipelines.h3 import tiny_checkpoint as tiny
 from h3gen.pipelines.h3.checkpoint import H3Checkpoint
 from h3gen.pipelines.h3.text_encoder import H3TextEncoder
 

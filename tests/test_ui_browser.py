@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from server_harness import Server
 
-from h3gen.pipelines.h3.tiny import tiny_checkpoint
+from h3gen.pipelines.h3.tiny_checkpoint import tiny_checkpoint
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 OFFLINE_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",

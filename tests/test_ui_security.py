@@ -9,7 +9,7 @@ import httpx
 import pytest
 from server_harness import Server, wait_for
 
-from h3gen.pipelines.h3.tiny import tiny_checkpoint
+from h3gen.pipelines.h3.tiny_checkpoint import tiny_checkpoint
 
 KEY = "ui-security-key"
 INPUTS = ["prompt", "task", "image", "last_image", "references", "aspect", "seconds", "steps", "seed", "randomize",
@@ -138,7 +138,7 @@ def test_an_upload_is_staged_under_its_decoded_type_not_its_name(tmp_path):
     from PIL import Image
 
     from h3gen.errors import RequestError
-    from h3gen.ui.files import stage_uploads
+    from h3gen.ui.uploads import stage_uploads
 
     uploads, staging = tmp_path / "gradio", tmp_path / "staging"
     (uploads / "abc").mkdir(parents=True)

@@ -4,7 +4,9 @@ login, and the headers that keep user content from running as a page of the UI's
 What the UI can read: what a user uploaded through it (Gradio's upload folder) and, through `/ui/media/<job id>.mp4`,
 the MP4 of a job the server holds. The results folder is on Gradio's block list, so no Gradio route serves it."""
 
+import os
 import secrets
+import tempfile
 
 import gradio as gr
 from fastapi import FastAPI, HTTPException, Request
@@ -12,7 +14,7 @@ from fastapi.responses import FileResponse
 from starlette.routing import Mount
 
 from h3gen.server.app import JOB_ID
-from h3gen.ui.app import MEDIA_ROUTE, build_ui
+from h3gen.ui.blocks import MEDIA_ROUTE, build_ui
 
 UI_PATH = "/ui"
 # The UI's pages: Gradio's own scripts and styles (it writes inline ones, and gradio 6's HTML component compiles its
@@ -72,7 +74,13 @@ def _logged_in(gradio_app, request: Request) -> bool:
 
 def mount_ui(app: FastAPI, manager, *, api_key: str | None = None) -> FastAPI:
     """Mount the Gradio UI for `manager`'s jobs at `/ui` on `app` (the FastAPI app of `create_app`). With `api_key`,
-    the UI's login page asks for it (any user name). Returns `app`."""
+    the UI's login page asks for it (any user name). Returns `app`.
+
+    Gradio keeps user uploads in one folder that other Gradio apps on the host share (`/tmp/gradio`); unless the
+    operator set `GRADIO_TEMP_DIR`, this server gets a private one (mode 0700) so that no other app's files are
+    reachable through it."""
+    if not os.environ.get("GRADIO_TEMP_DIR"):
+        os.environ["GRADIO_TEMP_DIR"] = tempfile.mkdtemp(prefix="h3gen-ui-")
     demo = build_ui(manager)
     login = (lambda _user, password: secrets.compare_digest(password.encode(), api_key.encode())) if api_key else None
     app = gr.mount_gradio_app(app, demo, path=UI_PATH, auth=login, allowed_paths=[],

@@ -28,10 +28,10 @@ from PIL import Image, UnidentifiedImageError
 from h3gen.errors import RequestError
 from h3gen.media import check_pixels
 from h3gen.pipelines.k3.engine import K3Engine, SamplingParams
-from h3gen.pipelines.k3.engine.engine import FINISHED
+from h3gen.pipelines.k3.engine.scheduler import FINISHED
 from h3gen.pipelines.k3.image_processor import K3ImageProcessor
 from h3gen.pipelines.k3.model import K3ForCausalLM
-from h3gen.pipelines.k3.tiny import tiny_checkpoint
+from h3gen.pipelines.k3.demo_model import tiny_checkpoint
 from h3gen.pipelines.k3.tokenizer import K3Tokenizer
 
 SYSTEM_PROMPT = """\

@@ -63,7 +63,7 @@ def main(out: Path) -> None:
     from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-    from h3gen.pipelines.h3.tiny import video_processor_config
+    from h3gen.pipelines.h3.tiny_checkpoint import video_processor_config
 
     rng = np.random.default_rng(2024)
     data = {}

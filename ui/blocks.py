@@ -12,10 +12,10 @@ from pydantic import ValidationError
 
 from h3gen.errors import RequestError
 from h3gen.options import TASKS
-from h3gen.pipelines.h3.tiny import TRANSFORMER as TINY_TRANSFORMER
+from h3gen.pipelines.h3.tiny_checkpoint import TRANSFORMER as TINY_TRANSFORMER
 from h3gen.server.jobs import FINISHED, QueueFull
 from h3gen.server.schemas import MAX_PROMPT_CHARS, GenerationRequest
-from h3gen.ui.files import stage_uploads
+from h3gen.ui.uploads import stage_uploads
 
 ASPECTS = ["auto", "16:9", "9:16", "1:1", "4:3", "3:4", "21:9", "4:1", "1:4"]
 HISTORY_COLUMNS = ["job", "status", "prompt", "seconds", "seed"]
