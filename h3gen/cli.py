@@ -302,7 +302,7 @@ def _run_option_arguments(parser: argparse.ArgumentParser, quality_help: str) ->
                         help=f"{describe(QUANTIZATION_HELP)} (default: the checkpoint's dtype)")
     parser.add_argument("--attention", choices=ATTENTION_BACKENDS, default=None,
                         help="attention backend for the lossless and fast tiers instead of the tier's own choice "
-                             "(FP8 backends with --quality fast only)")
+                             "(FP8 backends with --quality fast only; default: the tier's own)")
 
 
 def _run_options(args: argparse.Namespace, **keywords) -> RunOptions:

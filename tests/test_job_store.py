@@ -246,7 +246,7 @@ def test_sigterm_then_a_lost_wal_keeps_every_job(model, tmp_path):
             assert http.get(f"/v1/videos/{done}").json()["status"] == "completed"
             assert http.get(f"/v1/videos/{done}/content").status_code == 200
             view = http.get(f"/v1/videos/{running}").json()
-            assert view["status"] == "failed" and "interrupted" in view["error"]
+            assert view["status"] == "failed" and "interrupted" in view["error"]["message"]
             assert wait_for(http, queued)["status"] == "completed"
     finally:
         second.stop()

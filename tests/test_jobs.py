@@ -43,7 +43,9 @@ def test_a_failing_job_fails_alone(manager, tmp_path):
     assert manager.wait(broken["id"], 60)["status"] == "failed"
     assert "not a readable image" in manager.get(broken["id"])["error"]
     assert manager.wait(after["id"], 60)["status"] == "succeeded"
-    assert not (manager.uploads_dir / broken["id"]).exists()  # uploads are cleaned up either way
+    assert (manager.uploads_dir / broken["id"]).exists()  # a finished job keeps its uploads (a remix reuses them)
+    manager.cancel(broken["id"])  # deleting the job removes them
+    assert not (manager.uploads_dir / broken["id"]).exists()
 
 
 def test_retention_by_size_then_by_age(manager):
@@ -111,4 +113,6 @@ def test_a_queued_ref2va_job_keeps_its_references_until_it_runs(manager, tmp_pat
     manager.cancel(first["id"])
     done = manager.wait(job["id"], 120)
     assert done["status"] == "succeeded", done
-    assert not kept.exists()  # and they go once the job is done
+    assert kept.exists()  # kept while the job is (a remix reuses them) ...
+    manager.cancel(job["id"])
+    assert not kept.exists()  # ... and gone with it

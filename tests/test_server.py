@@ -126,7 +126,7 @@ def test_restart_keeps_finished_jobs_and_reports_the_interrupted_one(model, tmp_
         with second.client() as http:
             assert http.get(f"/v1/videos/{done}/content").status_code == 200
             view = http.get(f"/v1/videos/{running}").json()
-            assert view["status"] == "failed" and "interrupted" in view["error"]
+            assert view["status"] == "failed" and "interrupted" in view["error"]["message"]
             assert wait_for(http, queued)["status"] == "completed"  # nothing queued is lost
     finally:
         second.stop()

@@ -202,7 +202,7 @@ def test_a_full_disk_is_a_507_and_the_server_stays_up(root):
     engine = H3Engine(tiny_checkpoint(cache_dir=root / "cache"), device="cpu")
     manager = FullDisk(engine, root / "full-results", max_queue=2)
     port = Server.__init__.__globals__["free_port"]()
-    uvicorn_server = uvicorn.Server(uvicorn.Config(create_app(manager, ui=False), host="127.0.0.1", port=port,
+    uvicorn_server = uvicorn.Server(uvicorn.Config(create_app(manager), host="127.0.0.1", port=port,
                                                    log_level="warning"))
     thread = threading.Thread(target=uvicorn_server.run, daemon=True)
     thread.start()

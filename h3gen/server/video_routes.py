@@ -131,6 +131,8 @@ def add_video_routes(app: FastAPI, server) -> None:
         source = manager.store.get(job_id)
         settings = {name: value for name, value in source["request"].items()
                     if name in GenerationRequest.model_fields and name not in ("prompt", "plan", "input_reference")}
+        if settings.get("size"):  # the normalized request holds the aspect ratio the size was mapped to
+            settings.pop("aspect_ratio", None)
         staging = manager.staging_dir()
         try:
             uploads = {}
