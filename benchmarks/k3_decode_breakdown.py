@@ -18,18 +18,27 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_k3  # noqa: E402
 
+import h3gen.pipelines.k3.attention as k3_attention  # noqa: E402
+import h3gen.pipelines.k3.layers as k3_layers  # noqa: E402
 import h3gen.pipelines.k3.model as k3_model  # noqa: E402
+import h3gen.pipelines.k3.moe as k3_moe  # noqa: E402
 import h3gen.pipelines.k3.pending_norm as pending_norm  # noqa: E402
 from h3gen.loading.load import keeps_fp32  # noqa: E402
 from h3gen.pipelines.k3.model import K3ForCausalLM  # noqa: E402
 from h3gen.pipelines.k3.demo_model import randomize  # noqa: E402
 
-# The ops a variant may replace, by module (restored before each variant): the model's, and those through which a
-# decode step's norms reach the projection kernels (`PendingNorm`).
-PATCHED = {k3_model: ("rms_norm", "kda_decode", "grouped_rows_linear", "absorb_query", "mla_decode",
-                      "mla_decode_partials", "absorb_output", "router_topk", "expert_swiglu_down", "rows_linear",
-                      "expert_gemv"),
-           pending_norm: ("add_rms_norm", "rms_norm", "rows_linear", "normed_rows_linear")}
+# The ops a variant may replace (restored before each variant), by name: in every module of the K3 model that reads
+# them, and in those through which a decode step's norms reach the projection kernels (`PendingNorm`).
+K3_MODULES = (k3_model, k3_layers, k3_attention, k3_moe)
+MODEL_OPS = ("rms_norm", "kda_decode", "grouped_rows_linear", "absorb_query", "mla_decode", "mla_decode_partials",
+             "absorb_output", "router_topk", "expert_swiglu_down", "rows_linear", "expert_gemv")
+PATCHED = {module: tuple(name for name in MODEL_OPS if hasattr(module, name)) for module in K3_MODULES}
+PATCHED[pending_norm] = ("add_rms_norm", "rms_norm", "rows_linear", "normed_rows_linear")
+
+
+def everywhere(name: str, op) -> dict:
+    """`op` in place of `name` in every K3 model module that reads it."""
+    return {(module, name): op for module in K3_MODULES if hasattr(module, name)}
 
 
 def fixed_router(num_experts: int):
@@ -61,32 +70,32 @@ def skips() -> dict:
     def unnormed_linear(x, norm_weight, eps, weight, residual=None):
         return x, pending_norm.rows_linear(x, weight)
 
-    m, p = k3_model, pending_norm
+    p = pending_norm
     return {
         "norms (separate, and in the projections' prologues)": {
-            (m, "rms_norm"): lambda x, w, e: x, (p, "rms_norm"): lambda x, w, e: x,
+            **everywhere("rms_norm", lambda x, w, e: x), (p, "rms_norm"): lambda x, w, e: x,
             (p, "add_rms_norm"): lambda x, y, w, e: (x, x), (p, "normed_rows_linear"): unnormed_linear},
-        "KDA decode": {(m, "kda_decode"): lambda q, *a, **k: torch.empty_like(q)},
-        "low-rank gate GEMV (above 4 rows)": {
-            (m, "grouped_rows_linear"): lambda x, w: empty(x.shape[0], x.shape[1], w.shape[1], dtype=x.dtype, like=x)},
+        "KDA decode": everywhere("kda_decode", lambda q, *a, **k: torch.empty_like(q)),
+        "low-rank gate GEMV (above 4 rows)": everywhere(
+            "grouped_rows_linear", lambda x, w: empty(x.shape[0], x.shape[1], w.shape[1], dtype=x.dtype, like=x)),
         "MLA cache write + absorb + decode": {
-            (m, "absorb_query"): lambda q, w, nope, new_rows=None: empty(
-                q.shape[0], q.shape[1], w.shape[-1] + q.shape[-1] - nope, dtype=torch.float32, like=q),
-            (m, "mla_decode"): lambda q, pages, table, lens, scale, v: empty(q.shape[0], q.shape[1], v,
-                                                                        dtype=torch.float32, like=q),
-            (m, "mla_decode_partials"): lambda q, pages, table, lens, scale, v, splits: (
+            **everywhere("absorb_query", lambda q, w, nope, new_rows=None: empty(
+                q.shape[0], q.shape[1], w.shape[-1] + q.shape[-1] - nope, dtype=torch.float32, like=q)),
+            **everywhere("mla_decode", lambda q, pages, table, lens, scale, v: empty(
+                q.shape[0], q.shape[1], v, dtype=torch.float32, like=q)),
+            **everywhere("mla_decode_partials", lambda q, pages, table, lens, scale, v, splits: (
                 empty(q.shape[0], q.shape[1], splits, v, dtype=torch.float32, like=q),
-                empty(q.shape[0], q.shape[1], splits, dtype=torch.float32, like=q)),
-            (m, "absorb_output"): lambda latent, w_vc, dtype, gate=None, lse=None: empty(
-                latent.shape[0], w_vc.shape[0], w_vc.shape[1], dtype=dtype, like=latent)},
-        "expert SwiGLU + down tail": {
-            (m, "expert_swiglu_down"): lambda both, down, ids, w, add=None: empty(ids.shape[0], down.shape[1],
-                                                                            dtype=both.dtype, like=both)},
-        "expert gate/up GEMV": {
-            (m, "expert_gemv"): lambda x, w, ids, top_k=1, always=0, out=None: empty(ids.numel(), w.shape[1],
-                                                                                     dtype=x.dtype, like=x)},
+                empty(q.shape[0], q.shape[1], splits, dtype=torch.float32, like=q))),
+            **everywhere("absorb_output", lambda latent, w_vc, dtype, gate=None, lse=None: empty(
+                latent.shape[0], w_vc.shape[0], w_vc.shape[1], dtype=dtype, like=latent))},
+        "expert SwiGLU + down tail": everywhere(
+            "expert_swiglu_down", lambda both, down, ids, w, add=None: empty(ids.shape[0], down.shape[1],
+                                                                            dtype=both.dtype, like=both)),
+        "expert gate/up GEMV": everywhere(
+            "expert_gemv", lambda x, w, ids, top_k=1, always=0, out=None: empty(ids.numel(), w.shape[1],
+                                                                                dtype=x.dtype, like=x)),
         "few-row GEMVs (rows_linear, normed_rows_linear)": {
-            (m, "rows_linear"): lambda x, w: empty(*x.shape[:-1], w.shape[0], dtype=x.dtype, like=x),
+            **everywhere("rows_linear", lambda x, w: empty(*x.shape[:-1], w.shape[0], dtype=x.dtype, like=x)),
             (p, "rows_linear"): lambda x, w: empty(*x.shape[:-1], w.shape[0], dtype=x.dtype, like=x),
             (p, "normed_rows_linear"): lambda x, nw, e, w, residual=None: (
                 x, empty(*x.shape[:-1], w.shape[0], dtype=x.dtype, like=x))},
@@ -109,7 +118,7 @@ def main():
         if keeps_fp32(name, K3ForCausalLM.keep_fp32_modules):
             param.data = param.data.float()
     originals = {(module, name): getattr(module, name) for module, names in PATCHED.items() for name in names}
-    fixed = {(k3_model, "router_topk"): fixed_router(config.num_experts)}
+    fixed = everywhere("router_topk", fixed_router(config.num_experts))
     variants = [("full step", {}), ("fixed routing (the base; router kernel skipped)", fixed)]
     variants += [(f"no {family}", {**fixed, **ops}) for family, ops in skips().items()]
     options = dict(page_size=16 if tiny else 64, chunk_size=64 if tiny else 2048, max_context=2048)

@@ -75,7 +75,7 @@ def test_batched_greedy_generation_equals_one_at_a_time_fp32(family, static_deco
     """`static_decode`: the decode steps run through the CUDA-graph path (static buffers, stacked experts, padded
     batches), eagerly on the CPU, with each MLA sequence's rows split into runs as on a GPU."""
     if static_decode:
-        monkeypatch.setattr("h3gen.pipelines.k3.model.mla_decode_splits", lambda batch, device: 4)
+        monkeypatch.setattr("h3gen.pipelines.k3.attention.mla_decode_splits", lambda batch, device: 4)
     model = _model(family)
     prompts = _prompts(model, [5, 23, 1, 40, 17, 9])
     params = [SamplingParams(max_tokens=n, **GREEDY) for n in (12, 7, 12, 10, 3, 12)]

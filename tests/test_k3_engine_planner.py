@@ -174,12 +174,12 @@ def test_rest_plan_endpoint_and_plan_true_jobs(stub, h3_model, tmp_path):
         job = http.post("/v1/videos", json={"prompt": "a drum solo", "plan": True, "num_inference_steps": 2})
         assert job.status_code == 202, job.text
         view = _wait(http, job.json()["id"])
-        assert view["status"] == "succeeded", view
+        assert view["status"] == "completed", view
         assert view["planned_prompt"].endswith("): a drum solo") and view["request"]["prompt"] == "a drum solo"
         assert "plan" in view["timings"]
         bad = http.post("/v1/videos", json={"prompt": "fail", "plan": True, "num_inference_steps": 2})
         view = _wait(http, bad.json()["id"])
-        assert view["status"] == "failed" and "HTTP 500" in view["error"]  # the job fails, the server goes on
+        assert view["status"] == "failed" and "HTTP 500" in view["error"]["message"]  # the job fails, the server goes on
         assert http.get("/health").json()["ready"]
 
     plain = H3Engine(h3_model, device="cpu")
@@ -194,7 +194,7 @@ def _wait(http, job_id, timeout=120):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         view = http.get(f"/v1/videos/{job_id}").json()
-        if view["status"] in ("succeeded", "failed", "cancelled"):
+        if view["status"] in ("completed", "failed"):
             return view
         time.sleep(0.1)
     raise AssertionError(f"job {job_id} did not finish")

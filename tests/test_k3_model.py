@@ -135,7 +135,7 @@ def test_latent_moe_with_situ_matches_float64_equations():
 
 
 def test_situ_caps_gate_and_up():
-    from h3gen.pipelines.k3.model import situ_and_mul
+    from h3gen.pipelines.k3.layers import situ_and_mul
 
     gate = torch.tensor([-100.0, -1.0, 0.0, 0.5, 3.0, 100.0])
     up = torch.tensor([1000.0, -2.0, 5.0, 1.0, -1000.0, 1.0])

@@ -181,7 +181,7 @@ def test_cancel_running_then_delete_finished(server):
     with server.client() as rest:
         jobs = rest.get("/v1/videos").json()["data"]
     cancelled = next(job for job in jobs if job["request"]["prompt"] == "a long walk on the beach")
-    assert cancelled["status"] == "cancelled" and cancelled["id"][:8] in history  # its row says so
+    assert cancelled["job_status"] == "cancelled" and cancelled["id"][:8] in history  # its row says so
     assert [line for line in history.splitlines() if "cancelled" in line], history
     assert badges == []
     assert (before, after) == (200, 404)
