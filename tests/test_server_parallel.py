@@ -34,7 +34,8 @@ def test_jobs_failures_and_cancellation_across_ranks(server, tmp_path):
         after = http.post("/v1/videos", json={"prompt": "after", "num_inference_steps": 4, "seed": 2}).json()["id"]
         assert wait_for(http, ok)["status"] == "completed"
         failed = wait_for(http, bad)
-        assert failed["status"] == "failed" and "rank 1" in failed["error"]["message"] and "injected failure" in failed["error"]["message"]
+        message = failed["error"]["message"]
+        assert failed["status"] == "failed" and "rank 1" in message and "injected failure" in message
         assert wait_for(http, after)["status"] == "completed"
         (tmp_path / "ok.mp4").write_bytes(http.get(f"/v1/videos/{ok}/content").content)
         assert probe_mp4(tmp_path / "ok.mp4").num_frames == 124
