@@ -119,9 +119,13 @@ def test_callback_reports_every_stage_and_step(ours):
     events = []
     ours("x", num_inference_steps=5, seed=0, image=first, last_image=last,
          callback=lambda stage, step, total: events.append((stage, step, total)))
-    assert [e for e in events if e[0] == "denoise"] == [("denoise", i, 4) for i in range(1, 5)]
-    assert [e[0] for e in events if e[0] != "denoise"] == [
-        "encode_text", "encode_conditions", "encode_conditions", "decode_video", "decode_audio"]
+    # Each stage reports its start (step 0, repeated at its cancellation points inside) and each unit of work done.
+    assert [e for e in events if e[0] == "denoise"] == [("denoise", i, 4) for i in range(0, 5)]
+    done = [e for e in events if e[1] > 0 and e[0] != "denoise"]
+    assert done == [("encode_text", 1, 1), *[("encode_conditions", 1, 2)] * 8, ("encode_conditions", 2, 2),
+                    ("decode_video", 1, 1), ("decode_audio", 1, 1)]
+    stages = [stage for index, (stage, _, _) in enumerate(events) if index == 0 or events[index - 1][0] != stage]
+    assert stages == ["encode_text", "encode_conditions", "denoise", "decode_video", "decode_audio"]
 
 
 @pytest.mark.parametrize("kwargs,field", [

@@ -10,6 +10,7 @@ import av
 import pytest
 import torch
 from PIL import Image
+from server_harness import wait_loaded
 
 from h3gen.cli import _progress_bar
 from h3gen.pipelines.h3.tiny_checkpoint import tiny_checkpoint
@@ -25,7 +26,7 @@ def manager(tmp_path_factory):
     instance = JobManager(H3Engine(tiny_checkpoint(cache_dir=tmp_path_factory.mktemp("cache")), device="cpu"),
                           tmp_path_factory.mktemp("jobs") / "results", max_queue=8)
     instance.start()
-    assert instance.engine.wait_loaded(300) and instance.engine.ready
+    assert wait_loaded(instance.engine, 300) and instance.engine.ready
     yield instance
     instance.stop()
 

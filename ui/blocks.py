@@ -78,15 +78,15 @@ def _problem(message: str) -> str:
     return f"⚠ {message}"
 
 
-def build_ui(manager) -> gr.Blocks:
-    """The Blocks app: prompt, task, keyframes or references, aspect, seconds, seed (with randomize), steps, a
-    progress bar fed by the job's progress, the result as a playable video with audio, and a history of results.
-    Every problem is one message in Status; nothing is raised to Gradio (which would mark every output an error)."""
+class _Actions:
+    """What the UI's buttons do, on the job manager; each answers with the outputs its event updates. Every problem
+    is one message in Status; nothing is raised to Gradio (which would mark every output an error)."""
 
-    has_planner = getattr(manager.engine, "planner", None) is not None
-    upload_folder = Path(get_upload_folder())
+    def __init__(self, manager):
+        self.manager = manager
+        self.upload_folder = Path(get_upload_folder())
 
-    def generate(prompt, task, image, last_image, references, aspect, seconds, steps, seed, randomize, plan):
+    def generate(self, prompt, task, image, last_image, references, aspect, seconds, steps, seed, randomize, plan):
         idle = (gr.update(),) * 5  # video, job, seed, history, planned prompt stay as they are
 
         def problem(message):
@@ -100,11 +100,11 @@ def build_ui(manager) -> gr.Blocks:
         except ValidationError as error:
             yield problem(_validation_message(error))
             return
-        staging = manager.staging_dir()
+        staging = self.manager.staging_dir()
         try:
-            uploads = stage_uploads(image, last_image, references, staging, upload_folder)
-            normalized = manager.engine.validate(request, uploads)
-            job = manager.submit(normalized, uploads)
+            uploads = stage_uploads(image, last_image, references, staging, self.upload_folder)
+            normalized = self.manager.engine.validate(request, uploads)
+            job = self.manager.submit(normalized, uploads)
         except RequestError as error:
             message = str(error).replace(f"{staging}/", "")  # name the field's file, never a server folder
             yield problem(message if not error.field or message.startswith(error.field) else
@@ -119,7 +119,7 @@ def build_ui(manager) -> gr.Blocks:
         job_id = job["id"]
         seed_used = normalized["seed"]
         while True:
-            view = manager.get(job_id)
+            view = self.manager.get(job_id)
             if view is None:
                 yield problem(f"Job {job_id[:8]} was deleted.")
                 return
@@ -135,34 +135,43 @@ def build_ui(manager) -> gr.Blocks:
         if view["status"] != "succeeded":
             message = (f"Job {job_id[:8]}: cancelled." if view["status"] == "cancelled" else
                        f"Job {job_id[:8]} failed: {view['error']}")
-            yield (message, progress_html(0, view["status"]), gr.update(), job_id, seed_used, _history(manager),
+            yield (message, progress_html(0, view["status"]), gr.update(), job_id, seed_used, _history(self.manager),
                    planned_prompt)
             return
         total = sum(view["timings"].values())
         yield (f"Job {job_id[:8]}: done in {total:.1f} s — {view['request']['width']}x{view['request']['height']}, "
                f"{view['request']['num_frames']} frames, seed {seed_used}", progress_html(100, "done"),
-               video_html(job_id), job_id, seed_used, _history(manager), planned_prompt)
+               video_html(job_id), job_id, seed_used, _history(self.manager), planned_prompt)
 
-    def cancel(job_id):
+    def cancel(self, job_id):
         if not job_id:
             return "Nothing to cancel.", gr.update(), gr.update()
-        view = manager.cancel(job_id)
+        view = self.manager.cancel(job_id)
         if view is None:
-            return f"Job {job_id[:8]} is gone.", "", _history(manager)
+            return f"Job {job_id[:8]} is gone.", "", _history(self.manager)
         if view.get("deleted"):
-            return f"Job {job_id[:8]}: deleted, with its video.", "", _history(manager)
-        return f"Job {job_id[:8]}: {view['status']}.", gr.update(), _history(manager)
+            return f"Job {job_id[:8]}: deleted, with its video.", "", _history(self.manager)
+        return f"Job {job_id[:8]}: {view['status']}.", gr.update(), _history(self.manager)
 
-    def show(event: gr.SelectData):
+    def show(self, event: gr.SelectData):
         short = str(event.row_value[0]) if event.row_value else ""
-        jobs, _ = manager.list(limit=20)
+        jobs, _ = self.manager.list(limit=20)
         job = next((job for job in jobs if short and job["id"].startswith(short)), None)
         if job is None:
             return "", f"Job {short} is gone.", None
-        path = manager.result_path(job["id"])
+        path = self.manager.result_path(job["id"])
         if job["status"] != "succeeded" or path is None or not path.exists():
             return "", f"Job {short}: {job['status']}, no video to play.", job["id"]
         return video_html(job["id"]), f"Job {short}: playing its video.", job["id"]
+
+
+def build_ui(manager) -> gr.Blocks:
+    """The Blocks app: prompt, task, keyframes or references, aspect, seconds, seed (with randomize), steps, a
+    progress bar fed by the job's progress, the result as a playable video with audio, and a history of results
+    (what the buttons do: `_Actions`)."""
+
+    has_planner = getattr(manager.engine, "planner", None) is not None
+    actions = _Actions(manager)
 
     with gr.Blocks(title="h3gen — MiniMax-H3", analytics_enabled=False, delete_cache=UPLOAD_CACHE) as demo:
         gr.Markdown("## h3gen — MiniMax-H3 video + stereo audio\nDescribe a clip; optionally give the first and/or "
@@ -204,10 +213,10 @@ def build_ui(manager) -> gr.Blocks:
                 history = gr.Dataframe(headers=HISTORY_COLUMNS, value=lambda: _history(manager), interactive=False,
                                        column_widths=HISTORY_WIDTHS, wrap=True,
                                        label="History (click a row to play it)", elem_id="history")
-        run.click(generate,
+        run.click(actions.generate,
                   [prompt, task, image, last_image, references, aspect, seconds, steps, seed, randomize, plan],
                   [status, progress, video, job_state, seed, history, planned], concurrency_limit=None,
                   show_progress="hidden")
-        stop.click(cancel, [job_state], [status, video, history], show_progress="hidden")
-        history.select(show, None, [video, status, job_state], show_progress="hidden")
+        stop.click(actions.cancel, [job_state], [status, video, history], show_progress="hidden")
+        history.select(actions.show, None, [video, status, job_state], show_progress="hidden")
     return demo

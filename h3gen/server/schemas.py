@@ -16,8 +16,8 @@ IMAGE_FIELDS = ("image", "last_image")
 # ref2va uploads, each repeatable; the order of the parts is the order of the references.
 REFERENCE_FIELDS = ("ref_image", "ref_video", "ref_audio")
 # The kind of content each upload field takes (what its bytes must decode as).
-UPLOAD_KINDS = {"image": "image", "last_image": "image", "input_reference": "image", "ref_image": "image", "ref_video": "video",
-                "ref_audio": "audio"}
+UPLOAD_KINDS = {"image": "image", "last_image": "image", "input_reference": "image", "ref_image": "image",
+                "ref_video": "video", "ref_audio": "audio"}
 ASPECT_RATIO = r"^[0-9]{1,4}(\.[0-9]{1,3})?:[0-9]{1,4}(\.[0-9]{1,3})?$"
 
 

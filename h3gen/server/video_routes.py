@@ -99,7 +99,8 @@ def add_video_routes(app: FastAPI, server) -> None:
         try:
             data = await body_fields(request, server.max_upload_bytes * MAX_FILES + MAX_JSON_BYTES,
                                      max_files=MAX_FILES, max_fields=len(_MULTIPART_FIELDS) + 4, on_file=save,
-                                     file_fields=_FILE_FIELDS, text_limit=server.max_upload_bytes * 4 // 3 + MAX_JSON_BYTES)
+                                     file_fields=_FILE_FIELDS,
+                                     text_limit=server.max_upload_bytes * 4 // 3 + MAX_JSON_BYTES)
             if isinstance(data, JSONResponse):
                 return data
             generation = validated(GenerationRequest, data)

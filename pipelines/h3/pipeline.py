@@ -376,6 +376,67 @@ class H3Pipeline:
 
     # ------------------------------------------------------------------ call
 
+    def _planned_prompt(self, prompt: str, fields: dict, max_tokens: int | None, report: ProgressCallback) -> str:
+        """The planner's rewrite of `prompt` (the request is validated first, so a bad one fails before planning;
+        the first keyframe goes along when the planner reads images)."""
+        if self.planner is None:
+            raise RequestError("plan=True needs a pipeline built with a planner (H3Pipeline(..., planner=...)).",
+                               "plan")
+        self.validate(prompt, **fields)
+        keyframe = fields["image"] if getattr(self.planner, "accepts_images", False) else None
+        report("plan", 0, 1)
+        planned = self.planner.plan(prompt, image=keyframe, max_tokens=max_tokens, seed=fields["seed"]).planned
+        report("plan", 1, 1)
+        return planned
+
+    def _encode_text(self, request: H3Request, report: ProgressCallback) -> TextConditioning:
+        """Stage `encode_text`: the prompt (with keyframes or references) through Qwen3-VL, on this device."""
+        report("encode_text", 0, 1)
+        layers = self.text_encoder.model.model.language_model.layers
+        with self._stage(self.text_encoder.model), _checkpoints(layers, lambda: report("encode_text", 0, 1)):
+            text = self.text_encoder.encode(request.prompt, request.keyframes, request.references)
+        text = TextConditioning(text.embeds.to(self.device), text.token_tags)
+        report("encode_text", 1, 1)
+        return text
+
+    def _initial_rows(self, request: H3Request, noise, report: ProgressCallback):
+        """Stage `encode_conditions`: the packed video rows `[conditions | noise]` and audio rows `[conditions |
+        noise]` the denoising loop starts from, and ref2va's reference blocks (None otherwise)."""
+        blocks, audio_condition = None, None
+        if request.references:
+            condition_rows, audio_condition, blocks = self._reference_rows(request, noise, report)
+        else:
+            with self._stage(self.vae) if request.keyframes else nullcontext():
+                condition_rows = self._condition_rows(request, noise, report)
+        video_rows = patchify_video(noise.video, self.config.patch_size)
+        if condition_rows is not None:
+            video_rows = torch.cat([condition_rows, video_rows])
+        audio_rows = noise.audio_rows.clone()
+        if audio_condition is not None:
+            audio_rows = torch.cat([audio_condition, audio_rows])
+        return video_rows, audio_rows, blocks
+
+    def _decode(self, video_latents: torch.Tensor, audio_latents: torch.Tensor, decode: bool,
+                report: ProgressCallback, lap) -> tuple:
+        """Stages `decode_video` and `decode_audio`: (frames `(F, H, W, 3)` float32 in [0, 1], stereo `(2, S)`
+        float32), or (None, None) without `decode` (the stages are still reported)."""
+        video = audio = None
+        report("decode_video", 0, 1)
+        if decode:
+            with self._stage(self.vae), _checkpoints(video_decoder_units(self.vae),
+                                                     lambda: report("decode_video", 0, 1)):
+                video = decode_video(self.vae, video_latents)
+        report("decode_video", 1, 1)
+        lap("decode_video")
+        report("decode_audio", 0, 1)
+        if decode:
+            with self._stage(self.audio_vae), _checkpoints(audio_decoder_units(self.audio_vae),
+                                                           lambda: report("decode_audio", 0, 1)):
+                audio = decode_audio(self.audio_vae, audio_latents)
+        report("decode_audio", 1, 1)
+        lap("decode_audio")
+        return video, audio
+
     def __call__(self, prompt: str, *, image=None, last_image=None, references: list | None = None,
                  aspect_ratio: str | None = None,
                  seconds: float | None = None, num_frames: int | None = None, height: int | None = None,
@@ -414,27 +475,14 @@ class H3Pipeline:
             `H3Output`.
         """
         report = callback or (lambda stage, step, total: None)
-        planned = None
-        if plan:
-            if self.planner is None:
-                raise RequestError("plan=True needs a pipeline built with a planner (H3Pipeline(..., planner=...)).",
-                                   "plan")
-            self.validate(prompt, image=image, last_image=last_image, references=references,
-                          aspect_ratio=aspect_ratio, seconds=seconds, num_frames=num_frames, height=height,
-                          width=width, num_inference_steps=num_inference_steps, seed=seed, generator=generator,
-                          latents=latents, audio_latents=audio_latents)  # a bad request fails before planning
-            keyframe = image if getattr(self.planner, "accepts_images", False) else None
-            report("plan", 0, 1)
-            planned = self.planner.plan(prompt, image=keyframe, max_tokens=plan_max_tokens, seed=seed).planned
-            prompt = planned
-            report("plan", 1, 1)
+        fields = dict(image=image, last_image=last_image, references=references, aspect_ratio=aspect_ratio,
+                      seconds=seconds, num_frames=num_frames, height=height, width=width,
+                      num_inference_steps=num_inference_steps, seed=seed, generator=generator, latents=latents,
+                      audio_latents=audio_latents)
+        planned = self._planned_prompt(prompt, fields, plan_max_tokens, report) if plan else None
         if references is not None:
             self._transformer_for("ref2va")  # before decoding any media
-        request = self.validate(prompt, image=image, last_image=last_image, references=references,
-                                aspect_ratio=aspect_ratio,
-                                seconds=seconds, num_frames=num_frames, height=height, width=width,
-                                num_inference_steps=num_inference_steps, seed=seed, generator=generator,
-                                latents=latents, audio_latents=audio_latents)
+        request = self.validate(planned or prompt, **fields)
         self._transformer_for(request.task)
         tier = self._tier(quality)
         timings = {}
@@ -446,44 +494,14 @@ class H3Pipeline:
             timings[stage] = now - started
             started = now
 
-        report("encode_text", 0, 1)
-        layers = self.text_encoder.model.model.language_model.layers
-        with self._stage(self.text_encoder.model), _checkpoints(layers, lambda: report("encode_text", 0, 1)):
-            text = self.text_encoder.encode(request.prompt, request.keyframes, request.references)
-        text = TextConditioning(text.embeds.to(self.device), text.token_tags)
-        report("encode_text", 1, 1)
+        text = self._encode_text(request, report)
         lap("encode_text")
         noise = self.draw_noise(request)
-        blocks, audio_condition = None, None
-        if request.references:
-            condition_rows, audio_condition, blocks = self._reference_rows(request, noise, report)
-        else:
-            with self._stage(self.vae) if request.keyframes else nullcontext():
-                condition_rows = self._condition_rows(request, noise, report)
+        video_rows, audio_rows, blocks = self._initial_rows(request, noise, report)
         lap("encode_conditions")
-        video_rows = patchify_video(noise.video, self.config.patch_size)
-        if condition_rows is not None:
-            video_rows = torch.cat([condition_rows, video_rows])
-        audio_rows = noise.audio_rows.clone()
-        if audio_condition is not None:
-            audio_rows = torch.cat([audio_condition, audio_rows])
         video_latents, audio_latents = self._denoise(request, text, video_rows, audio_rows, report, tier, blocks)
         lap("denoise")
-        report("decode_video", 0, 1)
-        video = audio = None
-        if decode:
-            with self._stage(self.vae), _checkpoints(video_decoder_units(self.vae),
-                                                     lambda: report("decode_video", 0, 1)):
-                video = decode_video(self.vae, video_latents)
-        report("decode_video", 1, 1)
-        lap("decode_video")
-        report("decode_audio", 0, 1)
-        if decode:
-            with self._stage(self.audio_vae), _checkpoints(audio_decoder_units(self.audio_vae),
-                                                           lambda: report("decode_audio", 0, 1)):
-                audio = decode_audio(self.audio_vae, audio_latents)
-        report("decode_audio", 1, 1)
-        lap("decode_audio")
+        video, audio = self._decode(video_latents, audio_latents, decode, report, lap)
         return H3Output(video=video, audio=audio, fps=geometry.FPS,
                         sample_rate=int(self.audio_vae.config.sampling_rate), seed=request.seed, timings=timings,
                         planned_prompt=planned)
