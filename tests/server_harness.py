@@ -107,3 +107,13 @@ def wait_loaded(engine, timeout: float) -> bool:
             return False
         time.sleep(0.05)
     return True
+
+
+def done_running_queued(http: httpx.Client, fast: dict, long: dict) -> tuple[str, str, str]:
+    """Three jobs on a server: one finished, one running (long), one queued behind it; their ids."""
+    done = http.post("/v1/videos", json={"prompt": "kept", **fast}).json()["id"]
+    wait_for(http, done)
+    running = http.post("/v1/videos", json={"prompt": "interrupted", **long}).json()["id"]
+    queued = http.post("/v1/videos", json={"prompt": "requeued", **fast}).json()["id"]
+    wait_for(http, running, statuses=("in_progress",))
+    return done, running, queued

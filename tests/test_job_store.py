@@ -11,7 +11,7 @@ import time
 
 import numpy as np
 import pytest
-from server_harness import Server, cancelled, wait_for
+from server_harness import Server, cancelled, done_running_queued, wait_for
 
 from h3gen.media import write_mp4
 from h3gen.pipelines.h3.tiny_checkpoint import tiny_checkpoint
@@ -230,11 +230,7 @@ def test_sigterm_then_a_lost_wal_keeps_every_job(model, tmp_path):
     results = tmp_path / "results"
     first = Server(model, results)
     with first.client() as http:
-        done = http.post("/v1/videos", json={"prompt": "kept", **FAST}).json()["id"]
-        wait_for(http, done)
-        running = http.post("/v1/videos", json={"prompt": "interrupted", **LONG}).json()["id"]
-        queued = http.post("/v1/videos", json={"prompt": "requeued", **FAST}).json()["id"]
-        wait_for(http, running, statuses=("in_progress",))
+        done, running, queued = done_running_queued(http, FAST, LONG)
     first.process.send_signal(signal.SIGTERM)
     first.process.wait(60)
     first.kill()

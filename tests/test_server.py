@@ -4,7 +4,7 @@ import concurrent.futures
 
 import httpx
 import pytest
-from server_harness import Server, cancelled, wait_for
+from server_harness import Server, cancelled, done_running_queued, wait_for
 
 from h3gen.client import H3Client, H3ClientError
 from h3gen.media import probe_mp4
@@ -115,11 +115,7 @@ def test_restart_keeps_finished_jobs_and_reports_the_interrupted_one(model, tmp_
     results = tmp_path / "results"
     first = Server(model, results)
     with first.client() as http:
-        done = http.post("/v1/videos", json={"prompt": "kept", **FAST}).json()["id"]
-        wait_for(http, done)
-        running = http.post("/v1/videos", json={"prompt": "interrupted", **LONG}).json()["id"]
-        queued = http.post("/v1/videos", json={"prompt": "requeued", **FAST}).json()["id"]
-        wait_for(http, running, statuses=("in_progress",))
+        done, running, queued = done_running_queued(http, FAST, LONG)
     first.kill()
     second = Server(model, results)
     try:
