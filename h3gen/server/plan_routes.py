@@ -3,7 +3,6 @@ events while it writes)."""
 
 import asyncio
 import json
-import logging
 import shutil
 import threading
 
@@ -14,11 +13,9 @@ from starlette.datastructures import UploadFile
 
 from h3gen.errors import RequestError
 from h3gen.pipelines.k3.planner import PlannerError
-from h3gen.server.bodies import (MAX_JSON_BYTES, body_fields, disk_full, field_error, insufficient_storage,
-                                 public_text, save_upload, validated)
+from h3gen.server.bodies import (MAX_JSON_BYTES, body_fields, field_error, public_text, save_upload,
+                                 validated)
 from h3gen.server.schemas import PlanRequest, PlanResponse
-
-logger = logging.getLogger(__name__)
 
 
 def _plan_body(result) -> dict:
@@ -82,7 +79,6 @@ async def _plan_events(planner, prompt: str, options: dict, staging):
     return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
 
-
 def add_plan_route(app: FastAPI, server) -> None:
     """Add `POST /v1/prompts/plan` to `app`; `server` is the app's `ServerContext`."""
 
@@ -128,11 +124,6 @@ def add_plan_route(app: FastAPI, server) -> None:
             return field_error(error.field or "body", str(error))
         except PlannerError as error:
             return JSONResponse({"detail": public_text(str(error))}, status_code=424)
-        except OSError as error:
-            if not disk_full(error):
-                raise
-            logger.error("disk full while storing an upload: %s", error)
-            return insufficient_storage()
         finally:
             if staging is not None:
                 shutil.rmtree(staging, ignore_errors=True)

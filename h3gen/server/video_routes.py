@@ -1,9 +1,7 @@
 """The `/v1/videos` routes (OpenAI's video API: create, retrieve, list, content with its variants, remix, delete)
 and `GET /v1/models`. Every answer about a job is its `Video` object (`openai_video.video_object`)."""
 
-import logging
 import shutil
-import sqlite3
 from pathlib import Path
 
 from fastapi import FastAPI, HTTPException, Query, Request
@@ -16,14 +14,13 @@ from h3gen.errors import RequestError
 from h3gen.media import MediaError, mp4_spritesheet, mp4_thumbnail
 from h3gen.pipelines.h3.references import MAX_REFERENCES
 from h3gen.server import openai_video
-from h3gen.server.bodies import (MAX_JSON_BYTES, body_fields, disk_full, field_error, insufficient_storage,
-                                 public_text, public_view, save_upload, validated)
+from h3gen.server.bodies import (MAX_JSON_BYTES, body_fields, field_error, public_text, public_view,
+                                 save_upload, validated)
 from h3gen.server.engine import upload_name
 from h3gen.server.jobs import QueueFull
 from h3gen.server.schemas import (IMAGE_FIELDS, REFERENCE_FIELDS, GenerationRequest, RemixRequest, VideoDeleted,
                                   VideoList, VideoObject, request_body_schema)
 
-logger = logging.getLogger(__name__)
 
 _MULTIPART_FIELDS = tuple(GenerationRequest.model_fields)
 _FILE_FIELDS = IMAGE_FIELDS + REFERENCE_FIELDS + ("input_reference",)
@@ -113,11 +110,6 @@ def add_video_routes(app: FastAPI, server) -> None:
             return field_error(error.field or "body", str(error))
         except QueueFull as error:
             return queue_full(error.retry_after)
-        except (OSError, sqlite3.OperationalError) as error:
-            if not disk_full(error):
-                raise
-            logger.error("disk full while storing a request: %s", error)
-            return insufficient_storage()
         finally:
             if staging is not None:
                 shutil.rmtree(staging, ignore_errors=True)

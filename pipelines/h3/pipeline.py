@@ -420,22 +420,18 @@ class H3Pipeline:
                 report: ProgressCallback, lap) -> tuple:
         """Stages `decode_video` and `decode_audio`: (frames `(F, H, W, 3)` float32 in [0, 1], stereo `(2, S)`
         float32), or (None, None) without `decode` (the stages are still reported)."""
-        video = audio = None
-        report("decode_video", 0, 1)
-        if decode:
-            with self._stage(self.vae), _checkpoints(video_decoder_units(self.vae),
-                                                     lambda: report("decode_video", 0, 1)):
-                video = decode_video(self.vae, video_latents)
-        report("decode_video", 1, 1)
-        lap("decode_video")
-        report("decode_audio", 0, 1)
-        if decode:
-            with self._stage(self.audio_vae), _checkpoints(audio_decoder_units(self.audio_vae),
-                                                           lambda: report("decode_audio", 0, 1)):
-                audio = decode_audio(self.audio_vae, audio_latents)
-        report("decode_audio", 1, 1)
-        lap("decode_audio")
-        return video, audio
+        decoded = []
+        for stage, vae, units, run, latents in (
+                ("decode_video", self.vae, video_decoder_units, decode_video, video_latents),
+                ("decode_audio", self.audio_vae, audio_decoder_units, decode_audio, audio_latents)):
+            report(stage, 0, 1)
+            if decode:
+                with self._stage(vae), _checkpoints(units(vae), lambda stage=stage: report(stage, 0, 1)):
+                    latents = run(vae, latents)
+            decoded.append(latents if decode else None)
+            report(stage, 1, 1)
+            lap(stage)
+        return tuple(decoded)
 
     def __call__(self, prompt: str, *, image=None, last_image=None, references: list | None = None,
                  aspect_ratio: str | None = None,
