@@ -3,6 +3,7 @@
 import os
 import shutil
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,20 @@ CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 OFFLINE_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
                  "--disable-component-update", "--disable-sync", "--no-first-run", "--disable-quic"]
 ARTIFACTS = Path(__file__).resolve().parents[1] / "artifacts"
+
+
+@contextmanager
+def ui_page(server, height: int = 1000):
+    """A headless Chromium page on the server's UI, loaded and ready for input."""
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=CHROMIUM, headless=True, args=OFFLINE_FLAGS)
+        page = browser.new_page(viewport={"width": 1400, "height": height})
+        page.goto(f"{server.url}/ui/", wait_until="load")
+        page.wait_for_selector("#prompt textarea", timeout=30000)
+        yield page
+        browser.close()
 
 if not Path(CHROMIUM).exists():
     # CI installs Chromium (.ci/run); there a missing browser is a failure, not a skip.
@@ -85,15 +100,10 @@ def test_type_prompt_generate_see_progress_and_play_video(server):
 def test_ref2va_with_uploaded_references(server, tmp_path):
     from media_files import tone, write_audio
     from PIL import Image
-    from playwright.sync_api import sync_playwright
 
     Image.new("RGB", (60, 90), (30, 90, 200)).save(tmp_path / "person.png")
     write_audio(tmp_path / "voice.m4a", tone(6.1, 48000), 48000)
-    with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=CHROMIUM, headless=True, args=OFFLINE_FLAGS)
-        page = browser.new_page(viewport={"width": 1400, "height": 1200})
-        page.goto(f"{server.url}/ui/", wait_until="load")
-        page.wait_for_selector("#prompt textarea", timeout=30000)
+    with ui_page(server, height=1200) as page:
         page.fill("#prompt textarea", "<Picture 1> says hello with <Audio 1>")
         page.locator("#task").get_by_text("ref2va").click()
         with page.expect_file_chooser() as chooser:  # as a person does it: click the drop zone, pick two files
@@ -113,7 +123,6 @@ def test_ref2va_with_uploaded_references(server, tmp_path):
         final = page.input_value("#status textarea")
         ARTIFACTS.mkdir(exist_ok=True)
         page.screenshot(path=str(ARTIFACTS / "ui-ref2va.png"), full_page=True)
-        browser.close()
     assert "done" in final and "124 frames" in final, final  # the UI's seconds slider (5 s) sets the length
 
 
@@ -124,13 +133,7 @@ def visible_error_badges(page) -> list[str]:
 
 
 def test_empty_prompt_is_one_message_in_status(server):
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=CHROMIUM, headless=True, args=OFFLINE_FLAGS)
-        page = browser.new_page(viewport={"width": 1400, "height": 1000})
-        page.goto(f"{server.url}/ui/", wait_until="load")
-        page.wait_for_selector("#prompt textarea", timeout=30000)
+    with ui_page(server) as page:
         page.click("#generate-btn")
         page.wait_for_function("() => document.querySelector('#status textarea').value.includes('prompt')",
                                timeout=30000)
@@ -139,19 +142,12 @@ def test_empty_prompt_is_one_message_in_status(server):
         badges = visible_error_badges(page)
         ARTIFACTS.mkdir(exist_ok=True)
         page.screenshot(path=str(ARTIFACTS / "ui-empty-prompt.png"), full_page=True)
-        browser.close()
     assert "Write a prompt first" in status and "4000 characters" in status, status
     assert badges == []
 
 
 def test_cancel_running_then_delete_finished(server):
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=CHROMIUM, headless=True, args=OFFLINE_FLAGS)
-        page = browser.new_page(viewport={"width": 1400, "height": 1000})
-        page.goto(f"{server.url}/ui/", wait_until="load")
-        page.wait_for_selector("#prompt textarea", timeout=30000)
+    with ui_page(server) as page:
         page.fill("#prompt textarea", "a long walk on the beach")
         page.fill("#steps input[type=number]", "100")
         page.press("#steps input[type=number]", "Enter")
@@ -177,7 +173,6 @@ def test_cancel_running_then_delete_finished(server):
         page.wait_for_function("() => document.querySelector('#status textarea').value.includes('deleted')",
                                timeout=30000)
         after = page.request.get(f"{server.url}/ui/{src}").status
-        browser.close()
     with server.client() as rest:
         jobs = rest.get("/v1/videos").json()["data"]
     cancelled = next(job for job in jobs if job["request"]["prompt"] == "a long walk on the beach")

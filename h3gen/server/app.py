@@ -23,7 +23,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from h3gen.errors import RequestError
 from h3gen.server import openai_video
 from h3gen.server.bodies import disk_full, field_error, insufficient_storage, invalid, public_text
-from h3gen.server.jobs import JobManager
+from h3gen.server.jobs import JobManager, QueueFull
 from h3gen.server.middleware import LoginThrottle, SecurityHeaders, client_of
 from h3gen.server.plan_routes import add_plan_route
 from h3gen.server.schemas import Health
@@ -75,6 +75,12 @@ async def _request_error(request: Request, error: RequestError):
     return field_error(error.field or "body", str(error))
 
 
+async def _queue_full(request: Request, error: QueueFull):
+    message = f"{error} (the queue holds as many jobs as the server takes)"
+    return JSONResponse({"detail": message, "error": openai_video.error_body(message, kind="rate_limit_error")},
+                        status_code=429, headers={"Retry-After": str(error.retry_after)})
+
+
 def _add_error_handlers(app: FastAPI) -> None:
     """Every failure answers in one shape (FastAPI's `detail`, OpenAI's `error`), never with a traceback; storage
     errors are answered here rather than by the catch-all, so that the connection stays open."""
@@ -84,6 +90,7 @@ def _add_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(OSError, _storage_error)
     app.add_exception_handler(sqlite3.OperationalError, _storage_error)
     app.add_exception_handler(RequestError, _request_error)
+    app.add_exception_handler(QueueFull, _queue_full)
 
 
 def _add_service_routes(app: FastAPI, server: ServerContext, key_state, model_name: str) -> None:

@@ -10,7 +10,6 @@ from fastapi.encoders import jsonable_encoder
 from fastapi.responses import FileResponse, JSONResponse, Response
 from starlette.datastructures import UploadFile
 
-from h3gen.errors import RequestError
 from h3gen.media import MediaError, mp4_spritesheet, mp4_thumbnail
 from h3gen.pipelines.h3.references import MAX_REFERENCES
 from h3gen.server import openai_video
@@ -34,11 +33,6 @@ def add_video_routes(app: FastAPI, server) -> None:
     def as_video(view: dict) -> dict:
         return openai_video.video_object(public_view(view), model=server.model_id,
                                          retention_seconds=manager.retention_seconds)
-
-    def queue_full(retry_after: int) -> JSONResponse:
-        message = f"the queue is full ({manager.max_queue} jobs waiting); try again later"
-        return JSONResponse({"detail": message, "error": openai_video.error_body(message, kind="rate_limit_error")},
-                            status_code=429, headers={"Retry-After": str(retry_after)})
 
     def job_or_404(job_id: str) -> dict:
         job = manager.get(job_id) if server.job_id_pattern.match(job_id) else None
@@ -69,7 +63,7 @@ def add_video_routes(app: FastAPI, server) -> None:
         `ref_video` / `ref_audio` files (ref2va), each repeatable: the order of the parts is the order of the
         references. A full queue is answered (429) before any upload is read."""
         if manager.queue_depth() >= manager.max_queue:
-            return queue_full(manager.retry_after())
+            raise QueueFull(manager.retry_after())
         staging = None
         uploads: dict[str, Path] = {}
         references = 0
@@ -106,11 +100,7 @@ def add_video_routes(app: FastAPI, server) -> None:
             video = await run_in_threadpool(submit, generation, uploads, staging_dir)
             staging = None if uploads else staging
             return JSONResponse(video, status_code=202)
-        except RequestError as error:
-            return field_error(error.field or "body", str(error))
-        except QueueFull as error:
-            return queue_full(error.retry_after)
-        finally:
+        finally:  # a RequestError or QueueFull is answered by the app's handlers (422, 429)
             if staging is not None:
                 shutil.rmtree(staging, ignore_errors=True)
 
@@ -137,11 +127,7 @@ def add_video_routes(app: FastAPI, server) -> None:
             generation = GenerationRequest.model_validate(settings | {"prompt": remix.prompt})
             video = submit(generation, uploads, lambda: staging, {"remixed_from_video_id": job_id})
             return JSONResponse(video, status_code=202)
-        except RequestError as error:
-            return field_error(error.field or "body", str(error))
-        except QueueFull as error:
-            return queue_full(error.retry_after)
-        finally:
+        finally:  # a RequestError or QueueFull is answered by the app's handlers (422, 429)
             shutil.rmtree(staging, ignore_errors=True)
 
     @app.get("/v1/videos", response_model=VideoList, dependencies=server.auth)
