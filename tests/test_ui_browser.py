@@ -84,7 +84,7 @@ def test_type_prompt_generate_see_progress_and_play_video(server):
         browser.close()
 
     assert "random weights" in demo_note and "noise" in demo_note  # the person knows the demo model serves
-    assert any("%" in status and "running" in status for status in statuses), statuses  # progress was shown
+    assert any("%" in status and "in_progress" in status for status in statuses), statuses  # progress was shown
     assert any(0 < value < 100 for value in bars) and max(bars) == 100, bars  # and as a bar
     assert fits  # the history's columns fit the page
     assert "5.2" in history  # its seconds column shows the clip's length (124 frames at 24 fps)
@@ -92,7 +92,7 @@ def test_type_prompt_generate_see_progress_and_play_video(server):
     assert "done" in final and "124 frames" in final
     assert abs(video["duration"] - 124 / 24) < 0.1 and (video["width"], video["height"]) == (128, 64)
     assert video["playable"] in ("probably", "maybe")
-    assert "succeeded" in history
+    assert "completed" in history
     outside = [url for url in requests if not url.startswith(("http://127.0.0.1", "data:", "blob:"))]
     assert outside == []  # nothing reaches the internet
 
@@ -152,7 +152,7 @@ def test_cancel_running_then_delete_finished(server):
         page.fill("#steps input[type=number]", "100")
         page.press("#steps input[type=number]", "Enter")
         page.click("#generate-btn")
-        page.wait_for_function("() => document.querySelector('#status textarea').value.includes('running')",
+        page.wait_for_function("() => document.querySelector('#status textarea').value.includes('in_progress')",
                                timeout=60000)
         page.click("#cancel-btn")
         page.wait_for_function("() => document.querySelector('#status textarea').value.includes('cancelled')",

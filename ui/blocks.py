@@ -14,6 +14,7 @@ from h3gen.errors import RequestError
 from h3gen.options import TASKS
 from h3gen.pipelines.h3.tiny_checkpoint import TRANSFORMER as TINY_TRANSFORMER
 from h3gen.server.jobs import FINISHED, QueueFull
+from h3gen.server.openai_video import OPENAI_STATUS
 from h3gen.server.schemas import MAX_PROMPT_CHARS, GenerationRequest
 from h3gen.ui.uploads import stage_uploads
 
@@ -54,6 +55,12 @@ def serves_demo_model(engine) -> bool:
     return config is not None and all(getattr(config, key, None) == TINY_TRANSFORMER[key] for key in keys)
 
 
+def status_label(status: str) -> str:
+    """A job's status as the API names it (OpenAI's: queued, in_progress, completed, failed), except that a
+    cancelled job says so."""
+    return "cancelled" if status == "cancelled" else OPENAI_STATUS[status]
+
+
 def _history(manager) -> list[list]:
     """The latest jobs as table rows: short id, status, prompt, seconds of video, seed."""
     jobs, _ = manager.list(limit=20)
@@ -61,7 +68,7 @@ def _history(manager) -> list[list]:
     for job in jobs:
         request = job["request"] or {}
         seconds = request.get("duration") or request.get("seconds")
-        rows.append([job["id"][:8], job["status"], (request.get("prompt") or "")[:80],
+        rows.append([job["id"][:8], status_label(job["status"]), (request.get("prompt") or "")[:80],
                      f"{seconds:.1f}" if seconds else "", str(request.get("seed", ""))])
     return rows
 
@@ -123,9 +130,10 @@ class _Actions:
             if view is None:
                 yield problem(f"Job {job_id[:8]} was deleted.")
                 return
-            stage_name = view["stage"] or view["status"]
+            stage_name = view["stage"] or status_label(view["status"])
             where = f", #{view['queue_position']} in queue" if view.get("queue_position") else ""
-            status = f"Job {job_id[:8]}: {view['status']}{where} — {stage_name}, {view['progress']:.0f}%"
+            percent = f"{view['progress']:.0f}%"
+            status = f"Job {job_id[:8]}: {status_label(view['status'])}{where} — {stage_name}, {percent}"
             if view["status"] in FINISHED:
                 break
             yield (status, progress_html(view["progress"], f"{stage_name} {view['progress']:.0f}%"), gr.update(),
@@ -135,8 +143,8 @@ class _Actions:
         if view["status"] != "succeeded":
             message = (f"Job {job_id[:8]}: cancelled." if view["status"] == "cancelled" else
                        f"Job {job_id[:8]} failed: {view['error']}")
-            yield (message, progress_html(0, view["status"]), gr.update(), job_id, seed_used, _history(self.manager),
-                   planned_prompt)
+            yield (message, progress_html(0, status_label(view["status"])), gr.update(), job_id, seed_used,
+                   _history(self.manager), planned_prompt)
             return
         total = sum(view["timings"].values())
         yield (f"Job {job_id[:8]}: done in {total:.1f} s — {view['request']['width']}x{view['request']['height']}, "
@@ -151,7 +159,7 @@ class _Actions:
             return f"Job {job_id[:8]} is gone.", "", _history(self.manager)
         if view.get("deleted"):
             return f"Job {job_id[:8]}: deleted, with its video.", "", _history(self.manager)
-        return f"Job {job_id[:8]}: {view['status']}.", gr.update(), _history(self.manager)
+        return f"Job {job_id[:8]}: {status_label(view['status'])}.", gr.update(), _history(self.manager)
 
     def show(self, event: gr.SelectData):
         short = str(event.row_value[0]) if event.row_value else ""
@@ -161,7 +169,7 @@ class _Actions:
             return "", f"Job {short} is gone.", None
         path = self.manager.result_path(job["id"])
         if job["status"] != "succeeded" or path is None or not path.exists():
-            return "", f"Job {short}: {job['status']}, no video to play.", job["id"]
+            return "", f"Job {short}: {status_label(job['status'])}, no video to play.", job["id"]
         return video_html(job["id"]), f"Job {short}: playing its video.", job["id"]
 
 
