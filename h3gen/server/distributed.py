@@ -105,8 +105,6 @@ def _load(engine) -> None:
     except Exception as error:
         logger.exception("model failed to load")
         engine.load_error = f"{type(error).__name__}: {error}"
-    finally:
-        engine._loaded.set()
 
 
 def follow(model_path, *, parallel, device, dtype, quality=None, offload=None, workflow=None, options=None) -> None:

@@ -2,7 +2,6 @@
 and runs them through one `H3Pipeline` loaded once."""
 
 import logging
-import threading
 from dataclasses import replace
 from pathlib import Path
 from typing import Callable
@@ -75,7 +74,6 @@ class H3Engine:
         self.pipeline = None
         self.planner = planner  # h3gen.pipelines.k3.planner backend for `plan: true` jobs and /v1/prompts/plan
         self.load_error: str | None = None
-        self._loaded = threading.Event()
 
     @property
     def offload(self) -> dict:
@@ -101,8 +99,6 @@ class H3Engine:
         except Exception as error:  # reported on /health and by every job
             logger.exception("model failed to load")
             self.load_error = f"{type(error).__name__}: {error}"
-        finally:
-            self._loaded.set()
 
     def load_workflow(self) -> str:
         """The `from_pretrained` workflow that loads what `self.tasks` need."""

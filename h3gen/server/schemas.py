@@ -11,7 +11,6 @@ from h3gen.options import QUALITY_HELP, QUALITY_TIERS, TASKS, describe
 from h3gen.pipelines.h3.geometry import MAX_SECONDS, MIN_SECONDS
 
 MAX_PROMPT_CHARS = 4000
-JOB_STATUSES = ("queued", "running", "succeeded", "failed", "cancelled")
 IMAGE_FIELDS = ("image", "last_image")
 # ref2va uploads, each repeatable; the order of the parts is the order of the references.
 REFERENCE_FIELDS = ("ref_image", "ref_video", "ref_audio")
