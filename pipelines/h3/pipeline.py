@@ -13,9 +13,11 @@ there, which is how a job is cancelled within a fraction of a second in any stag
 """
 
 import logging
+import shutil
 import time
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Callable
 
 import numpy as np
@@ -23,11 +25,13 @@ import torch
 
 from h3gen.errors import RequestError
 from h3gen.kernels.attention import resolve_backend
-from h3gen.media import write_mp4
+from h3gen.media import MediaInfo, write_mp4
 from h3gen.offload import plan_placement
 from h3gen.options import RunOptions
 from h3gen.pipelines.h3 import geometry
 from h3gen.pipelines.h3.checkpoint import REQUIRED, H3Checkpoint, resolve_workflow
+from h3gen.pipelines.h3.continuation import DEFAULT_MAX_SECONDS
+from h3gen.pipelines.h3.long_video import run_continuation
 from h3gen.pipelines.h3.packing import (ReferenceBlock, build_layout, build_ref2va_layout, patchify_video,
                                         row_timesteps, unpatchify_video)
 from h3gen.pipelines.h3.references import AudioReference, ImageReference, VideoReference
@@ -82,11 +86,21 @@ class H3Output:
     seed: int | None = None
     timings: dict[str, float] = field(default_factory=dict)
     planned_prompt: str | None = None  # the planner's prompt the clip was made from (a call with plan=True)
+    path: str | None = None  # the MP4 a call with `output_path` wrote (a clip over 15 s is only there)
+    media: MediaInfo | None = None  # what that MP4 decoded back as
+    windows: int = 1  # how many windows the clip was made of
 
     def save(self, path, audio_sample_rate: int | None = None, progress: Callable[[int, int], None] | None = None):
         """Write an MP4 (H.264 + AAC stereo at `audio_sample_rate`, default 32000) and verify it decodes back.
         `progress(done, total)` runs per frame written and read back (see `write_mp4`). Returns the decoded file's
-        `MediaInfo`."""
+        `MediaInfo`. A streamed clip (`video` None, `path` set) is copied from the file it was written to."""
+        if self.video is None and self.path is not None:
+            if audio_sample_rate not in (None, self.media.sample_rate):
+                raise RequestError(f"this clip was written at {self.media.sample_rate} Hz; ask for audio_sample_rate "
+                                   "when it is made.", "audio_sample_rate")
+            if Path(path).resolve() != Path(self.path).resolve():
+                shutil.copyfile(self.path, path)
+            return self.media
         return write_mp4(
             path, self.video, self.audio, fps=self.fps, sample_rate=self.sample_rate,
             audio_sample_rate=audio_sample_rate, progress=progress,
@@ -135,6 +149,8 @@ class H3Pipeline:
         self.quality = self.options.quality
         # Optional prompt planner (`h3gen.pipelines.k3.planner`): `plan(prompt, image=...) -> PlannedPrompt`.
         self.planner = planner
+        # Longest clip a call may ask for (over 15 s it is made in windows); a server raises it up to 300 s.
+        self.max_seconds = DEFAULT_MAX_SECONDS
         for model in self._transformers():
             set_quality(model, self.quality, attention=self.options.attention_for(self.quality))
 
@@ -224,6 +240,7 @@ class H3Pipeline:
 
     def validate(self, prompt, **kwargs) -> H3Request:
         """Check a request against this pipeline's checkpoint (see `prepare_request`), before any model work."""
+        kwargs.setdefault("max_seconds", self.max_seconds)
         return prepare_request(self.checkpoint, self.config, prompt, **kwargs)
 
     # ------------------------------------------------------------------ stages
@@ -307,20 +324,20 @@ class H3Pipeline:
 
     @torch.no_grad()
     def _denoise(self, request: H3Request, text, video_rows, audio_rows, report: ProgressCallback, tier: str,
-                 blocks: list[ReferenceBlock] | None = None):
+                 blocks: list[ReferenceBlock] | None = None, layout=None):
         """The loop: one transformer forward per step; video and audio rows step their own schedules; conditioning
-        rows (keyframes, references) are never written."""
+        rows (keyframes, references) are never written. `layout`: a window's own (`long_video.window_layout`)."""
         shape = request.shape
         transformer = self._transformer_for(request.task)
         video_schedule = FlowSchedule.make(request.num_inference_steps, self.video_shift)
         audio_schedule = FlowSchedule.make(request.num_inference_steps, self.audio_shift)
         total = len(video_schedule)
         report("denoise", 0, total)
-        if request.task == "ref2va":
+        if layout is None and request.task == "ref2va":
             layout = build_ref2va_layout(text.token_tags, blocks, shape.num_latent_frames, shape.latent_height,
                                          shape.latent_width, shape.num_audio_latents,
                                          patch_size=self.config.patch_size)
-        else:
+        elif layout is None:
             layout = build_layout(text.token_tags, shape.num_latent_frames, shape.latent_height, shape.latent_width,
                                   shape.num_audio_latents, patch_size=self.config.patch_size,
                                   keyframe_anchors=request.anchors)
@@ -440,7 +457,9 @@ class H3Pipeline:
                  generator: torch.Generator | None = None, latents: torch.Tensor | None = None,
                  audio_latents: torch.Tensor | None = None, callback: ProgressCallback | None = None,
                  quality: str | None = None, decode: bool = True, plan: bool = False,
-                 plan_max_tokens: int | None = None) -> H3Output:
+                 plan_max_tokens: int | None = None, prompts: list[str] | None = None,
+                 window_frames: int | None = None, overlap_frames: int | None = None, output_path=None,
+                 audio_sample_rate: int | None = None) -> H3Output:
         """Generate a clip.
 
         Args:
@@ -453,7 +472,9 @@ class H3Pipeline:
             aspect_ratio: "W:H" in 1:4 .. 4:1; default 16:9 for t2va and ref2va and the first keyframe's ratio for
                 fl2va.
             seconds: 5 to 15 (rounded to a 17n+5 frame count at 24 fps); `num_frames` overrides it. Default 5, or
-                for ref2va the length of the first reference with sound.
+                for ref2va the length of the first reference with sound. Longer, up to `self.max_seconds` (60 by
+                default, at most 300): the clip is made in overlapping windows (`continuation.py`) and streamed to
+                `output_path`; the returned `H3Output` then holds `path` and `media`, not the frames.
             height, width: explicit canvas in pixels, multiples of 32 (both or neither).
             num_inference_steps: sigma grid points as in diffusers (N points = N - 1 transformer forwards).
             seed / generator: noise source; a seed makes a fresh CPU generator. Neither: a random seed.
@@ -467,6 +488,11 @@ class H3Pipeline:
             plan: first rewrite `prompt` with the pipeline's planner (subjects, motion, camera, sound effects,
                 music, dialogue; the first keyframe goes along when the planner reads images); the clip is made
                 from the planned prompt, returned as `planned_prompt`. Off by default. `plan_max_tokens` caps it.
+            prompts: a clip over 15 s: one prompt per window (or one for all) instead of `prompt`.
+            window_frames, overlap_frames: a clip over 15 s: window and overlap lengths on the 17n+5 frame grid
+                (default 277 and 22; window 107 to 345, overlap shorter than the window).
+            output_path: also write the MP4 there (verified; `audio_sample_rate` 32000 or 48000) and return its
+                `path` and `media`; a clip over 15 s is written there window by window and never held whole.
         Returns:
             `H3Output`.
         """
@@ -474,7 +500,8 @@ class H3Pipeline:
         fields = dict(image=image, last_image=last_image, references=references, aspect_ratio=aspect_ratio,
                       seconds=seconds, num_frames=num_frames, height=height, width=width,
                       num_inference_steps=num_inference_steps, seed=seed, generator=generator, latents=latents,
-                      audio_latents=audio_latents)
+                      audio_latents=audio_latents, prompts=prompts, window_frames=window_frames,
+                      overlap_frames=overlap_frames)
         planned = self._planned_prompt(prompt, fields, plan_max_tokens, report) if plan else None
         if references is not None:
             self._transformer_for("ref2va")  # before decoding any media
@@ -490,6 +517,13 @@ class H3Pipeline:
             timings[stage] = now - started
             started = now
 
+        if request.continuation is not None:
+            info, timings = run_continuation(self, request, report=report, tier=tier, decode=decode,
+                                             output_path=output_path, audio_sample_rate=audio_sample_rate)
+            return H3Output(video=None, audio=None, fps=geometry.FPS,
+                            sample_rate=int(self.audio_vae.config.sampling_rate), seed=request.seed, timings=timings,
+                            planned_prompt=planned, path=None if info is None else str(output_path), media=info,
+                            windows=request.continuation.num_windows)
         text = self._encode_text(request, report)
         lap("encode_text")
         noise = self.draw_noise(request)
@@ -498,6 +532,10 @@ class H3Pipeline:
         video_latents, audio_latents = self._denoise(request, text, video_rows, audio_rows, report, tier, blocks)
         lap("denoise")
         video, audio = self._decode(video_latents, audio_latents, decode, report, lap)
-        return H3Output(video=video, audio=audio, fps=geometry.FPS,
-                        sample_rate=int(self.audio_vae.config.sampling_rate), seed=request.seed, timings=timings,
-                        planned_prompt=planned)
+        output = H3Output(video=video, audio=audio, fps=geometry.FPS,
+                          sample_rate=int(self.audio_vae.config.sampling_rate), seed=request.seed, timings=timings,
+                          planned_prompt=planned)
+        if output_path is not None and decode:
+            output.media = output.save(output_path, audio_sample_rate=audio_sample_rate)
+            output.path = str(output_path)
+        return output

@@ -1,0 +1,130 @@
+"""Decoding a latent timeline that arrives in pieces (a long clip, window by window), with memory bounded by a piece.
+
+Video: diffusers' `AutoencoderKLMiniMaxH3._decode` already decodes a clip as independent temporal chunks: chunk `i`
+decodes latents `[5i, 5i + 7)` (five of its own plus the two the next chunk starts with) into 17 frames and a 5-frame
+tail, and the tail is cross-faded into the next chunk's first 5 frames. `VideoDecodeStream` runs the same chunks as
+their latents arrive, so its frames equal one `decode_video` of the whole timeline, bit for bit; it holds at most
+one chunk's latents beyond what it was given last and one 5-frame tail.
+
+Audio: the BigVGAN decoder is convolutional, so a sample depends on latents within a fixed reach. `AudioDecodeStream`
+decodes each new stretch together with `context` latents on both sides and keeps only the stretch itself, so its
+waveform equals one decode of the whole timeline up to float rounding, with no seam where the pieces meet.
+"""
+
+import math
+
+import numpy as np
+import torch
+
+from h3gen.pipelines.h3.vae import PIXEL_MEAN, PIXEL_STD, decode_audio
+
+# Taps of the anti-aliasing filters around each of the decoder's activations (diffusers' MiniMaxH3AudioActivation1d).
+_ACTIVATION_TAPS = 12
+
+
+def audio_decoder_reach(config) -> int:
+    """How many latents on either side of a latent the audio decoder's output for it depends on (an upper bound,
+    from the decoder's kernels, dilations and upsampling rates in `config`), plus a margin of half again."""
+    rates = [int(rate) for rate in config.decoder_rates]
+    kernels = [int(kernel) for kernel in config.decoder_kernel_sizes]
+    widest = max(int(kernel) for kernel in config.resblock_kernel_sizes)
+    dilations = max((tuple(int(d) for d in group) for group in config.resblock_dilation_sizes), key=sum)
+    # One resblock stack at one rate, in output samples: each dilation's conv pair and its two activations.
+    stack = sum((widest - 1) * d // 2 + (widest - 1) // 2 + 2 * _ACTIVATION_TAPS for d in dilations)
+    reach, scale = 3.0 + 1.0, 1  # conv_pre (kernel 7) and the 1x1 input projection, at the latent rate
+    for rate, kernel in zip(rates, kernels):
+        reach += math.ceil(kernel / rate) / scale  # the transposed conv, in its input samples
+        scale *= rate
+        reach += stack / scale
+    reach += (3 + _ACTIVATION_TAPS) / scale  # activation_post and conv_post at the output rate
+    return math.ceil(reach * 1.5)
+
+
+class VideoDecodeStream:
+    """Frames of a latent timeline fed with `push` in order; `finish` returns the last frames. Every call returns
+    `(frames, H, W, 3)` float32 numpy in [0, 1] (possibly zero frames)."""
+
+    def __init__(self, vae):
+        self.vae = vae
+        self.chunk = vae.tokens_chunk_size  # latent frames each chunk owns (5)
+        self.lookahead = vae.token_overlap  # latent frames of the next chunk it also decodes (2)
+        self.frames_per_chunk = vae.tokens_chunk_size * vae.temporal_compression_ratio  # 20 decoded, 17 kept
+        self.pending: torch.Tensor | None = None  # latents not yet decoded as a chunk's own
+        self.tail: torch.Tensor | None = None  # the previous chunk's decoded tail, to cross-fade
+
+    def _pixels(self, decoded: torch.Tensor) -> np.ndarray:
+        device = decoded.device
+        mean = torch.tensor(PIXEL_MEAN, device=device).view(1, -1, 1, 1, 1)
+        std = torch.tensor(PIXEL_STD, device=device).view(1, -1, 1, 1, 1)
+        video = (decoded.float() * std + mean).clamp(0, 1)
+        return video[0].permute(1, 2, 3, 0).cpu().numpy()
+
+    @torch.no_grad()
+    def push(self, latents: torch.Tensor) -> np.ndarray:
+        """Add normalised latents `(1, C, F, h, w)` (the next stretch of the timeline) and decode every chunk whose
+        latents are all in."""
+        vae = self.vae
+        self.pending = latents if self.pending is None else torch.cat([self.pending, latents], dim=2)
+        out = []
+        while self.pending.shape[2] >= self.chunk + self.lookahead:
+            z = self.pending[:, :, : self.chunk + self.lookahead]
+            std = torch.tensor(vae.config.latents_std, device=z.device).view(1, -1, 1, 1, 1)
+            mean = torch.tensor(vae.config.latents_mean, device=z.device).view(1, -1, 1, 1, 1)
+            z = (z * std + mean).to(vae.post_quant_conv.weight.dtype)
+            clip = vae._decode_clip(z)
+            own = clip[:, :, : self.frames_per_chunk][:, :, vae.frame_pre_padding:]
+            if self.tail is not None:
+                own = vae._blend(self.tail, own, vae.frame_overlap, dim=-3)
+            self.tail = clip[:, :, self.frames_per_chunk: 2 * self.frames_per_chunk][:, :, vae.frame_pre_padding:]
+            out.append(self._pixels(own))
+            self.pending = self.pending[:, :, self.chunk:]
+        if not out:
+            return np.zeros((0, 0, 0, 3), dtype=np.float32)
+        return np.concatenate(out)
+
+    def finish(self) -> np.ndarray:
+        """The last chunk's tail (the timeline's final frames). The latents pushed must have been 5n + 2."""
+        if self.pending is None or self.pending.shape[2] != self.lookahead or self.tail is None:
+            raise ValueError("the latents pushed do not make a 5n + 2 timeline.")
+        frames, self.tail, self.pending = self._pixels(self.tail), None, None
+        return frames
+
+
+class AudioDecodeStream:
+    """The stereo waveform of audio latents fed with `push` in order; `finish` returns the rest. Every call returns
+    `(2, samples)` float32 numpy (possibly zero samples); `context` latents on each side make each piece's samples
+    those of one whole decode."""
+
+    def __init__(self, vae, context: int | None = None):
+        self.vae = vae
+        self.context = audio_decoder_reach(vae.config) if context is None else context
+        self.hop = int(np.prod(vae.config.decoder_rates))
+        self.buffer: torch.Tensor | None = None  # normalised latents (2, C, n) from `offset` on
+        self.offset = 0  # timeline index of buffer[..., 0]
+        self.done = 0  # timeline latents whose samples were returned
+
+    def _decode(self, stop: int) -> np.ndarray:
+        """Samples of latents [done, stop), decoded with context on both sides, and drop what is no longer needed."""
+        if stop <= self.done:
+            return np.zeros((2, 0), dtype=np.float32)
+        end = self.offset + self.buffer.shape[-1]
+        lo, hi = max(self.offset, self.done - self.context), min(end, stop + self.context)
+        wave = decode_audio(self.vae, self.buffer[..., lo - self.offset: hi - self.offset])
+        out = wave[:, (self.done - lo) * self.hop: (stop - lo) * self.hop]
+        self.done = stop
+        keep = max(self.offset, self.done - self.context)
+        self.buffer, self.offset = self.buffer[..., keep - self.offset:], keep
+        return np.ascontiguousarray(out)
+
+    @torch.no_grad()
+    def push(self, latents: torch.Tensor) -> np.ndarray:
+        """Add normalised audio latents `(2, C, A)`; return the samples no later latent can change."""
+        self.buffer = latents if self.buffer is None else torch.cat([self.buffer, latents], dim=-1)
+        return self._decode(self.offset + self.buffer.shape[-1] - self.context)
+
+    @torch.no_grad()
+    def finish(self) -> np.ndarray:
+        """The samples of every latent not yet returned."""
+        if self.buffer is None:
+            return np.zeros((2, 0), dtype=np.float32)
+        return self._decode(self.offset + self.buffer.shape[-1])
