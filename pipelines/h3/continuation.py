@@ -118,7 +118,7 @@ def long_frames(seconds, num_frames, max_seconds: float) -> int | None:
     if num_frames is not None:
         if isinstance(num_frames, bool) or not isinstance(num_frames, int) or num_frames <= geometry.MAX_FRAMES:
             return None
-        if num_frames / geometry.FPS > max_seconds:
+        if geometry.align_num_frames(num_frames) > geometry.align_num_frames(int(round(max_seconds * geometry.FPS))):
             raise RequestError(f"num_frames must last at most {max_seconds:g} s at {geometry.FPS} fps, this server's "
                                f"limit (got {num_frames} frames = {num_frames / geometry.FPS:.3g} s).", "num_frames")
         return geometry.align_num_frames(num_frames)
