@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from h3gen.errors import RequestError
-from h3gen.media import probe_mp4, read_audio
+from h3gen.media import probe_mp4
 from h3gen.pipelines.h3 import geometry
 from h3gen.pipelines.h3.continuation import audio_boundary, check_windows, long_frames, plan_windows, window_prompts
 from h3gen.pipelines.h3.packing import build_layout, build_ref2va_layout, ReferenceBlock
@@ -38,18 +38,21 @@ def light_audio_vae(reference):
 def pipe():
     from h3gen.pipelines.h3.pipeline import H3Pipeline
 
-    pipeline = H3Pipeline.from_pretrained(tiny_checkpoint(), device="cpu", torch_dtype=torch.float32)
+    pipeline = H3Pipeline.from_pretrained(tiny_checkpoint(), device="cpu", torch_dtype=torch.float32, workflow="all")
     pipeline.audio_vae = light_audio_vae(pipeline.audio_vae)
     return pipeline
 
 
-def record_windows(pipeline, monkeypatch) -> list:
-    """Every `_denoise` result of `pipeline` from now on: (video latents, audio latents) per window."""
+def record_windows(pipeline, monkeypatch, requests: list | None = None) -> list:
+    """Every `_denoise` result of `pipeline` from now on: (video latents, audio latents) per window; each window's
+    request goes to `requests` when given."""
     calls, original = [], type(pipeline)._denoise
 
-    def denoise(self, *args, **kwargs):
-        result = original(self, *args, **kwargs)
+    def denoise(self, request, *args, **kwargs):
+        result = original(self, request, *args, **kwargs)
         calls.append((result[0].clone(), result[1].clone()))
+        if requests is not None:
+            requests.append(request)
         return result
 
     monkeypatch.setattr(type(pipeline), "_denoise", denoise)
@@ -159,7 +162,11 @@ def test_mp4_stream_writes_pieces_of_any_size(tmp_path):
 
 def _seam_steps(path, windows):
     """(largest sample step within 10 ms of each seam, the clip's 99.9th-percentile step) of the MP4's sound."""
-    sound, rate = read_audio(path)
+    import av
+
+    with av.open(str(path)) as container:
+        rate = container.streams.audio[0].codec_context.sample_rate
+        sound = np.concatenate([frame.to_ndarray() for frame in container.decode(audio=0)], axis=-1)
     steps = np.abs(np.diff(sound, axis=1)).max(axis=0)
     hop = rate // 40
     seams = [audio_boundary(w.start + w.overlap) * hop for w in windows[1:]]
@@ -189,6 +196,30 @@ def test_30s_request_streams_an_mp4_whose_first_window_is_the_plain_request(pipe
 
     near_seams, typical = _seam_steps(out.path, windows)
     assert max(near_seams) <= 1.5 * typical, (near_seams, typical)
+
+
+def test_fl2va_keyframes_hold_the_ends_and_ref2va_references_every_window(pipe, tmp_path, monkeypatch):
+    from PIL import Image
+
+    from h3gen.pipelines.h3.pipeline import ImageReference
+
+    first, last = tmp_path / "first.png", tmp_path / "last.png"
+    Image.new("RGB", (64, 64), (200, 10, 10)).save(first)
+    Image.new("RGB", (64, 64), (10, 10, 200)).save(last)
+    requests = []
+    calls = record_windows(pipe, monkeypatch, requests)
+    pipe("a cat", image=first, last_image=last, seconds=25, seed=2, decode=False, prompts=["one", "two", "three"],
+         **CANVAS)
+    assert [r.anchors for r in requests] == [("first",), (), ("last",)]
+    assert [r.prompt for r in requests] == ["one", "two", "three"]
+    long_first = calls[0]
+    calls.clear()
+    pipe("one", image=first, num_frames=277, seed=2, decode=False, **CANVAS)  # window 0 = the plain fl2va request
+    assert torch.equal(long_first[0], calls[0][0]) and torch.equal(long_first[1], calls[0][1])
+
+    requests.clear()
+    pipe("a cat", references=[ImageReference(first)], seconds=16, seed=2, decode=False, **CANVAS)
+    assert len(requests) == 2 and all(r.task == "ref2va" and len(r.references) == 1 for r in requests)
 
 
 MEMORY_SCRIPT = textwrap.dedent("""
@@ -223,6 +254,7 @@ def test_60s_request_peaks_like_a_15s_one_and_lasts_a_minute(tmp_path):
         found[seconds] = json.loads(done.stdout.strip().splitlines()[-1])
     assert 60.0 <= found[60]["seconds"] <= 60.0 + 17 / 24
     assert abs(found[60]["audio"] - found[60]["seconds"]) <= 1 / 24
+    print(found)
     assert found[60]["peak"] <= 1.2 * found[15]["peak"], found
     near_seams, typical = _seam_steps(tmp_path / "60.mp4", plan_windows(1450, 277, 22))
     assert max(near_seams) <= 1.5 * typical, (near_seams, typical)
@@ -252,3 +284,62 @@ def test_max_seconds_can_be_raised_to_300(pipe):
         check_max_seconds(301)
     request = pipe.validate("a cat", seconds=61, max_seconds=120, seed=1, **CANVAS)
     assert request.continuation.num_windows == 6 and request.shape.num_frames % 17 == 5
+
+
+# ---------------------------------------------------------------------------------------------- parallel
+
+
+def _parallel_worker(rank, world, init_file, model_dir, result_dir):
+    import datetime
+    import os
+
+    import torch.distributed as dist
+
+    from h3gen.parallel import init_parallel
+    from h3gen.pipelines.h3.pipeline import H3Pipeline
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=300))
+    try:
+        runs = []
+        for tp, sp in ((1, world), (world, 1)):  # the tiny model has 2 heads: Ulysses 2, then TP 2
+            state = init_parallel(tp, sp, 2)
+            pipe = H3Pipeline.from_pretrained(model_dir, device="cpu", torch_dtype=torch.float32, parallel=state)
+            windows = []
+            original = H3Pipeline._denoise
+
+            def denoise(self, *args, **kwargs):
+                result = original(self, *args, **kwargs)
+                windows.append((result[0].clone(), result[1].clone()))
+                return result
+
+            H3Pipeline._denoise = denoise
+            try:
+                pipe("a cat on a piano", seconds=16, seed=4, decode=False, **CANVAS)
+            finally:
+                H3Pipeline._denoise = original
+            runs.append({"tp": tp, "sp": sp, "windows": windows})
+        torch.save(runs, os.path.join(result_dir, f"{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_long_request_under_tp2_and_ulysses2_equals_one_process(tmp_path, monkeypatch):
+    import torch.multiprocessing as mp
+
+    from h3gen.pipelines.h3.pipeline import H3Pipeline
+
+    model_dir = tiny_checkpoint(cache_dir=tmp_path / "cache")
+    single = H3Pipeline.from_pretrained(model_dir, device="cpu", torch_dtype=torch.float32)
+    calls = record_windows(single, monkeypatch)
+    single("a cat on a piano", seconds=16, seed=4, decode=False, **CANVAS)
+    assert len(calls) == 2  # 16 s = 396 frames: windows [0, 277) and [255, 396)
+    mp.spawn(_parallel_worker, args=(2, str(tmp_path / "init"), str(model_dir), str(tmp_path)), nprocs=2, join=True)
+    for rank in range(2):
+        runs = torch.load(tmp_path / f"{rank}.pt", weights_only=False)
+        assert [(run["tp"], run["sp"]) for run in runs] == [(1, 2), (2, 1)]
+        for run in runs:
+            assert len(run["windows"]) == 2
+            for (video, audio), (video_1, audio_1) in zip(run["windows"], calls):
+                assert (video - video_1).abs().max() <= 1e-4 and (audio - audio_1).abs().max() <= 1e-4
