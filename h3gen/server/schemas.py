@@ -43,7 +43,7 @@ class GenerationRequest(BaseModel):
         "reference with sound."))
     prompts: list[str] | None = Field(None, max_length=MAX_WINDOW_PROMPTS, description=(
         "A clip over 15 s: one prompt per window (or one for all) instead of `prompt`; a list of another length is "
-        "refused with the request's window count."))
+        "refused with the request's window count. In a multipart form: one field holding a JSON list."))
     window_frames: int | None = Field(None, description=(
         "A clip over 15 s: frames per window, on the 17n+5 grid from 107 to 345 (default 277)."))
     overlap_frames: int | None = Field(None, description=(
@@ -82,6 +82,17 @@ class GenerationRequest(BaseModel):
         if value is not None and not MIN_SECONDS <= value <= MAX_SECONDS_LIMIT:
             raise ValueError(f"seconds must be from {MIN_SECONDS:g} to this server's limit (at most "
                              f"{MAX_SECONDS_LIMIT:g}; got {value:g})")
+        return value
+
+    @field_validator("prompts", mode="before")
+    @classmethod
+    def _prompts_from_a_form(cls, value):
+        # A multipart form sends the list once, as JSON text (a form may not repeat a field).
+        if isinstance(value, str) and value.lstrip().startswith("["):
+            try:
+                return json.loads(value)
+            except ValueError:
+                raise ValueError("prompts must be a JSON list of strings in a form field") from None
         return value
 
     @field_validator("prompts")
