@@ -343,3 +343,33 @@ def test_long_request_under_tp2_and_ulysses2_equals_one_process(tmp_path, monkey
             assert len(run["windows"]) == 2
             for (video, audio), (video_1, audio_1) in zip(run["windows"], calls):
                 assert (video - video_1).abs().max() <= 1e-4 and (audio - audio_1).abs().max() <= 1e-4
+
+
+def test_server_engine_streams_a_long_job_and_its_limit_is_a_flag(tmp_path):
+    from h3gen.server.engine import H3Engine
+    from h3gen.server.jobs import progress_of
+    from h3gen.server.schemas import GenerationRequest
+
+    engine = H3Engine(tiny_checkpoint(), device="cpu", max_seconds=90)
+    request = engine.validate(GenerationRequest(prompt="a cat", seconds=75, num_inference_steps=2, seed=3,
+                                                aspect_ratio="1:1"), {})
+    assert request["windows"] == 7 and request["num_frames"] == 1807  # vLLM-Omni's example: 7 windows
+    with pytest.raises(RequestError, match="5 to 90") as error:
+        engine.validate(GenerationRequest(prompt="a cat", seconds=91), {})
+    assert error.value.field == "seconds"
+    with pytest.raises(RequestError, match="this request has 2 windows"):
+        engine.validate(GenerationRequest(prompt="a cat", seconds=16, prompts=["a", "b", "c"]), {})
+
+    engine.load()
+    engine.pipeline.audio_vae = light_audio_vae(engine.pipeline.audio_vae)
+    request = engine.validate(GenerationRequest(prompt="a cat", seconds=16, num_inference_steps=2, seed=3,
+                                                prompts=["a cat sleeps", "a cat wakes"]), {})
+    request |= {"height": 64, "width": 64}  # a small canvas for the CPU
+    reports = []
+    engine.run(request, {}, tmp_path / "job.mp4", lambda stage, step, total: reports.append((stage, step, total)))
+    info = probe_mp4(tmp_path / "job.mp4")
+    assert info.num_frames == 396 and abs(info.audio_seconds - info.video_seconds) <= 1 / 24
+    assert [r for r in reports if r[0] == "window"] == [("window", 0, 2), ("window", 1, 2), ("window", 2, 2)]
+    # Job progress: each window an equal share, its stages inside it.
+    assert progress_of("denoise", 0, 1, (0, 2)) < progress_of("write_mp4", 1, 1, (0, 2)) <= 50.0
+    assert 50.0 <= progress_of("encode_text", 0, 1, (1, 2)) < progress_of("denoise", 1, 1, (1, 2)) <= 99.0

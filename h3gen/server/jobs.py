@@ -399,7 +399,8 @@ class JobManager:
                 return
             now = time.perf_counter()
             if stage != live.stage:
-                live.stage, live.stage_started = stage, now
+                # A stage that runs again (in the next window of a long clip) adds to its time.
+                live.stage, live.stage_started = stage, now - live.timings.get(stage, 0.0)
             elif stage == "denoise" and step > 0:
                 self.metrics.observe_step(now - live.last_report)
             live.last_report = now
