@@ -84,7 +84,8 @@ def test_long_lengths_and_window_options_are_checked():
         long_frames(61.0, None, 60)
     assert error.value.field == "seconds"
     assert check_windows() == (277, 22)
-    for window, overlap, field, words in ((278, None, "window_frames", "17n\\+5"), (None, 23, "overlap_frames", "17n\\+5"),
+    for window, overlap, field, words in ((278, None, "window_frames", "17n\\+5"),
+                                          (None, 23, "overlap_frames", "17n\\+5"),
                                           (90, None, "window_frames", "107 to 345"),
                                           (107, 107, "overlap_frames", "shorter than window_frames")):
         with pytest.raises(RequestError, match=words) as error:

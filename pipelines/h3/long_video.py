@@ -29,8 +29,10 @@ from h3gen.errors import RequestError
 from h3gen.media_stream import Mp4Stream
 from h3gen.pipelines.h3.continuation import Window, window_geometry
 from h3gen.pipelines.h3.packing import build_layout, build_ref2va_layout, patchify_video
+from h3gen.pipelines.h3.progress import checkpoints
 from h3gen.pipelines.h3.request import KEYFRAME_NOISE_AUG, H3Request
 from h3gen.pipelines.h3.schedules import noise_to
+from h3gen.pipelines.h3.vae import audio_decoder_units, video_decoder_units
 from h3gen.pipelines.h3.vae_stream import AudioDecodeStream, VideoDecodeStream
 
 
@@ -154,7 +156,7 @@ def _decode_window(pipe, video_stream, audio_stream, video, audio, *, last: bool
     """Stages `decode_video` and `decode_audio` of one window's new latents: the frames `(F, H, W, 3)` and the
     sound `(2, S)` they settle (everything that is left, for the last window)."""
     report("decode_video", 0, 1)
-    with pipe._stage(pipe.vae):
+    with pipe._stage(pipe.vae), checkpoints(video_decoder_units(pipe.vae), lambda: report("decode_video", 0, 1)):
         frames = video_stream.push(video)
         if last:
             rest = video_stream.finish()
@@ -162,7 +164,8 @@ def _decode_window(pipe, video_stream, audio_stream, video, audio, *, last: bool
     report("decode_video", 1, 1)
     timings.lap("decode_video")
     report("decode_audio", 0, 1)
-    with pipe._stage(pipe.audio_vae):
+    with pipe._stage(pipe.audio_vae), checkpoints(audio_decoder_units(pipe.audio_vae),
+                                                       lambda: report("decode_audio", 0, 1)):
         sound = audio_stream.push(audio)
         if last:
             sound = np.concatenate([sound, audio_stream.finish()], axis=1)

@@ -34,6 +34,7 @@ from h3gen.pipelines.h3.continuation import DEFAULT_MAX_SECONDS
 from h3gen.pipelines.h3.long_video import run_continuation
 from h3gen.pipelines.h3.packing import (ReferenceBlock, build_layout, build_ref2va_layout, patchify_video,
                                         row_timesteps, unpatchify_video)
+from h3gen.pipelines.h3.progress import checkpoints as _checkpoints
 from h3gen.pipelines.h3.references import AudioReference, ImageReference, VideoReference
 from h3gen.pipelines.h3.request import KEYFRAME_NOISE_AUG, H3Request, prepare_request, read_transformer_config
 from h3gen.pipelines.h3.schedules import AUDIO_SHIFT, VIDEO_SHIFT, FlowSchedule, noise_to, read_shift
@@ -50,18 +51,6 @@ STAGES = ("encode_text", "encode_conditions", "denoise", "decode_video", "decode
 __all__ = ["AudioReference", "H3Output", "H3Pipeline", "ImageReference", "VideoReference"]
 
 ProgressCallback = Callable[[str, int, int], None]
-
-
-@contextmanager
-def _checkpoints(modules, check: Callable[[], None]):
-    """Run `check()` before each forward of `modules`: progress (and cancellation) points inside one long call. An
-    exception `check` raises propagates out of the call; the hooks are removed either way."""
-    handles = [module.register_forward_pre_hook(lambda *_: check()) for module in modules]
-    try:
-        yield
-    finally:
-        for handle in handles:
-            handle.remove()
 
 
 @dataclass
