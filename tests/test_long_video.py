@@ -374,3 +374,30 @@ def test_server_engine_streams_a_long_job_and_its_limit_is_a_flag(tmp_path):
     # Job progress: each window an equal share, its stages inside it.
     assert progress_of("denoise", 0, 1, (0, 2)) < progress_of("write_mp4", 1, 1, (0, 2)) <= 50.0
     assert 50.0 <= progress_of("encode_text", 0, 1, (1, 2)) < progress_of("denoise", 1, 1, (1, 2)) <= 99.0
+
+
+def test_ui_sends_prompts_per_window_and_shows_the_rule(tmp_path):
+    from types import SimpleNamespace
+
+    from h3gen.server.engine import H3Engine
+    from h3gen.ui.blocks import _Actions, build_ui, long_clip_fields
+
+    assert long_clip_fields("one\n\n two \n", 277.0, None) == {"prompts": ["one", "two"], "window_frames": 277}
+    engine = H3Engine(tiny_checkpoint(), device="cpu", max_seconds=120)
+    staging = tmp_path / "staging"
+
+    def staging_dir():
+        staging.mkdir(exist_ok=True)
+        return staging
+
+    manager = SimpleNamespace(engine=engine, staging_dir=staging_dir, list=lambda *args, **kwargs: ([], False))
+    actions = _Actions(manager)
+    for lines, window, overlap, words in (("a\nb", 277, 22, "prompts must hold one prompt per window or one for all: "
+                                                             "this request has 3 windows"),
+                                          ("", 250, 22, "window_frames must be a frame count on the 17n+5 grid"),
+                                          ("", 277, 277, "overlap_frames must be shorter than window_frames")):
+        status = next(actions.generate("a cat", "t2va", None, None, None, "auto", 30, 2, 0, True, False, lines,
+                                       window, overlap))[0]
+        assert words in status, status
+    slider = next(block for block in build_ui(manager).blocks.values() if getattr(block, "elem_id", None) == "seconds")
+    assert slider.maximum == 120
