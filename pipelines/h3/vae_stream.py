@@ -7,8 +7,10 @@ their latents arrive, so its frames equal one `decode_video` of the whole timeli
 one chunk's latents beyond what it was given last and one 5-frame tail.
 
 Audio: the BigVGAN decoder is convolutional, so a sample depends on latents within a fixed reach. `AudioDecodeStream`
-decodes each new stretch together with `context` latents on both sides and keeps only the stretch itself, so its
-waveform equals one decode of the whole timeline up to float rounding, with no seam where the pieces meet.
+decodes the timeline in stretches of a fixed length, each together with `context` latents on both sides, and keeps
+only the stretch itself, so its waveform equals one decode of the whole timeline up to float rounding, with no seam
+where the pieces meet. The fixed length keeps both the decoder's working memory and the set of input shapes its
+convolutions see (each shape costs the CPU backend cached kernels) the same for a clip of any length.
 """
 
 import math
@@ -90,14 +92,18 @@ class VideoDecodeStream:
         return frames
 
 
+AUDIO_STRETCH = 512  # audio latents decoded per call (12.8 s), besides the context on both sides
+
+
 class AudioDecodeStream:
     """The stereo waveform of audio latents fed with `push` in order; `finish` returns the rest. Every call returns
     `(2, samples)` float32 numpy (possibly zero samples); `context` latents on each side make each piece's samples
-    those of one whole decode."""
+    those of one whole decode; `stretch` latents are decoded per call."""
 
-    def __init__(self, vae, context: int | None = None):
+    def __init__(self, vae, context: int | None = None, stretch: int = AUDIO_STRETCH):
         self.vae = vae
         self.context = audio_decoder_reach(vae.config) if context is None else context
+        self.stretch = stretch
         self.hop = int(np.prod(vae.config.decoder_rates))
         self.buffer: torch.Tensor | None = None  # normalised latents (2, C, n) from `offset` on
         self.offset = 0  # timeline index of buffer[..., 0]
@@ -116,15 +122,27 @@ class AudioDecodeStream:
         self.buffer, self.offset = self.buffer[..., keep - self.offset:], keep
         return np.ascontiguousarray(out)
 
+    def _end(self) -> int:
+        return self.offset + self.buffer.shape[-1]
+
+    @staticmethod
+    def _joined(pieces: list[np.ndarray]) -> np.ndarray:
+        return np.concatenate(pieces, axis=1) if pieces else np.zeros((2, 0), dtype=np.float32)
+
     @torch.no_grad()
     def push(self, latents: torch.Tensor) -> np.ndarray:
-        """Add normalised audio latents `(2, C, A)`; return the samples no later latent can change."""
+        """Add normalised audio latents `(2, C, A)`; return the samples of every whole stretch whose right context
+        is in (no later latent can change them)."""
         self.buffer = latents if self.buffer is None else torch.cat([self.buffer, latents], dim=-1)
-        return self._decode(self.offset + self.buffer.shape[-1] - self.context)
+        pieces = []
+        while self._end() >= self.done + self.stretch + self.context:
+            pieces.append(self._decode(self.done + self.stretch))
+        return self._joined(pieces)
 
     @torch.no_grad()
     def finish(self) -> np.ndarray:
         """The samples of every latent not yet returned."""
-        if self.buffer is None:
-            return np.zeros((2, 0), dtype=np.float32)
-        return self._decode(self.offset + self.buffer.shape[-1])
+        pieces = []
+        while self.buffer is not None and self.done < self._end():
+            pieces.append(self._decode(min(self.done + self.stretch, self._end())))
+        return self._joined(pieces)
