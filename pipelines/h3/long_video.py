@@ -11,7 +11,7 @@ is therefore exactly the plain request of its length with the same seed.
 
 After sampling, the window's overlap is discarded and its new latents are decoded at once (`vae_stream`: the video
 VAE's own chunks and cross-fades, the audio decoder with context on both sides) and written to the MP4 (`Mp4Stream`),
-so no more than a window of latents, a few chunks of frames and a second of sound is ever held.
+so no more than a window of latents, a 17-frame chunk of frames and a 12.8 s stretch of sound is ever held.
 
 Progress: `callback("window", i, n)` before window `i` (and `("window", n, n)` at the end), then the window's own
 stages as a plain request reports them, each window's `decode_video`, `decode_audio` and `write_mp4` included.
