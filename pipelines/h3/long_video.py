@@ -11,10 +11,11 @@ is therefore exactly the plain request of its length with the same seed.
 
 After sampling, the window's overlap is discarded and its new latents are decoded at once (`vae_stream`: the video
 VAE's own chunks and cross-fades, the audio decoder with context on both sides) and written to the MP4 (`Mp4Stream`),
-so no more than a window of latents, a 17-frame chunk of frames and a 12.8 s stretch of sound is ever held.
+so no more than a window of latents, one 17-frame chunk of frames and a window's sound is ever held.
 
 Progress: `callback("window", i, n)` before window `i` (and `("window", n, n)` at the end), then the window's own
-stages as a plain request reports them, each window's `decode_video`, `decode_audio` and `write_mp4` included.
+stages as a plain request reports them, each window's `decode_video` (which writes each chunk as it is decoded) and
+`decode_audio` included; `write_mp4` once at the end (the file finished and read back).
 Each media row's time within a window starts at that window's own text length (not the longest prompt's, as
 vLLM-Omni anchors it): what a window sees equals a plain request shifted in time, which keeps the first window exact.
 """
@@ -130,13 +131,8 @@ def run_continuation(pipe, request: H3Request, *, report, tier: str, decode: boo
                 tail_audio = audio[..., audio.shape[-1] - following.overlap_audio_latents:].clone()
             video, audio = video[:, :, window.overlap_latent_frames:], audio[..., window.overlap_audio_latents:]
             if decode:
-                frames, sound = _decode_window(pipe, video_stream, audio_stream, video, audio,
-                                               last=window.index == total - 1, report=report, timings=timings)
-                report("write_mp4", 0, 1)
-                start, count = writer.frames, len(frames)
-                writer.write(frames, sound, progress=lambda done: report("write_mp4", done - start, max(count, 1)))
-                report("write_mp4", 1, 1)
-                timings.lap("write_mp4")
+                _decode_window(pipe, video_stream, audio_stream, writer, video, audio,
+                               last=window.index == total - 1, report=report, timings=timings)
             del video, audio, video_rows, audio_rows
         report("window", total, total)
         info = None
@@ -152,23 +148,24 @@ def run_continuation(pipe, request: H3Request, *, report, tier: str, decode: boo
             writer.abort()
 
 
-def _decode_window(pipe, video_stream, audio_stream, video, audio, *, last: bool, report, timings):
-    """Stages `decode_video` and `decode_audio` of one window's new latents: the frames `(F, H, W, 3)` and the
-    sound `(2, S)` they settle (everything that is left, for the last window)."""
+def _decode_window(pipe, video_stream, audio_stream, writer, video, audio, *, last: bool, report, timings):
+    """Stages `decode_video` and `decode_audio` of one window's new latents: each 17-frame chunk is written to the
+    MP4 as soon as it is decoded (the encoder's time counts in `decode_video`), then the sound they settle
+    (everything that is left, for the last window)."""
     report("decode_video", 0, 1)
     with pipe._stage(pipe.vae), checkpoints(video_decoder_units(pipe.vae), lambda: report("decode_video", 0, 1)):
-        frames = video_stream.push(video)
+        for frames in video_stream.chunks(video):
+            writer.write(frames)
         if last:
-            rest = video_stream.finish()
-            frames = np.concatenate([frames, rest]) if len(frames) else rest
+            writer.write(video_stream.finish())
     report("decode_video", 1, 1)
     timings.lap("decode_video")
     report("decode_audio", 0, 1)
     with pipe._stage(pipe.audio_vae), checkpoints(audio_decoder_units(pipe.audio_vae),
-                                                       lambda: report("decode_audio", 0, 1)):
+                                                  lambda: report("decode_audio", 0, 1)):
         sound = audio_stream.push(audio)
         if last:
             sound = np.concatenate([sound, audio_stream.finish()], axis=1)
+    writer.write(audio=sound)
     report("decode_audio", 1, 1)
     timings.lap("decode_audio")
-    return frames, sound

@@ -61,13 +61,17 @@ class VideoDecodeStream:
         video = (decoded.float() * std + mean).clamp(0, 1)
         return video[0].permute(1, 2, 3, 0).cpu().numpy()
 
-    @torch.no_grad()
     def push(self, latents: torch.Tensor) -> np.ndarray:
         """Add normalised latents `(1, C, F, h, w)` (the next stretch of the timeline) and decode every chunk whose
-        latents are all in."""
+        latents are all in, as one array."""
+        out = list(self.chunks(latents))
+        return np.concatenate(out) if out else np.zeros((0, 0, 0, 3), dtype=np.float32)
+
+    @torch.no_grad()
+    def chunks(self, latents: torch.Tensor):
+        """As `push`, one 17-frame chunk at a time (a generator: each chunk is decoded when it is asked for)."""
         vae = self.vae
         self.pending = latents if self.pending is None else torch.cat([self.pending, latents], dim=2)
-        out = []
         while self.pending.shape[2] >= self.chunk + self.lookahead:
             z = self.pending[:, :, : self.chunk + self.lookahead]
             std = torch.tensor(vae.config.latents_std, device=z.device).view(1, -1, 1, 1, 1)
@@ -78,11 +82,8 @@ class VideoDecodeStream:
             if self.tail is not None:
                 own = vae._blend(self.tail, own, vae.frame_overlap, dim=-3)
             self.tail = clip[:, :, self.frames_per_chunk: 2 * self.frames_per_chunk][:, :, vae.frame_pre_padding:]
-            out.append(self._pixels(own))
             self.pending = self.pending[:, :, self.chunk:]
-        if not out:
-            return np.zeros((0, 0, 0, 3), dtype=np.float32)
-        return np.concatenate(out)
+            yield self._pixels(own)
 
     def finish(self) -> np.ndarray:
         """The last chunk's tail (the timeline's final frames). The latents pushed must have been 5n + 2."""
