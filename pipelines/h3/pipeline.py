@@ -66,7 +66,7 @@ class Noise:
 @dataclass
 class H3Output:
     """A generated clip. `video` `(F, H, W, 3)` float32 in [0, 1]; `audio` `(2, samples)` float32 in [-1, 1]
-    (both None for a call with `decode=False`)."""
+    (both None for a call with `decode=False`, and for a clip over 15 s, which is only in the MP4 at `path`)."""
 
     video: np.ndarray | None
     audio: np.ndarray | None
