@@ -163,8 +163,5 @@ class H3Engine:
         when it starts, inside it and when it ends; an exception the callback raises stops the job there)."""
         if self.pipeline is None:
             raise RuntimeError(f"the model is not loaded ({self.load_error or 'still loading'}).")
-        output = self.pipeline(request["prompt"], callback=callback, **pipeline_arguments(request, images))
-        callback("write_mp4", 0, 1)
-        output.save(out_path, audio_sample_rate=request["audio_sample_rate"],
-                    progress=lambda done, total: callback("write_mp4", done, total))
-        callback("write_mp4", 1, 1)
+        self.pipeline(request["prompt"], callback=callback, output_path=out_path,
+                      audio_sample_rate=request["audio_sample_rate"], **pipeline_arguments(request, images))
