@@ -35,6 +35,7 @@ def apply_layerwise_offload(transformer, device, *, gpu_memory, prefetch: int = 
                                host_store=host_store)
     transformer.offload = offload
     transformer.offload_plan = plan
+    transformer.activation_budget_bytes = reserve  # what a request's activations may take (checked per request)
     return offload
 
 

@@ -57,3 +57,21 @@ def test_a_cancelled_write_leaves_no_file(pipe, tmp_path):
     with pytest.raises(KeyboardInterrupt):
         pipe("a cat", seconds=5, num_inference_steps=2, seed=1, output_path=path, callback=callback)
     assert not list(tmp_path.iterdir())
+
+
+def test_a_request_over_the_gpu_budget_is_refused_before_any_model_work(pipe, monkeypatch):
+    """Under layer-wise offload a request whose activations exceed what gpu_memory leaves them is refused by
+    `validate`, naming both figures; a request that fits passes."""
+    from h3gen.errors import RequestError
+    from h3gen.pipelines.h3.request import activation_bytes, packed_rows
+
+    request = pipe.validate("a cat", seconds=15)
+    rows = packed_rows(request, len(pipe.text_encoder.tokenize("a cat")), pipe.config.patch_size)
+    assert rows == 5 + 2 * 575 + 102 * 2 * 4  # text, two audio channels (345 frames), 102 latent frames of 2 x 4
+    needed = activation_bytes(rows, pipe.config)
+    monkeypatch.setattr(pipe.transformer, "activation_budget_bytes", needed - 1, raising=False)
+    with pytest.raises(RequestError, match=r"activations need about .* GiB.*raise gpu_memory") as error:
+        pipe("a cat", seconds=15, num_inference_steps=2, callback=lambda *a: pytest.fail("the model ran"))
+    assert error.value.field == "seconds"
+    monkeypatch.setattr(pipe.transformer, "activation_budget_bytes", needed, raising=False)
+    pipe.validate("a cat", seconds=15)

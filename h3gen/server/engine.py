@@ -137,12 +137,13 @@ class H3Engine:
         if request.task == "ref2va" and not references:
             raise RequestError("task ref2va needs at least one reference upload: ref_image, ref_video or ref_audio "
                                "(multipart, repeatable, in order).", "references")
-        prepared = prepare_request(
-            self.checkpoint, self.config, request.prompt, image=keyframes.get("image"),
-            last_image=keyframes.get("last_image"), references=references or None,
-            aspect_ratio=request.aspect_ratio, seconds=request.seconds,
-            num_inference_steps=request.num_inference_steps, seed=request.seed,
-        )
+        arguments = dict(image=keyframes.get("image"), last_image=keyframes.get("last_image"),
+                         references=references or None, aspect_ratio=request.aspect_ratio, seconds=request.seconds,
+                         num_inference_steps=request.num_inference_steps, seed=request.seed)
+        if self.pipeline is not None:  # loaded: its GPU budget is known too
+            prepared = self.pipeline.validate(request.prompt, **arguments)
+        else:
+            prepared = prepare_request(self.checkpoint, self.config, request.prompt, **arguments)
         shape = prepared.shape
         return request.model_dump() | {
             "seed": prepared.seed, "height": shape.height, "width": shape.width, "num_frames": shape.num_frames,

@@ -34,7 +34,8 @@ from h3gen.pipelines.h3.checkpoint import REQUIRED, H3Checkpoint, resolve_workfl
 from h3gen.pipelines.h3.packing import (ReferenceBlock, build_layout, build_ref2va_layout, patchify_video,
                                         row_timesteps, unpatchify_video)
 from h3gen.pipelines.h3.references import AudioReference, ImageReference, VideoReference
-from h3gen.pipelines.h3.request import KEYFRAME_NOISE_AUG, H3Request, prepare_request, read_transformer_config
+from h3gen.pipelines.h3.request import (KEYFRAME_NOISE_AUG, H3Request, check_activation_budget, prepare_request,
+                                        read_transformer_config)
 from h3gen.pipelines.h3.schedules import AUDIO_SHIFT, VIDEO_SHIFT, FlowSchedule, noise_to, read_shift
 from h3gen.pipelines.h3.text_encoder import H3TextEncoder, TextConditioning
 from h3gen.pipelines.h3.tiers import set_quality
@@ -268,8 +269,13 @@ class H3Pipeline:
         )
 
     def validate(self, prompt, **kwargs) -> H3Request:
-        """Check a request against this pipeline's checkpoint (see `prepare_request`), before any model work."""
-        return prepare_request(self.checkpoint, self.config, prompt, **kwargs)
+        """Check a request against this pipeline's checkpoint (see `prepare_request`) and, under layer-wise
+        offload, its activations against the GPU budget, before any model work."""
+        request = prepare_request(self.checkpoint, self.config, prompt, **kwargs)
+        budget = getattr(self._transformer_for(request.task), "activation_budget_bytes", None)
+        if budget is not None:
+            check_activation_budget(request, len(self.text_encoder.tokenize(request.prompt)), self.config, budget)
+        return request
 
     # ------------------------------------------------------------------ stages
 
