@@ -5,6 +5,8 @@ sample rate, and the audio and video durations (within one frame of each other).
 the call raises `MediaError`.
 """
 
+import functools
+import io
 import math
 import os
 import warnings
@@ -61,6 +63,33 @@ def _fit_audio(audio: np.ndarray, num_samples: int) -> np.ndarray:
 # so spends more bits. On 16 cores a 5 s 768x1344 clip encodes in 0.8 s with "ultrafast" against 2.1 s with
 # "veryfast" and 4.7 s with "medium" (benchmarks/RESULTS.md). The encoder uses every core (`threads` 0).
 DEFAULT_PRESET = "ultrafast"
+NVENC = "h264_nvenc"
+
+
+@functools.cache
+def nvenc_available() -> bool:
+    """Whether FFmpeg's NVENC H.264 encoder opens here: PyAV's wheels carry it, and it works where the GPU has a
+    video encoder (RTX and most datacenter cards; not the H100 / H200) and the driver's encode library is present.
+    Tried once per process on a tiny clip in memory."""
+    import av
+
+    if NVENC not in av.codecs_available:
+        return False
+    try:
+        with av.open(io.BytesIO(), mode="w", format="mp4") as container:
+            stream = container.add_stream(NVENC, rate=24)
+            stream.width, stream.height, stream.pix_fmt = 256, 256, "yuv420p"
+            frame = av.VideoFrame.from_ndarray(np.zeros((384, 256), np.uint8), format="yuv420p")
+            container.mux(stream.encode(frame))
+            container.mux(stream.encode())
+        return True
+    except Exception:  # no encoder on this GPU, no driver library, no GPU: FFmpeg's errors vary
+        return False
+
+
+def video_encoder() -> str:
+    """The H.264 encoder MP4s are written with: NVENC where it works (`nvenc_available`), else x264."""
+    return NVENC if nvenc_available() else "libx264"
 
 
 def rgb_to_yuv420(frames):
@@ -92,10 +121,13 @@ class Mp4Writer:
     time, so a long clip never sits in memory whole.
 
     `crf` 18 (visually lossless for H.264), `preset` x264's speed preset (default `DEFAULT_PRESET`), all cores.
+    `encoder`: "libx264" or "h264_nvenc" (default `video_encoder()`: NVENC where the GPU has it, at constant
+    quality `crf`, its fastest preset).
     """
 
     def __init__(self, path, *, width: int, height: int, fps: int = 24, sample_rate: int = 32000,
-                 audio_sample_rate: int | None = None, crf: int = 18, preset: str | None = None):
+                 audio_sample_rate: int | None = None, crf: int = 18, preset: str | None = None,
+                 encoder: str | None = None):
         import av
 
         if height % 2 or width % 2:
@@ -111,10 +143,14 @@ class Mp4Writer:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.partial = self.path.with_name(f".{self.path.name}.partial-{os.getpid()}-{id(self)}")
         self.container = av.open(str(self.partial), mode="w", format="mp4", options={"movflags": "+faststart"})
-        self.video_stream = self.container.add_stream("libx264", rate=fps)
+        self.encoder = encoder or video_encoder()
+        self.video_stream = self.container.add_stream(self.encoder, rate=fps)
         self.video_stream.width, self.video_stream.height = width, height
         self.video_stream.pix_fmt = "yuv420p"
-        self.video_stream.options = {"crf": str(crf), "preset": preset or DEFAULT_PRESET, "threads": "0"}
+        if self.encoder == NVENC:
+            self.video_stream.options = {"rc": "vbr", "cq": str(crf), "preset": preset or "p1"}
+        else:
+            self.video_stream.options = {"crf": str(crf), "preset": preset or DEFAULT_PRESET, "threads": "0"}
         self.audio_stream = self.container.add_stream("aac", rate=self.out_rate, layout="stereo")
         self.audio_stream.bit_rate = 192_000
 
