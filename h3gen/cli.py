@@ -202,11 +202,9 @@ def _cmd_generate(args: argparse.Namespace) -> int:
                                    len(request.references), "denoise": args.steps - 1, "decode_video": 1,
                                    "decode_audio": 1, "write_mp4": 1})
     try:
-        output = pipe(args.prompt, callback=callback, **call)
-        callback("write_mp4", 0, 1)
-        info = output.save(args.out, audio_sample_rate=args.audio_rate,
-                           progress=lambda done, total: callback("write_mp4", done, total))
-        callback("write_mp4", 1, 1)
+        output = pipe(args.prompt, callback=callback, output_path=args.out, audio_sample_rate=args.audio_rate,
+                      **call)
+        info = output.media
     except torch.cuda.OutOfMemoryError:
         raise RequestError("the GPU ran out of memory: try fewer seconds, a smaller canvas or --dtype bf16.") from None
     except MediaError as error:

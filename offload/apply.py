@@ -1,6 +1,8 @@
 """Putting an `H3Transformer` on a GPU budget: everything but the blocks moves to the GPU; the planner decides
 which blocks stay and which stream."""
 
+import torch
+
 from h3gen.offload.layerwise import LayerwiseOffload, _owned_tensors
 from h3gen.offload.residency import OffloadPlan, plan_residency
 from h3gen.options import parse_bytes
@@ -35,6 +37,8 @@ def apply_layerwise_offload(transformer, device, *, gpu_memory, prefetch: int = 
                                host_store=host_store)
     transformer.offload = offload
     transformer.offload_plan = plan
+    if torch.device(device).type == "cuda":  # what a request's activations may take on the GPU (checked per request)
+        transformer.activation_budget_bytes = reserve
     return offload
 
 

@@ -31,7 +31,6 @@ FLOORS = {
     "h3gen.linear": "linear",
     "h3gen.loading": "loading",
     "h3gen.media": "media",
-    "h3gen.media_stream": "media",  # the piecewise MP4 writer
     "h3gen.options": "options",  # the run options every face validates against
     "h3gen.pipelines": "pipelines",
     "h3gen.offload": "offload",

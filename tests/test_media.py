@@ -74,3 +74,44 @@ def test_read_image_sources_and_errors(tmp_path):
         with pytest.raises(RequestError, match=message) as info:
             read_image(bad, "last_image")
         assert info.value.field == "last_image"
+
+
+def test_the_encoder_is_nvenc_only_where_it_opens(monkeypatch, tmp_path):
+    """NVENC is chosen where it opens (a GPU with a video encoder); elsewhere, and when FFmpeg lacks it, x264."""
+    import av
+    import numpy as np
+
+    from h3gen import media
+
+    media.nvenc_available.cache_clear()
+    monkeypatch.setattr(av, "codecs_available", set(av.codecs_available) - {media.NVENC})
+    assert not media.nvenc_available() and media.video_encoder() == "libx264"
+    media.nvenc_available.cache_clear()
+    monkeypatch.undo()
+    expected = "h264_nvenc" if media.nvenc_available() else "libx264"
+    writer = media.Mp4Writer(tmp_path / "clip.mp4", width=64, height=48)
+    assert writer.encoder == expected
+    writer.add_frames(np.full((24, 48, 64, 3), 0.5, np.float32))
+    writer.add_audio(np.zeros((2, 32000), np.float32))
+    info = writer.close()
+    assert (info.num_frames, info.width, info.height) == (24, 64, 48)
+
+
+def test_frames_converted_to_yuv420_by_torch_match_ffmpegs_own_conversion():
+    """`rgb_to_yuv420` (the pipeline converts on the GPU) against FFmpeg's swscale on the same frame: the same BT.601
+    limited-range planes, luma within rounding, chroma within its 2x2 filter's difference."""
+    import av
+    import numpy as np
+    import torch
+
+    from h3gen.media import rgb_to_yuv420
+
+    rng = np.random.default_rng(0)
+    smooth = np.linspace(0, 1, 96 * 64 * 3, dtype=np.float32).reshape(64, 96, 3)
+    frame = np.clip(smooth + rng.normal(0, 0.05, (64, 96, 3)).astype(np.float32), 0, 1)
+    theirs = av.VideoFrame.from_ndarray((frame * 255).round().astype(np.uint8), format="rgb24")
+    theirs = theirs.reformat(format="yuv420p").to_ndarray().astype(int)
+    ours = rgb_to_yuv420(torch.from_numpy(frame[None])).numpy()[0].astype(int)
+    assert ours.shape == theirs.shape == (96, 96)
+    assert np.abs(ours[:64] - theirs[:64]).mean() < 0.3 and np.abs(ours[:64] - theirs[:64]).max() <= 1
+    assert np.abs(ours[64:] - theirs[64:]).mean() < 1.5

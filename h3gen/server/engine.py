@@ -142,13 +142,15 @@ class H3Engine:
         if request.task == "ref2va" and not references:
             raise RequestError("task ref2va needs at least one reference upload: ref_image, ref_video or ref_audio "
                                "(multipart, repeatable, in order).", "references")
-        prepared = prepare_request(
-            self.checkpoint, self.config, request.prompt, image=keyframes.get("image"),
-            last_image=keyframes.get("last_image"), references=references or None,
-            aspect_ratio=request.aspect_ratio, seconds=request.seconds,
-            num_inference_steps=request.num_inference_steps, seed=request.seed, prompts=request.prompts,
-            window_frames=request.window_frames, overlap_frames=request.overlap_frames, max_seconds=self.max_seconds,
-        )
+        arguments = dict(image=keyframes.get("image"), last_image=keyframes.get("last_image"),
+                         references=references or None, aspect_ratio=request.aspect_ratio, seconds=request.seconds,
+                         num_inference_steps=request.num_inference_steps, seed=request.seed, prompts=request.prompts,
+                         window_frames=request.window_frames, overlap_frames=request.overlap_frames,
+                         max_seconds=self.max_seconds)
+        if self.pipeline is not None:  # loaded: its GPU budget is known too
+            prepared = self.pipeline.validate(request.prompt, **arguments)
+        else:
+            prepared = prepare_request(self.checkpoint, self.config, request.prompt, **arguments)
         shape = prepared.shape
         windows = {"windows": prepared.continuation.num_windows} if prepared.continuation else {}
         return request.model_dump() | {
@@ -170,12 +172,5 @@ class H3Engine:
         when it starts, inside it and when it ends; an exception the callback raises stops the job there)."""
         if self.pipeline is None:
             raise RuntimeError(f"the model is not loaded ({self.load_error or 'still loading'}).")
-        if request.get("windows"):  # a clip over 15 s: written window by window while it is made
-            self.pipeline(request["prompt"], callback=callback, output_path=out_path,
-                          audio_sample_rate=request["audio_sample_rate"], **pipeline_arguments(request, images))
-            return
-        output = self.pipeline(request["prompt"], callback=callback, **pipeline_arguments(request, images))
-        callback("write_mp4", 0, 1)
-        output.save(out_path, audio_sample_rate=request["audio_sample_rate"],
-                    progress=lambda done, total: callback("write_mp4", done, total))
-        callback("write_mp4", 1, 1)
+        self.pipeline(request["prompt"], callback=callback, output_path=out_path,
+                      audio_sample_rate=request["audio_sample_rate"], **pipeline_arguments(request, images))

@@ -5,13 +5,13 @@ from h3gen.kernels._dispatch import use_triton
 from h3gen.kernels.rmsnorm import reference
 
 
-def rms_norm(x, weight, eps):
-    """`x` `[..., D]`, `weight` `[D]` -> `[..., D]` (see `reference.rms_norm`)."""
+def rms_norm(x, weight, eps, out_dtype=None):
+    """`x` `[..., D]`, `weight` `[D]` -> `[..., D]`, in `out_dtype` when given (see `reference.rms_norm`)."""
     if use_triton(x):
         from h3gen.kernels.rmsnorm import triton as fast  # on first use: see _dispatch
 
-        return fast.rms_norm(x, weight, eps)
-    return reference.rms_norm(x, weight, eps)
+        return fast.rms_norm(x, weight, eps, out_dtype)
+    return reference.rms_norm(x, weight, eps, out_dtype)
 
 
 def add_rms_norm(x, y, weight, eps):

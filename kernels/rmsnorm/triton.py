@@ -28,13 +28,13 @@ def _rms_norm_kernel(x_ptr, y_ptr, sum_ptr, w_ptr, out_ptr, stride_x, dim, eps, 
     tl.store(out_ptr + row * dim + cols, (w * normed).to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def _launch(x: torch.Tensor, y: torch.Tensor | None, weight: torch.Tensor, eps: float):
+def _launch(x: torch.Tensor, y: torch.Tensor | None, weight: torch.Tensor, eps: float, out_dtype=None):
     shape = x.shape
     dim = shape[-1]
     rows = x.reshape(-1, dim)
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
-    out = torch.empty(rows.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
+    out = torch.empty(rows.shape, dtype=out_dtype or torch.promote_types(weight.dtype, x.dtype), device=x.device)
     total = None if y is None else torch.empty(rows.shape, dtype=x.dtype, device=x.device)
     if rows.shape[0]:
         block = next_power_of_2(dim)
@@ -45,9 +45,9 @@ def _launch(x: torch.Tensor, y: torch.Tensor | None, weight: torch.Tensor, eps: 
     return (out.view(shape) if total is None else (total.view(shape), out.view(shape)))
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """See `reference.rms_norm`. `x` may be a strided view whose last axis is contiguous."""
-    return _launch(x, None, weight, eps)
+    return _launch(x, None, weight, eps, out_dtype)
 
 
 def add_rms_norm(x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor, eps: float):

@@ -26,8 +26,11 @@ def load_transformer(
     parallel=None,
     quantization: str | None = None,
     skip_prefixes: tuple[str, ...] = (),
+    tensors=None,
 ):
     """Build `cls` (an `H3Transformer`) from `folder/config.json` on the meta device and stream its weights in.
+    `tensors` (an iterable of `(key, tensor)` in the diffusers layout) replaces the folder's weight files, e.g.
+    random weights made one tensor at a time (`random_weights.random_tensors`).
     Tensors under `skip_prefixes` (e.g. "transformer_blocks.") are not read and stay on the meta device.
     With `parallel` (a `ParallelState`), the model is this rank's TP shard and SP slice. `quantization="mxfp4"`
     stores the block linears as MXFP4, quantizing each full-precision tensor as it is read (a checkpoint saved
@@ -58,6 +61,11 @@ def load_transformer(
         if parallel.sp > 1:
             enable_sequence_parallel(model, parallel)
 
+    if tensors is not None:
+        source = ((key, key, tensor) for key, tensor in tensors)
+        assign_tensors(model, source, dtype=torch_dtype, device=device, keep_fp32_modules=cls.keep_fp32_modules,
+                       source=f"{folder} (generated weights)")
+        return _finish(model, torch_dtype, device, skip_prefixes)
     files = safetensors_files(folder)
     keys = []
     for path, listed in files.items():
@@ -82,6 +90,10 @@ def load_transformer(
         source=f"{folder} ({layout} layout)",
         skip=(lambda key: key.startswith(tuple(skip_prefixes))) if skip_prefixes else None,
     )
+    return _finish(model, torch_dtype, device, skip_prefixes)
+
+
+def _finish(model, torch_dtype, device, skip_prefixes):
     for module in model.modules():  # quantized layers compute in the model's working dtype
         if hasattr(module, "compute_dtype") and hasattr(module, "weight_packed"):
             module.compute_dtype = torch_dtype

@@ -10,8 +10,10 @@ first positions; the window's media positions are shifted by its start onto the 
 is therefore exactly the plain request of its length with the same seed.
 
 After sampling, the window's overlap is discarded and its new latents are decoded at once (`vae_stream`: the video
-VAE's own chunks and cross-fades, the audio decoder with context on both sides) and written to the MP4 (`Mp4Stream`),
-so no more than a window of latents, one 17-frame chunk of frames and a window's sound is ever held.
+VAE's own chunks and cross-fades, batched per window; the audio decoder in fixed stretches with context on both
+sides) and the frames written to the MP4 (`media.Mp4Writer`, 17 frames at a time, converted to yuv420p where they
+were decoded), so no more than a window of latents and of decoded frames is held; the sound (8 MB a minute) is
+written once at the end.
 
 Progress: `callback("window", i, n)` before window `i` (and `("window", n, n)` at the end), then the window's own
 stages as a plain request reports them, each window's `decode_video` (which writes each chunk as it is decoded) and
@@ -27,7 +29,7 @@ import numpy as np
 import torch
 
 from h3gen.errors import RequestError
-from h3gen.media_stream import Mp4Stream
+from h3gen.media import Mp4Writer, rgb_to_yuv420
 from h3gen.pipelines.h3.continuation import Window, window_geometry
 from h3gen.pipelines.h3.packing import build_layout, build_ref2va_layout, patchify_video
 from h3gen.pipelines.h3.progress import checkpoints
@@ -46,6 +48,17 @@ def window_request(request: H3Request, window: Window, last: bool) -> H3Request:
     return replace(request, prompt=plan.prompts[window.index], keyframes=[request.keyframes[i] for i in keep],
                    anchors=tuple(request.anchors[i] for i in keep), shape=window_geometry(request.shape, window),
                    latents=None, audio_latents=None, continuation=None)
+
+
+def largest_window(request: H3Request) -> H3Request:
+    """The plain request a continuation's largest window packs as many rows as: the first window's length plus the
+    guide rows the next windows carry (for a GPU budget check)."""
+    windows = request.continuation.windows
+    sub = window_request(request, windows[0], last=len(windows) == 1)
+    guide = windows[1] if len(windows) > 1 else windows[0]
+    shape = replace(sub.shape, num_latent_frames=sub.shape.num_latent_frames + guide.overlap_latent_frames,
+                    num_audio_latents=sub.shape.num_audio_latents + guide.overlap_audio_latents)
+    return replace(sub, shape=shape)
 
 
 def window_layout(request: H3Request, window: Window, text, blocks, patch_size):
@@ -98,9 +111,11 @@ def run_continuation(pipe, request: H3Request, *, report, tier: str, decode: boo
     writer = video_stream = audio_stream = None
     if decode:
         shape = request.shape
-        writer = Mp4Stream(Path(output_path), width=shape.width, height=shape.height, num_frames=shape.num_frames,
+        writer = Mp4Writer(Path(output_path), width=shape.width, height=shape.height,
                            sample_rate=int(pipe.audio_vae.config.sampling_rate), audio_sample_rate=audio_sample_rate)
-        video_stream, audio_stream = VideoDecodeStream(pipe.vae), AudioDecodeStream(pipe.audio_vae)
+        video_stream = VideoDecodeStream(pipe.vae, tier=tier, check=lambda: report("decode_video", 0, 1))
+        audio_stream = AudioDecodeStream(pipe.audio_vae)
+    sounds = []
     tail_video = tail_audio = None
     try:
         for window in windows:
@@ -131,14 +146,15 @@ def run_continuation(pipe, request: H3Request, *, report, tier: str, decode: boo
                 tail_audio = audio[..., audio.shape[-1] - following.overlap_audio_latents:].clone()
             video, audio = video[:, :, window.overlap_latent_frames:], audio[..., window.overlap_audio_latents:]
             if decode:
-                _decode_window(pipe, video_stream, audio_stream, writer, video, audio,
-                               last=window.index == total - 1, report=report, timings=timings)
+                sounds.append(_decode_window(pipe, video_stream, audio_stream, writer, video, audio,
+                                             last=window.index == total - 1, report=report, timings=timings))
             del video, audio, video_rows, audio_rows
         report("window", total, total)
         info = None
         if decode:
             report("write_mp4", 0, 1)
-            info = writer.close(progress=lambda done, frames: report("write_mp4", done, frames))
+            writer.add_audio(np.concatenate(sounds, axis=1), num_frames=request.shape.num_frames)
+            info = writer.close(progress=lambda done: report("write_mp4", done, request.shape.num_frames))
             report("write_mp4", 1, 1)
             timings.lap("write_mp4")
             writer = None
@@ -148,16 +164,22 @@ def run_continuation(pipe, request: H3Request, *, report, tier: str, decode: boo
             writer.abort()
 
 
+def _write_frames(writer, frames: torch.Tensor) -> None:
+    """Frames `(F, H, W, 3)` in [0, 1] where they were decoded -> the MP4, 17 at a time as yuv420p planes."""
+    for start in range(0, frames.shape[0], 17):
+        writer.add_frames(rgb_to_yuv420(frames[start: start + 17]).cpu().numpy())
+
+
 def _decode_window(pipe, video_stream, audio_stream, writer, video, audio, *, last: bool, report, timings):
-    """Stages `decode_video` and `decode_audio` of one window's new latents: each 17-frame chunk is written to the
-    MP4 as soon as it is decoded (the encoder's time counts in `decode_video`), then the sound they settle
+    """Stages `decode_video` and `decode_audio` of one window's new latents: the frames are written to the MP4 as
+    they are decoded (the encoder's time counts in `decode_video`); returns the sound they settle `(2, S)`
     (everything that is left, for the last window)."""
     report("decode_video", 0, 1)
     with pipe._stage(pipe.vae), checkpoints(video_decoder_units(pipe.vae), lambda: report("decode_video", 0, 1)):
         for frames in video_stream.chunks(video):
-            writer.write(frames)
+            _write_frames(writer, frames)
         if last:
-            writer.write(video_stream.finish())
+            _write_frames(writer, video_stream.finish())
     report("decode_video", 1, 1)
     timings.lap("decode_video")
     report("decode_audio", 0, 1)
@@ -166,6 +188,6 @@ def _decode_window(pipe, video_stream, audio_stream, writer, video, audio, *, la
         sound = audio_stream.push(audio)
         if last:
             sound = np.concatenate([sound, audio_stream.finish()], axis=1)
-    writer.write(audio=sound)
     report("decode_audio", 1, 1)
     timings.lap("decode_audio")
+    return sound

@@ -13,11 +13,12 @@ there, which is how a job is cancelled within a fraction of a second in any stag
 """
 
 import logging
-import shutil
 import time
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 from typing import Callable
 
 import numpy as np
@@ -25,29 +26,33 @@ import torch
 
 from h3gen.errors import RequestError
 from h3gen.kernels.attention import resolve_backend
-from h3gen.media import MediaInfo, write_mp4
+from h3gen.media import MediaInfo, Mp4Writer, rgb_to_yuv420, write_mp4
 from h3gen.offload import plan_placement
 from h3gen.options import RunOptions
 from h3gen.pipelines.h3 import geometry
 from h3gen.pipelines.h3.checkpoint import REQUIRED, H3Checkpoint, resolve_workflow
 from h3gen.pipelines.h3.continuation import DEFAULT_MAX_SECONDS
-from h3gen.pipelines.h3.long_video import run_continuation
+from h3gen.pipelines.h3.long_video import largest_window, run_continuation
 from h3gen.pipelines.h3.packing import (ReferenceBlock, build_layout, build_ref2va_layout, patchify_video,
                                         row_timesteps, unpatchify_video)
 from h3gen.pipelines.h3.progress import checkpoints as _checkpoints
 from h3gen.pipelines.h3.references import AudioReference, ImageReference, VideoReference
-from h3gen.pipelines.h3.request import KEYFRAME_NOISE_AUG, H3Request, prepare_request, read_transformer_config
+from h3gen.pipelines.h3.request import (KEYFRAME_NOISE_AUG, H3Request, check_activation_budget, prepare_request,
+                                        read_transformer_config)
 from h3gen.pipelines.h3.schedules import AUDIO_SHIFT, VIDEO_SHIFT, FlowSchedule, noise_to, read_shift
 from h3gen.pipelines.h3.text_encoder import H3TextEncoder, TextConditioning
 from h3gen.pipelines.h3.tiers import set_quality
 from h3gen.pipelines.h3.transformer import H3Transformer
+from h3gen.pipelines.h3.video_decode import to_fp8_decoder
 from h3gen.pipelines.h3.vae import (audio_decoder_units, audio_encoder_units, decode_audio, decode_video,
                                     encode_frames, encode_keyframe, encode_sound, load_audio_vae, load_video_vae,
                                     video_decoder_units, video_encoder_units)
 
 logger = logging.getLogger(__name__)
 
-STAGES = ("encode_text", "encode_conditions", "denoise", "decode_video", "decode_audio")
+STAGES = ("encode_text", "encode_conditions", "denoise", "decode_video", "decode_audio", "write_mp4")
+# The video VAE's decode per quality tier (`video_decode.TIERS`): exact is diffusers' own.
+VIDEO_DECODE_TIER = {"exact": "exact", "lossless": "lossless", "fast": "fast"}
 __all__ = ["AudioReference", "H3Output", "H3Pipeline", "ImageReference", "VideoReference"]
 
 ProgressCallback = Callable[[str, int, int], None]
@@ -75,21 +80,17 @@ class H3Output:
     seed: int | None = None
     timings: dict[str, float] = field(default_factory=dict)
     planned_prompt: str | None = None  # the planner's prompt the clip was made from (a call with plan=True)
-    path: str | None = None  # the MP4 a call with `output_path` wrote (a clip over 15 s is only there)
-    media: MediaInfo | None = None  # what that MP4 decoded back as
-    windows: int = 1  # how many windows the clip was made of
+    path: str | None = None  # the MP4 a call with `output_path` wrote (its `video` is then None)
+    media: MediaInfo | None = None  # what decoding that MP4 back found
+    windows: int = 1  # how many windows the clip was made of (over 15 s: more than one)
 
     def save(self, path, audio_sample_rate: int | None = None, progress: Callable[[int, int], None] | None = None):
         """Write an MP4 (H.264 + AAC stereo at `audio_sample_rate`, default 32000) and verify it decodes back.
         `progress(done, total)` runs per frame written and read back (see `write_mp4`). Returns the decoded file's
-        `MediaInfo`. A streamed clip (`video` None, `path` set) is copied from the file it was written to."""
-        if self.video is None and self.path is not None:
-            if audio_sample_rate not in (None, self.media.sample_rate):
-                raise RequestError(f"this clip was written at {self.media.sample_rate} Hz; ask for audio_sample_rate "
-                                   "when it is made.", "audio_sample_rate")
-            if Path(path).resolve() != Path(self.path).resolve():
-                shutil.copyfile(self.path, path)
-            return self.media
+        `MediaInfo`."""
+        if self.video is None:
+            raise ValueError("this output holds no frames: it was generated with decode=False or written to "
+                             "output_path already.")
         return write_mp4(
             path, self.video, self.audio, fps=self.fps, sample_rate=self.sample_rate,
             audio_sample_rate=audio_sample_rate, progress=progress,
@@ -108,6 +109,38 @@ def _resolve_device(device) -> torch.device:
     if device is None:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(device)
+
+
+class _BackgroundEncode:
+    """A writer's `add_frames` on a worker thread, stoppable between frames."""
+
+    def __init__(self, writer: Mp4Writer, frames: np.ndarray):
+        self.frames, self.done = len(frames), 0
+        self._stopping = threading.Event()
+        self._future = ThreadPoolExecutor(1, thread_name_prefix="h3gen-mp4").submit(
+            writer.add_frames, frames, self._progress)
+
+    def _progress(self, done: int) -> None:
+        self.done = done
+        if self._stopping.is_set():
+            raise InterruptedError("the MP4 write was stopped")
+
+    def wait(self, report: Callable[[int], None]) -> None:
+        """Block until every frame is encoded, calling `report(frames encoded)` every 50 ms meanwhile (a
+        cancellation point); re-raises the encoder's error."""
+        while True:
+            try:
+                return self._future.result(timeout=0.05)
+            except FutureTimeout:
+                report(self.done)
+
+    def stop(self) -> None:
+        """Stop after the frame being encoded and wait for the worker (its error, if any, is dropped)."""
+        self._stopping.set()
+        try:
+            self._future.result()
+        except BaseException:  # the stop itself, or the encoder's own failure: the caller is failing already
+            pass
 
 
 class H3Pipeline:
@@ -142,6 +175,8 @@ class H3Pipeline:
         self.max_seconds = DEFAULT_MAX_SECONDS
         for model in self._transformers():
             set_quality(model, self.quality, attention=self.options.attention_for(self.quality))
+        if self.quality == "fast" and vae is not None:
+            to_fp8_decoder(vae)
 
     def _transformers(self) -> list:
         return [model for model in (self.transformer, self.transformer_ref) if model is not None]
@@ -228,9 +263,16 @@ class H3Pipeline:
         )
 
     def validate(self, prompt, **kwargs) -> H3Request:
-        """Check a request against this pipeline's checkpoint (see `prepare_request`), before any model work."""
+        """Check a request against this pipeline's checkpoint (see `prepare_request`) and, under layer-wise
+        offload, its activations against the GPU budget (a clip over 15 s: its largest window's), before any model
+        work."""
         kwargs.setdefault("max_seconds", self.max_seconds)
-        return prepare_request(self.checkpoint, self.config, prompt, **kwargs)
+        request = prepare_request(self.checkpoint, self.config, prompt, **kwargs)
+        budget = getattr(self._transformer_for(request.task), "activation_budget_bytes", None)
+        if budget is not None:
+            sized = request if request.continuation is None else largest_window(request)
+            check_activation_budget(sized, len(self.text_encoder.tokenize(sized.prompt)), self.config, budget)
+        return request
 
     # ------------------------------------------------------------------ stages
 
@@ -423,21 +465,51 @@ class H3Pipeline:
         return video_rows, audio_rows, blocks
 
     def _decode(self, video_latents: torch.Tensor, audio_latents: torch.Tensor, decode: bool,
-                report: ProgressCallback, lap) -> tuple:
-        """Stages `decode_video` and `decode_audio`: (frames `(F, H, W, 3)` float32 in [0, 1], stereo `(2, S)`
-        float32), or (None, None) without `decode` (the stages are still reported)."""
-        decoded = []
-        for stage, vae, units, run, latents in (
-                ("decode_video", self.vae, video_decoder_units, decode_video, video_latents),
-                ("decode_audio", self.audio_vae, audio_decoder_units, decode_audio, audio_latents)):
-            report(stage, 0, 1)
+                report: ProgressCallback, lap, tier: str, output_path=None, audio_sample_rate: int | None = None):
+        """Stages `decode_video`, `decode_audio` and, with `output_path`, `write_mp4`: (frames `(F, H, W, 3)`
+        float32 in [0, 1], stereo `(2, S)` float32, the written file's `MediaInfo` or None). Without `decode` both
+        are None (the stages are still reported). With `output_path` the frames go to the file instead of being
+        returned (None): converted to yuv420p where they were decoded and encoded on a worker thread while the
+        audio decodes."""
+        video = audio = media = None
+        report("decode_video", 0, 1)
+        if decode:
+            check = lambda: report("decode_video", 0, 1)  # noqa: E731
+            with self._stage(self.vae), _checkpoints(video_decoder_units(self.vae), check):
+                video = decode_video(self.vae, video_latents, tier=VIDEO_DECODE_TIER[tier], check=check,
+                                     on_device=output_path is not None)
+        report("decode_video", 1, 1)
+        lap("decode_video")
+        writer = encoding = None
+        if decode and output_path is not None:
+            num_frames, height, width, _ = video.shape
+            writer = Mp4Writer(output_path, width=width, height=height, fps=geometry.FPS,
+                               sample_rate=int(self.audio_vae.config.sampling_rate),
+                               audio_sample_rate=audio_sample_rate)
+            encoding = _BackgroundEncode(writer, rgb_to_yuv420(video).cpu().numpy())
+            video = None
+        try:
+            report("decode_audio", 0, 1)
             if decode:
-                with self._stage(vae), _checkpoints(units(vae), lambda stage=stage: report(stage, 0, 1)):
-                    latents = run(vae, latents)
-            decoded.append(latents if decode else None)
-            report(stage, 1, 1)
-            lap(stage)
-        return tuple(decoded)
+                check = lambda: report("decode_audio", 0, 1)  # noqa: E731
+                with self._stage(self.audio_vae), _checkpoints(audio_decoder_units(self.audio_vae), check):
+                    audio = decode_audio(self.audio_vae, audio_latents)
+            report("decode_audio", 1, 1)
+            lap("decode_audio")
+            if writer is not None:
+                units = 2 * encoding.frames
+                report("write_mp4", 0, units)
+                encoding.wait(lambda done: report("write_mp4", done, units))
+                writer.add_audio(audio)
+                media = writer.close(progress=lambda done: report("write_mp4", units // 2 + done, units))
+                report("write_mp4", units, units)
+                lap("write_mp4")
+        except BaseException:
+            if writer is not None:
+                encoding.stop()
+                writer.abort()
+            raise
+        return video, audio, media
 
     def __call__(self, prompt: str, *, image=None, last_image=None, references: list | None = None,
                  aspect_ratio: str | None = None,
@@ -477,11 +549,13 @@ class H3Pipeline:
             plan: first rewrite `prompt` with the pipeline's planner (subjects, motion, camera, sound effects,
                 music, dialogue; the first keyframe goes along when the planner reads images); the clip is made
                 from the planned prompt, returned as `planned_prompt`. Off by default. `plan_max_tokens` caps it.
+            output_path: write the clip there as a verified MP4 (H.264 + AAC, `audio_sample_rate` 32000 or 48000,
+                default 32000) as part of the call, the video encoded while the audio decodes; the output's `video`
+                is then None (the frames are in the file) and `media` describes the file. Stage `write_mp4`. A clip
+                over 15 s needs it: it is written there window by window and never held whole.
             prompts: a clip over 15 s: one prompt per window (or one for all) instead of `prompt`.
             window_frames, overlap_frames: a clip over 15 s: window and overlap lengths on the 17n+5 frame grid
                 (default 277 and 22; window 107 to 345, overlap shorter than the window).
-            output_path: also write the MP4 there (verified; `audio_sample_rate` 32000 or 48000) and return its
-                `path` and `media`; a clip over 15 s is written there window by window and never held whole.
         Returns:
             `H3Output`.
         """
@@ -520,11 +594,8 @@ class H3Pipeline:
         lap("encode_conditions")
         video_latents, audio_latents = self._denoise(request, text, video_rows, audio_rows, report, tier, blocks)
         lap("denoise")
-        video, audio = self._decode(video_latents, audio_latents, decode, report, lap)
-        output = H3Output(video=video, audio=audio, fps=geometry.FPS,
-                          sample_rate=int(self.audio_vae.config.sampling_rate), seed=request.seed, timings=timings,
-                          planned_prompt=planned)
-        if output_path is not None and decode:
-            output.media = output.save(output_path, audio_sample_rate=audio_sample_rate)
-            output.path = str(output_path)
-        return output
+        video, audio, media = self._decode(video_latents, audio_latents, decode, report, lap, tier, output_path,
+                                           audio_sample_rate)
+        return H3Output(video=video, audio=audio, fps=geometry.FPS,
+                        sample_rate=int(self.audio_vae.config.sampling_rate), seed=request.seed, timings=timings,
+                        planned_prompt=planned, path=str(output_path) if media is not None else None, media=media)

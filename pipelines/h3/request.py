@@ -171,3 +171,46 @@ def read_transformer_config(checkpoint: H3Checkpoint) -> H3TransformerConfig:
     name = "transformer" if "transformer" in checkpoint.components or "transformer_ref" not in checkpoint.components \
         else "transformer_ref"
     return H3TransformerConfig.from_dict(read_json(checkpoint.folder(name) / "config.json"))
+
+
+def packed_rows(request: H3Request, text_rows: int, patch_size: tuple[int, int, int]) -> int:
+    """The length of a request's packed sequence: `text_rows` (the prompt's tokens; the vision blocks keyframes and
+    references add to the text are not counted), conditioning rows (keyframes, visual references and their sound),
+    both audio channels and the video rows."""
+    _, ph, pw = patch_size
+    shape = request.shape
+    frame_rows = (shape.latent_height // ph) * (shape.latent_width // pw)
+    rows = text_rows + 2 * shape.num_audio_latents + shape.num_latent_frames * frame_rows
+    rows += len(request.keyframes) * frame_rows
+    for reference in request.references:
+        if reference.kind != "audio":
+            height, width = reference.visual_size
+            rows += reference.num_latent_frames * (height // 16 // ph) * (width // 16 // pw)
+        if reference.has_audio:
+            rows += 2 * round(reference.audio.shape[-1] / 800)
+    return rows
+
+
+def activation_bytes(rows: int, config: H3TransformerConfig) -> int:
+    """GPU memory one transformer forward's activations take over `rows` packed rows (bf16), estimated as the
+    larger of the two phases of a fused block: attention (residual, its norm, q / k / v, the rotated q / k and the
+    attention output: 2 x hidden + 6 x heads x head_dim values per row) and the SwiGLU (residual, its norm, the
+    up-projection and its activation: 2 x hidden + 3 x ffn_dim)."""
+    inner = config.num_attention_heads * config.attention_head_dim
+    per_row = 2 * max(2 * config.hidden_size + 6 * inner, 2 * config.hidden_size + 3 * config.ffn_dim)
+    return rows * per_row
+
+
+def check_activation_budget(request: H3Request, text_rows: int, config: H3TransformerConfig,
+                            budget_bytes: int | None) -> None:
+    """Refuse, before any model work, a request whose activations would not fit what the GPU budget leaves them
+    (`budget_bytes`, layer-wise offload's activation share; None: no declared budget)."""
+    if budget_bytes is None:
+        return
+    rows = packed_rows(request, text_rows, config.patch_size)
+    needed = activation_bytes(rows, config)
+    if needed > budget_bytes:
+        raise RequestError(
+            f"this request packs {rows:,} rows, whose activations need about {needed / 2**30:.1f} GiB of GPU memory, "
+            f"more than the {budget_bytes / 2**30:.1f} GiB the GPU budget (gpu_memory) leaves them: ask for fewer "
+            "seconds or a smaller canvas, or raise gpu_memory.", "seconds")

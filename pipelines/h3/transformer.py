@@ -448,6 +448,7 @@ class H3Transformer(nn.Module):
         parallel=None,
         quantization: str | None = None,
         skip_prefixes: tuple[str, ...] = (),
+        tensors=None,
     ) -> "H3Transformer":
         """Load from a folder holding `config.json` and safetensors weights (one file or a sharded index), in the
         diffusers key layout or the original release's. Float32 islands stay float32; everything else becomes
@@ -458,11 +459,12 @@ class H3Transformer(nn.Module):
         this rank's tensor-parallel shard (reading only that part of each tensor) and splits the sequence (Ulysses).
         `quantization="mxfp4"` stores the block linears (q/k/v/out, SwiGLU, AdaLN) as MXFP4, quantized while each
         tensor is read. Tensors under `skip_prefixes` are not read and stay on the meta device (a rank that maps
-        the blocks from a shared host store skips "transformer_blocks.").
+        the blocks from a shared host store skips "transformer_blocks."). `tensors` (`(key, tensor)` pairs in the
+        diffusers layout) replaces the folder's weight files (random weights at released dims).
         """
         return load_transformer(
             cls, folder, torch_dtype=torch_dtype, device=device, linear_factory=linear_factory, qkv_layout=qkv_layout,
-            parallel=parallel, quantization=quantization, skip_prefixes=skip_prefixes,
+            parallel=parallel, quantization=quantization, skip_prefixes=skip_prefixes, tensors=tensors,
         )
 
     @torch.no_grad()

@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from h3gen.errors import CheckpointError
+from h3gen.pipelines.h3 import video_decode
 
 PIXEL_MEAN = (0.485, 0.456, 0.406)
 PIXEL_STD = (0.229, 0.224, 0.225)
@@ -75,13 +76,16 @@ def encode_sound(vae, waveform: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def decode_video(vae, latents: torch.Tensor) -> np.ndarray:
-    """Normalised latents `(1, C, F, h, w)` float32 -> frames `(frames, H, W, 3)` float32 numpy in [0, 1]."""
+def decode_video(vae, latents: torch.Tensor, *, tier: str = "exact", check=None, on_device: bool = False):
+    """Normalised latents `(1, C, F, h, w)` float32 -> frames `(frames, H, W, 3)` float32 in [0, 1]: numpy on the
+    host, or (`on_device`) a tensor where the VAE ran. `tier` picks the decoder run (`video_decode.decode`: "exact"
+    is diffusers' own); `check()` runs before each decoder block (progress and cancellation)."""
     device = latents.device
     z = latents * _stat(vae.config.latents_std, device, 5) + _stat(vae.config.latents_mean, device, 5)
-    video = vae.decode(z, return_dict=False)[0]
+    video = video_decode.decode(vae, z, tier=tier, check=check)
     video = (video.float() * _stat(PIXEL_STD, device, 5) + _stat(PIXEL_MEAN, device, 5)).clamp(0, 1)
-    return video[0].permute(1, 2, 3, 0).cpu().numpy()
+    frames = video[0].permute(1, 2, 3, 0)
+    return frames if on_device else frames.cpu().numpy()
 
 
 @torch.no_grad()

@@ -2,9 +2,10 @@
 
 Video: diffusers' `AutoencoderKLMiniMaxH3._decode` already decodes a clip as independent temporal chunks: chunk `i`
 decodes latents `[5i, 5i + 7)` (five of its own plus the two the next chunk starts with) into 17 frames and a 5-frame
-tail, and the tail is cross-faded into the next chunk's first 5 frames. `VideoDecodeStream` runs the same chunks as
-their latents arrive, so its frames equal one `decode_video` of the whole timeline, bit for bit; it holds at most
-one chunk's latents beyond what it was given last and one 5-frame tail.
+tail, and the tail is cross-faded into the next chunk's first 5 frames. `VideoDecodeStream` decodes the chunks each
+new stretch of latents completes (batched, `video_decode.decode`) and cross-fades the first of them with the tail
+the previous stretch left, so its frames equal one `decode_video` of the whole timeline (bit for bit in the exact
+tier); it holds one stretch's chunks, at most two latent frames beyond them and one 5-frame tail.
 
 Audio: the BigVGAN decoder is convolutional, so a sample depends on latents within a fixed reach. `AudioDecodeStream`
 decodes the timeline in stretches of a fixed length, each together with `context` latents on both sides, and keeps
@@ -18,7 +19,12 @@ import math
 import numpy as np
 import torch
 
+from h3gen.pipelines.h3 import video_decode
 from h3gen.pipelines.h3.vae import PIXEL_MEAN, PIXEL_STD, decode_audio
+
+def _stat(values, device) -> torch.Tensor:
+    return torch.tensor(values, device=device).view(1, -1, 1, 1, 1)
+
 
 # Taps of the anti-aliasing filters around each of the decoder's activations (diffusers' MiniMaxH3AudioActivation1d).
 _ACTIVATION_TAPS = 12
@@ -43,52 +49,48 @@ def audio_decoder_reach(config) -> int:
 
 
 class VideoDecodeStream:
-    """Frames of a latent timeline fed with `push` in order; `finish` returns the last frames. Every call returns
-    `(frames, H, W, 3)` float32 numpy in [0, 1] (possibly zero frames)."""
+    """Frames of a latent timeline fed with `chunks` in order; `finish` returns the last frames. Each call decodes
+    every whole chunk its latents complete in one batched decode (`video_decode.decode` at `tier`, at most
+    `max_chunks` chunks at a time) and yields them as `(frames, H, W, 3)` float32 in [0, 1], on the VAE's device."""
 
-    def __init__(self, vae):
-        self.vae = vae
+    def __init__(self, vae, tier: str = "exact", check=None, max_chunks: int = 16):
+        self.vae, self.tier, self.check, self.max_chunks = vae, tier, check, max_chunks
         self.chunk = vae.tokens_chunk_size  # latent frames each chunk owns (5)
         self.lookahead = vae.token_overlap  # latent frames of the next chunk it also decodes (2)
-        self.frames_per_chunk = vae.tokens_chunk_size * vae.temporal_compression_ratio  # 20 decoded, 17 kept
         self.pending: torch.Tensor | None = None  # latents not yet decoded as a chunk's own
         self.tail: torch.Tensor | None = None  # the previous chunk's decoded tail, to cross-fade
 
-    def _pixels(self, decoded: torch.Tensor) -> np.ndarray:
-        device = decoded.device
-        mean = torch.tensor(PIXEL_MEAN, device=device).view(1, -1, 1, 1, 1)
-        std = torch.tensor(PIXEL_STD, device=device).view(1, -1, 1, 1, 1)
-        video = (decoded.float() * std + mean).clamp(0, 1)
-        return video[0].permute(1, 2, 3, 0).cpu().numpy()
-
-    def push(self, latents: torch.Tensor) -> np.ndarray:
-        """Add normalised latents `(1, C, F, h, w)` (the next stretch of the timeline) and decode every chunk whose
-        latents are all in, as one array."""
-        out = list(self.chunks(latents))
-        return np.concatenate(out) if out else np.zeros((0, 0, 0, 3), dtype=np.float32)
+    def _pixels(self, decoded: torch.Tensor) -> torch.Tensor:
+        video = (decoded.float() * _stat(PIXEL_STD, decoded.device) + _stat(PIXEL_MEAN, decoded.device)).clamp(0, 1)
+        return video[0].permute(1, 2, 3, 0)
 
     @torch.no_grad()
     def chunks(self, latents: torch.Tensor):
-        """As `push`, one 17-frame chunk at a time (a generator: each chunk is decoded when it is asked for)."""
+        """Add normalised latents `(1, C, F, h, w)` (the next stretch of the timeline) and yield the frames of every
+        chunk they complete (a generator: decoded when asked for)."""
         vae = self.vae
         self.pending = latents if self.pending is None else torch.cat([self.pending, latents], dim=2)
         while self.pending.shape[2] >= self.chunk + self.lookahead:
-            z = self.pending[:, :, : self.chunk + self.lookahead]
-            std = torch.tensor(vae.config.latents_std, device=z.device).view(1, -1, 1, 1, 1)
-            mean = torch.tensor(vae.config.latents_mean, device=z.device).view(1, -1, 1, 1, 1)
-            z = (z * std + mean).to(vae.post_quant_conv.weight.dtype)
-            clip = vae._decode_clip(z)
-            own = clip[:, :, : self.frames_per_chunk][:, :, vae.frame_pre_padding:]
+            count = min((self.pending.shape[2] - self.lookahead) // self.chunk, self.max_chunks)
+            z = self.pending[:, :, : count * self.chunk + self.lookahead]
+            z = z * _stat(vae.config.latents_std, z.device) + _stat(vae.config.latents_mean, z.device)
+            decoded = video_decode.decode(vae, z, tier=self.tier, check=self.check)  # 17 count + 5 frames
             if self.tail is not None:
-                own = vae._blend(self.tail, own, vae.frame_overlap, dim=-3)
-            self.tail = clip[:, :, self.frames_per_chunk: 2 * self.frames_per_chunk][:, :, vae.frame_pre_padding:]
-            self.pending = self.pending[:, :, self.chunk:]
-            yield self._pixels(own)
+                decoded = vae._blend(self.tail, decoded, vae.frame_overlap, dim=-3)
+            own = decoded.shape[2] - vae.frame_overlap
+            self.tail = decoded[:, :, own:]
+            self.pending = self.pending[:, :, count * self.chunk:]
+            yield self._pixels(decoded[:, :, :own])
 
-    def finish(self) -> np.ndarray:
-        """The last chunk's tail (the timeline's final frames). The latents pushed must have been 5n + 2."""
+    def push(self, latents: torch.Tensor) -> np.ndarray:
+        """`chunks` as one host array."""
+        out = [frames.cpu().numpy() for frames in self.chunks(latents)]
+        return np.concatenate(out) if out else np.zeros((0, 0, 0, 3), dtype=np.float32)
+
+    def finish(self) -> torch.Tensor:
+        """The last chunk's tail (the timeline's final frames). The latents given must have made 5n + 2."""
         if self.pending is None or self.pending.shape[2] != self.lookahead or self.tail is None:
-            raise ValueError("the latents pushed do not make a 5n + 2 timeline.")
+            raise ValueError("the latents given do not make a 5n + 2 timeline.")
         frames, self.tail, self.pending = self._pixels(self.tail), None, None
         return frames
 

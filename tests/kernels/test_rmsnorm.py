@@ -35,3 +35,15 @@ def test_rms_norm_reference_matches_torch(shape, eps):
     torch.testing.assert_close(norm_ref.rms_norm(x, weight, eps), F.rms_norm(x, (shape[-1],), weight, eps))
     total, normed = norm_ref.add_rms_norm(x, x.flip(-1), weight, eps)
     torch.testing.assert_close(normed, F.rms_norm(x + x.flip(-1), (shape[-1],), weight, eps))
+
+
+@pytest.mark.parametrize("shape", [(3, 5, 200), (7, 2048)])
+def test_a_float32_norm_hands_bf16_over_in_one_pass(shape):
+    """`out_dtype`: the float32 norm of a float32 residual cast once to bf16, as `norm(x.float()).to(bf16)`."""
+    g = torch.Generator(device=DEVICE).manual_seed(shape[-1])
+    x = torch.randn(*shape, generator=g, device=DEVICE)
+    weight = torch.randn(shape[-1], generator=g, device=DEVICE)
+    want = norm_ref.rms_norm(x, weight, 1e-5).to(torch.bfloat16)
+    got = norm_triton.rms_norm(x, weight, 1e-5, out_dtype=torch.bfloat16)
+    assert got.dtype == torch.bfloat16 and _err(got.float(), want.float()) <= 8e-3
+    assert torch.equal(norm_ref.rms_norm(x, weight, 1e-5, out_dtype=torch.bfloat16), want)
