@@ -128,6 +128,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
     from h3gen.media import MediaError
     from h3gen.pipelines.h3.checkpoint import H3Checkpoint
+    from h3gen.pipelines.h3.continuation import check_max_seconds
     from h3gen.pipelines.h3.request import prepare_request, read_transformer_config
 
     if args.model is None:
@@ -144,13 +145,15 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     workflow = "ref2va" if references else "fl2va" if (args.image or args.last_image) else "t2va"
     options = _run_options(args, workflow=workflow)  # checked before anything loads
     call = dict(image=args.image, last_image=args.last_image, references=references, aspect_ratio=args.aspect,
-                seconds=args.seconds, num_inference_steps=args.steps, seed=args.seed)
+                seconds=args.seconds, num_inference_steps=args.steps, seed=args.seed, prompts=_prompts(args),
+                window_frames=args.window_frames, overlap_frames=args.overlap_frames)
 
     # Check the request against the checkpoint before loading any weights (or starting any process).
     checkpoint = H3Checkpoint.open(args.model)
     checkpoint.require(workflow)
     config = read_transformer_config(checkpoint)
-    request = prepare_request(checkpoint, config, args.prompt, **call)
+    max_seconds = check_max_seconds(args.max_seconds)
+    request = prepare_request(checkpoint, config, args.prompt, max_seconds=max_seconds, **call)
     if args.audio_rate not in (32000, 48000):
         raise RequestError(f"--audio-rate must be 32000 or 48000 (got {args.audio_rate}).", "audio_rate")
     if args.planner:
@@ -185,6 +188,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         print(f"h3gen: loading {args.model} on {device} ({dtype_name})", file=sys.stderr)
     pipe = H3Pipeline.from_pretrained(args.model, device=device, torch_dtype=getattr(torch, DTYPES[dtype_name]),
                                       parallel=parallel, options=options)
+    pipe.max_seconds = max_seconds
     if args.seed is None:
         call["seed"] = request.seed  # the seed drawn during the check, so it can be reported
     if references and args.seconds is None:
@@ -192,6 +196,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     if rank != 0:  # every rank runs the same steps; rank 0 decodes, reports and writes the file
         pipe(args.prompt, decode=False, **call)
         return 0
+    if request.continuation is not None:
+        return _generate_long(pipe, args, call, request.continuation.num_windows)
     bar, callback = _progress_bar({"encode_text": 1, "encode_conditions": len(request.keyframes) +
                                    len(request.references), "denoise": args.steps - 1, "decode_video": 1,
                                    "decode_audio": 1, "write_mp4": 1})
@@ -207,6 +213,69 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         bar.close()
     print(f"h3gen: wrote {args.out}: {info.num_frames} frames {info.width}x{info.height} at {info.fps:g} fps, "
           f"stereo AAC {info.sample_rate} Hz, {info.video_seconds:.2f} s, seed {output.seed}", file=sys.stderr)
+    return 0
+
+
+def _prompts(args: argparse.Namespace) -> list[str] | None:
+    """`--prompt-per-window`, repeated, or once as a JSON list."""
+    import json
+
+    given = args.prompts
+    if given and len(given) == 1 and given[0].lstrip().startswith("["):
+        try:
+            given = json.loads(given[0])
+        except ValueError:
+            raise RequestError("--prompt-per-window must be a prompt (repeat the flag) or a JSON list of prompts.",
+                               "prompts") from None
+    return given
+
+
+def _window_bar(windows: int, steps: int):
+    """A tqdm bar over a long clip's windows (each: its denoising steps and its write), and its callback."""
+    from tqdm import tqdm
+
+    per_window = steps + 1
+    bar = tqdm(total=windows * per_window, unit="step", dynamic_ncols=True, file=sys.stderr)
+    window = 0
+
+    def callback(stage: str, step: int, stage_total: int) -> None:
+        nonlocal window
+        if stage == "window":
+            window = step
+            position = step * per_window
+        elif stage == "denoise":
+            position = window * per_window + min(step, steps)
+        elif stage == "write_mp4" and step == stage_total:
+            position = min(window * per_window + per_window, windows * per_window)
+        else:
+            position = bar.n
+        bar.set_description(f"window {min(window + 1, windows)}/{windows} {stage}", refresh=False)
+        if position > bar.n:
+            bar.update(position - bar.n)
+
+    return bar, callback
+
+
+def _generate_long(pipe, args: argparse.Namespace, call: dict, windows: int) -> int:
+    """Rank 0 of a clip over 15 s: made window by window and streamed into `--out`."""
+    import torch
+
+    from h3gen.media import MediaError
+
+    bar, callback = _window_bar(windows, args.steps - 1)
+    try:
+        output = pipe(args.prompt, callback=callback, output_path=args.out, audio_sample_rate=args.audio_rate, **call)
+    except torch.cuda.OutOfMemoryError:
+        raise RequestError("the GPU ran out of memory: try a smaller canvas, a shorter window or --dtype bf16.") \
+            from None
+    except MediaError as error:
+        raise RequestError(str(error)) from None
+    finally:
+        bar.close()
+    info = output.media
+    print(f"h3gen: wrote {args.out}: {info.num_frames} frames {info.width}x{info.height} at {info.fps:g} fps in "
+          f"{windows} windows, stereo AAC {info.sample_rate} Hz, {info.video_seconds:.2f} s, seed {output.seed}",
+          file=sys.stderr)
     return 0
 
 
@@ -233,9 +302,12 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         args.model = str(tiny_checkpoint())
     if args.max_queue < 1:
         raise RequestError(f"--max-queue must be at least 1 (got {args.max_queue}).", "max_queue")
+    from h3gen.pipelines.h3.continuation import check_max_seconds
+
+    check_max_seconds(args.max_seconds)
     api_key = args.api_key or os.environ.get("H3GEN_API_KEY") or None
     dtype = getattr(torch, DTYPES[args.dtype]) if args.dtype else None
-    serving = {"options": _run_options(args, workflow=args.workflow)}
+    serving = {"options": _run_options(args, workflow=args.workflow), "max_seconds": args.max_seconds}
     if args.tp * args.ulysses > 1:
         from h3gen.parallel.launch import launched_by_torchrun, relaunch_with_torchrun, start_rank
         from h3gen.parallel.state import check_degrees
@@ -303,6 +375,22 @@ def _run_option_arguments(parser: argparse.ArgumentParser, quality_help: str) ->
                              "(FP8 backends with --quality fast only; default: the tier's own)")
 
 
+def _long_video_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags of clips over 15 s (`pipelines/h3/continuation.py` holds their rules)."""
+    from h3gen.pipelines.h3.continuation import (DEFAULT_MAX_SECONDS, DEFAULT_OVERLAP_FRAMES, DEFAULT_WINDOW_FRAMES,
+                                                 MAX_SECONDS_LIMIT)
+
+    parser.add_argument("--max-seconds", dest="max_seconds", type=float, default=DEFAULT_MAX_SECONDS,
+                        help=f"longest clip a request may ask for, 15 to {MAX_SECONDS_LIMIT:g} s (default "
+                             f"{DEFAULT_MAX_SECONDS:g})")
+    parser.add_argument("--window-frames", dest="window_frames", type=int, default=None,
+                        help=f"a clip over 15 s: frames per window, 17n+5 from 107 to 345 (default "
+                             f"{DEFAULT_WINDOW_FRAMES})")
+    parser.add_argument("--overlap-frames", dest="overlap_frames", type=int, default=None,
+                        help=f"a clip over 15 s: frames each window repeats of the previous one, 17n+5, shorter than "
+                             f"the window (default {DEFAULT_OVERLAP_FRAMES})")
+
+
 def _run_options(args: argparse.Namespace, **keywords) -> RunOptions:
     """The validated `RunOptions` of the command line's flags."""
     return RunOptions(quality=args.quality, offload=args.offload, gpu_memory=args.gpu_memory, prefetch=args.prefetch,
@@ -342,7 +430,12 @@ def build_parser() -> argparse.ArgumentParser:
                          help=f"ref2va reference: {what}; repeatable, references keep the command line's order")
     gen.add_argument("--aspect", default=None, help="W:H from 1:4 to 4:1 (default 16:9, or the keyframe's)")
     gen.add_argument("--seconds", type=float, default=None,
-                     help="length, 5 to 15 s (default 5; ref2va: the length of the first reference with sound)")
+                     help="length, 5 to --max-seconds (default 5; ref2va: the length of the first reference with "
+                          "sound); over 15 s the clip is made in overlapping windows")
+    _long_video_arguments(gen)
+    gen.add_argument("--prompt-per-window", dest="prompts", action="append", metavar="PROMPT",
+                     help="a clip over 15 s: the prompt of the next window (repeat once per window, or give one "
+                          "for all, or a JSON list); default: the prompt for every window")
     gen.add_argument("--steps", type=int, default=50, help="sigma grid points, 2 to 1000 (default 50)")
     gen.add_argument("--seed", type=int, default=None, help="noise seed (default: random, printed at the end)")
     gen.add_argument("--device", choices=("cuda", "cpu"), default=None, help="default: cuda if available")
@@ -379,6 +472,9 @@ def build_parser() -> argparse.ArgumentParser:
                                  "or lossless, and a server started with fast serves only fast")
     serve.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (processes started with torchrun)")
     serve.add_argument("--ulysses", type=int, default=1, help="Ulysses sequence-parallel degree")
+    serve.add_argument("--max-seconds", dest="max_seconds", type=float, default=60.0,
+                       help="longest clip a job may ask for, 15 to 300 s; over 15 s a clip is made in overlapping "
+                            "windows and written as it is made")
     serve.add_argument("--workflow", choices=WORKFLOWS, default="auto",
                        help=f"tasks to serve (default auto): {describe(WORKFLOW_HELP)}")
     serve.add_argument("--planner", default=None, metavar="SPEC",

@@ -62,7 +62,14 @@ def _bad_inputs(tmp_path, cache):
     return {
         "aspect 1:5": (["--aspect", "1:5"], "aspect"),
         "2 seconds": (["--seconds", "2"], "seconds must be between 5 and 15"),
-        "16 seconds": (["--seconds", "16"], "seconds must be between 5 and 15"),
+        "61 seconds": (["--seconds", "61"], "seconds must be from 5 to 60"),
+        "301 max seconds": (["--seconds", "30", "--max-seconds", "301"], "max_seconds must be from 15 to 300"),
+        "prompts per window": (["--seconds", "30", "--prompt-per-window", "a", "--prompt-per-window", "b"],
+                               "this request has 3 windows"),
+        "window off the grid": (["--seconds", "30", "--window-frames", "250"], "window_frames must be a frame count on "
+                                                                              "the 17n+5 grid"),
+        "overlap as long as the window": (["--seconds", "30", "--window-frames", "277", "--overlap-frames", "277"],
+                                          "overlap_frames must be shorter than window_frames"),
         "text file as image": (["--image", str(text)], "is not a readable image"),
         "truncated image": (["--image", str(truncated)], "is not a readable image"),
         "missing image": (["--image", str(tmp_path / "nope.png")], "does not exist"),

@@ -167,8 +167,8 @@ def test_input_reference_as_a_file_and_as_a_data_url(server, client):
 
 
 @pytest.mark.parametrize("fields, exception, words", [
-    ({"seconds": "4"}, openai.UnprocessableEntityError, "5 to 15"),
-    ({"seconds": "16"}, openai.UnprocessableEntityError, "5 to 15"),
+    ({"seconds": "4"}, openai.UnprocessableEntityError, "from 5"),
+    ({"seconds": "61"}, openai.UnprocessableEntityError, "5 to 60"),  # over the server's --max-seconds
     ({"size": "5000x100"}, openai.UnprocessableEntityError, "nearest"),
     ({"size": "big"}, openai.UnprocessableEntityError, "1280x720"),
     ({"model": "sora-2"}, openai.UnprocessableEntityError, "MiniMax-H3"),

@@ -131,7 +131,7 @@ def test_restart_keeps_finished_jobs_and_reports_the_interrupted_one(model, tmp_
 def test_client_reports_server_errors(server):
     client = H3Client(server.url)
     with pytest.raises(H3ClientError) as info:
-        client.create("x", seconds=30)
+        client.create("x", seconds=61)  # over the server's --max-seconds (60)
     assert info.value.status == 422 and "seconds" in str(info.value)
 
 

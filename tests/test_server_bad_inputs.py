@@ -58,7 +58,11 @@ JSON_CASES = [
     ({"prompt": "x", "audio_sample_rate": 44100}, 422, "audio_sample_rate"),
     ({"prompt": "x", "negative_prompt": "blurry"}, 422, "negative_prompt"),
     ({"prompt": "x", "seconds": 2}, 422, "seconds"),
-    ({"prompt": "x", "seconds": 16}, 422, "seconds"),
+    ({"prompt": "x", "seconds": 61}, 422, "seconds"),  # over the server's --max-seconds (60)
+    ({"prompt": "x", "seconds": 301}, 422, "seconds"),  # over any server's
+    ({"prompt": "x", "seconds": 30, "prompts": ["a", "b"]}, 422, "prompts"),
+    ({"prompt": "x", "seconds": 30, "window_frames": 250}, 422, "window_frames"),
+    ({"prompt": "x", "seconds": 30, "overlap_frames": 277}, 422, "overlap_frames"),
     ({"prompt": "x", "num_inference_steps": 1}, 422, "num_inference_steps"),
     ({"prompt": "x", "num_inference_steps": 5000}, 422, "num_inference_steps"),
     ({"prompt": "x", "seed": -1}, 422, "seed"),

@@ -12,6 +12,8 @@ from pydantic import ValidationError
 
 from h3gen.errors import RequestError
 from h3gen.options import TASKS
+from h3gen.pipelines.h3.continuation import DEFAULT_OVERLAP_FRAMES, DEFAULT_WINDOW_FRAMES
+from h3gen.pipelines.h3.geometry import MAX_SECONDS
 from h3gen.pipelines.h3.tiny_checkpoint import TRANSFORMER as TINY_TRANSFORMER
 from h3gen.server.jobs import FINISHED, QueueFull
 from h3gen.server.openai_video import OPENAI_STATUS
@@ -61,6 +63,16 @@ def status_label(status: str) -> str:
     return "cancelled" if status == "cancelled" else OPENAI_STATUS[status]
 
 
+def long_clip_fields(window_prompts: str | None, window_frames, overlap_frames) -> dict:
+    """The request fields of the long-clip inputs: one prompt per non-empty line, window and overlap when given."""
+    lines = [line.strip() for line in (window_prompts or "").splitlines() if line.strip()]
+    fields = {"prompts": lines} if lines else {}
+    for name, value in (("window_frames", window_frames), ("overlap_frames", overlap_frames)):
+        if value not in (None, ""):
+            fields[name] = int(value)
+    return fields
+
+
 def _history(manager) -> list[list]:
     """The latest jobs as table rows: short id, status, prompt, seconds of video, seed."""
     jobs, _ = manager.list(limit=20)
@@ -93,7 +105,8 @@ class _Actions:
         self.manager = manager
         self.upload_folder = Path(get_upload_folder())
 
-    def generate(self, prompt, task, image, last_image, references, aspect, seconds, steps, seed, randomize, plan):
+    def generate(self, prompt, task, image, last_image, references, aspect, seconds, steps, seed, randomize, plan,
+                 window_prompts="", window_frames=None, overlap_frames=None):
         idle = (gr.update(),) * 5  # video, job, seed, history, planned prompt stay as they are
 
         def problem(message):
@@ -101,7 +114,8 @@ class _Actions:
 
         fields = dict(prompt=prompt or "", task=task, seconds=float(seconds), num_inference_steps=int(steps),
                       aspect_ratio=None if aspect in (None, "auto") else aspect,
-                      seed=None if randomize or seed is None else int(seed), plan=bool(plan))
+                      seed=None if randomize or seed is None else int(seed), plan=bool(plan),
+                      **long_clip_fields(window_prompts, window_frames, overlap_frames))
         try:
             request = GenerationRequest.model_validate(fields)
         except ValidationError as error:
@@ -131,6 +145,8 @@ class _Actions:
                 yield problem(f"Job {job_id[:8]} was deleted.")
                 return
             stage_name = view["stage"] or status_label(view["status"])
+            if view.get("window"):
+                stage_name = f"window {view['window']}, {stage_name}"
             where = f", #{view['queue_position']} in queue" if view.get("queue_position") else ""
             percent = f"{view['progress']:.0f}%"
             status = f"Job {job_id[:8]}: {status_label(view['status'])}{where} — {stage_name}, {percent}"
@@ -179,6 +195,7 @@ def build_ui(manager) -> gr.Blocks:
     (what the buttons do: `_Actions`)."""
 
     has_planner = getattr(manager.engine, "planner", None) is not None
+    max_seconds = getattr(manager.engine, "max_seconds", MAX_SECONDS)
     actions = _Actions(manager)
 
     with gr.Blocks(title="h3gen — MiniMax-H3", analytics_enabled=False, delete_cache=UPLOAD_CACHE) as demo:
@@ -201,7 +218,17 @@ def build_ui(manager) -> gr.Blocks:
                                      label="References (ref2va): up to 9 images, 3 videos, 3 sounds, in this order")
                 with gr.Row():
                     aspect = gr.Dropdown(ASPECTS, value="auto", label="Aspect ratio", elem_id="aspect")
-                    seconds = gr.Slider(5, 15, value=5, step=0.5, label="Seconds", elem_id="seconds")
+                    seconds = gr.Slider(5, max_seconds, value=5, step=0.5, elem_id="seconds",
+                                        label=f"Seconds (over 15: made in overlapping windows; up to {max_seconds:g})")
+                window_prompts = gr.Textbox(label="Prompts per window (clips over 15 s): one line per window, or one "
+                                                  "line for all; empty: the prompt above", lines=2,
+                                            elem_id="window-prompts")
+                with gr.Accordion("Windows (clips over 15 s)", open=False):
+                    with gr.Row():
+                        window_frames = gr.Number(value=DEFAULT_WINDOW_FRAMES, precision=0, elem_id="window-frames",
+                                                  label="Frames per window (17n+5, 107 to 345)")
+                        overlap_frames = gr.Number(value=DEFAULT_OVERLAP_FRAMES, precision=0, elem_id="overlap-frames",
+                                                   label="Overlap frames (17n+5, shorter than the window)")
                 with gr.Row():
                     steps = gr.Slider(2, 100, value=50, step=1, label="Steps", elem_id="steps")
                     seed = gr.Number(value=0, precision=0, minimum=0, label="Seed", elem_id="seed")
@@ -222,7 +249,8 @@ def build_ui(manager) -> gr.Blocks:
                                        column_widths=HISTORY_WIDTHS, wrap=True,
                                        label="History (click a row to play it)", elem_id="history")
         run.click(actions.generate,
-                  [prompt, task, image, last_image, references, aspect, seconds, steps, seed, randomize, plan],
+                  [prompt, task, image, last_image, references, aspect, seconds, steps, seed, randomize, plan,
+                   window_prompts, window_frames, overlap_frames],
                   [status, progress, video, job_state, seed, history, planned], concurrency_limit=None,
                   show_progress="hidden")
         stop.click(actions.cancel, [job_state], [status, video, history], show_progress="hidden")

@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from h3gen.pipelines.h3.continuation import DEFAULT_MAX_SECONDS
 from h3gen.server.engine import H3Engine, pipeline_arguments
 from h3gen.server.jobs import JobCancelled
 
@@ -102,16 +103,18 @@ def _load(engine) -> None:
     try:
         engine.pipeline = H3Pipeline.from_pretrained(engine.model_path, device=engine.device, torch_dtype=engine.dtype,
                                                      parallel=engine.parallel, options=engine.options)
+        engine.pipeline.max_seconds = engine.max_seconds
     except Exception as error:
         logger.exception("model failed to load")
         engine.load_error = f"{type(error).__name__}: {error}"
 
 
-def follow(model_path, *, parallel, device, dtype, quality=None, offload=None, workflow=None, options=None) -> None:
-    """The loop of every rank but 0: load the same model (the same run options as rank 0's engine: `options` or
-    the `H3Engine` keywords), then run each broadcast job until told to stop."""
+def follow(model_path, *, parallel, device, dtype, quality=None, offload=None, workflow=None, options=None,
+           max_seconds: float = DEFAULT_MAX_SECONDS) -> None:
+    """The loop of every rank but 0: load the same model (the same run options and length limit as rank 0's
+    engine: `options` or the `H3Engine` keywords), then run each broadcast job until told to stop."""
     engine = H3Engine(model_path, device=device, dtype=dtype, quality=quality, offload=offload, workflow=workflow,
-                      options=options)
+                      options=options, max_seconds=max_seconds)
     engine.parallel = parallel
     control = dist.new_group(list(range(dist.get_world_size())), timeout=CONTROL_TIMEOUT)
     agree = StepAgreement(None)

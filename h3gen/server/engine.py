@@ -11,6 +11,7 @@ import torch
 from h3gen.errors import RequestError
 from h3gen.options import RunOptions
 from h3gen.pipelines.h3.checkpoint import H3Checkpoint, resolve_workflow
+from h3gen.pipelines.h3.continuation import DEFAULT_MAX_SECONDS, check_max_seconds
 from h3gen.pipelines.h3.geometry import SPATIAL_COMPRESSION, resolve_canvas
 from h3gen.pipelines.h3.references import AudioReference, ImageReference, VideoReference
 from h3gen.pipelines.h3.request import prepare_request, read_transformer_config
@@ -42,7 +43,8 @@ def pipeline_arguments(request: dict, uploads: dict[str, Path]) -> dict:
     return dict(image=uploads.get("image"), last_image=uploads.get("last_image"),
                 references=references or None, height=request["height"], width=request["width"],
                 num_frames=request["num_frames"], num_inference_steps=request["num_inference_steps"],
-                seed=request["seed"], quality=request.get("quality"))
+                seed=request["seed"], quality=request.get("quality"), prompts=request.get("prompts"),
+                window_frames=request.get("window_frames"), overlap_frames=request.get("overlap_frames"))
 
 
 class H3Engine:
@@ -50,14 +52,16 @@ class H3Engine:
 
     def __init__(self, model_path, *, device: str | None = None, dtype: torch.dtype | None = None,
                  quality: str | None = None, offload: dict | None = None, workflow: str | None = None, planner=None,
-                 options: RunOptions | None = None):
+                 options: RunOptions | None = None, max_seconds: float = DEFAULT_MAX_SECONDS):
         """How the model loads and runs is one `RunOptions`: `options`, or its fields as `quality`, `workflow`
         (default "auto") and the `offload` dict (`offload`, `gpu_memory`, `prefetch`, `quantization`); keywords
-        given next to `options` replace its fields."""
+        given next to `options` replace its fields. `max_seconds` (15 to 300): the longest clip a job may ask
+        for; over 15 s it is made in windows."""
         if options is None and workflow is None:
             workflow = "auto"
         options = RunOptions.merged(options, quality=quality, workflow=workflow, **(offload or {}))
         self.model_path = Path(model_path)
+        self.max_seconds = check_max_seconds(max_seconds)
         self.checkpoint = H3Checkpoint.open(self.model_path)
         self.config = read_transformer_config(self.checkpoint)
         # The tasks this server answers: every one the checkpoint holds, or those of one workflow (ref2va has its
@@ -96,6 +100,7 @@ class H3Engine:
         try:
             self.pipeline = H3Pipeline.from_pretrained(self.model_path, device=self.device, torch_dtype=self.dtype,
                                                        options=self.options)
+            self.pipeline.max_seconds = self.max_seconds
         except Exception as error:  # reported on /health and by every job
             logger.exception("model failed to load")
             self.load_error = f"{type(error).__name__}: {error}"
@@ -139,16 +144,19 @@ class H3Engine:
                                "(multipart, repeatable, in order).", "references")
         arguments = dict(image=keyframes.get("image"), last_image=keyframes.get("last_image"),
                          references=references or None, aspect_ratio=request.aspect_ratio, seconds=request.seconds,
-                         num_inference_steps=request.num_inference_steps, seed=request.seed)
+                         num_inference_steps=request.num_inference_steps, seed=request.seed, prompts=request.prompts,
+                         window_frames=request.window_frames, overlap_frames=request.overlap_frames,
+                         max_seconds=self.max_seconds)
         if self.pipeline is not None:  # loaded: its GPU budget is known too
             prepared = self.pipeline.validate(request.prompt, **arguments)
         else:
             prepared = prepare_request(self.checkpoint, self.config, request.prompt, **arguments)
         shape = prepared.shape
+        windows = {"windows": prepared.continuation.num_windows} if prepared.continuation else {}
         return request.model_dump() | {
             "seed": prepared.seed, "height": shape.height, "width": shape.width, "num_frames": shape.num_frames,
             "duration": round(shape.seconds, 4), "fps": 24, "quality": quality,
-        } | ({"references": [reference.kind for reference in references]} if references else {})
+        } | windows | ({"references": [reference.kind for reference in references]} if references else {})
 
     def plan(self, request: dict, images: dict[str, Path]) -> str:
         """The planned prompt of a normalized `plan: true` request (its first keyframe goes along when the planner

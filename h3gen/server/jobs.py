@@ -83,13 +83,18 @@ class _Live:
     cancel: threading.Event = field(default_factory=threading.Event)
     cancelled_by_client: bool = False  # False when the server's shutdown stopped it
     done: threading.Event = field(default_factory=threading.Event)  # set once the worker has written the outcome
+    window: tuple[int, int] | None = None  # (index, count) of the window running, for a clip made in windows
 
 
-def progress_of(stage: str, step: int, total: int) -> float:
-    """0-100 progress after `step` of `total` in `stage`, capped at 99 until the job is done."""
+def progress_of(stage: str, step: int, total: int, window: tuple[int, int] | None = None) -> float:
+    """0-100 progress after `step` of `total` in `stage`, capped at 99 until the job is done. A clip made in
+    windows (`window` = (index, count)) gives each window an equal share, its stages inside it."""
     index = STAGE_ORDER.index(stage) if stage in STAGE_ORDER else 0
     done = sum(STAGE_WEIGHTS[s] for s in STAGE_ORDER[:index])
-    return min(99.0, done + STAGE_WEIGHTS.get(stage, 0) * (step / max(total, 1)))
+    inside = done + STAGE_WEIGHTS.get(stage, 0) * (step / max(total, 1))
+    if window is not None:
+        inside = 100.0 * (min(window[0], window[1] - 1) + inside / 100.0) / window[1]
+    return min(99.0, inside)
 
 
 class JobManager:
@@ -323,6 +328,8 @@ class JobManager:
         view["planned_prompt"] = (job["request"] or {}).get("planned_prompt")
         if live is not None and job["status"] == "running":
             view.update(progress=round(live.progress, 2), stage=live.stage, timings=dict(live.timings))
+            if live.window is not None:  # "2/5": the window a clip over 15 s is making
+                view["window"] = f"{min(live.window[0] + 1, live.window[1])}/{live.window[1]}"
         if job["status"] == "queued":
             with self._cond:
                 queue = list(self._queue)
@@ -387,14 +394,18 @@ class JobManager:
             # cancellation point. A stage's timing runs from its first report to its last.
             if live.cancel.is_set():
                 raise JobCancelled()
+            if stage == "window":  # a clip over 15 s: which window runs (its stages report as a plain job's)
+                live.window = (step, total)
+                return
             now = time.perf_counter()
             if stage != live.stage:
-                live.stage, live.stage_started = stage, now
+                # A stage that runs again (in the next window of a long clip) adds to its time.
+                live.stage, live.stage_started = stage, now - live.timings.get(stage, 0.0)
             elif stage == "denoise" and step > 0:
                 self.metrics.observe_step(now - live.last_report)
             live.last_report = now
             live.timings[stage] = round(now - live.stage_started, 4)
-            live.progress = max(live.progress, progress_of(stage, step, total))
+            live.progress = max(live.progress, progress_of(stage, step, total, live.window))
 
         status, error = "succeeded", None
         try:

@@ -8,9 +8,11 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from pydantic_core import PydanticCustomError
 
 from h3gen.options import QUALITY_HELP, QUALITY_TIERS, TASKS, describe
+from h3gen.pipelines.h3.continuation import DEFAULT_MAX_SECONDS, MAX_SECONDS_LIMIT
 from h3gen.pipelines.h3.geometry import MAX_SECONDS, MIN_SECONDS
 
 MAX_PROMPT_CHARS = 4000
+MAX_WINDOW_PROMPTS = 64  # a 300 s clip in the shortest windows (107 frames, overlap 5) has 70: use longer ones
 IMAGE_FIELDS = ("image", "last_image")
 # ref2va uploads, each repeatable; the order of the parts is the order of the references.
 REFERENCE_FIELDS = ("ref_image", "ref_video", "ref_audio")
@@ -35,8 +37,18 @@ class GenerationRequest(BaseModel):
         description="W:H from 1:4 to 4:1; default 16:9 (t2va) or the first keyframe's (fl2va).",
     )
     seconds: float | None = Field(None, description=(
-        "Length, 5 to 15 s at 24 fps, as a number or a numeric string (OpenAI's `\"8\"`). Default 5, or for ref2va "
-        "the length of the first reference with sound."))
+        f"Length at 24 fps, as a number or a numeric string (OpenAI's `\"8\"`): 5 to the server's limit "
+        f"({DEFAULT_MAX_SECONDS:g} s unless started with --max-seconds, at most {MAX_SECONDS_LIMIT:g}); over "
+        f"{MAX_SECONDS:g} s the clip is made in overlapping windows. Default 5, or for ref2va the length of the first "
+        "reference with sound."))
+    prompts: list[str] | None = Field(None, max_length=MAX_WINDOW_PROMPTS, description=(
+        "A clip over 15 s: one prompt per window (or one for all) instead of `prompt`; a list of another length is "
+        "refused with the request's window count. In a multipart form: one field holding a JSON list."))
+    window_frames: int | None = Field(None, description=(
+        "A clip over 15 s: frames per window, on the 17n+5 grid from 107 to 345 (default 277)."))
+    overlap_frames: int | None = Field(None, description=(
+        "A clip over 15 s: frames each window repeats of the previous one (its guide), on the 17n+5 grid and "
+        "shorter than the window (default 22)."))
     size: str | None = Field(None, max_length=16, description=(
         "OpenAI's `WxH` (e.g. 1280x720): sets the aspect ratio; the canvas is made on MiniMax-H3's grid at its own "
         "resolution (the job's `width` x `height`). Give size or aspect_ratio, not both."))
@@ -66,9 +78,29 @@ class GenerationRequest(BaseModel):
     @field_validator("seconds")
     @classmethod
     def _seconds_in_range(cls, value: float | None) -> float | None:
-        if value is not None and not MIN_SECONDS <= value <= MAX_SECONDS:
-            raise ValueError(f"seconds must be from {MIN_SECONDS:g} to {MAX_SECONDS:g} (MiniMax-H3 makes 5 to 15 s "
-                             f"per request at 24 fps; got {value:g})")
+        # The server's own limit (--max-seconds) is checked with the request; this is the most any server takes.
+        if value is not None and not MIN_SECONDS <= value <= MAX_SECONDS_LIMIT:
+            raise ValueError(f"seconds must be from {MIN_SECONDS:g} to this server's limit (at most "
+                             f"{MAX_SECONDS_LIMIT:g}; got {value:g})")
+        return value
+
+    @field_validator("prompts", mode="before")
+    @classmethod
+    def _prompts_from_a_form(cls, value):
+        # A multipart form sends the list once, as JSON text (a form may not repeat a field).
+        if isinstance(value, str) and value.lstrip().startswith("["):
+            try:
+                return json.loads(value)
+            except ValueError:
+                raise ValueError("prompts must be a JSON list of strings in a form field") from None
+        return value
+
+    @field_validator("prompts")
+    @classmethod
+    def _prompts_text(cls, value: list[str] | None) -> list[str] | None:
+        for text in value or ():
+            if not text.strip() or len(text) > MAX_PROMPT_CHARS:
+                raise ValueError(f"prompts must be non-empty strings of at most {MAX_PROMPT_CHARS} characters")
         return value
 
 
@@ -143,6 +175,7 @@ class VideoObject(BaseModel):
     job_status: str | None = Field(None, description="Deprecated: the status as named before (running, succeeded, "
                                                      "cancelled, ...); goes in the next release.")
     stage: str | None = Field(None, description="The stage running now.")
+    window: str | None = Field(None, description="A clip over 15 s: the window being made, as \"2/5\".")
     timings: dict[str, float] = Field(default_factory=dict, description="Seconds per stage.")
     request: dict = Field(default_factory=dict, description="The normalized request (resolved size, frames, seed).")
     planned_prompt: str | None = Field(None, description="The planner's prompt, once a job with plan=true has it.")

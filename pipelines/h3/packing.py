@@ -127,8 +127,11 @@ def build_layout(
     patch_size: tuple[int, int, int] = (1, 2, 2),
     keyframe_anchors: tuple[str, ...] = (),
     audio_channels: int = AUDIO_CHANNELS,
+    media_offset: float = 0.0,
+    guide_frames: int = 0,
+    guide_audio_latents: int = 0,
 ) -> PackedLayout:
-    """The t2va / fl2va layout `[text | keyframes | audio ch0, ch1 | video]`.
+    """The t2va / fl2va layout `[text | keyframes | guide video | guide audio ch0, ch1 | audio ch0, ch1 | video]`.
 
     Args:
         text_token_tags: `(T,)` tags of the text rows (1, or 0 for rows of a keyframe's vision block), or T for
@@ -136,19 +139,25 @@ def build_layout(
         num_latent_frames, latent_height, latent_width: target video latent grid.
         num_audio_latents: audio latents per channel.
         keyframe_anchors: one "first" / "last" per keyframe, in packed order.
+        media_offset: rotary units added to the time of every media row (a window of a long clip sits on the
+            clip's timeline); 0 for a plain request.
+        guide_frames, guide_audio_latents: a long clip's guide (the previous window's tail): condition rows of
+            that many latent frames and audio latents per channel on the target's own first positions. 0: none.
     """
     if isinstance(text_token_tags, int):
         text_token_tags = torch.full((text_token_tags,), TEXT_TAG, dtype=torch.long)
     _, patch_h, patch_w = patch_size
     rows_per_frame = (latent_height // patch_h) * (latent_width // patch_w)
     num_text = int(text_token_tags.shape[0])
-    num_condition = len(keyframe_anchors) * rows_per_frame
+    num_guide_video, num_guide_audio = guide_frames * rows_per_frame, guide_audio_latents * audio_channels
+    num_condition = len(keyframe_anchors) * rows_per_frame + num_guide_video
     num_audio = num_audio_latents * audio_channels
     num_video = num_latent_frames * rows_per_frame
-    seq_len = num_text + num_condition + num_audio + num_video
-    condition_start, audio_start = num_text, num_text + num_condition
+    seq_len = num_text + num_condition + num_guide_audio + num_audio + num_video
+    condition_start, guide_audio_start = num_text, num_text + num_condition
+    audio_start = guide_audio_start + num_guide_audio
     video_start = audio_start + num_audio
-    origin = float(num_text)  # media time starts after the text rows
+    origin = float(num_text) + media_offset  # media time starts after the text rows
 
     positions = torch.zeros(seq_len, 3, dtype=torch.float64)
     positions[:num_text, 0] = torch.arange(num_text, dtype=torch.float64)
@@ -160,6 +169,10 @@ def build_layout(
         rows = slice(condition_start + index * rows_per_frame, condition_start + (index + 1) * rows_per_frame)
         positions[rows, 0] = origin if anchor == "first" else last_keyframe_time(num_latent_frames, origin)
         positions[rows, 1:] = grid
+    if guide_frames:
+        _fill_video(positions, guide_audio_start - num_guide_video, guide_frames, origin, grid)
+    if guide_audio_latents:
+        _fill_audio(positions, guide_audio_start, guide_audio_latents, origin, widths, audio_channels)
 
     # Audio: channel-major blocks on the video's clock (one unit per latent), no height, pinned to the two ends of
     # the width axis (left channel first).
@@ -178,14 +191,15 @@ def build_layout(
     video_positions[:, :, 1:] = grid[None]
     positions[video_start:] = video_positions.reshape(-1, 3)
 
-    video_indices = torch.cat([torch.arange(condition_start, audio_start), torch.arange(video_start, seq_len)])
-    audio_indices = torch.arange(audio_start, video_start)
+    video_indices = torch.cat([torch.arange(condition_start, guide_audio_start), torch.arange(video_start, seq_len)])
+    audio_indices = torch.arange(guide_audio_start, video_start)
     text_indices = torch.arange(num_text)
     tags = torch.empty(seq_len, dtype=torch.long)
     tags[text_indices] = text_token_tags.to(torch.long)
     tags[audio_indices] = AUDIO_TAG
     tags[video_indices] = VIDEO_TAG
-    return PackedLayout(positions, tags, video_indices, audio_indices, text_indices, num_condition, 0, rows_per_frame)
+    return PackedLayout(positions, tags, video_indices, audio_indices, text_indices, num_condition, num_guide_audio,
+                        rows_per_frame)
 
 
 def row_timesteps(
@@ -247,6 +261,9 @@ def build_ref2va_layout(
     *,
     patch_size: tuple[int, int, int] = (1, 2, 2),
     audio_channels: int = AUDIO_CHANNELS,
+    media_offset: float = 0.0,
+    guide_frames: int = 0,
+    guide_audio_latents: int = 0,
 ) -> PackedLayout:
     """The ref2va layout `[text | references | audio ch0, ch1 | video]` (diffusers 0.42.1
     modular_pipelines/minimax_h3/before_denoise.py:566-730, `build_ref2va_packed_sequence`).
@@ -256,6 +273,11 @@ def build_ref2va_layout(
     latent count; a video reference puts its soundtrack rows (on its own width ends) right before its video rows,
     both from the clock, and advances it by the longer of the two. The targets start where the clock stops.
     `video_indices` / `audio_indices` list reference rows first, in order, then the target rows.
+
+    A window of a long clip adds `media_offset` rotary units to the targets' start (the references stay where
+    they are), and its guide (`guide_frames` latent frames, `guide_audio_latents` per channel: the previous
+    window's tail) follows the references as one more block, audio then video, on the targets' own first positions
+    without advancing the clock.
     """
     _, patch_h, patch_w = patch_size
     num_text = int(text_token_tags.shape[0])
@@ -267,6 +289,8 @@ def build_ref2va_layout(
                           for r in references if r.kind != "audio")
     reference_audio = sum(r.audio_latents * audio_channels for r in references)
     target_rows = rows_per_frame(latent_height, latent_width)
+    reference_video += guide_frames * target_rows
+    reference_audio += guide_audio_latents * audio_channels
     seq_len = (num_text + reference_video + reference_audio + num_audio_latents * audio_channels
                + num_latent_frames * target_rows)
 
@@ -301,6 +325,15 @@ def build_ref2va_layout(
                        for i in range(reference.latent_frames))
             clock += max(float(reference.audio_latents), span)
 
+    clock += media_offset
+    if guide_audio_latents:
+        _fill_audio(positions, cursor, guide_audio_latents, clock, target_widths, audio_channels)
+        audio_indices.append(torch.arange(cursor, cursor + guide_audio_latents * audio_channels))
+        cursor += guide_audio_latents * audio_channels
+    if guide_frames:
+        start = cursor
+        cursor = _fill_video(positions, cursor, guide_frames, clock, target_grid)
+        video_indices.append(torch.arange(start, cursor))
     audio_start = cursor
     _fill_audio(positions, audio_start, num_audio_latents, clock, target_widths, audio_channels)
     video_start = audio_start + num_audio_latents * audio_channels

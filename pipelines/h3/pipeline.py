@@ -31,8 +31,11 @@ from h3gen.offload import plan_placement
 from h3gen.options import RunOptions
 from h3gen.pipelines.h3 import geometry
 from h3gen.pipelines.h3.checkpoint import REQUIRED, H3Checkpoint, resolve_workflow
+from h3gen.pipelines.h3.continuation import DEFAULT_MAX_SECONDS
+from h3gen.pipelines.h3.long_video import largest_window, run_continuation
 from h3gen.pipelines.h3.packing import (ReferenceBlock, build_layout, build_ref2va_layout, patchify_video,
                                         row_timesteps, unpatchify_video)
+from h3gen.pipelines.h3.progress import checkpoints as _checkpoints
 from h3gen.pipelines.h3.references import AudioReference, ImageReference, VideoReference
 from h3gen.pipelines.h3.request import (KEYFRAME_NOISE_AUG, H3Request, check_activation_budget, prepare_request,
                                         read_transformer_config)
@@ -55,18 +58,6 @@ __all__ = ["AudioReference", "H3Output", "H3Pipeline", "ImageReference", "VideoR
 ProgressCallback = Callable[[str, int, int], None]
 
 
-@contextmanager
-def _checkpoints(modules, check: Callable[[], None]):
-    """Run `check()` before each forward of `modules`: progress (and cancellation) points inside one long call. An
-    exception `check` raises propagates out of the call; the hooks are removed either way."""
-    handles = [module.register_forward_pre_hook(lambda *_: check()) for module in modules]
-    try:
-        yield
-    finally:
-        for handle in handles:
-            handle.remove()
-
-
 @dataclass
 class Noise:
     """A request's initial noise: one draw per keyframe or visual reference (its latent shape), video latents
@@ -80,7 +71,7 @@ class Noise:
 @dataclass
 class H3Output:
     """A generated clip. `video` `(F, H, W, 3)` float32 in [0, 1]; `audio` `(2, samples)` float32 in [-1, 1]
-    (both None for a call with `decode=False`)."""
+    (both None for a call with `decode=False`, and for a clip over 15 s, which is only in the MP4 at `path`)."""
 
     video: np.ndarray | None
     audio: np.ndarray | None
@@ -91,6 +82,7 @@ class H3Output:
     planned_prompt: str | None = None  # the planner's prompt the clip was made from (a call with plan=True)
     path: str | None = None  # the MP4 a call with `output_path` wrote (its `video` is then None)
     media: MediaInfo | None = None  # what decoding that MP4 back found
+    windows: int = 1  # how many windows the clip was made of (over 15 s: more than one)
 
     def save(self, path, audio_sample_rate: int | None = None, progress: Callable[[int, int], None] | None = None):
         """Write an MP4 (H.264 + AAC stereo at `audio_sample_rate`, default 32000) and verify it decodes back.
@@ -179,6 +171,8 @@ class H3Pipeline:
         self.quality = self.options.quality
         # Optional prompt planner (`h3gen.pipelines.k3.planner`): `plan(prompt, image=...) -> PlannedPrompt`.
         self.planner = planner
+        # Longest clip a call may ask for (over 15 s it is made in windows); a server raises it up to 300 s.
+        self.max_seconds = DEFAULT_MAX_SECONDS
         for model in self._transformers():
             set_quality(model, self.quality, attention=self.options.attention_for(self.quality))
         if self.quality == "fast" and vae is not None:
@@ -270,11 +264,14 @@ class H3Pipeline:
 
     def validate(self, prompt, **kwargs) -> H3Request:
         """Check a request against this pipeline's checkpoint (see `prepare_request`) and, under layer-wise
-        offload, its activations against the GPU budget, before any model work."""
+        offload, its activations against the GPU budget (a clip over 15 s: its largest window's), before any model
+        work."""
+        kwargs.setdefault("max_seconds", self.max_seconds)
         request = prepare_request(self.checkpoint, self.config, prompt, **kwargs)
         budget = getattr(self._transformer_for(request.task), "activation_budget_bytes", None)
         if budget is not None:
-            check_activation_budget(request, len(self.text_encoder.tokenize(request.prompt)), self.config, budget)
+            sized = request if request.continuation is None else largest_window(request)
+            check_activation_budget(sized, len(self.text_encoder.tokenize(sized.prompt)), self.config, budget)
         return request
 
     # ------------------------------------------------------------------ stages
@@ -358,20 +355,20 @@ class H3Pipeline:
 
     @torch.no_grad()
     def _denoise(self, request: H3Request, text, video_rows, audio_rows, report: ProgressCallback, tier: str,
-                 blocks: list[ReferenceBlock] | None = None):
+                 blocks: list[ReferenceBlock] | None = None, layout=None):
         """The loop: one transformer forward per step; video and audio rows step their own schedules; conditioning
-        rows (keyframes, references) are never written."""
+        rows (keyframes, references) are never written. `layout`: a window's own (`long_video.window_layout`)."""
         shape = request.shape
         transformer = self._transformer_for(request.task)
         video_schedule = FlowSchedule.make(request.num_inference_steps, self.video_shift)
         audio_schedule = FlowSchedule.make(request.num_inference_steps, self.audio_shift)
         total = len(video_schedule)
         report("denoise", 0, total)
-        if request.task == "ref2va":
+        if layout is None and request.task == "ref2va":
             layout = build_ref2va_layout(text.token_tags, blocks, shape.num_latent_frames, shape.latent_height,
                                          shape.latent_width, shape.num_audio_latents,
                                          patch_size=self.config.patch_size)
-        else:
+        elif layout is None:
             layout = build_layout(text.token_tags, shape.num_latent_frames, shape.latent_height, shape.latent_width,
                                   shape.num_audio_latents, patch_size=self.config.patch_size,
                                   keyframe_anchors=request.anchors)
@@ -521,7 +518,8 @@ class H3Pipeline:
                  generator: torch.Generator | None = None, latents: torch.Tensor | None = None,
                  audio_latents: torch.Tensor | None = None, callback: ProgressCallback | None = None,
                  quality: str | None = None, decode: bool = True, plan: bool = False,
-                 plan_max_tokens: int | None = None, output_path=None,
+                 plan_max_tokens: int | None = None, prompts: list[str] | None = None,
+                 window_frames: int | None = None, overlap_frames: int | None = None, output_path=None,
                  audio_sample_rate: int | None = None) -> H3Output:
         """Generate a clip.
 
@@ -535,7 +533,9 @@ class H3Pipeline:
             aspect_ratio: "W:H" in 1:4 .. 4:1; default 16:9 for t2va and ref2va and the first keyframe's ratio for
                 fl2va.
             seconds: 5 to 15 (rounded to a 17n+5 frame count at 24 fps); `num_frames` overrides it. Default 5, or
-                for ref2va the length of the first reference with sound.
+                for ref2va the length of the first reference with sound. Longer, up to `self.max_seconds` (60 by
+                default, at most 300): the clip is made in overlapping windows (`continuation.py`) and streamed to
+                `output_path`; the returned `H3Output` then holds `path` and `media`, not the frames.
             height, width: explicit canvas in pixels, multiples of 32 (both or neither).
             num_inference_steps: sigma grid points as in diffusers (N points = N - 1 transformer forwards).
             seed / generator: noise source; a seed makes a fresh CPU generator. Neither: a random seed.
@@ -551,7 +551,11 @@ class H3Pipeline:
                 from the planned prompt, returned as `planned_prompt`. Off by default. `plan_max_tokens` caps it.
             output_path: write the clip there as a verified MP4 (H.264 + AAC, `audio_sample_rate` 32000 or 48000,
                 default 32000) as part of the call, the video encoded while the audio decodes; the output's `video`
-                is then None (the frames are in the file) and `media` describes the file. Stage `write_mp4`.
+                is then None (the frames are in the file) and `media` describes the file. Stage `write_mp4`. A clip
+                over 15 s needs it: it is written there window by window and never held whole.
+            prompts: a clip over 15 s: one prompt per window (or one for all) instead of `prompt`.
+            window_frames, overlap_frames: a clip over 15 s: window and overlap lengths on the 17n+5 frame grid
+                (default 277 and 22; window 107 to 345, overlap shorter than the window).
         Returns:
             `H3Output`.
         """
@@ -559,7 +563,8 @@ class H3Pipeline:
         fields = dict(image=image, last_image=last_image, references=references, aspect_ratio=aspect_ratio,
                       seconds=seconds, num_frames=num_frames, height=height, width=width,
                       num_inference_steps=num_inference_steps, seed=seed, generator=generator, latents=latents,
-                      audio_latents=audio_latents)
+                      audio_latents=audio_latents, prompts=prompts, window_frames=window_frames,
+                      overlap_frames=overlap_frames)
         planned = self._planned_prompt(prompt, fields, plan_max_tokens, report) if plan else None
         if references is not None:
             self._transformer_for("ref2va")  # before decoding any media
@@ -575,6 +580,13 @@ class H3Pipeline:
             timings[stage] = now - started
             started = now
 
+        if request.continuation is not None:
+            info, timings = run_continuation(self, request, report=report, tier=tier, decode=decode,
+                                             output_path=output_path, audio_sample_rate=audio_sample_rate)
+            return H3Output(video=None, audio=None, fps=geometry.FPS,
+                            sample_rate=int(self.audio_vae.config.sampling_rate), seed=request.seed, timings=timings,
+                            planned_prompt=planned, path=None if info is None else str(output_path), media=info,
+                            windows=request.continuation.num_windows)
         text = self._encode_text(request, report)
         lap("encode_text")
         noise = self.draw_noise(request)

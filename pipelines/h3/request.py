@@ -15,6 +15,8 @@ from h3gen.loading.files import read_json
 from h3gen.media import read_image
 from h3gen.pipelines.h3 import geometry
 from h3gen.pipelines.h3.checkpoint import H3Checkpoint
+from h3gen.pipelines.h3.continuation import (DEFAULT_MAX_SECONDS, ContinuationPlan, check_windows, clip_geometry,
+                                             long_frames, plan_windows, window_prompts)
 from h3gen.pipelines.h3.references import PreparedReference, as_references, prepare_references, sound_seconds
 from h3gen.pipelines.h3.tasks import place_keyframes
 from h3gen.pipelines.h3.transformer import H3TransformerConfig
@@ -39,6 +41,7 @@ class H3Request:
     latents: torch.Tensor | None
     audio_latents: torch.Tensor | None
     references: list[PreparedReference] = field(default_factory=list)  # ref2va, normalized, in order
+    continuation: ContinuationPlan | None = None  # a clip longer than 15 s: its windows (shape: the whole clip)
 
     @property
     def task(self) -> str:
@@ -68,11 +71,20 @@ def prepare_request(
     generator=None,
     latents=None,
     audio_latents=None,
+    prompts=None,
+    window_frames=None,
+    overlap_frames=None,
+    max_seconds: float = DEFAULT_MAX_SECONDS,
 ) -> H3Request:
     """Check every argument of `H3Pipeline.__call__` and resolve the geometry; raise `RequestError` naming the
     field and the allowed range. Keyframes are read and placed on the canvas here; references are decoded and
     normalized here. Without `seconds` or `num_frames` a request lasts 5 s, or for ref2va as long as its first
-    reference that carries sound (held within 5 to 15 s)."""
+    reference that carries sound (held within 5 to 15 s).
+
+    A request longer than 15 s (up to `max_seconds`) becomes a continuation (`pipelines/h3/continuation.py`): its
+    `shape` is the whole clip's and `continuation` holds its windows (`window_frames` / `overlap_frames`, on the
+    17n+5 grid) and one prompt per window (`prompts`, or `prompt` for all). A request of 15 s or less is a plain one
+    whatever the window options say (they are still checked); `prompts` may then hold its one prompt."""
     if not isinstance(prompt, str) or not prompt.strip():
         raise RequestError("prompt must be a non-empty string.", "prompt")
     _check_int(num_inference_steps, "num_inference_steps", 2, MAX_STEPS, str(MAX_STEPS))
@@ -102,6 +114,15 @@ def prepare_request(
                 seconds = min(max(found[0], geometry.MIN_SECONDS), geometry.MAX_SECONDS)
     if seconds is None and num_frames is None:
         seconds = DEFAULT_SECONDS
+    window, overlap = check_windows(window_frames, overlap_frames)
+    total_frames = long_frames(seconds, num_frames, max_seconds)
+    if total_frames is not None:
+        if latents is not None or audio_latents is not None:
+            raise RequestError("latents / audio_latents are for requests of at most 15 s; a longer clip draws its "
+                               "noise per window from the seed.", "latents")
+        seconds, num_frames = None, window  # the canvas and the references are resolved for one window
+    elif prompts is not None:
+        prompt = window_prompts(prompt, prompts, 1)[0]
 
     if aspect_ratio is None and height is None:
         # t2va and ref2va generate on 16:9 (references never set the canvas); fl2va on the first keyframe's own
@@ -131,11 +152,17 @@ def prepare_request(
             f"audio_latents must have shape {expected} for this request (got {tuple(audio_latents.shape)}).",
             "audio_latents",
         )
+    continuation = None
+    if total_frames is not None:
+        windows = plan_windows(total_frames, window, overlap)
+        continuation = ContinuationPlan(tuple(windows), tuple(window_prompts(prompt, prompts, len(windows))), window,
+                                        overlap)
+        shape = clip_geometry(shape, total_frames)
     if generator is None:
         seed = secrets.randbelow(2**31) if seed is None else seed
         generator = torch.Generator().manual_seed(seed)
     return H3Request(prompt, keyframes, tuple(anchors), shape, num_inference_steps, generator, seed, latents,
-                     audio_latents, prepared)
+                     audio_latents, prepared, continuation)
 
 
 def read_transformer_config(checkpoint: H3Checkpoint) -> H3TransformerConfig:
