@@ -10,6 +10,7 @@ peak GPU memory (and the process's peak host RSS) against the 15 s request's. Ea
 written with `--json`.
 
     python benchmarks/bench_long_video.py --model /path/to/MiniMax-H3 --seconds 30 --quality lossless
+    python benchmarks/bench_long_video.py --random --seconds 30     # random weights at the released dims
     python benchmarks/bench_long_video.py --tiny      # the built-in tiny random model on the CPU, a small canvas
 """
 
@@ -60,6 +61,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", help="MiniMax-H3 checkpoint folder (diffusers layout)")
     parser.add_argument("--tiny", action="store_true", help="the built-in tiny random model on the CPU, 64x64")
+    parser.add_argument("--random", action="store_true",
+                        help="random weights at the released dims (random_pipeline), no checkpoint needed")
     parser.add_argument("--seconds", type=float, default=30.0, help="length of the long request (default 30)")
     parser.add_argument("--height", type=int, default=768)
     parser.add_argument("--width", type=int, default=1344)
@@ -80,11 +83,16 @@ def main(argv=None) -> int:
         from h3gen.pipelines.h3.tiny_checkpoint import tiny_checkpoint
 
         args.model, args.height, args.width, args.device = str(tiny_checkpoint()), 64, 64, args.device or "cpu"
-    if args.model is None:
-        parser.error("give --model PATH or --tiny")
+    if args.model is None and not args.random:
+        parser.error("give --model PATH, --random or --tiny")
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype or ("bf16" if device == "cuda" else "fp32")]
-    pipe = H3Pipeline.from_pretrained(args.model, device=device, torch_dtype=dtype, quality=args.quality)
+    if args.random:
+        from h3gen.pipelines.h3.random_weights import random_pipeline
+
+        pipe = random_pipeline(device, torch_dtype=dtype, quality=args.quality)
+    else:
+        pipe = H3Pipeline.from_pretrained(args.model, device=device, torch_dtype=dtype, quality=args.quality)
     pipe.max_seconds = max(pipe.max_seconds, args.seconds)
     common = dict(prompt="a red fox runs through fresh snow, wind howling", height=args.height, width=args.width,
                   num_inference_steps=args.steps, seed=args.seed)
