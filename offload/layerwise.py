@@ -232,10 +232,8 @@ class LayerwiseOffload:
             self.held = self.pass_start + len(self.order)
 
     def release(self) -> None:
-        """Whatever pass was held goes on: issue its copies now."""
+        """Whatever pass was held goes on: its copies are issued from its next block on, as usual."""
         self.held = None
-        if self.order:
-            self._issue_ahead(needed=False)
 
     def end_pass(self) -> None:
         """The running pass stops after the blocks it has run (the rest are skipped)."""
