@@ -289,7 +289,7 @@ def _parallel_steps():
     generator = torch.Generator().manual_seed(13)
     steps, video = [], base["hidden_states"]
     for step in range(8):
-        video = video + (0.6 if step == 5 else 0.01) * torch.randn(video.shape, generator=generator)
+        video = video + (0.6 if step == 4 else 0.01) * torch.randn(video.shape, generator=generator)
         steps.append(dict(base, hidden_states=video, timestep=base["timestep"] * (1 - 0.02 * step)))
     return steps
 
