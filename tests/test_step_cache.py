@@ -367,3 +367,85 @@ def test_pipeline_quality_high_reports_cached_steps(tmp_path):
         pipe("a fox", quality="high", cache={"warmup": -1}, **kwargs)
     with pytest.raises(RequestError, match="quality fast\\+high is not available here"):
         pipe("a fox", quality="fast+high", **kwargs)
+
+
+# ------------------------------------------------------------------------------------------------ faces
+
+
+def test_rest_cache_field_and_job_status(tmp_path):
+    import time
+
+    from fastapi.testclient import TestClient
+    from server_harness import wait_loaded
+
+    from h3gen.pipelines.h3.tiny_checkpoint import tiny_checkpoint
+    from h3gen.server.app import create_app
+    from h3gen.server.engine import H3Engine
+    from h3gen.server.jobs import JobManager
+
+    engine = H3Engine(tiny_checkpoint(cache_dir=tmp_path / "cache"), device="cpu")
+    manager = JobManager(engine, tmp_path / "results", max_queue=4)
+    manager.start()
+    try:
+        assert wait_loaded(engine, 120)
+        http = TestClient(create_app(manager))
+        bad = [({"quality": "high", "cache": {"threshold": 2}}, "cache.threshold", "less than or equal to 1"),
+               ({"quality": "high", "cache": {"warmup": -1}}, "cache.warmup", "greater than or equal to 0"),
+               ({"quality": "high", "cache": {"max_consecutive": 0}}, "cache.max_consecutive", "greater than or equal"),
+               ({"quality": "high", "cache": {"speed": 1}}, "cache.speed", "Extra inputs"),
+               ({"cache": {"threshold": 0.1}}, "cache", "cache applies to quality high or fast+high"),
+               ({"quality": "fast+high"}, "quality", "fast and fast+high need")]
+        for fields, field, words in bad:
+            response = http.post("/v1/videos", json={"prompt": "x", **fields})
+            assert response.status_code == 422, response.text
+            detail = response.json()["detail"]
+            where = ".".join(str(p) for p in detail[0]["loc"][1:]) if isinstance(detail, list) else None
+            message = detail[0]["msg"] if isinstance(detail, list) else str(detail)
+            assert (where or response.json()["error"]["param"]) == field and words in message, response.text
+        made = http.post("/v1/videos", json={"prompt": "a fox", "quality": "high", "num_inference_steps": 6,
+                                             "cache": {"threshold": 1, "warmup": 1}})
+        def form(**fields):  # multipart text parts
+            return {name: (None, value) for name, value in fields.items()}
+
+        plain = http.post("/v1/videos", files=form(prompt="a fox", num_inference_steps="4"))  # lossless
+        text = http.post("/v1/videos", files=form(prompt="a fox", quality="high", num_inference_steps="4",
+                                                  cache='{"threshold": 1, "warmup": 0}'))
+        assert made.status_code == plain.status_code == text.status_code == 202, (made.text, text.text)
+        views = {}
+        for name, job in (("made", made), ("plain", plain), ("text", text)):
+            deadline = time.monotonic() + 300
+            while (view := http.get(f"/v1/videos/{job.json()['id']}").json())["status"] not in ("completed", "failed"):
+                assert time.monotonic() < deadline
+                time.sleep(0.2)
+            assert view["status"] == "completed", view
+            views[name] = view
+        # 5 forwards, 1 warm-up: 1 and 3 cached (2 follows a cached one, 4 is the last)
+        assert views["made"]["cached_steps"] == [1, 3] and views["made"]["request"]["cache"]["warmup"] == 1
+        assert views["plain"]["cached_steps"] is None
+        assert views["text"]["cached_steps"] == [1]  # 3 forwards, no warm-up: forward 0 has no reference
+    finally:
+        manager.stop()
+
+
+def test_cli_flags_and_ui_choices(tmp_path, capsys):
+    from h3gen.cli import main
+    from h3gen.pipelines.h3.tiny_checkpoint import tiny_checkpoint
+    from h3gen.ui.blocks import quality_choices
+
+    model = str(tiny_checkpoint(cache_dir=tmp_path / "cache"))
+    base = ["generate", "a fox", "--model", model, "--device", "cpu", "--steps", "5", "--seed", "1"]
+    assert main(base + ["--cache-threshold", "0.1", "--out", str(tmp_path / "a.mp4")]) == 2
+    assert "apply to --quality high or fast+high (this run is lossless)" in capsys.readouterr().err
+    assert main(base + ["--quality", "high", "--cache-threshold", "1.5", "--out", str(tmp_path / "a.mp4")]) == 2
+    assert "cache.threshold must be a number from 0 to 1 (got 1.5)" in capsys.readouterr().err
+    assert main(base + ["--quality", "high", "--cache-threshold", "1", "--cache-warmup", "1",
+                        "--out", str(tmp_path / "b.mp4")]) == 0
+    # 4 forwards, 1 warm-up: 1 cached, 2 follows it, 3 is the last
+    assert capsys.readouterr().err.rstrip().endswith("seed 1, 1 of 4 forwards cached (steps 1)")
+
+    class Engine:
+        options = RunOptions(quality="high")
+
+    choices, default = quality_choices(Engine())
+    assert [value for _, value in choices] == ["exact", "lossless", "high"] and default == "high"
+    assert choices[2][0].startswith("high: lossless plus a first-block step cache")
