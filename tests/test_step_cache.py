@@ -449,3 +449,21 @@ def test_cli_flags_and_ui_choices(tmp_path, capsys):
     choices, default = quality_choices(Engine())
     assert [value for _, value in choices] == ["exact", "lossless", "high"] and default == "high"
     assert choices[2][0].startswith("high: lossless plus a first-block step cache")
+
+
+@pytest.mark.parametrize("loaded,tier,base", [(dict(quantization="mxfp4"), "high", "lossless"),
+                                              (dict(quality="fast"), "fast+high", "fast"),
+                                              (dict(quality="fast+high", quantization="mxfp4"), None, "fast")],
+                         ids=["mxfp4-high", "fast+high", "mxfp4-fast+high-default"])
+def test_high_stacks_on_mxfp4_and_fast(tmp_path, loaded, tier, base):
+    from h3gen.pipelines.h3.pipeline import H3Pipeline
+    from h3gen.pipelines.h3.tiny_checkpoint import tiny_checkpoint
+
+    pipe = H3Pipeline.from_pretrained(tiny_checkpoint(cache_dir=tmp_path), device="cpu", torch_dtype=torch.float32,
+                                      **loaded)
+    kwargs = dict(seed=3, num_inference_steps=9, num_frames=130)
+    plain = pipe("a fox", quality=base, **kwargs)
+    zero = pipe("a fox", quality=tier, cache={"threshold": 0}, **kwargs)
+    assert np.array_equal(zero.video, plain.video) and np.array_equal(zero.audio, plain.audio)
+    every = pipe("a fox", quality=tier, cache={"threshold": 1, "warmup": 3}, **kwargs)
+    assert every.cached_steps == [3, 5] and not np.array_equal(every.video, plain.video)

@@ -229,8 +229,9 @@ class H3Pipeline:
         `transformer/`), "all" (every task the checkpoint has the components for; both partitions when it holds
         both, which then share `gpu_memory` under layer-wise offload) or "auto" (all when both partitions are small
         next to the device's memory, else fl2va). A missing component raises `CheckpointError` naming it. `quality`
-        is the default tier (`exact`, `lossless` (default) or `fast`, see `tiers.py`); `fast` quantizes the
-        transformer's block GEMMs to FP8 at load, and only a pipeline loaded with it serves `fast` requests.
+        is the default tier (`exact`, `lossless` (default), `fast`, `high` or `fast+high`, see `tiers.py`); `fast`
+        quantizes the transformer's block GEMMs to FP8 at load, and only a pipeline loaded with `fast` or
+        `fast+high` serves `fast` and `fast+high` requests; `high` adds the step cache per call (`step_cache.py`).
         `parallel` (an `h3gen.parallel.ParallelState` of an initialised process group) splits the transformer over
         the ranks (tensor parallel x Ulysses); the text encoder and the VAEs are replicated. Every rank must then
         make the same calls with the same seed. `offload`: "none" (default, everything on the device), "stage" or
