@@ -467,3 +467,23 @@ def test_high_stacks_on_mxfp4_and_fast(tmp_path, loaded, tier, base):
     assert np.array_equal(zero.video, plain.video) and np.array_equal(zero.audio, plain.audio)
     every = pipe("a fox", quality=tier, cache={"threshold": 1, "warmup": 3}, **kwargs)
     assert every.cached_steps == [3, 5] and not np.array_equal(every.video, plain.video)
+
+
+def test_the_gpu_budget_counts_the_cache_residuals(tmp_path, monkeypatch):
+    """Under layer-wise offload the activation check counts what the step cache keeps (two residuals of the
+    stream): a request that fits lossless within the budget can be refused at quality high."""
+    from h3gen.pipelines.h3.pipeline import H3Pipeline
+    from h3gen.pipelines.h3.request import activation_bytes, packed_rows
+    from h3gen.pipelines.h3.tiny_checkpoint import tiny_checkpoint
+
+    pipe = H3Pipeline.from_pretrained(tiny_checkpoint(cache_dir=tmp_path), device="cpu", torch_dtype=torch.float32)
+    request = pipe.validate("a cat", seconds=5)
+    rows = packed_rows(request, len(pipe.text_encoder.tokenize("a cat")), pipe.config.patch_size)
+    plain = activation_bytes(rows, pipe.config)
+    assert activation_bytes(rows, pipe.config, step_cache=True) == plain + rows * 4 * pipe.config.hidden_size
+    monkeypatch.setattr(pipe.transformer, "activation_budget_bytes", plain, raising=False)
+    pipe.validate("a cat", seconds=5)  # fits without the cache
+    with pytest.raises(RequestError, match="activations need about") as error:
+        pipe("a cat", seconds=5, num_inference_steps=2, quality="high",
+             callback=lambda *a: pytest.fail("the model ran"))
+    assert error.value.field == "seconds"

@@ -278,13 +278,15 @@ class H3Pipeline:
             transformer_ref=loaded.get("transformer_ref"), planner=planner, options=options,
         )
 
-    def validate(self, prompt, **kwargs) -> H3Request:
+    def validate(self, prompt, *, step_cache: bool = False, **kwargs) -> H3Request:
         """Check a request against this pipeline's checkpoint (see `prepare_request`) and, under layer-wise
-        offload, its activations against the GPU budget, before any model work."""
+        offload, its activations (with `step_cache`, the step cache's too) against the GPU budget, before any model
+        work."""
         request = prepare_request(self.checkpoint, self.config, prompt, **kwargs)
         budget = getattr(self._transformer_for(request.task), "activation_budget_bytes", None)
         if budget is not None:
-            check_activation_budget(request, len(self.text_encoder.tokenize(request.prompt)), self.config, budget)
+            check_activation_budget(request, len(self.text_encoder.tokenize(request.prompt)), self.config, budget,
+                                    step_cache=step_cache)
         return request
 
     # ------------------------------------------------------------------ stages
@@ -596,10 +598,10 @@ class H3Pipeline:
         planned = self._planned_prompt(prompt, fields, plan_max_tokens, report) if plan else None
         if references is not None:
             self._transformer_for("ref2va")  # before decoding any media
-        request = self.validate(planned or prompt, **fields)
+        cache_config = self._cache_config(self.options.request_quality(quality), cache)
+        request = self.validate(planned or prompt, step_cache=cache_config is not None, **fields)
         self._transformer_for(request.task)
         tier = self._tier(quality)
-        cache_config = self._cache_config(tier, cache)
         timings = {}
         started = time.perf_counter()
 
