@@ -28,9 +28,9 @@ The forced decisions go through the cache's test and benchmark hook (`StepCache(
 
 import argparse
 import json
-import math
 import statistics
 import sys
+import tempfile
 import time
 from contextlib import nullcontext
 from pathlib import Path
@@ -40,14 +40,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import print_table, rel_l2, time_cuda  # noqa: E402
 
-from h3gen.linear import make_linear_factory  # noqa: E402
-from h3gen.loading.load import assign_tensors, meta_parameters  # noqa: E402
 from h3gen.offload import apply_layerwise_offload  # noqa: E402
 from h3gen.pipelines.h3.packing import build_layout, row_timesteps  # noqa: E402
+from h3gen.pipelines.h3.random_weights import random_tensors  # noqa: E402
 from h3gen.pipelines.h3.schedules import AUDIO_SHIFT, VIDEO_SHIFT, FlowSchedule  # noqa: E402
 from h3gen.pipelines.h3.step_cache import StepCacheConfig, step_cache  # noqa: E402
 from h3gen.pipelines.h3.tiers import set_quality  # noqa: E402
-from h3gen.pipelines.h3.transformer import KEEP_FP32_MODULES, H3Transformer, H3TransformerConfig  # noqa: E402
+from h3gen.pipelines.h3.transformer import H3Transformer, H3TransformerConfig  # noqa: E402
 
 GiB = 2**30
 ROWS = 37838
@@ -81,32 +80,12 @@ def patterns(forwards: int) -> dict[str, list[int]]:
 
 
 def random_transformer(config: H3TransformerConfig, device, dtype, quantization: str | None, seed: int = 0):
-    """An `H3Transformer` with random weights (linears N(0, 1/fan_in), norms around 1) made on `device` one tensor
-    at a time, as a checkpoint loads (MXFP4 linears quantized as they arrive)."""
-    factory = make_linear_factory(quantization=quantization) if quantization else None
-    with meta_parameters():
-        shapes = {key: tuple(t.shape) for key, t in H3Transformer(config).state_dict().items()}
-        model = H3Transformer(config, linear_factory=factory)
-    model.quantization = quantization
-    generator = torch.Generator(device=device).manual_seed(seed)
-
-    def tensors():
-        for key, shape in shapes.items():
-            value = torch.randn(shape, generator=generator, device=device, dtype=torch.float32)
-            if "norm" in key.split(".")[-2] and key.endswith("weight"):
-                value = 1.0 + 0.1 * value
-            elif len(shape) == 2:
-                value = value / math.sqrt(shape[1])
-            else:
-                value = 0.02 * value
-            yield key, key, value.to(dtype)
-
-    assign_tensors(model, tensors(), dtype=dtype, device=device, keep_fp32_modules=KEEP_FP32_MODULES,
-                   source="random weights")
-    for module in model.modules():
-        if hasattr(module, "compute_dtype") and hasattr(module, "weight_packed"):
-            module.compute_dtype = dtype
-    return model.to(device).eval().requires_grad_(False)
+    """An `H3Transformer` with random weights, made on `device` through the real loader one tensor at a time
+    (`random_weights.random_tensors`; MXFP4 linears quantized as they arrive)."""
+    folder = Path(tempfile.mkdtemp(prefix="h3gen-bench-step-cache-"))
+    (folder / "config.json").write_text(json.dumps(config.to_dict()))
+    return H3Transformer.from_pretrained(folder, torch_dtype=dtype, device=device, quantization=quantization,
+                                         tensors=random_tensors(config, dtype=dtype, seed=seed))
 
 
 def request_inputs(config: H3TransformerConfig, rows: int, forwards: int, device, dtype, text_rows: int = 128):
