@@ -36,8 +36,8 @@ from h3gen.pipelines.h3.packing import (ReferenceBlock, build_layout, build_ref2
 from h3gen.pipelines.h3.references import AudioReference, ImageReference, VideoReference
 from h3gen.pipelines.h3.request import (KEYFRAME_NOISE_AUG, H3Request, check_activation_budget, prepare_request,
                                         read_transformer_config)
-from h3gen.pipelines.h3.step_cache import StepCacheConfig, step_cache
 from h3gen.pipelines.h3.schedules import AUDIO_SHIFT, VIDEO_SHIFT, FlowSchedule, noise_to, read_shift
+from h3gen.pipelines.h3.step_cache import StepCacheConfig, step_cache
 from h3gen.pipelines.h3.text_encoder import H3TextEncoder, TextConditioning
 from h3gen.pipelines.h3.tiers import set_quality
 from h3gen.pipelines.h3.transformer import H3Transformer
