@@ -176,7 +176,8 @@ class StepCache:
         sequence-parallel cut). Returns the stack's output `(B, S_local, hidden)`."""
         step = self.step
         if step >= self.num_forwards:
-            raise RuntimeError(f"the step cache was set up for {self.num_forwards} forwards; this is forward {step + 1}.")
+            raise RuntimeError(f"the step cache was set up for {self.num_forwards} forwards; this is forward "
+                               f"{step + 1}.")
         if num_blocks == 0:
             self.step += 1
             return x
