@@ -5,7 +5,9 @@ import sys
 
 from h3gen.errors import CheckpointError, RequestError
 from h3gen.options import (ATTENTION_BACKENDS, OFFLOAD_HELP, OFFLOAD_MODES, QUALITY_HELP, QUALITY_TIERS,
-                           QUANTIZATION_HELP, QUANTIZATIONS, WORKFLOW_HELP, WORKFLOWS, RunOptions, describe)
+                           QUANTIZATION_HELP, QUANTIZATIONS, WORKFLOW_HELP, WORKFLOWS, RunOptions, describe,
+                           uses_step_cache)
+from h3gen.pipelines.h3.step_cache import CACHE_HELP, StepCacheConfig
 
 DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
 REFERENCE_FLAGS = {"--ref-image": "image", "--ref-video": "video", "--ref-audio": "audio"}
@@ -25,6 +27,26 @@ def _references(args: argparse.Namespace) -> list | None:
 
     types = {"image": ImageReference, "video": VideoReference, "audio": AudioReference}
     return [types[kind](path, name=flag) for kind, path, flag in args.references] if args.references else None
+
+
+def _step_cache(args: argparse.Namespace, tier: str) -> dict | None:
+    """The `cache` knobs of the `--cache-*` flags (None when none is given), validated for `tier`."""
+    given = {name: getattr(args, f"cache_{name}") for name in ("threshold", "warmup", "max_consecutive")}
+    cache = {name: value for name, value in given.items() if value is not None} or None
+    if cache is not None and not uses_step_cache(tier):
+        raise RequestError(f"--cache-threshold, --cache-warmup and --cache-max-consecutive apply to --quality high or "
+                           f"fast+high (this run is {tier}).", "cache")
+    if cache is not None:
+        StepCacheConfig.from_request(cache)
+    return cache
+
+
+def _cached_summary(output, tier: str) -> str:
+    """What the final line says of the step cache: the forwards it skipped (quality high / fast+high)."""
+    if not uses_step_cache(tier):
+        return ""
+    steps = ",".join(str(step) for step in output.cached_steps) or "none"
+    return f", {len(output.cached_steps)} of {output.num_forwards} forwards cached (steps {steps})"
 
 
 def _cmd_env(args: argparse.Namespace) -> int:
@@ -144,6 +166,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     references = _references(args)
     workflow = "ref2va" if references else "fl2va" if (args.image or args.last_image) else "t2va"
     options = _run_options(args, workflow=workflow)  # checked before anything loads
+    cache = _step_cache(args, options.quality)
     call = dict(image=args.image, last_image=args.last_image, references=references, aspect_ratio=args.aspect,
                 seconds=args.seconds, num_inference_steps=args.steps, seed=args.seed, prompts=_prompts(args),
                 window_frames=args.window_frames, overlap_frames=args.overlap_frames)
@@ -194,7 +217,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     if references and args.seconds is None:
         call["num_frames"] = request.shape.num_frames  # the length taken from the references' sound, decoded once
     if rank != 0:  # every rank runs the same steps; rank 0 decodes, reports and writes the file
-        pipe(args.prompt, decode=False, **call)
+        pipe(args.prompt, decode=False, cache=cache, **call)
         return 0
     if request.continuation is not None:
         return _generate_long(pipe, args, call, request.continuation.num_windows)
@@ -203,7 +226,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
                                    "decode_audio": 1, "write_mp4": 1})
     try:
         output = pipe(args.prompt, callback=callback, output_path=args.out, audio_sample_rate=args.audio_rate,
-                      **call)
+                      cache=cache, **call)
         info = output.media
     except torch.cuda.OutOfMemoryError:
         raise RequestError("the GPU ran out of memory: try fewer seconds, a smaller canvas or --dtype bf16.") from None
@@ -212,7 +235,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     finally:
         bar.close()
     print(f"h3gen: wrote {args.out}: {info.num_frames} frames {info.width}x{info.height} at {info.fps:g} fps, "
-          f"stereo AAC {info.sample_rate} Hz, {info.video_seconds:.2f} s, seed {output.seed}", file=sys.stderr)
+          f"stereo AAC {info.sample_rate} Hz, {info.video_seconds:.2f} s, seed {output.seed}"
+          f"{_cached_summary(output, options.quality)}", file=sys.stderr)
     return 0
 
 
@@ -442,6 +466,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--dtype", choices=tuple(DTYPES), default=None, help="default: bf16 on cuda, fp32 on cpu")
     gen.add_argument("--audio-rate", dest="audio_rate", type=int, default=32000, help="AAC rate, 32000 or 48000")
     _run_option_arguments(gen, "default lossless")
+    for name, kind in (("threshold", float), ("warmup", int), ("max_consecutive", int)):
+        gen.add_argument(f"--cache-{name.replace('_', '-')}", dest=f"cache_{name}", type=kind, default=None,
+                         help=f"with --quality high or fast+high: {CACHE_HELP[name]}")
     gen.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (processes started with torchrun)")
     gen.add_argument("--ulysses", type=int, default=1, help="Ulysses sequence-parallel degree")
     gen.add_argument("--planner", default=None, metavar="SPEC",
@@ -468,8 +495,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="largest uploaded file (keyframe or reference)")
     serve.add_argument("--device", choices=("cuda", "cpu"), default=None, help="default: cuda if available")
     serve.add_argument("--dtype", choices=tuple(DTYPES), default=None, help="default: bf16 on cuda, fp32 on cpu")
-    _run_option_arguments(serve, "the tier of requests that name none (default lossless); requests may ask exact "
-                                 "or lossless, and a server started with fast serves only fast")
+    _run_option_arguments(serve, "the tier of requests that name none (default lossless); requests may ask exact, "
+                                 "lossless or high, and a server started with fast or fast+high serves only those "
+                                 "two")
     serve.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (processes started with torchrun)")
     serve.add_argument("--ulysses", type=int, default=1, help="Ulysses sequence-parallel degree")
     serve.add_argument("--max-seconds", dest="max_seconds", type=float, default=60.0,

@@ -16,7 +16,12 @@ QUALITY_HELP = {
     "exact": "the reference op order",
     "lossless": "the same math through fused kernels, bf16-level differences",
     "fast": "FP8 GEMMs and attention, an approximation with measured error",
+    "high": "lossless plus a first-block step cache: forwards whose first block changes little reuse the other "
+            "blocks' last output (an approximation; knobs: cache)",
+    "fast+high": "fast plus the same step cache",
 }
+# Tiers that add the first-block step cache (pipelines/h3/step_cache.py) to a base tier, per request.
+CACHED_TIERS = {"high": "lossless", "fast+high": "fast"}
 OFFLOAD_HELP = {
     "none": "everything stays on the device",
     "stage": "the text encoder and the VAEs visit the device only for their stage",
@@ -64,6 +69,16 @@ def check_choice(field: str, value, allowed: tuple, *, optional: bool = False) -
         raise RequestError(f"{field} must be one of {', '.join(allowed)}{unset} (got {value!r}).", field)
 
 
+def base_tier(tier: str) -> str:
+    """The tier whose kernels and weights `tier` runs on: `high` -> lossless, `fast+high` -> fast, else itself."""
+    return CACHED_TIERS.get(tier, tier)
+
+
+def uses_step_cache(tier: str | None) -> bool:
+    """Whether `tier` adds the first-block step cache."""
+    return tier in CACHED_TIERS
+
+
 def parse_bytes(text: str | int | float | None) -> int | None:
     """"30GiB", "24GB", "512MiB" or a number of bytes -> bytes (None stays None)."""
     if text is None or isinstance(text, (int, float)):
@@ -85,8 +100,10 @@ def parse_bytes(text: str | int | float | None) -> int | None:
 class RunOptions:
     """How to load and run a model. Validated on construction; `RequestError` names the field and the allowed values.
 
-    quality: "exact", "lossless" (default) or "fast", see `QUALITY_HELP`. "fast" quantizes the block GEMMs to FP8 at
-        load, so a model loaded for it serves only fast requests, and only it serves them (`request_quality`).
+    quality: "exact", "lossless" (default), "fast", "high" or "fast+high", see `QUALITY_HELP`. "fast" quantizes the
+        block GEMMs to FP8 at load, so a model loaded for it serves only fast and fast+high requests, and only it
+        serves them (`request_quality`). "high" loads as lossless and "fast+high" as fast; either is then the tier
+        of the requests that name none.
     offload: "none" (default), "stage" or "layerwise", see `OFFLOAD_HELP`.
     gpu_memory: what the transformer may use on the GPU under layer-wise offload ("30GiB", "24GB", bytes); needed
         by "layerwise", unused otherwise.
@@ -119,11 +136,12 @@ class RunOptions:
             raise RequestError(f"gpu_memory must be more than 0 bytes (got {self.gpu_memory!r}).", "gpu_memory")
         if self.offload == "layerwise" and self.gpu_memory is None:
             raise RequestError("offload='layerwise' needs gpu_memory, e.g. '30GiB'.", "gpu_memory")
-        if self.attention is not None and self.quality == "exact":
+        base = base_tier(self.quality)
+        if self.attention is not None and base == "exact":
             raise RequestError(f"attention {self.attention} cannot be combined with quality exact, which runs torch's "
                                "SDPA choice as the reference does; leave attention unset or pick quality "
                                "lossless or fast.", "attention")
-        if self.attention in APPROXIMATE_ATTENTION and self.quality != "fast":
+        if self.attention in APPROXIMATE_ATTENTION and base != "fast":
             raise RequestError(f"attention {self.attention} quantizes q/k/v to FP8, an approximation for quality "
                                f"fast only (quality is {self.quality}).", "attention")
 
@@ -144,18 +162,24 @@ class RunOptions:
         return parse_bytes(self.gpu_memory)
 
     def request_quality(self, requested: str | None) -> str:
-        """The tier one request runs at: `requested`, or this model's own when None. exact and lossless switch
-        freely; fast needs a model loaded with quality fast, which serves only fast requests."""
+        """The tier one request runs at: `requested`, or this model's own when None. exact, lossless and high
+        switch freely; fast and fast+high need a model loaded with quality fast or fast+high, which serves only
+        those two."""
         tier = self.quality if requested is None else requested
         check_choice("quality", tier, QUALITY_TIERS)
-        if (tier == "fast") != (self.quality == "fast"):
+        if (base_tier(tier) == "fast") != (base_tier(self.quality) == "fast"):
             raise RequestError(
-                f"quality {tier} is not available here: fast needs a model loaded with quality fast (its block "
-                "weights are FP8; --quality fast on the command line), and such a model serves only fast requests "
-                f"(loaded: {self.quality}).", "quality")
+                f"quality {tier} is not available here: fast and fast+high need a model loaded with quality fast or "
+                "fast+high (its block weights are FP8; --quality fast on the command line), and such a model serves "
+                f"only fast and fast+high requests (loaded: {self.quality}).", "quality")
         return tier
+
+    def servable_tiers(self) -> tuple[str, ...]:
+        """Every tier `request_quality` accepts on this model."""
+        fast = base_tier(self.quality) == "fast"
+        return tuple(tier for tier in QUALITY_TIERS if (base_tier(tier) == "fast") == fast)
 
     def attention_for(self, tier: str) -> str | None:
         """The attention backend to run a tier with: `attention` for lossless and fast, None (the tier's own
         choice) otherwise or when unset."""
-        return None if tier == "exact" else self.attention
+        return None if base_tier(tier) == "exact" else self.attention

@@ -8,6 +8,11 @@ and afterwards at an empty placeholder, so nothing else keeps the slot alive. Bl
 with a sequence counter that runs across steps, so the next step's first blocks are already in flight while this
 step's last ones compute.
 
+A pass (one forward through the blocks) may end early: the first-block step cache (`pipelines/h3/step_cache.py`)
+skips the blocks after block 0 on a cached step. It calls `hold_next_pass()` when the next pass may end that way, so
+none of that pass's copies but block 0's is issued until it calls `release()` (the pass goes on) or `end_pass()`
+(it stopped after block 0): a skipped block is never copied.
+
 Sub-modules named in `on_demand` (the AdaLN projection, whose tables the lossless tier computes once per request)
 are not streamed every step and do not stay on the GPU, in resident blocks either: they are copied in,
 synchronously, only when they are called (every step under the exact tier, which projects AdaLN in each forward).
@@ -159,7 +164,12 @@ class LayerwiseOffload:
         self.position = {block_index: p for p, block_index in enumerate(self.order)}
         self.computing = 0  # sequence number (across steps) of the next streamed block to compute
         self.issued = 0  # sequence number of the next copy to issue
+        self.pass_start = 0  # sequence number of the running pass's first streamed block
+        self.held: int | None = None  # the pass_start of a held pass (see `hold_next_pass`)
+        self.first_streamed = int(bool(self.order) and self.order[0] == 0)  # whether block 0 itself streams
         self.handles = []
+        if self.order:  # first among block 0's hooks: a pass begins
+            self.handles.append(blocks[0].register_forward_pre_hook(self._pass_begins))
         for i in self.order:
             self.handles.append(blocks[i].register_forward_pre_hook(self._before(i)))
             self.handles.append(blocks[i].register_forward_hook(self._after(i)))
@@ -195,14 +205,50 @@ class LayerwiseOffload:
             self.copy_stream.synchronize()
             torch.cuda.current_stream(self.device).synchronize()
         self.computing = self.issued = position
+        self.held = None
+
+    def _issue_ahead(self, needed: bool) -> None:
+        """Issue copies up to `prefetch` blocks ahead of the one computing next, except those of a held pass after
+        its block 0; with `needed`, the block computing next is issued in any case."""
+        limit = None if self.held is None else self.held + self.first_streamed
+        while self.issued <= self.computing + self.prefetch:
+            if limit is not None and self.issued >= limit and not (needed and self.issued == self.computing):
+                break
+            self._issue(self.issued)
+            self.issued += 1
+
+    def _pass_begins(self, module, args):
+        if self.computing % len(self.order):  # the last pass stopped midway (an error): start over
+            self._resync(0)
+        self.pass_start = self.computing
+        self._issue_ahead(needed=False)
+
+    # ------------------------------------------------------------------ passes that end early
+
+    def hold_next_pass(self) -> None:
+        """The pass after the running one may end after block 0: issue none of its later copies until `release()`
+        or `end_pass()`."""
+        if self.order:
+            self.held = self.pass_start + len(self.order)
+
+    def release(self) -> None:
+        """Whatever pass was held goes on: its copies are issued from its next block on, as usual."""
+        self.held = None
+
+    def end_pass(self) -> None:
+        """The running pass stops after the blocks it has run (the rest are skipped)."""
+        if not self.order:
+            return
+        end = self.pass_start + len(self.order)
+        if self.issued > self.computing:  # copies in flight that no block will use
+            self._resync(end)
+        self.computing = self.issued = end
 
     def _before(self, index: int):
         def hook(module, args):
             if self.computing % len(self.order) != self.position[index]:
                 self._resync(self.position[index])
-            while self.issued <= self.computing + self.prefetch:
-                self._issue(self.issued)
-                self.issued += 1
+            self._issue_ahead(needed=True)
             slot = self.computing % self.slots
             if self.copied[slot] is not None:
                 torch.cuda.current_stream(self.device).wait_event(self.copied[slot])

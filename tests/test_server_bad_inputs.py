@@ -70,6 +70,9 @@ JSON_CASES = [
     ({"prompt": "x" * 5000}, 422, "prompt"),
     ({"prompt": "x", "task": "fl2va"}, 422, "image"),
     ({"prompt": "x", "task": "ref2va"}, 422, "references"),
+    ({"prompt": "x", "quality": "high", "cache": {"threshold": 2}}, 422, "threshold"),
+    ({"prompt": "x", "quality": "high", "cache": "fast"}, 422, "cache"),
+    ({"prompt": "x", "cache": {"warmup": 1}}, 422, "cache"),  # the server's tier (lossless) has no step cache
 ]
 
 

@@ -11,7 +11,7 @@ from gradio.utils import get_upload_folder
 from pydantic import ValidationError
 
 from h3gen.errors import RequestError
-from h3gen.options import TASKS
+from h3gen.options import QUALITY_HELP, TASKS, RunOptions
 from h3gen.pipelines.h3.continuation import DEFAULT_OVERLAP_FRAMES, DEFAULT_WINDOW_FRAMES
 from h3gen.pipelines.h3.geometry import MAX_SECONDS
 from h3gen.pipelines.h3.tiny_checkpoint import TRANSFORMER as TINY_TRANSFORMER
@@ -85,6 +85,13 @@ def _history(manager) -> list[list]:
     return rows
 
 
+def quality_choices(engine) -> tuple[list[tuple[str, str]], str]:
+    """The quality tiers this server serves, each labelled with its help (`QUALITY_HELP`), and its default."""
+    options = getattr(engine, "options", None)
+    options = options if isinstance(options, RunOptions) else RunOptions()
+    return [(f"{tier}: {QUALITY_HELP[tier]}", tier) for tier in options.servable_tiers()], options.quality
+
+
 def _validation_message(error: ValidationError) -> str:
     first = error.errors(include_url=False)[0]
     field = ".".join(str(part) for part in first["loc"]) or "request"
@@ -106,7 +113,7 @@ class _Actions:
         self.upload_folder = Path(get_upload_folder())
 
     def generate(self, prompt, task, image, last_image, references, aspect, seconds, steps, seed, randomize, plan,
-                 window_prompts="", window_frames=None, overlap_frames=None):
+                 window_prompts="", window_frames=None, overlap_frames=None, quality=None):
         idle = (gr.update(),) * 5  # video, job, seed, history, planned prompt stay as they are
 
         def problem(message):
@@ -114,7 +121,7 @@ class _Actions:
 
         fields = dict(prompt=prompt or "", task=task, seconds=float(seconds), num_inference_steps=int(steps),
                       aspect_ratio=None if aspect in (None, "auto") else aspect,
-                      seed=None if randomize or seed is None else int(seed), plan=bool(plan),
+                      seed=None if randomize or seed is None else int(seed), plan=bool(plan), quality=quality or None,
                       **long_clip_fields(window_prompts, window_frames, overlap_frames))
         try:
             request = GenerationRequest.model_validate(fields)
@@ -163,8 +170,10 @@ class _Actions:
                    _history(self.manager), planned_prompt)
             return
         total = sum(view["timings"].values())
+        cached = view.get("cached_steps")
+        cached = "" if cached is None else f", {len(cached)} forwards cached"
         yield (f"Job {job_id[:8]}: done in {total:.1f} s — {view['request']['width']}x{view['request']['height']}, "
-               f"{view['request']['num_frames']} frames, seed {seed_used}", progress_html(100, "done"),
+               f"{view['request']['num_frames']} frames, seed {seed_used}{cached}", progress_html(100, "done"),
                video_html(job_id), job_id, seed_used, _history(self.manager), planned_prompt)
 
     def cancel(self, job_id):
@@ -233,6 +242,8 @@ def build_ui(manager) -> gr.Blocks:
                     steps = gr.Slider(2, 100, value=50, step=1, label="Steps", elem_id="steps")
                     seed = gr.Number(value=0, precision=0, minimum=0, label="Seed", elem_id="seed")
                     randomize = gr.Checkbox(value=True, label="Random seed", elem_id="randomize")
+                qualities, default_quality = quality_choices(manager.engine)
+                quality = gr.Dropdown(qualities, value=default_quality, label="Quality", elem_id="quality")
                 plan = gr.Checkbox(value=False, visible=has_planner, elem_id="plan",
                                    label="Plan the prompt with K3 first (picture, motion, camera, sound, music, "
                                          "dialogue)")
@@ -250,7 +261,7 @@ def build_ui(manager) -> gr.Blocks:
                                        label="History (click a row to play it)", elem_id="history")
         run.click(actions.generate,
                   [prompt, task, image, last_image, references, aspect, seconds, steps, seed, randomize, plan,
-                   window_prompts, window_frames, overlap_frames],
+                   window_prompts, window_frames, overlap_frames, quality],
                   [status, progress, video, job_state, seed, history, planned], concurrency_limit=None,
                   show_progress="hidden")
         stop.click(actions.cancel, [job_state], [status, video, history], show_progress="hidden")

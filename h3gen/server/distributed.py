@@ -80,7 +80,7 @@ class DistributedEngine(H3Engine):
     def load(self) -> None:
         _load(self)
 
-    def run(self, request: dict, images: dict[str, Path], out_path: Path, callback) -> None:
+    def run(self, request: dict, images: dict[str, Path], out_path: Path, callback) -> dict:
         payload = {"request": request, "images": {name: (path.suffix, path.read_bytes()) for name, path in
                                                   images.items()}}
         dist.broadcast_object_list([("job", payload)], src=0, group=self.control)
@@ -91,7 +91,7 @@ class DistributedEngine(H3Engine):
             else:
                 self.agree(lambda: callback(stage, step, total), request["prompt"], stage, step)
 
-        super().run(request, images, out_path, agreed)
+        return super().run(request, images, out_path, agreed)
 
     def shutdown(self) -> None:
         dist.broadcast_object_list([("stop", None)], src=0, group=self.control)

@@ -9,7 +9,7 @@ from typing import Callable
 import torch
 
 from h3gen.errors import RequestError
-from h3gen.options import RunOptions
+from h3gen.options import RunOptions, uses_step_cache
 from h3gen.pipelines.h3.checkpoint import H3Checkpoint, resolve_workflow
 from h3gen.pipelines.h3.continuation import DEFAULT_MAX_SECONDS, check_max_seconds
 from h3gen.pipelines.h3.geometry import SPATIAL_COMPRESSION, resolve_canvas
@@ -43,8 +43,9 @@ def pipeline_arguments(request: dict, uploads: dict[str, Path]) -> dict:
     return dict(image=uploads.get("image"), last_image=uploads.get("last_image"),
                 references=references or None, height=request["height"], width=request["width"],
                 num_frames=request["num_frames"], num_inference_steps=request["num_inference_steps"],
-                seed=request["seed"], quality=request.get("quality"), prompts=request.get("prompts"),
-                window_frames=request.get("window_frames"), overlap_frames=request.get("overlap_frames"))
+                seed=request["seed"], quality=request.get("quality"), cache=request.get("cache"),
+                prompts=request.get("prompts"), window_frames=request.get("window_frames"),
+                overlap_frames=request.get("overlap_frames"))
 
 
 class H3Engine:
@@ -121,6 +122,8 @@ class H3Engine:
         resolved canvas, frame count and seed. `images` holds the uploads: `image` / `last_image`, and references
         keyed by `upload_name`. Raises `RequestError` naming the field."""
         quality = self.options.request_quality(request.quality)
+        if request.cache is not None and not uses_step_cache(quality):
+            raise RequestError(f"cache applies to quality high or fast+high (this request runs {quality}).", "cache")
         if request.plan and self.planner is None:
             raise RequestError("this server has no prompt planner; start it with --planner tiny|<K3 folder>|<OpenAI-"
                                "compatible base URL>, or send plan: false.", "plan")
@@ -167,10 +170,12 @@ class H3Engine:
         return self.planner.plan(request["prompt"], image=image, seed=request.get("seed")).planned
 
     def run(self, request: dict, images: dict[str, Path], out_path: Path,
-            callback: Callable[[str, int, int], None]) -> None:
+            callback: Callable[[str, int, int], None]) -> dict:
         """Generate one normalized request into `out_path` (MP4, verified), reporting through `callback` (each stage
-        when it starts, inside it and when it ends; an exception the callback raises stops the job there)."""
+        when it starts, inside it and when it ends; an exception the callback raises stops the job there). Returns
+        what the job's status reports of the run: `cached_steps` for quality high / fast+high, else nothing."""
         if self.pipeline is None:
             raise RuntimeError(f"the model is not loaded ({self.load_error or 'still loading'}).")
-        self.pipeline(request["prompt"], callback=callback, output_path=out_path,
-                      audio_sample_rate=request["audio_sample_rate"], **pipeline_arguments(request, images))
+        output = self.pipeline(request["prompt"], callback=callback, output_path=out_path,
+                               audio_sample_rate=request["audio_sample_rate"], **pipeline_arguments(request, images))
+        return {"cached_steps": output.cached_steps} if uses_step_cache(request.get("quality")) else {}

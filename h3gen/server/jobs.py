@@ -326,6 +326,7 @@ class JobManager:
         view = {key: job[key] for key in ("id", "status", "progress", "stage", "timings", "error", "request",
                                           "created_at", "started_at", "finished_at")}
         view["planned_prompt"] = (job["request"] or {}).get("planned_prompt")
+        view["cached_steps"] = (job["request"] or {}).get("cached_steps")
         if live is not None and job["status"] == "running":
             view.update(progress=round(live.progress, 2), stage=live.stage, timings=dict(live.timings))
             if live.window is not None:  # "2/5": the window a clip over 15 s is making
@@ -412,14 +413,17 @@ class JobManager:
             if self.engine.load_error:
                 raise RuntimeError(f"the model failed to load: {self.engine.load_error}")
             request, uploads = job["request"], {k: Path(v) for k, v in job["uploads"].items()}
+            shown = request  # the request as the job's status shows it
             if request.get("plan"):
                 report("plan", 0, 1)
                 planned = self.engine.plan(request, uploads)
-                request = request | {"planned_prompt": planned}
+                shown = request = request | {"planned_prompt": planned}
                 self.store.update(job_id, request=request)  # shown in the job's status from now on
                 report("plan", 1, 1)
                 request = request | {"prompt": planned}
-            self.engine.run(request, uploads, result, report)
+            outcome = self.engine.run(request, uploads, result, report)
+            if outcome:  # what the run reports (the step cache's cached_steps), shown with the request
+                self.store.update(job_id, request=shown | outcome)
             if live.cancel.is_set():
                 raise JobCancelled()
         except JobCancelled:

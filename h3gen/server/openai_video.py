@@ -21,8 +21,8 @@ OPENAI_STATUS = {"queued": "queued", "running": "in_progress", "succeeded": "com
 VARIANTS = ("video", "thumbnail", "spritesheet")
 SIZE_PATTERN = re.compile(r"^([0-9]{1,5})x([0-9]{1,5})$")
 # The H3 job fields a `Video` carries besides OpenAI's own (what GET /v1/videos/{id} showed before, minus status).
-EXTENSION_FIELDS = ("stage", "window", "timings", "request", "planned_prompt", "queue_position", "content_url",
-                    "started_at", "finished_at")
+EXTENSION_FIELDS = ("stage", "window", "timings", "request", "planned_prompt", "cached_steps", "queue_position",
+                    "content_url", "started_at", "finished_at")
 
 # How often a polling client should ask again: one denoising step's measured time, within these bounds.
 POLL_AFTER_MS_MIN, POLL_AFTER_MS_MAX = 250, 5000

@@ -10,6 +10,7 @@ from pydantic_core import PydanticCustomError
 from h3gen.options import QUALITY_HELP, QUALITY_TIERS, TASKS, describe
 from h3gen.pipelines.h3.continuation import DEFAULT_MAX_SECONDS, MAX_SECONDS_LIMIT
 from h3gen.pipelines.h3.geometry import MAX_SECONDS, MIN_SECONDS
+from h3gen.pipelines.h3.step_cache import CACHE_HELP, MAX_CONSECUTIVE_RANGE, THRESHOLD_RANGE, WARMUP_RANGE
 
 MAX_PROMPT_CHARS = 4000
 MAX_WINDOW_PROMPTS = 64  # a 300 s clip in the shortest windows (107 frames, overlap 5) has 70: use longer ones
@@ -20,6 +21,18 @@ REFERENCE_FIELDS = ("ref_image", "ref_video", "ref_audio")
 UPLOAD_KINDS = {"image": "image", "last_image": "image", "input_reference": "image", "ref_image": "image",
                 "ref_video": "video", "ref_audio": "audio"}
 ASPECT_RATIO = r"^[0-9]{1,4}(\.[0-9]{1,3})?:[0-9]{1,4}(\.[0-9]{1,3})?$"
+
+
+class CacheKnobs(BaseModel):
+    """The step cache's knobs (quality high / fast+high); each one left out takes its default."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    threshold: float | None = Field(None, ge=THRESHOLD_RANGE[0], le=THRESHOLD_RANGE[1],
+                                    description=CACHE_HELP["threshold"])
+    warmup: int | None = Field(None, ge=WARMUP_RANGE[0], le=WARMUP_RANGE[1], description=CACHE_HELP["warmup"])
+    max_consecutive: int | None = Field(None, ge=MAX_CONSECUTIVE_RANGE[0], le=MAX_CONSECUTIVE_RANGE[1],
+                                        description=CACHE_HELP["max_consecutive"])
 
 
 class GenerationRequest(BaseModel):
@@ -60,8 +73,11 @@ class GenerationRequest(BaseModel):
     num_inference_steps: int = Field(50, ge=2, le=1000, description="Sigma grid points (N - 1 transformer forwards).")
     audio_sample_rate: Literal[32000, 48000] = Field(32000, description="AAC sample rate of the MP4.")
     quality: Literal[QUALITY_TIERS] | None = Field(
-        None, description=f"{describe(QUALITY_HELP)}. The server's tier if omitted; fast only on a server started "
-                          "with --quality fast, which serves only fast.")
+        None, description=f"{describe(QUALITY_HELP)}. The server's tier if omitted; fast and fast+high only on a "
+                          "server started with --quality fast or fast+high, which serves only those two.")
+    cache: CacheKnobs | None = Field(None, description=(
+        "quality high / fast+high only: the step cache's knobs, an object (a JSON text in a multipart form) with any "
+        "of threshold, warmup, max_consecutive; the job's cached_steps lists the forwards it skipped."))
     plan: bool = Field(False, description=(
         "First rewrite the prompt with the server's K3 planner (subjects, motion, camera, sound, music, dialogue); "
         "the job's `planned_prompt` shows what the clip was made from. Needs a server started with --planner."))
@@ -73,6 +89,18 @@ class GenerationRequest(BaseModel):
         if value is not None and not re.fullmatch(ASPECT_RATIO, value):
             raise PydanticCustomError("value_error", "aspect_ratio must look like 16:9 (W:H from 1:4 to 4:1; got "
                                       "{value})", {"value": value[:32]})
+        return value
+
+    @field_validator("cache", mode="before")
+    @classmethod
+    def _cache_from_text(cls, value):
+        # A multipart form carries the object as JSON text.
+        if isinstance(value, str):
+            try:
+                return json.loads(value)
+            except json.JSONDecodeError:
+                raise PydanticCustomError("value_error", "cache must be a JSON object such as "
+                                          '{"threshold": 0.04} (got text that is not JSON)', {}) from None
         return value
 
     @field_validator("seconds")
@@ -179,6 +207,9 @@ class VideoObject(BaseModel):
     timings: dict[str, float] = Field(default_factory=dict, description="Seconds per stage.")
     request: dict = Field(default_factory=dict, description="The normalized request (resolved size, frames, seed).")
     planned_prompt: str | None = Field(None, description="The planner's prompt, once a job with plan=true has it.")
+    cached_steps: list[int] | None = Field(None, description=(
+        "quality high / fast+high, once the job has run: the denoising forwards (0-based) the step cache skipped; "
+        "every other forward ran all blocks."))
     queue_position: int | None = None
     content_url: str | None = None
     started_at: float | None = None

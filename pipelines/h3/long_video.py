@@ -138,7 +138,7 @@ def run_continuation(pipe, request: H3Request, *, report, tier: str, decode: boo
                 audio_rows = _with_guide(audio_rows, 2 * sub.shape.num_audio_latents, guide_audio)
             timings.lap("encode_conditions")
             layout = window_layout(sub, window, text, blocks, cfg.patch_size)
-            video, audio = pipe._denoise(sub, text, video_rows, audio_rows, report, tier, blocks, layout=layout)
+            video, audio, _, _ = pipe._denoise(sub, text, video_rows, audio_rows, report, tier, blocks, layout=layout)
             timings.lap("denoise")
             if window.index + 1 < total:
                 following = windows[window.index + 1]

@@ -28,7 +28,7 @@ from h3gen.errors import RequestError
 from h3gen.kernels.attention import resolve_backend
 from h3gen.media import MediaInfo, Mp4Writer, rgb_to_yuv420, write_mp4
 from h3gen.offload import plan_placement
-from h3gen.options import RunOptions
+from h3gen.options import RunOptions, base_tier, uses_step_cache
 from h3gen.pipelines.h3 import geometry
 from h3gen.pipelines.h3.checkpoint import REQUIRED, H3Checkpoint, resolve_workflow
 from h3gen.pipelines.h3.continuation import DEFAULT_MAX_SECONDS
@@ -40,6 +40,7 @@ from h3gen.pipelines.h3.references import AudioReference, ImageReference, VideoR
 from h3gen.pipelines.h3.request import (KEYFRAME_NOISE_AUG, H3Request, check_activation_budget, prepare_request,
                                         read_transformer_config)
 from h3gen.pipelines.h3.schedules import AUDIO_SHIFT, VIDEO_SHIFT, FlowSchedule, noise_to, read_shift
+from h3gen.pipelines.h3.step_cache import StepCacheConfig, step_cache
 from h3gen.pipelines.h3.text_encoder import H3TextEncoder, TextConditioning
 from h3gen.pipelines.h3.tiers import set_quality
 from h3gen.pipelines.h3.transformer import H3Transformer
@@ -83,6 +84,14 @@ class H3Output:
     path: str | None = None  # the MP4 a call with `output_path` wrote (its `video` is then None)
     media: MediaInfo | None = None  # what decoding that MP4 back found
     windows: int = 1  # how many windows the clip was made of (over 15 s: more than one)
+    cached_steps: list[int] = field(default_factory=list)  # forwards (0-based) the step cache skipped (quality high)
+    num_forwards: int = 0  # transformer forwards of the request (num_inference_steps - 1)
+
+    @property
+    def computed_steps(self) -> list[int]:
+        """Forwards that ran every block."""
+        cached = set(self.cached_steps)
+        return [step for step in range(self.num_forwards) if step not in cached]
 
     def save(self, path, audio_sample_rate: int | None = None, progress: Callable[[int, int], None] | None = None):
         """Write an MP4 (H.264 + AAC stereo at `audio_sample_rate`, default 32000) and verify it decodes back.
@@ -175,7 +184,7 @@ class H3Pipeline:
         self.max_seconds = DEFAULT_MAX_SECONDS
         for model in self._transformers():
             set_quality(model, self.quality, attention=self.options.attention_for(self.quality))
-        if self.quality == "fast" and vae is not None:
+        if base_tier(self.quality) == "fast" and vae is not None:
             to_fp8_decoder(vae)
 
     def _transformers(self) -> list:
@@ -214,8 +223,9 @@ class H3Pipeline:
         `transformer/`), "all" (every task the checkpoint has the components for; both partitions when it holds
         both, which then share `gpu_memory` under layer-wise offload) or "auto" (all when both partitions are small
         next to the device's memory, else fl2va). A missing component raises `CheckpointError` naming it. `quality`
-        is the default tier (`exact`, `lossless` (default) or `fast`, see `tiers.py`); `fast` quantizes the
-        transformer's block GEMMs to FP8 at load, and only a pipeline loaded with it serves `fast` requests.
+        is the default tier (`exact`, `lossless` (default), `fast`, `high` or `fast+high`, see `tiers.py`); `fast`
+        quantizes the transformer's block GEMMs to FP8 at load, and only a pipeline loaded with `fast` or
+        `fast+high` serves `fast` and `fast+high` requests; `high` adds the step cache per call (`step_cache.py`).
         `parallel` (an `h3gen.parallel.ParallelState` of an initialised process group) splits the transformer over
         the ranks (tensor parallel x Ulysses); the text encoder and the VAEs are replicated. Every rank must then
         make the same calls with the same seed. `offload`: "none" (default, everything on the device), "stage" or
@@ -262,16 +272,17 @@ class H3Pipeline:
             transformer_ref=loaded.get("transformer_ref"), planner=planner, options=options,
         )
 
-    def validate(self, prompt, **kwargs) -> H3Request:
+    def validate(self, prompt, *, step_cache: bool = False, **kwargs) -> H3Request:
         """Check a request against this pipeline's checkpoint (see `prepare_request`) and, under layer-wise
-        offload, its activations against the GPU budget (a clip over 15 s: its largest window's), before any model
-        work."""
+        offload, its activations (with `step_cache`, the step cache's too) against the GPU budget (a clip over
+        15 s: its largest window's), before any model work."""
         kwargs.setdefault("max_seconds", self.max_seconds)
         request = prepare_request(self.checkpoint, self.config, prompt, **kwargs)
         budget = getattr(self._transformer_for(request.task), "activation_budget_bytes", None)
         if budget is not None:
             sized = request if request.continuation is None else largest_window(request)
-            check_activation_budget(sized, len(self.text_encoder.tokenize(sized.prompt)), self.config, budget)
+            check_activation_budget(sized, len(self.text_encoder.tokenize(sized.prompt)), self.config, budget,
+                                    step_cache=step_cache)
         return request
 
     # ------------------------------------------------------------------ stages
@@ -355,9 +366,11 @@ class H3Pipeline:
 
     @torch.no_grad()
     def _denoise(self, request: H3Request, text, video_rows, audio_rows, report: ProgressCallback, tier: str,
-                 blocks: list[ReferenceBlock] | None = None, layout=None):
+                 blocks: list[ReferenceBlock] | None = None, cache: StepCacheConfig | None = None, layout=None):
         """The loop: one transformer forward per step; video and audio rows step their own schedules; conditioning
-        rows (keyframes, references) are never written. `layout`: a window's own (`long_video.window_layout`)."""
+        rows (keyframes, references) are never written. With `cache`, the first-block step cache decides per
+        forward whether blocks 1..N-1 run. `layout`: a window's own (`long_video.window_layout`). Returns (video
+        latents, audio latents, cached forward indices, number of forwards)."""
         shape = request.shape
         transformer = self._transformer_for(request.task)
         video_schedule = FlowSchedule.make(request.num_inference_steps, self.video_shift)
@@ -382,6 +395,19 @@ class H3Pipeline:
             plan.append((timestep.to(self.device), indices.to(self.device)))
         # Outside the exact tier every block's AdaLN table for the whole request is computed up front.
         tables = transformer.precompute_adaln([t for t, _ in plan]) if tier != "exact" else None
+        with step_cache(transformer, cache, total) if cache is not None else nullcontext() as cached:
+            self._steps(transformer, plan, tables, text, on_device, video_rows, audio_rows, video_schedule,
+                        audio_schedule, cond, cond_audio, report)
+        latents = unpatchify_video(video_rows[cond:], shape.num_latent_frames, shape.latent_height,
+                                   shape.latent_width, self.config.patch_size)
+        audio = audio_rows[cond_audio:].reshape(2, shape.num_audio_latents, -1).permute(0, 2, 1).contiguous()
+        return latents, audio, (cached.cached_steps if cached is not None else []), total
+
+    @staticmethod
+    def _steps(transformer, plan, tables, text, on_device, video_rows, audio_rows, video_schedule, audio_schedule,
+               cond: int, cond_audio: int, report: ProgressCallback) -> None:
+        """The denoising steps, updating `video_rows` / `audio_rows` in place."""
+        total = len(plan)
         for i, (timestep, timestep_indices) in enumerate(plan):
             video_v, audio_v = transformer(
                 hidden_states=video_rows[None], audio_hidden_states=audio_rows[None],
@@ -393,10 +419,6 @@ class H3Pipeline:
             video_rows[cond:] = video_schedule.step(i, video_v[0, cond:].float(), video_rows[cond:])
             audio_rows[cond_audio:] = audio_schedule.step(i, audio_v[0, cond_audio:].float(), audio_rows[cond_audio:])
             report("denoise", i + 1, total)
-        latents = unpatchify_video(video_rows[cond:], shape.num_latent_frames, shape.latent_height,
-                                   shape.latent_width, self.config.patch_size)
-        audio = audio_rows[cond_audio:].reshape(2, shape.num_audio_latents, -1).permute(0, 2, 1).contiguous()
-        return latents, audio
 
     @contextmanager
     def _stage(self, *modules):
@@ -421,6 +443,15 @@ class H3Pipeline:
         for model in self._transformers():
             set_quality(model, tier, attention=self.options.attention_for(tier))
         return tier
+
+    @staticmethod
+    def _cache_config(tier: str, cache) -> StepCacheConfig | None:
+        """The step cache's validated knobs for a call at `tier` (None: no cache); `cache` only with high tiers."""
+        if not uses_step_cache(tier):
+            if cache is not None:
+                raise RequestError(f"cache applies to quality high or fast+high (this call runs {tier}).", "cache")
+            return None
+        return StepCacheConfig.from_request(cache)
 
     # ------------------------------------------------------------------ call
 
@@ -476,7 +507,7 @@ class H3Pipeline:
         if decode:
             check = lambda: report("decode_video", 0, 1)  # noqa: E731
             with self._stage(self.vae), _checkpoints(video_decoder_units(self.vae), check):
-                video = decode_video(self.vae, video_latents, tier=VIDEO_DECODE_TIER[tier], check=check,
+                video = decode_video(self.vae, video_latents, tier=VIDEO_DECODE_TIER[base_tier(tier)], check=check,
                                      on_device=output_path is not None)
         report("decode_video", 1, 1)
         lap("decode_video")
@@ -520,7 +551,7 @@ class H3Pipeline:
                  quality: str | None = None, decode: bool = True, plan: bool = False,
                  plan_max_tokens: int | None = None, prompts: list[str] | None = None,
                  window_frames: int | None = None, overlap_frames: int | None = None, output_path=None,
-                 audio_sample_rate: int | None = None) -> H3Output:
+                 audio_sample_rate: int | None = None, cache: dict | StepCacheConfig | None = None) -> H3Output:
         """Generate a clip.
 
         Args:
@@ -542,8 +573,11 @@ class H3Pipeline:
             latents `(1, 24, F_lat, H/16, W/16)`, audio_latents `(2, 32, A)`: initial noise instead of drawing it.
             callback: `callback(stage, step, total)` when each stage starts (`step` 0), before each unit of work
                 inside it and after it; an exception it raises stops the call.
-            quality: `exact` or `lossless` for this call (default: the pipeline's); `fast` only on a pipeline
-                loaded with it.
+            quality: `exact`, `lossless` or `high` for this call (default: the pipeline's); `fast` and
+                `fast+high` only on a pipeline loaded with fast or fast+high (`h3gen.options.QUALITY_HELP`). `high`
+                adds the first-block step cache (`step_cache.py`); the forwards it skipped are `cached_steps`.
+            cache: the step cache's knobs for `high` / `fast+high`: a dict with any of `threshold` (0 to 1, default
+                0.04), `warmup` (0 to 1000, default 4), `max_consecutive` (1 to 1000, default 1).
             decode: False skips both VAE decodes (the stages are still reported) and returns `video` and `audio`
                 as None: what the other ranks of a parallel run do, since rank 0 decodes.
             plan: first rewrite `prompt` with the pipeline's planner (subjects, motion, camera, sound effects,
@@ -568,7 +602,8 @@ class H3Pipeline:
         planned = self._planned_prompt(prompt, fields, plan_max_tokens, report) if plan else None
         if references is not None:
             self._transformer_for("ref2va")  # before decoding any media
-        request = self.validate(planned or prompt, **fields)
+        cache_config = self._cache_config(self.options.request_quality(quality), cache)
+        request = self.validate(planned or prompt, step_cache=cache_config is not None, **fields)
         self._transformer_for(request.task)
         tier = self._tier(quality)
         timings = {}
@@ -581,6 +616,9 @@ class H3Pipeline:
             started = now
 
         if request.continuation is not None:
+            if cache_config is not None:
+                raise RequestError("quality high (the step cache) is not available for clips over 15 s: each window "
+                                   "is denoised on its own; use lossless or fast for them.", "quality")
             info, timings = run_continuation(self, request, report=report, tier=tier, decode=decode,
                                              output_path=output_path, audio_sample_rate=audio_sample_rate)
             return H3Output(video=None, audio=None, fps=geometry.FPS,
@@ -592,10 +630,12 @@ class H3Pipeline:
         noise = self.draw_noise(request)
         video_rows, audio_rows, blocks = self._initial_rows(request, noise, report)
         lap("encode_conditions")
-        video_latents, audio_latents = self._denoise(request, text, video_rows, audio_rows, report, tier, blocks)
+        video_latents, audio_latents, cached_steps, forwards = self._denoise(
+            request, text, video_rows, audio_rows, report, tier, blocks, cache_config)
         lap("denoise")
         video, audio, media = self._decode(video_latents, audio_latents, decode, report, lap, tier, output_path,
                                            audio_sample_rate)
         return H3Output(video=video, audio=audio, fps=geometry.FPS,
                         sample_rate=int(self.audio_vae.config.sampling_rate), seed=request.seed, timings=timings,
-                        planned_prompt=planned, path=str(output_path) if media is not None else None, media=media)
+                        planned_prompt=planned, path=str(output_path) if media is not None else None, media=media,
+                        cached_steps=cached_steps, num_forwards=forwards)

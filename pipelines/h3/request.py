@@ -191,24 +191,27 @@ def packed_rows(request: H3Request, text_rows: int, patch_size: tuple[int, int, 
     return rows
 
 
-def activation_bytes(rows: int, config: H3TransformerConfig) -> int:
+def activation_bytes(rows: int, config: H3TransformerConfig, step_cache: bool = False) -> int:
     """GPU memory one transformer forward's activations take over `rows` packed rows (bf16), estimated as the
     larger of the two phases of a fused block: attention (residual, its norm, q / k / v, the rotated q / k and the
     attention output: 2 x hidden + 6 x heads x head_dim values per row) and the SwiGLU (residual, its norm, the
-    up-projection and its activation: 2 x hidden + 3 x ffn_dim)."""
+    up-projection and its activation: 2 x hidden + 3 x ffn_dim). The step cache (quality high) keeps block 0's
+    residual and a copy of its output through the other blocks: 2 x hidden more."""
     inner = config.num_attention_heads * config.attention_head_dim
     per_row = 2 * max(2 * config.hidden_size + 6 * inner, 2 * config.hidden_size + 3 * config.ffn_dim)
+    if step_cache:
+        per_row += 2 * 2 * config.hidden_size
     return rows * per_row
 
 
 def check_activation_budget(request: H3Request, text_rows: int, config: H3TransformerConfig,
-                            budget_bytes: int | None) -> None:
+                            budget_bytes: int | None, step_cache: bool = False) -> None:
     """Refuse, before any model work, a request whose activations would not fit what the GPU budget leaves them
     (`budget_bytes`, layer-wise offload's activation share; None: no declared budget)."""
     if budget_bytes is None:
         return
     rows = packed_rows(request, text_rows, config.patch_size)
-    needed = activation_bytes(rows, config)
+    needed = activation_bytes(rows, config, step_cache)
     if needed > budget_bytes:
         raise RequestError(
             f"this request packs {rows:,} rows, whose activations need about {needed / 2**30:.1f} GiB of GPU memory, "

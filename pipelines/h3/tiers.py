@@ -10,6 +10,8 @@
   weights are quantized in place, so a model set to `fast` cannot go back. Tensor-parallel blocks quantize each
   rank's shard (the collectives stay); blocks whose GEMMs are MXFP4 (`--quantization mxfp4`) keep them, so there
   `fast` is `lossless` with FP8 attention.
+- `high` / `fast+high`: `lossless` / `fast` plus the first-block step cache, attached per request
+  (`step_cache.py`); the blocks are set exactly as for their base tier.
 """
 
 import torch
@@ -21,7 +23,7 @@ from h3gen.kernels.norm_modulate import rmsnorm_modulate
 from h3gen.kernels.qk_norm_rope import qk_norm_rope
 from h3gen.kernels.swiglu import swiglu
 from h3gen.linear import to_fp8
-from h3gen.options import QUALITY_TIERS, check_choice
+from h3gen.options import QUALITY_TIERS, base_tier, check_choice
 from h3gen.pipelines.h3.transformer import AttentionCore
 
 
@@ -95,8 +97,10 @@ def quantize_block_linears(block) -> bool:
 def set_quality(transformer, tier: str, attention: str | None = None) -> None:
     """Switch `transformer` (an `H3Transformer`) to a quality tier. `exact` <-> `lossless` is free and reversible;
     `fast` quantizes the block GEMM weights to FP8 in place. `attention` (a backend name, see `RunOptions`) replaces
-    the tier's own attention backend."""
+    the tier's own attention backend. `high` and `fast+high` set their base tier (lossless, fast): their step
+    cache is attached per request (`step_cache.py`)."""
     check_choice("quality", tier, QUALITY_TIERS)
+    tier = base_tier(tier)
     if getattr(transformer, "quality", None) == "fast" and tier != "fast":
         raise ValueError("this transformer's weights were quantized for the fast tier; reload it for another tier.")
     # exact: torch's own SDPA choice, as diffusers; lossless: the fastest exact backend of the device (FA3 when

@@ -428,6 +428,8 @@ class H3Transformer(nn.Module):
         self.norm_out = H3AdaLNOut(hidden, cfg.time_embed_dim, cfg.final_norm_eps, make_linear)
         self.proj_out = make_linear(LinearSpec(hidden, cfg.video_patch_dim, True, kind="head", fp32=True))
         self.audio_proj_out = make_linear(LinearSpec(hidden, cfg.audio_in_channels, True, kind="head", fp32=True))
+        # The running request's first-block step cache (`step_cache.StepCache`, quality high), or None.
+        self.step_cache = None
 
     @classmethod
     def from_config(cls, config: dict[str, Any] | H3TransformerConfig, **kwargs) -> "H3Transformer":
@@ -571,8 +573,16 @@ class H3Transformer(nn.Module):
             temb = self.time_embedder(temb.to(compute_dtype(self.time_embedder.linear_1)))
             block_tables, final_table = [None] * len(self.transformer_blocks), None
 
-        for block, table in zip(self.transformer_blocks, block_tables):
-            x = block(x, temb, adaln_indices, rotary_emb, modulation=table)
+        blocks = self.transformer_blocks
+
+        def run_block(index: int, x: torch.Tensor) -> torch.Tensor:
+            return blocks[index](x, temb, adaln_indices, rotary_emb, modulation=block_tables[index])
+
+        if self.step_cache is not None:  # may skip blocks 1..N-1 and reuse their last residual
+            x = self.step_cache.run_blocks(len(blocks), x, run_block, blocks[0] if len(blocks) else None)
+        else:
+            for index in range(len(blocks)):
+                x = run_block(index, x)
 
         # 3. Both heads over every row, then each modality's rows are selected.
         x = self.norm_out(x, temb, timestep_indices, table=final_table).to(compute_dtype(self.proj_out))
