@@ -32,7 +32,7 @@ from h3gen.pipelines.h3.packing import (ReferenceBlock, build_layout, build_ref2
                                         row_timesteps, unpatchify_video)
 from h3gen.pipelines.h3.references import AudioReference, ImageReference, VideoReference
 from h3gen.pipelines.h3.request import KEYFRAME_NOISE_AUG, H3Request, prepare_request, read_transformer_config
-from h3gen.pipelines.h3.schedules import AUDIO_SHIFT, VIDEO_SHIFT, FlowSchedule, noise_to, read_shift
+from h3gen.pipelines.h3.schedules import AUDIO_SHIFT, VIDEO_SHIFT, noise_to, read_shift
 from h3gen.pipelines.h3.text_encoder import H3TextEncoder, TextConditioning
 from h3gen.pipelines.h3.tiers import set_quality
 from h3gen.pipelines.h3.transformer import H3Transformer
@@ -82,6 +82,19 @@ class H3Output:
     seed: int | None = None
     timings: dict[str, float] = field(default_factory=dict)
     planned_prompt: str | None = None  # the planner's prompt the clip was made from (a call with plan=True)
+    # How it was sampled: num_inference_steps (sigma points), forwards (transformer forwards), video_shift,
+    # audio_shift, recipe (the few-step recipe followed, or None); see `recipes.Sampling.describe`.
+    sampling: dict = field(default_factory=dict)
+
+    @property
+    def forwards(self) -> int | None:
+        """Transformer forwards the clip took."""
+        return self.sampling.get("forwards")
+
+    @property
+    def num_inference_steps(self) -> int | None:
+        """Sigma grid points, diffusers' count (forwards + 1)."""
+        return self.sampling.get("num_inference_steps")
 
     def save(self, path, audio_sample_rate: int | None = None, progress: Callable[[int, int], None] | None = None):
         """Write an MP4 (H.264 + AAC stereo at `audio_sample_rate`, default 32000) and verify it decodes back.
@@ -223,8 +236,10 @@ class H3Pipeline:
         )
 
     def validate(self, prompt, **kwargs) -> H3Request:
-        """Check a request against this pipeline's checkpoint (see `prepare_request`), before any model work."""
-        return prepare_request(self.checkpoint, self.config, prompt, **kwargs)
+        """Check a request against this pipeline's checkpoint (see `prepare_request`), before any model work;
+        shifts left unset are this pipeline's."""
+        return prepare_request(self.checkpoint, self.config, prompt, default_shifts=(self.video_shift,
+                                                                                     self.audio_shift), **kwargs)
 
     # ------------------------------------------------------------------ stages
 
@@ -312,8 +327,7 @@ class H3Pipeline:
         rows (keyframes, references) are never written."""
         shape = request.shape
         transformer = self._transformer_for(request.task)
-        video_schedule = FlowSchedule.make(request.num_inference_steps, self.video_shift)
-        audio_schedule = FlowSchedule.make(request.num_inference_steps, self.audio_shift)
+        video_schedule, audio_schedule = request.sampling.schedules()
         total = len(video_schedule)
         report("denoise", 0, total)
         if request.task == "ref2va":
@@ -436,7 +450,8 @@ class H3Pipeline:
     def __call__(self, prompt: str, *, image=None, last_image=None, references: list | None = None,
                  aspect_ratio: str | None = None,
                  seconds: float | None = None, num_frames: int | None = None, height: int | None = None,
-                 width: int | None = None, num_inference_steps: int = 50, seed: int | None = None,
+                 width: int | None = None, num_inference_steps: int | None = None, forwards: int | None = None,
+                 video_shift: float | None = None, audio_shift: float | None = None, seed: int | None = None,
                  generator: torch.Generator | None = None, latents: torch.Tensor | None = None,
                  audio_latents: torch.Tensor | None = None, callback: ProgressCallback | None = None,
                  quality: str | None = None, decode: bool = True, plan: bool = False,
@@ -455,7 +470,12 @@ class H3Pipeline:
             seconds: 5 to 15 (rounded to a 17n+5 frame count at 24 fps); `num_frames` overrides it. Default 5, or
                 for ref2va the length of the first reference with sound.
             height, width: explicit canvas in pixels, multiples of 32 (both or neither).
-            num_inference_steps: sigma grid points as in diffusers (N points = N - 1 transformer forwards).
+            num_inference_steps: sigma grid points as in diffusers (N points = N - 1 transformer forwards), 2 to
+                1000; default 50, or the recipe's when an adapter brings one.
+            forwards: transformer forwards (SGLang's and vLLM-Omni's count), 1 to 999, instead of
+                `num_inference_steps` (give one or neither).
+            video_shift, audio_shift: this call's schedule shifts (default: the pipeline's, 12 and 3 for the
+                released checkpoint, or the recipe's).
             seed / generator: noise source; a seed makes a fresh CPU generator. Neither: a random seed.
             latents `(1, 24, F_lat, H/16, W/16)`, audio_latents `(2, 32, A)`: initial noise instead of drawing it.
             callback: `callback(stage, step, total)` when each stage starts (`step` 0), before each unit of work
@@ -473,7 +493,8 @@ class H3Pipeline:
         report = callback or (lambda stage, step, total: None)
         fields = dict(image=image, last_image=last_image, references=references, aspect_ratio=aspect_ratio,
                       seconds=seconds, num_frames=num_frames, height=height, width=width,
-                      num_inference_steps=num_inference_steps, seed=seed, generator=generator, latents=latents,
+                      num_inference_steps=num_inference_steps, forwards=forwards, video_shift=video_shift,
+                      audio_shift=audio_shift, seed=seed, generator=generator, latents=latents,
                       audio_latents=audio_latents)
         planned = self._planned_prompt(prompt, fields, plan_max_tokens, report) if plan else None
         if references is not None:
@@ -500,4 +521,4 @@ class H3Pipeline:
         video, audio = self._decode(video_latents, audio_latents, decode, report, lap)
         return H3Output(video=video, audio=audio, fps=geometry.FPS,
                         sample_rate=int(self.audio_vae.config.sampling_rate), seed=request.seed, timings=timings,
-                        planned_prompt=planned)
+                        planned_prompt=planned, sampling=request.sampling.describe())

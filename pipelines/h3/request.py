@@ -15,14 +15,15 @@ from h3gen.loading.files import read_json
 from h3gen.media import read_image
 from h3gen.pipelines.h3 import geometry
 from h3gen.pipelines.h3.checkpoint import H3Checkpoint
+from h3gen.pipelines.h3.recipes import Recipe, Sampling, resolve_sampling
 from h3gen.pipelines.h3.references import PreparedReference, as_references, prepare_references, sound_seconds
+from h3gen.pipelines.h3.schedules import AUDIO_SHIFT, VIDEO_SHIFT, read_shift
 from h3gen.pipelines.h3.tasks import place_keyframes
 from h3gen.pipelines.h3.transformer import H3TransformerConfig
 
 DEFAULT_SECONDS = 5.0
 KEYFRAME_NOISE_AUG = 0.999  # conditioning rows are held just short of clean
 MAX_SEED = 2**63 - 1
-MAX_STEPS = 1000
 
 
 @dataclass
@@ -33,7 +34,7 @@ class H3Request:
     keyframes: list  # RGB PIL images already on the canvas, in packed order
     anchors: tuple[str, ...]  # "first" / "last" per keyframe
     shape: geometry.Geometry
-    num_inference_steps: int
+    sampling: Sampling  # forwards, shifts and grid (a recipe's when an adapter brings one)
     generator: torch.Generator
     seed: int | None  # None when the caller brought its own generator
     latents: torch.Tensor | None
@@ -43,6 +44,11 @@ class H3Request:
     @property
     def task(self) -> str:
         return "ref2va" if self.references else "fl2va" if self.keyframes else "t2va"
+
+    @property
+    def num_inference_steps(self) -> int:
+        """Sigma grid points, diffusers' count (`sampling.forwards` + 1)."""
+        return self.sampling.num_inference_steps
 
 
 def _check_int(value, name: str, low: int, high: int, what: str) -> None:
@@ -63,7 +69,12 @@ def prepare_request(
     num_frames=None,
     height=None,
     width=None,
-    num_inference_steps=50,
+    num_inference_steps=None,
+    forwards=None,
+    video_shift=None,
+    audio_shift=None,
+    recipes: list[Recipe] = (),
+    default_shifts: tuple[float, float] | None = None,
     seed=None,
     generator=None,
     latents=None,
@@ -72,10 +83,18 @@ def prepare_request(
     """Check every argument of `H3Pipeline.__call__` and resolve the geometry; raise `RequestError` naming the
     field and the allowed range. Keyframes are read and placed on the canvas here; references are decoded and
     normalized here. Without `seconds` or `num_frames` a request lasts 5 s, or for ref2va as long as its first
-    reference that carries sound (held within 5 to 15 s)."""
+    reference that carries sound (held within 5 to 15 s).
+
+    Steps: `num_inference_steps` counts sigma grid points as diffusers does (N points, N - 1 transformer forwards),
+    `forwards` counts transformer forwards; give one or neither (50 points, or the recipe's). `recipes` are the
+    few-step recipes of the request's adapters, which the step count, the shifts and the task must agree with.
+    Shifts left None take the recipe's, else `default_shifts` (default: the checkpoint's scheduler configs)."""
     if not isinstance(prompt, str) or not prompt.strip():
         raise RequestError("prompt must be a non-empty string.", "prompt")
-    _check_int(num_inference_steps, "num_inference_steps", 2, MAX_STEPS, str(MAX_STEPS))
+    task = "ref2va" if references is not None else "fl2va" if image is not None or last_image is not None else "t2va"
+    sampling = resolve_sampling(task, num_inference_steps=num_inference_steps, forwards=forwards,
+                                video_shift=video_shift, audio_shift=audio_shift, recipes=recipes,
+                                default_shifts=default_shifts or checkpoint_shifts(checkpoint))
     if seed is not None:
         _check_int(seed, "seed", 0, MAX_SEED, "2**63-1")
         if generator is not None:
@@ -134,8 +153,18 @@ def prepare_request(
     if generator is None:
         seed = secrets.randbelow(2**31) if seed is None else seed
         generator = torch.Generator().manual_seed(seed)
-    return H3Request(prompt, keyframes, tuple(anchors), shape, num_inference_steps, generator, seed, latents,
+    return H3Request(prompt, keyframes, tuple(anchors), shape, sampling, generator, seed, latents,
                      audio_latents, prepared)
+
+
+def checkpoint_shifts(checkpoint: H3Checkpoint) -> tuple[float, float]:
+    """(video, audio) shifts of the checkpoint's `scheduler/` and `audio_scheduler/` configs (12 and 3 when a
+    folder or its config is missing)."""
+    shifts = []
+    for name, default in (("scheduler", VIDEO_SHIFT), ("audio_scheduler", AUDIO_SHIFT)):
+        folder = checkpoint.components.get(name)
+        shifts.append(default if folder is None else read_shift(folder, default))
+    return shifts[0], shifts[1]
 
 
 def read_transformer_config(checkpoint: H3Checkpoint) -> H3TransformerConfig:
