@@ -144,7 +144,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     workflow = "ref2va" if references else "fl2va" if (args.image or args.last_image) else "t2va"
     options = _run_options(args, workflow=workflow)  # checked before anything loads
     call = dict(image=args.image, last_image=args.last_image, references=references, aspect_ratio=args.aspect,
-                seconds=args.seconds, num_inference_steps=args.steps, seed=args.seed)
+                seconds=args.seconds, num_inference_steps=args.steps, forwards=args.forwards,
+                video_shift=args.video_shift, audio_shift=args.audio_shift, seed=args.seed)
 
     # Check the request against the checkpoint before loading any weights (or starting any process).
     checkpoint = H3Checkpoint.open(args.model)
@@ -193,7 +194,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         pipe(args.prompt, decode=False, **call)
         return 0
     bar, callback = _progress_bar({"encode_text": 1, "encode_conditions": len(request.keyframes) +
-                                   len(request.references), "denoise": args.steps - 1, "decode_video": 1,
+                                   len(request.references), "denoise": request.sampling.forwards, "decode_video": 1,
                                    "decode_audio": 1, "write_mp4": 1})
     try:
         output = pipe(args.prompt, callback=callback, **call)
@@ -207,8 +208,12 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         raise RequestError(str(error)) from None
     finally:
         bar.close()
+    sampling = output.sampling
+    recipe = f", recipe {sampling['recipe']}" if sampling.get("recipe") else ""
     print(f"h3gen: wrote {args.out}: {info.num_frames} frames {info.width}x{info.height} at {info.fps:g} fps, "
-          f"stereo AAC {info.sample_rate} Hz, {info.video_seconds:.2f} s, seed {output.seed}", file=sys.stderr)
+          f"stereo AAC {info.sample_rate} Hz, {info.video_seconds:.2f} s, seed {output.seed}; "
+          f"{sampling['forwards']} transformer forwards ({sampling['num_inference_steps']} sigma points), shifts "
+          f"{sampling['video_shift']:g}/{sampling['audio_shift']:g}{recipe}", file=sys.stderr)
     return 0
 
 
@@ -345,7 +350,15 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--aspect", default=None, help="W:H from 1:4 to 4:1 (default 16:9, or the keyframe's)")
     gen.add_argument("--seconds", type=float, default=None,
                      help="length, 5 to 15 s (default 5; ref2va: the length of the first reference with sound)")
-    gen.add_argument("--steps", type=int, default=50, help="sigma grid points, 2 to 1000 (default 50)")
+    gen.add_argument("--steps", type=int, default=None,
+                     help="sigma grid points as diffusers counts them (num_inference_steps), 2 to 1000: N points run "
+                          "N - 1 transformer forwards (default 50, or the recipe's of a few-step LoRA)")
+    gen.add_argument("--forwards", type=int, default=None,
+                     help="transformer forwards (SGLang's and vLLM-Omni's step count), 1 to 999, instead of --steps")
+    gen.add_argument("--video-shift", dest="video_shift", type=float, default=None,
+                     help="video schedule shift (default: the model's, 12, or the recipe's)")
+    gen.add_argument("--audio-shift", dest="audio_shift", type=float, default=None,
+                     help="audio schedule shift (default: the model's, 3, or the recipe's)")
     gen.add_argument("--seed", type=int, default=None, help="noise seed (default: random, printed at the end)")
     gen.add_argument("--device", choices=("cuda", "cpu"), default=None, help="default: cuda if available")
     gen.add_argument("--dtype", choices=tuple(DTYPES), default=None, help="default: bf16 on cuda, fp32 on cpu")

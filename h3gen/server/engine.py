@@ -37,11 +37,13 @@ def references_of(uploads: dict[str, Path]) -> list:
 
 
 def pipeline_arguments(request: dict, uploads: dict[str, Path]) -> dict:
-    """The `H3Pipeline.__call__` keywords of a normalized request and its files (every rank builds the same)."""
+    """The `H3Pipeline.__call__` keywords of a normalized request and its files (every rank builds the same). The
+    step count goes as sigma points; the normalized request holds it resolved (a recipe's included)."""
     references = references_of(uploads)
     return dict(image=uploads.get("image"), last_image=uploads.get("last_image"),
                 references=references or None, height=request["height"], width=request["width"],
                 num_frames=request["num_frames"], num_inference_steps=request["num_inference_steps"],
+                video_shift=request.get("video_shift"), audio_shift=request.get("audio_shift"),
                 seed=request["seed"], quality=request.get("quality"))
 
 
@@ -141,13 +143,15 @@ class H3Engine:
             self.checkpoint, self.config, request.prompt, image=keyframes.get("image"),
             last_image=keyframes.get("last_image"), references=references or None,
             aspect_ratio=request.aspect_ratio, seconds=request.seconds,
-            num_inference_steps=request.num_inference_steps, seed=request.seed,
+            num_inference_steps=request.num_inference_steps, forwards=request.forwards,
+            video_shift=request.video_shift, audio_shift=request.audio_shift, seed=request.seed,
         )
         shape = prepared.shape
         return request.model_dump() | {
             "seed": prepared.seed, "height": shape.height, "width": shape.width, "num_frames": shape.num_frames,
             "duration": round(shape.seconds, 4), "fps": 24, "quality": quality,
-        } | ({"references": [reference.kind for reference in references]} if references else {})
+        } | prepared.sampling.describe() | (
+            {"references": [reference.kind for reference in references]} if references else {})
 
     def plan(self, request: dict, images: dict[str, Path]) -> str:
         """The planned prompt of a normalized `plan: true` request (its first keyframe goes along when the planner

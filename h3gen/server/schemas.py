@@ -45,7 +45,17 @@ class GenerationRequest(BaseModel):
         "OpenAI's input reference: the first keyframe (task fl2va). As JSON `{image_url: data:image/...;base64,...}` "
         "or as a multipart file part named input_reference; URLs are never fetched."))
     seed: int | None = Field(None, ge=0, le=2**63 - 1, description="Noise seed; random when omitted.")
-    num_inference_steps: int = Field(50, ge=2, le=1000, description="Sigma grid points (N - 1 transformer forwards).")
+    num_inference_steps: int | None = Field(None, ge=2, le=1000, description=(
+        "Sigma grid points, as diffusers counts them: N points run N - 1 transformer forwards. Default 50 (49 "
+        "forwards), or the few-step recipe's when an adapter brings one. Give this or `forwards`, not both."))
+    forwards: int | None = Field(None, ge=1, le=999, description=(
+        "Transformer forwards, as SGLang and vLLM-Omni count steps (forwards = num_inference_steps - 1). Give this "
+        "or `num_inference_steps`, not both."))
+    video_shift: float | None = Field(None, gt=0, le=100, description=(
+        "The video schedule's shift for this job (default: the model's, 12 for the released checkpoint, or the "
+        "recipe's)."))
+    audio_shift: float | None = Field(None, gt=0, le=100, description=(
+        "The audio schedule's shift for this job (default: the model's, 3, or the recipe's)."))
     audio_sample_rate: Literal[32000, 48000] = Field(32000, description="AAC sample rate of the MP4.")
     quality: Literal[QUALITY_TIERS] | None = Field(
         None, description=f"{describe(QUALITY_HELP)}. The server's tier if omitted; fast only on a server started "
