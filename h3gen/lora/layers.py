@@ -9,7 +9,7 @@ that streams a block's weights leaves them where they are (on the GPU, for the w
 
 How the update reaches each kind of base:
   - dense `nn.Linear`, `Fp8Linear`, `MXFP4Linear`: a forward hook adds it to the layer's output (an FP8 layer's
-    input may be e4m3 `Fp8Rows` from a fused kernel: the A projection then runs on those e4m3 rows too);
+    input may be e4m3 `Fp8Rows` from a fused kernel: the A projection reads those rows widened, A unquantized);
   - tensor-parallel shards: the layer's `partial_hook` adds this rank's share before any collective. A
     column-parallel shard keeps `A` whole and its rows of `B` (per logical split, as its weight); a row-parallel
     shard keeps its input columns of `A` and `B` whole, so the partial sums add up over the all-reduce.
@@ -24,12 +24,10 @@ import torch.nn.functional as F
 
 from h3gen.kernels.fp8_quant import Fp8Rows
 from h3gen.parallel.tp_linear import ColumnParallelLinear, RowParallelLinear
-from h3gen.quant.fp8 import fp8_matmul, fp8_weight
 
 # SGLang's rule for merging: an adapter stays unmerged when merging would round away more than this share of its
 # update (by norm), as distilled adapters below one bf16 ulp of the weights do.
 AUTO_MERGE_MAX_ROUNDING_LOSS = 0.5
-FP8_GEMM_MULTIPLE = 16  # `torch._scaled_mm` wants every dimension a multiple of 16
 
 
 @dataclass
@@ -80,7 +78,6 @@ class LoraGroup:
 
     down: torch.Tensor  # (sum of ranks, in_local): every member's A's stacked, in the compute dtype
     members: list[_Member]
-    _down_fp8: tuple[torch.Tensor, torch.Tensor] | None = None
     _input: object = None
     _hidden: torch.Tensor | None = None
     _left: int = 0
@@ -120,13 +117,11 @@ class LoraGroup:
     def _project(self, x) -> torch.Tensor:
         """The input's rows `(M, sum of ranks)` times every member's A."""
         if isinstance(x, Fp8Rows):
-            if self._down_fp8 is None:
-                rows = self.down.shape[0]
-                padded = -(-rows // FP8_GEMM_MULTIPLE) * FP8_GEMM_MULTIPLE
-                self._down_fp8 = fp8_weight(F.pad(self.down, (0, 0, 0, padded - rows)))
-            hidden = fp8_matmul(x, *self._down_fp8, None, self.down.dtype)[..., : self.down.shape[0]]
-        else:
-            hidden = F.linear(x if x.dtype == self.down.dtype else x.to(self.down.dtype), self.down)
+            # e4m3 rows with one scale each: the values widen exactly to the compute dtype and the row scales apply
+            # to the narrow product (s * v) A^T = s * (v A^T); A keeps its precision.
+            rows = x.values.reshape(-1, x.values.shape[-1]).to(self.down.dtype)
+            return (F.linear(rows, self.down).float() * x.scale).to(self.down.dtype)
+        hidden = F.linear(x if x.dtype == self.down.dtype else x.to(self.down.dtype), self.down)
         return hidden.reshape(-1, hidden.shape[-1])
 
     def _hidden_for(self, x) -> torch.Tensor:
