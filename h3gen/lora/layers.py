@@ -154,8 +154,10 @@ class LoraGroup:
             if _tensor_parallel(layer):
                 layer.partial_hook = partial(self.apply, member)
             else:
+                # Ahead of other forward hooks: the update belongs to the layer's own output (Ulysses gathers the
+                # rows of the output heads in a hook of its own).
                 member.handle = layer.register_forward_hook(
-                    lambda module, args, out, member=member: self.apply(member, args[0], out))
+                    lambda module, args, out, member=member: self.apply(member, args[0], out), prepend=True)
         self.attached = True
         return self
 
