@@ -65,3 +65,65 @@ def test_bad_step_arguments_name_the_field(pipe, kwargs, field):
     with pytest.raises(RequestError) as caught:
         pipe("x", **kwargs)
     assert caught.value.field == field
+
+
+# ------------------------------------------------------------------ recipe adapters through the pipeline
+
+
+@pytest.fixture(scope="module")
+def recipe_files(tiny_dir, tmp_path_factory):
+    from recipe_files import write_flashgen, write_turbo
+
+    folder = tmp_path_factory.mktemp("recipes")
+    return write_turbo(folder, tiny_dir), write_flashgen(folder, tiny_dir)
+
+
+def test_a_turbo_adapter_runs_its_recipe(pipe, recipe_files):
+    turbo, _ = recipe_files
+    calls, output = _count_forwards(pipe, loras=[turbo])
+    assert calls == 8 == output.forwards and output.num_inference_steps == 9
+    assert output.sampling == {"num_inference_steps": 9, "forwards": 8, "video_shift": 6.0, "audio_shift": 3.0,
+                               "recipe": "LightX2V Turbo fl2v 8-step v1.0 768p"}
+    assert output.loras == [(turbo.stem, 1.0)]
+    # Explicit agreeing counts run the same; the next call without the adapter is back to the caller's steps.
+    assert _count_forwards(pipe, loras=[(turbo, 0.5)], num_inference_steps=9)[0] == 8
+    assert _count_forwards(pipe, forwards=2)[0] == 2
+
+
+def test_a_flashgen_adapter_runs_four_forwards_on_its_base_schedule(pipe, recipe_files):
+    _, flashgen = recipe_files
+    seen = []
+    handle = pipe.transformer.register_forward_pre_hook(
+        lambda module, args, kwargs: seen.append(kwargs["timestep"].flatten()[0].item()), with_kwargs=True)
+    try:
+        output = pipe("x", seed=1, decode=False, loras=[flashgen])
+    finally:
+        handle.remove()
+    base = [1.0, 0.7, 0.4, 0.15]
+    video_t = [1 - 12 * b / (1 + 11 * b) for b in base]
+    assert len(seen) == 4 and output.sampling["recipe"] == "FlashGen 4-step"
+    assert seen == pytest.approx(video_t, abs=1e-6)
+
+
+@pytest.mark.parametrize("kwargs,field,words", [
+    (dict(num_inference_steps=8), "num_inference_steps", "num_inference_steps=8 (7 forwards)"),
+    (dict(forwards=4), "forwards", "forwards=4"),
+    (dict(video_shift=12.0), "video_shift", "video_shift 6"),
+])
+def test_a_call_that_contradicts_its_recipe_is_refused_before_any_work(pipe, recipe_files, kwargs, field, words):
+    turbo, _ = recipe_files
+    calls = []
+    handle = pipe.text_encoder.model.register_forward_pre_hook(lambda *_: calls.append(1))
+    try:
+        with pytest.raises(RequestError) as caught:
+            pipe("x", loras=[turbo], **kwargs)
+    finally:
+        handle.remove()
+    assert caught.value.field == field and "LightX2V Turbo fl2v 8-step v1.0 768p" in str(caught.value)
+    assert words in str(caught.value) and not calls
+
+
+def test_two_recipe_adapters_are_refused(pipe, recipe_files):
+    with pytest.raises(RequestError, match="2 few-step recipes") as caught:
+        pipe("x", loras=list(recipe_files))
+    assert caught.value.field == "loras"

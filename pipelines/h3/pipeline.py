@@ -25,11 +25,14 @@ from h3gen.errors import RequestError
 from h3gen.kernels.attention import resolve_backend
 from h3gen.media import write_mp4
 from h3gen.offload import plan_placement
-from h3gen.options import RunOptions
+from h3gen.options import RunOptions, parse_bytes
 from h3gen.pipelines.h3 import geometry
 from h3gen.pipelines.h3.checkpoint import REQUIRED, H3Checkpoint, resolve_workflow
+from h3gen.pipelines.h3.lora_registry import (DEFAULT_MAX_CPU_LORAS, LoraRegistry, activate, active_loras,
+                                              check_targets, lora_device_bytes, merge_into)
 from h3gen.pipelines.h3.packing import (ReferenceBlock, build_layout, build_ref2va_layout, patchify_video,
                                         row_timesteps, unpatchify_video)
+from h3gen.pipelines.h3.recipes import recipe_for
 from h3gen.pipelines.h3.references import AudioReference, ImageReference, VideoReference
 from h3gen.pipelines.h3.request import KEYFRAME_NOISE_AUG, H3Request, prepare_request, read_transformer_config
 from h3gen.pipelines.h3.schedules import AUDIO_SHIFT, VIDEO_SHIFT, noise_to, read_shift
@@ -42,6 +45,7 @@ from h3gen.pipelines.h3.vae import (audio_decoder_units, audio_encoder_units, de
 
 logger = logging.getLogger(__name__)
 
+LORA_GPU_RESERVE = 2 * 2**30  # device memory adapters leave free for activations when no lora_gpu_memory is set
 STAGES = ("encode_text", "encode_conditions", "denoise", "decode_video", "decode_audio")
 __all__ = ["AudioReference", "H3Output", "H3Pipeline", "ImageReference", "VideoReference"]
 
@@ -82,6 +86,7 @@ class H3Output:
     seed: int | None = None
     timings: dict[str, float] = field(default_factory=dict)
     planned_prompt: str | None = None  # the planner's prompt the clip was made from (a call with plan=True)
+    loras: list[tuple[str, float]] = field(default_factory=list)  # adapters applied (name, scale), merged ones first
     # How it was sampled: num_inference_steps (sigma points), forwards (transformer forwards), video_shift,
     # audio_shift, recipe (the few-step recipe followed, or None); see `recipes.Sampling.describe`.
     sampling: dict = field(default_factory=dict)
@@ -130,7 +135,8 @@ class H3Pipeline:
     def __init__(self, transformer, text_encoder, vae, audio_vae, *, checkpoint: H3Checkpoint, device,
                  video_shift: float = VIDEO_SHIFT, audio_shift: float = AUDIO_SHIFT, workflow: str | None = None,
                  quality: str | None = None, offload: str | None = None, transformer_ref=None, planner=None,
-                 options: RunOptions | None = None):
+                 options: RunOptions | None = None, max_cpu_loras: int = DEFAULT_MAX_CPU_LORAS,
+                 lora_gpu_memory=None):
         if transformer is None and transformer_ref is None:
             raise ValueError("H3Pipeline needs a transformer, a transformer_ref, or both.")
         self.options = RunOptions.merged(options, workflow=workflow, quality=quality, offload=offload)
@@ -150,6 +156,13 @@ class H3Pipeline:
         self.planner = planner
         for model in self._transformers():
             set_quality(model, self.quality, attention=self.options.attention_for(self.quality))
+        # Adapters (`load_lora`, `loras=`): a host LRU of `max_cpu_loras`; `lora_gpu_memory` caps what a request's
+        # adapters may take on the device (default: what the device has free, less a margin).
+        self.loras = LoraRegistry(max_cpu_loras, head_dim=self.config.attention_head_dim,
+                                  check=lambda lora: check_targets(self._transformers()[0], lora),
+                                  pin=self.device.type == "cuda")
+        self.lora_gpu_memory = parse_bytes(lora_gpu_memory)
+        self.merged_loras: dict[str, list[tuple[str, float]]] = {}  # partition -> adapters merged into it
 
     def _transformers(self) -> list:
         return [model for model in (self.transformer, self.transformer_ref) if model is not None]
@@ -174,7 +187,8 @@ class H3Pipeline:
                         workflow: str | None = None, quality: str | None = None, parallel=None,
                         offload: str | None = None, gpu_memory=None, prefetch: int | None = None,
                         quantization: str | None = None, planner=None, attention: str | None = None,
-                        options: RunOptions | None = None) -> "H3Pipeline":
+                        options: RunOptions | None = None, max_cpu_loras: int = DEFAULT_MAX_CPU_LORAS,
+                        lora_gpu_memory=None) -> "H3Pipeline":
         """Load every component of a local checkpoint folder in diffusers' layout.
 
         How it loads and runs is one `RunOptions` (`h3gen.options`): pass `options`, or its fields as keywords
@@ -197,6 +211,8 @@ class H3Pipeline:
         tensor at a time while loading (a checkpoint saved that way loads as such). `attention` names an attention
         backend for the lossless and fast tiers (checked against the device before loading). `planner` (a
         `LocalPlanner` or `RemotePlanner` from `h3gen.pipelines.k3.planner`) serves calls with `plan=True`.
+        `max_cpu_loras` adapters stay converted in host memory (see `load_lora`); `lora_gpu_memory` ("4GiB") caps
+        the device memory a request's adapters may take.
         """
         options = RunOptions.merged(options, workflow=workflow, quality=quality, offload=offload,
                                     gpu_memory=gpu_memory, prefetch=prefetch, quantization=quantization,
@@ -233,6 +249,7 @@ class H3Pipeline:
             video_shift=read_shift(checkpoint.folder("scheduler"), VIDEO_SHIFT),
             audio_shift=read_shift(checkpoint.folder("audio_scheduler"), AUDIO_SHIFT),
             transformer_ref=loaded.get("transformer_ref"), planner=planner, options=options,
+            max_cpu_loras=max_cpu_loras, lora_gpu_memory=lora_gpu_memory,
         )
 
     def validate(self, prompt, **kwargs) -> H3Request:
@@ -240,6 +257,66 @@ class H3Pipeline:
         shifts left unset are this pipeline's."""
         return prepare_request(self.checkpoint, self.config, prompt, default_shifts=(self.video_shift,
                                                                                      self.audio_shift), **kwargs)
+
+    # ------------------------------------------------------------------ adapters
+
+    def load_lora(self, path, name: str | None = None, alpha: float | None = None, *, merge: bool = False,
+                  scale: float = 1.0) -> str:
+        """Register the LoRA file at `path` (a `.safetensors` file in any format `lora_formats` reads) under `name`
+        (default: the file's stem) and return the name, which requests then give in `loras=`. The file is checked
+        against the transformer (every key converted, every shape fitting) and held converted in host memory while
+        it is among the `max_cpu_loras` most recently used. `alpha` replaces the file's alpha as a uniform network
+        alpha (each module scaled by alpha / its rank).
+
+        `merge=True` (a server with one fixed adapter) instead adds `scale` times the update into the dense weights
+        for good, refused when bf16 rounding would lose more than half of it on any module (then apply it unmerged)
+        and on FP8 / MXFP4 weights. Raises `RequestError` (field "loras", "alpha" or "merge")."""
+        name = self.loras.register(path, name, alpha)
+        if merge:
+            adapter = self.loras.adapter(name)
+            for partition, factors in adapter.factors.items():
+                model = self.transformer_ref if partition == "transformer_ref" else (
+                    self.transformer if self.transformer is not None else self.transformer_ref)
+                if model is None:
+                    raise RequestError(f"LoRA {name} holds {partition} layers, which this pipeline did not load.",
+                                       "merge")
+                merge_into(model, name, factors, scale)
+                self.merged_loras.setdefault(self._partition_of(model), []).append((name, float(scale)))
+        return name
+
+    def _recipes(self, loras, references) -> list:
+        """The few-step recipes (`recipes.Recipe`) of a call's adapters and of those merged into the partition it
+        runs on, which its step count, shifts and task must agree with."""
+        partition = "transformer_ref" if references is not None else "transformer"
+        files = [adapter.file for adapter, _ in self.loras.resolve(loras)]
+        files += [self.loras.adapter(name).file for name, _ in self.merged_loras.get(partition, [])]
+        return [recipe for recipe in (recipe_for(lora.path.name, lora.metadata) for lora in files) if recipe]
+
+    def _partition_of(self, model) -> str:
+        return "transformer_ref" if model is self.transformer_ref else "transformer"
+
+    def _request_loras(self, loras, task: str) -> list:
+        """A request's adapters `[(Adapter, scale)]`, refused before any model work when their device copies would
+        not fit the adapters' GPU budget."""
+        adapters = self.loras.resolve(loras)
+        if not adapters:
+            return adapters
+        model = self._transformer_for(task)
+        need = lora_device_bytes(adapters, task, model.dtype.itemsize)
+        if self.lora_gpu_memory is not None:
+            budget, what = self.lora_gpu_memory, "lora_gpu_memory"
+        elif self.device.type == "cuda":
+            active = active_loras(model)
+            free = torch.cuda.mem_get_info(self.device)[0] + (active.nbytes if active is not None else 0)
+            budget, what = max(0, free - LORA_GPU_RESERVE), "free device memory less 2 GiB"
+        else:
+            return adapters
+        if need > budget:
+            names = ", ".join(adapter.name for adapter, _ in adapters)
+            raise RequestError(f"the {len(adapters)} LoRA adapters ({names}) need {need / 2**30:.2f} GiB on the "
+                               f"device, more than the {budget / 2**30:.2f} GiB they may use ({what}); use fewer.",
+                               "loras")
+        return adapters
 
     # ------------------------------------------------------------------ stages
 
@@ -322,11 +399,12 @@ class H3Pipeline:
 
     @torch.no_grad()
     def _denoise(self, request: H3Request, text, video_rows, audio_rows, report: ProgressCallback, tier: str,
-                 blocks: list[ReferenceBlock] | None = None):
+                 blocks: list[ReferenceBlock] | None = None, adapters: list | None = None):
         """The loop: one transformer forward per step; video and audio rows step their own schedules; conditioning
-        rows (keyframes, references) are never written."""
+        rows (keyframes, references) are never written. `adapters` (`[(Adapter, scale)]`) are applied unmerged."""
         shape = request.shape
         transformer = self._transformer_for(request.task)
+        activate(transformer, adapters or [], request.task, self.device)
         video_schedule, audio_schedule = request.sampling.schedules()
         total = len(video_schedule)
         report("denoise", 0, total)
@@ -455,7 +533,7 @@ class H3Pipeline:
                  generator: torch.Generator | None = None, latents: torch.Tensor | None = None,
                  audio_latents: torch.Tensor | None = None, callback: ProgressCallback | None = None,
                  quality: str | None = None, decode: bool = True, plan: bool = False,
-                 plan_max_tokens: int | None = None) -> H3Output:
+                 plan_max_tokens: int | None = None, loras: list | None = None) -> H3Output:
         """Generate a clip.
 
         Args:
@@ -487,6 +565,13 @@ class H3Pipeline:
             plan: first rewrite `prompt` with the pipeline's planner (subjects, motion, camera, sound effects,
                 music, dialogue; the first keyframe goes along when the planner reads images); the clip is made
                 from the planned prompt, returned as `planned_prompt`. Off by default. `plan_max_tokens` caps it.
+            loras: adapters for this call, stacked: `[name_or_path, (name_or_path, scale), ...]` (scale default
+                1.0); names come from `load_lora`, a path not loaded yet is loaded under its stem. Applied unmerged;
+                the next call with another set switches without reloading anything. ref2va applies them to
+                `transformer_ref`. Returned as `loras` with the merged ones (`load_lora(merge=True)`) first. A
+                few-step adapter (LightX2V Turbo, FlashGen; `recipes.py`) brings its recipe: without a step count
+                the call runs the recipe's forwards and shifts, and one that contradicts it raises `RequestError`
+                naming the recipe.
         Returns:
             `H3Output`.
         """
@@ -499,8 +584,9 @@ class H3Pipeline:
         planned = self._planned_prompt(prompt, fields, plan_max_tokens, report) if plan else None
         if references is not None:
             self._transformer_for("ref2va")  # before decoding any media
-        request = self.validate(planned or prompt, **fields)
-        self._transformer_for(request.task)
+        request = self.validate(planned or prompt, recipes=self._recipes(loras, references), **fields)
+        model = self._transformer_for(request.task)
+        adapters = self._request_loras(loras, request.task)
         tier = self._tier(quality)
         timings = {}
         started = time.perf_counter()
@@ -516,9 +602,12 @@ class H3Pipeline:
         noise = self.draw_noise(request)
         video_rows, audio_rows, blocks = self._initial_rows(request, noise, report)
         lap("encode_conditions")
-        video_latents, audio_latents = self._denoise(request, text, video_rows, audio_rows, report, tier, blocks)
+        video_latents, audio_latents = self._denoise(request, text, video_rows, audio_rows, report, tier, blocks,
+                                                     adapters)
         lap("denoise")
         video, audio = self._decode(video_latents, audio_latents, decode, report, lap)
         return H3Output(video=video, audio=audio, fps=geometry.FPS,
                         sample_rate=int(self.audio_vae.config.sampling_rate), seed=request.seed, timings=timings,
-                        planned_prompt=planned, sampling=request.sampling.describe())
+                        planned_prompt=planned, sampling=request.sampling.describe(),
+                        loras=self.merged_loras.get(self._partition_of(model), [])
+                        + [(adapter.name, scale) for adapter, scale in adapters])

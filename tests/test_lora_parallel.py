@@ -1,0 +1,90 @@
+"""LoRA under tensor parallel and Ulysses (gloo, 2 processes): a rank applies its shard of each adapter (A whole and
+B's rows on column-parallel layers, A's columns and B whole on row-parallel ones, before the collective) and the
+ranks together give the single-process output, dense and MXFP4."""
+
+import datetime
+import os
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from h3_tiny import TINY_CONFIGS, max_rel_err, random_inputs, randomize_
+from lora_files import diffusers_shapes, random_factors, write_diffusers
+
+from h3gen.pipelines.h3.lora_registry import LoraRegistry, activate, check_targets
+from h3gen.pipelines.h3.tiers import set_quality
+from h3gen.pipelines.h3.transformer import H3Transformer
+
+CONFIG = dict(TINY_CONFIGS[2])  # 4 heads: TP2 and SP2
+CASES = [(2, 1), (1, 2)]
+INPUTS = dict(num_text=7, latent_frames=3, latent_hw=(4, 4), audio_latents=7, anchors=("first",),
+              distinct_timesteps=3)
+
+
+def _outputs(model, inputs, lora_path):
+    """{tier: (video, audio)} with two stacked adapters from one file (scales 0.7 and -0.3 under two names)."""
+    registry = LoraRegistry(4, head_dim=model.config.attention_head_dim, check=lambda lora: check_targets(model, lora))
+    adapters = [(registry.adapter(registry.register(lora_path, name)), scale)
+                for name, scale in (("a", 0.7), ("b", -0.3))]
+    activate(model, adapters, "t2va", "cpu")
+    out = {}
+    for tier in ("exact", "lossless"):
+        set_quality(model, tier)
+        extra = dict(adaln_tables=model.precompute_adaln([inputs["timestep"]]), step=0) if tier != "exact" else {}
+        with torch.no_grad():
+            out[tier] = model(**inputs, return_dict=False, **extra)
+    return out
+
+
+def _worker(rank, world, init_file, payload_path, result_dir):
+    from parallel_model import load_full_state_dict, parallel_transformer
+
+    from h3gen.parallel import init_parallel
+    from h3gen.pipelines.h3.transformer import H3TransformerConfig
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=120))
+    payload = torch.load(payload_path)
+    results = []
+    try:
+        for tp, sp in CASES:
+            state = init_parallel(tp, sp, CONFIG["num_attention_heads"])
+            model = parallel_transformer(H3TransformerConfig(**CONFIG), state).eval()
+            load_full_state_dict(model, payload["state_dict"])
+            dense = _outputs(model, payload["inputs"], payload["lora"])
+            quantized = H3Transformer.from_pretrained(payload["folder"], torch_dtype=torch.float32, parallel=state,
+                                                      quantization="mxfp4").eval()
+            mxfp4 = _outputs(quantized, payload["inputs"], payload["lora"])["exact"]
+            results.append({"tp": tp, "sp": sp, "dense": dense, "mxfp4": mxfp4})
+    finally:
+        torch.save(results, os.path.join(result_dir, f"{rank}.pt"))
+        dist.destroy_process_group()
+
+
+def test_tp_and_ulysses_apply_adapters_as_one_process(tmp_path):
+    model = H3Transformer.from_config(CONFIG).eval()
+    randomize_(model, seed=4)
+    model.save_pretrained(tmp_path / "model")
+    lora = tmp_path / "lora.safetensors"
+    write_diffusers(lora, random_factors(diffusers_shapes(model), 4, 3, scale=0.4))
+    inputs = random_inputs(CONFIG, seed=2, **INPUTS)
+    payload = tmp_path / "payload.pt"
+    torch.save({"state_dict": model.state_dict(), "inputs": inputs, "lora": str(lora),
+                "folder": str(tmp_path / "model")}, payload)
+    quantized = H3Transformer.from_pretrained(tmp_path / "model", torch_dtype=torch.float32,
+                                              quantization="mxfp4").eval()
+    want_mxfp4 = _outputs(quantized, inputs, str(lora))["exact"]
+    with torch.no_grad():
+        plain = model(**inputs, return_dict=False)
+    want = _outputs(model, inputs, str(lora))
+    assert max_rel_err(want["exact"][0], plain[0]) > 0.05  # the adapters change the output
+    mp.spawn(_worker, args=(2, str(tmp_path / "init"), str(payload), str(tmp_path)), nprocs=2, join=True)
+    for rank in range(2):
+        for result in torch.load(tmp_path / f"{rank}.pt"):
+            case = (result["tp"], result["sp"])
+            for tier in ("exact", "lossless"):
+                for got, expected in zip(result["dense"][tier], want[tier]):
+                    assert max_rel_err(got, expected) <= 1e-5, (case, tier)
+            for got, expected in zip(result["mxfp4"], want_mxfp4):
+                assert max_rel_err(got, expected) <= 1e-4, (case, "mxfp4")
