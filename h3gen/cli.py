@@ -27,6 +27,36 @@ def _references(args: argparse.Namespace) -> list | None:
     return [types[kind](path, name=flag) for kind, path, flag in args.references] if args.references else None
 
 
+def _lora_argument(text: str) -> tuple[str, float]:
+    """`--lora PATH[:SCALE]` -> (path, scale); the scale defaults to 1.0."""
+    path, _, scale = text.rpartition(":")
+    if path:
+        try:
+            return path, float(scale)
+        except ValueError:
+            pass
+    return text, 1.0
+
+
+def _loras(args: argparse.Namespace, head_dim: int) -> tuple[list, list]:
+    """The `--lora` adapters as `loras=` takes them, and the few-step recipes they bring (read from their headers,
+    before any weights load)."""
+    from pathlib import Path
+
+    from h3gen.pipelines.h3.lora_formats import read_lora
+    from h3gen.pipelines.h3.recipes import recipe_for
+
+    loras, recipes = [], []
+    for path, scale in args.lora or []:
+        if not Path(path).is_file():
+            raise RequestError(f"--lora {path}: no such file.", "lora")
+        lora = read_lora(path, head_dim=head_dim)
+        recipe = recipe_for(Path(path).name, lora.metadata)
+        recipes += [recipe] if recipe else []
+        loras.append((path, scale))
+    return loras, recipes
+
+
 def _cmd_env(args: argparse.Namespace) -> int:
     from h3gen.envreport import environment_report
 
@@ -151,7 +181,9 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     checkpoint = H3Checkpoint.open(args.model)
     checkpoint.require(workflow)
     config = read_transformer_config(checkpoint)
-    request = prepare_request(checkpoint, config, args.prompt, **call)
+    loras, recipes = _loras(args, config.attention_head_dim)
+    request = prepare_request(checkpoint, config, args.prompt, recipes=recipes, **call)
+    call["loras"] = loras or None
     if args.audio_rate not in (32000, 48000):
         raise RequestError(f"--audio-rate must be 32000 or 48000 (got {args.audio_rate}).", "audio_rate")
     if args.planner:
@@ -242,7 +274,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         raise RequestError(f"--max-queue must be at least 1 (got {args.max_queue}).", "max_queue")
     api_key = args.api_key or os.environ.get("H3GEN_API_KEY") or None
     dtype = getattr(torch, DTYPES[args.dtype]) if args.dtype else None
-    serving = {"options": _run_options(args, workflow=args.workflow)}
+    serving = {"options": _run_options(args, workflow=args.workflow), "lora_dir": args.lora_dir}
     if args.tp * args.ulysses > 1:
         from h3gen.parallel.launch import launched_by_torchrun, relaunch_with_torchrun, start_rank
         from h3gen.parallel.state import check_degrees
@@ -359,6 +391,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help="video schedule shift (default: the model's, 12, or the recipe's)")
     gen.add_argument("--audio-shift", dest="audio_shift", type=float, default=None,
                      help="audio schedule shift (default: the model's, 3, or the recipe's)")
+    gen.add_argument("--lora", action="append", type=_lora_argument, metavar="PATH[:SCALE]",
+                     help="apply a LoRA adapter (.safetensors, any MiniMax-H3 format) at SCALE (default 1.0); "
+                          "repeatable, adapters stack. A few-step adapter (LightX2V Turbo, FlashGen) brings its "
+                          "recipe: its forwards and shifts, unless --steps / --forwards say otherwise (refused)")
     gen.add_argument("--seed", type=int, default=None, help="noise seed (default: random, printed at the end)")
     gen.add_argument("--device", choices=("cuda", "cpu"), default=None, help="default: cuda if available")
     gen.add_argument("--dtype", choices=tuple(DTYPES), default=None, help="default: bf16 on cuda, fp32 on cpu")
@@ -399,6 +435,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--planner", default=None, metavar="SPEC",
                        help="enable plan: true jobs and POST /v1/prompts/plan with a K3 planner: tiny (random demo), a "
                             "K3 checkpoint folder, or an OpenAI-compatible base URL (default: off)")
+    serve.add_argument("--lora-dir", dest="lora_dir", default=None, metavar="DIR",
+                       help="serve the LoRA adapters (*.safetensors) of this folder: requests name them in `loras` "
+                            "(GET /v1/loras lists them); names never reach outside it (default: no adapters)")
     serve.add_argument("--model-name", dest="model_name", default="MiniMax-H3",
                        help="the model's id in OpenAI's API (`model` of /v1/videos, GET /v1/models)")
     serve.add_argument("--no-ui", dest="no_ui", action="store_true", help="do not mount the web UI at /ui "

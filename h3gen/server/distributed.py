@@ -107,11 +107,12 @@ def _load(engine) -> None:
         engine.load_error = f"{type(error).__name__}: {error}"
 
 
-def follow(model_path, *, parallel, device, dtype, quality=None, offload=None, workflow=None, options=None) -> None:
-    """The loop of every rank but 0: load the same model (the same run options as rank 0's engine: `options` or
-    the `H3Engine` keywords), then run each broadcast job until told to stop."""
+def follow(model_path, *, parallel, device, dtype, quality=None, offload=None, workflow=None, options=None,
+           lora_dir=None) -> None:
+    """The loop of every rank but 0: load the same model (the same run options and LoRA folder as rank 0's engine:
+    `options` or the `H3Engine` keywords), then run each broadcast job until told to stop."""
     engine = H3Engine(model_path, device=device, dtype=dtype, quality=quality, offload=offload, workflow=workflow,
-                      options=options)
+                      options=options, lora_dir=lora_dir)
     engine.parallel = parallel
     control = dist.new_group(list(range(dist.get_world_size())), timeout=CONTROL_TIMEOUT)
     agree = StepAgreement(None)
@@ -135,7 +136,7 @@ def follow(model_path, *, parallel, device, dtype, quality=None, offload=None, w
 
             try:
                 engine.pipeline(request["prompt"], callback=agreed, decode=False,
-                                **pipeline_arguments(request, images))
+                                **pipeline_arguments(request, images, engine.lora_folder))
             except (JobCancelled, RankFailure):
                 continue
             except Exception:  # this rank's own failure outside an agreement point: logged; rank 0 times out

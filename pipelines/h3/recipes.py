@@ -176,8 +176,9 @@ def resolve_sampling(task: str, *, num_inference_steps=None, forwards=None, vide
         num_inference_steps - 1 if num_inference_steps is not None else None)
     recipes = list(recipes)
     if len(recipes) > 1:
-        raise RequestError(f"the adapters bring {len(recipes)} few-step recipes ({', '.join(r.name for r in recipes)}); "
-                           "a request follows at most one: stack one recipe adapter with ordinary adapters only.",
+        names = ", ".join(recipe.name for recipe in recipes)
+        raise RequestError(f"the adapters bring {len(recipes)} few-step recipes ({names}); a request follows at most "
+                           "one: stack one recipe adapter with ordinary adapters only.",
                            "loras")
     if not recipes:
         return Sampling(asked if asked is not None else DEFAULT_SIGMA_POINTS - 1,
