@@ -54,7 +54,8 @@ def call(client: httpx.Client, endpoint: str, data: list) -> tuple[str, object]:
 
 def generate_inputs(**overrides) -> list:
     values = dict(prompt="a cat", task="t2va", image=None, last_image=None, references=None, aspect="auto",
-                  seconds=5, steps=2, seed=1, randomize=False, plan=False, loras=None)
+                  seconds=5, steps=2, seed=1, randomize=False, plan=False,
+                  loras={"headers": ["LoRA", "recipe", "scale"], "data": []})  # the picker, empty
     values.update(overrides)
     return [values[name] for name in INPUTS]
 
