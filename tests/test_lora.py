@@ -400,3 +400,20 @@ def test_pipeline_adapters_under_layerwise_offload_and_merged(tmp_path):
     clip = merged("a fox", seed=4, num_inference_steps=3, num_frames=130)
     assert clip.loras == [("style", 0.8)]
     assert np.abs(clip.video - expected.video).max() <= 1e-4
+
+
+def test_a_set_is_rehooked_when_its_layers_were_replaced_and_paths_get_their_own_names(tmp_path):
+    _, ours = _pair(CONFIG)
+    path = _diffusers_file(tmp_path, ours, "peft")
+    registry = _registry(ours)
+    adapters = registry.resolve([str(path)])
+    activate(ours, adapters, "t2va", "cpu")
+    set_quality(ours, "fast")  # the block linears become new Fp8Linear modules
+    activate(ours, adapters, "t2va", "cpu")
+    to_q = ours.transformer_blocks[0].attn.to_q
+    assert isinstance(to_q, Fp8Linear) and to_q.lora_group is not None
+    other = tmp_path / "other"
+    other.mkdir()
+    same_stem = other / path.name
+    same_stem.write_bytes(path.read_bytes())
+    assert [a.name for a, _ in registry.resolve([str(path), str(same_stem)])] == ["peft", "peft-2"]

@@ -160,15 +160,23 @@ class LoraRegistry:
                 raise RequestError(f"LoRA scale must be a finite number (got {scale!r}).", "loras")
             name = str(item)
             if name not in self._sources:
-                if not Path(name).is_file():
-                    raise RequestError(f"no LoRA named {Path(name).name!r} is loaded and no such file exists.",
-                                       "loras")
-                name = self._known_path(Path(name)) or self.register(name)
+                path = Path(name)
+                if not path.is_file():
+                    raise RequestError(f"no LoRA named {path.name!r} is loaded and no such file exists.", "loras")
+                name = self._known_path(path) or self.register(path, self._free_name(path.stem))
             if name in seen:
                 raise RequestError(f"LoRA {name} is listed twice; give it once with the sum of its scales.", "loras")
             seen.add(name)
             out.append((self.adapter(name), float(scale)))
         return out
+
+    def _free_name(self, stem: str) -> str:
+        """`stem`, or `stem-2`, `stem-3`, ... when another file holds that name."""
+        name, index = stem, 1
+        while name in self._sources:
+            index += 1
+            name = f"{stem}-{index}"
+        return name
 
     def _known_path(self, path: Path) -> str | None:
         for name, (source, alpha) in self._sources.items():
@@ -189,6 +197,11 @@ class ActiveLoras:
 
     key: tuple
     groups: list[LoraGroup]
+    layers: dict[str, nn.Module]  # module name -> the layer hooked (a layer replaced since, e.g. by FP8, voids the set)
+
+    def current(self, transformer, key: tuple) -> bool:
+        """Whether this set is `key` and still hooked into `transformer`'s present layers."""
+        return self.key == key and all(transformer.get_submodule(name) is layer for name, layer in self.layers.items())
 
     @property
     def nbytes(self) -> int:
@@ -213,7 +226,7 @@ def activate(transformer, adapters: list[tuple[Adapter, float]], task: str, devi
     forward on; an empty list removes every adapter. The same set as now is left as it is."""
     key = tuple((id(adapter), adapter.name, scale) for adapter, scale in adapters)
     active = active_loras(transformer)
-    if active is not None and active.key == key:
+    if active is not None and active.current(transformer, key):
         return active
     deactivate(transformer)
     if not adapters:
@@ -224,10 +237,10 @@ def activate(transformer, adapters: list[tuple[Adapter, float]], task: str, devi
         for module, f in part.items():
             per_module.setdefault(module, []).append(LoraFactors(f.down, f.up, f.scale * scale))
     grouped: dict[str, list[tuple[nn.Module, list[LoraFactors]]]] = {}
+    layers = {module: transformer.get_submodule(module) for module in per_module}
     for module, factors in per_module.items():
         match = _QKV.match(module)
-        grouped.setdefault(match.group(1) + ".qkv" if match else module, []).append(
-            (transformer.get_submodule(module), factors))
+        grouped.setdefault(match.group(1) + ".qkv" if match else module, []).append((layers[module], factors))
     groups = []
     try:
         for members in grouped.values():
@@ -236,7 +249,7 @@ def activate(transformer, adapters: list[tuple[Adapter, float]], task: str, devi
         for group in groups:
             group.detach()
         raise
-    transformer.active_loras = ActiveLoras(key, groups)
+    transformer.active_loras = ActiveLoras(key, groups, layers)
     return transformer.active_loras
 
 
