@@ -417,3 +417,21 @@ def test_a_set_is_rehooked_when_its_layers_were_replaced_and_paths_get_their_own
     same_stem = other / path.name
     same_stem.write_bytes(path.read_bytes())
     assert [a.name for a, _ in registry.resolve([str(path), str(same_stem)])] == ["peft", "peft-2"]
+
+
+def test_a_shared_a_is_projected_once_and_stacking_stays_exact():
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(32, 48, bias=False) for _ in range(3)]
+    shared = _factors(48, 32, seed=1)
+    own = [_factors(48, 32, rank=4, seed=2 + i) for i in range(3)]
+    members = [(layer, [LoraFactors(shared.down, torch.randn(48, 8), 0.3), own[i]])
+               for i, layer in enumerate(layers)]
+    x = torch.randn(5, 32)
+    with torch.no_grad():
+        base = [layer(x) for layer in layers]
+        group = LoraGroup.build(members, "cpu").attach()
+        assert group.down.shape[0] == 8 + 3 * 4  # the shared A once, then each member's own
+        for layer, (_, factors), plain in zip(layers, members, base):
+            want = plain + sum(f.scale * (x @ f.down.t()) @ f.up.t() for f in factors)
+            assert max_rel_err(layer(x), want) <= 1e-6
+        group.detach()

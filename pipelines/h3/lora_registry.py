@@ -129,9 +129,16 @@ class LoraRegistry:
             self.check(lora)
         factors = load_lora_factors(lora, head_dim=self.head_dim)
         if self.pin:
+            pinned = {}  # by identity: an A the fused QKV's three modules share stays one tensor
+
+            def pin(tensor):
+                if id(tensor) not in pinned:
+                    pinned[id(tensor)] = (tensor, tensor.pin_memory())
+                return pinned[id(tensor)][1]
+
             for part in factors.values():
                 for module, f in part.items():
-                    part[module] = LoraFactors(f.down.pin_memory(), f.up.pin_memory(), f.scale)
+                    part[module] = LoraFactors(pin(f.down), pin(f.up), f.scale)
         adapter = Adapter(lora, factors)
         self._cache[name] = adapter
         while len(self._cache) > self.max_cpu_loras:
