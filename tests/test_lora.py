@@ -15,7 +15,8 @@ from h3gen.errors import RequestError
 from h3gen.kernels.fp8_quant import quantize_rows
 from h3gen.lora import LoraFactors, LoraGroup
 from h3gen.pipelines.h3.lora_formats import read_lora
-from h3gen.pipelines.h3.lora_registry import LoraRegistry, activate, check_targets, deactivate, merge_into
+from h3gen.pipelines.h3.lora_registry import (LoraRegistry, activate, check_targets, deactivate, lora_budget_bytes,
+                                              merge_into)
 from h3gen.pipelines.h3.tiers import set_quality
 from h3gen.pipelines.h3.transformer import H3Transformer, H3TransformerConfig
 from h3gen.quant.fp8 import Fp8Linear
@@ -287,6 +288,11 @@ def test_bad_files_are_refused_naming_the_key_or_module(tmp_path):
                            ([("good", 1.0, 2.0)], "pair")):
         with pytest.raises(RequestError, match=message):
             registry.resolve(loras)
+    assert lora_budget_bytes("4GiB") == 4 * 2**30
+    for value in ("lots", -1):
+        with pytest.raises(RequestError, match="lora_gpu_memory must") as error:
+            lora_budget_bytes(value)
+        assert error.value.field == "lora_gpu_memory"
 
 
 def test_merge_equals_unmerged_and_is_refused_where_bf16_rounds_it_away(tmp_path):

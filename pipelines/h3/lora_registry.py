@@ -17,9 +17,11 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
 import torch.nn as nn
 
 from h3gen.errors import RequestError
+from h3gen.options import parse_bytes
 from h3gen.lora import (AUTO_MERGE_MAX_ROUNDING_LOSS, LoraFactors, LoraGroup, merge_delta, merge_factors,
                         rounding_loss)
 from h3gen.pipelines.h3.lora_formats import LoraFile, load_lora_factors, read_lora
@@ -27,6 +29,7 @@ from h3gen.pipelines.h3.lora_formats import LoraFile, load_lora_factors, read_lo
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_CPU_LORAS = 4
+LORA_GPU_RESERVE = 2 * 2**30  # device memory adapters leave to activations when no lora_gpu_memory is set
 
 
 @dataclass
@@ -261,8 +264,39 @@ def activate(transformer, adapters: list[tuple[Adapter, float]], task: str, devi
 
 
 def lora_device_bytes(adapters: list[tuple[Adapter, float]], task: str, itemsize: int) -> int:
-    """What `activate` will hold on the device for `adapters`."""
+    """What `activate` will hold on the device for `adapters` (at most: an A shared by q, k and v counts thrice)."""
     return sum(adapter.nbytes_for(task, itemsize) for adapter, _ in adapters)
+
+
+def lora_budget_bytes(value) -> int | None:
+    """A `lora_gpu_memory` setting ("4GiB", "512MiB", bytes or None) in bytes."""
+    try:
+        budget = parse_bytes(value)
+    except RequestError:
+        raise RequestError(f"lora_gpu_memory must look like 4GiB, 2GB or 512MiB (got {value!r}).",
+                           "lora_gpu_memory") from None
+    if budget is not None and budget < 0:
+        raise RequestError(f"lora_gpu_memory must be 0 bytes or more (got {value!r}).", "lora_gpu_memory")
+    return budget
+
+
+def check_device_budget(adapters: list[tuple[Adapter, float]], task: str, model, device, limit: int | None) -> None:
+    """Refuse (`RequestError`, field "loras") a request whose adapters' device copies exceed `limit` bytes, or
+    without a limit on a GPU, the free device memory (plus what the current set holds) less `LORA_GPU_RESERVE`."""
+    need = lora_device_bytes(adapters, task, model.dtype.itemsize)
+    device = torch.device(device)
+    if limit is not None:
+        budget, what = limit, "lora_gpu_memory"
+    elif device.type == "cuda":
+        active = active_loras(model)
+        free = torch.cuda.mem_get_info(device)[0] + (active.nbytes if active is not None else 0)
+        budget, what = max(0, free - LORA_GPU_RESERVE), "free device memory less 2 GiB"
+    else:
+        return
+    if need > budget:
+        names = ", ".join(adapter.name for adapter, _ in adapters)
+        raise RequestError(f"the {len(adapters)} LoRA adapters ({names}) need {need / 2**30:.2f} GiB on the device, "
+                           f"more than the {budget / 2**30:.2f} GiB they may use ({what}); use fewer.", "loras")
 
 
 
