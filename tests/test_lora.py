@@ -441,3 +441,28 @@ def test_a_shared_a_is_projected_once_and_stacking_stays_exact():
             want = plain + sum(f.scale * (x @ f.down.t()) @ f.up.t() for f in factors)
             assert max_rel_err(layer(x), want) <= 1e-6
         group.detach()
+
+
+def test_a_file_diffusers_saved_with_its_peft_config_is_scaled_as_that_config_says(tmp_path):
+    from diffusers.loaders.lora_pipeline import MiniMaxH3LoraLoaderMixin
+    from peft import LoraConfig, get_peft_model_state_dict
+
+    trained, ours = _pair(CONFIG)
+    config = LoraConfig(r=4, lora_alpha=8, init_lora_weights=False, rank_pattern={"adaln_proj.linear": 2},
+                        alpha_pattern={"to_out.0": 3.0, "^transformer_blocks.1.ff.net.2": 16.0},
+                        target_modules=["to_q", "to_k", "to_v", "to_out.0", "ff.net.0.proj", "ff.net.2",
+                                        "adaln_proj.linear"])
+    trained.add_adapter(config)
+    state = get_peft_model_state_dict(trained)
+    metadata = trained.peft_config["default"].to_dict()
+    MiniMaxH3LoraLoaderMixin.save_lora_weights(tmp_path, transformer_lora_layers=state,
+                                               transformer_lora_adapter_metadata=metadata)
+    path = tmp_path / "pytorch_lora_weights.safetensors"
+    lora = read_lora(path, head_dim=32)
+    assert lora.alpha_source == "adapter-config" and lora.ranks == [2, 4]
+    reference, _ = _pair(CONFIG)
+    inputs = random_inputs(CONFIG, seed=12, **INPUTS)
+    expected = _run(_reference(reference, [(path, 1.0)]), inputs)
+    assert max_rel_err(expected, _run(trained, inputs)) <= 1e-5  # diffusers reloads what it saved
+    got, _ = _ours(ours, [(path, 1.0)], inputs=inputs)
+    assert max_rel_err(got, expected) <= TOLERANCE
