@@ -62,6 +62,11 @@ def shard_factors(layer: nn.Module, down: torch.Tensor, up: torch.Tensor) -> tup
     return down[:, layer.state.tp_rank * step : (layer.state.tp_rank + 1) * step], up
 
 
+def _on(tensor: torch.Tensor, device) -> torch.Tensor:
+    """`tensor` on `device` in float32, copied in its own (narrower) dtype and widened there."""
+    return tensor.to(device, non_blocking=True).float()
+
+
 @dataclass
 class _Member:
     layer: nn.Module
@@ -101,7 +106,7 @@ class LoraGroup:
                 down, up = shard_factors(layer, f.down, f.up)
                 if id(f.down) not in placed:  # the members of one group are cut alike, so one A stays one A
                     placed[id(f.down)] = rows
-                    downs.append(down.to(device=device, dtype=torch.float32))
+                    downs.append(_on(down, device))
                     rows += down.shape[0]
                 offset, rank = placed[id(f.down)], down.shape[0]
                 if segments and segments[-1][0] + segments[-1][2] == offset:
@@ -109,7 +114,7 @@ class LoraGroup:
                     segments[-1] = (start, up_start, width + rank)
                 else:
                     segments.append((offset, column, rank))
-                ups.append(up.to(device=device, dtype=torch.float32) * f.scale)
+                ups.append(_on(up, device) * f.scale)
                 column += rank
             built.append(_Member(layer, segments, torch.cat(ups, dim=1).to(dtype).contiguous()))
         widths = {d.shape[1] for d in downs}
