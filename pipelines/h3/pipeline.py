@@ -13,6 +13,7 @@ there, which is how a job is cancelled within a fraction of a second in any stag
 """
 
 import logging
+import math
 import time
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field, replace
@@ -254,6 +255,8 @@ class H3Pipeline:
         `merge=True` (a server with one fixed adapter) instead adds `scale` times the update into the dense weights
         for good, refused when bf16 rounding would lose more than half of it on any module (then apply it unmerged)
         and on FP8 / MXFP4 weights. Raises `RequestError` (field "loras", "alpha" or "merge")."""
+        if merge and (isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale)):
+            raise RequestError(f"LoRA merge scale must be a finite number (got {scale!r}).", "merge")
         name = self.loras.register(path, name, alpha)
         if merge:
             adapter = self.loras.adapter(name)
