@@ -15,7 +15,8 @@ from h3gen.errors import RequestError
 from h3gen.kernels.fp8_quant import quantize_rows
 from h3gen.lora import LoraFactors, LoraGroup
 from h3gen.pipelines.h3.lora_formats import read_lora
-from h3gen.pipelines.h3.lora_registry import LoraRegistry, activate, check_targets, deactivate, merge_into
+from h3gen.pipelines.h3.lora_registry import (LoraRegistry, activate, check_targets, deactivate, lora_budget_bytes,
+                                              merge_into)
 from h3gen.pipelines.h3.tiers import set_quality
 from h3gen.pipelines.h3.transformer import H3Transformer, H3TransformerConfig
 from h3gen.quant.fp8 import Fp8Linear
@@ -287,6 +288,11 @@ def test_bad_files_are_refused_naming_the_key_or_module(tmp_path):
                            ([("good", 1.0, 2.0)], "pair")):
         with pytest.raises(RequestError, match=message):
             registry.resolve(loras)
+    assert lora_budget_bytes("4GiB") == 4 * 2**30
+    for value in ("lots", -1):
+        with pytest.raises(RequestError, match="lora_gpu_memory must") as error:
+            lora_budget_bytes(value)
+        assert error.value.field == "lora_gpu_memory"
 
 
 def test_merge_equals_unmerged_and_is_refused_where_bf16_rounds_it_away(tmp_path):
@@ -400,3 +406,63 @@ def test_pipeline_adapters_under_layerwise_offload_and_merged(tmp_path):
     clip = merged("a fox", seed=4, num_inference_steps=3, num_frames=130)
     assert clip.loras == [("style", 0.8)]
     assert np.abs(clip.video - expected.video).max() <= 1e-4
+
+
+def test_a_set_is_rehooked_when_its_layers_were_replaced_and_paths_get_their_own_names(tmp_path):
+    _, ours = _pair(CONFIG)
+    path = _diffusers_file(tmp_path, ours, "peft")
+    registry = _registry(ours)
+    adapters = registry.resolve([str(path)])
+    activate(ours, adapters, "t2va", "cpu")
+    set_quality(ours, "fast")  # the block linears become new Fp8Linear modules
+    activate(ours, adapters, "t2va", "cpu")
+    to_q = ours.transformer_blocks[0].attn.to_q
+    assert isinstance(to_q, Fp8Linear) and to_q.lora_group is not None
+    other = tmp_path / "other"
+    other.mkdir()
+    same_stem = other / path.name
+    same_stem.write_bytes(path.read_bytes())
+    assert [a.name for a, _ in registry.resolve([str(path), str(same_stem)])] == ["peft", "peft-2"]
+
+
+def test_a_shared_a_is_projected_once_and_stacking_stays_exact():
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(32, 48, bias=False) for _ in range(3)]
+    shared = _factors(48, 32, seed=1)
+    own = [_factors(48, 32, rank=4, seed=2 + i) for i in range(3)]
+    members = [(layer, [LoraFactors(shared.down, torch.randn(48, 8), 0.3), own[i]])
+               for i, layer in enumerate(layers)]
+    x = torch.randn(5, 32)
+    with torch.no_grad():
+        base = [layer(x) for layer in layers]
+        group = LoraGroup.build(members, "cpu").attach()
+        assert group.down.shape[0] == 8 + 3 * 4  # the shared A once, then each member's own
+        for layer, (_, factors), plain in zip(layers, members, base):
+            want = plain + sum(f.scale * (x @ f.down.t()) @ f.up.t() for f in factors)
+            assert max_rel_err(layer(x), want) <= 1e-6
+        group.detach()
+
+
+def test_a_file_diffusers_saved_with_its_peft_config_is_scaled_as_that_config_says(tmp_path):
+    from diffusers.loaders.lora_pipeline import MiniMaxH3LoraLoaderMixin
+    from peft import LoraConfig, get_peft_model_state_dict
+
+    trained, ours = _pair(CONFIG)
+    config = LoraConfig(r=4, lora_alpha=8, init_lora_weights=False, rank_pattern={"adaln_proj.linear": 2},
+                        alpha_pattern={"to_out.0": 3.0, "^transformer_blocks.1.ff.net.2": 16.0},
+                        target_modules=["to_q", "to_k", "to_v", "to_out.0", "ff.net.0.proj", "ff.net.2",
+                                        "adaln_proj.linear"])
+    trained.add_adapter(config)
+    state = get_peft_model_state_dict(trained)
+    metadata = trained.peft_config["default"].to_dict()
+    MiniMaxH3LoraLoaderMixin.save_lora_weights(tmp_path, transformer_lora_layers=state,
+                                               transformer_lora_adapter_metadata=metadata)
+    path = tmp_path / "pytorch_lora_weights.safetensors"
+    lora = read_lora(path, head_dim=32)
+    assert lora.alpha_source == "adapter-config" and lora.ranks == [2, 4]
+    reference, _ = _pair(CONFIG)
+    inputs = random_inputs(CONFIG, seed=12, **INPUTS)
+    expected = _run(_reference(reference, [(path, 1.0)]), inputs)
+    assert max_rel_err(expected, _run(trained, inputs)) <= 1e-5  # diffusers reloads what it saved
+    got, _ = _ours(ours, [(path, 1.0)], inputs=inputs)
+    assert max_rel_err(got, expected) <= TOLERANCE

@@ -3,8 +3,8 @@
 An adapter's update of one linear is `delta W = scale * B A` (`A` `(rank, in)`, `B` `(out, rank)`). Applied
 unmerged, the layer computes `y = base(x) + (x A^T) (scale B)^T` for every active adapter. Linears that read the
 same input tensor (an attention's q, k and v) form a `LoraGroup`: one GEMM projects the input onto all of their
-stacked `A`s, then each member adds its own `x A^T` slice times its stacked `scale * B`s in one `addmm_` (the add
-fused into the GEMM). The group's tensors are plain attributes, never parameters or buffers: a layer-wise offload
+stacked `A`s (an `A` they share, as a fused-QKV file's, once), then each member adds its own `x A^T` slice times its
+stacked `scale * B`s in one `addmm_` (the add fused into the GEMM). The group's tensors are plain attributes, never parameters or buffers: a layer-wise offload
 that streams a block's weights leaves them where they are (on the GPU, for the whole request).
 
 How the update reaches each kind of base:
@@ -62,12 +62,17 @@ def shard_factors(layer: nn.Module, down: torch.Tensor, up: torch.Tensor) -> tup
     return down[:, layer.state.tp_rank * step : (layer.state.tp_rank + 1) * step], up
 
 
+def _on(tensor: torch.Tensor, device) -> torch.Tensor:
+    """`tensor` on `device` in float32, copied in its own (narrower) dtype and widened there."""
+    return tensor.to(device, non_blocking=True).float()
+
+
 @dataclass
 class _Member:
     layer: nn.Module
-    offset: int  # this member's columns in the group's projected input
-    rank: int  # sum of its adapters' ranks
-    up: torch.Tensor  # (out_local, rank): its adapters' scale * B side by side, in the layer's compute dtype
+    # (column in the group's projected input, column in `up`, width) of each contiguous run of this member's A's
+    segments: list[tuple[int, int, int]]
+    up: torch.Tensor  # (out_local, sum of ranks): its adapters' scale * B side by side, in the layer's compute dtype
     handle: object = None
 
 
@@ -76,7 +81,7 @@ class LoraGroup:
     """Active adapters on linears that share one input (see the module docstring). Build with `LoraGroup.build`,
     then `attach()`; `detach()` restores the plain layers."""
 
-    down: torch.Tensor  # (sum of ranks, in_local): every member's A's stacked, in the compute dtype
+    down: torch.Tensor  # (rows, in_local): every distinct A of the members, stacked, in the compute dtype
     members: list[_Member]
     _input: object = None
     _hidden: torch.Tensor | None = None
@@ -86,8 +91,9 @@ class LoraGroup:
     @classmethod
     def build(cls, members: list[tuple[nn.Module, list[LoraFactors]]], device) -> "LoraGroup":
         """A group over `members` (each a linear and the adapters on it, in stacking order), its tensors on `device`
-        in each layer's compute dtype. Every member must read an input of the same width and dtype."""
-        downs, built, offset = [], [], 0
+        in each layer's compute dtype. Every member must read an input of the same width and dtype. An A given to
+        several members as the same tensor (a fused QKV file's shared A) is projected once."""
+        downs, built, rows, placed = [], [], 0, {}
         dtype = None
         for layer, factors in members:
             layer_dtype = compute_dtype(layer)
@@ -95,13 +101,22 @@ class LoraGroup:
                 raise ValueError(f"LoRA group members compute in {dtype} and {layer_dtype}; group only layers "
                                  "that read the same input.")
             dtype = layer_dtype
-            cut = [shard_factors(layer, f.down, f.up) for f in factors]
-            down = torch.cat([d.to(device=device, dtype=torch.float32) for d, _ in cut])
-            up = torch.cat([u.to(device=device, dtype=torch.float32) * f.scale for (_, u), f in zip(cut, factors)],
-                           dim=1)
-            downs.append(down)
-            built.append(_Member(layer, offset, down.shape[0], up.to(dtype).contiguous()))
-            offset += down.shape[0]
+            segments, ups, column = [], [], 0
+            for f in factors:
+                down, up = shard_factors(layer, f.down, f.up)
+                if id(f.down) not in placed:  # the members of one group are cut alike, so one A stays one A
+                    placed[id(f.down)] = rows
+                    downs.append(_on(down, device))
+                    rows += down.shape[0]
+                offset, rank = placed[id(f.down)], down.shape[0]
+                if segments and segments[-1][0] + segments[-1][2] == offset:
+                    start, up_start, width = segments[-1]
+                    segments[-1] = (start, up_start, width + rank)
+                else:
+                    segments.append((offset, column, rank))
+                ups.append(_on(up, device) * f.scale)
+                column += rank
+            built.append(_Member(layer, segments, torch.cat(ups, dim=1).to(dtype).contiguous()))
         widths = {d.shape[1] for d in downs}
         if len(widths) != 1:
             raise ValueError(f"LoRA group members read inputs of widths {sorted(widths)}; they must share one input.")
@@ -136,11 +151,16 @@ class LoraGroup:
 
     def apply(self, member: _Member, x, y: torch.Tensor) -> torch.Tensor:
         """`y` (the layer's output, or a TP rank's partial product) plus this member's update of input `x`."""
-        hidden = self._hidden_for(x)[:, member.offset : member.offset + member.rank]
-        if y.dtype == member.up.dtype and y.is_contiguous():
-            y.view(-1, y.shape[-1]).addmm_(hidden, member.up.t())
-            return y
-        return y + (hidden @ member.up.t()).to(y.dtype).view(y.shape)
+        hidden = self._hidden_for(x)
+        in_place = y.dtype == member.up.dtype and y.is_contiguous()
+        rows = y.view(-1, y.shape[-1]) if in_place else None
+        for start, up_start, width in member.segments:
+            part, up = hidden[:, start : start + width], member.up[:, up_start : up_start + width]
+            if in_place:
+                rows.addmm_(part, up.t())  # the add rides in the GEMM's epilogue
+            else:
+                y = y + (part @ up.t()).to(y.dtype).view(y.shape)
+        return y
 
     # ------------------------------------------------------------------ hooks
 

@@ -21,11 +21,16 @@ numeric `alpha` in the safetensors metadata; else 8 for files named like LightX2
 (`minimax_h3_*_turbo_4step_v0.1*`, which declare none and were trained with their script's default alpha 8); else
 alpha = rank.
 
+A file diffusers itself saved with its PEFT `LoraConfig` (`lora_adapter_metadata`) is scaled as that config says,
+after an `alpha=` override and `.alpha` tensors, before a metadata `alpha`.
+
 `read_lora` reads a file's header only (names, shapes, metadata); `load_lora_factors` reads the tensors.
 """
 
 import fnmatch
+import json
 import logging
+import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -95,8 +100,8 @@ class LoraFile:
 
     `name`: the file's stem; `format`: see the module docstring; `targets`: every module update (`LoraTarget`);
     `ranks`: the distinct ranks; `alpha`: the uniform network alpha every module is scaled with (alpha / its rank),
-    or None where the modules' own `.alpha` tensors or alpha = rank apply; `alpha_source`: "override", "module",
-    "metadata", "turbo-v0.1" or "rank"; `metadata`: the safetensors `__metadata__`; `partitions`: the transformer
+    or None where the modules' own `.alpha` tensors, the adapter config or alpha = rank apply; `alpha_source`:
+    "override", "module", "adapter-config", "metadata", "turbo-v0.1" or "rank"; `metadata`: the safetensors `__metadata__`; `partitions`: the transformer
     partitions its keys name ("transformer" for every unprefixed format); `qkv_layout`: "grouped" or "interleaved"
     for a fused-QKV file, else None.
     """
@@ -110,6 +115,7 @@ class LoraFile:
     metadata: dict[str, str] = field(default_factory=dict)
     qkv_layout: str | None = None
     nbytes: int = 0
+    config_scales: dict[tuple[str, str], float] = field(default_factory=dict)  # (partition, module) -> scale
 
     @property
     def partitions(self) -> tuple[str, ...]:
@@ -123,11 +129,13 @@ class LoraFile:
     def modules(self) -> list[str]:
         return [t.module for t in self.targets]
 
-    def module_alpha(self, target: LoraTarget, alpha_tensor: float | None) -> float:
-        """The alpha `target` is scaled with (its scale is this / its rank)."""
+    def module_scale(self, target: LoraTarget, alpha_tensor: float | None) -> float:
+        """The factor `target`'s `B A` is scaled with: alpha / rank by the rules of the module docstring."""
         if self.alpha is not None:
-            return self.alpha
-        return alpha_tensor if alpha_tensor is not None else float(target.rank)
+            return self.alpha / target.rank
+        if self.alpha_source == "adapter-config":
+            return self.config_scales[(target.partition, target.module)]
+        return (alpha_tensor if alpha_tensor is not None else float(target.rank)) / target.rank
 
 
 def _bad(name: str, message: str) -> RequestError:
@@ -264,6 +272,36 @@ def _number(text) -> float | None:
         return None
 
 
+def _pattern_value(patterns: dict, module: str, default):
+    """PEFT's `get_pattern_key`: the first pattern matching the end of `module` (a dotted suffix) gives its value."""
+    for pattern, value in patterns.items():
+        if re.match(rf"(.*\.)?({pattern})$", module):
+            return value
+    return default
+
+
+def _adapter_config_scales(metadata: dict[str, str], targets: list[LoraTarget]) -> dict[tuple[str, str], float]:
+    """Per-module scales from the PEFT `LoraConfig` diffusers' `save_lora_weights` records as JSON under the
+    `lora_adapter_metadata` metadata key (`<partition>.r`, `.lora_alpha`, `.rank_pattern`, `.alpha_pattern`,
+    `.use_rslora`), as PEFT derives them: alpha / r, or alpha / sqrt(r) with rsLoRA. Empty without one."""
+    try:
+        config = json.loads(metadata.get("lora_adapter_metadata") or "null")
+    except ValueError:
+        return {}
+    if not isinstance(config, dict):
+        return {}
+    scales = {}
+    for target in targets:
+        def get(key, default=None):
+            return config.get(f"{target.partition}.{key}", default)
+        if get("r") is None:
+            continue
+        rank = _pattern_value(get("rank_pattern") or {}, target.module, get("r"))
+        alpha = _pattern_value(get("alpha_pattern") or {}, target.module, get("lora_alpha", rank))
+        scales[(target.partition, target.module)] = alpha / (math.sqrt(rank) if get("use_rslora") else rank)
+    return scales if len(scales) == len(targets) else {}
+
+
 def read_lora(path, *, head_dim: int = 128, alpha: float | None = None, name: str | None = None) -> LoraFile:
     """Read a LoRA file's header (keys, shapes, metadata; no tensor data) and convert its names.
 
@@ -309,10 +347,13 @@ def read_lora(path, *, head_dim: int = 128, alpha: float | None = None, name: st
                          "knows (diffusers / peft, native, kohya / musubi, DiffSynth).")
     if not targets:
         raise _bad(name, "the file holds no LoRA factors.")
+    config_scales = _adapter_config_scales(metadata, targets)
     if alpha is not None:
         network_alpha, source = float(alpha), "override"
     elif has_alpha_tensors:
         network_alpha, source = None, "module"
+    elif config_scales:
+        network_alpha, source = None, "adapter-config"
     elif _number(metadata.get("alpha")) is not None:
         network_alpha, source = _number(metadata["alpha"]), "metadata"
     elif fnmatch.fnmatch(path.name, TURBO_V01_PATTERN):
@@ -324,7 +365,7 @@ def read_lora(path, *, head_dim: int = 128, alpha: float | None = None, name: st
                        "rank.", name, metadata["alpha"])
     element = {"F32": 4, "F16": 2, "BF16": 2, "F64": 8}
     nbytes = sum(s[0] * s[1] * element.get(dtypes[k], 4) for k, s in shapes.items() if len(s) == 2)
-    return LoraFile(path, name, fmt, targets, network_alpha, source, metadata, qkv_layout, nbytes)
+    return LoraFile(path, name, fmt, targets, network_alpha, source, metadata, qkv_layout, nbytes, config_scales)
 
 
 def _deinterleave(up: torch.Tensor, head_dim: int) -> torch.Tensor:
@@ -361,7 +402,7 @@ def load_lora_factors(lora: LoraFile, *, head_dim: int = 128,
             elif target.transform == "fc1":
                 gate, value = up.chunk(2)
                 up = torch.cat([value, gate])
-            scale = lora.module_alpha(target, alpha) / target.rank
+            scale = lora.module_scale(target, alpha)
             out.setdefault(target.partition, {})[target.module] = LoraFactors(down, up, scale)
     return out
 

@@ -17,9 +17,11 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
 import torch.nn as nn
 
 from h3gen.errors import RequestError
+from h3gen.options import parse_bytes
 from h3gen.lora import (AUTO_MERGE_MAX_ROUNDING_LOSS, LoraFactors, LoraGroup, merge_delta, merge_factors,
                         rounding_loss)
 from h3gen.pipelines.h3.lora_formats import LoraFile, load_lora_factors, read_lora
@@ -27,6 +29,7 @@ from h3gen.pipelines.h3.lora_formats import LoraFile, load_lora_factors, read_lo
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_CPU_LORAS = 4
+LORA_GPU_RESERVE = 2 * 2**30  # device memory adapters leave to activations when no lora_gpu_memory is set
 
 
 @dataclass
@@ -129,9 +132,16 @@ class LoraRegistry:
             self.check(lora)
         factors = load_lora_factors(lora, head_dim=self.head_dim)
         if self.pin:
+            pinned = {}  # by identity: an A the fused QKV's three modules share stays one tensor
+
+            def pin(tensor):
+                if id(tensor) not in pinned:
+                    pinned[id(tensor)] = (tensor, tensor.pin_memory())
+                return pinned[id(tensor)][1]
+
             for part in factors.values():
                 for module, f in part.items():
-                    part[module] = LoraFactors(f.down.pin_memory(), f.up.pin_memory(), f.scale)
+                    part[module] = LoraFactors(pin(f.down), pin(f.up), f.scale)
         adapter = Adapter(lora, factors)
         self._cache[name] = adapter
         while len(self._cache) > self.max_cpu_loras:
@@ -160,15 +170,23 @@ class LoraRegistry:
                 raise RequestError(f"LoRA scale must be a finite number (got {scale!r}).", "loras")
             name = str(item)
             if name not in self._sources:
-                if not Path(name).is_file():
-                    raise RequestError(f"no LoRA named {Path(name).name!r} is loaded and no such file exists.",
-                                       "loras")
-                name = self._known_path(Path(name)) or self.register(name)
+                path = Path(name)
+                if not path.is_file():
+                    raise RequestError(f"no LoRA named {path.name!r} is loaded and no such file exists.", "loras")
+                name = self._known_path(path) or self.register(path, self._free_name(path.stem))
             if name in seen:
                 raise RequestError(f"LoRA {name} is listed twice; give it once with the sum of its scales.", "loras")
             seen.add(name)
             out.append((self.adapter(name), float(scale)))
         return out
+
+    def _free_name(self, stem: str) -> str:
+        """`stem`, or `stem-2`, `stem-3`, ... when another file holds that name."""
+        name, index = stem, 1
+        while name in self._sources:
+            index += 1
+            name = f"{stem}-{index}"
+        return name
 
     def _known_path(self, path: Path) -> str | None:
         for name, (source, alpha) in self._sources.items():
@@ -189,6 +207,11 @@ class ActiveLoras:
 
     key: tuple
     groups: list[LoraGroup]
+    layers: dict[str, nn.Module]  # module name -> the layer hooked (a layer replaced since, e.g. by FP8, voids the set)
+
+    def current(self, transformer, key: tuple) -> bool:
+        """Whether this set is `key` and still hooked into `transformer`'s present layers."""
+        return self.key == key and all(transformer.get_submodule(name) is layer for name, layer in self.layers.items())
 
     @property
     def nbytes(self) -> int:
@@ -213,7 +236,7 @@ def activate(transformer, adapters: list[tuple[Adapter, float]], task: str, devi
     forward on; an empty list removes every adapter. The same set as now is left as it is."""
     key = tuple((id(adapter), adapter.name, scale) for adapter, scale in adapters)
     active = active_loras(transformer)
-    if active is not None and active.key == key:
+    if active is not None and active.current(transformer, key):
         return active
     deactivate(transformer)
     if not adapters:
@@ -224,10 +247,10 @@ def activate(transformer, adapters: list[tuple[Adapter, float]], task: str, devi
         for module, f in part.items():
             per_module.setdefault(module, []).append(LoraFactors(f.down, f.up, f.scale * scale))
     grouped: dict[str, list[tuple[nn.Module, list[LoraFactors]]]] = {}
+    layers = {module: transformer.get_submodule(module) for module in per_module}
     for module, factors in per_module.items():
         match = _QKV.match(module)
-        grouped.setdefault(match.group(1) + ".qkv" if match else module, []).append(
-            (transformer.get_submodule(module), factors))
+        grouped.setdefault(match.group(1) + ".qkv" if match else module, []).append((layers[module], factors))
     groups = []
     try:
         for members in grouped.values():
@@ -236,13 +259,44 @@ def activate(transformer, adapters: list[tuple[Adapter, float]], task: str, devi
         for group in groups:
             group.detach()
         raise
-    transformer.active_loras = ActiveLoras(key, groups)
+    transformer.active_loras = ActiveLoras(key, groups, layers)
     return transformer.active_loras
 
 
 def lora_device_bytes(adapters: list[tuple[Adapter, float]], task: str, itemsize: int) -> int:
-    """What `activate` will hold on the device for `adapters`."""
+    """What `activate` will hold on the device for `adapters` (at most: an A shared by q, k and v counts thrice)."""
     return sum(adapter.nbytes_for(task, itemsize) for adapter, _ in adapters)
+
+
+def lora_budget_bytes(value) -> int | None:
+    """A `lora_gpu_memory` setting ("4GiB", "512MiB", bytes or None) in bytes."""
+    try:
+        budget = parse_bytes(value)
+    except RequestError:
+        raise RequestError(f"lora_gpu_memory must look like 4GiB, 2GB or 512MiB (got {value!r}).",
+                           "lora_gpu_memory") from None
+    if budget is not None and budget < 0:
+        raise RequestError(f"lora_gpu_memory must be 0 bytes or more (got {value!r}).", "lora_gpu_memory")
+    return budget
+
+
+def check_device_budget(adapters: list[tuple[Adapter, float]], task: str, model, device, limit: int | None) -> None:
+    """Refuse (`RequestError`, field "loras") a request whose adapters' device copies exceed `limit` bytes, or
+    without a limit on a GPU, the free device memory (plus what the current set holds) less `LORA_GPU_RESERVE`."""
+    need = lora_device_bytes(adapters, task, model.dtype.itemsize)
+    device = torch.device(device)
+    if limit is not None:
+        budget, what = limit, "lora_gpu_memory"
+    elif device.type == "cuda":
+        active = active_loras(model)
+        free = torch.cuda.mem_get_info(device)[0] + (active.nbytes if active is not None else 0)
+        budget, what = max(0, free - LORA_GPU_RESERVE), "free device memory less 2 GiB"
+    else:
+        return
+    if need > budget:
+        names = ", ".join(adapter.name for adapter, _ in adapters)
+        raise RequestError(f"the {len(adapters)} LoRA adapters ({names}) need {need / 2**30:.2f} GiB on the device, "
+                           f"more than the {budget / 2**30:.2f} GiB they may use ({what}); use fewer.", "loras")
 
 
 

@@ -13,6 +13,7 @@ there, which is how a job is cancelled within a fraction of a second in any stag
 """
 
 import logging
+import math
 import time
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field, replace
@@ -25,11 +26,11 @@ from h3gen.errors import RequestError
 from h3gen.kernels.attention import resolve_backend
 from h3gen.media import write_mp4
 from h3gen.offload import plan_placement
-from h3gen.options import RunOptions, parse_bytes
+from h3gen.options import RunOptions
 from h3gen.pipelines.h3 import geometry
 from h3gen.pipelines.h3.checkpoint import REQUIRED, H3Checkpoint, resolve_workflow
-from h3gen.pipelines.h3.lora_registry import (DEFAULT_MAX_CPU_LORAS, LoraRegistry, activate, active_loras,
-                                              check_targets, lora_device_bytes, merge_into)
+from h3gen.pipelines.h3.lora_registry import (DEFAULT_MAX_CPU_LORAS, LoraRegistry, activate, check_device_budget,
+                                              check_targets, lora_budget_bytes, merge_into)
 from h3gen.pipelines.h3.packing import (ReferenceBlock, build_layout, build_ref2va_layout, patchify_video,
                                         row_timesteps, unpatchify_video)
 from h3gen.pipelines.h3.recipes import recipe_for
@@ -45,7 +46,6 @@ from h3gen.pipelines.h3.vae import (audio_decoder_units, audio_encoder_units, de
 
 logger = logging.getLogger(__name__)
 
-LORA_GPU_RESERVE = 2 * 2**30  # device memory adapters leave free for activations when no lora_gpu_memory is set
 STAGES = ("encode_text", "encode_conditions", "denoise", "decode_video", "decode_audio")
 __all__ = ["AudioReference", "H3Output", "H3Pipeline", "ImageReference", "VideoReference"]
 
@@ -161,7 +161,7 @@ class H3Pipeline:
         self.loras = LoraRegistry(max_cpu_loras, head_dim=self.config.attention_head_dim,
                                   check=lambda lora: check_targets(self._transformers()[0], lora),
                                   pin=self.device.type == "cuda")
-        self.lora_gpu_memory = parse_bytes(lora_gpu_memory)
+        self.lora_gpu_memory = lora_budget_bytes(lora_gpu_memory)
         self.merged_loras: dict[str, list[tuple[str, float]]] = {}  # partition -> adapters merged into it
 
     def _transformers(self) -> list:
@@ -271,6 +271,8 @@ class H3Pipeline:
         `merge=True` (a server with one fixed adapter) instead adds `scale` times the update into the dense weights
         for good, refused when bf16 rounding would lose more than half of it on any module (then apply it unmerged)
         and on FP8 / MXFP4 weights. Raises `RequestError` (field "loras", "alpha" or "merge")."""
+        if merge and (isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale)):
+            raise RequestError(f"LoRA merge scale must be a finite number (got {scale!r}).", "merge")
         name = self.loras.register(path, name, alpha)
         if merge:
             adapter = self.loras.adapter(name)
@@ -299,23 +301,8 @@ class H3Pipeline:
         """A request's adapters `[(Adapter, scale)]`, refused before any model work when their device copies would
         not fit the adapters' GPU budget."""
         adapters = self.loras.resolve(loras)
-        if not adapters:
-            return adapters
-        model = self._transformer_for(task)
-        need = lora_device_bytes(adapters, task, model.dtype.itemsize)
-        if self.lora_gpu_memory is not None:
-            budget, what = self.lora_gpu_memory, "lora_gpu_memory"
-        elif self.device.type == "cuda":
-            active = active_loras(model)
-            free = torch.cuda.mem_get_info(self.device)[0] + (active.nbytes if active is not None else 0)
-            budget, what = max(0, free - LORA_GPU_RESERVE), "free device memory less 2 GiB"
-        else:
-            return adapters
-        if need > budget:
-            names = ", ".join(adapter.name for adapter, _ in adapters)
-            raise RequestError(f"the {len(adapters)} LoRA adapters ({names}) need {need / 2**30:.2f} GiB on the "
-                               f"device, more than the {budget / 2**30:.2f} GiB they may use ({what}); use fewer.",
-                               "loras")
+        if adapters:
+            check_device_budget(adapters, task, self._transformer_for(task), self.device, self.lora_gpu_memory)
         return adapters
 
     # ------------------------------------------------------------------ stages
