@@ -5,6 +5,7 @@
     job = client.generate("<Picture 1> sings <Audio 1>", references=["singer.png", "voice.wav"], out="song.mp4")
 """
 
+import json
 import time
 from pathlib import Path
 
@@ -86,7 +87,9 @@ class H3Client:
             body.setdefault("task", "ref2va" if references else "fl2va")
             handles = [(name, (path.name, path.open("rb"))) for name, path in files]
             try:
-                response = self._http.post("/v1/videos", data={k: str(v) for k, v in body.items()}, files=handles)
+                # A list field (`loras`) travels as one JSON text part.
+                data = {k: json.dumps(v) if isinstance(v, (list, dict)) else str(v) for k, v in body.items()}
+                response = self._http.post("/v1/videos", data=data, files=handles)
             finally:
                 for _, (_, handle) in handles:
                     handle.close()

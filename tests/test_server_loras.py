@@ -140,3 +140,16 @@ def test_jobs_run_their_adapters_and_report_both_step_counts(setup):
         again = wait_for(http, remixed.json()["id"], timeout=300)
     assert again["status"] == "completed" and again["request"]["loras"] == first["loras"]
     assert again["request"]["forwards"] == 8
+
+
+def test_the_python_client_sends_loras_with_uploads(setup, tmp_path):
+    from h3gen.client import H3Client
+
+    server, root = setup
+    picture = tmp_path / "first.png"
+    Image.new("RGB", (64, 48), (10, 120, 40)).save(picture)
+    with H3Client(server.url, api_key=KEY) as client:
+        job = client.create("a keyframe", image=picture, num_inference_steps=2,
+                            loras=[{"name": "style", "scale": 0.3}])  # multipart: the list as a JSON text part
+        assert job["request"]["loras"] == [{"name": "style", "scale": 0.3}] and job["request"]["task"] == "fl2va"
+        client.cancel(job["id"])
