@@ -2,6 +2,7 @@
 
 Public API: `H3Pipeline` / `H3Output` (generation), `ImageReference` / `VideoReference` / `AudioReference` (ref2va
 references), `RunOptions` (how a model loads and runs), `H3Transformer`, `tiny_checkpoint` (the demo model),
+`read_lora` / `LoraFile` (what a LoRA file holds, see docs/lora.md),
 `RequestError`, `CheckpointError`. Heavy modules are imported lazily so `import h3gen` stays light.
 """
 
@@ -33,6 +34,8 @@ _LAZY = {
     "H3Transformer": "h3gen.pipelines.h3.transformer",
     "H3TransformerConfig": "h3gen.pipelines.h3.transformer",
     "tiny_checkpoint": "h3gen.pipelines.h3.tiny_checkpoint",
+    "read_lora": "h3gen.pipelines.h3.lora_formats",
+    "LoraFile": "h3gen.pipelines.h3.lora_formats",
 }
 
 __all__ = ["CheckpointError", "RequestError", "__version__", *_LAZY]

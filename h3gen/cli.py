@@ -49,6 +49,36 @@ def _cached_summary(output, tier: str) -> str:
     return f", {len(output.cached_steps)} of {output.num_forwards} forwards cached (steps {steps})"
 
 
+def _lora_argument(text: str) -> tuple[str, float]:
+    """`--lora PATH[:SCALE]` -> (path, scale); the scale defaults to 1.0."""
+    path, _, scale = text.rpartition(":")
+    if path:
+        try:
+            return path, float(scale)
+        except ValueError:
+            pass
+    return text, 1.0
+
+
+def _loras(args: argparse.Namespace, head_dim: int) -> tuple[list, list]:
+    """The `--lora` adapters as `loras=` takes them, and the few-step recipes they bring (read from their headers,
+    before any weights load)."""
+    from pathlib import Path
+
+    from h3gen.pipelines.h3.lora_formats import read_lora
+    from h3gen.pipelines.h3.recipes import recipe_for
+
+    loras, recipes = [], []
+    for path, scale in args.lora or []:
+        if not Path(path).is_file():
+            raise RequestError(f"--lora {path}: no such file.", "lora")
+        lora = read_lora(path, head_dim=head_dim)
+        recipe = recipe_for(Path(path).name, lora.metadata)
+        recipes += [recipe] if recipe else []
+        loras.append((path, scale))
+    return loras, recipes
+
+
 def _cmd_env(args: argparse.Namespace) -> int:
     from h3gen.envreport import environment_report
 
@@ -168,7 +198,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     options = _run_options(args, workflow=workflow)  # checked before anything loads
     cache = _step_cache(args, options.quality)
     call = dict(image=args.image, last_image=args.last_image, references=references, aspect_ratio=args.aspect,
-                seconds=args.seconds, num_inference_steps=args.steps, seed=args.seed, prompts=_prompts(args),
+                seconds=args.seconds, num_inference_steps=args.steps, forwards=args.forwards,
+                video_shift=args.video_shift, audio_shift=args.audio_shift, seed=args.seed, prompts=_prompts(args),
                 window_frames=args.window_frames, overlap_frames=args.overlap_frames)
 
     # Check the request against the checkpoint before loading any weights (or starting any process).
@@ -176,7 +207,9 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     checkpoint.require(workflow)
     config = read_transformer_config(checkpoint)
     max_seconds = check_max_seconds(args.max_seconds)
-    request = prepare_request(checkpoint, config, args.prompt, max_seconds=max_seconds, **call)
+    loras, recipes = _loras(args, config.attention_head_dim)
+    request = prepare_request(checkpoint, config, args.prompt, max_seconds=max_seconds, recipes=recipes, **call)
+    call["loras"] = loras or None
     if args.audio_rate not in (32000, 48000):
         raise RequestError(f"--audio-rate must be 32000 or 48000 (got {args.audio_rate}).", "audio_rate")
     if args.planner:
@@ -220,9 +253,9 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         pipe(args.prompt, decode=False, cache=cache, **call)
         return 0
     if request.continuation is not None:
-        return _generate_long(pipe, args, call, request.continuation.num_windows)
+        return _generate_long(pipe, args, call, request.continuation.num_windows, request.sampling.forwards)
     bar, callback = _progress_bar({"encode_text": 1, "encode_conditions": len(request.keyframes) +
-                                   len(request.references), "denoise": args.steps - 1, "decode_video": 1,
+                                   len(request.references), "denoise": request.sampling.forwards, "decode_video": 1,
                                    "decode_audio": 1, "write_mp4": 1})
     try:
         output = pipe(args.prompt, callback=callback, output_path=args.out, audio_sample_rate=args.audio_rate,
@@ -234,9 +267,13 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         raise RequestError(str(error)) from None
     finally:
         bar.close()
+    sampling = output.sampling
+    recipe = f", recipe {sampling['recipe']}" if sampling.get("recipe") else ""
     print(f"h3gen: wrote {args.out}: {info.num_frames} frames {info.width}x{info.height} at {info.fps:g} fps, "
-          f"stereo AAC {info.sample_rate} Hz, {info.video_seconds:.2f} s, seed {output.seed}"
-          f"{_cached_summary(output, options.quality)}", file=sys.stderr)
+          f"stereo AAC {info.sample_rate} Hz, {info.video_seconds:.2f} s, seed {output.seed}; "
+          f"{sampling['forwards']} transformer forwards ({sampling['num_inference_steps']} sigma points), shifts "
+          f"{sampling['video_shift']:g}/{sampling['audio_shift']:g}{recipe}{_cached_summary(output, options.quality)}",
+          file=sys.stderr)
     return 0
 
 
@@ -280,13 +317,13 @@ def _window_bar(windows: int, steps: int):
     return bar, callback
 
 
-def _generate_long(pipe, args: argparse.Namespace, call: dict, windows: int) -> int:
+def _generate_long(pipe, args: argparse.Namespace, call: dict, windows: int, forwards: int) -> int:
     """Rank 0 of a clip over 15 s: made window by window and streamed into `--out`."""
     import torch
 
     from h3gen.media import MediaError
 
-    bar, callback = _window_bar(windows, args.steps - 1)
+    bar, callback = _window_bar(windows, forwards)
     try:
         output = pipe(args.prompt, callback=callback, output_path=args.out, audio_sample_rate=args.audio_rate, **call)
     except torch.cuda.OutOfMemoryError:
@@ -331,7 +368,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     check_max_seconds(args.max_seconds)
     api_key = args.api_key or os.environ.get("H3GEN_API_KEY") or None
     dtype = getattr(torch, DTYPES[args.dtype]) if args.dtype else None
-    serving = {"options": _run_options(args, workflow=args.workflow), "max_seconds": args.max_seconds}
+    serving = {"options": _run_options(args, workflow=args.workflow), "max_seconds": args.max_seconds,
+               "lora_dir": args.lora_dir}
     if args.tp * args.ulysses > 1:
         from h3gen.parallel.launch import launched_by_torchrun, relaunch_with_torchrun, start_rank
         from h3gen.parallel.state import check_degrees
@@ -460,7 +498,19 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--prompt-per-window", dest="prompts", action="append", metavar="PROMPT",
                      help="a clip over 15 s: the prompt of the next window (repeat once per window, or give one "
                           "for all, or a JSON list); default: the prompt for every window")
-    gen.add_argument("--steps", type=int, default=50, help="sigma grid points, 2 to 1000 (default 50)")
+    gen.add_argument("--steps", type=int, default=None,
+                     help="sigma grid points as diffusers counts them (num_inference_steps), 2 to 1000: N points run "
+                          "N - 1 transformer forwards (default 50, or the recipe's of a few-step LoRA)")
+    gen.add_argument("--forwards", type=int, default=None,
+                     help="transformer forwards (SGLang's and vLLM-Omni's step count), 1 to 999, instead of --steps")
+    gen.add_argument("--video-shift", dest="video_shift", type=float, default=None,
+                     help="video schedule shift (default: the model's, 12, or the recipe's)")
+    gen.add_argument("--audio-shift", dest="audio_shift", type=float, default=None,
+                     help="audio schedule shift (default: the model's, 3, or the recipe's)")
+    gen.add_argument("--lora", action="append", type=_lora_argument, metavar="PATH[:SCALE]",
+                     help="apply a LoRA adapter (.safetensors, any MiniMax-H3 format) at SCALE (default 1.0); "
+                          "repeatable, adapters stack. A few-step adapter (LightX2V Turbo, FlashGen) brings its "
+                          "recipe: its forwards and shifts, unless --steps / --forwards say otherwise (refused)")
     gen.add_argument("--seed", type=int, default=None, help="noise seed (default: random, printed at the end)")
     gen.add_argument("--device", choices=("cuda", "cpu"), default=None, help="default: cuda if available")
     gen.add_argument("--dtype", choices=tuple(DTYPES), default=None, help="default: bf16 on cuda, fp32 on cpu")
@@ -508,6 +558,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--planner", default=None, metavar="SPEC",
                        help="enable plan: true jobs and POST /v1/prompts/plan with a K3 planner: tiny (random demo), a "
                             "K3 checkpoint folder, or an OpenAI-compatible base URL (default: off)")
+    serve.add_argument("--lora-dir", dest="lora_dir", default=None, metavar="DIR",
+                       help="serve the LoRA adapters (*.safetensors) of this folder: requests name them in `loras` "
+                            "(GET /v1/loras lists them); names never reach outside it (default: no adapters)")
     serve.add_argument("--model-name", dest="model_name", default="MiniMax-H3",
                        help="the model's id in OpenAI's API (`model` of /v1/videos, GET /v1/models)")
     serve.add_argument("--no-ui", dest="no_ui", action="store_true", help="do not mount the web UI at /ui "

@@ -87,8 +87,8 @@ class H3Client:
             body.setdefault("task", "ref2va" if references else "fl2va")
             handles = [(name, (path.name, path.open("rb"))) for name, path in files]
             try:
-                # Form fields are text; an object (`cache`) goes as its JSON.
-                data = {k: json.dumps(v) if isinstance(v, dict) else str(v) for k, v in body.items()}
+                # Form fields are text; an object (`cache`) or a list (`loras`, `prompts`) goes as its JSON.
+                data = {k: json.dumps(v) if isinstance(v, (list, dict)) else str(v) for k, v in body.items()}
                 response = self._http.post("/v1/videos", data=data, files=handles)
             finally:
                 for _, (_, handle) in handles:

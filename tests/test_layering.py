@@ -29,6 +29,7 @@ FLOORS = {
     "h3gen.quant": "quant",
     "h3gen.parallel": "parallel",
     "h3gen.linear": "linear",
+    "h3gen.lora": "lora",  # unmerged LoRA on any linear of h3gen.linear (model-agnostic)
     "h3gen.loading": "loading",
     "h3gen.media": "media",
     "h3gen.options": "options",  # the run options every face validates against
@@ -41,7 +42,7 @@ FLOORS = {
     "h3gen.ui": "ui",
 }
 ALL = frozenset(FLOORS.values())
-CORE = frozenset({"errors", "format", "spec", "quant", "parallel", "linear", "loading", "media", "options"})
+CORE = frozenset({"errors", "format", "spec", "quant", "parallel", "linear", "lora", "loading", "media", "options"})
 TOP = frozenset({"server", "cli", "ui", "api"})
 
 
@@ -63,12 +64,14 @@ RULES = (
     Rule(frozenset({"kernels"}), ALL - {"kernels", "format"},
          "kernels import no other h3gen package but the MXFP4 format (h3gen.quant.mxfp4_format)"),
     Rule(CORE, frozenset({"pipelines", "offload"}) | TOP,
-         "the core (errors, linear, loading, quant, parallel, media, options) imports neither pipelines, offload, server, cli, "
+         "the core (errors, linear, lora, loading, quant, parallel, media, options) imports neither pipelines, offload, server, cli, "
          "ui nor the package root"),
     Rule(frozenset({"quant"}), frozenset({"parallel", "linear", "loading"}),
          "quant sits below the tensor-parallel linears and the linear factory (h3gen.linear), which use it"),
     Rule(frozenset({"parallel"}), frozenset({"linear", "loading"}),
          "parallel sits below the linear factory (h3gen.linear), which builds its linears"),
+    Rule(frozenset({"quant", "parallel", "linear", "loading"}), frozenset({"lora"}),
+         "h3gen.lora sits above the linears it adapts (quant, parallel, linear)"),
     Rule(frozenset({"loading"}), frozenset({"quant", "parallel", "linear"}),
          "loading reads and places tensors; which layers a model has is decided by its loader in pipelines/"),
     Rule(frozenset({"pipelines", "offload"}), TOP,

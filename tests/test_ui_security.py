@@ -13,7 +13,7 @@ from h3gen.pipelines.h3.tiny_checkpoint import tiny_checkpoint
 
 KEY = "ui-security-key"
 INPUTS = ["prompt", "task", "image", "last_image", "references", "aspect", "seconds", "steps", "seed", "randomize",
-          "plan", "quality"]
+          "plan", "window_prompts", "window_frames", "overlap_frames", "quality", "loras"]
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +54,9 @@ def call(client: httpx.Client, endpoint: str, data: list) -> tuple[str, object]:
 
 def generate_inputs(**overrides) -> list:
     values = dict(prompt="a cat", task="t2va", image=None, last_image=None, references=None, aspect="auto",
-                  seconds=5, steps=2, seed=1, randomize=False, plan=False, quality="lossless")
+                  seconds=5, steps=2, seed=1, randomize=False, plan=False, window_prompts="", window_frames=None,
+                  overlap_frames=None, quality="lossless",
+                  loras={"headers": ["LoRA", "recipe", "scale"], "data": []})  # the picker, empty
     values.update(overrides)
     return [values[name] for name in INPUTS]
 

@@ -22,6 +22,7 @@ from h3gen.ui.uploads import stage_uploads
 
 ASPECTS = ["auto", "16:9", "9:16", "1:1", "4:3", "3:4", "21:9", "4:1", "1:4"]
 HISTORY_COLUMNS = ["job", "status", "prompt", "seconds", "seed"]
+LORA_COLUMNS = ["LoRA", "recipe", "scale"]
 HISTORY_WIDTHS = ["13%", "17%", "32%", "14%", "24%"]
 POLL_SECONDS = 0.25
 # Job videos are served by the UI's own route, relative to the page at /ui/, one URL per job id (see mount.py).
@@ -92,6 +93,35 @@ def quality_choices(engine) -> tuple[list[tuple[str, str]], str]:
     return [(f"{tier}: {QUALITY_HELP[tier]}", tier) for tier in options.servable_tiers()], options.quality
 
 
+def lora_rows(engine) -> list[list]:
+    """The picker's rows: every adapter of the server's LoRA folder (`--lora-dir`) with its recipe and scale 0
+    (not applied until a scale is set)."""
+    folder = getattr(engine, "lora_folder", None)
+    if folder is None:
+        return []
+    rows = []
+    for entry in folder.listing():
+        recipe = entry.get("recipe") or {}
+        what = f"{recipe['name']}: {recipe['forwards']} forwards" if recipe else ("unusable" if entry.get("error")
+                                                                                else "")
+        rows.append([entry["name"], what, 0.0])
+    return rows
+
+
+def chosen_loras(rows) -> list[dict]:
+    """The picker's rows with a scale other than 0, as the request's `loras`."""
+    chosen = []
+    for row in rows or []:
+        name, scale = row[0], row[-1]
+        try:
+            scale = float(scale)
+        except (TypeError, ValueError):
+            raise RequestError(f"the scale of LoRA {name} must be a number (got {scale!r}).", "loras") from None
+        if name and scale != 0:
+            chosen.append({"name": str(name), "scale": scale})
+    return chosen
+
+
 def _validation_message(error: ValidationError) -> str:
     first = error.errors(include_url=False)[0]
     field = ".".join(str(part) for part in first["loc"]) or "request"
@@ -113,16 +143,23 @@ class _Actions:
         self.upload_folder = Path(get_upload_folder())
 
     def generate(self, prompt, task, image, last_image, references, aspect, seconds, steps, seed, randomize, plan,
-                 window_prompts="", window_frames=None, overlap_frames=None, quality=None):
+                 window_prompts="", window_frames=None, overlap_frames=None, quality=None, loras=None):
         idle = (gr.update(),) * 5  # video, job, seed, history, planned prompt stay as they are
 
         def problem(message):
             return (_problem(message), progress_html(0, ""), *idle)
 
-        fields = dict(prompt=prompt or "", task=task, seconds=float(seconds), num_inference_steps=int(steps),
+        try:
+            chosen = chosen_loras(loras)
+        except RequestError as error:
+            yield problem(str(error))
+            return
+        # Steps 0 is "auto": 50 sigma points, or the recipe of a few-step adapter.
+        fields = dict(prompt=prompt or "", task=task, seconds=float(seconds),
+                      num_inference_steps=int(steps) if steps else None,
                       aspect_ratio=None if aspect in (None, "auto") else aspect,
                       seed=None if randomize or seed is None else int(seed), plan=bool(plan), quality=quality or None,
-                      **long_clip_fields(window_prompts, window_frames, overlap_frames))
+                      loras=chosen or None, **long_clip_fields(window_prompts, window_frames, overlap_frames))
         try:
             request = GenerationRequest.model_validate(fields)
         except ValidationError as error:
@@ -170,10 +207,13 @@ class _Actions:
                    _history(self.manager), planned_prompt)
             return
         total = sum(view["timings"].values())
+        done = view["request"]
+        applied = ", ".join(f"{lora['name']} x{lora['scale']:g}" for lora in done.get("loras") or [])
         cached = view.get("cached_steps")
         cached = "" if cached is None else f", {len(cached)} forwards cached"
-        yield (f"Job {job_id[:8]}: done in {total:.1f} s — {view['request']['width']}x{view['request']['height']}, "
-               f"{view['request']['num_frames']} frames, seed {seed_used}{cached}", progress_html(100, "done"),
+        yield (f"Job {job_id[:8]}: done in {total:.1f} s — {done['width']}x{done['height']}, "
+               f"{done['num_frames']} frames, seed {seed_used}, {done.get('forwards')} forwards{cached}"
+               + (f", LoRA {applied}" if applied else ""), progress_html(100, "done"),
                video_html(job_id), job_id, seed_used, _history(self.manager), planned_prompt)
 
     def cancel(self, job_id):
@@ -199,12 +239,14 @@ class _Actions:
 
 
 def build_ui(manager) -> gr.Blocks:
-    """The Blocks app: prompt, task, keyframes or references, aspect, seconds, seed (with randomize), steps, a
+    """The Blocks app: prompt, task, keyframes or references, aspect, seconds, seed (with randomize), steps, the
+    LoRA picker (the server's --lora-dir, a scale each), a
     progress bar fed by the job's progress, the result as a playable video with audio, and a history of results
     (what the buttons do: `_Actions`)."""
 
     has_planner = getattr(manager.engine, "planner", None) is not None
     max_seconds = getattr(manager.engine, "max_seconds", MAX_SECONDS)
+    has_loras = getattr(manager.engine, "lora_folder", None) is not None
     actions = _Actions(manager)
 
     with gr.Blocks(title="h3gen — MiniMax-H3", analytics_enabled=False, delete_cache=UPLOAD_CACHE) as demo:
@@ -239,11 +281,16 @@ def build_ui(manager) -> gr.Blocks:
                         overlap_frames = gr.Number(value=DEFAULT_OVERLAP_FRAMES, precision=0, elem_id="overlap-frames",
                                                    label="Overlap frames (17n+5, shorter than the window)")
                 with gr.Row():
-                    steps = gr.Slider(2, 100, value=50, step=1, label="Steps", elem_id="steps")
+                    steps = gr.Slider(0, 100, value=0, step=1, elem_id="steps",
+                                      label="Steps: N sigma points = N − 1 forwards (0: 50, or the LoRA recipe's)")
                     seed = gr.Number(value=0, precision=0, minimum=0, label="Seed", elem_id="seed")
                     randomize = gr.Checkbox(value=True, label="Random seed", elem_id="randomize")
                 qualities, default_quality = quality_choices(manager.engine)
                 quality = gr.Dropdown(qualities, value=default_quality, label="Quality", elem_id="quality")
+                loras = gr.Dataframe(value=lambda: lora_rows(manager.engine), headers=LORA_COLUMNS,
+                                     datatype=["str", "str", "number"], type="array", interactive=True,
+                                     static_columns=[0, 1], visible=has_loras, elem_id="loras",
+                                     label="LoRA adapters (--lora-dir): set a scale to apply one; 0 leaves it out")
                 plan = gr.Checkbox(value=False, visible=has_planner, elem_id="plan",
                                    label="Plan the prompt with K3 first (picture, motion, camera, sound, music, "
                                          "dialogue)")
@@ -261,7 +308,7 @@ def build_ui(manager) -> gr.Blocks:
                                        label="History (click a row to play it)", elem_id="history")
         run.click(actions.generate,
                   [prompt, task, image, last_image, references, aspect, seconds, steps, seed, randomize, plan,
-                   window_prompts, window_frames, overlap_frames, quality],
+                   window_prompts, window_frames, overlap_frames, quality, loras],
                   [status, progress, video, job_state, seed, history, planned], concurrency_limit=None,
                   show_progress="hidden")
         stop.click(actions.cancel, [job_state], [status, video, history], show_progress="hidden")

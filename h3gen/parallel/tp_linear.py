@@ -26,9 +26,13 @@ def _shape(full) -> list[int]:
 
 
 class _ShardLinear(nn.Module):
-    """The local product of a TP linear: bf16 `F.linear` over the shard, or FP8 after `quantize_fp8()`."""
+    """The local product of a TP linear: bf16 `F.linear` over the shard, or FP8 after `quantize_fp8()`.
+
+    `partial_hook`, when set, is called as `partial_hook(x, y_local)` on this rank's partial product before any
+    collective and returns the tensor to use instead (`h3gen.lora` adds its shard of an adapter's update there)."""
 
     fp8 = False
+    partial_hook = None
 
     def quantize_fp8(self) -> None:
         """Hold this rank's shard as e4m3 with a float32 scale per output feature (the `fast` tier); the local
@@ -83,6 +87,8 @@ class ColumnParallelLinear(_ShardLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self._local(x, self.bias)
+        if self.partial_hook is not None:
+            y = self.partial_hook(x, y)
         if self.gather_output and self.state.tp > 1:
             shards = [torch.empty_like(y) for _ in range(self.state.tp)]
             dist.all_gather(shards, y.contiguous(), group=self.state.tp_group)
@@ -113,6 +119,8 @@ class RowParallelLinear(_ShardLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self._local(x, None)  # the bias is added once, after the sum over ranks
+        if self.partial_hook is not None:
+            y = self.partial_hook(x, y)
         if self.state.tp > 1:
             dist.all_reduce(y, group=self.state.tp_group)
         return y + self.bias if self.bias is not None else y

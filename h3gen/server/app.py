@@ -1,8 +1,8 @@
 """The FastAPI app: authentication, error answers and middleware around the routes of `video_routes`
-(`/v1/videos`, `/v1/models`, OpenAI's video API) and `plan_routes` (`/v1/prompts/plan`), plus `/health`,
-`/metrics` and the API documentation (`h3gen.ui` mounts the Gradio UI at `/ui` on top). Every bad request is a
-4xx naming what was wrong; nothing a client sends reaches the engine unvalidated, and no failure of one job affects
-another."""
+(`/v1/videos`, `/v1/models`, OpenAI's video API), `plan_routes` (`/v1/prompts/plan`) and `lora_routes`
+(`/v1/loras`), plus `/health`, `/metrics` and the API documentation (`h3gen.ui` mounts the Gradio UI at `/ui` on
+top). Every bad request is a 4xx naming what was wrong; nothing a client sends reaches the engine unvalidated, and
+no failure of one job affects another."""
 
 import logging
 import re
@@ -24,6 +24,7 @@ from h3gen.errors import RequestError
 from h3gen.server import openai_video
 from h3gen.server.bodies import disk_full, field_error, insufficient_storage, invalid, public_text
 from h3gen.server.jobs import JobManager, QueueFull
+from h3gen.server.lora_routes import add_lora_routes
 from h3gen.server.middleware import LoginThrottle, SecurityHeaders, client_of
 from h3gen.server.plan_routes import add_plan_route
 from h3gen.server.schemas import Health
@@ -185,6 +186,7 @@ def create_app(manager: JobManager, *, api_key: str | None = None, max_upload_by
     server = ServerContext(manager, auth, max_upload_bytes, model_id, int(time.time()))
     add_video_routes(app, server)
     add_plan_route(app, server)
+    add_lora_routes(app, server)
 
     _add_service_routes(app, server, key_state, model_name)
     return app

@@ -110,11 +110,11 @@ def _load(engine) -> None:
 
 
 def follow(model_path, *, parallel, device, dtype, quality=None, offload=None, workflow=None, options=None,
-           max_seconds: float = DEFAULT_MAX_SECONDS) -> None:
-    """The loop of every rank but 0: load the same model (the same run options and length limit as rank 0's
-    engine: `options` or the `H3Engine` keywords), then run each broadcast job until told to stop."""
+           max_seconds: float = DEFAULT_MAX_SECONDS, lora_dir=None) -> None:
+    """The loop of every rank but 0: load the same model (the same run options, length limit and LoRA folder as
+    rank 0's engine: `options` or the `H3Engine` keywords), then run each broadcast job until told to stop."""
     engine = H3Engine(model_path, device=device, dtype=dtype, quality=quality, offload=offload, workflow=workflow,
-                      options=options, max_seconds=max_seconds)
+                      options=options, max_seconds=max_seconds, lora_dir=lora_dir)
     engine.parallel = parallel
     control = dist.new_group(list(range(dist.get_world_size())), timeout=CONTROL_TIMEOUT)
     agree = StepAgreement(None)
@@ -138,7 +138,7 @@ def follow(model_path, *, parallel, device, dtype, quality=None, offload=None, w
 
             try:
                 engine.pipeline(request["prompt"], callback=agreed, decode=False,
-                                **pipeline_arguments(request, images))
+                                **pipeline_arguments(request, images, engine.lora_folder))
             except (JobCancelled, RankFailure):
                 continue
             except Exception:  # this rank's own failure outside an agreement point: logged; rank 0 times out

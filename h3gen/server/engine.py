@@ -15,6 +15,7 @@ from h3gen.pipelines.h3.continuation import DEFAULT_MAX_SECONDS, check_max_secon
 from h3gen.pipelines.h3.geometry import SPATIAL_COMPRESSION, resolve_canvas
 from h3gen.pipelines.h3.references import AudioReference, ImageReference, VideoReference
 from h3gen.pipelines.h3.request import prepare_request, read_transformer_config
+from h3gen.server.lora_folder import LoraChoice, LoraFolder
 from h3gen.server.schemas import REFERENCE_FIELDS, GenerationRequest
 
 logger = logging.getLogger(__name__)
@@ -37,15 +38,23 @@ def references_of(uploads: dict[str, Path]) -> list:
     return [reference for _, reference in sorted(found, key=lambda item: item[0])]
 
 
-def pipeline_arguments(request: dict, uploads: dict[str, Path]) -> dict:
-    """The `H3Pipeline.__call__` keywords of a normalized request and its files (every rank builds the same)."""
+def pipeline_arguments(request: dict, uploads: dict[str, Path], lora_folder: LoraFolder | None = None) -> dict:
+    """The `H3Pipeline.__call__` keywords of a normalized request and its files (every rank builds the same). The
+    step count goes as sigma points; the normalized request holds it resolved (a recipe's included). Its adapters
+    are named in `lora_folder` (the server's --lora-dir)."""
     references = references_of(uploads)
+    loras = None
+    if request.get("loras"):
+        if lora_folder is None:
+            raise RequestError("this server serves no LoRA adapters (start it with --lora-dir DIR).", "loras")
+        loras = [(str(choice.path), choice.scale) for choice in lora_folder.resolve(request["loras"])]
     return dict(image=uploads.get("image"), last_image=uploads.get("last_image"),
                 references=references or None, height=request["height"], width=request["width"],
                 num_frames=request["num_frames"], num_inference_steps=request["num_inference_steps"],
+                video_shift=request.get("video_shift"), audio_shift=request.get("audio_shift"),
                 seed=request["seed"], quality=request.get("quality"), cache=request.get("cache"),
                 prompts=request.get("prompts"), window_frames=request.get("window_frames"),
-                overlap_frames=request.get("overlap_frames"))
+                overlap_frames=request.get("overlap_frames"), loras=loras)
 
 
 class H3Engine:
@@ -53,11 +62,12 @@ class H3Engine:
 
     def __init__(self, model_path, *, device: str | None = None, dtype: torch.dtype | None = None,
                  quality: str | None = None, offload: dict | None = None, workflow: str | None = None, planner=None,
-                 options: RunOptions | None = None, max_seconds: float = DEFAULT_MAX_SECONDS):
+                 options: RunOptions | None = None, max_seconds: float = DEFAULT_MAX_SECONDS, lora_dir=None):
         """How the model loads and runs is one `RunOptions`: `options`, or its fields as `quality`, `workflow`
         (default "auto") and the `offload` dict (`offload`, `gpu_memory`, `prefetch`, `quantization`); keywords
         given next to `options` replace its fields. `max_seconds` (15 to 300): the longest clip a job may ask
-        for; over 15 s it is made in windows."""
+        for; over 15 s it is made in windows. `lora_dir` is the folder of the adapters requests may name (None: no
+        adapters)."""
         if options is None and workflow is None:
             workflow = "auto"
         options = RunOptions.merged(options, quality=quality, workflow=workflow, **(offload or {}))
@@ -79,6 +89,7 @@ class H3Engine:
         self.pipeline = None
         self.planner = planner  # h3gen.pipelines.k3.planner backend for `plan: true` jobs and /v1/prompts/plan
         self.load_error: str | None = None
+        self.lora_folder = None if lora_dir is None else LoraFolder(lora_dir, head_dim=self.config.attention_head_dim)
 
     @property
     def offload(self) -> dict:
@@ -145,9 +156,12 @@ class H3Engine:
         if request.task == "ref2va" and not references:
             raise RequestError("task ref2va needs at least one reference upload: ref_image, ref_video or ref_audio "
                                "(multipart, repeatable, in order).", "references")
+        choices = self._lora_choices(request.loras)
         arguments = dict(image=keyframes.get("image"), last_image=keyframes.get("last_image"),
                          references=references or None, aspect_ratio=request.aspect_ratio, seconds=request.seconds,
-                         num_inference_steps=request.num_inference_steps, seed=request.seed, prompts=request.prompts,
+                         num_inference_steps=request.num_inference_steps, forwards=request.forwards,
+                         video_shift=request.video_shift, audio_shift=request.audio_shift, seed=request.seed,
+                         recipes=self.lora_folder.recipes(choices) if choices else [], prompts=request.prompts,
                          window_frames=request.window_frames, overlap_frames=request.overlap_frames,
                          max_seconds=self.max_seconds)
         if self.pipeline is not None:  # loaded: its GPU budget is known too
@@ -159,7 +173,17 @@ class H3Engine:
         return request.model_dump() | {
             "seed": prepared.seed, "height": shape.height, "width": shape.width, "num_frames": shape.num_frames,
             "duration": round(shape.seconds, 4), "fps": 24, "quality": quality,
-        } | windows | ({"references": [reference.kind for reference in references]} if references else {})
+            "loras": [{"name": choice.name, "scale": choice.scale} for choice in choices],
+        } | prepared.sampling.describe() | windows | (
+            {"references": [reference.kind for reference in references]} if references else {})
+
+    def _lora_choices(self, loras) -> list[LoraChoice]:
+        """A request's adapters resolved in the LoRA folder (4xx naming the first bad name)."""
+        if not loras:
+            return []
+        if self.lora_folder is None:
+            raise RequestError("this server serves no LoRA adapters; start it with --lora-dir DIR.", "loras")
+        return self.lora_folder.resolve(loras)
 
     def plan(self, request: dict, images: dict[str, Path]) -> str:
         """The planned prompt of a normalized `plan: true` request (its first keyframe goes along when the planner
@@ -177,5 +201,6 @@ class H3Engine:
         if self.pipeline is None:
             raise RuntimeError(f"the model is not loaded ({self.load_error or 'still loading'}).")
         output = self.pipeline(request["prompt"], callback=callback, output_path=out_path,
-                               audio_sample_rate=request["audio_sample_rate"], **pipeline_arguments(request, images))
+                               audio_sample_rate=request["audio_sample_rate"],
+                               **pipeline_arguments(request, images, self.lora_folder))
         return {"cached_steps": output.cached_steps} if uses_step_cache(request.get("quality")) else {}

@@ -20,6 +20,7 @@ REFERENCE_FIELDS = ("ref_image", "ref_video", "ref_audio")
 # The kind of content each upload field takes (what its bytes must decode as).
 UPLOAD_KINDS = {"image": "image", "last_image": "image", "input_reference": "image", "ref_image": "image",
                 "ref_video": "video", "ref_audio": "audio"}
+MAX_LORAS = 8  # adapters one request may stack
 ASPECT_RATIO = r"^[0-9]{1,4}(\.[0-9]{1,3})?:[0-9]{1,4}(\.[0-9]{1,3})?$"
 
 
@@ -70,7 +71,17 @@ class GenerationRequest(BaseModel):
         "OpenAI's input reference: the first keyframe (task fl2va). As JSON `{image_url: data:image/...;base64,...}` "
         "or as a multipart file part named input_reference; URLs are never fetched."))
     seed: int | None = Field(None, ge=0, le=2**63 - 1, description="Noise seed; random when omitted.")
-    num_inference_steps: int = Field(50, ge=2, le=1000, description="Sigma grid points (N - 1 transformer forwards).")
+    num_inference_steps: int | None = Field(None, ge=2, le=1000, description=(
+        "Sigma grid points, as diffusers counts them: N points run N - 1 transformer forwards. Default 50 (49 "
+        "forwards), or the few-step recipe's when an adapter brings one. Give this or `forwards`, not both."))
+    forwards: int | None = Field(None, ge=1, le=999, description=(
+        "Transformer forwards, as SGLang and vLLM-Omni count steps (forwards = num_inference_steps - 1). Give this "
+        "or `num_inference_steps`, not both."))
+    video_shift: float | None = Field(None, gt=0, le=100, description=(
+        "The video schedule's shift for this job (default: the model's, 12 for the released checkpoint, or the "
+        "recipe's)."))
+    audio_shift: float | None = Field(None, gt=0, le=100, description=(
+        "The audio schedule's shift for this job (default: the model's, 3, or the recipe's)."))
     audio_sample_rate: Literal[32000, 48000] = Field(32000, description="AAC sample rate of the MP4.")
     quality: Literal[QUALITY_TIERS] | None = Field(
         None, description=f"{describe(QUALITY_HELP)}. The server's tier if omitted; fast and fast+high only on a "
@@ -78,9 +89,25 @@ class GenerationRequest(BaseModel):
     cache: CacheKnobs | None = Field(None, description=(
         "quality high / fast+high only: the step cache's knobs, an object (a JSON text in a multipart form) with any "
         "of threshold, warmup, max_consecutive; the job's cached_steps lists the forwards it skipped."))
+    loras: "list[LoraRequest] | None" = Field(None, max_length=MAX_LORAS, description=(
+        f"Adapters from the server's --lora-dir (GET /v1/loras lists them), stacked, at most {MAX_LORAS}: "
+        "`[{\"name\": \"style\", \"scale\": 0.7}]` (scale default 1.0); in a multipart body the same list as a "
+        "JSON string. A few-step adapter (LightX2V Turbo, FlashGen) brings its recipe's forwards and shifts."))
     plan: bool = Field(False, description=(
         "First rewrite the prompt with the server's K3 planner (subjects, motion, camera, sound, music, dialogue); "
         "the job's `planned_prompt` shows what the clip was made from. Needs a server started with --planner."))
+
+    @field_validator("loras", mode="before")
+    @classmethod
+    def _loras_from_text(cls, value):
+        # A multipart form carries the list as one JSON text field.
+        if isinstance(value, str):
+            try:
+                return json.loads(value)
+            except json.JSONDecodeError:
+                raise PydanticCustomError("value_error", 'loras must be a JSON list such as [{"name": "style", '
+                                          '"scale": 0.7}]') from None
+        return value
 
     @field_validator("aspect_ratio")
     @classmethod
@@ -130,6 +157,38 @@ class GenerationRequest(BaseModel):
             if not text.strip() or len(text) > MAX_PROMPT_CHARS:
                 raise ValueError(f"prompts must be non-empty strings of at most {MAX_PROMPT_CHARS} characters")
         return value
+
+
+class LoraRequest(BaseModel):
+    """One adapter of a request: its name in the server's LoRA folder and its scale."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(min_length=1, max_length=200, description="The adapter's file name in --lora-dir, with or "
+                                                                "without .safetensors (GET /v1/loras lists them).")
+    scale: float = Field(1.0, ge=-10.0, le=10.0, allow_inf_nan=False, description="Its scale (default 1.0).")
+
+
+class LoraInfo(BaseModel):
+    """One adapter of `GET /v1/loras`."""
+
+    name: str
+    size: int = Field(description="File size in bytes.")
+    format: str | None = None
+    rank: int | list[int] | None = None
+    alpha: float | None = Field(None, description="The uniform network alpha, or None where alpha = rank or the "
+                                                  "modules' own .alpha tensors apply.")
+    alpha_source: str | None = None
+    partition: list[str] | None = Field(None, description="transformer (t2va, fl2va) and / or transformer_ref "
+                                                          "(ref2va).")
+    recipe: dict | None = Field(None, description="The few-step recipe it brings (forwards, num_inference_steps, "
+                                                  "shifts, tasks, base_schedule), or None.")
+    error: str | None = Field(None, description="Why the file cannot be used, when it cannot.")
+
+
+class LoraList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[LoraInfo]
 
 
 class InputReference(BaseModel):
@@ -252,6 +311,7 @@ def request_body_schema() -> dict:
     multipart["additionalProperties"] = False
     for name in IMAGE_FIELDS:
         multipart["properties"][name] = {"type": "string", "format": "binary", "description": f"fl2va {name} file"}
+    multipart["properties"]["loras"] = {"type": "string", "description": "the `loras` list as a JSON string"}
     multipart["properties"]["input_reference"] = {"type": "string", "format": "binary",
                                                   "description": "OpenAI's input reference: the fl2va first frame"}
     for name in REFERENCE_FIELDS:

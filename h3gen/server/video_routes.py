@@ -112,8 +112,10 @@ def add_video_routes(app: FastAPI, server) -> None:
         and a new prompt; `remixed_from_video_id` names the source."""
         job_or_404(job_id)
         source = manager.store.get(job_id)
+        # The normalized request holds both step counts resolved; num_inference_steps alone carries them over.
         settings = {name: value for name, value in source["request"].items()
-                    if name in GenerationRequest.model_fields and name not in ("prompt", "plan", "input_reference")}
+                    if name in GenerationRequest.model_fields
+                    and name not in ("prompt", "plan", "input_reference", "forwards")}
         if settings.get("size"):  # the normalized request holds the aspect ratio the size was mapped to
             settings.pop("aspect_ratio", None)
         staging = manager.staging_dir()

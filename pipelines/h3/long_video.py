@@ -97,7 +97,7 @@ class _Timings:
 
 
 def run_continuation(pipe, request: H3Request, *, report, tier: str, decode: bool, output_path,
-                     audio_sample_rate: int | None = None):
+                     audio_sample_rate: int | None = None, adapters: list | None = None):
     """Make a continuation request with `pipe` (an `H3Pipeline`): returns `(MediaInfo of the written MP4 or None,
     timings)`. With `decode` the clip is streamed to `output_path`; without it (the other ranks of a parallel run)
     nothing is decoded or written."""
@@ -138,7 +138,8 @@ def run_continuation(pipe, request: H3Request, *, report, tier: str, decode: boo
                 audio_rows = _with_guide(audio_rows, 2 * sub.shape.num_audio_latents, guide_audio)
             timings.lap("encode_conditions")
             layout = window_layout(sub, window, text, blocks, cfg.patch_size)
-            video, audio, _, _ = pipe._denoise(sub, text, video_rows, audio_rows, report, tier, blocks, layout=layout)
+            video, audio, _, _ = pipe._denoise(sub, text, video_rows, audio_rows, report, tier, blocks, layout=layout,
+                                              adapters=adapters)
             timings.lap("denoise")
             if window.index + 1 < total:
                 following = windows[window.index + 1]

@@ -13,6 +13,7 @@ there, which is how a job is cancelled within a fraction of a second in any stag
 """
 
 import logging
+import math
 import time
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -33,13 +34,16 @@ from h3gen.pipelines.h3 import geometry
 from h3gen.pipelines.h3.checkpoint import REQUIRED, H3Checkpoint, resolve_workflow
 from h3gen.pipelines.h3.continuation import DEFAULT_MAX_SECONDS
 from h3gen.pipelines.h3.long_video import largest_window, run_continuation
+from h3gen.pipelines.h3.lora_registry import (DEFAULT_MAX_CPU_LORAS, LoraRegistry, activate, check_device_budget,
+                                              check_targets, lora_budget_bytes, merge_into)
 from h3gen.pipelines.h3.packing import (ReferenceBlock, build_layout, build_ref2va_layout, patchify_video,
                                         row_timesteps, unpatchify_video)
 from h3gen.pipelines.h3.progress import checkpoints as _checkpoints
+from h3gen.pipelines.h3.recipes import recipe_for
 from h3gen.pipelines.h3.references import AudioReference, ImageReference, VideoReference
 from h3gen.pipelines.h3.request import (KEYFRAME_NOISE_AUG, H3Request, check_activation_budget, prepare_request,
                                         read_transformer_config)
-from h3gen.pipelines.h3.schedules import AUDIO_SHIFT, VIDEO_SHIFT, FlowSchedule, noise_to, read_shift
+from h3gen.pipelines.h3.schedules import AUDIO_SHIFT, VIDEO_SHIFT, noise_to, read_shift
 from h3gen.pipelines.h3.step_cache import StepCacheConfig, step_cache
 from h3gen.pipelines.h3.text_encoder import H3TextEncoder, TextConditioning
 from h3gen.pipelines.h3.tiers import set_quality
@@ -86,12 +90,26 @@ class H3Output:
     windows: int = 1  # how many windows the clip was made of (over 15 s: more than one)
     cached_steps: list[int] = field(default_factory=list)  # forwards (0-based) the step cache skipped (quality high)
     num_forwards: int = 0  # transformer forwards of the request (num_inference_steps - 1)
+    loras: list[tuple[str, float]] = field(default_factory=list)  # adapters applied (name, scale), merged ones first
+    # How it was sampled: num_inference_steps (sigma points), forwards (transformer forwards), video_shift,
+    # audio_shift, recipe (the few-step recipe followed, or None); see `recipes.Sampling.describe`.
+    sampling: dict = field(default_factory=dict)
 
     @property
     def computed_steps(self) -> list[int]:
         """Forwards that ran every block."""
         cached = set(self.cached_steps)
         return [step for step in range(self.num_forwards) if step not in cached]
+
+    @property
+    def forwards(self) -> int | None:
+        """Transformer forwards the clip took."""
+        return self.sampling.get("forwards")
+
+    @property
+    def num_inference_steps(self) -> int | None:
+        """Sigma grid points, diffusers' count (forwards + 1)."""
+        return self.sampling.get("num_inference_steps")
 
     def save(self, path, audio_sample_rate: int | None = None, progress: Callable[[int, int], None] | None = None):
         """Write an MP4 (H.264 + AAC stereo at `audio_sample_rate`, default 32000) and verify it decodes back.
@@ -162,7 +180,8 @@ class H3Pipeline:
     def __init__(self, transformer, text_encoder, vae, audio_vae, *, checkpoint: H3Checkpoint, device,
                  video_shift: float = VIDEO_SHIFT, audio_shift: float = AUDIO_SHIFT, workflow: str | None = None,
                  quality: str | None = None, offload: str | None = None, transformer_ref=None, planner=None,
-                 options: RunOptions | None = None):
+                 options: RunOptions | None = None, max_cpu_loras: int = DEFAULT_MAX_CPU_LORAS,
+                 lora_gpu_memory=None):
         if transformer is None and transformer_ref is None:
             raise ValueError("H3Pipeline needs a transformer, a transformer_ref, or both.")
         self.options = RunOptions.merged(options, workflow=workflow, quality=quality, offload=offload)
@@ -186,6 +205,13 @@ class H3Pipeline:
             set_quality(model, self.quality, attention=self.options.attention_for(self.quality))
         if base_tier(self.quality) == "fast" and vae is not None:
             to_fp8_decoder(vae)
+        # Adapters (`load_lora`, `loras=`): a host LRU of `max_cpu_loras`; `lora_gpu_memory` caps what a request's
+        # adapters may take on the device (default: what the device has free, less a margin).
+        self.loras = LoraRegistry(max_cpu_loras, head_dim=self.config.attention_head_dim,
+                                  check=lambda lora: check_targets(self._transformers()[0], lora),
+                                  pin=self.device.type == "cuda")
+        self.lora_gpu_memory = lora_budget_bytes(lora_gpu_memory)
+        self.merged_loras: dict[str, list[tuple[str, float]]] = {}  # partition -> adapters merged into it
 
     def _transformers(self) -> list:
         return [model for model in (self.transformer, self.transformer_ref) if model is not None]
@@ -210,7 +236,8 @@ class H3Pipeline:
                         workflow: str | None = None, quality: str | None = None, parallel=None,
                         offload: str | None = None, gpu_memory=None, prefetch: int | None = None,
                         quantization: str | None = None, planner=None, attention: str | None = None,
-                        options: RunOptions | None = None) -> "H3Pipeline":
+                        options: RunOptions | None = None, max_cpu_loras: int = DEFAULT_MAX_CPU_LORAS,
+                        lora_gpu_memory=None) -> "H3Pipeline":
         """Load every component of a local checkpoint folder in diffusers' layout.
 
         How it loads and runs is one `RunOptions` (`h3gen.options`): pass `options`, or its fields as keywords
@@ -234,6 +261,8 @@ class H3Pipeline:
         tensor at a time while loading (a checkpoint saved that way loads as such). `attention` names an attention
         backend for the lossless and fast tiers (checked against the device before loading). `planner` (a
         `LocalPlanner` or `RemotePlanner` from `h3gen.pipelines.k3.planner`) serves calls with `plan=True`.
+        `max_cpu_loras` adapters stay converted in host memory (see `load_lora`); `lora_gpu_memory` ("4GiB") caps
+        the device memory a request's adapters may take.
         """
         options = RunOptions.merged(options, workflow=workflow, quality=quality, offload=offload,
                                     gpu_memory=gpu_memory, prefetch=prefetch, quantization=quantization,
@@ -270,20 +299,73 @@ class H3Pipeline:
             video_shift=read_shift(checkpoint.folder("scheduler"), VIDEO_SHIFT),
             audio_shift=read_shift(checkpoint.folder("audio_scheduler"), AUDIO_SHIFT),
             transformer_ref=loaded.get("transformer_ref"), planner=planner, options=options,
+            max_cpu_loras=max_cpu_loras, lora_gpu_memory=lora_gpu_memory,
         )
 
     def validate(self, prompt, *, step_cache: bool = False, **kwargs) -> H3Request:
-        """Check a request against this pipeline's checkpoint (see `prepare_request`) and, under layer-wise
-        offload, its activations (with `step_cache`, the step cache's too) against the GPU budget (a clip over
-        15 s: its largest window's), before any model work."""
+        """Check a request against this pipeline's checkpoint (see `prepare_request`; shifts left unset are this
+        pipeline's) and, under layer-wise offload, its activations (with `step_cache`, the step cache's too)
+        against the GPU budget (a clip over 15 s: its largest window's), before any model work."""
         kwargs.setdefault("max_seconds", self.max_seconds)
-        request = prepare_request(self.checkpoint, self.config, prompt, **kwargs)
+        request = prepare_request(self.checkpoint, self.config, prompt,
+                                  default_shifts=(self.video_shift, self.audio_shift), **kwargs)
         budget = getattr(self._transformer_for(request.task), "activation_budget_bytes", None)
         if budget is not None:
             sized = request if request.continuation is None else largest_window(request)
             check_activation_budget(sized, len(self.text_encoder.tokenize(sized.prompt)), self.config, budget,
                                     step_cache=step_cache)
         return request
+
+    # ------------------------------------------------------------------ adapters
+
+    def load_lora(self, path, name: str | None = None, alpha: float | None = None, *, merge: bool = False,
+                  scale: float = 1.0) -> str:
+        """Register the LoRA file at `path` (a `.safetensors` file in any format `lora_formats` reads) under `name`
+        (default: the file's stem) and return the name, which requests then give in `loras=`. The file is checked
+        against the transformer (every key converted, every shape fitting) and held converted in host memory while
+        it is among the `max_cpu_loras` most recently used. `alpha` replaces the file's alpha as a uniform network
+        alpha (each module scaled by alpha / its rank).
+
+        `merge=True` (a server with one fixed adapter) instead adds `scale` times the update into the dense weights
+        for good, refused when bf16 rounding would lose more than half of it on any module (then apply it unmerged)
+        and on FP8 / MXFP4 weights. Raises `RequestError` (field "loras", "alpha" or "merge")."""
+        if merge and (isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale)):
+            raise RequestError(f"LoRA merge scale must be a finite number (got {scale!r}).", "merge")
+        name = self.loras.register(path, name, alpha)
+        if merge:
+            adapter = self.loras.adapter(name)
+            for partition, factors in adapter.factors.items():
+                model = self.transformer_ref if partition == "transformer_ref" else (
+                    self.transformer if self.transformer is not None else self.transformer_ref)
+                if model is None:
+                    raise RequestError(f"LoRA {name} holds {partition} layers, which this pipeline did not load.",
+                                       "merge")
+                merge_into(model, name, factors, scale)
+                self.merged_loras.setdefault(self._partition_of(model), []).append((name, float(scale)))
+        return name
+
+    def _recipes(self, loras, references) -> list:
+        """The few-step recipes (`recipes.Recipe`) of a call's adapters and of those merged into the partition it
+        runs on, which its step count, shifts and task must agree with."""
+        partition = "transformer_ref" if references is not None else "transformer"
+        files = [adapter.file for adapter, _ in self.loras.resolve(loras)]
+        files += [self.loras.adapter(name).file for name, _ in self.merged_loras.get(partition, [])]
+        return [recipe for recipe in (recipe_for(lora.path.name, lora.metadata) for lora in files) if recipe]
+
+    def _partition_of(self, model) -> str:
+        return "transformer_ref" if model is self.transformer_ref else "transformer"
+
+    def _applied_loras(self, model, adapters) -> list[tuple[str, float]]:
+        """`(name, scale)` of the adapters a call ran with: those merged into `model` first, then its own."""
+        return self.merged_loras.get(self._partition_of(model), []) + [(a.name, scale) for a, scale in adapters]
+
+    def _request_loras(self, loras, task: str) -> list:
+        """A request's adapters `[(Adapter, scale)]`, refused before any model work when their device copies would
+        not fit the adapters' GPU budget."""
+        adapters = self.loras.resolve(loras)
+        if adapters:
+            check_device_budget(adapters, task, self._transformer_for(task), self.device, self.lora_gpu_memory)
+        return adapters
 
     # ------------------------------------------------------------------ stages
 
@@ -366,15 +448,17 @@ class H3Pipeline:
 
     @torch.no_grad()
     def _denoise(self, request: H3Request, text, video_rows, audio_rows, report: ProgressCallback, tier: str,
-                 blocks: list[ReferenceBlock] | None = None, cache: StepCacheConfig | None = None, layout=None):
+                 blocks: list[ReferenceBlock] | None = None, cache: StepCacheConfig | None = None, layout=None,
+                 adapters: list | None = None):
         """The loop: one transformer forward per step; video and audio rows step their own schedules; conditioning
         rows (keyframes, references) are never written. With `cache`, the first-block step cache decides per
-        forward whether blocks 1..N-1 run. `layout`: a window's own (`long_video.window_layout`). Returns (video
-        latents, audio latents, cached forward indices, number of forwards)."""
+        forward whether blocks 1..N-1 run. `layout`: a window's own (`long_video.window_layout`). `adapters`
+        (`[(Adapter, scale)]`) are applied unmerged. Returns (video latents, audio latents, cached forward indices,
+        number of forwards)."""
         shape = request.shape
         transformer = self._transformer_for(request.task)
-        video_schedule = FlowSchedule.make(request.num_inference_steps, self.video_shift)
-        audio_schedule = FlowSchedule.make(request.num_inference_steps, self.audio_shift)
+        activate(transformer, adapters or [], request.task, self.device)
+        video_schedule, audio_schedule = request.sampling.schedules()
         total = len(video_schedule)
         report("denoise", 0, total)
         if layout is None and request.task == "ref2va":
@@ -545,13 +629,15 @@ class H3Pipeline:
     def __call__(self, prompt: str, *, image=None, last_image=None, references: list | None = None,
                  aspect_ratio: str | None = None,
                  seconds: float | None = None, num_frames: int | None = None, height: int | None = None,
-                 width: int | None = None, num_inference_steps: int = 50, seed: int | None = None,
+                 width: int | None = None, num_inference_steps: int | None = None, forwards: int | None = None,
+                 video_shift: float | None = None, audio_shift: float | None = None, seed: int | None = None,
                  generator: torch.Generator | None = None, latents: torch.Tensor | None = None,
                  audio_latents: torch.Tensor | None = None, callback: ProgressCallback | None = None,
                  quality: str | None = None, decode: bool = True, plan: bool = False,
                  plan_max_tokens: int | None = None, prompts: list[str] | None = None,
                  window_frames: int | None = None, overlap_frames: int | None = None, output_path=None,
-                 audio_sample_rate: int | None = None, cache: dict | StepCacheConfig | None = None) -> H3Output:
+                 audio_sample_rate: int | None = None, cache: dict | StepCacheConfig | None = None,
+                 loras: list | None = None) -> H3Output:
         """Generate a clip.
 
         Args:
@@ -568,7 +654,12 @@ class H3Pipeline:
                 default, at most 300): the clip is made in overlapping windows (`continuation.py`) and streamed to
                 `output_path`; the returned `H3Output` then holds `path` and `media`, not the frames.
             height, width: explicit canvas in pixels, multiples of 32 (both or neither).
-            num_inference_steps: sigma grid points as in diffusers (N points = N - 1 transformer forwards).
+            num_inference_steps: sigma grid points as in diffusers (N points = N - 1 transformer forwards), 2 to
+                1000; default 50, or the recipe's when an adapter brings one.
+            forwards: transformer forwards (SGLang's and vLLM-Omni's count), 1 to 999, instead of
+                `num_inference_steps` (give one or neither).
+            video_shift, audio_shift: this call's schedule shifts (default: the pipeline's, 12 and 3 for the
+                released checkpoint, or the recipe's).
             seed / generator: noise source; a seed makes a fresh CPU generator. Neither: a random seed.
             latents `(1, 24, F_lat, H/16, W/16)`, audio_latents `(2, 32, A)`: initial noise instead of drawing it.
             callback: `callback(stage, step, total)` when each stage starts (`step` 0), before each unit of work
@@ -590,21 +681,31 @@ class H3Pipeline:
             prompts: a clip over 15 s: one prompt per window (or one for all) instead of `prompt`.
             window_frames, overlap_frames: a clip over 15 s: window and overlap lengths on the 17n+5 frame grid
                 (default 277 and 22; window 107 to 345, overlap shorter than the window).
+            loras: adapters for this call, stacked: `[name_or_path, (name_or_path, scale), ...]` (scale default
+                1.0); names come from `load_lora`, a path not loaded yet is loaded under its stem. Applied unmerged;
+                the next call with another set switches without reloading anything. ref2va applies them to
+                `transformer_ref`. Returned as `loras` with the merged ones (`load_lora(merge=True)`) first. A
+                few-step adapter (LightX2V Turbo, FlashGen; `recipes.py`) brings its recipe: without a step count
+                the call runs the recipe's forwards and shifts, and one that contradicts it raises `RequestError`
+                naming the recipe.
         Returns:
             `H3Output`.
         """
         report = callback or (lambda stage, step, total: None)
         fields = dict(image=image, last_image=last_image, references=references, aspect_ratio=aspect_ratio,
                       seconds=seconds, num_frames=num_frames, height=height, width=width,
-                      num_inference_steps=num_inference_steps, seed=seed, generator=generator, latents=latents,
+                      num_inference_steps=num_inference_steps, forwards=forwards, video_shift=video_shift,
+                      audio_shift=audio_shift, seed=seed, generator=generator, latents=latents,
                       audio_latents=audio_latents, prompts=prompts, window_frames=window_frames,
                       overlap_frames=overlap_frames)
         planned = self._planned_prompt(prompt, fields, plan_max_tokens, report) if plan else None
         if references is not None:
             self._transformer_for("ref2va")  # before decoding any media
         cache_config = self._cache_config(self.options.request_quality(quality), cache)
-        request = self.validate(planned or prompt, step_cache=cache_config is not None, **fields)
-        self._transformer_for(request.task)
+        request = self.validate(planned or prompt, step_cache=cache_config is not None,
+                                recipes=self._recipes(loras, references), **fields)
+        model = self._transformer_for(request.task)
+        adapters = self._request_loras(loras, request.task)
         tier = self._tier(quality)
         timings = {}
         started = time.perf_counter()
@@ -620,22 +721,25 @@ class H3Pipeline:
                 raise RequestError("quality high (the step cache) is not available for clips over 15 s: each window "
                                    "is denoised on its own; use lossless or fast for them.", "quality")
             info, timings = run_continuation(self, request, report=report, tier=tier, decode=decode,
-                                             output_path=output_path, audio_sample_rate=audio_sample_rate)
+                                             output_path=output_path, audio_sample_rate=audio_sample_rate,
+                                             adapters=adapters)
             return H3Output(video=None, audio=None, fps=geometry.FPS,
                             sample_rate=int(self.audio_vae.config.sampling_rate), seed=request.seed, timings=timings,
                             planned_prompt=planned, path=None if info is None else str(output_path), media=info,
-                            windows=request.continuation.num_windows)
+                            windows=request.continuation.num_windows, sampling=request.sampling.describe(),
+                            loras=self._applied_loras(model, adapters))
         text = self._encode_text(request, report)
         lap("encode_text")
         noise = self.draw_noise(request)
         video_rows, audio_rows, blocks = self._initial_rows(request, noise, report)
         lap("encode_conditions")
         video_latents, audio_latents, cached_steps, forwards = self._denoise(
-            request, text, video_rows, audio_rows, report, tier, blocks, cache_config)
+            request, text, video_rows, audio_rows, report, tier, blocks, cache_config, adapters=adapters)
         lap("denoise")
         video, audio, media = self._decode(video_latents, audio_latents, decode, report, lap, tier, output_path,
                                            audio_sample_rate)
         return H3Output(video=video, audio=audio, fps=geometry.FPS,
                         sample_rate=int(self.audio_vae.config.sampling_rate), seed=request.seed, timings=timings,
                         planned_prompt=planned, path=str(output_path) if media is not None else None, media=media,
-                        cached_steps=cached_steps, num_forwards=forwards)
+                        cached_steps=cached_steps, num_forwards=forwards, sampling=request.sampling.describe(),
+                        loras=self._applied_loras(model, adapters))

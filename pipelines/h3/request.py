@@ -17,14 +17,15 @@ from h3gen.pipelines.h3 import geometry
 from h3gen.pipelines.h3.checkpoint import H3Checkpoint
 from h3gen.pipelines.h3.continuation import (DEFAULT_MAX_SECONDS, ContinuationPlan, check_windows, clip_geometry,
                                              long_frames, plan_windows, window_prompts)
+from h3gen.pipelines.h3.recipes import Recipe, Sampling, resolve_sampling
 from h3gen.pipelines.h3.references import PreparedReference, as_references, prepare_references, sound_seconds
+from h3gen.pipelines.h3.schedules import AUDIO_SHIFT, VIDEO_SHIFT, read_shift
 from h3gen.pipelines.h3.tasks import place_keyframes
 from h3gen.pipelines.h3.transformer import H3TransformerConfig
 
 DEFAULT_SECONDS = 5.0
 KEYFRAME_NOISE_AUG = 0.999  # conditioning rows are held just short of clean
 MAX_SEED = 2**63 - 1
-MAX_STEPS = 1000
 
 
 @dataclass
@@ -35,7 +36,7 @@ class H3Request:
     keyframes: list  # RGB PIL images already on the canvas, in packed order
     anchors: tuple[str, ...]  # "first" / "last" per keyframe
     shape: geometry.Geometry
-    num_inference_steps: int
+    sampling: Sampling  # forwards, shifts and grid (a recipe's when an adapter brings one)
     generator: torch.Generator
     seed: int | None  # None when the caller brought its own generator
     latents: torch.Tensor | None
@@ -46,6 +47,11 @@ class H3Request:
     @property
     def task(self) -> str:
         return "ref2va" if self.references else "fl2va" if self.keyframes else "t2va"
+
+    @property
+    def num_inference_steps(self) -> int:
+        """Sigma grid points, diffusers' count (`sampling.forwards` + 1)."""
+        return self.sampling.num_inference_steps
 
 
 def _check_int(value, name: str, low: int, high: int, what: str) -> None:
@@ -66,7 +72,12 @@ def prepare_request(
     num_frames=None,
     height=None,
     width=None,
-    num_inference_steps=50,
+    num_inference_steps=None,
+    forwards=None,
+    video_shift=None,
+    audio_shift=None,
+    recipes: list[Recipe] = (),
+    default_shifts: tuple[float, float] | None = None,
     seed=None,
     generator=None,
     latents=None,
@@ -84,10 +95,18 @@ def prepare_request(
     A request longer than 15 s (up to `max_seconds`) becomes a continuation (`pipelines/h3/continuation.py`): its
     `shape` is the whole clip's and `continuation` holds its windows (`window_frames` / `overlap_frames`, on the
     17n+5 grid) and one prompt per window (`prompts`, or `prompt` for all). A request of 15 s or less is a plain one
-    whatever the window options say (they are still checked); `prompts` may then hold its one prompt."""
+    whatever the window options say (they are still checked); `prompts` may then hold its one prompt.
+
+    Steps: `num_inference_steps` counts sigma grid points as diffusers does (N points, N - 1 transformer forwards),
+    `forwards` counts transformer forwards; give one or neither (50 points, or the recipe's). `recipes` are the
+    few-step recipes of the request's adapters, which the step count, the shifts and the task must agree with.
+    Shifts left None take the recipe's, else `default_shifts` (default: the checkpoint's scheduler configs)."""
     if not isinstance(prompt, str) or not prompt.strip():
         raise RequestError("prompt must be a non-empty string.", "prompt")
-    _check_int(num_inference_steps, "num_inference_steps", 2, MAX_STEPS, str(MAX_STEPS))
+    task = "ref2va" if references is not None else "fl2va" if image is not None or last_image is not None else "t2va"
+    sampling = resolve_sampling(task, num_inference_steps=num_inference_steps, forwards=forwards,
+                                video_shift=video_shift, audio_shift=audio_shift, recipes=recipes,
+                                default_shifts=default_shifts or checkpoint_shifts(checkpoint))
     if seed is not None:
         _check_int(seed, "seed", 0, MAX_SEED, "2**63-1")
         if generator is not None:
@@ -161,8 +180,18 @@ def prepare_request(
     if generator is None:
         seed = secrets.randbelow(2**31) if seed is None else seed
         generator = torch.Generator().manual_seed(seed)
-    return H3Request(prompt, keyframes, tuple(anchors), shape, num_inference_steps, generator, seed, latents,
+    return H3Request(prompt, keyframes, tuple(anchors), shape, sampling, generator, seed, latents,
                      audio_latents, prepared, continuation)
+
+
+def checkpoint_shifts(checkpoint: H3Checkpoint) -> tuple[float, float]:
+    """(video, audio) shifts of the checkpoint's `scheduler/` and `audio_scheduler/` configs (12 and 3 when a
+    folder or its config is missing)."""
+    shifts = []
+    for name, default in (("scheduler", VIDEO_SHIFT), ("audio_scheduler", AUDIO_SHIFT)):
+        folder = checkpoint.components.get(name)
+        shifts.append(default if folder is None else read_shift(folder, default))
+    return shifts[0], shifts[1]
 
 
 def read_transformer_config(checkpoint: H3Checkpoint) -> H3TransformerConfig:

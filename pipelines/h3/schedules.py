@@ -3,9 +3,14 @@
 
 Convention: t = 1 - sigma, t = 1 is clean; the model predicts a data-ward velocity, x0 = x_t + sigma * v. Same
 arithmetic as diffusers' `MiniMaxH3Scheduler`, so the trajectories are identical.
+
+Two step counts meet here. diffusers' `num_inference_steps=N` counts sigma grid points, the terminal 0 included, so
+N points drive N - 1 transformer forwards (`make`); SGLang and vLLM-Omni count forwards (`from_forwards`).
+Distilled few-step adapters pin their own base positions instead of a uniform grid (`from_base`).
 """
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,6 +38,29 @@ class FlowSchedule:
         sigmas = torch.unique_consecutive(shift * base / (1 + (shift - 1) * base))
         return cls(sigmas=sigmas, timesteps=1.0 - sigmas[:-1])
 
+    @classmethod
+    def from_forwards(cls, forwards: int, shift: float) -> "FlowSchedule":
+        """A uniform grid of `forwards` transformer forwards: `make(forwards + 1, shift)`, the grid SGLang and
+        vLLM-Omni build for `num_inference_steps=forwards`."""
+        if forwards < 1:
+            raise ValueError(f"forwards must be at least 1 (got {forwards}).")
+        return cls.make(int(forwards) + 1, shift)
+
+    @classmethod
+    def from_base(cls, base_sigmas, shift: float) -> "FlowSchedule":
+        """Explicit base positions (before the shift, e.g. a distilled adapter's `base_schedule` `[1.0, 0.7, 0.4,
+        0.15, 0.0]`) pushed through the same shift as `make`: len(base) points, len(base) - 1 forwards. The base
+        must start at 1, end at 0 and decrease strictly; the shifted grid is what diffusers'
+        `set_timesteps(sigmas=...)` takes verbatim."""
+        base = torch.as_tensor(list(base_sigmas), dtype=torch.float32).flatten()
+        check_base_schedule(base.tolist())
+        if not shift > 0:
+            raise ValueError(f"shift must be positive (got {shift}).")
+        sigmas = shift * base / (1 + (shift - 1) * base)
+        if not bool((sigmas[1:] < sigmas[:-1]).all()):
+            raise ValueError(f"base schedule {base.tolist()} collapses under shift {shift:g} in float32.")
+        return cls(sigmas=sigmas, timesteps=1.0 - sigmas[:-1])
+
     def __len__(self) -> int:
         return self.timesteps.numel()
 
@@ -46,6 +74,15 @@ class FlowSchedule:
         sigma_next = self.sigmas[index + 1].to(device=sample.device, dtype=dtype)
         ratio = sigma_next / sigma
         return (ratio * sample.to(dtype) + (1.0 - ratio) * denoised.to(dtype)).to(sample.dtype)
+
+
+def check_base_schedule(base: list[float]) -> None:
+    """Raise `ValueError` unless `base` holds at least two finite positions from 1.0 down to 0.0, strictly
+    decreasing."""
+    if len(base) < 2 or any(not math.isfinite(value) for value in base):
+        raise ValueError(f"a base schedule needs at least two finite positions (got {base}).")
+    if base[0] != 1.0 or base[-1] != 0.0 or any(a <= b for a, b in zip(base, base[1:])):
+        raise ValueError(f"a base schedule must run from 1.0 down to 0.0, strictly decreasing (got {base}).")
 
 
 def noise_to(sample: torch.Tensor, t: float, noise: torch.Tensor) -> torch.Tensor:

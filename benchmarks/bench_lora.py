@@ -1,0 +1,262 @@
+"""Unmerged LoRA cost on a MiniMax-H3 denoising step at released dims: rank-128 adapters on every block's attention
+and FFN (LightX2V Turbo's shape: to_q, to_k, to_v, to_out.0, ff.net.0.proj, ff.net.2, and the two token-refiner
+blocks), written as a Turbo-format file and loaded through `LoraRegistry` as a request would.
+
+Per row count (37,838 = a 5 s 768x1344 t2va sequence; 8,192), on random weights:
+  - our step without and with the adapter, lossless and fast tiers;
+  - diffusers' `MiniMaxH3Transformer3DModel` without and with the same file loaded by its own H3 LoRA loader (PEFT);
+  - the 50-block step estimated, as in bench_h3_step.py, as (0-block step) + 50 x per-block time;
+  - switching the adapter set between requests (two registered adapters, host LRU -> device), and the first use of
+    a file (read and convert);
+  - the adapters' device memory and the step's peak memory with and without them.
+`--tiny` runs the same on the CPU at tiny dims (wall-clock timing) to check the script end to end.
+
+    python benchmarks/bench_lora.py --layers 4 --rows 37838 8192
+    python benchmarks/bench_lora.py --tiny
+"""
+
+import argparse
+import copy
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_h3_step import cast_with_islands, inputs  # noqa: E402
+from common import print_table, rel_l2, time_cuda  # noqa: E402
+from safetensors.torch import save_file  # noqa: E402
+
+from h3gen.pipelines.h3.lora_registry import LoraRegistry, activate, check_targets, deactivate  # noqa: E402
+from h3gen.pipelines.h3.tiers import set_quality  # noqa: E402
+from h3gen.pipelines.h3.transformer import H3Transformer, H3TransformerConfig  # noqa: E402
+
+TURBO_MODULES = ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "ff.net.0.proj", "ff.net.2")
+TINY = dict(num_attention_heads=2, attention_head_dim=32, hidden_size=64, num_refiner_layers=2, ffn_dim=128,
+            text_dim=64, freq_dim=32, time_embed_hidden_dim=64, time_embed_dim=32, rope_freq_dim=4)
+
+
+def timer(device):
+    """`fn -> median ms`: CUDA events on a GPU, wall clock elsewhere."""
+    if device.type == "cuda":
+        return lambda fn, repeat: time_cuda(fn, warmup=2, repeat=repeat)
+
+    def wall(fn, repeat):
+        fn()
+        times = []
+        for _ in range(repeat):
+            start = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - start) * 1000)
+        return statistics.median(times)
+    return wall
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def write_turbo_file(path: Path, model: H3Transformer, rank: int, seed: int) -> None:
+    """A LightX2V-Turbo-shaped peft dump (`<module>.lora_A.default.weight`) for `model`'s blocks, bf16."""
+    generator = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for name, module in model.named_modules():
+        if name.endswith(TURBO_MODULES) and name.startswith(("transformer_blocks.", "token_refiner.")):
+            # Distilled-adapter magnitudes: far below the weights (which are ~N(0, 0.02) here).
+            down = torch.randn(rank, module.in_features, generator=generator) / module.in_features**0.5
+            up = torch.randn(module.out_features, rank, generator=generator) * 1e-2
+            tensors[f"{name}.lora_A.default.weight"] = down.bfloat16()
+            tensors[f"{name}.lora_B.default.weight"] = up.bfloat16()
+    save_file(tensors, str(path), metadata={"alpha": str(rank)})
+
+
+def small_weights_(model, seed: int = 0):
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                continue
+            param.copy_((torch.randn(param.shape, generator=generator) * 0.02).to(param.dtype))
+
+
+def peak_bytes(fn, device) -> int | None:
+    if device.type != "cuda":
+        return None
+    torch.cuda.reset_peak_memory_stats(device)
+    fn()
+    return torch.cuda.max_memory_allocated(device)
+
+
+def build(config: H3TransformerConfig, device, dtype):
+    from diffusers import MiniMaxH3Transformer3DModel  # heavy optional dependency
+
+    reference = MiniMaxH3Transformer3DModel(**{k: v for k, v in config.to_dict().items() if not k.startswith("_")})
+    small_weights_(reference)
+    reference = cast_with_islands(reference, dtype).to(device).eval()
+    ours = cast_with_islands(H3Transformer(config), dtype).to(device).eval()
+    ours.load_state_dict(reference.state_dict())
+    return reference, ours
+
+
+def diffusers_with_lora(reference, path: Path):
+    from diffusers.loaders.lora_pipeline import MiniMaxH3LoraLoaderMixin  # heavy optional dependency
+
+    class Holder(MiniMaxH3LoraLoaderMixin):
+        hf_device_map = None
+
+        @property
+        def components(self):
+            return {"transformer": self.transformer}
+
+    holder = Holder()
+    holder.transformer, holder.transformer_ref = reference, None
+    holder.load_lora_weights(str(path), adapter_name="turbo")
+    return reference
+
+
+def measure(layers: int, rows: int, args, device, dtype, folder: Path) -> dict:
+    """Step times (ms) of every variant for one model size and row count, plus switch times and memory."""
+    base_config = dict(TINY) if args.tiny else {}
+    config = H3TransformerConfig(num_layers=layers, **base_config)
+    reference, ours = build(config, device, dtype)
+    files = [folder / f"turbo_{layers}_{i}.safetensors" for i in range(2)]
+    for seed, path in enumerate(files):
+        write_turbo_file(path, ours, args.rank, seed)
+    registry = LoraRegistry(4, head_dim=config.attention_head_dim, check=lambda lora: check_targets(ours, lora),
+                            pin=device.type == "cuda")
+    start = time.perf_counter()
+    names = [registry.register(path) for path in files]
+    first_use_s = (time.perf_counter() - start) / len(files)
+    adapters = [[(registry.adapter(name), 1.0)] for name in names]
+    kwargs = inputs(rows, config, device) if not args.tiny else tiny_inputs(rows, config, device)
+    time_ms = timer(device)
+    out = {"first use s": first_use_s}
+    with torch.no_grad():
+        out["diffusers"] = time_ms(lambda: reference(**kwargs, return_dict=False), args.repeat)
+        expected_plain = reference(**kwargs, return_dict=False)[0]
+        tables = {}
+
+        def ours_step(tier):
+            if tier not in tables:
+                tables[tier] = ours.precompute_adaln([kwargs["timestep"]])
+            return ours(**kwargs, return_dict=False, adaln_tables=tables[tier], step=0)
+
+        set_quality(ours, "lossless")
+        out["lossless"] = time_ms(lambda: ours_step("lossless"), args.repeat)
+        got_plain = ours_step("lossless")[0]
+        out["peak lossless"] = peak_bytes(lambda: ours_step("lossless"), device)
+        activate(ours, adapters[0], "t2va", device)
+        tables.clear()
+        out["lossless+lora"] = time_ms(lambda: ours_step("lossless"), args.repeat)
+        out["peak lossless+lora"] = peak_bytes(lambda: ours_step("lossless"), device)
+        got_lora = ours_step("lossless")[0]
+        out["adapter bytes"] = ours.active_loras.nbytes
+        # Switching between two registered adapters, as consecutive requests with different sets do.
+        switches = []
+        for i in range(4):
+            sync(device)
+            start = time.perf_counter()
+            activate(ours, adapters[(i + 1) % 2], "t2va", device)
+            sync(device)
+            switches.append(time.perf_counter() - start)
+        out["switch s"] = statistics.median(switches)
+        deactivate(ours)
+        fast = copy.deepcopy(ours)
+        set_quality(fast, "fast")
+        fast_tables = fast.precompute_adaln([kwargs["timestep"]])
+        fast_step = lambda: fast(**kwargs, return_dict=False, adaln_tables=fast_tables, step=0)  # noqa: E731
+        out["fast"] = time_ms(fast_step, args.repeat)
+        activate(fast, adapters[0], "t2va", device)
+        fast_tables = fast.precompute_adaln([kwargs["timestep"]])
+        out["fast+lora"] = time_ms(fast_step, args.repeat)
+        del fast, fast_tables
+        diffusers_with_lora(reference, files[0])
+        out["diffusers+peft"] = time_ms(lambda: reference(**kwargs, return_dict=False), args.repeat)
+        expected_lora = reference(**kwargs, return_dict=False)[0]
+    out["relL2 lossless+lora vs diffusers+peft"] = rel_l2(got_lora, expected_lora)
+    out["relL2 adapter change"] = rel_l2(expected_lora, expected_plain)
+    out["relL2 of the change, ours vs diffusers"] = rel_l2(got_lora - got_plain, expected_lora - expected_plain)
+    del reference, ours
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return out
+
+
+def tiny_inputs(rows: int, config: H3TransformerConfig, device):
+    """A small t2va layout for `--tiny` (any `rows` above the text and audio rows)."""
+    from h3gen.pipelines.h3.packing import build_layout, row_timesteps
+
+    frames = max(1, (rows - 16 - 2 * 7) // 16)
+    layout = build_layout(16, frames, 8, 8, 7)
+    timestep, indices = row_timesteps(layout, 0.37, 0.61, 0.999)
+    g = torch.Generator().manual_seed(0)
+    return dict(
+        hidden_states=torch.randn(1, layout.video_indices.numel(), config.video_patch_dim, generator=g).to(device),
+        audio_hidden_states=torch.randn(1, layout.audio_indices.numel(), config.audio_in_channels,
+                                        generator=g).to(device),
+        encoder_hidden_states=torch.randn(1, 16, config.text_dim, generator=g).to(device),
+        timestep=timestep.to(device), timestep_indices=indices.to(device), token_tags=layout.token_tags.to(device),
+        position_ids=layout.position_ids.to(device), video_indices=layout.video_indices.to(device),
+        audio_indices=layout.audio_indices.to(device), text_indices=layout.text_indices.to(device))
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--layers", type=int, default=4, help="full-size blocks measured (the step is extrapolated "
+                                                               "to 50)")
+    parser.add_argument("--rows", type=int, nargs="+", default=[37838, 8192])
+    parser.add_argument("--rank", type=int, default=128)
+    parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--tiny", action="store_true", help="tiny dims on the CPU (checks the script runs)")
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    if args.tiny:
+        print("--tiny: tiny dims on the CPU; the timings below only show the script runs end to end.")
+        device, dtype = torch.device("cpu"), torch.float32
+        args.layers, args.rank, args.repeat = 2, 8, 2
+        args.rows = [r for r in args.rows if r <= 600] or [300]
+    else:
+        device, dtype = torch.device("cuda"), torch.bfloat16
+    variants = ("diffusers", "diffusers+peft", "lossless", "lossless+lora", "fast", "fast+lora")
+    table, raw = [], []
+    with tempfile.TemporaryDirectory() as folder:
+        for rows in args.rows:
+            empty = measure(0, rows, args, device, dtype, Path(folder))
+            full = measure(args.layers, rows, args, device, dtype, Path(folder))
+            raw.append({"rows": rows, "layers": args.layers, "0 layers": empty, "measured": full})
+            step50 = {v: empty[v] + 50 * (full[v] - empty[v]) / args.layers for v in variants}
+            per_block_bytes = (full["adapter bytes"] - empty["adapter bytes"]) / args.layers
+            for v in variants:
+                plain = v.removesuffix("+lora").removesuffix("+peft")
+                table.append({
+                    "rows": rows, "variant": v, f"{args.layers}-block ms": f"{full[v]:.2f}",
+                    "50-block step s": f"{step50[v] / 1000:.3f}",
+                    "vs no LoRA": f"{step50[v] / step50[plain]:.3f}" if v != plain else "",
+                })
+            print(f"rows {rows}: LoRA overhead on the 50-block step: lossless "
+                  f"{100 * (step50['lossless+lora'] / step50['lossless'] - 1):+.1f} % (goal <= 4 %), fast "
+                  f"{100 * (step50['fast+lora'] / step50['fast'] - 1):+.1f} % (goal <= 6 %), diffusers PEFT "
+                  f"{100 * (step50['diffusers+peft'] / step50['diffusers'] - 1):+.1f} %; lossless+lora is "
+                  f"{step50['diffusers+peft'] / step50['lossless+lora']:.2f}x diffusers+peft")
+            print(f"rows {rows}: switching adapter sets {full['switch s'] * 1000:.0f} ms for {args.layers} blocks "
+                  f"(50 blocks: ~{(empty['switch s'] + 50 * (full['switch s'] - empty['switch s']) / args.layers):.2f}"
+                  f" s, goal <= 0.5 s); first use of a file {full['first use s']:.2f} s; adapter on the device "
+                  f"{(empty['adapter bytes'] + 50 * per_block_bytes) / 2**30:.2f} GiB for 50 blocks; relL2 vs "
+                  f"diffusers+peft {full['relL2 lossless+lora vs diffusers+peft']:.2e} (the adapter moves the output "
+                  f"by {full['relL2 adapter change']:.2e}; that change in ours vs in diffusers: relL2 "
+                  f"{full['relL2 of the change, ours vs diffusers']:.2e})")
+            if full["peak lossless"] is not None:
+                print(f"rows {rows}: peak memory of the {args.layers}-block step {full['peak lossless'] / 2**30:.2f}"
+                      f" GiB without the adapter, {full['peak lossless+lora'] / 2**30:.2f} GiB with it")
+    if args.out:
+        args.out.write_text(json.dumps(raw, indent=2, default=str))
+    print_table(table, ["rows", "variant", f"{args.layers}-block ms", "50-block step s", "vs no LoRA"])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,242 @@
+"""Unmerged LoRA on the linears of `h3gen.linear`, and merging into dense weights.
+
+An adapter's update of one linear is `delta W = scale * B A` (`A` `(rank, in)`, `B` `(out, rank)`). Applied
+unmerged, the layer computes `y = base(x) + (x A^T) (scale B)^T` for every active adapter. Linears that read the
+same input tensor (an attention's q, k and v) form a `LoraGroup`: one GEMM projects the input onto all of their
+stacked `A`s (an `A` they share, as a fused-QKV file's, once), then each member adds its own `x A^T` slice times its
+stacked `scale * B`s in one `addmm_` (the add fused into the GEMM). The group's tensors are plain attributes, never parameters or buffers: a layer-wise offload
+that streams a block's weights leaves them where they are (on the GPU, for the whole request).
+
+How the update reaches each kind of base:
+  - dense `nn.Linear`, `Fp8Linear`, `MXFP4Linear`: a forward hook adds it to the layer's output (an FP8 layer's
+    input may be e4m3 `Fp8Rows` from a fused kernel: the A projection reads those rows widened, A unquantized);
+  - tensor-parallel shards: the layer's `partial_hook` adds this rank's share before any collective. A
+    column-parallel shard keeps `A` whole and its rows of `B` (per logical split, as its weight); a row-parallel
+    shard keeps its input columns of `A` and `B` whole, so the partial sums add up over the all-reduce.
+"""
+
+from dataclasses import dataclass, field
+from functools import partial
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from h3gen.kernels.fp8_quant import Fp8Rows
+from h3gen.parallel.tp_linear import ColumnParallelLinear, RowParallelLinear
+
+# SGLang's rule for merging: an adapter stays unmerged when merging would round away more than this share of its
+# update (by norm), as distilled adapters below one bf16 ulp of the weights do.
+AUTO_MERGE_MAX_ROUNDING_LOSS = 0.5
+
+
+@dataclass
+class LoraFactors:
+    """One adapter's update of one linear, `delta W = scale * up @ down`: `down` (A) `(rank, in_features)`, `up` (B)
+    `(out_features, rank)`, full size (not cut to a tensor-parallel shard), any float dtype, any device."""
+
+    down: torch.Tensor
+    up: torch.Tensor
+    scale: float
+
+
+def compute_dtype(layer: nn.Module) -> torch.dtype:
+    """The dtype a linear's output comes in: its `compute_dtype` (FP8 / MXFP4 layers) or its weight's dtype."""
+    dtype = getattr(layer, "compute_dtype", None)
+    return dtype if dtype is not None else layer.weight.dtype
+
+
+def _tensor_parallel(layer: nn.Module) -> bool:
+    return isinstance(layer, (ColumnParallelLinear, RowParallelLinear)) and layer.state.tp > 1
+
+
+def shard_factors(layer: nn.Module, down: torch.Tensor, up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(down, up)` cut to what this rank of a tensor-parallel `layer` applies: a column-parallel layer's rows of
+    `up` (its chunk of every logical split, as `load_shard` cuts its weight), a row-parallel layer's input columns of
+    `down`; unchanged for any other layer."""
+    if not _tensor_parallel(layer):
+        return down, up
+    if isinstance(layer, ColumnParallelLinear):
+        return down, layer.load_shard("weight", up)
+    step = layer.in_features // layer.state.tp
+    return down[:, layer.state.tp_rank * step : (layer.state.tp_rank + 1) * step], up
+
+
+def _on(tensor: torch.Tensor, device) -> torch.Tensor:
+    """`tensor` on `device` in float32, copied in its own (narrower) dtype and widened there."""
+    return tensor.to(device, non_blocking=True).float()
+
+
+@dataclass
+class _Member:
+    layer: nn.Module
+    # (column in the group's projected input, column in `up`, width) of each contiguous run of this member's A's
+    segments: list[tuple[int, int, int]]
+    up: torch.Tensor  # (out_local, sum of ranks): its adapters' scale * B side by side, in the layer's compute dtype
+    handle: object = None
+
+
+@dataclass
+class LoraGroup:
+    """Active adapters on linears that share one input (see the module docstring). Build with `LoraGroup.build`,
+    then `attach()`; `detach()` restores the plain layers."""
+
+    down: torch.Tensor  # (rows, in_local): every distinct A of the members, stacked, in the compute dtype
+    members: list[_Member]
+    _input: object = None
+    _hidden: torch.Tensor | None = None
+    _left: int = 0
+    attached: bool = field(default=False)
+
+    @classmethod
+    def build(cls, members: list[tuple[nn.Module, list[LoraFactors]]], device) -> "LoraGroup":
+        """A group over `members` (each a linear and the adapters on it, in stacking order), its tensors on `device`
+        in each layer's compute dtype. Every member must read an input of the same width and dtype. An A given to
+        several members as the same tensor (a fused QKV file's shared A) is projected once."""
+        downs, built, rows, placed = [], [], 0, {}
+        dtype = None
+        for layer, factors in members:
+            layer_dtype = compute_dtype(layer)
+            if dtype is not None and layer_dtype != dtype:
+                raise ValueError(f"LoRA group members compute in {dtype} and {layer_dtype}; group only layers "
+                                 "that read the same input.")
+            dtype = layer_dtype
+            segments, ups, column = [], [], 0
+            for f in factors:
+                down, up = shard_factors(layer, f.down, f.up)
+                if id(f.down) not in placed:  # the members of one group are cut alike, so one A stays one A
+                    placed[id(f.down)] = rows
+                    downs.append(_on(down, device))
+                    rows += down.shape[0]
+                offset, rank = placed[id(f.down)], down.shape[0]
+                if segments and segments[-1][0] + segments[-1][2] == offset:
+                    start, up_start, width = segments[-1]
+                    segments[-1] = (start, up_start, width + rank)
+                else:
+                    segments.append((offset, column, rank))
+                ups.append(_on(up, device) * f.scale)
+                column += rank
+            built.append(_Member(layer, segments, torch.cat(ups, dim=1).to(dtype).contiguous()))
+        widths = {d.shape[1] for d in downs}
+        if len(widths) != 1:
+            raise ValueError(f"LoRA group members read inputs of widths {sorted(widths)}; they must share one input.")
+        return cls(torch.cat(downs).to(dtype).contiguous(), built)
+
+    @property
+    def nbytes(self) -> int:
+        tensors = [self.down] + [m.up for m in self.members]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    # ------------------------------------------------------------------ forward
+
+    def _project(self, x) -> torch.Tensor:
+        """The input's rows `(M, sum of ranks)` times every member's A."""
+        if isinstance(x, Fp8Rows):
+            # e4m3 rows with one scale each: the values widen exactly to the compute dtype and the row scales apply
+            # to the narrow product (s * v) A^T = s * (v A^T); A keeps its precision.
+            rows = x.values.reshape(-1, x.values.shape[-1]).to(self.down.dtype)
+            return (F.linear(rows, self.down).float() * x.scale).to(self.down.dtype)
+        hidden = F.linear(x if x.dtype == self.down.dtype else x.to(self.down.dtype), self.down)
+        return hidden.reshape(-1, hidden.shape[-1])
+
+    def _hidden_for(self, x) -> torch.Tensor:
+        # The first member called with a new input projects it for all; the last one to use it drops the reference.
+        if self._input is not x:
+            self._input, self._hidden, self._left = x, self._project(x), len(self.members)
+        hidden = self._hidden
+        self._left -= 1
+        if self._left <= 0:
+            self._input = self._hidden = None
+        return hidden
+
+    def apply(self, member: _Member, x, y: torch.Tensor) -> torch.Tensor:
+        """`y` (the layer's output, or a TP rank's partial product) plus this member's update of input `x`."""
+        hidden = self._hidden_for(x)
+        in_place = y.dtype == member.up.dtype and y.is_contiguous()
+        rows = y.view(-1, y.shape[-1]) if in_place else None
+        for start, up_start, width in member.segments:
+            part, up = hidden[:, start : start + width], member.up[:, up_start : up_start + width]
+            if in_place:
+                rows.addmm_(part, up.t())  # the add rides in the GEMM's epilogue
+            else:
+                y = y + (part @ up.t()).to(y.dtype).view(y.shape)
+        return y
+
+    # ------------------------------------------------------------------ hooks
+
+    def attach(self) -> "LoraGroup":
+        """Hook every member layer (a layer holds at most one group at a time)."""
+        for member in self.members:
+            layer = member.layer
+            if getattr(layer, "lora_group", None) is not None:
+                raise ValueError(f"a {type(layer).__name__} already carries a LoRA group; detach it first.")
+            layer.lora_group = self
+            if _tensor_parallel(layer):
+                layer.partial_hook = partial(self.apply, member)
+            else:
+                # Ahead of other forward hooks: the update belongs to the layer's own output (Ulysses gathers the
+                # rows of the output heads in a hook of its own).
+                member.handle = layer.register_forward_hook(
+                    lambda module, args, out, member=member: self.apply(member, args[0], out), prepend=True)
+        self.attached = True
+        return self
+
+    def detach(self) -> None:
+        for member in self.members:
+            if member.handle is not None:
+                member.handle.remove()
+                member.handle = None
+            if _tensor_parallel(member.layer):
+                member.layer.partial_hook = None
+            member.layer.lora_group = None
+        self._input = self._hidden = None
+        self.attached = False
+
+
+def attach_group(members: list[tuple[nn.Module, list[LoraFactors]]], device) -> LoraGroup:
+    """`LoraGroup.build(members, device).attach()`."""
+    return LoraGroup.build(members, device).attach()
+
+
+def detach_all(groups: list[LoraGroup]) -> None:
+    for group in groups:
+        group.detach()
+
+
+# ---------------------------------------------------------------------- merging
+
+
+def _dense_weight(layer: nn.Module) -> torch.Tensor:
+    weight = getattr(layer, "weight", None)
+    if (not isinstance(weight, torch.Tensor) or not weight.is_floating_point() or weight.dtype.itemsize < 2
+            or getattr(layer, "fp8", False) or hasattr(layer, "weight_packed")):
+        raise ValueError(f"cannot merge a LoRA into a {type(layer).__name__} (its weights are not dense floats); "
+                         "apply it unmerged.")
+    return weight
+
+
+def merge_delta(layer: nn.Module, factors: list[LoraFactors]) -> torch.Tensor:
+    """The float32 update `sum scale * B A` of this rank's part of `layer`'s weight, on the weight's device."""
+    weight = _dense_weight(layer)
+    delta = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+    for f in factors:
+        down, up = shard_factors(layer, f.down, f.up)
+        delta.addmm_(up.to(weight.device, torch.float32), down.to(weight.device, torch.float32), alpha=f.scale)
+    return delta
+
+
+def rounding_loss(weight: torch.Tensor, delta: torch.Tensor) -> float:
+    """Share of `delta` (by norm) that adding it to `weight` in the weight's own dtype would lose to rounding:
+    `|round(W + delta) - W - delta| / |delta|` (0 for a float32 weight and a representable update, 1 when the sum
+    rounds back to W everywhere)."""
+    base = weight.detach().float()
+    kept = (base + delta).to(weight.dtype).float() - base
+    norm = delta.norm()
+    return float((kept - delta).norm() / norm) if norm > 0 else 0.0
+
+
+def merge_factors(layer: nn.Module, delta: torch.Tensor) -> None:
+    """Add a `merge_delta` result into `layer`'s weight in place (rounded to the weight's dtype)."""
+    weight = _dense_weight(layer)
+    with torch.no_grad():
+        weight.copy_((weight.float() + delta).to(weight.dtype))

@@ -1,0 +1,468 @@
+"""LoRA: every file format against diffusers' own loader (float32, CPU), stacked adapters, ref2va routing, the
+FP8 / MXFP4 bases, merging, bad files, and per-request switching in the pipeline."""
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+from diffusers import MiniMaxH3Transformer3DModel
+from h3_tiny import TINY_CONFIGS, max_rel_err, random_inputs, randomize_
+from lora_files import (TURBO_MODULES, diffusers_holder, diffusers_shapes, native_shapes, random_factors,
+                        write_diffusers, write_native)
+
+from h3gen.errors import RequestError
+from h3gen.kernels.fp8_quant import quantize_rows
+from h3gen.lora import LoraFactors, LoraGroup
+from h3gen.pipelines.h3.lora_formats import read_lora
+from h3gen.pipelines.h3.lora_registry import (LoraRegistry, activate, check_targets, deactivate, lora_budget_bytes,
+                                              merge_into)
+from h3gen.pipelines.h3.tiers import set_quality
+from h3gen.pipelines.h3.transformer import H3Transformer, H3TransformerConfig
+from h3gen.quant.fp8 import Fp8Linear
+from h3gen.quant.mxfp4 import MXFP4Linear
+
+TOLERANCE = 1e-4
+CONFIG = TINY_CONFIGS[0]
+# One 128-wide head: diffusers de-interleaves a DiffSynth QKV by a hard-coded head size of 128.
+HEAD128 = dict(num_attention_heads=1, attention_head_dim=128, hidden_size=48, num_layers=2, num_refiner_layers=1,
+               ffn_dim=80, text_dim=40, freq_dim=16, time_embed_hidden_dim=32, time_embed_dim=24, rope_freq_dim=4)
+INPUTS = dict(num_text=7, latent_frames=3, latent_hw=(4, 6), audio_latents=5, anchors=("first",), distinct_timesteps=3)
+
+
+def _pair(config, seed=0):
+    reference = MiniMaxH3Transformer3DModel(**config).eval()
+    randomize_(reference, seed)
+    ours = H3Transformer.from_config(config).eval()
+    ours.load_state_dict(reference.state_dict())
+    return reference, ours
+
+
+def _run(model, inputs, tier="exact"):
+    extra = {}
+    if tier != "exact":
+        extra = dict(adaln_tables=model.precompute_adaln([inputs["timestep"]]), step=0)
+    with torch.no_grad():
+        video, audio = model(**inputs, return_dict=False, **extra)
+    return torch.cat([video.flatten(), audio.flatten()])
+
+
+def _registry(model):
+    return LoraRegistry(8, head_dim=model.config.attention_head_dim, check=lambda lora: check_targets(model, lora))
+
+
+def _ours(model, files, task="t2va", inputs=None, tier="exact", **register):
+    """Our output with `files` (`[(path, scale)]`) active, and our registry."""
+    registry = _registry(model)
+    adapters = [(registry.adapter(registry.register(path, **register)), scale) for path, scale in files]
+    set_quality(model, tier)
+    activate(model, adapters, task, "cpu")
+    out = _run(model, inputs, tier)
+    deactivate(model)
+    return out, registry
+
+
+def _reference(reference, files, *, ref=False):
+    """diffusers' output with `files` loaded through its H3 LoRA loader and weighted by `set_adapters`."""
+    holder = diffusers_holder(transformer_ref=reference) if ref else diffusers_holder(transformer=reference)
+    names = []
+    for index, (path, _) in enumerate(files):
+        holder.load_lora_weights(str(path), adapter_name=f"a{index}")
+        names.append(f"a{index}")
+    reference.set_adapters(names, [scale for _, scale in files])
+    return reference
+
+
+def _native_file(tmp_path, config, style, *, seed=1, rank=4, **kwargs):
+    cfg = H3TransformerConfig(**config)
+    factors = random_factors(native_shapes(cfg), rank, seed, ranks={"blocks.0.adaln_proj.linear": 2})
+    path = tmp_path / f"{style}.safetensors"
+    write_native(path, factors, style=style, **kwargs)
+    return path
+
+
+FORMATS = {
+    # format name -> (config, file writer)
+    "diffusers": (CONFIG, lambda tmp, m: _diffusers_file(tmp, m, "diffusers")),
+    "peft": (CONFIG, lambda tmp, m: _diffusers_file(tmp, m, "peft")),
+    "native": (CONFIG, lambda tmp, m: _native_file(tmp, CONFIG, "native", prefix="diffusion_model.",
+                                                   metadata={"alpha": "2"})),
+    "kohya": (CONFIG, lambda tmp, m: _native_file(
+        tmp, CONFIG, "kohya", alphas={"blocks.0.attn.qkv_proj": 2.0, "blocks.1.mlp.fc1": 8.0, "condition_proj": 1.0})),
+    "musubi": (CONFIG, lambda tmp, m: _native_file(tmp, CONFIG, "musubi", alphas={"blocks.1.attn.qkv_proj": 3.0})),
+    "diffsynth": (HEAD128, lambda tmp, m: _native_file(tmp, HEAD128, "diffsynth", head_dim=128)),
+}
+
+
+def _diffusers_file(tmp_path, model, fmt):
+    shapes = diffusers_shapes(model)
+    if fmt == "peft":  # LightX2V Turbo's shape: attention and FFN of every block
+        shapes = {k: v for k, v in shapes.items() if k.endswith(TURBO_MODULES)}
+    factors = random_factors(shapes, 4, seed=7, ranks={"transformer_blocks.0.adaln_proj.linear": 2})
+    path = tmp_path / f"{fmt}.safetensors"
+    write_diffusers(path, factors, peft=fmt == "peft")
+    return path
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_every_format_matches_diffusers(fmt, tmp_path):
+    config, write = FORMATS[fmt]
+    reference, ours = _pair(config)
+    path = write(tmp_path, ours)
+    assert read_lora(path, head_dim=ours.config.attention_head_dim).format == fmt
+    inputs = random_inputs(config, seed=3, **INPUTS)
+    base = _run(reference, inputs)
+    expected = _run(_reference(reference, [(path, 1.0)]), inputs)
+    assert max_rel_err(expected, base) > 0.05  # the adapter changes the output
+    for tier in ("exact", "lossless"):
+        got, _ = _ours(ours, [(path, 1.0)], inputs=inputs, tier=tier)
+        assert max_rel_err(got, expected) <= TOLERANCE, tier
+    assert max_rel_err(_run(ours, inputs), base) <= 1e-5  # deactivated: the plain model again
+
+
+def test_read_lora_describes_a_file_without_loading_it(tmp_path):
+    _, ours = _pair(CONFIG)
+    path = _native_file(tmp_path, CONFIG, "kohya", alphas={"blocks.0.attn.qkv_proj": 2.0},
+                        metadata={"tasks": "t2va"})
+    lora = read_lora(path, head_dim=32)
+    assert (lora.name, lora.format, lora.ranks, lora.alpha, lora.alpha_source) == ("kohya", "kohya", [2, 4], None,
+                                                                                   "module")
+    assert lora.partitions == ("transformer",) and lora.metadata == {"tasks": "t2va"}
+    assert lora.qkv_layout == "grouped"
+    assert {"transformer_blocks.0.attn.to_q", "token_refiner.refiner_blocks.1.ff.net.0.proj", "proj_in",
+            "norm_out.linear", "time_embedder.linear_2"} <= set(lora.modules)
+    assert len(lora.modules) == len(diffusers_shapes(ours))  # every linear of the model has its update
+
+
+def test_turbo_v01_files_default_to_alpha_8_and_alpha_overrides(tmp_path):
+    reference, ours = _pair(CONFIG)
+    factors = random_factors({k: v for k, v in diffusers_shapes(ours).items() if k.endswith(TURBO_MODULES)}, 16, 2)
+    turbo = tmp_path / "minimax_h3_fl2v_turbo_4step_v0.1_bf16.safetensors"
+    write_diffusers(turbo, factors, peft=True)
+    assert (read_lora(turbo).alpha, read_lora(turbo).alpha_source) == (8.0, "turbo-v0.1")
+    inputs = random_inputs(CONFIG, seed=4, **INPUTS)
+    for alpha, register in ((8, {}), (2, {"alpha": 2.0})):
+        with_metadata = tmp_path / f"alpha{alpha}.safetensors"
+        write_diffusers(with_metadata, factors, peft=True, metadata={"alpha": str(alpha)})
+        expected = _run(_reference(copy.deepcopy(reference), [(with_metadata, 1.0)]), inputs)
+        got, _ = _ours(ours, [(turbo, 1.0)], inputs=inputs, **register)
+        assert max_rel_err(got, expected) <= TOLERANCE, alpha
+
+
+def test_two_stacked_adapters_with_their_scales_match_diffusers(tmp_path):
+    reference, ours = _pair(CONFIG)
+    first = _diffusers_file(tmp_path, ours, "diffusers")
+    second = _native_file(tmp_path, CONFIG, "kohya", seed=5, alphas={"blocks.1.attn.qkv_proj": 2.0})
+    files = [(first, 0.7), (second, 0.4)]
+    inputs = random_inputs(CONFIG, seed=5, **INPUTS)
+    expected = _run(_reference(reference, files), inputs)
+    for tier in ("exact", "lossless"):
+        got, _ = _ours(ours, files, inputs=inputs, tier=tier)
+        assert max_rel_err(got, expected) <= TOLERANCE, tier
+
+
+@pytest.mark.parametrize("prefixed", [False, True])
+def test_ref2va_adapters_go_to_transformer_ref_as_diffusers_routes_them(prefixed, tmp_path):
+    reference, ours = _pair(CONFIG, seed=3)
+    shapes = diffusers_shapes(ours)
+    path = tmp_path / "ref.safetensors"
+    write_diffusers(path, random_factors(shapes, 4, 9), prefix="transformer_ref." if prefixed else "transformer.")
+    inputs = random_inputs(CONFIG, seed=6, **INPUTS)
+    if prefixed:  # a `transformer_ref.` file on a pipeline holding both partitions
+        other = MiniMaxH3Transformer3DModel(**CONFIG)
+        holder = diffusers_holder(transformer=other, transformer_ref=reference)
+        holder.load_lora_weights(str(path), adapter_name="r")
+        expected = _run(reference, inputs)
+    else:  # a plain file on ref2va's partition
+        expected = _run(_reference(reference, [(path, 1.0)], ref=True), inputs)
+    got, registry = _ours(ours, [(path, 1.0)], task="ref2va", inputs=inputs)
+    assert max_rel_err(got, expected) <= TOLERANCE
+    if prefixed:
+        with pytest.raises(RequestError, match="ref2va"):
+            activate(ours, [(registry.adapter("ref"), 1.0)], "t2va", "cpu")
+
+
+def test_diffsynth_qkv_is_deinterleaved_by_the_models_head_size(tmp_path):
+    _, ours = _pair(CONFIG)  # 2 heads of 32
+    cfg = ours.config
+    factors = random_factors(native_shapes(cfg), 4, 11)
+    grouped, interleaved = tmp_path / "grouped.safetensors", tmp_path / "interleaved.safetensors"
+    write_native(grouped, factors)
+    write_native(interleaved, factors, style="diffsynth", head_dim=cfg.attention_head_dim)
+    inputs = random_inputs(CONFIG, seed=7, **INPUTS)
+    want, _ = _ours(ours, [(grouped, 1.0)], inputs=inputs)
+    got, _ = _ours(ours, [(interleaved, 1.0)], inputs=inputs)
+    assert read_lora(interleaved, head_dim=32).qkv_layout == "interleaved"
+    assert max_rel_err(got, want) <= 1e-6
+
+
+def _factors(out_features, in_features, rank=8, seed=0, scale=0.05):
+    generator = torch.Generator().manual_seed(seed)
+    return LoraFactors(torch.randn(rank, in_features, generator=generator) * scale,
+                       torch.randn(out_features, rank, generator=generator) * scale, 0.5)
+
+
+@pytest.mark.parametrize("kind", ["fp8", "mxfp4"])
+def test_quantized_bases_add_the_dense_lora_update(kind):
+    torch.manual_seed(0)
+    dense = torch.nn.Linear(64, 96, bias=True)
+    layer = Fp8Linear(dense) if kind == "fp8" else MXFP4Linear.from_linear(dense)
+    factors = [_factors(96, 64, seed=1), _factors(96, 64, rank=4, seed=2)]
+    x = torch.randn(3, 5, 64)
+    with torch.no_grad():
+        base = layer(x)
+        delta = sum(f.scale * (x @ f.down.t()) @ f.up.t() for f in factors)
+        group = LoraGroup.build([(layer, factors)], "cpu").attach()
+        got = layer(x)
+        assert max_rel_err(got - base, delta) <= 1e-5  # bf16 / float rows: the dense update exactly
+        if kind == "fp8":  # e4m3 rows from a fused kernel: the update within e4m3 rounding
+            rows = quantize_rows(x)
+            assert max_rel_err(layer(rows) - layer.__class__.forward(layer, rows), delta) <= 0.08
+        group.detach()
+        assert torch.equal(layer(x), base)
+
+
+def test_fast_tier_applies_the_adapter(tmp_path):
+    reference, ours = _pair(CONFIG)
+    path = _diffusers_file(tmp_path, ours, "peft")
+    inputs = random_inputs(CONFIG, seed=8, **INPUTS)
+    dense_base = _run(ours, inputs, "lossless")
+    dense, _ = _ours(ours, [(path, 1.0)], inputs=inputs, tier="lossless")
+    fast, _ = _ours(ours, [(path, 1.0)], inputs=inputs, tier="fast")  # quantizes `ours` to FP8
+    fast_base = _run(ours, inputs, "fast")
+    # With the adapter the FP8 model stays as close to the dense one as without it (the exact per-layer sum is
+    # checked in test_quantized_bases_add_the_dense_lora_update).
+    base_error = max_rel_err(fast_base, dense_base)
+    assert max_rel_err(fast, dense) <= 1.5 * base_error and max_rel_err(fast, fast_base) > 0.05
+
+
+def test_group_projects_the_shared_input_once():
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(32, 48, bias=False) for _ in range(3)]
+    group = LoraGroup.build([(layer, [_factors(48, 32, seed=i)]) for i, layer in enumerate(layers)], "cpu").attach()
+    calls = []
+    original = group._project
+    group._project = lambda x: calls.append(1) or original(x)
+    x = torch.randn(4, 32)
+    with torch.no_grad():
+        for layer in layers:
+            layer(x)
+    assert len(calls) == 1 and group._input is None  # one GEMM for the three, no reference kept after
+    group.detach()
+
+
+def test_bad_files_are_refused_naming_the_key_or_module(tmp_path):
+    _, ours = _pair(CONFIG)
+    registry = _registry(ours)
+    shapes = diffusers_shapes(ours)
+    factors = random_factors({"transformer_blocks.0.attn.to_q": shapes["transformer_blocks.0.attn.to_q"]}, 4, 0)
+    unknown = tmp_path / "unknown.safetensors"
+    write_diffusers(unknown, {"transformer_blocks.0.attn.to_z": factors["transformer_blocks.0.attn.to_q"]})
+    with pytest.raises(RequestError, match=r"`transformer\.transformer_blocks\.0\.attn\.to_z\.lora_A\.weight`"):
+        registry.register(unknown)
+    leftover = tmp_path / "leftover.safetensors"
+    write_native(leftover, {"blocks.0.attn.qkv_proj": (torch.zeros(4, 64), torch.zeros(192, 4)),
+                            "blocks.0.attn.rope": (torch.zeros(4, 64), torch.zeros(64, 4))})
+    with pytest.raises(RequestError, match=r"key `blocks\.0\.attn\.rope\.lora_A\.weight`") as error:
+        registry.register(leftover)
+    assert str(tmp_path) not in str(error.value) and error.value.field == "loras"
+    pruned = tmp_path / "pruned.safetensors"
+    write_diffusers(pruned, {"transformer_blocks.1.ff.net.2": (torch.zeros(4, 100), torch.zeros(64, 4))})
+    with pytest.raises(RequestError, match=r"`transformer_blocks\.1\.ff\.net\.2` updates a 64 x 100 weight, but the "
+                                           r"model's is 64 x 128"):
+        registry.register(pruned)
+    musubi = tmp_path / "musubi.safetensors"
+    write_native(musubi, {"blocks.0.attn.norm_q": (torch.zeros(4, 64), torch.zeros(64, 4))}, style="musubi")
+    with pytest.raises(RequestError, match="lora_unet_blocks_0_attn_norm_q"):
+        registry.register(musubi)
+    not_lora = tmp_path / "text.safetensors"
+    not_lora.write_text("hello")
+    with pytest.raises(RequestError, match="not a readable safetensors file"):
+        registry.register(not_lora)
+    assert registry.names == []
+    good = tmp_path / "good.safetensors"
+    write_diffusers(good, factors)
+    registry.register(good)
+    for loras, message in (([("good", float("nan"))], "finite"), (["good", "good"], "listed twice"),
+                           (["missing"], "no LoRA named 'missing'"), ("good", "must be a list"),
+                           ([("good", 1.0, 2.0)], "pair")):
+        with pytest.raises(RequestError, match=message):
+            registry.resolve(loras)
+    assert lora_budget_bytes("4GiB") == 4 * 2**30
+    for value in ("lots", -1):
+        with pytest.raises(RequestError, match="lora_gpu_memory must") as error:
+            lora_budget_bytes(value)
+        assert error.value.field == "lora_gpu_memory"
+
+
+def test_merge_equals_unmerged_and_is_refused_where_bf16_rounds_it_away(tmp_path):
+    reference, ours = _pair(CONFIG)
+    path = _diffusers_file(tmp_path, ours, "diffusers")
+    inputs = random_inputs(CONFIG, seed=9, **INPUTS)
+    unmerged, registry = _ours(ours, [(path, 0.5)], inputs=inputs)
+    merged_model = copy.deepcopy(ours)
+    merge_into(merged_model, "diffusers", registry.adapter("diffusers").factors["transformer"], 0.5)
+    assert max_rel_err(_run(merged_model, inputs), unmerged) <= 1e-5
+    # bf16 weights of size ~0.2 and an update of ~1e-5: rounding keeps none of it.
+    bf16 = copy.deepcopy(ours).to(torch.bfloat16)
+    before = {k: v.clone() for k, v in bf16.state_dict().items()}
+    with pytest.raises(RequestError, match=r"would lose \d+% of its update on `.*` \(more than 50%\)") as error:
+        merge_into(bf16, "diffusers", registry.adapter("diffusers").factors["transformer"], 1e-6)
+    assert error.value.field == "merge"
+    assert all(torch.equal(before[k], v) for k, v in bf16.state_dict().items())  # nothing changed
+    merge_into(bf16, "diffusers", registry.adapter("diffusers").factors["transformer"], 1.0)  # large: merges
+    set_quality(bf16, "fast")
+    with pytest.raises(RequestError, match="not dense"):
+        merge_into(bf16, "diffusers", registry.adapter("diffusers").factors["transformer"], 1.0)
+
+
+# ---------------------------------------------------------------------- the pipeline
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    from h3gen.pipelines.h3.tiny_checkpoint import tiny_checkpoint
+
+    return tiny_checkpoint(cache_dir=tmp_path_factory.mktemp("cache"))
+
+
+@pytest.fixture(scope="module")
+def adapter_files(tiny_dir, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("loras")
+    model = H3Transformer.from_pretrained(tiny_dir / "transformer", torch_dtype=torch.float32)
+    shapes = diffusers_shapes(model)
+    paths = []
+    for seed, name in ((1, "style"), (2, "subject")):
+        path = folder / f"{name}.safetensors"
+        write_diffusers(path, random_factors(shapes, 4, seed, scale=0.5))
+        paths.append(path)
+    return paths
+
+
+def test_pipeline_switches_adapters_between_requests_without_reloading(tiny_dir, adapter_files):
+    from h3gen.pipelines.h3.pipeline import H3Pipeline
+
+    pipe = H3Pipeline.from_pretrained(tiny_dir, device="cpu", torch_dtype=torch.float32, max_cpu_loras=1)
+    style, subject = adapter_files
+    assert pipe.load_lora(style) == "style"
+    weights = {k: v.clone() for k, v in pipe.transformer.state_dict().items()}
+    kwargs = dict(seed=3, num_inference_steps=3, num_frames=130, decode=False)
+
+    def latents(**extra):
+        captured = []
+        handle = pipe.transformer.proj_out.register_forward_hook(lambda m, a, out: captured.append(out.clone()))
+        output = pipe("a fox", **kwargs, **extra)
+        handle.remove()
+        return torch.cat([c.flatten() for c in captured]), output
+
+    plain, output = latents()
+    assert output.loras == []
+    first, output = latents(loras=["style"])
+    assert output.loras == [("style", 1.0)] and max_rel_err(first, plain) > 0.01
+    second, output = latents(loras=[(str(subject), 0.5), ("style", 0.25)])  # a path, loaded on first use
+    assert output.loras == [("subject", 0.5), ("style", 0.25)]
+    assert max_rel_err(second, first) > 0.01
+    assert pipe.loras.cached == ["style"]  # max_cpu_loras=1: the LRU holds the last one used
+    again, _ = latents(loras=["style"])
+    assert torch.equal(again, first)
+    back, _ = latents()
+    assert torch.equal(back, plain)
+    assert all(torch.equal(weights[k], v) for k, v in pipe.transformer.state_dict().items())
+
+
+def test_pipeline_refuses_adapters_over_the_gpu_budget_before_any_work(tiny_dir, adapter_files):
+    from h3gen.pipelines.h3.pipeline import H3Pipeline
+
+    pipe = H3Pipeline.from_pretrained(tiny_dir, device="cpu", torch_dtype=torch.float32, lora_gpu_memory="64KiB")
+    stages = []
+    with pytest.raises(RequestError, match=r"the 2 LoRA adapters \(style, subject\) need .* GiB") as error:
+        pipe("a fox", seed=1, num_inference_steps=2, loras=[str(p) for p in adapter_files],
+             callback=lambda *args: stages.append(args))
+    assert error.value.field == "loras" and stages == []
+
+
+def test_pipeline_adapters_under_layerwise_offload_and_merged(tmp_path):
+    from h3gen.pipelines.h3.pipeline import H3Pipeline
+    from h3gen.pipelines.h3.tiny_checkpoint import build_tiny_checkpoint
+
+    folder = build_tiny_checkpoint(tmp_path / "four_blocks", transformer=dict(num_layers=4))
+    resident = H3Pipeline.from_pretrained(folder, device="cpu", torch_dtype=torch.float32)
+    path = tmp_path / "style.safetensors"
+    write_diffusers(path, random_factors(diffusers_shapes(resident.transformer), 4, 1, scale=0.5))
+    kwargs = dict(seed=4, num_inference_steps=3, num_frames=130, loras=[(str(path), 0.8)])
+    expected = resident("a fox", **kwargs)
+    model = resident.transformer
+    other = sum(p.numel() * p.element_size() for n, p in model.named_parameters()
+                if not n.startswith("transformer_blocks."))
+    block = sum(p.numel() * p.element_size() for n, p in model.transformer_blocks[0].named_parameters()
+                if not n.startswith("adaln_proj"))
+    offloaded = H3Pipeline.from_pretrained(folder, device="cpu", torch_dtype=torch.float32, offload="layerwise",
+                                           gpu_memory=int((other + 2 * block) / 0.8) + 1, prefetch=1)
+    assert offloaded.transformer.offload_plan.streamed  # the blocks really stream
+    clip = offloaded("a fox", **kwargs)
+    assert np.abs(clip.video - expected.video).max() <= 1e-5 and np.abs(clip.audio - expected.audio).max() <= 1e-5
+    merged = H3Pipeline.from_pretrained(folder, device="cpu", torch_dtype=torch.float32)
+    merged.load_lora(path, merge=True, scale=0.8)
+    clip = merged("a fox", seed=4, num_inference_steps=3, num_frames=130)
+    assert clip.loras == [("style", 0.8)]
+    assert np.abs(clip.video - expected.video).max() <= 1e-4
+
+
+def test_a_set_is_rehooked_when_its_layers_were_replaced_and_paths_get_their_own_names(tmp_path):
+    _, ours = _pair(CONFIG)
+    path = _diffusers_file(tmp_path, ours, "peft")
+    registry = _registry(ours)
+    adapters = registry.resolve([str(path)])
+    activate(ours, adapters, "t2va", "cpu")
+    set_quality(ours, "fast")  # the block linears become new Fp8Linear modules
+    activate(ours, adapters, "t2va", "cpu")
+    to_q = ours.transformer_blocks[0].attn.to_q
+    assert isinstance(to_q, Fp8Linear) and to_q.lora_group is not None
+    other = tmp_path / "other"
+    other.mkdir()
+    same_stem = other / path.name
+    same_stem.write_bytes(path.read_bytes())
+    assert [a.name for a, _ in registry.resolve([str(path), str(same_stem)])] == ["peft", "peft-2"]
+
+
+def test_a_shared_a_is_projected_once_and_stacking_stays_exact():
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(32, 48, bias=False) for _ in range(3)]
+    shared = _factors(48, 32, seed=1)
+    own = [_factors(48, 32, rank=4, seed=2 + i) for i in range(3)]
+    members = [(layer, [LoraFactors(shared.down, torch.randn(48, 8), 0.3), own[i]])
+               for i, layer in enumerate(layers)]
+    x = torch.randn(5, 32)
+    with torch.no_grad():
+        base = [layer(x) for layer in layers]
+        group = LoraGroup.build(members, "cpu").attach()
+        assert group.down.shape[0] == 8 + 3 * 4  # the shared A once, then each member's own
+        for layer, (_, factors), plain in zip(layers, members, base):
+            want = plain + sum(f.scale * (x @ f.down.t()) @ f.up.t() for f in factors)
+            assert max_rel_err(layer(x), want) <= 1e-6
+        group.detach()
+
+
+def test_a_file_diffusers_saved_with_its_peft_config_is_scaled_as_that_config_says(tmp_path):
+    from diffusers.loaders.lora_pipeline import MiniMaxH3LoraLoaderMixin
+    from peft import LoraConfig, get_peft_model_state_dict
+
+    trained, ours = _pair(CONFIG)
+    config = LoraConfig(r=4, lora_alpha=8, init_lora_weights=False, rank_pattern={"adaln_proj.linear": 2},
+                        alpha_pattern={"to_out.0": 3.0, "^transformer_blocks.1.ff.net.2": 16.0},
+                        target_modules=["to_q", "to_k", "to_v", "to_out.0", "ff.net.0.proj", "ff.net.2",
+                                        "adaln_proj.linear"])
+    trained.add_adapter(config)
+    state = get_peft_model_state_dict(trained)
+    metadata = trained.peft_config["default"].to_dict()
+    MiniMaxH3LoraLoaderMixin.save_lora_weights(tmp_path, transformer_lora_layers=state,
+                                               transformer_lora_adapter_metadata=metadata)
+    path = tmp_path / "pytorch_lora_weights.safetensors"
+    lora = read_lora(path, head_dim=32)
+    assert lora.alpha_source == "adapter-config" and lora.ranks == [2, 4]
+    reference, _ = _pair(CONFIG)
+    inputs = random_inputs(CONFIG, seed=12, **INPUTS)
+    expected = _run(_reference(reference, [(path, 1.0)]), inputs)
+    assert max_rel_err(expected, _run(trained, inputs)) <= 1e-5  # diffusers reloads what it saved
+    got, _ = _ours(ours, [(path, 1.0)], inputs=inputs)
+    assert max_rel_err(got, expected) <= TOLERANCE
