@@ -3,7 +3,6 @@ B's rows on column-parallel layers, A's columns and B whole on row-parallel ones
 ranks together give the single-process output, dense and MXFP4."""
 
 import copy
-import datetime
 import os
 
 import torch
@@ -40,14 +39,12 @@ def _outputs(model, inputs, lora_path, tiers=("exact", "lossless", "fast")):
 
 
 def _worker(rank, world, init_file, payload_path, result_dir):
-    from parallel_model import load_full_state_dict, parallel_transformer
+    from parallel_model import join_gloo, load_full_state_dict, parallel_transformer
 
     from h3gen.parallel import init_parallel
     from h3gen.pipelines.h3.transformer import H3TransformerConfig
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=120))
+    join_gloo(rank, world, init_file)
     payload = torch.load(payload_path)
     results = []
     try:

@@ -25,13 +25,11 @@ INPUTS = dict(num_text=7, latent_frames=3, latent_hw=(4, 4), audio_latents=7, an
 
 def _worker(rank, world, init_file, payload_path, result_dir, config=CONFIG):
     from h3gen.parallel import init_parallel
-    from parallel_model import load_full_state_dict, parallel_transformer
+    from parallel_model import join_gloo, load_full_state_dict, parallel_transformer
     from h3gen.pipelines.h3.tiers import set_quality
     from h3gen.pipelines.h3.transformer import H3TransformerConfig
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=120))
+    join_gloo(rank, world, init_file)
     payload = torch.load(payload_path)
     results = []
     try:
@@ -176,12 +174,12 @@ def test_a_tensor_parallel_rank_reads_only_its_shard(reference, monkeypatch):
 
 
 def _pipeline_worker(rank, world, init_file, model_dir, result_dir):
+    from parallel_model import join_gloo
+
     from h3gen.parallel import init_parallel
     from h3gen.pipelines.h3.pipeline import H3Pipeline
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=120))
+    join_gloo(rank, world, init_file)
     try:
         clips = []
         for tp, sp in ((1, world), (world, 1)):  # the tiny model has 2 heads: Ulysses 2, then TP 2

@@ -3,7 +3,6 @@ set by the test; on the tiny model, threshold 0 equals lossless exactly and a th
 forwards the rule allows, running only block 0 on them; layer-wise offload copies no block but block 0 for a cached
 forward; TP 2 and Ulysses 2 decide and compute as one process; the knobs are validated on every face."""
 
-import datetime
 import os
 
 import numpy as np
@@ -295,14 +294,12 @@ def _parallel_steps():
 
 
 def _parallel_worker(rank, world, init_file, payload_path, result_dir):
-    from parallel_model import load_full_state_dict, parallel_transformer
+    from parallel_model import join_gloo, load_full_state_dict, parallel_transformer
 
     from h3gen.parallel import init_parallel
     from h3gen.pipelines.h3.transformer import H3TransformerConfig
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=120))
+    join_gloo(rank, world, init_file)
     payload = torch.load(payload_path)
     results = []
     try:
