@@ -170,7 +170,8 @@ def _run(pipe, prompt, references, **kwargs):
     caught = {}
 
     def catch(name, decode):
-        return lambda vae, latents: (caught.__setitem__(name, latents.clone()), decode(vae, latents))[1]
+        return lambda vae, latents, **kwargs: (caught.__setitem__(name, latents.clone()),
+                                               decode(vae, latents, **kwargs))[1]
 
     with mock.patch.object(module, "decode_video", catch("video", module.decode_video)), \
             mock.patch.object(module, "decode_audio", catch("audio", module.decode_audio)):

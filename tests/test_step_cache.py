@@ -438,7 +438,7 @@ def test_cli_flags_and_ui_choices(tmp_path, capsys):
     assert main(base + ["--quality", "high", "--cache-threshold", "1", "--cache-warmup", "1",
                         "--out", str(tmp_path / "b.mp4")]) == 0
     # 4 forwards, 1 warm-up: 1 cached, 2 follows it, 3 is the last
-    assert capsys.readouterr().err.rstrip().endswith("seed 1, 1 of 4 forwards cached (steps 1)")
+    assert capsys.readouterr().err.rstrip().endswith("shifts 12/3, 1 of 4 forwards cached (steps 1)")
 
     class Engine:
         options = RunOptions(quality="high")
