@@ -56,8 +56,6 @@ from h3gen.pipelines.h3.vae import (audio_decoder_units, audio_encoder_units, de
 logger = logging.getLogger(__name__)
 
 STAGES = ("encode_text", "encode_conditions", "denoise", "decode_video", "decode_audio", "write_mp4")
-# The video VAE's decode per quality tier (`video_decode.TIERS`): exact is diffusers' own.
-VIDEO_DECODE_TIER = {"exact": "exact", "lossless": "lossless", "fast": "fast"}
 __all__ = ["AudioReference", "H3Output", "H3Pipeline", "ImageReference", "VideoReference"]
 
 ProgressCallback = Callable[[str, int, int], None]
@@ -591,7 +589,7 @@ class H3Pipeline:
         if decode:
             check = lambda: report("decode_video", 0, 1)  # noqa: E731
             with self._stage(self.vae), _checkpoints(video_decoder_units(self.vae), check):
-                video = decode_video(self.vae, video_latents, tier=VIDEO_DECODE_TIER[base_tier(tier)], check=check,
+                video = decode_video(self.vae, video_latents, tier=base_tier(tier), check=check,
                                      on_device=output_path is not None)
         report("decode_video", 1, 1)
         lap("decode_video")

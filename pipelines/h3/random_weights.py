@@ -98,14 +98,8 @@ def materialize(module: torch.nn.Module, *, device, dtype: torch.dtype, keep_fp3
 
 def _configs(sizes: str) -> dict:
     if sizes == "tiny":
-        text = dict(vocab_size=263, hidden_size=tiny.TEXT_HIDDEN, intermediate_size=128,
-                    num_hidden_layers=tiny.TEXT_LAYERS, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                    max_position_embeddings=4096,
-                    rope_parameters=dict(rope_type="default", rope_theta=5_000_000.0, mrope_section=[4, 2, 2],
-                                         mrope_interleaved=True))
-        vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=16, spatial_merge_size=2,
-                      temporal_patch_size=2, out_hidden_size=tiny.TEXT_HIDDEN, num_position_embeddings=256,
-                      deepstack_visual_indexes=[0, 1])
+        text = dict(tiny.TEXT_CONFIG, vocab_size=263)  # the byte-level tokenizer's 257 symbols and 6 special tokens
+        vision = tiny.VISION_CONFIG
         return dict(transformer=tiny.TRANSFORMER, vae=tiny.VIDEO_VAE, audio_vae=tiny.AUDIO_VAE, text=text,
                     vision=vision, canvas=(tiny.TINY_CANVAS_SHORT_EDGE, tiny.TINY_CANVAS_MAX_PIXELS))
     return dict(transformer={}, vae={}, audio_vae={}, text=RELEASED_TEXT, vision=RELEASED_VISION,

@@ -32,6 +32,15 @@ VIDEO_VAE = dict(
 )
 AUDIO_VAE = dict(encoder_dim=4, latent_dim=64, num_attention_heads=2, decoder_dim=128)
 TEXT_HIDDEN, TEXT_LAYERS = 64, 51
+# Qwen3-VL's text model and vision tower, thin (the vocabulary is the tokenizer's).
+TEXT_CONFIG = dict(
+    hidden_size=TEXT_HIDDEN, intermediate_size=128, num_hidden_layers=TEXT_LAYERS, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=16, max_position_embeddings=4096,
+    rope_parameters=dict(rope_type="default", rope_theta=5_000_000.0, mrope_section=[4, 2, 2], mrope_interleaved=True),
+)
+VISION_CONFIG = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=16, spatial_merge_size=2,
+                     temporal_patch_size=2, out_hidden_size=TEXT_HIDDEN, num_position_embeddings=256,
+                     deepstack_visual_indexes=[0, 1])
 TINY_CANVAS_SHORT_EDGE, TINY_CANVAS_MAX_PIXELS = 64, 64 * 112
 TINY_REFERENCE_IMAGE_SHORT_EDGE = 96  # the released checkpoint encodes image references at 2048
 SPECIAL_TOKENS = ["<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
@@ -69,15 +78,8 @@ def build_text_encoder(tokenizer):
 
     ids = {name: tokenizer.convert_tokens_to_ids(name) for name in SPECIAL_TOKENS}
     config = Qwen3VLConfig(
-        text_config=dict(
-            vocab_size=len(tokenizer), hidden_size=TEXT_HIDDEN, intermediate_size=128, num_hidden_layers=TEXT_LAYERS,
-            num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=4096,
-            rope_parameters=dict(rope_type="default", rope_theta=5_000_000.0, mrope_section=[4, 2, 2],
-                                 mrope_interleaved=True),
-        ),
-        vision_config=dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=16,
-                           spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=TEXT_HIDDEN,
-                           num_position_embeddings=256, deepstack_visual_indexes=[0, 1]),
+        text_config=dict(TEXT_CONFIG, vocab_size=len(tokenizer)),
+        vision_config=VISION_CONFIG,
         image_token_id=ids["<|image_pad|>"],
         video_token_id=ids["<|video_pad|>"],
         vision_start_token_id=ids["<|vision_start|>"],
