@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from h3gen.device_memory import use_expandable_segments
 from h3gen.offload import host_memory
 from h3gen.offload.apply import apply_layerwise_offload, stream_layers
 from h3gen.offload.shared_host import SharedHostStore, shared_store_for_ranks
@@ -78,7 +79,9 @@ def plan_placement(options: RunOptions, device, folders: dict[str, Path], *, par
                    parallel=None) -> Placement:
     """The `Placement` of a pipeline whose components live in `folders` (every part it will load: the transformer
     partitions, the text encoder, the VAEs). Raises `CheckpointError` before any loading when layer-wise offload's
-    host copies would not fit in host memory."""
+    host copies would not fit in host memory. On a CUDA device the allocator takes expandable segments from here on
+    (`h3gen.device_memory`), so the pipeline's requests of many sizes do not splinter the memory they share."""
+    use_expandable_segments(device)
     placement = Placement(options, torch.device(device), dict(folders), partitions, parallel)
     if placement.layerwise:
         needed = sum(host_memory.folder_bytes(folder) for folder in folders.values())

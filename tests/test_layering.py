@@ -32,6 +32,7 @@ FLOORS = {
     "h3gen.lora": "lora",  # unmerged LoRA on any linear of h3gen.linear (model-agnostic)
     "h3gen.loading": "loading",
     "h3gen.media": "media",
+    "h3gen.device_memory": "device",  # how the CUDA allocator manages a pipeline's device memory
     "h3gen.options": "options",  # the run options every face validates against
     "h3gen.pipelines": "pipelines",
     "h3gen.offload": "offload",
@@ -42,7 +43,8 @@ FLOORS = {
     "h3gen.ui": "ui",
 }
 ALL = frozenset(FLOORS.values())
-CORE = frozenset({"errors", "format", "spec", "quant", "parallel", "linear", "lora", "loading", "media", "options"})
+CORE = frozenset({"errors", "format", "spec", "quant", "parallel", "linear", "lora", "loading", "media", "options",
+                  "device"})
 TOP = frozenset({"server", "cli", "ui", "api"})
 
 

@@ -213,3 +213,17 @@ def test_pipeline_keywords_options_and_attention_reach_the_blocks(tiny):
     assert backends() == {"sdpa"}  # the exact tier runs torch's SDPA choice whatever the option
     pipe("a cat", seed=1, num_inference_steps=2, num_frames=124, decode=False)
     assert backends() == {"math"}
+
+
+def test_a_cuda_pipeline_takes_expandable_segments_unless_the_operator_configured_the_allocator(monkeypatch):
+    from h3gen import device_memory
+
+    applied = []
+    monkeypatch.setattr(device_memory, "_set_allocator_settings", applied.append)
+    for name in device_memory.ALLOC_CONF_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    assert not device_memory.use_expandable_segments("cpu") and applied == []
+    plan_placement(RunOptions(), torch.device("cuda"), {})
+    assert applied == ["expandable_segments:True"]
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:512")
+    assert not device_memory.use_expandable_segments("cuda") and applied == ["expandable_segments:True"]
