@@ -8,8 +8,12 @@ stacked `scale * B`s in one `addmm_` (the add fused into the GEMM). The group's 
 that streams a block's weights leaves them where they are (on the GPU, for the whole request).
 
 How the update reaches each kind of base:
-  - dense `nn.Linear`, `Fp8Linear`, `MXFP4Linear`: a forward hook adds it to the layer's output (an FP8 layer's
-    input may be e4m3 `Fp8Rows` from a fused kernel: the A projection reads those rows widened, A unquantized);
+  - dense `nn.Linear`, `Fp8Linear`, `MXFP4Linear`: a forward hook adds it to the layer's output. An FP8 layer's
+    input may be e4m3 `Fp8Rows` from a fused kernel (the fast tier): the A projection then runs as an FP8 GEMM
+    like the layer's own (`h3gen.quant.fp8.fp8_matmul`, A quantized per rank row, its rows padded to the GEMM's
+    multiple of 16), reading the e4m3 rows as they are; `x A^T` comes out in the compute dtype and the B product
+    stays there. Widening the rows to bf16 for a bf16 A GEMM instead cost one more pass over the input per group
+    and a GEMM at half the FP8 rate (benchmarks/RESULTS.md);
   - tensor-parallel shards: the layer's `partial_hook` adds this rank's share before any collective. A
     column-parallel shard keeps `A` whole and its rows of `B` (per logical split, as its weight); a row-parallel
     shard keeps its input columns of `A` and `B` whole, so the partial sums add up over the all-reduce.
@@ -24,6 +28,7 @@ import torch.nn.functional as F
 
 from h3gen.kernels.fp8_quant import Fp8Rows
 from h3gen.parallel.tp_linear import ColumnParallelLinear, RowParallelLinear
+from h3gen.quant.fp8 import fp8_matmul, fp8_weight
 
 # SGLang's rule for merging: an adapter stays unmerged when merging would round away more than this share of its
 # update (by norm), as distilled adapters below one bf16 ulp of the weights do.
@@ -83,6 +88,7 @@ class LoraGroup:
 
     down: torch.Tensor  # (rows, in_local): every distinct A of the members, stacked, in the compute dtype
     members: list[_Member]
+    _down_fp8: tuple[torch.Tensor, torch.Tensor] | None = None  # `down` as e4m3 rows and their scales (fast tier)
     _input: object = None
     _hidden: torch.Tensor | None = None
     _left: int = 0
@@ -124,7 +130,7 @@ class LoraGroup:
 
     @property
     def nbytes(self) -> int:
-        tensors = [self.down] + [m.up for m in self.members]
+        tensors = [self.down] + [m.up for m in self.members] + list(self._down_fp8 or ())
         return sum(t.numel() * t.element_size() for t in tensors)
 
     # ------------------------------------------------------------------ forward
@@ -132,10 +138,12 @@ class LoraGroup:
     def _project(self, x) -> torch.Tensor:
         """The input's rows `(M, sum of ranks)` times every member's A."""
         if isinstance(x, Fp8Rows):
-            # e4m3 rows with one scale each: the values widen exactly to the compute dtype and the row scales apply
-            # to the narrow product (s * v) A^T = s * (v A^T); A keeps its precision.
-            rows = x.values.reshape(-1, x.values.shape[-1]).to(self.down.dtype)
-            return (F.linear(rows, self.down).float() * x.scale).to(self.down.dtype)
+            rows = self.down.shape[0]
+            if self._down_fp8 is None:
+                padded = F.pad(self.down, (0, 0, 0, -rows % 16))  # FP8 GEMMs take widths in multiples of 16
+                self._down_fp8 = fp8_weight(padded)
+            hidden = fp8_matmul(x, *self._down_fp8, None, self.down.dtype)
+            return hidden.reshape(-1, hidden.shape[-1])[:, :rows]
         hidden = F.linear(x if x.dtype == self.down.dtype else x.to(self.down.dtype), self.down)
         return hidden.reshape(-1, hidden.shape[-1])
 
