@@ -15,8 +15,9 @@ from h3gen.errors import RequestError
 from h3gen.kernels.fp8_quant import quantize_rows
 from h3gen.lora import LoraFactors, LoraGroup
 from h3gen.pipelines.h3.lora_formats import read_lora
-from h3gen.pipelines.h3.lora_registry import (LoraRegistry, activate, check_targets, deactivate, lora_budget_bytes,
-                                              merge_into)
+from h3gen.pipelines.h3.device_memory import DeviceMemory, available_device_memory
+from h3gen.pipelines.h3.lora_registry import (LORA_GPU_RESERVE, LoraRegistry, activate, check_targets, deactivate,
+                                              lora_budget_bytes, lora_device_bytes, merge_into)
 from h3gen.pipelines.h3.tiers import set_quality
 from h3gen.pipelines.h3.transformer import H3Transformer, H3TransformerConfig
 from h3gen.quant.fp8 import Fp8Linear
@@ -380,10 +381,119 @@ def test_pipeline_refuses_adapters_over_the_gpu_budget_before_any_work(tiny_dir,
 
     pipe = H3Pipeline.from_pretrained(tiny_dir, device="cpu", torch_dtype=torch.float32, lora_gpu_memory="64KiB")
     stages = []
-    with pytest.raises(RequestError, match=r"the 2 LoRA adapters \(style, subject\) need .* GiB") as error:
+    with pytest.raises(RequestError, match=r"the 2 LoRA adapters \(style, subject\) need [\d.]+ KiB on the device, "
+                                           r"more than the 64.0 KiB they may use \(lora_gpu_memory\)") as error:
         pipe("a fox", seed=1, num_inference_steps=2, loras=[str(p) for p in adapter_files],
              callback=lambda *args: stages.append(args))
     assert error.value.field == "loras" and stages == []
+
+
+GiB = 2**30
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    """torch.cuda's memory figures, set by the test: the driver's free bytes and the allocator's reserved and
+    allocated bytes."""
+    state = dict(free=10 * GiB, reserved=6 * GiB, allocated=GiB)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (state["free"], 80 * GiB))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: state["reserved"])
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: state["allocated"])
+    return state
+
+
+def test_free_device_memory_counts_the_allocators_cache_and_a_busy_pipeline_uses_the_last_figure(fake_cuda):
+    assert available_device_memory("cuda") == 15 * GiB  # 10 free + 5 cached by PyTorch's allocator, unused
+    assert available_device_memory("cpu") is None
+    held = {"transformer": GiB}
+    memory = DeviceMemory("cuda", held=lambda: dict(held))
+    assert memory.available("transformer") == 16 * GiB and memory.available("transformer_ref") == 15 * GiB
+    fake_cuda["free"] = 20 * GiB
+    assert memory.available("transformer") == 26 * GiB  # idle: measured live
+    with memory.running():
+        fake_cuda.update(free=GiB, reserved=40 * GiB, allocated=40 * GiB)  # the call's activations fill the device
+        held["transformer"] = 3 * GiB  # and it switched adapter sets
+        assert memory.available("transformer") == 26 * GiB  # the figure from before the call
+        second = memory.running()
+        second.__enter__()  # a call overlapping the first
+        fake_cuda.update(reserved=41 * GiB)
+    assert memory.available("transformer") == 5 * GiB  # taken when the first call ended: 1 + 1 cached + 3 held
+    fake_cuda.update(free=30 * GiB)
+    assert memory.available("transformer") == 5 * GiB  # the second still runs
+    second.__exit__(RuntimeError, RuntimeError("stopped"), None)  # it ends with an error
+    fake_cuda.update(free=50 * GiB)
+    assert memory.available("transformer") == 54 * GiB  # idle again, however the call ended: live
+
+
+def test_pipeline_checks_adapter_files_against_free_memory_live_when_idle_else_from_the_last_call(
+        tiny_dir, adapter_files, fake_cuda):
+    from h3gen.pipelines.h3.pipeline import H3Pipeline
+
+    pipe = H3Pipeline.from_pretrained(tiny_dir, device="cpu", torch_dtype=torch.float32)
+    lora = read_lora(adapter_files[0], head_dim=pipe.config.attention_head_dim)
+    need = lora_device_bytes(lora, "t2va", 4)
+    pipe.validate("a fox", seed=1, lora_files=[lora])  # on the CPU: no cap
+    pipe.device_memory = DeviceMemory("cuda", held=pipe.device_memory.held)  # the CPU model, CUDA's figures
+    fake_cuda.update(free=LORA_GPU_RESERVE + need - 1, reserved=0, allocated=0)
+    with pytest.raises(RequestError, match=r"the 1 LoRA adapters \(style\) need [\d.]+ KiB on the device, more than "
+                                           r"the [\d.]+ KiB they may use \(free device memory less 2 GiB\)") as error:
+        pipe.validate("a fox", seed=1, lora_files=[lora])
+    assert error.value.field == "loras"
+    fake_cuda.update(reserved=GiB, allocated=GiB - 1)  # one byte cached by the allocator is enough
+    pipe.validate("a fox", seed=1, lora_files=[lora])
+    fake_cuda.update(free=8 * GiB)
+    checked = []
+
+    def busy(stage, step, total):  # another request arrives while this call's activations fill the device
+        if stage == "denoise" and not checked:
+            fake_cuda.update(free=0, reserved=0, allocated=0)
+            pipe.validate("a fox", seed=1, lora_files=[lora])
+            checked.append(stage)
+
+    pipe("a fox", seed=1, num_inference_steps=2, num_frames=130, decode=False, callback=busy)
+    assert checked
+    with pytest.raises(RequestError, match="free device memory less 2 GiB"):
+        pipe.validate("a fox", seed=1, lora_files=[lora])  # idle: the device is full now
+    with pytest.raises(RequestError):
+        pipe("a fox", seconds=1000)  # a call that fails still ends as one
+    fake_cuda.update(free=8 * GiB)
+    pipe.validate("a fox", seed=1, lora_files=[lora])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_header_bytes_are_what_activate_holds(dtype, tmp_path):
+    _, ours = _pair(CONFIG)
+    ours.to(dtype)
+    plain = FORMATS["diffusers"][1](tmp_path, ours)  # q, k and v with A's of their own
+    fused = FORMATS["kohya"][1](tmp_path, ours)  # a fused QKV: q, k and v share one A
+    files = {path: read_lora(path, head_dim=ours.config.attention_head_dim) for path in (plain, fused)}
+    assert files[plain].qkv_layout is None and files[fused].qkv_layout == "grouped"
+    registry = _registry(ours)
+    adapters = {path: (registry.adapter(registry.register(path)), 1.0) for path in files}
+    for chosen in ([plain], [fused], [plain, fused]):
+        held = activate(ours, [adapters[path] for path in chosen], "t2va", "cpu").nbytes
+        assert sum(lora_device_bytes(files[path], "t2va", dtype.itemsize) for path in chosen) == held
+        deactivate(ours)
+
+
+def test_header_bytes_follow_the_ref2va_routing(tmp_path):
+    _, ours = _pair(CONFIG)
+    shapes = {k: v for k, v in diffusers_shapes(ours).items() if k.endswith(".attn.to_q")}
+    per_file = {}
+    for prefix, rank in (("transformer.", 2), ("transformer_ref.", 4)):
+        path = tmp_path / f"{prefix}safetensors"
+        write_diffusers(path, random_factors(shapes, rank, 1), prefix=prefix)
+        per_file[prefix] = sum(rank * (rows + cols) * 2 for rows, cols in shapes.values())
+    ref_only = read_lora(tmp_path / "transformer_ref.safetensors", head_dim=32)
+    assert lora_device_bytes(ref_only, "ref2va", 2) == per_file["transformer_ref."]
+    for task in ("t2va", "fl2va"):
+        with pytest.raises(RequestError, match=r"holds transformer_ref \(ref2va\) layers only") as error:
+            lora_device_bytes(ref_only, task, 2)
+        assert error.value.field == "loras"
+    both = read_lora(tmp_path / "transformer.safetensors", head_dim=32)
+    both.targets += ref_only.targets
+    assert lora_device_bytes(both, "t2va", 2) == per_file["transformer."]
+    assert lora_device_bytes(both, "ref2va", 2) == per_file["transformer_ref."]
 
 
 def test_pipeline_adapters_under_layerwise_offload_and_merged(tmp_path):

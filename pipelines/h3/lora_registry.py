@@ -17,7 +17,6 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
 import torch.nn as nn
 
 from h3gen.errors import RequestError
@@ -44,21 +43,36 @@ class Adapter:
         return self.file.name
 
     def part_for(self, task: str) -> tuple[str, dict[str, LoraFactors]]:
-        """(the partition the file names, its factors) to apply for `task`, routed as diffusers routes them: a
-        ref2va request uses the file's `transformer_ref` layers when it has any, else its `transformer` layers (on
-        the ref partition, as diffusers' loader does for a pipeline holding `transformer_ref` only); t2va and fl2va
-        use its `transformer` layers."""
-        if task == "ref2va" and "transformer_ref" in self.factors:
-            return "transformer_ref", self.factors["transformer_ref"]
-        if "transformer" in self.factors:
-            return "transformer", self.factors["transformer"]
-        raise RequestError(f"LoRA {self.name} holds transformer_ref (ref2va) layers only; use it with a ref2va "
-                           f"request (references), not {task}.", "loras")
+        """(the partition `route_partition` picks for `task`, its factors)."""
+        partition = route_partition(task, tuple(self.factors), self.name)
+        return partition, self.factors[partition]
 
-    def nbytes_for(self, task: str, itemsize: int) -> int:
-        """Device bytes of the factors `task` applies, at `itemsize` bytes per element."""
-        _, part = self.part_for(task)
-        return sum((f.down.numel() + f.up.numel()) * itemsize for f in part.values())
+
+def route_partition(task: str, partitions, name: str) -> str:
+    """Which of a file's `partitions` ("transformer", "transformer_ref") applies to `task`, routed as diffusers
+    routes them: a ref2va request uses the file's `transformer_ref` layers when it has any, else its `transformer`
+    layers (on the ref partition, as diffusers' loader does for a pipeline holding `transformer_ref` only); t2va and
+    fl2va use its `transformer` layers. A file with `transformer_ref` layers only is a `RequestError` for them."""
+    if task == "ref2va" and "transformer_ref" in partitions:
+        return "transformer_ref"
+    if "transformer" in partitions:
+        return "transformer"
+    raise RequestError(f"LoRA {name} holds transformer_ref (ref2va) layers only; use it with a ref2va request "
+                       f"(references), not {task}.", "loras")
+
+
+def lora_device_bytes(lora: LoraFile, task: str, itemsize: int) -> int:
+    """The device bytes `activate` holds for the `task` part of `lora`, from its header alone, at `itemsize` bytes
+    per element: every module's B (out_features x rank) and every distinct A (rank x in_features; the A a fused-QKV
+    file shares between q, k and v is held once, as `LoraGroup` holds it). Exact on one device; a tensor-parallel
+    rank holds its shard of each, less."""
+    partition = route_partition(task, lora.partitions, lora.name)
+    downs, elements = {}, 0
+    for target in lora.targets:
+        if target.partition == partition:
+            downs[target.down_key] = target.rank * target.in_features
+            elements += target.out_features * target.rank
+    return (elements + sum(downs.values())) * itemsize
 
 
 def check_targets(model: nn.Module, lora: LoraFile) -> None:
@@ -263,11 +277,6 @@ def activate(transformer, adapters: list[tuple[Adapter, float]], task: str, devi
     return transformer.active_loras
 
 
-def lora_device_bytes(adapters: list[tuple[Adapter, float]], task: str, itemsize: int) -> int:
-    """What `activate` will hold on the device for `adapters` (at most: an A shared by q, k and v counts thrice)."""
-    return sum(adapter.nbytes_for(task, itemsize) for adapter, _ in adapters)
-
-
 def lora_budget_bytes(value) -> int | None:
     """A `lora_gpu_memory` setting ("4GiB", "512MiB", bytes or None) in bytes."""
     try:
@@ -280,24 +289,29 @@ def lora_budget_bytes(value) -> int | None:
     return budget
 
 
-def check_device_budget(adapters: list[tuple[Adapter, float]], task: str, model, device, limit: int | None) -> None:
-    """Refuse (`RequestError`, field "loras") a request whose adapters' device copies exceed `limit` bytes, or
-    without a limit on a GPU, the free device memory (plus what the current set holds) less `LORA_GPU_RESERVE`."""
-    need = lora_device_bytes(adapters, task, model.dtype.itemsize)
-    device = torch.device(device)
+def check_device_budget(need: int, names: list[str], limit: int | None, available: int | None) -> None:
+    """Refuse (`RequestError`, field "loras") a request whose adapters `names` need `need` bytes on the device
+    (`lora_device_bytes`) when that exceeds `limit` bytes (`lora_gpu_memory`), or without a limit, `available` (the
+    device memory they may take, including what the adapters active now hold; None: no cap, as on the CPU) less
+    `LORA_GPU_RESERVE`."""
     if limit is not None:
         budget, what = limit, "lora_gpu_memory"
-    elif device.type == "cuda":
-        active = active_loras(model)
-        free = torch.cuda.mem_get_info(device)[0] + (active.nbytes if active is not None else 0)
-        budget, what = max(0, free - LORA_GPU_RESERVE), "free device memory less 2 GiB"
+    elif available is not None:
+        budget, what = max(0, available - LORA_GPU_RESERVE), "free device memory less 2 GiB"
     else:
         return
     if need > budget:
-        names = ", ".join(adapter.name for adapter, _ in adapters)
-        raise RequestError(f"the {len(adapters)} LoRA adapters ({names}) need {need / 2**30:.2f} GiB on the device, "
-                           f"more than the {budget / 2**30:.2f} GiB they may use ({what}); use fewer.", "loras")
+        raise RequestError(f"the {len(names)} LoRA adapters ({', '.join(names)}) need {_size(need)} on the device, "
+                           f"more than the {_size(budget)} they may use ({what}); use fewer.", "loras")
 
+
+def _size(nbytes: int) -> str:
+    """Bytes for a message: "1.50 GiB", "12.3 MiB", "640 KiB"."""
+    if nbytes >= 2**30:
+        return f"{nbytes / 2**30:.2f} GiB"
+    if nbytes >= 2**20:
+        return f"{nbytes / 2**20:.1f} MiB"
+    return f"{nbytes / 2**10:.1f} KiB"
 
 
 def merge_into(model: nn.Module, name: str, factors: dict[str, LoraFactors], scale: float) -> None:

@@ -33,9 +33,11 @@ from h3gen.options import RunOptions, base_tier, uses_step_cache
 from h3gen.pipelines.h3 import geometry
 from h3gen.pipelines.h3.checkpoint import REQUIRED, H3Checkpoint, resolve_workflow
 from h3gen.pipelines.h3.continuation import DEFAULT_MAX_SECONDS
+from h3gen.pipelines.h3.device_memory import DeviceMemory, tracks_device_memory
 from h3gen.pipelines.h3.long_video import largest_window, run_continuation
-from h3gen.pipelines.h3.lora_registry import (DEFAULT_MAX_CPU_LORAS, LoraRegistry, activate, check_device_budget,
-                                              check_targets, lora_budget_bytes, merge_into)
+from h3gen.pipelines.h3.lora_registry import (DEFAULT_MAX_CPU_LORAS, LoraRegistry, activate, active_loras,
+                                              check_device_budget, check_targets, lora_budget_bytes,
+                                              lora_device_bytes, merge_into)
 from h3gen.pipelines.h3.packing import (ReferenceBlock, build_layout, build_ref2va_layout, patchify_video,
                                         row_timesteps, unpatchify_video)
 from h3gen.pipelines.h3.progress import checkpoints as _checkpoints
@@ -209,6 +211,9 @@ class H3Pipeline:
                                   check=lambda lora: check_targets(self._transformers()[0], lora),
                                   pin=self.device.type == "cuda")
         self.lora_gpu_memory = lora_budget_bytes(lora_gpu_memory)
+        self.device_memory = DeviceMemory(self.device, held=lambda: {
+            self._partition_of(model): active.nbytes for model in self._transformers()
+            if (active := active_loras(model)) is not None})
         self.merged_loras: dict[str, list[tuple[str, float]]] = {}  # partition -> adapters merged into it
 
     def _transformers(self) -> list:
@@ -300,13 +305,16 @@ class H3Pipeline:
             max_cpu_loras=max_cpu_loras, lora_gpu_memory=lora_gpu_memory,
         )
 
-    def validate(self, prompt, *, step_cache: bool = False, **kwargs) -> H3Request:
+    def validate(self, prompt, *, step_cache: bool = False, lora_files: list | None = None, **kwargs) -> H3Request:
         """Check a request against this pipeline's checkpoint (see `prepare_request`; shifts left unset are this
-        pipeline's) and, under layer-wise offload, its activations (with `step_cache`, the step cache's too)
-        against the GPU budget (a clip over 15 s: its largest window's), before any model work."""
+        pipeline's), its adapters (`lora_files`, `LoraFile`s read by `lora_formats.read_lora`) against their GPU
+        budget and, under layer-wise offload, its activations (with `step_cache`, the step cache's too) against the
+        GPU budget (a clip over 15 s: its largest window's), before any model work."""
         kwargs.setdefault("max_seconds", self.max_seconds)
         request = prepare_request(self.checkpoint, self.config, prompt,
                                   default_shifts=(self.video_shift, self.audio_shift), **kwargs)
+        if lora_files:
+            self._check_lora_budget(lora_files, request.task)
         budget = getattr(self._transformer_for(request.task), "activation_budget_bytes", None)
         if budget is not None:
             sized = request if request.continuation is None else largest_window(request)
@@ -362,8 +370,16 @@ class H3Pipeline:
         not fit the adapters' GPU budget."""
         adapters = self.loras.resolve(loras)
         if adapters:
-            check_device_budget(adapters, task, self._transformer_for(task), self.device, self.lora_gpu_memory)
+            self._check_lora_budget([adapter.file for adapter, _ in adapters], task)
         return adapters
+
+    def _check_lora_budget(self, files: list, task: str) -> None:
+        """Refuse adapters (`LoraFile`s) whose device copies for `task` exceed `lora_gpu_memory`, or without it the
+        device memory available to them (`DeviceMemory`) less a margin."""
+        model = self._transformer_for(task)
+        need = sum(lora_device_bytes(lora, task, model.dtype.itemsize) for lora in files)
+        check_device_budget(need, [lora.name for lora in files], self.lora_gpu_memory,
+                            self.device_memory.available(self._partition_of(model)))
 
     # ------------------------------------------------------------------ stages
 
@@ -624,6 +640,7 @@ class H3Pipeline:
             raise
         return video, audio, media
 
+    @tracks_device_memory
     def __call__(self, prompt: str, *, image=None, last_image=None, references: list | None = None,
                  aspect_ratio: str | None = None,
                  seconds: float | None = None, num_frames: int | None = None, height: int | None = None,
