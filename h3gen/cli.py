@@ -366,10 +366,18 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     from h3gen.pipelines.h3.continuation import check_max_seconds
 
     check_max_seconds(args.max_seconds)
+    if args.lora_gpu_memory is not None:
+        from h3gen.pipelines.h3.lora_registry import lora_budget_bytes
+
+        try:
+            lora_budget_bytes(args.lora_gpu_memory)
+        except RequestError:
+            raise RequestError(f"--lora-gpu-memory must be a size like 4GiB, 2GB or 512MiB, 0 or more (got "
+                               f"{args.lora_gpu_memory!r}).", "lora_gpu_memory") from None
     api_key = args.api_key or os.environ.get("H3GEN_API_KEY") or None
     dtype = getattr(torch, DTYPES[args.dtype]) if args.dtype else None
     serving = {"options": _run_options(args, workflow=args.workflow), "max_seconds": args.max_seconds,
-               "lora_dir": args.lora_dir}
+               "lora_dir": args.lora_dir, "lora_gpu_memory": args.lora_gpu_memory}
     if args.tp * args.ulysses > 1:
         from h3gen.parallel.launch import launched_by_torchrun, relaunch_with_torchrun, start_rank
         from h3gen.parallel.state import check_degrees
@@ -561,6 +569,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--lora-dir", dest="lora_dir", default=None, metavar="DIR",
                        help="serve the LoRA adapters (*.safetensors) of this folder: requests name them in `loras` "
                             "(GET /v1/loras lists them); names never reach outside it (default: no adapters)")
+    serve.add_argument("--lora-gpu-memory", dest="lora_gpu_memory", default=None, metavar="SIZE",
+                       help="caps the device memory a request's adapters may use, e.g. 4GiB; a request over it is "
+                            "refused when submitted (default: free device memory less 2 GiB on a GPU, no cap on the "
+                            "CPU)")
     serve.add_argument("--model-name", dest="model_name", default="MiniMax-H3",
                        help="the model's id in OpenAI's API (`model` of /v1/videos, GET /v1/models)")
     serve.add_argument("--no-ui", dest="no_ui", action="store_true", help="do not mount the web UI at /ui "

@@ -75,3 +75,12 @@ def test_a_missing_lora_file_is_named(cache, tmp_path):
     result = _h3gen(["generate", "x", "--lora", str(tmp_path / "nope.safetensors"), "--out", str(tmp_path / "x.mp4")],
                     cache)
     assert result.returncode == 2 and "nope.safetensors: no such file" in result.stderr
+
+
+def test_an_invalid_lora_gpu_memory_stops_serve_at_startup(cache, tmp_path):
+    result = _h3gen(["serve", "--lora-gpu-memory", "lots", "--no-ui", "--device", "cpu", "--results-dir",
+                     str(tmp_path / "results")], cache, timeout=120)
+    lines = [line for line in result.stderr.splitlines() if line.startswith("h3gen: error:")]
+    assert result.returncode != 0 and "Traceback" not in result.stderr, result.stderr
+    assert lines == ["h3gen: error: --lora-gpu-memory must be a size like 4GiB, 2GB or 512MiB, 0 or more (got "
+                     "'lots')."], result.stderr

@@ -112,6 +112,46 @@ def test_too_many_adapters_and_recipe_contradictions_are_422_before_any_job(setu
         assert http.get("/v1/videos").json()["data"] == before
 
 
+def test_a_small_lora_gpu_memory_refuses_adapters_at_submission_and_creates_no_job(setup):
+    server, root = setup
+    capped = Server(tiny_checkpoint(cache_dir=root / "cache"), root / "capped-results", api_key=KEY,
+                    extra=("--lora-dir", str(root / "loras"), "--lora-gpu-memory", "1KiB"))
+    try:
+        with capped.client() as http:
+            body = {"prompt": "x", "seed": 1, "loras": [{"name": "style", "scale": 0.5}]}
+            answer = http.post("/v1/videos", json=body)
+            assert answer.status_code == 422, answer.text
+            detail = answer.json()["detail"][0]
+            assert detail["loc"] == ["body", "loras"]
+            assert "the 1 LoRA adapters (style) need" in detail["msg"] and " KiB on the device" in detail["msg"]
+            assert "more than the 1.0 KiB they may use (lora_gpu_memory)" in detail["msg"]
+            _no_server_path(answer.text, root)
+            assert http.get("/v1/videos").json()["data"] == []  # no job was created
+            assert http.post("/v1/videos", json={"prompt": "x", "seed": 1}).status_code == 202  # no adapter: fine
+            assert len(http.get("/v1/videos").json()["data"]) == 1
+    finally:
+        capped.stop()
+    with server.client() as http:  # the same request on a server without the cap
+        created = http.post("/v1/videos", json=body)
+        assert created.status_code == 202, created.text
+        http.delete(f"/v1/videos/{created.json()['id']}")
+
+
+def test_the_cap_holds_before_the_model_has_loaded(setup):
+    from h3gen.errors import RequestError
+    from h3gen.server.engine import H3Engine
+    from h3gen.server.schemas import GenerationRequest
+
+    _, root = setup
+    engine = H3Engine(tiny_checkpoint(cache_dir=root / "cache"), device="cpu", lora_dir=root / "loras",
+                      lora_gpu_memory="1KiB")
+    assert engine.pipeline is None
+    with pytest.raises(RequestError, match=r"the 1 LoRA adapters \(style\) need .* \(lora_gpu_memory\)") as error:
+        engine.validate(GenerationRequest(prompt="x", loras=[{"name": "style"}]), {})
+    assert error.value.field == "loras"
+    engine.validate(GenerationRequest(prompt="x"), {})
+
+
 def test_jobs_run_their_adapters_and_report_both_step_counts(setup):
     server, root = setup
     with server.client() as http:

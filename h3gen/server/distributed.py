@@ -102,7 +102,8 @@ def _load(engine) -> None:
 
     try:
         engine.pipeline = H3Pipeline.from_pretrained(engine.model_path, device=engine.device, torch_dtype=engine.dtype,
-                                                     parallel=engine.parallel, options=engine.options)
+                                                     parallel=engine.parallel, options=engine.options,
+                                                     lora_gpu_memory=engine.lora_gpu_memory)
         engine.pipeline.max_seconds = engine.max_seconds
     except Exception as error:
         logger.exception("model failed to load")
@@ -110,11 +111,11 @@ def _load(engine) -> None:
 
 
 def follow(model_path, *, parallel, device, dtype, quality=None, offload=None, workflow=None, options=None,
-           max_seconds: float = DEFAULT_MAX_SECONDS, lora_dir=None) -> None:
-    """The loop of every rank but 0: load the same model (the same run options, length limit and LoRA folder as
+           max_seconds: float = DEFAULT_MAX_SECONDS, lora_dir=None, lora_gpu_memory=None) -> None:
+    """The loop of every rank but 0: load the same model (the same run options, length limit, LoRA folder and budget as
     rank 0's engine: `options` or the `H3Engine` keywords), then run each broadcast job until told to stop."""
     engine = H3Engine(model_path, device=device, dtype=dtype, quality=quality, offload=offload, workflow=workflow,
-                      options=options, max_seconds=max_seconds, lora_dir=lora_dir)
+                      options=options, max_seconds=max_seconds, lora_dir=lora_dir, lora_gpu_memory=lora_gpu_memory)
     engine.parallel = parallel
     control = dist.new_group(list(range(dist.get_world_size())), timeout=CONTROL_TIMEOUT)
     agree = StepAgreement(None)

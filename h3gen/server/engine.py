@@ -13,6 +13,7 @@ from h3gen.options import RunOptions, uses_step_cache
 from h3gen.pipelines.h3.checkpoint import H3Checkpoint, resolve_workflow
 from h3gen.pipelines.h3.continuation import DEFAULT_MAX_SECONDS, check_max_seconds
 from h3gen.pipelines.h3.geometry import SPATIAL_COMPRESSION, resolve_canvas
+from h3gen.pipelines.h3.lora_registry import check_device_budget, lora_budget_bytes, lora_device_bytes
 from h3gen.pipelines.h3.references import AudioReference, ImageReference, VideoReference
 from h3gen.pipelines.h3.request import prepare_request, read_transformer_config
 from h3gen.server.lora_folder import LoraChoice, LoraFolder
@@ -62,12 +63,14 @@ class H3Engine:
 
     def __init__(self, model_path, *, device: str | None = None, dtype: torch.dtype | None = None,
                  quality: str | None = None, offload: dict | None = None, workflow: str | None = None, planner=None,
-                 options: RunOptions | None = None, max_seconds: float = DEFAULT_MAX_SECONDS, lora_dir=None):
+                 options: RunOptions | None = None, max_seconds: float = DEFAULT_MAX_SECONDS, lora_dir=None,
+                 lora_gpu_memory=None):
         """How the model loads and runs is one `RunOptions`: `options`, or its fields as `quality`, `workflow`
         (default "auto") and the `offload` dict (`offload`, `gpu_memory`, `prefetch`, `quantization`); keywords
         given next to `options` replace its fields. `max_seconds` (15 to 300): the longest clip a job may ask
         for; over 15 s it is made in windows. `lora_dir` is the folder of the adapters requests may name (None: no
-        adapters)."""
+        adapters); `lora_gpu_memory` ("4GiB") caps the device memory a request's adapters may take (None: the free
+        device memory less 2 GiB on a GPU, no cap on the CPU), checked when a request is submitted."""
         if options is None and workflow is None:
             workflow = "auto"
         options = RunOptions.merged(options, quality=quality, workflow=workflow, **(offload or {}))
@@ -90,6 +93,7 @@ class H3Engine:
         self.planner = planner  # h3gen.pipelines.k3.planner backend for `plan: true` jobs and /v1/prompts/plan
         self.load_error: str | None = None
         self.lora_folder = None if lora_dir is None else LoraFolder(lora_dir, head_dim=self.config.attention_head_dim)
+        self.lora_gpu_memory = lora_budget_bytes(lora_gpu_memory)
 
     @property
     def offload(self) -> dict:
@@ -111,7 +115,7 @@ class H3Engine:
 
         try:
             self.pipeline = H3Pipeline.from_pretrained(self.model_path, device=self.device, torch_dtype=self.dtype,
-                                                       options=self.options)
+                                                       options=self.options, lora_gpu_memory=self.lora_gpu_memory)
             self.pipeline.max_seconds = self.max_seconds
         except Exception as error:  # reported on /health and by every job
             logger.exception("model failed to load")
@@ -164,10 +168,14 @@ class H3Engine:
                          recipes=self.lora_folder.recipes(choices) if choices else [], prompts=request.prompts,
                          window_frames=request.window_frames, overlap_frames=request.overlap_frames,
                          max_seconds=self.max_seconds)
-        if self.pipeline is not None:  # loaded: its GPU budget is known too
-            prepared = self.pipeline.validate(request.prompt, **arguments)
+        lora_files = [self.lora_folder.lora_file(choice) for choice in choices]
+        if self.pipeline is not None:  # loaded: its GPU budgets (activations, adapters) are known too
+            prepared = self.pipeline.validate(request.prompt, **arguments, lora_files=lora_files)
         else:
             prepared = prepare_request(self.checkpoint, self.config, request.prompt, **arguments)
+            if lora_files and self.lora_gpu_memory is not None:  # a set cap applies while the model loads too
+                need = sum(lora_device_bytes(lora, prepared.task, self.dtype.itemsize) for lora in lora_files)
+                check_device_budget(need, [lora.name for lora in lora_files], self.lora_gpu_memory, None)
         shape = prepared.shape
         windows = {"windows": prepared.continuation.num_windows} if prepared.continuation else {}
         return request.model_dump() | {

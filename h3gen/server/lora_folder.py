@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from h3gen.errors import RequestError
-from h3gen.pipelines.h3.lora_formats import read_lora
+from h3gen.pipelines.h3.lora_formats import LoraFile, read_lora
 from h3gen.pipelines.h3.recipes import recipe_for
 
 logger = logging.getLogger(__name__)
@@ -92,12 +92,16 @@ class LoraFolder:
         """The few-step recipes (`recipes.Recipe`) the chosen adapters bring, read from their headers."""
         found = []
         for choice in choices:
-            recipe = recipe_for(choice.path.name, self._read(choice.name, choice.path).metadata)
+            recipe = recipe_for(choice.path.name, self.lora_file(choice).metadata)
             if recipe is not None:
                 found.append(recipe)
         return found
 
-    def _read(self, name: str, path: Path):
+    def lora_file(self, choice: LoraChoice) -> LoraFile:
+        """The header of a chosen adapter (`lora_formats.LoraFile`: its modules, ranks and shapes, no tensors)."""
+        return self._read(choice.name, choice.path)
+
+    def _read(self, name: str, path: Path) -> LoraFile:
         try:
             return read_lora(path, head_dim=self.head_dim, name=name)
         except RequestError:
