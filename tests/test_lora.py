@@ -17,7 +17,7 @@ from h3gen.lora import LoraFactors, LoraGroup
 from h3gen.pipelines.h3.lora_formats import read_lora
 from h3gen.pipelines.h3.device_memory import DeviceMemory, available_device_memory
 from h3gen.pipelines.h3.lora_registry import (LORA_GPU_RESERVE, LoraRegistry, activate, check_targets, deactivate,
-                                              lora_budget_bytes, lora_device_bytes, merge_into)
+                                              fp8_layers, lora_budget_bytes, lora_device_bytes, merge_into)
 from h3gen.pipelines.h3.tiers import set_quality
 from h3gen.pipelines.h3.transformer import H3Transformer, H3TransformerConfig
 from h3gen.quant.fp8 import Fp8Linear
@@ -474,6 +474,25 @@ def test_header_bytes_are_what_activate_holds(dtype, tmp_path):
         held = activate(ours, [adapters[path] for path in chosen], "t2va", "cpu").nbytes
         assert sum(lora_device_bytes(files[path], "t2va", dtype.itemsize) for path in chosen) == held
         deactivate(ours)
+
+
+def test_header_bytes_bound_what_the_fast_tier_holds(tmp_path):
+    _, ours = _pair(CONFIG)
+    fused = FORMATS["kohya"][1](tmp_path, ours)
+    lora = read_lora(fused, head_dim=ours.config.attention_head_dim)
+    registry = _registry(ours)
+    set_quality(ours, "fast")
+    fp8 = fp8_layers(ours)
+    assert "transformer_blocks.0.attn.to_q" in fp8 and "transformer_blocks.0.adaln_proj.linear" not in fp8
+    active = activate(ours, [(registry.adapter(registry.register(fused)), 1.0)], "t2va", "cpu")
+    assert active.nbytes == lora_device_bytes(lora, "t2va", 4)  # before a forward: the dense factors only
+    _run(ours, random_inputs(CONFIG, seed=3, **INPUTS), "fast")  # e4m3 rows make the groups' FP8 copies of A
+    header = lora_device_bytes(lora, "t2va", 4, fp8)
+    # Every FP8 group but attn.to_out.0 (fed bf16 attention output) made its copy: rank 4 padded to 16 rows.
+    never_made = sum(16 * ours.config.num_attention_heads * ours.config.attention_head_dim + 16 * 4
+                     for _ in ours.transformer_blocks)
+    assert active.nbytes < header and header - active.nbytes == never_made
+    deactivate(ours)
 
 
 def test_header_bytes_follow_the_ref2va_routing(tmp_path):

@@ -17,6 +17,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
 import torch.nn as nn
 
 from h3gen.errors import RequestError
@@ -61,18 +62,37 @@ def route_partition(task: str, partitions, name: str) -> str:
                        f"(references), not {task}.", "loras")
 
 
-def lora_device_bytes(lora: LoraFile, task: str, itemsize: int) -> int:
+def lora_device_bytes(lora: LoraFile, task: str, itemsize: int, fp8_modules=frozenset()) -> int:
     """The device bytes `activate` holds for the `task` part of `lora`, from its header alone, at `itemsize` bytes
     per element: every module's B (out_features x rank) and every distinct A (rank x in_features; the A a fused-QKV
-    file shares between q, k and v is held once, as `LoraGroup` holds it). Exact on one device; a tensor-parallel
-    rank holds its shard of each, less."""
+    file shares between q, k and v is held once, as `LoraGroup` holds it). A group with a layer among
+    `fp8_modules` (`fp8_layers`: the fast tier) may also hold its A as e4m3 rows padded to 16 with a float32 scale
+    each, made on its first forward with e4m3 input; that is counted for every such group (an upper bound: a layer
+    fed bf16 rows, such as `attn.to_out.0`, never makes it). Exact otherwise, on one device; a tensor-parallel rank
+    holds its shard of each, less."""
     partition = route_partition(task, lora.partitions, lora.name)
-    downs, elements = {}, 0
+    downs: dict[str, tuple[int, int, str]] = {}  # A's key -> (rank, in_features, the group it is projected in)
+    elements, fp8_groups = 0, set()
     for target in lora.targets:
         if target.partition == partition:
-            downs[target.down_key] = target.rank * target.in_features
+            group = _group_of(target.module)
+            downs[target.down_key] = (target.rank, target.in_features, group)
             elements += target.out_features * target.rank
-    return (elements + sum(downs.values())) * itemsize
+            if target.module in fp8_modules:
+                fp8_groups.add(group)
+    total = (elements + sum(rank * width for rank, width, _ in downs.values())) * itemsize
+    for group in fp8_groups:
+        rows = sum(rank for rank, _, of in downs.values() if of == group)
+        width = next(width for _, width, of in downs.values() if of == group)
+        padded = rows + -rows % 16
+        total += padded * width + padded * 4  # e4m3 values and a float32 scale per row
+    return total
+
+
+def fp8_layers(model: nn.Module) -> set[str]:
+    """The names of `model`'s linears that hold e4m3 weights (the fast tier's `Fp8Linear`s and FP8 TP shards)."""
+    return {name for name, module in model.named_modules()
+            if getattr(getattr(module, "weight", None), "dtype", None) == torch.float8_e4m3fn}
 
 
 def check_targets(model: nn.Module, lora: LoraFile) -> None:
@@ -214,6 +234,12 @@ class LoraRegistry:
 _QKV = re.compile(r"^(.*\.attn)\.to_[qkv]$")
 
 
+def _group_of(module: str) -> str:
+    """The `LoraGroup` a module's adapters join: one per attention's q, k and v, else the module alone."""
+    match = _QKV.match(module)
+    return match.group(1) + ".qkv" if match else module
+
+
 @dataclass
 class ActiveLoras:
     """The adapter set a transformer currently applies: `key` identifies it (adapters and scales), `groups` hold the
@@ -263,8 +289,7 @@ def activate(transformer, adapters: list[tuple[Adapter, float]], task: str, devi
     grouped: dict[str, list[tuple[nn.Module, list[LoraFactors]]]] = {}
     layers = {module: transformer.get_submodule(module) for module in per_module}
     for module, factors in per_module.items():
-        match = _QKV.match(module)
-        grouped.setdefault(match.group(1) + ".qkv" if match else module, []).append((layers[module], factors))
+        grouped.setdefault(_group_of(module), []).append((layers[module], factors))
     groups = []
     try:
         for members in grouped.values():

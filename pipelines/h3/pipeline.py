@@ -36,7 +36,7 @@ from h3gen.pipelines.h3.continuation import DEFAULT_MAX_SECONDS
 from h3gen.pipelines.h3.device_memory import DeviceMemory, tracks_device_memory
 from h3gen.pipelines.h3.long_video import largest_window, run_continuation
 from h3gen.pipelines.h3.lora_registry import (DEFAULT_MAX_CPU_LORAS, LoraRegistry, activate, active_loras,
-                                              check_device_budget, check_targets, lora_budget_bytes,
+                                              check_device_budget, check_targets, fp8_layers, lora_budget_bytes,
                                               lora_device_bytes, merge_into)
 from h3gen.pipelines.h3.packing import (ReferenceBlock, build_layout, build_ref2va_layout, patchify_video,
                                         row_timesteps, unpatchify_video)
@@ -377,7 +377,8 @@ class H3Pipeline:
         """Refuse adapters (`LoraFile`s) whose device copies for `task` exceed `lora_gpu_memory`, or without it the
         device memory available to them (`DeviceMemory`) less a margin."""
         model = self._transformer_for(task)
-        need = sum(lora_device_bytes(lora, task, model.dtype.itemsize) for lora in files)
+        fp8 = fp8_layers(model)
+        need = sum(lora_device_bytes(lora, task, model.dtype.itemsize, fp8) for lora in files)
         check_device_budget(need, [lora.name for lora in files], self.lora_gpu_memory,
                             self.device_memory.available(self._partition_of(model)))
 
