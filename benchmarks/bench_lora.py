@@ -12,6 +12,7 @@ Per row count (37,838 = a 5 s 768x1344 t2va sequence; 8,192), on random weights:
 `--tiny` runs the same on the CPU at tiny dims (wall-clock timing) to check the script end to end.
 
     python benchmarks/bench_lora.py --layers 4 --rows 37838 8192
+    python benchmarks/bench_lora.py --layers 4 --rows 8192 --profile    # which kernels the adapters add
     python benchmarks/bench_lora.py --tiny
 """
 
@@ -84,6 +85,47 @@ def small_weights_(model, seed: int = 0):
             param.copy_((torch.randn(param.shape, generator=generator) * 0.02).to(param.dtype))
 
 
+def kernel_us(fn, device, repeat: int = 3) -> dict[str, float]:
+    """Microseconds per call of each CUDA kernel `fn()` launches (by kernel name), from `torch.profiler` over
+    `repeat` calls after one warm-up; empty off CUDA."""
+    if device.type != "cuda":
+        return {}
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    sync(device)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(repeat):
+            fn()
+        sync(device)
+    totals: dict[str, float] = {}
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            totals[event.name] = totals.get(event.name, 0.0) + event.time_range.elapsed_us() / repeat
+    return totals
+
+
+def kernel_delta_rows(rows: int, tier: str, without: dict[str, float], with_lora: dict[str, float],
+                      top: int = 8) -> list[dict]:
+    """The kernels whose time per step the adapters change most (with minus without), for the table `--profile`
+    prints, and their sum."""
+    names = set(without) | set(with_lora)
+    delta = {name: with_lora.get(name, 0.0) - without.get(name, 0.0) for name in names}
+    chosen = sorted(delta, key=lambda name: -abs(delta[name]))[:top]
+    out = [{"rows": rows, "tier": tier, "kernel": name[:90], "us without": f"{without.get(name, 0.0):.0f}",
+            "us with": f"{with_lora.get(name, 0.0):.0f}", "delta us": f"{delta[name]:+.0f}"} for name in chosen]
+    out.append({"rows": rows, "tier": tier, "kernel": "all kernels", "us without": f"{sum(without.values()):.0f}",
+                "us with": f"{sum(with_lora.values()):.0f}", "delta us": f"{sum(delta.values()):+.0f}"})
+    return out
+
+
+def kernel_step_ms(empty: dict[str, float], full: dict[str, float], layers: int, blocks: int = 50) -> float:
+    """The `blocks`-block step's summed kernel time (ms), from the `kernel_us` of the 0-block and `layers`-block
+    models as the wall-time estimate extrapolates."""
+    zero = sum(empty.values())
+    return (zero + blocks * (sum(full.values()) - zero) / layers) / 1000
+
+
 def peak_bytes(fn, device) -> int | None:
     if device.type != "cuda":
         return None
@@ -148,11 +190,15 @@ def measure(layers: int, rows: int, args, device, dtype, folder: Path) -> dict:
 
         set_quality(ours, "lossless")
         out["lossless"] = time_ms(lambda: ours_step("lossless"), args.repeat)
+        if args.profile:
+            out["kernels lossless"] = kernel_us(lambda: ours_step("lossless"), device)
         got_plain = ours_step("lossless")[0]
         out["peak lossless"] = peak_bytes(lambda: ours_step("lossless"), device)
         activate(ours, adapters[0], "t2va", device)
         tables.clear()
         out["lossless+lora"] = time_ms(lambda: ours_step("lossless"), args.repeat)
+        if args.profile:
+            out["kernels lossless+lora"] = kernel_us(lambda: ours_step("lossless"), device)
         out["peak lossless+lora"] = peak_bytes(lambda: ours_step("lossless"), device)
         got_lora = ours_step("lossless")[0]
         out["adapter bytes"] = ours.active_loras.nbytes
@@ -171,9 +217,13 @@ def measure(layers: int, rows: int, args, device, dtype, folder: Path) -> dict:
         fast_tables = fast.precompute_adaln([kwargs["timestep"]])
         fast_step = lambda: fast(**kwargs, return_dict=False, adaln_tables=fast_tables, step=0)  # noqa: E731
         out["fast"] = time_ms(fast_step, args.repeat)
+        if args.profile:
+            out["kernels fast"] = kernel_us(fast_step, device)
         activate(fast, adapters[0], "t2va", device)
         fast_tables = fast.precompute_adaln([kwargs["timestep"]])
         out["fast+lora"] = time_ms(fast_step, args.repeat)
+        if args.profile:
+            out["kernels fast+lora"] = kernel_us(fast_step, device)
         del fast, fast_tables
         diffusers_with_lora(reference, files[0])
         out["diffusers+peft"] = time_ms(lambda: reference(**kwargs, return_dict=False), args.repeat)
@@ -213,6 +263,9 @@ def main():
     parser.add_argument("--rank", type=int, default=128)
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--tiny", action="store_true", help="tiny dims on the CPU (checks the script runs)")
+    parser.add_argument("--profile", action="store_true",
+                        help="also list, per row count and tier, the CUDA kernels whose time the adapters change most "
+                             "(torch.profiler, the measured-blocks step with minus without)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     if args.tiny:
@@ -223,7 +276,7 @@ def main():
     else:
         device, dtype = torch.device("cuda"), torch.bfloat16
     variants = ("diffusers", "diffusers+peft", "lossless", "lossless+lora", "fast", "fast+lora")
-    table, raw = [], []
+    table, raw, kernels = [], [], []
     with tempfile.TemporaryDirectory() as folder:
         for rows in args.rows:
             empty = measure(0, rows, args, device, dtype, Path(folder))
@@ -250,11 +303,25 @@ def main():
                   f"diffusers+peft {full['relL2 lossless+lora vs diffusers+peft']:.2e} (the adapter moves the output "
                   f"by {full['relL2 adapter change']:.2e}; that change in ours vs in diffusers: relL2 "
                   f"{full['relL2 of the change, ours vs diffusers']:.2e})")
+            if args.profile and device.type == "cuda":
+                # The 0-block model's step is bound by kernel launches (its wall time varies by milliseconds
+                # between runs), which the 50-block estimate multiplies; summed kernel time does not vary so.
+                busy = {v: kernel_step_ms(empty[f"kernels {v}"], full[f"kernels {v}"], args.layers)
+                        for v in ("lossless", "lossless+lora", "fast", "fast+lora")}
+                print(f"rows {rows}: GPU kernel time of the 50-block step: lossless {busy['lossless']:.1f} ms, "
+                      f"{100 * (busy['lossless+lora'] / busy['lossless'] - 1):+.1f} % with the adapter; fast "
+                      f"{busy['fast']:.1f} ms, {100 * (busy['fast+lora'] / busy['fast'] - 1):+.1f} %")
+                for tier in ("lossless", "fast"):
+                    kernels += kernel_delta_rows(rows, tier, full[f"kernels {tier}"], full[f"kernels {tier}+lora"])
             if full["peak lossless"] is not None:
                 print(f"rows {rows}: peak memory of the {args.layers}-block step {full['peak lossless'] / 2**30:.2f}"
                       f" GiB without the adapter, {full['peak lossless+lora'] / 2**30:.2f} GiB with it")
     if args.out:
         args.out.write_text(json.dumps(raw, indent=2, default=str))
+    if kernels:
+        print(f"\nCUDA kernel time per {args.layers}-block step, with the adapter minus without:")
+        print_table(kernels, ["rows", "tier", "kernel", "us without", "us with", "delta us"])
+        print()
     print_table(table, ["rows", "variant", f"{args.layers}-block ms", "50-block step s", "vs no LoRA"])
 
 
