@@ -31,9 +31,9 @@ from h3gen.media import MediaInfo, Mp4Writer, rgb_to_yuv420, write_mp4
 from h3gen.offload import plan_placement
 from h3gen.options import RunOptions, base_tier, uses_step_cache
 from h3gen.pipelines.h3 import geometry
+from h3gen.pipelines.h3.adapter_memory import DeviceMemory, tracks_device_memory
 from h3gen.pipelines.h3.checkpoint import REQUIRED, H3Checkpoint, resolve_workflow
 from h3gen.pipelines.h3.continuation import DEFAULT_MAX_SECONDS
-from h3gen.pipelines.h3.adapter_memory import DeviceMemory, tracks_device_memory
 from h3gen.pipelines.h3.long_video import largest_window, run_continuation
 from h3gen.pipelines.h3.lora_registry import (DEFAULT_MAX_CPU_LORAS, LoraRegistry, activate, active_loras,
                                               check_device_budget, check_targets, fp8_layers, lora_budget_bytes,
