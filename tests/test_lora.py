@@ -325,12 +325,6 @@ def test_merge_equals_unmerged_and_is_refused_where_bf16_rounds_it_away(tmp_path
 # ---------------------------------------------------------------------- the pipeline
 
 
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    from h3gen.pipelines.h3.tiny_checkpoint import tiny_checkpoint
-
-    return tiny_checkpoint(cache_dir=tmp_path_factory.mktemp("cache"))
-
 
 @pytest.fixture(scope="module")
 def adapter_files(tiny_dir, tmp_path_factory):

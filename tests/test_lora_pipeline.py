@@ -10,14 +10,9 @@ from lora_files import TURBO_MODULES, diffusers_shapes, native_shapes, random_fa
 from PIL import Image
 
 from h3gen.pipelines.h3.pipeline import H3Pipeline
-from h3gen.pipelines.h3.tiny_checkpoint import tiny_checkpoint
 
 TOLERANCE = 1e-4
 
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    return tiny_checkpoint(cache_dir=tmp_path_factory.mktemp("cache"))
 
 
 @pytest.fixture(scope="module")

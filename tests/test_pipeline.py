@@ -11,14 +11,10 @@ from PIL import Image
 from h3gen.errors import CheckpointError, RequestError
 from h3gen.media import probe_mp4
 from h3gen.pipelines.h3.pipeline import H3Pipeline
-from h3gen.pipelines.h3.tiny_checkpoint import build_image_processor, tiny_checkpoint
+from h3gen.pipelines.h3.tiny_checkpoint import build_image_processor
 
 TOLERANCE = 1e-4
 
-
-@pytest.fixture(scope="session")
-def tiny_dir(tmp_path_factory):
-    return tiny_checkpoint(cache_dir=tmp_path_factory.mktemp("cache"))
 
 
 @pytest.fixture(scope="session")

@@ -14,7 +14,7 @@ from h3gen.errors import RequestError
 from h3gen.pipelines.h3.packing import ReferenceBlock, build_ref2va_layout
 from h3gen.pipelines.h3.pipeline import AudioReference, H3Pipeline, ImageReference, VideoReference
 from h3gen.pipelines.h3.references import resample_audio
-from h3gen.pipelines.h3.tiny_checkpoint import build_tiny_checkpoint, tiny_checkpoint
+from h3gen.pipelines.h3.tiny_checkpoint import build_tiny_checkpoint
 from h3gen.pipelines.h3.video_processor import QwenVideoProcessor
 
 TOLERANCE = 1e-4
@@ -24,10 +24,6 @@ ODD_TRANSFORMER = dict(num_attention_heads=3, attention_head_dim=16, hidden_size
                        num_refiner_layers=1, ffn_dim=72, freq_dim=18, time_embed_hidden_dim=36, time_embed_dim=20,
                        rope_freq_dim=2)
 
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    return tiny_checkpoint(cache_dir=tmp_path_factory.mktemp("cache"))
 
 
 @pytest.fixture(scope="module")

@@ -13,12 +13,7 @@ from h3gen.offload import host_memory, plan_placement
 from h3gen.options import (APPROXIMATE_ATTENTION, ATTENTION_BACKENDS, OFFLOAD_MODES, QUALITY_TIERS, QUANTIZATIONS,
                            TASKS, WORKFLOWS, RunOptions, parse_bytes)
 from h3gen.pipelines.h3.checkpoint import H3Checkpoint, resolve_workflow
-from h3gen.pipelines.h3.tiny_checkpoint import tiny_checkpoint
 
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return tiny_checkpoint(cache_dir=tmp_path_factory.mktemp("cache"))
 
 
 @pytest.mark.parametrize("field, value, allowed", [
@@ -117,11 +112,11 @@ def test_the_ui_task_choices_are_the_options_tasks():
     assert tuple(value for _, value in task.choices) == TASKS
 
 
-def test_the_server_and_the_pipeline_refuse_a_tier_with_one_message(tiny):
+def test_the_server_and_the_pipeline_refuse_a_tier_with_one_message(tiny_dir):
     from h3gen.server.engine import H3Engine
     from h3gen.server.schemas import GenerationRequest
 
-    engine = H3Engine(tiny, device="cpu")
+    engine = H3Engine(tiny_dir, device="cpu")
     with pytest.raises(RequestError) as served:
         engine.validate(GenerationRequest(prompt="x", quality="fast"), {})
     with pytest.raises(RequestError) as direct:
@@ -129,30 +124,30 @@ def test_the_server_and_the_pipeline_refuse_a_tier_with_one_message(tiny):
     assert str(served.value) == str(direct.value) and served.value.field == "quality"
 
 
-def test_engine_keywords_and_options_give_the_same_options(tiny):
+def test_engine_keywords_and_options_give_the_same_options(tiny_dir):
     from h3gen.server.engine import H3Engine
 
-    old = H3Engine(tiny, device="cpu", quality="exact", workflow="t2va",
+    old = H3Engine(tiny_dir, device="cpu", quality="exact", workflow="t2va",
                    offload={"offload": "stage", "gpu_memory": None, "prefetch": 3, "quantization": None})
-    new = H3Engine(tiny, device="cpu", options=RunOptions(quality="exact", workflow="t2va", offload="stage",
+    new = H3Engine(tiny_dir, device="cpu", options=RunOptions(quality="exact", workflow="t2va", offload="stage",
                                                           prefetch=3))
     assert old.options == new.options == RunOptions(quality="exact", offload="stage", prefetch=3, workflow="t2va")
     assert old.offload == {"offload": "stage", "gpu_memory": None, "prefetch": 3, "quantization": None}
-    assert old.quality == "exact" and H3Engine(tiny, device="cpu").workflow == "all"  # default: auto
+    assert old.quality == "exact" and H3Engine(tiny_dir, device="cpu").workflow == "all"  # default: auto
     with pytest.raises(RequestError, match="gpu_memory"):
-        H3Engine(tiny, device="cpu", offload={"offload": "layerwise"})
+        H3Engine(tiny_dir, device="cpu", offload={"offload": "layerwise"})
 
 
-def test_auto_workflow_resolves_by_the_memory_it_would_load_into(tiny, monkeypatch):
-    checkpoint = H3Checkpoint.open(tiny)
+def test_auto_workflow_resolves_by_the_memory_it_would_load_into(tiny_dir, monkeypatch):
+    checkpoint = H3Checkpoint.open(tiny_dir)
     assert resolve_workflow(checkpoint, "t2va", "cpu") == "t2va"
     assert resolve_workflow(checkpoint, "auto", "cpu") == "all"  # the tiny partitions are small
     monkeypatch.setattr(host_memory, "available_host_bytes", lambda: 1024)
     assert resolve_workflow(checkpoint, "auto", "cpu") == "fl2va"
 
 
-def test_placement_follows_the_offload_mode(tiny, monkeypatch):
-    checkpoint = H3Checkpoint.open(tiny)
+def test_placement_follows_the_offload_mode(tiny_dir, monkeypatch):
+    checkpoint = H3Checkpoint.open(tiny_dir)
     folders = {name: checkpoint.folder(name) for name in ("transformer", "text_encoder", "vae", "audio_vae")}
     cuda = torch.device("cuda")
     where = {}
@@ -167,13 +162,13 @@ def test_placement_follows_the_offload_mode(tiny, monkeypatch):
         plan_placement(RunOptions(offload="layerwise", gpu_memory="1GiB"), cuda, folders)
 
 
-def test_an_attention_backend_that_cannot_run_is_refused_before_loading(tiny, monkeypatch):
+def test_an_attention_backend_that_cannot_run_is_refused_before_loading(tiny_dir, monkeypatch):
     from h3gen.pipelines.h3 import pipeline
     from h3gen.pipelines.h3.pipeline import H3Pipeline
 
     monkeypatch.setattr(pipeline.H3Transformer, "from_pretrained", None)  # loading would fail differently
     with pytest.raises(RequestError, match="attention cudnn cannot run here: .*fp16 or bf16") as info:
-        H3Pipeline.from_pretrained(tiny, device="cpu", torch_dtype=torch.float32, attention="cudnn")
+        H3Pipeline.from_pretrained(tiny_dir, device="cpu", torch_dtype=torch.float32, attention="cudnn")
     assert info.value.field == "attention"
 
 
@@ -197,14 +192,14 @@ def test_cli_rejects_bad_run_options_before_loading(capsys, tmp_path):
     assert code == 2 and "attention cudnn cannot be combined with quality exact" in capsys.readouterr().err
 
 
-def test_pipeline_keywords_options_and_attention_reach_the_blocks(tiny):
+def test_pipeline_keywords_options_and_attention_reach_the_blocks(tiny_dir):
     from h3gen.pipelines.h3.pipeline import H3Pipeline
 
-    by_keywords = H3Pipeline.from_pretrained(tiny, device="cpu", torch_dtype=torch.float32, offload="stage",
+    by_keywords = H3Pipeline.from_pretrained(tiny_dir, device="cpu", torch_dtype=torch.float32, offload="stage",
                                              prefetch=3)
     assert by_keywords.options == RunOptions(offload="stage", prefetch=3)
     assert by_keywords.offload == "stage" and by_keywords.quality == "lossless" and by_keywords.workflow == "t2va"
-    pipe = H3Pipeline.from_pretrained(tiny, device="cpu", torch_dtype=torch.float32,
+    pipe = H3Pipeline.from_pretrained(tiny_dir, device="cpu", torch_dtype=torch.float32,
                                       options=RunOptions(attention="math"), prefetch=1)
     assert pipe.options == RunOptions(attention="math", prefetch=1)  # a keyword next to options replaces its field
     backends = lambda: {block.attn.core.backend for block in pipe.transformer.transformer_blocks}  # noqa: E731

@@ -8,12 +8,7 @@ from h3_reference import load_reference, run_reference
 
 from h3gen.errors import RequestError
 from h3gen.pipelines.h3.pipeline import H3Pipeline
-from h3gen.pipelines.h3.tiny_checkpoint import tiny_checkpoint
 
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    return tiny_checkpoint(cache_dir=tmp_path_factory.mktemp("cache"))
 
 
 @pytest.fixture(scope="module")

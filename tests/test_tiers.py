@@ -16,7 +16,6 @@ from h3_tiny import TINY_CONFIGS, cast_with_islands_, max_rel_err, random_inputs
 from h3gen.errors import RequestError  # noqa: E402
 from h3gen.pipelines.h3.pipeline import H3Pipeline  # noqa: E402
 from h3gen.pipelines.h3.tiers import set_quality  # noqa: E402
-from h3gen.pipelines.h3.tiny_checkpoint import tiny_checkpoint  # noqa: E402
 from h3gen.pipelines.h3.transformer import H3Transformer  # noqa: E402
 
 # The tests that run the fused Triton kernels: on a GPU natively, with the model in bf16 (the served dtype); on a CPU
@@ -117,18 +116,14 @@ def test_fast_tier_hands_fp8_rows_and_heads_to_gemms_and_attention(triton, monke
         assert 0.03 < max_rel_err(got, other) < FP8_HANDOFF_BOUND[triton]
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return tiny_checkpoint(cache_dir=tmp_path_factory.mktemp("cache"))
-
 
 def _psnr(a: np.ndarray, b: np.ndarray) -> float:
     mse = float(((a.astype(np.float64) - b) ** 2).mean())
     return float("inf") if mse == 0 else 10 * np.log10(1.0 / mse)
 
 
-def test_pipeline_tiers_on_the_tiny_model(tiny):
-    pipe = H3Pipeline.from_pretrained(tiny, device="cpu", torch_dtype=torch.float32)
+def test_pipeline_tiers_on_the_tiny_model(tiny_dir):
+    pipe = H3Pipeline.from_pretrained(tiny_dir, device="cpu", torch_dtype=torch.float32)
     assert pipe.quality == "lossless"
     exact = pipe("a cat", seed=3, num_inference_steps=4, quality="exact")
     lossless = pipe("a cat", seed=3, num_inference_steps=4)
@@ -136,7 +131,7 @@ def test_pipeline_tiers_on_the_tiny_model(tiny):
     assert np.abs(lossless.video - exact.video).max() <= 1e-6 and np.abs(lossless.audio - exact.audio).max() <= 1e-6
     with pytest.raises(RequestError, match="fast"):
         pipe("a cat", seed=3, num_inference_steps=4, quality="fast")
-    fast_pipe = H3Pipeline.from_pretrained(tiny, device="cpu", torch_dtype=torch.float32, quality="fast")
+    fast_pipe = H3Pipeline.from_pretrained(tiny_dir, device="cpu", torch_dtype=torch.float32, quality="fast")
     fast = fast_pipe("a cat", seed=3, num_inference_steps=4)
     psnr = _psnr(fast.video, exact.video)
     assert 71 < psnr < 84, psnr  # an approximation, but a close one: measured 77.4 dB; bounds +-6 dB (MSE 4x)
