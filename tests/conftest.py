@@ -11,6 +11,19 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 torch.set_num_threads(min(2, os.cpu_count() or 1))
+if not torch.cuda.is_available():
+    # Triton reads this when a kernel is defined, and a library imported while collecting (diffusers, peft) may
+    # import Triton first: set here, before any test module, the tests' Triton kernels all run in the interpreter.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory):
+    """The tiny random-weight MiniMax-H3 checkpoint in the released on-disk layout, built once per run (tests read
+    it and never write into it)."""
+    from h3gen.pipelines.h3.tiny_checkpoint import tiny_checkpoint
+
+    return tiny_checkpoint(cache_dir=tmp_path_factory.mktemp("cache"))
 
 
 @pytest.fixture
