@@ -29,7 +29,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_h3_step import cast_with_islands, inputs  # noqa: E402
-from common import print_table, rel_l2, time_cuda  # noqa: E402
+from common import print_table, rel_l2, synchronize, timer  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 
 from h3gen.pipelines.h3.lora_registry import LoraRegistry, activate, check_targets, deactivate  # noqa: E402
@@ -39,27 +39,6 @@ from h3gen.pipelines.h3.transformer import H3Transformer, H3TransformerConfig  #
 TURBO_MODULES = ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "ff.net.0.proj", "ff.net.2")
 TINY = dict(num_attention_heads=2, attention_head_dim=32, hidden_size=64, num_refiner_layers=2, ffn_dim=128,
             text_dim=64, freq_dim=32, time_embed_hidden_dim=64, time_embed_dim=32, rope_freq_dim=4)
-
-
-def timer(device):
-    """`fn -> median ms`: CUDA events on a GPU, wall clock elsewhere."""
-    if device.type == "cuda":
-        return lambda fn, repeat: time_cuda(fn, warmup=2, repeat=repeat)
-
-    def wall(fn, repeat):
-        fn()
-        times = []
-        for _ in range(repeat):
-            start = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - start) * 1000)
-        return statistics.median(times)
-    return wall
-
-
-def sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def write_turbo_file(path: Path, model: H3Transformer, rank: int, seed: int) -> None:
@@ -93,11 +72,11 @@ def kernel_us(fn, device, repeat: int = 3) -> dict[str, float]:
     from torch.profiler import ProfilerActivity, profile
 
     fn()
-    sync(device)
+    synchronize(device)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(repeat):
             fn()
-        sync(device)
+        synchronize(device)
     totals: dict[str, float] = {}
     for event in prof.events():
         if event.device_type == torch.autograd.DeviceType.CUDA:
@@ -176,7 +155,7 @@ def measure(layers: int, rows: int, args, device, dtype, folder: Path) -> dict:
     first_use_s = (time.perf_counter() - start) / len(files)
     adapters = [[(registry.adapter(name), 1.0)] for name in names]
     kwargs = inputs(rows, config, device) if not args.tiny else tiny_inputs(rows, config, device)
-    time_ms = timer(device)
+    time_ms = timer(device, warmup=2)
     out = {"first use s": first_use_s}
     with torch.no_grad():
         out["diffusers"] = time_ms(lambda: reference(**kwargs, return_dict=False), args.repeat)
@@ -205,10 +184,10 @@ def measure(layers: int, rows: int, args, device, dtype, folder: Path) -> dict:
         # Switching between two registered adapters, as consecutive requests with different sets do.
         switches = []
         for i in range(4):
-            sync(device)
+            synchronize(device)
             start = time.perf_counter()
             activate(ours, adapters[(i + 1) % 2], "t2va", device)
-            sync(device)
+            synchronize(device)
             switches.append(time.perf_counter() - start)
         out["switch s"] = statistics.median(switches)
         deactivate(ours)

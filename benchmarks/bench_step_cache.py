@@ -28,7 +28,6 @@ The forced decisions go through the cache's test and benchmark hook (`StepCache(
 
 import argparse
 import json
-import statistics
 import sys
 import tempfile
 import time
@@ -38,7 +37,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import print_table, rel_l2, time_cuda  # noqa: E402
+from common import print_table, rel_l2, synchronize, timer  # noqa: E402
 
 from h3gen.offload import apply_layerwise_offload  # noqa: E402
 from h3gen.pipelines.h3.packing import build_layout, row_timesteps  # noqa: E402
@@ -122,28 +121,6 @@ def forward(model, fixed, video, sound, plan, tables, step):
     timestep, indices = plan[step]
     return model(hidden_states=video[None], audio_hidden_states=sound[None], timestep=timestep,
                  timestep_indices=indices, adaln_tables=tables, step=step, return_dict=False, **fixed)
-
-
-def timer(device):
-    """Median milliseconds of `fn()`: CUDA events on a GPU, wall clock on the CPU."""
-    if device.type == "cuda":
-        return lambda fn, repeat: time_cuda(fn, warmup=1, repeat=repeat)
-
-    def cpu(fn, repeat):
-        fn()
-        times = []
-        for _ in range(repeat):
-            start = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - start) * 1e3)
-        return statistics.median(times)
-
-    return cpu
-
-
-def synchronize(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize()
 
 
 # ---------------------------------------------------------------------------------------------------- runs

@@ -1,10 +1,11 @@
 """Shared benchmark helpers: CUDA-event timing (warm-up, median), error metrics, table printing."""
 
 import statistics
+import time
 
 import torch
 
-MATMUL_PEAK_TFLOPS = 777.0  # bf16, measured on the H200 (h3-serving-anchors.md); re-measured by bench scripts
+MATMUL_PEAK_TFLOPS = 777.0  # bf16, measured on the H200; the bench scripts measure it again in their own run
 
 
 def time_cuda(fn, *, warmup: int = 3, repeat: int = 10, setup=None) -> float:
@@ -26,6 +27,30 @@ def time_cuda(fn, *, warmup: int = 3, repeat: int = 10, setup=None) -> float:
         end.synchronize()
         times.append(start.elapsed_time(end))
     return statistics.median(times)
+
+
+def timer(device: torch.device, warmup: int = 1):
+    """`(fn, repeat) -> median milliseconds of fn()`: CUDA events after `warmup` runs on a GPU, the wall clock after
+    one run elsewhere (a `--tiny` run on the CPU only shows that a script works end to end)."""
+    if device.type == "cuda":
+        return lambda fn, repeat: time_cuda(fn, warmup=warmup, repeat=repeat)
+
+    def wall(fn, repeat):
+        fn()
+        times = []
+        for _ in range(repeat):
+            start = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - start) * 1e3)
+        return statistics.median(times)
+
+    return wall
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for `device`'s queued work (nothing to wait for off CUDA)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def rel_l2(actual: torch.Tensor, expected: torch.Tensor) -> float:
