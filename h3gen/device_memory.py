@@ -8,6 +8,10 @@ segments (one segment per stream that grows and shrinks by pages) leave no such 
 recommends them for workloads whose allocation sizes change between iterations.
 
 The operator's own `PYTORCH_CUDA_ALLOC_CONF` / `PYTORCH_ALLOC_CONF` is left as it is.
+
+`torch.cuda.mem_get_info` counts the blocks the caching allocator holds but no tensor uses (reserved less allocated)
+as used, although our next allocations are served from them: after one large request almost all the device looks
+taken. `available_device_memory` counts them as available.
 """
 
 import logging
@@ -40,3 +44,13 @@ def use_expandable_segments(device) -> bool:
         logger.warning("expandable segments are not available (%s); the CUDA allocator keeps its default.", error)
         return False
     return True
+
+
+def available_device_memory(device) -> int | None:
+    """Bytes our tensors may still take on `device`: the driver's free memory plus the blocks PyTorch's allocator
+    caches there unused; None off CUDA (no figure to cap by)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    free, _ = torch.cuda.mem_get_info(device)
+    return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)

@@ -11,11 +11,12 @@ from h3_tiny import TINY_CONFIGS, max_rel_err, random_inputs, randomize_
 from lora_files import (TURBO_MODULES, diffusers_holder, diffusers_shapes, native_shapes, random_factors,
                         write_diffusers, write_native)
 
+from h3gen.device_memory import available_device_memory
 from h3gen.errors import RequestError
 from h3gen.kernels.fp8_quant import quantize_rows
 from h3gen.lora import LoraFactors, LoraGroup
 from h3gen.pipelines.h3.lora_formats import read_lora
-from h3gen.pipelines.h3.adapter_memory import DeviceMemory, available_device_memory
+from h3gen.pipelines.h3.adapter_memory import DeviceMemory
 from h3gen.pipelines.h3.lora_registry import (LORA_GPU_RESERVE, LoraRegistry, activate, check_targets, deactivate,
                                               fp8_layers, lora_budget_bytes, lora_device_bytes, merge_into)
 from h3gen.pipelines.h3.tiers import set_quality

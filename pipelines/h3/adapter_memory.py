@@ -1,11 +1,8 @@
 """Device memory a pipeline's LoRA adapters may still take, as seen from a request handler.
 
-`torch.cuda.mem_get_info` counts the blocks PyTorch's caching allocator holds but no tensor uses (reserved less
-allocated) as used, although our next allocations are served from them: after one large request almost all the
-device looks taken. `available_device_memory` counts them as available.
-
-A REST server validates a request while another may be running, whose activations fill the device for the duration
-of that call only. `DeviceMemory` therefore measures live while no call runs and otherwise answers with the figure
+The figure is `h3gen.device_memory.available_device_memory` (the driver's free memory plus what PyTorch's
+allocator caches unused). A REST server validates a request while another may be running, whose activations fill the
+device for the duration of that call only. `DeviceMemory` therefore measures live while no call runs and otherwise answers with the figure
 taken when the last call ended (or when the idle pipeline was entered or built). Each figure includes what the
 adapters of each transformer partition held at that instant (`held`), since a new set replaces them.
 """
@@ -17,15 +14,7 @@ from typing import Callable
 
 import torch
 
-
-def available_device_memory(device) -> int | None:
-    """Bytes our tensors may still take on `device`: the driver's free memory plus the blocks PyTorch's allocator
-    caches there unused; None off CUDA (no figure to cap by)."""
-    device = torch.device(device)
-    if device.type != "cuda":
-        return None
-    free, _ = torch.cuda.mem_get_info(device)
-    return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+from h3gen.device_memory import available_device_memory
 
 
 class DeviceMemory:
