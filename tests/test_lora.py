@@ -15,7 +15,6 @@ from h3gen.device_memory import available_device_memory
 from h3gen.errors import RequestError
 from h3gen.kernels.fp8_quant import quantize_rows
 from h3gen.lora import LoraFactors, LoraGroup
-from h3gen.lora.layers import defer_update
 from h3gen.pipelines.h3.lora_formats import read_lora
 from h3gen.pipelines.h3.adapter_memory import DeviceMemory
 from h3gen.pipelines.h3.lora_registry import (LORA_GPU_RESERVE, LoraRegistry, activate, check_targets, deactivate,
@@ -571,40 +570,6 @@ def test_a_shared_a_is_projected_once_and_stacking_stays_exact():
             want = plain + sum(f.scale * (x @ f.down.t()) @ f.up.t() for f in factors)
             assert max_rel_err(layer(x), want) <= 1e-6
         group.detach()
-
-
-def test_a_deferred_update_is_the_hooks_update_left_for_the_next_kernel():
-    """The fused tiers hand q's, k's and the SwiGLU projection's update to the kernel that reads the output
-    (`defer_update`); where the A's are not one run of the group's projection the hook adds it as before."""
-    torch.manual_seed(0)
-    x = torch.randn(5, 32)
-    layers = [torch.nn.Linear(32, 48, bias=False) for _ in range(3)]
-    stacked = [(layer, [_factors(48, 32, seed=i), _factors(48, 32, rank=4, seed=9 + i)])
-               for i, layer in enumerate(layers)]
-    with torch.no_grad():
-        base = [layer(x) for layer in layers]
-        group = LoraGroup.build(stacked, "cpu").attach()
-        hooked = [layer(x) for layer in layers]
-        calls = []
-        original = group._project
-        group._project = lambda rows: calls.append(1) or original(rows)
-        for layer, plain, want in zip(layers, base, hooked):
-            y, (hidden, up) = defer_update(layer, x)
-            assert torch.equal(y, plain) and hidden.shape == (5, 12) and up.shape == (48, 12)
-            assert max_rel_err(y + hidden @ up.t(), want) <= 1e-6
-        assert len(calls) == 1 and group._input is None  # still one projection for the group, no reference kept
-        group.detach()
-        shared = _factors(48, 32, seed=1)
-        mixed = [(layer, [LoraFactors(shared.down, torch.randn(48, 8), 0.3), _factors(48, 32, rank=4, seed=2)])
-                 for layer in layers]
-        group = LoraGroup.build(mixed, "cpu").attach()
-        hooked = [layer(x) for layer in layers]
-        for layer, want in zip(layers, hooked):  # the first member's A's are one run, the others' are not
-            y, update = defer_update(layer, x)
-            assert (update is None) == (layer is not layers[0])
-            assert max_rel_err(y if update is None else y + update[0] @ update[1].t(), want) <= 1e-6
-        group.detach()
-        assert defer_update(layers[0], x)[1] is None and torch.equal(defer_update(layers[0], x)[0], base[0])
 
 
 def test_a_file_diffusers_saved_with_its_peft_config_is_scaled_as_that_config_says(tmp_path):

@@ -16,11 +16,7 @@ How the update reaches each kind of base:
     and a GEMM at half the FP8 rate (benchmarks/RESULTS.md);
   - tensor-parallel shards: the layer's `partial_hook` adds this rank's share before any collective. A
     column-parallel shard keeps `A` whole and its rows of `B` (per logical split, as its weight); a row-parallel
-    shard keeps its input columns of `A` and `B` whole, so the partial sums add up over the all-reduce;
-  - a layer whose output goes straight into a fused kernel that takes a low-rank `update` (`h3gen.kernels.low_rank`:
-    SwiGLU, q/k norm + RoPE): `defer_update` runs the layer without the add and hands `(x A^T, scale B)` to that
-    kernel, which adds it per tile as it reads the output. The separate add reads and writes the whole output; at
-    8,192 rows that pass was most of the LoRA's cost (benchmarks/RESULTS.md).
+    shard keeps its input columns of `A` and `B` whole, so the partial sums add up over the all-reduce.
 """
 
 from dataclasses import dataclass, field
@@ -83,7 +79,6 @@ class _Member:
     segments: list[tuple[int, int, int]]
     up: torch.Tensor  # (out_local, sum of ranks): its adapters' scale * B side by side, in the layer's compute dtype
     handle: object = None
-    deferred: bool = False  # set by `defer_update` around one call: the hook leaves the output as it is
 
 
 @dataclass
@@ -164,8 +159,6 @@ class LoraGroup:
 
     def apply(self, member: _Member, x, y: torch.Tensor) -> torch.Tensor:
         """`y` (the layer's output, or a TP rank's partial product) plus this member's update of input `x`."""
-        if member.deferred:
-            return y
         hidden = self._hidden_for(x)
         in_place = y.dtype == member.up.dtype and y.is_contiguous()
         rows = y.view(-1, y.shape[-1]) if in_place else None
@@ -206,27 +199,6 @@ class LoraGroup:
             member.layer.lora_group = None
         self._input = self._hidden = None
         self.attached = False
-
-
-def defer_update(layer: nn.Module, x) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
-    """`layer(x)` without its LoRA update, and the update as `(hidden, up)` for a kernel that reads the output
-    (`h3gen.kernels.low_rank`): hidden `(M, rank)` (M = x's rows, a column slice of the group's projection) and up
-    `(out_features, rank)`, both in the layer's compute dtype. Returns `(layer(x), None)`, update included, where
-    it cannot be left: no adapter; a tensor-parallel shard (its partial sums meet in a collective first); another
-    forward hook on the layer, which must see the whole output; or A's that are not one run of the projection
-    (stacked adapters that share some A's with other members and not others)."""
-    group = getattr(layer, "lora_group", None)
-    member = next((m for m in group.members if m.layer is layer), None) if group is not None else None
-    if (member is None or len(member.segments) != 1 or _tensor_parallel(layer)
-            or len(layer._forward_hooks) != 1 or member.handle is None):
-        return layer(x), None
-    member.deferred = True
-    try:
-        y = layer(x)
-    finally:
-        member.deferred = False
-    start, _, width = member.segments[0]
-    return y, (group._hidden_for(x)[:, start : start + width], member.up)
 
 
 def attach_group(members: list[tuple[nn.Module, list[LoraFactors]]], device) -> LoraGroup:

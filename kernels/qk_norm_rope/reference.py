@@ -7,7 +7,6 @@ import torch
 import torch.nn.functional as F
 
 from h3gen.kernels.fp8_quant.reference import FP8_MAX, to_fp8
-from h3gen.kernels.low_rank import add_update
 
 
 def fp8_scale(weight: torch.Tensor) -> torch.Tensor:
@@ -33,19 +32,15 @@ def _norm_rope(x, weight, cos, sin, eps, heads_first):
 
 
 def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, weight_q: torch.Tensor, weight_k: torch.Tensor,
-                 cos: torch.Tensor, sin: torch.Tensor, eps: float, heads_first: bool = False, fp8: bool = False,
-                 updates=(None, None)):
+                 cos: torch.Tensor, sin: torch.Tensor, eps: float, heads_first: bool = False, fp8: bool = False):
     """Args:
         q, k: `(B, S, heads, D)`. weight_q, weight_k: `(D,)`. cos, sin: `(S, R)` float32, R <= D, R even.
         heads_first: return `(B, heads, S, D)` contiguous (the layout attention kernels read) instead.
         fp8: compute in float32 and quantize to e4m3 with `fp8_scale(weight)` (FP8 attention's inputs).
-        updates: for q and for k, None or a low-rank update `(hidden (B*S, r), up (heads*D, r))` added first
-            (`x + hidden @ up^T`: the unmerged LoRA of the projection that made it).
     Returns:
         `(q, k)` in the input dtype; with `fp8`, `((q, q_descale), (k, k_descale))`, e4m3 values and `(B, heads)`
         float32 descales.
     """
-    q, k = add_update(q, updates[0]), add_update(k, updates[1])
     if not fp8:
         return tuple(_norm_rope(x, w, cos, sin, eps, heads_first) for x, w in ((q, weight_q), (k, weight_k)))
     out = []

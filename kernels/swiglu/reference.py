@@ -4,15 +4,11 @@ import torch
 import torch.nn.functional as F
 
 from h3gen.kernels.fp8_quant.reference import Fp8Rows, quantize_rows
-from h3gen.kernels.low_rank import add_update
 
 
-def swiglu(x: torch.Tensor, fp8: bool = False, update: tuple[torch.Tensor, torch.Tensor] | None = None
-           ) -> torch.Tensor | Fp8Rows:
+def swiglu(x: torch.Tensor, fp8: bool = False) -> torch.Tensor | Fp8Rows:
     """`(..., 2F)` holding `[value; gate]` -> `(..., F)` = `value * silu(gate)`, in x.dtype; or (`fp8`) computed
-    in float32 and quantized to e4m3 per row, as `Fp8Rows`. `update` (`hidden` `(M, r)`, `up` `(2F, r)`, M the
-    rows of x) is added to x first: the unmerged LoRA of the projection that made x (see `add_update`)."""
-    x = add_update(x, update)
+    in float32 and quantized to e4m3 per row, as `Fp8Rows`."""
     if fp8:
         return quantize_rows(swiglu(x.float()))
     value, gate = x.chunk(2, dim=-1)

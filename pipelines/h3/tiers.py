@@ -23,19 +23,8 @@ from h3gen.kernels.norm_modulate import rmsnorm_modulate
 from h3gen.kernels.qk_norm_rope import qk_norm_rope
 from h3gen.kernels.swiglu import swiglu
 from h3gen.linear import to_fp8
-from h3gen.lora.layers import defer_update
 from h3gen.options import QUALITY_TIERS, base_tier, check_choice
 from h3gen.pipelines.h3.transformer import AttentionCore
-
-
-def _qkv(attn, normed):
-    """q, k, v `(B, S, heads, D)` of the normalised rows, and the LoRA updates of q and k left for q/k norm +
-    RoPE to add (`defer_update`; None where there is none)."""
-    query, q_update = defer_update(attn.to_q, normed)
-    key, k_update = defer_update(attn.to_k, normed)
-    value = attn.to_v(normed)
-    heads = (-1, attn.head_dim)
-    return query.unflatten(-1, heads), key.unflatten(-1, heads), value.unflatten(-1, heads), (q_update, k_update)
 
 
 def fused_block_forward(block, hidden_states: torch.Tensor, table: torch.Tensor, adaln_indices: torch.Tensor,
@@ -46,15 +35,15 @@ def fused_block_forward(block, hidden_states: torch.Tensor, table: torch.Tensor,
     attn = block.attn
     normed = rmsnorm_modulate(hidden_states, block.norm1.weight, shift_msa, scale_msa, adaln_indices,
                               block.norm1.eps)
-    query, key, value, updates = _qkv(attn, normed)
-    query, key = qk_norm_rope(query, key, attn.norm_q.weight, attn.norm_k.weight, *rotary_emb, attn.norm_q.eps,
-                              updates=updates)
+    query = attn.to_q(normed).unflatten(-1, (-1, attn.head_dim))
+    key = attn.to_k(normed).unflatten(-1, (-1, attn.head_dim))
+    value = attn.to_v(normed).unflatten(-1, (-1, attn.head_dim))
+    query, key = qk_norm_rope(query, key, attn.norm_q.weight, attn.norm_k.weight, *rotary_emb, attn.norm_q.eps)
     out = attn.to_out[0](attn.core(query, key, value).flatten(2, 3))
     hidden_states, normed = gated_residual_norm_modulate(
         hidden_states, out, gate_msa, adaln_indices, block.norm2.weight, shift_mlp, scale_mlp, block.norm2.eps,
         out=hidden_states)
-    projected, update = defer_update(block.ff.net[0].proj, normed)
-    ff = block.ff.net[2](swiglu(projected, update=update))
+    ff = block.ff.net[2](swiglu(block.ff.net[0].proj(normed)))
     return gated_residual(hidden_states, ff, gate_mlp, adaln_indices, out=hidden_states)
 
 
@@ -67,20 +56,21 @@ def fast_block_forward(block, hidden_states: torch.Tensor, table: torch.Tensor, 
     attn = block.attn
     normed = rmsnorm_modulate(hidden_states, block.norm1.weight, shift_msa, scale_msa, adaln_indices,
                               block.norm1.eps, fp8=True)
-    query, key, value, updates = _qkv(attn, normed)
+    query = attn.to_q(normed).unflatten(-1, (-1, attn.head_dim))
+    key = attn.to_k(normed).unflatten(-1, (-1, attn.head_dim))
+    value = attn.to_v(normed).unflatten(-1, (-1, attn.head_dim))
     rope_args = (attn.norm_q.weight, attn.norm_k.weight, *rotary_emb, attn.norm_q.eps)
     # A sequence-parallel core exchanges bf16 heads between ranks: only the plain core takes e4m3 directly.
     if type(attn.core) is AttentionCore and takes_fp8_inputs(attn.core.backend):
-        query, key = qk_norm_rope(query, key, *rope_args, fp8=True, updates=updates)
+        query, key = qk_norm_rope(query, key, *rope_args, fp8=True)
         out = fp8_attention(query, key, quantize_heads(value), out_dtype=hidden_states.dtype)
     else:
-        out = attn.core(*qk_norm_rope(query, key, *rope_args, updates=updates), value)
+        out = attn.core(*qk_norm_rope(query, key, *rope_args), value)
     out = attn.to_out[0](out.flatten(2, 3))
     hidden_states, normed = gated_residual_norm_modulate(
         hidden_states, out, gate_msa, adaln_indices, block.norm2.weight, shift_mlp, scale_mlp, block.norm2.eps,
         out=hidden_states, fp8=True)
-    projected, update = defer_update(block.ff.net[0].proj, normed)
-    ff = block.ff.net[2](swiglu(projected, fp8=True, update=update))
+    ff = block.ff.net[2](swiglu(block.ff.net[0].proj(normed), fp8=True))
     return gated_residual(hidden_states, ff, gate_mlp, adaln_indices, out=hidden_states)
 
 
