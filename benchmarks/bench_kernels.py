@@ -1,7 +1,9 @@
 """Launch configurations of the row kernels at H3 shapes (hidden 5376, 56 heads x 128, SwiGLU 14336), to pick the
-defaults: time and achieved bandwidth per config, best first per kernel.
+defaults: time and achieved bandwidth per config, best first per kernel. With `--lora-rank R`, also how a dense
+bf16 linear best takes a rank-R LoRA update: alone, with the update added after the GEMM (`addmm_` into the
+output), and with the update written first and the GEMM adding into it (`h3gen.lora.layers`).
 
-    python benchmarks/bench_kernels.py --rows 8192 37838
+    python benchmarks/bench_kernels.py --rows 8192 37838 [--lora-rank 128 [--only-lora]]
 """
 
 import argparse
@@ -24,6 +26,9 @@ HIDDEN, HEADS, DIM, FFN = 5376, 56, 128, 14336
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rows", type=int, nargs="+", default=[8192, 37838])
+    parser.add_argument("--lora-rank", type=int, default=0, help="also time the dense linear with a LoRA update of "
+                                                                "this rank both ways (0: skip)")
+    parser.add_argument("--only-lora", action="store_true", help="time only the LoRA cases")
     args = parser.parse_args()
     table = []
     for rows in args.rows:
@@ -49,10 +54,32 @@ def main():
         cases += [(f"swiglu block {b} w{w}", 3 * rows * FFN * 2, lambda b=b, w=w: swiglu.swiglu(up, block=b,
                                                                                              num_warps=w))
                   for b in (1024, 2048, 4096) for w in (4, 8)]
+        if args.only_lora:
+            cases = []
+        if args.lora_rank:
+            cases += lora_cases(rows, args.lora_rank)
         for name, nbytes, fn in cases:
             ms = time_cuda(fn, repeat=20)
             table.append({"rows": rows, "kernel": name, "ms": f"{ms:.3f}", "GB/s": f"{nbytes / ms / 1e6:.0f}"})
     print_table(table, ["rows", "kernel", "ms", "GB/s"])
+
+
+def lora_cases(rows, rank):
+    """(name, output bytes written or read, call) for q, the SwiGLU projection and ff.net.2 with a rank-`rank`
+    update: the linear alone, then `addmm_` of the update into its output, and the update first with the linear's
+    GEMM adding into it (beta = 1)."""
+    bf16 = dict(device="cuda", dtype=torch.bfloat16)
+    cases = []
+    for name, n, k in (("q", HEADS * DIM, HIDDEN), ("SwiGLU projection", 2 * FFN, HIDDEN), ("ff.net.2", HIDDEN, FFN)):
+        x, w = torch.randn(rows, k, **bf16), torch.randn(n, k, **bf16) * 0.02
+        hidden, up = torch.randn(rows, rank, **bf16), torch.randn(n, rank, **bf16) * 0.01
+        out = rows * n * 2
+        cases += [(f"{name}: linear alone", out, lambda x=x, w=w: torch.nn.functional.linear(x, w)),
+                  (f"{name}: linear, then addmm_ of the update", 3 * out,
+                   lambda x=x, w=w, h=hidden, u=up: torch.nn.functional.linear(x, w).addmm_(h, u.t())),
+                  (f"{name}: update first, linear adds into it", 2 * out,
+                   lambda x=x, w=w, h=hidden, u=up: torch.mm(h, u.t()).addmm_(x, w.t()))]
+    return cases
 
 
 if __name__ == "__main__":

@@ -572,6 +572,28 @@ def test_a_shared_a_is_projected_once_and_stacking_stays_exact():
         group.detach()
 
 
+def test_a_dense_linear_writes_the_update_first_and_gets_its_forward_back():
+    """On an `nn.Linear` the update (and bias) is written first and the layer's GEMM adds into it; detaching
+    restores the class's forward. The other bases keep a forward hook."""
+    torch.manual_seed(0)
+    dense = torch.nn.Linear(32, 48, bias=True)
+    fp8 = Fp8Linear(torch.nn.Linear(32, 48, bias=False))
+    factors = [_factors(48, 32, seed=1), _factors(48, 32, rank=4, seed=2)]
+    x = torch.randn(2, 5, 32)
+    with torch.no_grad():
+        plain = dense(x)
+        group = LoraGroup.build([(dense, factors)], "cpu").attach()
+        assert "forward" in vars(dense) and not dense._forward_hooks
+        want = plain + sum(f.scale * (x @ f.down.t()) @ f.up.t() for f in factors)
+        assert dense(x).shape == (2, 5, 48) and max_rel_err(dense(x), want) <= 1e-6
+        group.detach()
+        assert "forward" not in vars(dense) and torch.equal(dense(x), plain)
+        group = LoraGroup.build([(fp8, factors)], "cpu").attach()
+        assert "forward" not in vars(fp8) and len(fp8._forward_hooks) == 1
+        group.detach()
+        assert not fp8._forward_hooks
+
+
 def test_a_file_diffusers_saved_with_its_peft_config_is_scaled_as_that_config_says(tmp_path):
     from diffusers.loaders.lora_pipeline import MiniMaxH3LoraLoaderMixin
     from peft import LoraConfig, get_peft_model_state_dict

@@ -4,11 +4,16 @@ An adapter's update of one linear is `delta W = scale * B A` (`A` `(rank, in)`, 
 unmerged, the layer computes `y = base(x) + (x A^T) (scale B)^T` for every active adapter. Linears that read the
 same input tensor (an attention's q, k and v) form a `LoraGroup`: one GEMM projects the input onto all of their
 stacked `A`s (an `A` they share, as a fused-QKV file's, once), then each member adds its own `x A^T` slice times its
-stacked `scale * B`s in one `addmm_` (the add fused into the GEMM). The group's tensors are plain attributes, never parameters or buffers: a layer-wise offload
-that streams a block's weights leaves them where they are (on the GPU, for the whole request).
+stacked `scale * B`s in one GEMM. The group's tensors are plain attributes, never parameters or buffers: a
+layer-wise offload that streams a block's weights leaves them where they are (on the GPU, for the whole request).
 
 How the update reaches each kind of base:
-  - dense `nn.Linear`, `Fp8Linear`, `MXFP4Linear`: a forward hook adds it to the layer's output. An FP8 layer's
+  - dense `nn.Linear`: the layer's forward is replaced while the group is attached: it writes the update
+    (`x A^T (scale B)^T`, plus the bias) first and lets the layer's own GEMM add `x W^T` into it (beta = 1). An add
+    after the GEMM reads and writes the whole output once more; written first, the update costs one write, and the
+    GEMM reads it back in its epilogue, which overlaps its main loop (benchmarks/RESULTS.md);
+  - `Fp8Linear`, `MXFP4Linear` (their GEMMs take no matrix to add into): a forward hook adds it to the layer's
+    output. An FP8 layer's
     input may be e4m3 `Fp8Rows` from a fused kernel (the fast tier): the A projection then runs as an FP8 GEMM
     like the layer's own (`h3gen.quant.fp8.fp8_matmul`, A quantized per rank row, its rows padded to the GEMM's
     multiple of 16), reading the e4m3 rows as they are; `x A^T` comes out in the compute dtype and the B product
@@ -78,7 +83,7 @@ class _Member:
     # (column in the group's projected input, column in `up`, width) of each contiguous run of this member's A's
     segments: list[tuple[int, int, int]]
     up: torch.Tensor  # (out_local, sum of ranks): its adapters' scale * B side by side, in the layer's compute dtype
-    handle: object = None
+    handle: object = None  # the forward hook's handle, or None where the layer's forward was replaced
 
 
 @dataclass
@@ -170,6 +175,20 @@ class LoraGroup:
                 y = y + (part @ up.t()).to(y.dtype).view(y.shape)
         return y
 
+    def forward_update_first(self, member: _Member, x: torch.Tensor) -> torch.Tensor:
+        """A dense `nn.Linear`'s forward with this member's update: `x` `(..., in)` -> `(..., out)` in the weight's
+        dtype. The update (and the bias) is written first and the layer's GEMM adds `x W^T` into it."""
+        layer, hidden = member.layer, self._hidden_for(x)
+        out = None
+        for start, up_start, width in member.segments:
+            part, up = hidden[:, start : start + width], member.up[:, up_start : up_start + width]
+            if out is None:
+                out = torch.mm(part, up.t()) if layer.bias is None else torch.addmm(layer.bias, part, up.t())
+            else:
+                out.addmm_(part, up.t())
+        out.addmm_(x.reshape(-1, x.shape[-1]), layer.weight.t())
+        return out.view(*x.shape[:-1], out.shape[-1])
+
     # ------------------------------------------------------------------ hooks
 
     def attach(self) -> "LoraGroup":
@@ -181,6 +200,8 @@ class LoraGroup:
             layer.lora_group = self
             if _tensor_parallel(layer):
                 layer.partial_hook = partial(self.apply, member)
+            elif type(layer) is nn.Linear:
+                layer.forward = partial(self.forward_update_first, member)  # an instance attribute: see detach
             else:
                 # Ahead of other forward hooks: the update belongs to the layer's own output (Ulysses gathers the
                 # rows of the output heads in a hook of its own).
@@ -196,6 +217,7 @@ class LoraGroup:
                 member.handle = None
             if _tensor_parallel(member.layer):
                 member.layer.partial_hook = None
+            member.layer.__dict__.pop("forward", None)  # back to the class's forward
             member.layer.lora_group = None
         self._input = self._hidden = None
         self.attached = False
