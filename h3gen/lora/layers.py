@@ -9,9 +9,9 @@ layer-wise offload that streams a block's weights leaves them where they are (on
 
 How the update reaches each kind of base:
   - dense `nn.Linear`: the layer's forward is replaced while the group is attached: it writes the update
-    (`x A^T (scale B)^T`, plus the bias) first and lets the layer's own GEMM add `x W^T` into it (beta = 1). An add
-    after the GEMM reads and writes the whole output once more; written first, the update costs one write, and the
-    GEMM reads it back in its epilogue, which overlaps its main loop (benchmarks/RESULTS.md);
+    (`x A^T (scale B)^T`, plus the bias) first and lets the layer's own GEMM add `x W^T` into it (beta = 1). That
+    moves as many bytes as adding the update after the GEMM (which reads and writes the output once more), and on
+    the H200 it measured faster in the whole step at both row counts (benchmarks/RESULTS.md);
   - `Fp8Linear`, `MXFP4Linear` (their GEMMs take no matrix to add into): a forward hook adds it to the layer's
     output. An FP8 layer's
     input may be e4m3 `Fp8Rows` from a fused kernel (the fast tier): the A projection then runs as an FP8 GEMM
