@@ -14,7 +14,7 @@ from lora_files import (TURBO_MODULES, diffusers_holder, diffusers_shapes, nativ
 from h3gen.device_memory import available_device_memory
 from h3gen.errors import RequestError
 from h3gen.kernels.fp8_quant import quantize_rows
-from h3gen.lora import LoraFactors, LoraGroup, wide_input
+from h3gen.lora import LoraFactors, LoraGroup
 from h3gen.pipelines.h3.lora_formats import read_lora
 from h3gen.pipelines.h3.adapter_memory import DeviceMemory
 from h3gen.pipelines.h3.lora_registry import (LORA_GPU_RESERVE, LoraRegistry, activate, check_targets, deactivate,
@@ -592,60 +592,6 @@ def test_a_dense_linear_writes_the_update_first_and_gets_its_forward_back():
         assert "forward" not in vars(fp8) and len(fp8._forward_hooks) == 1
         group.detach()
         assert not fp8._forward_hooks
-
-
-@pytest.mark.parametrize("shared_a", [False, True])
-def test_k_extended_members_run_the_update_inside_their_gemm_and_give_their_weights_back(shared_a):
-    """With `wide=True` a member whose A's lead the group's projected input reads `[x | x A^T]` (the buffer
-    `wide_input` handed the producer) by `[W | scale B]` in one GEMM; the others write the update first. Equal to
-    the dense update; detaching gives every layer its parameter back, the same object, contiguous, unchanged."""
-    torch.manual_seed(0)
-    layers = [torch.nn.Linear(40, 24 + 8 * i, bias=i == 1) for i in range(3)]
-    shared = _factors(24, 40, rank=6, seed=1)
-    members = [(layer, [LoraFactors(shared.down, torch.randn(layer.out_features, 6) * 0.1, 0.3)] if shared_a
-                else [_factors(layer.out_features, 40, rank=5, seed=2 + i), _factors(layer.out_features, 40, rank=3,
-                                                                                    seed=9 + i)])
-               for i, layer in enumerate(layers)]
-    params = [layer.weight for layer in layers]
-    saved = [p.detach().clone() for p in params]
-    x = torch.randn(2, 7, 40)
-    with torch.no_grad():
-        want = [layer(x) + sum(f.scale * (x @ f.down.t()) @ f.up.t() for f in factors)
-                for layer, factors in members]
-        group = LoraGroup.build(members, "cpu", wide=True).attach()
-        assert group.wide and [m.wide_end > 0 for m in group.members] == [True, shared_a, shared_a]
-        for _ in range(2):  # the buffer is handed out per input
-            wide = wide_input(layers[0], x.shape, "cpu")
-            assert wide.shape == x.shape and wide.stride(-2) == 40 + group.down.shape[0]
-            wide.copy_(x)
-            for layer, expected in zip(layers, want):
-                assert max_rel_err(layer(wide), expected) <= 1e-6
-            assert group._wide_x is None and group._input is None  # no reference kept after the last member
-        assert max_rel_err(layers[2](x), want[2]) <= 1e-6  # any other input: the update-first GEMM
-        group.detach()
-        for layer, param, before in zip(layers, params, saved):
-            assert layer.weight is param and param.is_contiguous() and torch.equal(param, before)
-            assert "forward" not in vars(layer)
-        assert wide_input(layers[0], x.shape, "cpu") is None
-
-
-def test_lossless_tier_feeds_k_extended_adapters_from_its_fused_kernels(tmp_path, monkeypatch):
-    """The lossless block's norms and SwiGLU write the inputs of the adapted q/k/v, SwiGLU projection and ff.net.2
-    into the adapters' wide buffers: the same output as with every update written first."""
-    from h3gen.pipelines.h3 import tiers
-
-    _, ours = _pair(CONFIG)
-    path = _diffusers_file(tmp_path, ours, "peft")
-    inputs = random_inputs(CONFIG, seed=8, **INPUTS)
-    fills = []
-    original = LoraGroup._fill_wide
-    monkeypatch.setattr(LoraGroup, "_fill_wide", lambda self: fills.append(1) or original(self))
-    wide, _ = _ours(ours, [(path, 1.0)], inputs=inputs, tier="lossless")
-    blocks = len(ours.transformer_blocks)
-    assert len(fills) == 3 * blocks  # q/k/v, SwiGLU projection, ff.net.2 of each block
-    monkeypatch.setattr(tiers, "wide_input", lambda *args: None)
-    update_first, _ = _ours(ours, [(path, 1.0)], inputs=inputs, tier="lossless")
-    assert len(fills) == 3 * blocks and max_rel_err(wide, update_first) <= 1e-5
 
 
 def test_a_file_diffusers_saved_with_its_peft_config_is_scaled_as_that_config_says(tmp_path):

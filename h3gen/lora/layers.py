@@ -32,7 +32,6 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from h3gen.kernels.fp8_quant import Fp8Rows
-from h3gen.lora.wide import extended_weight
 from h3gen.parallel.tp_linear import ColumnParallelLinear, RowParallelLinear
 from h3gen.quant.fp8 import fp8_matmul, fp8_weight
 
@@ -85,8 +84,6 @@ class _Member:
     segments: list[tuple[int, int, int]]
     up: torch.Tensor  # (out_local, sum of ranks): its adapters' scale * B side by side, in the layer's compute dtype
     handle: object = None  # the forward hook's handle, or None where the layer's forward was replaced
-    wide_end: int = 0  # K-extended (`h3gen.lora.wide`) when > 0: it reads the wide input's columns [0, in + wide_end)
-    wide_weight: torch.Tensor | None = None  # while attached: (out, in + wide_end), the layer's weight a view of it
 
 
 @dataclass
@@ -96,22 +93,17 @@ class LoraGroup:
 
     down: torch.Tensor  # (rows, in_local): every distinct A of the members, stacked, in the compute dtype
     members: list[_Member]
-    wide: bool = False  # whether members are K-extended (`h3gen.lora.wide`)
     _down_fp8: tuple[torch.Tensor, torch.Tensor] | None = None  # `down` as e4m3 rows and their scales (fast tier)
     _input: object = None
     _hidden: torch.Tensor | None = None
     _left: int = 0
-    _wide_x: object = None  # the input view `wide_input` handed out last, and its buffer (rows, in + rows of down)
-    _wide_buffer: torch.Tensor | None = None
     attached: bool = field(default=False)
 
     @classmethod
-    def build(cls, members: list[tuple[nn.Module, list[LoraFactors]]], device, wide: bool = False) -> "LoraGroup":
+    def build(cls, members: list[tuple[nn.Module, list[LoraFactors]]], device) -> "LoraGroup":
         """A group over `members` (each a linear and the adapters on it, in stacking order), its tensors on `device`
         in each layer's compute dtype. Every member must read an input of the same width and dtype. An A given to
-        several members as the same tensor (a fused QKV file's shared A) is projected once. `wide=True` lets
-        the members that can K-extend (`h3gen.lora.wide`: `_plan_wide`) do so once attached; the caller must
-        keep their weights where they are while attached (no layer-wise offload)."""
+        several members as the same tensor (a fused QKV file's shared A) is projected once."""
         downs, built, rows, placed = [], [], 0, {}
         dtype = None
         for layer, factors in members:
@@ -139,66 +131,12 @@ class LoraGroup:
         widths = {d.shape[1] for d in downs}
         if len(widths) != 1:
             raise ValueError(f"LoRA group members read inputs of widths {sorted(widths)}; they must share one input.")
-        group = cls(torch.cat(downs).to(dtype).contiguous(), built)
-        if wide:
-            group._plan_wide(torch.device(device))
-        return group
-
-    def _plan_wide(self, device: torch.device) -> None:
-        """Mark the members that K-extend: every member must be a dense `nn.Linear` (a float dtype of 16 bits or
-        more) with its weight on `device`. A member extends only where its A columns run from the group's first
-        without a gap (zeros in its extra columns would cost multiply-adds for nothing); the others keep the
-        update-first GEMM. FP8 linears never extend: their one scale per input row and per output feature would
-        have to cover `x A^T` and `B` too, which e4m3's range does not leave room for with adapters the size of
-        the benchmark's (benchmarks/history.md)."""
-        for member in self.members:
-            weight = getattr(member.layer, "weight", None)
-            if (type(member.layer) is not nn.Linear or weight.device != device or not weight.is_floating_point()
-                    or weight.dtype.itemsize < 2):
-                return
-        for member in self.members:
-            spans = sorted((start, width) for start, _, width in member.segments)
-            end, gapless = 0, True
-            for start, width in spans:
-                gapless &= start == end
-                end = max(end, start + width)
-            if gapless:
-                member.wide_end = end
-        self.wide = any(m.wide_end for m in self.members)
+        return cls(torch.cat(downs).to(dtype).contiguous(), built)
 
     @property
     def nbytes(self) -> int:
         tensors = [self.down] + [m.up for m in self.members] + list(self._down_fp8 or ())
-        extra = sum(m.wide_weight[:, m.layer.in_features:].numel() * m.wide_weight.element_size()
-                    for m in self.members if m.wide_weight is not None)
-        return sum(t.numel() * t.element_size() for t in tensors) + extra
-
-    # ------------------------------------------------------------------ K-extended input
-
-    def wide_input(self, shape, device) -> torch.Tensor:
-        """A buffer for the group's next input `shape` `(..., in)`: the view of its first `in` columns (compute
-        dtype) to hand the kernel that produces the input as its `out`. Members called with that very view read the
-        buffer whole. The first call extends the members' weights (a copy of each), so a group no kernel asks this
-        of never does."""
-        if not any(m.wide_weight is not None for m in self.members):
-            for member in self.members:
-                if member.wide_end:
-                    self._extend(member)
-        in_features, extra = shape[-1], self.down.shape[0]
-        rows = 1
-        for size in shape[:-1]:
-            rows *= size
-        buffer = torch.empty(rows, in_features + extra, dtype=self.down.dtype, device=device)
-        values = buffer[:, :in_features].view(*shape)
-        self._wide_x, self._wide_buffer = values, buffer
-        return values
-
-    def _fill_wide(self) -> torch.Tensor:
-        """Write the input's projections onto every A into the wide buffer's last columns; returns them
-        `(rows, R)`."""
-        buffer, in_features = self._wide_buffer, self._wide_buffer.shape[1] - self.down.shape[0]
-        torch.mm(buffer[:, :in_features], self.down.t(), out=buffer[:, in_features:])
-        return buffer[:, in_features:]
+        return sum(t.numel() * t.element_size() for t in tensors)
 
     # ------------------------------------------------------------------ forward
 
@@ -217,13 +155,10 @@ class LoraGroup:
     def _hidden_for(self, x) -> torch.Tensor:
         # The first member called with a new input projects it for all; the last one to use it drops the reference.
         if self._input is not x:
-            hidden = self._fill_wide() if x is self._wide_x else self._project(x)
-            self._input, self._hidden, self._left = x, hidden, len(self.members)
+            self._input, self._hidden, self._left = x, self._project(x), len(self.members)
         hidden = self._hidden
         self._left -= 1
         if self._left <= 0:
-            if x is self._wide_x:
-                self._wide_x = self._wide_buffer = None
             self._input = self._hidden = None
         return hidden
 
@@ -254,24 +189,6 @@ class LoraGroup:
         out.addmm_(x.reshape(-1, x.shape[-1]), layer.weight.t())
         return out.view(*x.shape[:-1], out.shape[-1])
 
-    def forward_wide(self, member: _Member, x: torch.Tensor) -> torch.Tensor:
-        """A K-extended member's forward: `x` `(..., in)` -> `(..., out)` in the weight's dtype. Given the view
-        `wide_input` handed out, one GEMM over the buffer's columns `[0, in + wide_end)` by the extended weight;
-        given any other input, `forward_update_first`."""
-        layer, buffer = member.layer, self._wide_buffer
-        if self._wide_x is None or x is not self._wide_x:
-            return self.forward_update_first(member, x)
-        self._hidden_for(x)  # fills the buffer's projected columns on the group's first call with this input
-        out = F.linear(buffer[:, : layer.in_features + member.wide_end], member.wide_weight, layer.bias)
-        return out.view(*x.shape[:-1], out.shape[-1])
-
-    def _extend(self, member: _Member) -> None:
-        """Give a K-extended member its `(out, in + wide_end)` weight; the layer's weight becomes a view of it."""
-        layer, up = member.layer, member.up
-        blocks = [(up[:, up_start : up_start + width], start) for start, up_start, width in member.segments]
-        member.wide_weight = extended_weight(layer.weight.detach(), blocks, member.wide_end)
-        layer.weight.data = member.wide_weight[:, : layer.in_features]  # the parameter keeps its identity
-
     # ------------------------------------------------------------------ hooks
 
     def attach(self) -> "LoraGroup":
@@ -281,9 +198,7 @@ class LoraGroup:
             if getattr(layer, "lora_group", None) is not None:
                 raise ValueError(f"a {type(layer).__name__} already carries a LoRA group; detach it first.")
             layer.lora_group = self
-            if member.wide_end:  # its weight is extended on the first `wide_input` (never, if no kernel asks)
-                layer.forward = partial(self.forward_wide, member)  # an instance attribute: see detach
-            elif _tensor_parallel(layer):
+            if _tensor_parallel(layer):
                 layer.partial_hook = partial(self.apply, member)
             elif type(layer) is nn.Linear:
                 layer.forward = partial(self.forward_update_first, member)  # an instance attribute: see detach
@@ -302,24 +217,10 @@ class LoraGroup:
                 member.handle = None
             if _tensor_parallel(member.layer):
                 member.layer.partial_hook = None
-            if member.wide_weight is not None:  # the weight back in a tensor of its own
-                member.layer.weight.data = member.wide_weight[:, : member.layer.in_features].contiguous()
-                member.wide_weight = None
             member.layer.__dict__.pop("forward", None)  # back to the class's forward
             member.layer.lora_group = None
-        self._input = self._hidden = self._wide_x = self._wide_buffer = None
+        self._input = self._hidden = None
         self.attached = False
-
-
-def wide_input(layer: nn.Module, shape, device) -> torch.Tensor | None:
-    """Where the input of `layer` (shape `(..., in)`) should be written for a K-extended LoRA (`h3gen.lora.wide`):
-    the `out` to hand the kernel producing it (a view of a wider buffer), then to pass to the layer and the others
-    of its group; None when `layer` carries no K-extended group (the producer then allocates its output as
-    usual)."""
-    group = getattr(layer, "lora_group", None)
-    if group is None or not group.wide:
-        return None
-    return group.wide_input(shape, device)
 
 
 def attach_group(members: list[tuple[nn.Module, list[LoraFactors]]], device) -> LoraGroup:

@@ -17,17 +17,6 @@ class Fp8Rows(NamedTuple):
     scale: torch.Tensor
 
 
-def copy_rows(out, result):
-    """Write a row kernel's `result` (a tensor, or `Fp8Rows`) into `out` (the same kind and shape; values may be a
-    column slice of a wider buffer) and return `out`."""
-    if isinstance(out, Fp8Rows):
-        out.values.copy_(result.values)
-        out.scale.copy_(result.scale)
-    else:
-        out.copy_(result)
-    return out
-
-
 def to_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """`x / scale` saturated to +-448 and rounded to e4m3 (float32 math)."""
     return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)

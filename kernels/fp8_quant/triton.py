@@ -40,15 +40,6 @@ def empty_rows(shape, rows: int, device) -> Fp8Rows:
                    torch.empty((rows, 1), dtype=torch.float32, device=device))
 
 
-def row_stride(values: torch.Tensor) -> int:
-    """The stride between consecutive rows of `values` `(..., H)`, whose columns must be contiguous and rows evenly
-    spaced (a contiguous tensor, or a column slice of a wider buffer)."""
-    rows = values.reshape(-1, values.shape[-1])
-    if values.stride(-1) != 1 or rows.untyped_storage().data_ptr() != values.untyped_storage().data_ptr():
-        raise ValueError("a row kernel's output needs contiguous columns and evenly spaced rows")
-    return rows.stride(0)
-
-
 def quantize_rows(x):
     """Same contract as `reference.quantize_rows`."""
     x = x.contiguous()

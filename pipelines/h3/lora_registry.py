@@ -291,10 +291,9 @@ def activate(transformer, adapters: list[tuple[Adapter, float]], task: str, devi
     for module, factors in per_module.items():
         grouped.setdefault(_group_of(module), []).append((layers[module], factors))
     groups = []
-    wide = getattr(transformer, "offload", None) is None  # K-extended weights need the layers to stay where they are
     try:
         for members in grouped.values():
-            groups.append(LoraGroup.build(members, device, wide=wide).attach())
+            groups.append(LoraGroup.build(members, device).attach())
     except BaseException:
         for group in groups:
             group.detach()

@@ -23,7 +23,6 @@ from h3gen.kernels.norm_modulate import rmsnorm_modulate
 from h3gen.kernels.qk_norm_rope import qk_norm_rope
 from h3gen.kernels.swiglu import swiglu
 from h3gen.linear import to_fp8
-from h3gen.lora import wide_input
 from h3gen.options import QUALITY_TIERS, base_tier, check_choice
 from h3gen.pipelines.h3.transformer import AttentionCore
 
@@ -31,13 +30,11 @@ from h3gen.pipelines.h3.transformer import AttentionCore
 def fused_block_forward(block, hidden_states: torch.Tensor, table: torch.Tensor, adaln_indices: torch.Tensor,
                         rotary_emb: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
     """`H3TransformerBlock.forward` through fused kernels, given the block's `(K * 3, 6 * hidden)` AdaLN table:
-    5 passes over the rows besides GEMMs and attention. The residual stream is updated in place. Where a linear
-    carries a K-extended LoRA (`h3gen.lora.wide`), the kernel producing its input writes it where the LoRA's GEMM
-    reads it (`wide_input`)."""
+    5 passes over the rows besides GEMMs and attention. The residual stream is updated in place."""
     shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = table.chunk(6, dim=-1)
-    attn, rows, device = block.attn, hidden_states.shape, hidden_states.device
+    attn = block.attn
     normed = rmsnorm_modulate(hidden_states, block.norm1.weight, shift_msa, scale_msa, adaln_indices,
-                              block.norm1.eps, out=wide_input(attn.to_q, rows, device))
+                              block.norm1.eps)
     query = attn.to_q(normed).unflatten(-1, (-1, attn.head_dim))
     key = attn.to_k(normed).unflatten(-1, (-1, attn.head_dim))
     value = attn.to_v(normed).unflatten(-1, (-1, attn.head_dim))
@@ -45,9 +42,8 @@ def fused_block_forward(block, hidden_states: torch.Tensor, table: torch.Tensor,
     out = attn.to_out[0](attn.core(query, key, value).flatten(2, 3))
     hidden_states, normed = gated_residual_norm_modulate(
         hidden_states, out, gate_msa, adaln_indices, block.norm2.weight, shift_mlp, scale_mlp, block.norm2.eps,
-        out=hidden_states, normed_out=wide_input(block.ff.net[0].proj, rows, device))
-    up = block.ff.net[0].proj(normed)
-    ff = block.ff.net[2](swiglu(up, out=wide_input(block.ff.net[2], (*up.shape[:-1], up.shape[-1] // 2), device)))
+        out=hidden_states)
+    ff = block.ff.net[2](swiglu(block.ff.net[0].proj(normed)))
     return gated_residual(hidden_states, ff, gate_mlp, adaln_indices, out=hidden_states)
 
 
