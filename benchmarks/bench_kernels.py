@@ -1,7 +1,6 @@
 """Launch configurations of the row kernels at H3 shapes (hidden 5376, 56 heads x 128, SwiGLU 14336), to pick the
-defaults: time and achieved bandwidth per config, best first per kernel. With `--lora-rank R`, also how a dense
-bf16 linear best takes a rank-R LoRA update: alone, with the update added after the GEMM (`addmm_` into the
-output), and with the update written first and the GEMM adding into it (`h3gen.lora.layers`).
+defaults: time and achieved bandwidth per config, best first per kernel. With `--lora-rank R`, also how the
+block's linears best take a rank-R LoRA update (see `lora_cases`).
 
     python benchmarks/bench_kernels.py --rows 8192 37838 [--lora-rank 128 [--only-lora]]
 """
@@ -59,26 +58,53 @@ def main():
         if args.lora_rank:
             cases += lora_cases(rows, args.lora_rank)
         for name, nbytes, fn in cases:
-            ms = time_cuda(fn, repeat=20)
+            ms = time_cuda(fn, repeat=40)
             table.append({"rows": rows, "kernel": name, "ms": f"{ms:.3f}", "GB/s": f"{nbytes / ms / 1e6:.0f}"})
     print_table(table, ["rows", "kernel", "ms", "GB/s"])
 
 
 def lora_cases(rows, rank):
-    """(name, output bytes written or read, call) for q, the SwiGLU projection and ff.net.2 with a rank-`rank`
-    update: the linear alone, then `addmm_` of the update into its output, and the update first with the linear's
-    GEMM adding into it (beta = 1)."""
+    """(name, output bytes written or read, call) for the block's linears with a rank-`rank` update, bf16: the
+    linear alone, the update added after the GEMM (`addmm_`), written first with the GEMM adding into it (beta = 1),
+    and K-extended (the update inside the GEMM's K loop: one GEMM of `[x | x A^T]` by `[W | scale B]`, the A product
+    written into the input's last columns first); FP8 (e4m3, per-row / per-column scales, no matrix to add into)
+    alone, with the update added after, and as one K-extended GEMM of e4m3 operands."""
     bf16 = dict(device="cuda", dtype=torch.bfloat16)
+    mm = torch.nn.functional.linear
     cases = []
-    for name, n, k in (("q", HEADS * DIM, HIDDEN), ("SwiGLU projection", 2 * FFN, HIDDEN), ("ff.net.2", HIDDEN, FFN)):
-        x, w = torch.randn(rows, k, **bf16), torch.randn(n, k, **bf16) * 0.02
+    shapes = (("q", HEADS * DIM, HIDDEN), ("to_out", HIDDEN, HEADS * DIM), ("SwiGLU projection", 2 * FFN, HIDDEN),
+              ("ff.net.2", HIDDEN, FFN))
+    for name, n, k in shapes:
+        x_wide = torch.randn(rows, k + rank, **bf16)
+        w_wide = torch.randn(n, k + rank, **bf16) * 0.02
+        x, w = x_wide[:, :k].contiguous(), w_wide[:, :k].contiguous()
+        down = torch.randn(rank, k, **bf16) / k**0.5
         hidden, up = torch.randn(rows, rank, **bf16), torch.randn(n, rank, **bf16) * 0.01
         out = rows * n * 2
-        cases += [(f"{name}: linear alone", out, lambda x=x, w=w: torch.nn.functional.linear(x, w)),
+
+        def k_extended(x_wide=x_wide, w_wide=w_wide, k=k, down=down):
+            torch.mm(x_wide[:, :k], down.t(), out=x_wide[:, k:])
+            return mm(x_wide, w_wide)
+
+        cases += [(f"{name}: linear alone", out, lambda x=x, w=w: mm(x, w)),
                   (f"{name}: linear, then addmm_ of the update", 3 * out,
-                   lambda x=x, w=w, h=hidden, u=up: torch.nn.functional.linear(x, w).addmm_(h, u.t())),
+                   lambda x=x, w=w, h=hidden, u=up: mm(x, w).addmm_(h, u.t())),
                   (f"{name}: update first, linear adds into it", 2 * out,
-                   lambda x=x, w=w, h=hidden, u=up: torch.mm(h, u.t()).addmm_(x, w.t()))]
+                   lambda x=x, w=w, h=hidden, u=up: torch.mm(h, u.t()).addmm_(x, w.t())),
+                  (f"{name}: K-extended (A product, then one GEMM)", out, k_extended)]
+        if hasattr(torch, "_scaled_mm"):
+            e4m3 = torch.float8_e4m3fn
+            xq, wq = x_wide.to(e4m3), w_wide.to(e4m3)
+            xs, ws = torch.rand(rows, 1, device="cuda") + 0.5, torch.rand(1, n, device="cuda") + 0.5
+            x8, w8 = xq[:, :k].contiguous(), wq[:, :k].contiguous()
+
+            def scaled(a, b, xs=xs, ws=ws):
+                return torch._scaled_mm(a, b.t(), scale_a=xs, scale_b=ws, out_dtype=torch.bfloat16)
+
+            cases += [(f"{name}: FP8 alone", out, lambda a=x8, b=w8, f=scaled: f(a, b)),
+                      (f"{name}: FP8, then addmm_ of the update", 3 * out,
+                       lambda a=x8, b=w8, h=hidden, u=up, f=scaled: f(a, b).addmm_(h, u.t())),
+                      (f"{name}: FP8 K-extended GEMM", out, lambda a=xq, b=wq, f=scaled: f(a, b))]
     return cases
 
 
