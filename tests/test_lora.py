@@ -14,7 +14,7 @@ from lora_files import (TURBO_MODULES, diffusers_holder, diffusers_shapes, nativ
 from h3gen.device_memory import available_device_memory
 from h3gen.errors import RequestError
 from h3gen.kernels.fp8_quant import quantize_rows
-from h3gen.lora import LoraFactors, LoraGroup
+from h3gen.lora import LoraFactors, LoraGroup, wide_input
 from h3gen.pipelines.h3.lora_formats import read_lora
 from h3gen.pipelines.h3.adapter_memory import DeviceMemory
 from h3gen.pipelines.h3.lora_registry import (LORA_GPU_RESERVE, LoraRegistry, activate, check_targets, deactivate,
@@ -224,13 +224,18 @@ def test_quantized_bases_add_the_dense_lora_update(kind):
         assert torch.equal(layer(x), base)
 
 
-def test_fast_tier_applies_the_adapter(tmp_path):
+def test_fast_tier_applies_the_adapter(tmp_path, monkeypatch):
     reference, ours = _pair(CONFIG)
     path = _diffusers_file(tmp_path, ours, "peft")
     merged = copy.deepcopy(ours)
     inputs = random_inputs(CONFIG, seed=8, **INPUTS)
     dense, registry = _ours(ours, [(path, 1.0)], inputs=inputs, tier="lossless")
+    fills = []
+    original = LoraGroup._fill_wide
+    monkeypatch.setattr(LoraGroup, "_fill_wide", lambda self, x: fills.append(1) or original(self, x))
     fast, _ = _ours(ours, [(path, 1.0)], inputs=inputs, tier="fast")  # quantizes `ours` to FP8
+    # Inside the GEMMs (`h3gen.lora.wide`): q/k/v, to_out, the SwiGLU projection and ff.net.2 of every block.
+    assert len(fills) == 4 * len(ours.transformer_blocks)
     fast_base = _run(ours, inputs, "fast")
     # The same update merged into the dense weights, then the whole model in FP8: the rounding the fast tier gives
     # a model that has these weights. Unmerged, the adapter (A in FP8 like its layer, B in the compute dtype) stays
@@ -481,12 +486,12 @@ def test_header_bytes_bound_what_the_fast_tier_holds(tmp_path):
     assert "transformer_blocks.0.attn.to_q" in fp8 and "transformer_blocks.0.adaln_proj.linear" not in fp8
     active = activate(ours, [(registry.adapter(registry.register(fused)), 1.0)], "t2va", "cpu")
     assert active.nbytes == lora_device_bytes(lora, "t2va", 4)  # before a forward: the dense factors only
-    _run(ours, random_inputs(CONFIG, seed=3, **INPUTS), "fast")  # e4m3 rows make the groups' FP8 copies of A
+    _run(ours, random_inputs(CONFIG, seed=3, **INPUTS), "fast")  # e4m3 rows: FP8 copies of A, extended weights
     header = lora_device_bytes(lora, "t2va", 4, fp8)
-    # Every FP8 group but attn.to_out.0 (fed bf16 attention output) made its copy: rank 4 padded to 16 rows.
-    never_made = sum(16 * ours.config.num_attention_heads * ours.config.attention_head_dim + 16 * 4
-                     for _ in ours.transformer_blocks)
-    assert active.nbytes < header and header - active.nbytes == never_made
+    # Every FP8 group made its copy of A (rank 4 padded to 16 rows) and extended its members by 16 e4m3 columns.
+    assert all(g.wide and all(m.wide_weight is not None for m in g.members)
+               for g in active.groups if g.members[0].layer.weight.dtype == torch.float8_e4m3fn)
+    assert active.nbytes == header
     deactivate(ours)
 
 
@@ -592,6 +597,48 @@ def test_a_dense_linear_writes_the_update_first_and_gets_its_forward_back():
         assert "forward" not in vars(fp8) and len(fp8._forward_hooks) == 1
         group.detach()
         assert not fp8._forward_hooks
+
+
+@pytest.mark.parametrize("shared_a", [False, True])
+@pytest.mark.parametrize("size", [0.05, 5.0])
+def test_fp8_members_run_the_update_inside_their_gemm_and_give_their_weights_back(shared_a, size):
+    """With `wide=True` a group of `Fp8Linear`s fed through `wide_input` runs `[x | x A^T]` by `[W | B]` in one
+    e4m3 GEMM per member: the base plus the dense update within e4m3 rounding, for a small adapter and for one
+    whose projections pass 448 (rows then take a larger scale: nothing saturates). Any other input takes the
+    update after the GEMM; detaching gives the layers their weights back, contiguous and unchanged."""
+    torch.manual_seed(0)
+    layers = [Fp8Linear(torch.nn.Linear(48, 32 + 16 * i, bias=i == 1)) for i in range(3)]
+    shared = _factors(32, 48, rank=6, seed=1)
+    members = [(layer, [LoraFactors(shared.down, torch.randn(layer.out_features, 6) * size, 0.5)] if shared_a
+                else [_factors(layer.out_features, 48, rank=5, seed=2 + i, scale=size),
+                      _factors(layer.out_features, 48, rank=3, seed=9 + i)])
+               for i, layer in enumerate(layers)]
+    saved = [layer.weight.clone() for layer in layers]
+    x = torch.randn(2, 7, 48) * torch.logspace(-1, 1, 48)
+    rows = quantize_rows(x)
+    dequantized = rows.values.float() * rows.scale.reshape(2, 7, 1)
+    with torch.no_grad():
+        base = [layer(rows) for layer in layers]
+        delta = [sum(f.scale * (dequantized @ f.down.t()) @ f.up.t() for f in factors) for _, factors in members]
+        group = LoraGroup.build(members, "cpu", wide=True).attach()
+        assert group.wide and all(m.wide_end % 16 == 0 for m in group.members)
+        for _ in range(2):
+            wide = wide_input(layers[0], x.shape, "cpu")
+            assert quantize_rows(x, out=wide) is wide and wide.values.stride(-2) == 48 + (16 if shared_a else 32)
+            got = [layer(wide) for layer in layers]
+            assert group._wide_x is None and group._input is None
+            for out, plain, update in zip(got, base, delta):
+                assert torch.isfinite(out).all() and max_rel_err(out - plain, update) <= 0.1
+        grown = (wide.scale / rows.scale).flatten()
+        assert (grown > 1).any() == (size > 1)  # the large adapter's projections needed larger row scales
+        hooked = layers[1](rows)  # not the wide input: the update added after the GEMM
+        assert max_rel_err(hooked - base[1], delta[1]) <= 0.1
+        group.detach()
+        for layer, before in zip(layers, saved):
+            assert layer.weight.is_contiguous() and torch.equal(layer.weight.view(torch.uint8),
+                                                                before.view(torch.uint8))
+            assert "forward" not in vars(layer)
+        assert wide_input(layers[0], x.shape, "cpu") is None
 
 
 def test_a_file_diffusers_saved_with_its_peft_config_is_scaled_as_that_config_says(tmp_path):

@@ -7,7 +7,7 @@ tensor-parallel shards of `h3gen.parallel.tp_linear`. Which file keys name which
 """
 
 from h3gen.lora.layers import (AUTO_MERGE_MAX_ROUNDING_LOSS, LoraFactors, LoraGroup, attach_group, detach_all,
-                               merge_delta, merge_factors, rounding_loss, shard_factors)
+                               merge_delta, merge_factors, rounding_loss, shard_factors, wide_input)
 
 __all__ = ["AUTO_MERGE_MAX_ROUNDING_LOSS", "LoraFactors", "LoraGroup", "attach_group", "detach_all", "merge_delta",
-           "merge_factors", "rounding_loss", "shard_factors"]
+           "merge_factors", "rounding_loss", "shard_factors", "wide_input"]

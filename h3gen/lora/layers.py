@@ -12,13 +12,15 @@ How the update reaches each kind of base:
     (`x A^T (scale B)^T`, plus the bias) first and lets the layer's own GEMM add `x W^T` into it (beta = 1). That
     moves as many bytes as adding the update after the GEMM (which reads and writes the output once more), and on
     the H200 it measured faster in the whole step at both row counts (benchmarks/RESULTS.md);
-  - `Fp8Linear`, `MXFP4Linear` (their GEMMs take no matrix to add into): a forward hook adds it to the layer's
-    output. An FP8 layer's
-    input may be e4m3 `Fp8Rows` from a fused kernel (the fast tier): the A projection then runs as an FP8 GEMM
-    like the layer's own (`h3gen.quant.fp8.fp8_matmul`, A quantized per rank row, its rows padded to the GEMM's
-    multiple of 16), reading the e4m3 rows as they are; `x A^T` comes out in the compute dtype and the B product
-    stays there. Widening the rows to bf16 for a bf16 A GEMM instead cost one more pass over the input per group
-    and a GEMM at half the FP8 rate (benchmarks/RESULTS.md);
+  - `Fp8Linear` in a group built with `wide=True` (resident, not tensor parallel) whose input the fast tier's
+    block writes through `wide_input`: the update runs inside the layer's e4m3 GEMM as more columns of its K loop
+    (`h3gen.lora.wide`);
+  - `Fp8Linear` given any other input, `MXFP4Linear` (their GEMMs take no matrix to add into): a forward hook adds
+    it to the layer's output. An FP8 layer's input may be e4m3 `Fp8Rows` from a fused kernel: the A projection
+    then runs as an FP8 GEMM like the layer's own (`h3gen.quant.fp8.fp8_matmul`, A quantized per rank row, its rows
+    padded to the GEMM's multiple of 16), reading the e4m3 rows as they are; `x A^T` comes out in the compute dtype
+    and the B product stays there. Widening the rows to bf16 for a bf16 A GEMM instead cost one more pass over the
+    input per group and a GEMM at half the FP8 rate (benchmarks/RESULTS.md);
   - tensor-parallel shards: the layer's `partial_hook` adds this rank's share before any collective. A
     column-parallel shard keeps `A` whole and its rows of `B` (per logical split, as its weight); a row-parallel
     shard keeps its input columns of `A` and `B` whole, so the partial sums add up over the all-reduce.
@@ -31,9 +33,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from h3gen.kernels.fp8_quant import Fp8Rows
+from h3gen.kernels.fp8_quant import FP8, Fp8Rows, append_scaled_columns
+from h3gen.lora.wide import column_factors, extended_weight, up_columns
 from h3gen.parallel.tp_linear import ColumnParallelLinear, RowParallelLinear
-from h3gen.quant.fp8 import fp8_matmul, fp8_weight
+from h3gen.quant.fp8 import Fp8Linear, fp8_matmul, fp8_weight
 
 # SGLang's rule for merging: an adapter stays unmerged when merging would round away more than this share of its
 # update (by norm), as distilled adapters below one bf16 ulp of the weights do.
@@ -84,6 +87,8 @@ class _Member:
     segments: list[tuple[int, int, int]]
     up: torch.Tensor  # (out_local, sum of ranks): its adapters' scale * B side by side, in the layer's compute dtype
     handle: object = None  # the forward hook's handle, or None where the layer's forward was replaced
+    wide_end: int = 0  # K-extended (`h3gen.lora.wide`) when > 0: it reads the wide input's columns [0, in + wide_end)
+    wide_weight: torch.Tensor | None = None  # once extended: e4m3 (out, in + wide_end), the layer's weight a view of it
 
 
 @dataclass
@@ -94,16 +99,22 @@ class LoraGroup:
     down: torch.Tensor  # (rows, in_local): every distinct A of the members, stacked, in the compute dtype
     members: list[_Member]
     _down_fp8: tuple[torch.Tensor, torch.Tensor] | None = None  # `down` as e4m3 rows and their scales (fast tier)
+    wide: bool = False  # whether FP8 members run their update inside their GEMM (`h3gen.lora.wide`)
+    _factors: torch.Tensor | None = None  # K-extended: the factor `c` of each projected column (rows of _down_fp8,)
     _input: object = None
     _hidden: torch.Tensor | None = None
     _left: int = 0
+    _wide_x: object = None  # the input `wide_input` handed out last (`Fp8Rows`), and its buffer
+    _wide_buffer: torch.Tensor | None = None
     attached: bool = field(default=False)
 
     @classmethod
-    def build(cls, members: list[tuple[nn.Module, list[LoraFactors]]], device) -> "LoraGroup":
+    def build(cls, members: list[tuple[nn.Module, list[LoraFactors]]], device, wide: bool = False) -> "LoraGroup":
         """A group over `members` (each a linear and the adapters on it, in stacking order), its tensors on `device`
         in each layer's compute dtype. Every member must read an input of the same width and dtype. An A given to
-        several members as the same tensor (a fused QKV file's shared A) is projected once."""
+        several members as the same tensor (a fused QKV file's shared A) is projected once. `wide=True` lets a group
+        of `Fp8Linear`s on `device` (none tensor-parallel) run its updates inside their GEMMs when its input comes
+        from `wide_input`; the caller keeps their weights where they are while attached (no layer-wise offload)."""
         downs, built, rows, placed = [], [], 0, {}
         dtype = None
         for layer, factors in members:
@@ -131,34 +142,96 @@ class LoraGroup:
         widths = {d.shape[1] for d in downs}
         if len(widths) != 1:
             raise ValueError(f"LoRA group members read inputs of widths {sorted(widths)}; they must share one input.")
-        return cls(torch.cat(downs).to(dtype).contiguous(), built)
+        group = cls(torch.cat(downs).to(dtype).contiguous(), built)
+        device = torch.device(device)
+        if wide and all(type(layer) is Fp8Linear and not _tensor_parallel(layer) and layer.weight.device == device
+                        for layer, _ in members):
+            group.wide = True
+            for member in group.members:  # FP8 GEMMs take K in multiples of 16
+                member.wide_end = _multiple_of_16(max(start + width for start, _, width in member.segments))
+        return group
 
     @property
     def nbytes(self) -> int:
         tensors = [self.down] + [m.up for m in self.members] + list(self._down_fp8 or ())
-        return sum(t.numel() * t.element_size() for t in tensors)
+        extended = sum(m.wide_weight[:, m.layer.in_features :].numel() for m in self.members
+                       if m.wide_weight is not None)  # e4m3: one byte each
+        return sum(t.numel() * t.element_size() for t in tensors) + extended
+
+    # ------------------------------------------------------------------ K-extended FP8 input
+
+    def _e4m3_down(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """`down` as e4m3 rows (padded with zero rows to a multiple of 16) and their scales `(1, rows)`."""
+        if self._down_fp8 is None:
+            rows = self.down.shape[0]
+            self._down_fp8 = fp8_weight(F.pad(self.down, (0, 0, 0, _multiple_of_16(rows) - rows)))
+        return self._down_fp8
+
+    def wide_input(self, shape, device) -> Fp8Rows:
+        """A buffer for the group's next input `shape` `(..., in)`: `Fp8Rows` whose values are the first `in` columns
+        of e4m3 rows `(rows, in + R)` (R: the projected columns, padded to 16), to hand the kernel that produces the
+        input as its `out`. Members called with that very object read the buffer whole. The first call extends the
+        members' weights (a copy of each), so a group no kernel asks this of never does."""
+        if self._factors is None:
+            self._extend_all()
+        in_features, extra = shape[-1], self._e4m3_down()[0].shape[0]
+        rows = 1
+        for size in shape[:-1]:
+            rows *= size
+        buffer = torch.empty(rows, in_features + extra, dtype=FP8, device=device)
+        x = Fp8Rows(buffer[:, :in_features].view(*shape), torch.empty(rows, 1, dtype=torch.float32, device=device))
+        self._wide_x, self._wide_buffer = x, buffer
+        return x
+
+    def _extend_all(self) -> None:
+        """The columns' factors (`h3gen.lora.wide.column_factors`), then each member's e4m3 `[W | B c / s_col]`."""
+        values, scale = self._e4m3_down()
+        peaks = torch.zeros(values.shape[0], device=values.device)
+        for member in self.members:
+            for start, up_start, width in member.segments:
+                up = member.up[:, up_start : up_start + width].float() / member.layer.weight_scale.reshape(-1, 1)
+                peaks[start : start + width] = torch.maximum(peaks[start : start + width], up.abs().amax(dim=0))
+        norms = (values.float() * scale.reshape(-1, 1)).norm(dim=1)
+        self._factors = column_factors(peaks, norms)
+        for member in self.members:
+            layer = member.layer
+            blocks = [(up_columns(member.up[:, up_start : up_start + width], layer.weight_scale,
+                                  self._factors[start : start + width]), start)
+                      for start, up_start, width in member.segments]
+            member.wide_weight = extended_weight(layer.weight, blocks, member.wide_end)
+            layer._buffers["weight"] = member.wide_weight[:, : layer.in_features]
+
+    def _fill_wide(self, x: Fp8Rows) -> torch.Tensor:
+        """Write `x A^T` into the wide buffer's last columns as e4m3 `x A^T / (s_row c)` (growing a row's scale
+        where they need it: `append_scaled_columns`); returns those columns."""
+        buffer = self._wide_buffer
+        values, scale = self._e4m3_down()
+        in_features = buffer.shape[1] - values.shape[0]
+        unit = torch.ones(buffer.shape[0], 1, dtype=torch.float32, device=buffer.device)
+        projected = fp8_matmul(Fp8Rows(buffer[:, :in_features], unit), values, scale, None, torch.float32)
+        append_scaled_columns(buffer, x.scale, projected, self._factors)
+        return buffer[:, in_features:]
 
     # ------------------------------------------------------------------ forward
 
     def _project(self, x) -> torch.Tensor:
         """The input's rows `(M, sum of ranks)` times every member's A."""
         if isinstance(x, Fp8Rows):
-            rows = self.down.shape[0]
-            if self._down_fp8 is None:
-                padded = F.pad(self.down, (0, 0, 0, -rows % 16))  # FP8 GEMMs take widths in multiples of 16
-                self._down_fp8 = fp8_weight(padded)
-            hidden = fp8_matmul(x, *self._down_fp8, None, self.down.dtype)
-            return hidden.reshape(-1, hidden.shape[-1])[:, :rows]
+            hidden = fp8_matmul(x, *self._e4m3_down(), None, self.down.dtype)
+            return hidden.reshape(-1, hidden.shape[-1])[:, : self.down.shape[0]]
         hidden = F.linear(x if x.dtype == self.down.dtype else x.to(self.down.dtype), self.down)
         return hidden.reshape(-1, hidden.shape[-1])
 
     def _hidden_for(self, x) -> torch.Tensor:
         # The first member called with a new input projects it for all; the last one to use it drops the reference.
         if self._input is not x:
-            self._input, self._hidden, self._left = x, self._project(x), len(self.members)
+            hidden = self._fill_wide(x) if x is self._wide_x else self._project(x)
+            self._input, self._hidden, self._left = x, hidden, len(self.members)
         hidden = self._hidden
         self._left -= 1
         if self._left <= 0:
+            if x is self._wide_x:
+                self._wide_x = self._wide_buffer = None
             self._input = self._hidden = None
         return hidden
 
@@ -189,6 +262,18 @@ class LoraGroup:
         out.addmm_(x.reshape(-1, x.shape[-1]), layer.weight.t())
         return out.view(*x.shape[:-1], out.shape[-1])
 
+    def forward_wide(self, member: _Member, x) -> torch.Tensor:
+        """A K-extended FP8 member's forward: `x` (`Fp8Rows` or a tensor `(..., in)`) -> `(..., out)` in the compute
+        dtype. Given the input `wide_input` handed out, one e4m3 GEMM over the buffer's columns `[0, in + wide_end)`
+        by `[W | B c / s_col]`; given any other input, the layer's GEMM with the update added after it."""
+        layer, buffer = member.layer, self._wide_buffer
+        if self._wide_x is None or x is not self._wide_x:
+            return self.apply(member, x, type(layer).forward(layer, x))
+        self._hidden_for(x)  # the group's first call with this input fills the buffer's projected columns
+        columns = Fp8Rows(buffer[:, : layer.in_features + member.wide_end], x.scale)
+        out = fp8_matmul(columns, member.wide_weight, layer.weight_scale, layer.bias, layer.compute_dtype)
+        return out.view(*x.values.shape[:-1], out.shape[-1])
+
     # ------------------------------------------------------------------ hooks
 
     def attach(self) -> "LoraGroup":
@@ -198,7 +283,9 @@ class LoraGroup:
             if getattr(layer, "lora_group", None) is not None:
                 raise ValueError(f"a {type(layer).__name__} already carries a LoRA group; detach it first.")
             layer.lora_group = self
-            if _tensor_parallel(layer):
+            if member.wide_end:  # its weight is extended on the first `wide_input` (never, if no kernel asks)
+                layer.forward = partial(self.forward_wide, member)  # an instance attribute: see detach
+            elif _tensor_parallel(layer):
                 layer.partial_hook = partial(self.apply, member)
             elif type(layer) is nn.Linear:
                 layer.forward = partial(self.forward_update_first, member)  # an instance attribute: see detach
@@ -217,10 +304,25 @@ class LoraGroup:
                 member.handle = None
             if _tensor_parallel(member.layer):
                 member.layer.partial_hook = None
+            if member.wide_weight is not None:  # the weight back in a tensor of its own
+                member.layer._buffers["weight"] = member.wide_weight[:, : member.layer.in_features].contiguous()
+                member.wide_weight = None
             member.layer.__dict__.pop("forward", None)  # back to the class's forward
             member.layer.lora_group = None
-        self._input = self._hidden = None
+        self._input = self._hidden = self._wide_x = self._wide_buffer = self._factors = None
         self.attached = False
+
+
+def _multiple_of_16(n: int) -> int:
+    return -(-n // 16) * 16
+
+
+def wide_input(layer: nn.Module, shape, device) -> Fp8Rows | None:
+    """Where the e4m3 input of `layer` (shape `(..., in)`) should be written for a K-extended LoRA
+    (`h3gen.lora.wide`): the `Fp8Rows` `out` to hand the kernel producing it, then to pass to the layer and the
+    others of its group; None when `layer` carries no K-extended group (the producer allocates as usual)."""
+    group = getattr(layer, "lora_group", None)
+    return group.wide_input(shape, device) if group is not None and group.wide else None
 
 
 def attach_group(members: list[tuple[nn.Module, list[LoraFactors]]], device) -> LoraGroup:

@@ -5,17 +5,29 @@ from h3gen.kernels._dispatch import use_triton
 from h3gen.kernels.fp8_quant import reference
 from h3gen.kernels.fp8_quant.reference import FP8, FP8_MAX, Fp8Rows
 
-__all__ = ["FP8", "FP8_MAX", "Fp8Rows", "quantize_heads", "quantize_rows"]
+__all__ = ["FP8", "FP8_MAX", "Fp8Rows", "append_scaled_columns", "quantize_heads", "quantize_rows"]
 
 
-def quantize_rows(x):
-    """`(M, K)` -> `Fp8Rows` (`(M, K)` e4m3, `(M, 1)` float32). Triton on CUDA (one pass), the torch reference
-    elsewhere."""
+def quantize_rows(x, out=None):
+    """`(M, K)` -> `Fp8Rows` (`(M, K)` e4m3, `(M, 1)` float32); `out` (optional `Fp8Rows`, its values' rows possibly
+    strided: columns of a wider buffer) receives it. Triton on CUDA (one pass), the torch reference elsewhere."""
     if use_triton(x):
         from h3gen.kernels.fp8_quant import triton as fast  # on first use: see _dispatch
 
-        return fast.quantize_rows(x)
-    return reference.quantize_rows(x)
+        return fast.quantize_rows(x, out=out)
+    result = reference.quantize_rows(x)
+    return result if out is None else reference.copy_rows(out, result)
+
+
+def append_scaled_columns(values, scale, projected, factors):
+    """Fill the last columns of e4m3 rows `values` `(M, K + R)` with `projected / factors` (`(M, R)`, `(R,)`),
+    growing a row's scale `(M, 1)` by a power of two where they need it (`reference.append_scaled_columns`).
+    In place. Triton on CUDA, the torch reference elsewhere."""
+    if use_triton(values):
+        from h3gen.kernels.fp8_quant import triton as fast  # on first use: see _dispatch
+
+        return fast.append_scaled_columns(values, scale, projected, factors)
+    return reference.append_scaled_columns(values, scale, projected, factors)
 
 
 def quantize_heads(x):

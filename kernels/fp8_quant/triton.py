@@ -19,14 +19,46 @@ def fp8_row(y):
 
 
 @triton.jit
-def _quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, width, BLOCK: tl.constexpr):
+def _quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, width, out_stride, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < width
     x = tl.load(x_ptr + row * width + cols, mask=mask, other=0.0).to(tl.float32)
     q, scale = fp8_row(x)
-    tl.store(q_ptr + row * width + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
+    tl.store(q_ptr + row * out_stride + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
     tl.store(scale_ptr + row, scale)
+
+
+@triton.jit
+def _append_scaled_columns_kernel(values_ptr, scale_ptr, projected_ptr, factors_ptr, width, extra, row_stride,
+                                  BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_R)
+    mask = cols < extra
+    factors = tl.load(factors_ptr + cols, mask=mask, other=1.0)
+    part = tl.load(projected_ptr + row * extra + cols, mask=mask, other=0.0).to(tl.float32) / factors
+    peak = tl.max(tl.abs(part), axis=0)
+    t = tl.exp2(tl.ceil(tl.log2(tl.maximum(peak, 448.0) / 448.0)))  # 1, or the power of two that fits
+    tl.store(values_ptr + row * row_stride + width + cols,
+             tl.clamp(part / t, -448.0, 448.0).to(values_ptr.dtype.element_ty), mask=mask)
+    if t > 1.0:  # rare: this row's scale grows by t, its first `width` values shrink by t
+        tl.store(scale_ptr + row, tl.load(scale_ptr + row) * t)
+        for start in range(0, width, BLOCK_K):
+            offs = start + tl.arange(0, BLOCK_K)
+            keep = offs < width
+            x = tl.load(values_ptr + row * row_stride + offs, mask=keep, other=0.0).to(tl.float32)
+            tl.store(values_ptr + row * row_stride + offs, (x / t).to(values_ptr.dtype.element_ty), mask=keep)
+
+
+def append_scaled_columns(values, scale, projected, factors):
+    """Same contract as `reference.append_scaled_columns`; one program per row, which rewrites the row's first
+    columns only when its new ones need the larger scale."""
+    rows, extra = projected.shape
+    if values.stride(-1) != 1 or projected.stride(-1) != 1 or projected.stride(0) != extra:
+        raise ValueError("append_scaled_columns takes rows with contiguous columns and a contiguous projection")
+    _append_scaled_columns_kernel[(rows,)](values, scale, projected, factors.contiguous(),
+                                           values.shape[1] - extra, extra, values.stride(0),
+                                           BLOCK_R=next_power_of_2(extra), BLOCK_K=1024, num_warps=4)
 
 
 def row_fp8_warps(block: int) -> int:
@@ -40,14 +72,26 @@ def empty_rows(shape, rows: int, device) -> Fp8Rows:
                    torch.empty((rows, 1), dtype=torch.float32, device=device))
 
 
-def quantize_rows(x):
-    """Same contract as `reference.quantize_rows`."""
+def row_stride(values: torch.Tensor) -> int:
+    """The stride between consecutive rows of `values` `(..., H)`, whose columns must be contiguous and rows evenly
+    spaced (a contiguous tensor, or a column slice of a wider buffer)."""
+    rows = values.reshape(-1, values.shape[-1])
+    if values.stride(-1) != 1 or rows.untyped_storage().data_ptr() != values.untyped_storage().data_ptr():
+        raise ValueError("a row kernel's output needs contiguous columns and evenly spaced rows")
+    return rows.stride(0)
+
+
+def quantize_rows(x, out=None):
+    """Same contract as `reference.quantize_rows` (and its dispatcher's `out`)."""
     x = x.contiguous()
     width = x.shape[-1]
     rows = x.numel() // width
-    out = empty_rows(x.shape, rows, x.device)
+    out = empty_rows(x.shape, rows, x.device) if out is None else out
+    if out.values.shape != x.shape:
+        raise ValueError(f"quantize_rows' output has shape {tuple(out.values.shape)}, not {tuple(x.shape)}")
     block = next_power_of_2(width)
-    _quantize_rows_kernel[(rows,)](x, out.values, out.scale, width, BLOCK=block, num_warps=row_fp8_warps(block))
+    _quantize_rows_kernel[(rows,)](x, out.values, out.scale, width, row_stride(out.values), BLOCK=block,
+                                   num_warps=row_fp8_warps(block))
     return out
 
 

@@ -5,7 +5,7 @@ import triton
 import triton.language as tl
 
 from h3gen.kernels._dispatch import next_power_of_2
-from h3gen.kernels.fp8_quant.triton import empty_rows, fp8_row, row_fp8_warps
+from h3gen.kernels.fp8_quant.triton import empty_rows, fp8_row, row_fp8_warps, row_stride
 
 
 def row_warps(block: int) -> int:
@@ -26,17 +26,18 @@ def modulated_rms_row(x, w_ptr, shift_ptr, scale_ptr, table_row, table_stride, c
 
 
 @triton.jit
-def store_row(out_ptr, out_scale_ptr, row, width, cols, mask, y, FP8_OUT: tl.constexpr):
-    """Store a float32 row: rounded to the output dtype, or (`FP8_OUT`) quantized to e4m3 with its row scale."""
+def store_row(out_ptr, out_scale_ptr, row, out_stride, cols, mask, y, FP8_OUT: tl.constexpr):
+    """Store a float32 row (`out_stride` elements apart): rounded to the output dtype, or (`FP8_OUT`) quantized to
+    e4m3 with its row scale."""
     if FP8_OUT:
         y, scale = fp8_row(y)
         tl.store(out_scale_ptr + row, scale)
-    tl.store(out_ptr + row * width + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + row * out_stride + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def _rmsnorm_modulate_kernel(x_ptr, w_ptr, shift_ptr, scale_ptr, index_ptr, out_ptr, out_scale_ptr, seq_len, hidden,
-                             table_stride, eps, HAS_WEIGHT: tl.constexpr, FP8_OUT: tl.constexpr,
+                             out_stride, table_stride, eps, HAS_WEIGHT: tl.constexpr, FP8_OUT: tl.constexpr,
                              BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)  # over batch * seq_len
     table_row = tl.load(index_ptr + row % seq_len).to(tl.int64)
@@ -45,29 +46,31 @@ def _rmsnorm_modulate_kernel(x_ptr, w_ptr, shift_ptr, scale_ptr, index_ptr, out_
     x = tl.load(x_ptr + row * hidden + cols, mask=mask, other=0.0).to(tl.float32)
     out = modulated_rms_row(x, w_ptr, shift_ptr, scale_ptr, table_row, table_stride, cols, mask, hidden, eps,
                             HAS_WEIGHT)
-    store_row(out_ptr, out_scale_ptr, row, hidden, cols, mask, out, FP8_OUT)
+    store_row(out_ptr, out_scale_ptr, row, out_stride, cols, mask, out, FP8_OUT)
 
 
-def row_output(x, fp8: bool):
-    """The output of a row kernel over `x` `(B, S, H)`: a tensor like `x`, or `Fp8Rows` and the buffers to pass
-    (values, scales)."""
-    if not fp8:
-        out = torch.empty_like(x)
-        return out, (out, out)
-    out = empty_rows(x.shape, x.numel() // x.shape[-1], x.device)
-    return out, out
+def row_output(x, fp8: bool, out=None):
+    """The output of a row kernel over `x` `(B, S, H)`: a tensor like `x`, or `Fp8Rows`; the buffers to pass
+    (values, scales); and the row stride of the values. `out`, if given, is used instead of a new one."""
+    if out is None:
+        out = empty_rows(x.shape, x.numel() // x.shape[-1], x.device) if fp8 else torch.empty_like(x)
+    values = out.values if fp8 else out
+    if values.shape != x.shape:
+        raise ValueError(f"a row kernel's output has shape {tuple(values.shape)}, not {tuple(x.shape)}")
+    return out, ((out.values, out.scale) if fp8 else (out, out)), row_stride(values)
 
 
-def rmsnorm_modulate(x, weight, shift, scale, index, eps, fp8=False, num_warps=None):
-    """Same contract as `reference.rmsnorm_modulate`; `shift`/`scale` may be column slices of one table."""
+def rmsnorm_modulate(x, weight, shift, scale, index, eps, fp8=False, num_warps=None, out=None):
+    """Same contract as `reference.rmsnorm_modulate` (and its dispatcher's `out`); `shift`/`scale` may be column
+    slices of one table."""
     x = x.contiguous()
     batch, seq_len, hidden = x.shape
-    result, (out, out_scale) = row_output(x, fp8)
+    result, (out, out_scale), stride = row_output(x, fp8, out)
     if shift.stride(-1) != 1 or scale.stride(-1) != 1 or shift.stride(0) != scale.stride(0):
         shift, scale = shift.contiguous(), scale.contiguous()
     block = next_power_of_2(hidden)
     _rmsnorm_modulate_kernel[(batch * seq_len,)](
-        x, weight if weight is not None else x, shift, scale, index, out, out_scale, seq_len, hidden,
+        x, weight if weight is not None else x, shift, scale, index, out, out_scale, seq_len, hidden, stride,
         shift.stride(0), eps, HAS_WEIGHT=weight is not None, FP8_OUT=fp8, BLOCK=block,
         num_warps=num_warps or (row_fp8_warps(block) if fp8 else 4),  # 4 measured best in bf16 (benchmarks/history.md)
     )

@@ -6,7 +6,7 @@ import triton
 import triton.language as tl
 
 from h3gen.kernels._dispatch import next_power_of_2
-from h3gen.kernels.fp8_quant.triton import empty_rows, fp8_row, row_fp8_warps
+from h3gen.kernels.fp8_quant.triton import empty_rows, fp8_row, row_fp8_warps, row_stride
 
 
 @triton.jit
@@ -17,35 +17,41 @@ def _swiglu_row_part(x_ptr, row, width, cols, mask):
 
 
 @triton.jit
-def _swiglu_kernel(x_ptr, out_ptr, width, BLOCK: tl.constexpr):
+def _swiglu_kernel(x_ptr, out_ptr, width, out_stride, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < width
     out = _swiglu_row_part(x_ptr, row, width, cols, mask)
-    tl.store(out_ptr + row * width + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + row * out_stride + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
-def _swiglu_fp8_kernel(x_ptr, q_ptr, scale_ptr, width, BLOCK: tl.constexpr):
+def _swiglu_fp8_kernel(x_ptr, q_ptr, scale_ptr, width, out_stride, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < width
     q, scale = fp8_row(_swiglu_row_part(x_ptr, row, width, cols, mask))
-    tl.store(q_ptr + row * width + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
+    tl.store(q_ptr + row * out_stride + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
     tl.store(scale_ptr + row, scale)
 
 
-def swiglu(x, fp8=False, block=1024, num_warps=4):
-    """Same contract as `reference.swiglu`; `block` and `num_warps` tune the bf16 launch."""
+def swiglu(x, fp8=False, block=1024, num_warps=4, out=None):
+    """Same contract as `reference.swiglu` (and its dispatcher's `out`); `block` and `num_warps` tune the bf16
+    launch."""
     x = x.contiguous()
     width = x.shape[-1] // 2
     rows = x.numel() // x.shape[-1]
+    shape = (*x.shape[:-1], width)
+    if out is None:
+        out = empty_rows(shape, rows, x.device) if fp8 else torch.empty(shape, dtype=x.dtype, device=x.device)
+    values = out.values if fp8 else out
+    if values.shape != shape:
+        raise ValueError(f"swiglu's output has shape {tuple(values.shape)}, not {shape}")
+    stride = row_stride(values)
     if fp8:
-        out = empty_rows((*x.shape[:-1], width), rows, x.device)
         row_block = next_power_of_2(width)
-        _swiglu_fp8_kernel[(rows,)](x, out.values, out.scale, width, BLOCK=row_block,
+        _swiglu_fp8_kernel[(rows,)](x, out.values, out.scale, width, stride, BLOCK=row_block,
                                     num_warps=row_fp8_warps(row_block))
         return out
-    out = torch.empty((*x.shape[:-1], width), dtype=x.dtype, device=x.device)
-    _swiglu_kernel[(rows, triton.cdiv(width, block))](x, out, width, BLOCK=block, num_warps=num_warps)
+    _swiglu_kernel[(rows, triton.cdiv(width, block))](x, out, width, stride, BLOCK=block, num_warps=num_warps)
     return out

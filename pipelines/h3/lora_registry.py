@@ -67,17 +67,20 @@ def lora_device_bytes(lora: LoraFile, task: str, itemsize: int, fp8_modules=froz
     per element: every module's B (out_features x rank) and every distinct A (rank x in_features; the A a fused-QKV
     file shares between q, k and v is held once, as `LoraGroup` holds it). A group with a layer among
     `fp8_modules` (`fp8_layers`: the fast tier) may also hold its A as e4m3 rows padded to 16 with a float32 scale
-    each, made on its first forward with e4m3 input; that is counted for every such group (an upper bound: a layer
-    fed bf16 rows, such as `attn.to_out.0`, never makes it). Exact otherwise, on one device; a tensor-parallel rank
-    holds its shard of each, less."""
+    each, made on its first forward with e4m3 input, and (K-extended, `h3gen.lora.wide`) the e4m3 B columns of each
+    member's extended weight, at most `out_features` x those padded rows; both are counted for every such group (an
+    upper bound: under layer-wise offload or tensor parallelism no weight is extended, and a member whose A columns
+    come first reads fewer of them). Exact otherwise, on one device; a tensor-parallel rank holds its shard of each,
+    less."""
     partition = route_partition(task, lora.partitions, lora.name)
     downs: dict[str, tuple[int, int, str]] = {}  # A's key -> (rank, in_features, the group it is projected in)
-    elements, fp8_groups = 0, set()
+    elements, fp8_groups, outputs = 0, set(), {}
     for target in lora.targets:
         if target.partition == partition:
             group = _group_of(target.module)
             downs[target.down_key] = (target.rank, target.in_features, group)
             elements += target.out_features * target.rank
+            outputs.setdefault(group, {})[target.module] = target.out_features
             if target.module in fp8_modules:
                 fp8_groups.add(group)
     total = (elements + sum(rank * width for rank, width, _ in downs.values())) * itemsize
@@ -86,6 +89,7 @@ def lora_device_bytes(lora: LoraFile, task: str, itemsize: int, fp8_modules=froz
         width = next(width for _, width, of in downs.values() if of == group)
         padded = rows + -rows % 16
         total += padded * width + padded * 4  # e4m3 values and a float32 scale per row
+        total += padded * sum(outputs[group].values())  # the extended weights' e4m3 columns
     return total
 
 
@@ -291,9 +295,10 @@ def activate(transformer, adapters: list[tuple[Adapter, float]], task: str, devi
     for module, factors in per_module.items():
         grouped.setdefault(_group_of(module), []).append((layers[module], factors))
     groups = []
+    wide = getattr(transformer, "offload", None) is None  # K-extended weights need the layers to stay where they are
     try:
         for members in grouped.values():
-            groups.append(LoraGroup.build(members, device).attach())
+            groups.append(LoraGroup.build(members, device, wide=wide).attach())
     except BaseException:
         for group in groups:
             group.detach()

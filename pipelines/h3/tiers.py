@@ -17,12 +17,13 @@
 import torch
 
 from h3gen.kernels.attention import fa3_available, fp8_attention, takes_fp8_inputs
-from h3gen.kernels.fp8_quant import quantize_heads
+from h3gen.kernels.fp8_quant import quantize_heads, quantize_rows
 from h3gen.kernels.gated_residual import gated_residual, gated_residual_norm_modulate
 from h3gen.kernels.norm_modulate import rmsnorm_modulate
 from h3gen.kernels.qk_norm_rope import qk_norm_rope
 from h3gen.kernels.swiglu import swiglu
 from h3gen.linear import to_fp8
+from h3gen.lora import wide_input
 from h3gen.options import QUALITY_TIERS, base_tier, check_choice
 from h3gen.pipelines.h3.transformer import AttentionCore
 
@@ -51,11 +52,13 @@ def fast_block_forward(block, hidden_states: torch.Tensor, table: torch.Tensor, 
                        rotary_emb: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
     """`fused_block_forward` for a block whose GEMMs are `Fp8Linear`s: the norms and SwiGLU hand e4m3 rows with
     their scales straight to the GEMMs and, when the attention backend takes FP8 inputs (FlashAttention-3's),
-    q/k norm + RoPE hands e4m3 heads straight to attention. The residual stream is updated in place."""
+    q/k norm + RoPE hands e4m3 heads straight to attention. Where a GEMM carries a K-extended LoRA
+    (`h3gen.lora.wide`), the kernel producing its input writes the e4m3 rows where the LoRA's GEMM reads them
+    (`wide_input`). The residual stream is updated in place."""
     shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = table.chunk(6, dim=-1)
-    attn = block.attn
+    attn, rows, device = block.attn, hidden_states.shape, hidden_states.device
     normed = rmsnorm_modulate(hidden_states, block.norm1.weight, shift_msa, scale_msa, adaln_indices,
-                              block.norm1.eps, fp8=True)
+                              block.norm1.eps, fp8=True, out=wide_input(attn.to_q, rows, device))
     query = attn.to_q(normed).unflatten(-1, (-1, attn.head_dim))
     key = attn.to_k(normed).unflatten(-1, (-1, attn.head_dim))
     value = attn.to_v(normed).unflatten(-1, (-1, attn.head_dim))
@@ -66,11 +69,15 @@ def fast_block_forward(block, hidden_states: torch.Tensor, table: torch.Tensor, 
         out = fp8_attention(query, key, quantize_heads(value), out_dtype=hidden_states.dtype)
     else:
         out = attn.core(*qk_norm_rope(query, key, *rope_args), value)
-    out = attn.to_out[0](out.flatten(2, 3))
+    out = out.flatten(2, 3)
+    wide = wide_input(attn.to_out[0], out.shape, device)
+    out = attn.to_out[0](out if wide is None else quantize_rows(out, out=wide))
     hidden_states, normed = gated_residual_norm_modulate(
         hidden_states, out, gate_msa, adaln_indices, block.norm2.weight, shift_mlp, scale_mlp, block.norm2.eps,
-        out=hidden_states, fp8=True)
-    ff = block.ff.net[2](swiglu(block.ff.net[0].proj(normed), fp8=True))
+        out=hidden_states, fp8=True, normed_out=wide_input(block.ff.net[0].proj, rows, device))
+    up = block.ff.net[0].proj(normed)
+    ff = block.ff.net[2](swiglu(up, fp8=True, out=wide_input(block.ff.net[2], (*up.shape[:-1], up.shape[-1] // 2),
+                                                             device)))
     return gated_residual(hidden_states, ff, gate_mlp, adaln_indices, out=hidden_states)
 
 

@@ -46,3 +46,35 @@ def test_quantize_heads_matches_reference_on_a_strided_view(dtype):
     assert_same_fp8(values, ref_values)
     dense = _dequantized(values, ref_values).reshape(v.shape) * descale[:, None, :, None]
     assert _err(dense, v) < 0.05
+
+
+@pytest.mark.parametrize("peak", [100.0, 3000.0])
+def test_append_scaled_columns_grows_a_rows_scale_only_where_its_new_columns_need_it(peak):
+    """The last columns of e4m3 rows take `projected / factors`; a row whose values would pass 448 multiplies its
+    scale by a power of two and divides its first values by it. Triton against the reference, and the dequantized
+    rows equal `[x | projected * scale / factors]` within e4m3 rounding."""
+    from h3gen.kernels.fp8_quant import reference as fp8_ref
+    from h3gen.kernels.fp8_quant import triton as fp8_triton
+
+    g = _case(5)
+    rows, width, extra = 9, 70, 20
+    x = torch.randn(rows, width, generator=g, device=DEVICE)
+    quantized = fp8_ref.quantize_rows(x)
+    projected = torch.randn(rows, extra, generator=g, device=DEVICE) * peak / 3
+    projected[0] = 0.0
+    factors = torch.rand(extra, generator=g, device=DEVICE) + 0.5
+    results = []
+    for module in (fp8_ref, fp8_triton):
+        values = torch.zeros(rows, width + extra, device=DEVICE).to(fp8_ref.FP8)
+        values[:, :width] = quantized.values
+        scale = quantized.scale.clone()
+        module.append_scaled_columns(values, scale, projected, factors)
+        results.append((values, scale))
+    (ref_values, ref_scale), (got_values, got_scale) = results
+    assert torch.equal(got_scale, ref_scale)
+    assert_same_fp8(got_values, ref_values)
+    grown = (ref_scale / quantized.scale).flatten()
+    assert torch.all(grown == torch.exp2(torch.round(torch.log2(grown))))  # powers of two
+    assert (grown > 1).any() == (peak > 448 * 0.5 * 3)  # only where the new columns pass 448
+    want = torch.cat([x, projected * quantized.scale / factors], dim=1)
+    assert _err(_dequantized(got_values, ref_values) * got_scale, want) < 0.06

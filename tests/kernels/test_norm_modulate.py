@@ -59,3 +59,46 @@ def test_norm_kernels_write_fp8_rows(shape, dtype):
     expected = norm_ref.rmsnorm_modulate(x_new, weight, shift, scale, index, 1e-5, fp8=True)
     dense = norm_ref.rmsnorm_modulate(x_new.float(), weight.float(), shift.float(), scale.float(), index, 1e-5)
     assert_same_rows(got, expected, dense)
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_row_kernels_write_into_columns_of_a_wider_buffer(fp8):
+    """A K-extended LoRA input is `[x | x A^T]` in one buffer: the norms and SwiGLU write `x` into its first columns
+    (rows strided), the same values (and scales) as into a tensor of their own, and leave the other columns alone."""
+    from h3gen.kernels import gated_residual, norm_modulate, swiglu
+    from h3gen.kernels.fp8_quant import Fp8Rows
+    from h3gen.kernels.swiglu import triton as swiglu_triton
+
+    shape = (2, 5, 40)
+    batch, seq, hidden = shape
+    x, y, weight, gate, shift, scale, index = half_block_inputs(shape, torch.float32, seed=3)
+    up = torch.randn(batch, seq, 2 * hidden, device=DEVICE)
+
+    def wide():
+        dtype = torch.float8_e4m3fn if fp8 else torch.float32
+        buffer = torch.full((batch * seq, hidden + 24), 7.0, device=DEVICE).to(dtype)
+        values = buffer[:, 3 : 3 + hidden].view(shape)
+        out = Fp8Rows(values, torch.empty(batch * seq, 1, device=DEVICE)) if fp8 else values
+        return buffer, out
+
+    def check(buffer, written, alone):
+        got, want = (written.values, alone.values) if fp8 else (written, alone)
+        assert torch.equal(got.float(), want.float())
+        if fp8:
+            assert torch.equal(written.scale, alone.scale)
+        rest = torch.cat([buffer[:, :3], buffer[:, 3 + hidden :]], dim=1).float()
+        assert torch.all(rest == 7.0)
+
+    for module in (norm_triton, norm_modulate):
+        buffer, out = wide()
+        written = module.rmsnorm_modulate(x, weight, shift, scale, index, 1e-5, fp8=fp8, out=out)
+        check(buffer, written, module.rmsnorm_modulate(x, weight, shift, scale, index, 1e-5, fp8=fp8))
+    for module in (residual_triton, gated_residual):
+        buffer, out = wide()
+        _, written = module.gated_residual_norm_modulate(x, y, gate, index, weight, shift, scale, 1e-5, fp8=fp8,
+                                                          normed_out=out)
+        check(buffer, written, module.gated_residual_norm_modulate(x, y, gate, index, weight, shift, scale, 1e-5,
+                                                                   fp8=fp8)[1])
+    for module in (swiglu_triton, swiglu):
+        buffer, out = wide()
+        check(buffer, module.swiglu(up, fp8=fp8, out=out), module.swiglu(up, fp8=fp8))
