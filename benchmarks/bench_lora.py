@@ -3,7 +3,9 @@ and FFN (LightX2V Turbo's shape: to_q, to_k, to_v, to_out.0, ff.net.0.proj, ff.n
 blocks), written as a Turbo-format file and loaded through `LoraRegistry` as a request would.
 
 Per row count (37,838 = a 5 s 768x1344 t2va sequence; 8,192), on random weights:
-  - our step without and with the adapter, lossless and fast tiers;
+  - our step without and with the adapter, lossless and fast tiers (the fast one also with its updates added after
+    its FP8 GEMMs instead of inside them, `activate(..., inside_gemm=False)`), and how far the adapter's change of
+    the output in each is from its change in diffusers;
   - diffusers' `MiniMaxH3Transformer3DModel` without and with the same file loaded by its own H3 LoRA loader (PEFT);
   - the 50-block step estimated, as in bench_h3_step.py, as (0-block step) + 50 x per-block time;
   - switching the adapter set between requests (two registered adapters, host LRU -> device), and the first use of
@@ -198,11 +200,16 @@ def measure(layers: int, rows: int, args, device, dtype, folder: Path) -> dict:
         out["fast"] = time_ms(fast_step, args.repeat)
         if args.profile:
             out["kernels fast"] = kernel_us(fast_step, device)
+        fast_plain = fast_step()[0]
         activate(fast, adapters[0], "t2va", device)
         fast_tables = fast.precompute_adaln([kwargs["timestep"]])
         out["fast+lora"] = time_ms(fast_step, args.repeat)
         if args.profile:
             out["kernels fast+lora"] = kernel_us(fast_step, device)
+        fast_lora = fast_step()[0]
+        activate(fast, adapters[0], "t2va", device, inside_gemm=False)
+        out["fast+lora, update after the GEMM"] = time_ms(fast_step, args.repeat)
+        fast_after = fast_step()[0]
         del fast, fast_tables
         diffusers_with_lora(reference, files[0])
         out["diffusers+peft"] = time_ms(lambda: reference(**kwargs, return_dict=False), args.repeat)
@@ -210,6 +217,9 @@ def measure(layers: int, rows: int, args, device, dtype, folder: Path) -> dict:
     out["relL2 lossless+lora vs diffusers+peft"] = rel_l2(got_lora, expected_lora)
     out["relL2 adapter change"] = rel_l2(expected_lora, expected_plain)
     out["relL2 of the change, ours vs diffusers"] = rel_l2(got_lora - got_plain, expected_lora - expected_plain)
+    out["relL2 of the change, fast vs diffusers"] = rel_l2(fast_lora - fast_plain, expected_lora - expected_plain)
+    out["relL2 of the change, fast (after) vs diffusers"] = rel_l2(fast_after - fast_plain,
+                                                                  expected_lora - expected_plain)
     del reference, ours
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -254,7 +264,8 @@ def main():
         args.rows = [r for r in args.rows if r <= 600] or [300]
     else:
         device, dtype = torch.device("cuda"), torch.bfloat16
-    variants = ("diffusers", "diffusers+peft", "lossless", "lossless+lora", "fast", "fast+lora")
+    variants = ("diffusers", "diffusers+peft", "lossless", "lossless+lora", "fast", "fast+lora",
+                "fast+lora, update after the GEMM")
     table, raw, kernels = [], [], []
     with tempfile.TemporaryDirectory() as folder:
         for rows in args.rows:
@@ -264,7 +275,7 @@ def main():
             step50 = {v: empty[v] + 50 * (full[v] - empty[v]) / args.layers for v in variants}
             per_block_bytes = (full["adapter bytes"] - empty["adapter bytes"]) / args.layers
             for v in variants:
-                plain = v.removesuffix("+lora").removesuffix("+peft")
+                plain = v.split("+")[0]
                 table.append({
                     "rows": rows, "variant": v, f"{args.layers}-block ms": f"{full[v]:.2f}",
                     "50-block step s": f"{step50[v] / 1000:.3f}",
@@ -272,7 +283,9 @@ def main():
                 })
             print(f"rows {rows}: LoRA overhead on the 50-block step: lossless "
                   f"{100 * (step50['lossless+lora'] / step50['lossless'] - 1):+.1f} % (goal <= 4 %), fast "
-                  f"{100 * (step50['fast+lora'] / step50['fast'] - 1):+.1f} % (goal <= 6 %), diffusers PEFT "
+                  f"{100 * (step50['fast+lora'] / step50['fast'] - 1):+.1f} % (goal <= 6 %; with the update after its "
+                  f"GEMMs {100 * (step50['fast+lora, update after the GEMM'] / step50['fast'] - 1):+.1f} %), "
+                  f"diffusers PEFT "
                   f"{100 * (step50['diffusers+peft'] / step50['diffusers'] - 1):+.1f} %; lossless+lora is "
                   f"{step50['diffusers+peft'] / step50['lossless+lora']:.2f}x diffusers+peft")
             print(f"rows {rows}: switching adapter sets {full['switch s'] * 1000:.0f} ms for {args.layers} blocks "
@@ -281,7 +294,9 @@ def main():
                   f"{(empty['adapter bytes'] + 50 * per_block_bytes) / 2**30:.2f} GiB for 50 blocks; relL2 vs "
                   f"diffusers+peft {full['relL2 lossless+lora vs diffusers+peft']:.2e} (the adapter moves the output "
                   f"by {full['relL2 adapter change']:.2e}; that change in ours vs in diffusers: relL2 "
-                  f"{full['relL2 of the change, ours vs diffusers']:.2e})")
+                  f"{full['relL2 of the change, ours vs diffusers']:.2e}; in the fast tier "
+                  f"{full['relL2 of the change, fast vs diffusers']:.2e}, with the update after its GEMMs "
+                  f"{full['relL2 of the change, fast (after) vs diffusers']:.2e})")
             if args.profile and device.type == "cuda":
                 # The 0-block model's step is bound by kernel launches (its wall time varies by milliseconds
                 # between runs), which the 50-block estimate multiplies; summed kernel time does not vary so.

@@ -275,10 +275,12 @@ def deactivate(transformer) -> None:
     transformer.active_loras = None
 
 
-def activate(transformer, adapters: list[tuple[Adapter, float]], task: str, device) -> ActiveLoras | None:
+def activate(transformer, adapters: list[tuple[Adapter, float]], task: str, device,
+             inside_gemm: bool = True) -> ActiveLoras | None:
     """Make `transformer` apply exactly `adapters` (`[(adapter, scale), ...]`, their `task` parts) from its next
-    forward on; an empty list removes every adapter. The same set as now is left as it is."""
-    key = tuple((id(adapter), adapter.name, scale) for adapter, scale in adapters)
+    forward on; an empty list removes every adapter. The same set as now is left as it is. `inside_gemm=False` keeps
+    the fast tier's updates out of its FP8 GEMMs (`h3gen.lora.wide`), added after them (benchmarks compare both)."""
+    key = tuple((id(adapter), adapter.name, scale) for adapter, scale in adapters) + (inside_gemm,)
     active = active_loras(transformer)
     if active is not None and active.current(transformer, key):
         return active
@@ -295,7 +297,8 @@ def activate(transformer, adapters: list[tuple[Adapter, float]], task: str, devi
     for module, factors in per_module.items():
         grouped.setdefault(_group_of(module), []).append((layers[module], factors))
     groups = []
-    wide = getattr(transformer, "offload", None) is None  # K-extended weights need the layers to stay where they are
+    # K-extended weights need the layers to stay where they are: not under layer-wise offload.
+    wide = inside_gemm and getattr(transformer, "offload", None) is None
     try:
         for members in grouped.values():
             groups.append(LoraGroup.build(members, device, wide=wide).attach())
