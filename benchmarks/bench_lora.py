@@ -207,6 +207,7 @@ def measure(layers: int, rows: int, args, device, dtype, folder: Path) -> dict:
         if args.profile:
             out["kernels fast+lora"] = kernel_us(fast_step, device)
         fast_lora = fast_step()[0]
+        out["fast groups inside their GEMMs"] = sum(g.wide for g in fast.active_loras.groups)
         activate(fast, adapters[0], "t2va", device, inside_gemm=False)
         out["fast+lora, update after the GEMM"] = time_ms(fast_step, args.repeat)
         fast_after = fast_step()[0]
@@ -296,7 +297,8 @@ def main():
                   f"by {full['relL2 adapter change']:.2e}; that change in ours vs in diffusers: relL2 "
                   f"{full['relL2 of the change, ours vs diffusers']:.2e}; in the fast tier "
                   f"{full['relL2 of the change, fast vs diffusers']:.2e}, with the update after its GEMMs "
-                  f"{full['relL2 of the change, fast (after) vs diffusers']:.2e})")
+                  f"{full['relL2 of the change, fast (after) vs diffusers']:.2e}); LoRA groups inside their FP8 GEMMs: "
+                  f"{full['fast groups inside their GEMMs']}")
             if args.profile and device.type == "cuda":
                 # The 0-block model's step is bound by kernel launches (its wall time varies by milliseconds
                 # between runs), which the 50-block estimate multiplies; summed kernel time does not vary so.

@@ -143,9 +143,8 @@ class LoraGroup:
         if len(widths) != 1:
             raise ValueError(f"LoRA group members read inputs of widths {sorted(widths)}; they must share one input.")
         group = cls(torch.cat(downs).to(dtype).contiguous(), built)
-        device = torch.device(device)
-        if wide and all(type(layer) is Fp8Linear and not _tensor_parallel(layer) and layer.weight.device == device
-                        for layer, _ in members):
+        if wide and all(type(layer) is Fp8Linear and not _tensor_parallel(layer)
+                        and layer.weight.device == group.down.device for layer, _ in members):
             group.wide = True
             for member in group.members:  # FP8 GEMMs take K in multiples of 16
                 member.wide_end = _multiple_of_16(max(start + width for start, _, width in member.segments))
