@@ -26,6 +26,7 @@ How the update reaches each kind of base:
     shard keeps its input columns of `A` and `B` whole, so the partial sums add up over the all-reduce.
 """
 
+import math
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -173,10 +174,7 @@ class LoraGroup:
         members' weights (a copy of each), so a group no kernel asks this of never does."""
         if self._factors is None:
             self._extend_all()
-        in_features, extra = shape[-1], self._e4m3_down()[0].shape[0]
-        rows = 1
-        for size in shape[:-1]:
-            rows *= size
+        in_features, extra, rows = shape[-1], self._e4m3_down()[0].shape[0], math.prod(shape[:-1])
         buffer = torch.empty(rows, in_features + extra, dtype=FP8, device=device)
         x = Fp8Rows(buffer[:, :in_features].view(*shape), torch.empty(rows, 1, dtype=torch.float32, device=device))
         self._wide_x, self._wide_buffer = x, buffer
@@ -266,7 +264,7 @@ class LoraGroup:
         dtype. Given the input `wide_input` handed out, one e4m3 GEMM over the buffer's columns `[0, in + wide_end)`
         by `[W | B c / s_col]`; given any other input, the layer's GEMM with the update added after it."""
         layer, buffer = member.layer, self._wide_buffer
-        if self._wide_x is None or x is not self._wide_x:
+        if x is not self._wide_x:
             return self.apply(member, x, type(layer).forward(layer, x))
         self._hidden_for(x)  # the group's first call with this input fills the buffer's projected columns
         columns = Fp8Rows(buffer[:, : layer.in_features + member.wide_end], x.scale)

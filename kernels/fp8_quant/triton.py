@@ -2,6 +2,8 @@
 e4m3 + scale) and per (batch, head) in two (partial amaxes, then the quantizing pass). `fp8_row` is the row
 quantizer the fused row kernels (norm + modulate, gated residual, SwiGLU) share."""
 
+import math
+
 import torch
 import triton
 import triton.language as tl
@@ -72,13 +74,20 @@ def empty_rows(shape, rows: int, device) -> Fp8Rows:
                    torch.empty((rows, 1), dtype=torch.float32, device=device))
 
 
-def row_stride(values: torch.Tensor) -> int:
-    """The stride between consecutive rows of `values` `(..., H)`, whose columns must be contiguous and rows evenly
-    spaced (a contiguous tensor, or a column slice of a wider buffer)."""
+def output_rows(shape, dtype, device, fp8: bool, out=None):
+    """A row kernel's output of `shape` `(..., H)` and the stride between its rows: `out` if given (a tensor, or
+    `Fp8Rows` when `fp8`, whose rows may be strided: a column slice of a wider buffer), else a new tensor in `dtype`
+    or new `Fp8Rows`. Its columns must be contiguous and its rows evenly spaced."""
+    if out is None:
+        out = empty_rows(shape, math.prod(shape[:-1]), device) if fp8 else torch.empty(shape, dtype=dtype,
+                                                                                       device=device)
+    values = out.values if fp8 else out
+    if tuple(values.shape) != tuple(shape):
+        raise ValueError(f"a row kernel's output has shape {tuple(values.shape)}, not {tuple(shape)}")
     rows = values.reshape(-1, values.shape[-1])
     if values.stride(-1) != 1 or rows.untyped_storage().data_ptr() != values.untyped_storage().data_ptr():
         raise ValueError("a row kernel's output needs contiguous columns and evenly spaced rows")
-    return rows.stride(0)
+    return out, rows.stride(0)
 
 
 def quantize_rows(x, out=None):
@@ -86,11 +95,9 @@ def quantize_rows(x, out=None):
     x = x.contiguous()
     width = x.shape[-1]
     rows = x.numel() // width
-    out = empty_rows(x.shape, rows, x.device) if out is None else out
-    if out.values.shape != x.shape:
-        raise ValueError(f"quantize_rows' output has shape {tuple(out.values.shape)}, not {tuple(x.shape)}")
+    out, stride = output_rows(x.shape, None, x.device, True, out)
     block = next_power_of_2(width)
-    _quantize_rows_kernel[(rows,)](x, out.values, out.scale, width, row_stride(out.values), BLOCK=block,
+    _quantize_rows_kernel[(rows,)](x, out.values, out.scale, width, stride, BLOCK=block,
                                    num_warps=row_fp8_warps(block))
     return out
 

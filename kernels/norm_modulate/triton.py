@@ -1,11 +1,10 @@
 """RMSNorm + AdaLN modulation in one pass over the rows: read x once, write the modulated row once, float32 inside."""
 
-import torch
 import triton
 import triton.language as tl
 
 from h3gen.kernels._dispatch import next_power_of_2
-from h3gen.kernels.fp8_quant.triton import empty_rows, fp8_row, row_fp8_warps, row_stride
+from h3gen.kernels.fp8_quant.triton import fp8_row, output_rows, row_fp8_warps
 
 
 def row_warps(block: int) -> int:
@@ -52,12 +51,8 @@ def _rmsnorm_modulate_kernel(x_ptr, w_ptr, shift_ptr, scale_ptr, index_ptr, out_
 def row_output(x, fp8: bool, out=None):
     """The output of a row kernel over `x` `(B, S, H)`: a tensor like `x`, or `Fp8Rows`; the buffers to pass
     (values, scales); and the row stride of the values. `out`, if given, is used instead of a new one."""
-    if out is None:
-        out = empty_rows(x.shape, x.numel() // x.shape[-1], x.device) if fp8 else torch.empty_like(x)
-    values = out.values if fp8 else out
-    if values.shape != x.shape:
-        raise ValueError(f"a row kernel's output has shape {tuple(values.shape)}, not {tuple(x.shape)}")
-    return out, ((out.values, out.scale) if fp8 else (out, out)), row_stride(values)
+    out, stride = output_rows(x.shape, x.dtype, x.device, fp8, out)
+    return out, ((out.values, out.scale) if fp8 else (out, out)), stride
 
 
 def rmsnorm_modulate(x, weight, shift, scale, index, eps, fp8=False, num_warps=None, out=None):

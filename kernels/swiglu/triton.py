@@ -1,12 +1,11 @@
 """SwiGLU in one pass: read the fused up-projection once, write half as many values (or, for an FP8 GEMM next,
 e4m3 values and one scale per row: a program then holds its whole row)."""
 
-import torch
 import triton
 import triton.language as tl
 
 from h3gen.kernels._dispatch import next_power_of_2
-from h3gen.kernels.fp8_quant.triton import empty_rows, fp8_row, row_fp8_warps, row_stride
+from h3gen.kernels.fp8_quant.triton import fp8_row, output_rows, row_fp8_warps
 
 
 @triton.jit
@@ -41,13 +40,7 @@ def swiglu(x, fp8=False, block=1024, num_warps=4, out=None):
     x = x.contiguous()
     width = x.shape[-1] // 2
     rows = x.numel() // x.shape[-1]
-    shape = (*x.shape[:-1], width)
-    if out is None:
-        out = empty_rows(shape, rows, x.device) if fp8 else torch.empty(shape, dtype=x.dtype, device=x.device)
-    values = out.values if fp8 else out
-    if values.shape != shape:
-        raise ValueError(f"swiglu's output has shape {tuple(values.shape)}, not {shape}")
-    stride = row_stride(values)
+    out, stride = output_rows((*x.shape[:-1], width), x.dtype, x.device, fp8, out)
     if fp8:
         row_block = next_power_of_2(width)
         _swiglu_fp8_kernel[(rows,)](x, out.values, out.scale, width, stride, BLOCK=row_block,
