@@ -89,7 +89,7 @@ class _Member:
     up: torch.Tensor  # (out_local, sum of ranks): its adapters' scale * B side by side, in the layer's compute dtype
     handle: object = None  # the forward hook's handle, or None where the layer's forward was replaced
     wide_end: int = 0  # K-extended (`h3gen.lora.wide`) when > 0: it reads the wide input's columns [0, in + wide_end)
-    wide_weight: torch.Tensor | None = None  # once extended: e4m3 (out, in + wide_end), the layer's weight a view of it
+    wide_weight: torch.Tensor | None = None  # once extended: (out, in + wide_end), the layer's weight a view of it
 
 
 @dataclass
@@ -101,7 +101,8 @@ class LoraGroup:
     members: list[_Member]
     _down_fp8: tuple[torch.Tensor, torch.Tensor] | None = None  # `down` as e4m3 rows and their scales (fast tier)
     wide: bool = False  # whether FP8 members run their update inside their GEMM (`h3gen.lora.wide`)
-    _factors: torch.Tensor | None = None  # K-extended: the factor `c` of each projected column (rows of _down_fp8,)
+    _factors: torch.Tensor | None = None  # K-extended FP8: the factor `c` of each projected column (rows of _down_fp8,)
+    _extended: bool = False  # K-extended: whether the members' weights are extended (on the first `wide_input`)
     _input: object = None
     _hidden: torch.Tensor | None = None
     _left: int = 0
@@ -114,8 +115,9 @@ class LoraGroup:
         """A group over `members` (each a linear and the adapters on it, in stacking order), its tensors on `device`
         in each layer's compute dtype. Every member must read an input of the same width and dtype. An A given to
         several members as the same tensor (a fused QKV file's shared A) is projected once. `wide=True` lets a group
-        of `Fp8Linear`s on `device` (none tensor-parallel) run its updates inside their GEMMs when its input comes
-        from `wide_input`; the caller keeps their weights where they are while attached (no layer-wise offload)."""
+        of `Fp8Linear`s, or of 16- or 32-bit float `nn.Linear`s, on `device` (none tensor-parallel) run its updates
+        inside their GEMMs when its input comes from `wide_input`; the caller keeps their weights where they are
+        while attached (no layer-wise offload)."""
         downs, built, rows, placed = [], [], 0, {}
         dtype = None
         for layer, factors in members:
@@ -144,44 +146,76 @@ class LoraGroup:
         if len(widths) != 1:
             raise ValueError(f"LoRA group members read inputs of widths {sorted(widths)}; they must share one input.")
         group = cls(torch.cat(downs).to(dtype).contiguous(), built)
-        if wide and all(type(layer) is Fp8Linear and not _tensor_parallel(layer)
-                        and layer.weight.device == group.down.device for layer, _ in members):
+        layers = [layer for layer, _ in members]
+        fp8 = all(type(layer) is Fp8Linear for layer in layers)
+        dense = all(type(layer) is nn.Linear and layer.weight.dtype.is_floating_point
+                    and layer.weight.dtype.itemsize >= 2 for layer in layers)
+        if wide and (fp8 or dense) and all(layer.weight.device == group.down.device and not _tensor_parallel(layer)
+                                           for layer in layers):
             group.wide = True
-            for member in group.members:  # FP8 GEMMs take K in multiples of 16
-                member.wide_end = _multiple_of_16(max(start + width for start, _, width in member.segments))
+            for member in group.members:  # FP8 GEMMs take K in multiples of 16; 16-byte rows for the others
+                member.wide_end = _multiple_of(max(start + width for start, _, width in member.segments),
+                                               16 if fp8 else 8)
         return group
 
     @property
     def nbytes(self) -> int:
         tensors = [self.down] + [m.up for m in self.members] + list(self._down_fp8 or ())
-        extended = sum(m.wide_weight[:, m.layer.in_features :].numel() for m in self.members
-                       if m.wide_weight is not None)  # e4m3: one byte each
+        extended = sum(m.wide_weight[:, m.layer.in_features :].numel() * m.wide_weight.element_size()
+                       for m in self.members if m.wide_weight is not None)
         return sum(t.numel() * t.element_size() for t in tensors) + extended
 
     # ------------------------------------------------------------------ K-extended FP8 input
+
+    @property
+    def _fp8(self) -> bool:
+        return type(self.members[0].layer) is Fp8Linear
 
     def _e4m3_down(self) -> tuple[torch.Tensor, torch.Tensor]:
         """`down` as e4m3 rows (padded with zero rows to a multiple of 16) and their scales `(1, rows)`."""
         if self._down_fp8 is None:
             rows = self.down.shape[0]
-            self._down_fp8 = fp8_weight(F.pad(self.down, (0, 0, 0, _multiple_of_16(rows) - rows)))
+            self._down_fp8 = fp8_weight(F.pad(self.down, (0, 0, 0, _multiple_of(rows, 16) - rows)))
         return self._down_fp8
 
-    def wide_input(self, shape, device) -> Fp8Rows:
-        """A buffer for the group's next input `shape` `(..., in)`: `Fp8Rows` whose values are the first `in` columns
-        of e4m3 rows `(rows, in + R)` (R: the projected columns, padded to 16), to hand the kernel that produces the
-        input as its `out`. Members called with that very object read the buffer whole. The first call extends the
-        members' weights (a copy of each), so a group no kernel asks this of never does."""
-        if self._factors is None:
+    def _wide_down(self) -> torch.Tensor:
+        """The A rows a K-extended group projects its input onto: e4m3 (`_e4m3_down`) or `down` padded with zero
+        rows to a multiple of 8 (so its `x A^T` columns fill whole 16-byte groups)."""
+        if self._fp8:
+            return self._e4m3_down()[0]
+        rows = self.down.shape[0]
+        return self.down if rows % 8 == 0 else F.pad(self.down, (0, 0, 0, _multiple_of(rows, 8) - rows))
+
+    def wide_input(self, shape, device):
+        """A buffer for the group's next input `shape` `(..., in)`, to hand the kernel that produces the input as
+        its `out`: the first `in` columns of rows `(rows, in + R)` (R: the projected columns, padded), as `Fp8Rows`
+        of e4m3 rows for FP8 members or a tensor in the compute dtype for dense ones. Members called with that very
+        object read the buffer whole. The first call extends the members' weights (a copy of each), so a group no
+        kernel asks this of never does."""
+        if not self._extended:
             self._extend_all()
-        in_features, extra, rows = shape[-1], self._e4m3_down()[0].shape[0], math.prod(shape[:-1])
-        buffer = torch.empty(rows, in_features + extra, dtype=FP8, device=device)
-        x = Fp8Rows(buffer[:, :in_features].view(*shape), torch.empty(rows, 1, dtype=torch.float32, device=device))
+        in_features, extra, rows = shape[-1], self._wide_down().shape[0], math.prod(shape[:-1])
+        buffer = torch.empty(rows, in_features + extra, dtype=FP8 if self._fp8 else self.down.dtype, device=device)
+        if self._fp8:
+            x = Fp8Rows(buffer[:, :in_features].view(*shape),
+                        torch.empty(rows, 1, dtype=torch.float32, device=device))
+        else:
+            x = buffer[:, :in_features].view(*shape)
         self._wide_x, self._wide_buffer = x, buffer
         return x
 
     def _extend_all(self) -> None:
-        """The columns' factors (`h3gen.lora.wide.column_factors`), then each member's e4m3 `[W | B c / s_col]`."""
+        """Each member's `[W | scale B]` (dense), or the columns' factors (`h3gen.lora.wide.column_factors`) and
+        then each member's e4m3 `[W | B c / s_col]` (FP8); the layer's weight becomes a view of its first columns."""
+        self._extended = True
+        if not self._fp8:
+            for member in self.members:
+                layer = member.layer
+                blocks = [(member.up[:, up_start : up_start + width], start)
+                          for start, up_start, width in member.segments]
+                member.wide_weight = extended_weight(layer.weight.detach(), blocks, member.wide_end)
+                layer.weight.data = member.wide_weight[:, : layer.in_features]  # the parameter keeps its identity
+            return
         values, scale = self._e4m3_down()
         peaks = torch.zeros(values.shape[0], device=values.device)
         for member in self.members:
@@ -198,10 +232,16 @@ class LoraGroup:
             member.wide_weight = extended_weight(layer.weight, blocks, member.wide_end)
             layer._buffers["weight"] = member.wide_weight[:, : layer.in_features]
 
-    def _fill_wide(self, x: Fp8Rows) -> torch.Tensor:
-        """Write `x A^T` into the wide buffer's last columns as e4m3 `x A^T / (s_row c)` (growing a row's scale
-        where they need it: `append_scaled_columns`); returns those columns."""
+    def _fill_wide(self, x) -> torch.Tensor:
+        """Write `x A^T` into the wide buffer's last columns, in the compute dtype (dense) or as e4m3
+        `x A^T / (s_row c)` (FP8, growing a row's scale where they need it: `append_scaled_columns`); returns
+        those columns."""
         buffer = self._wide_buffer
+        if not self._fp8:
+            down = self._wide_down()
+            in_features = buffer.shape[1] - down.shape[0]
+            torch.mm(buffer[:, :in_features], down.t(), out=buffer[:, in_features:])
+            return buffer[:, in_features:]
         values, scale = self._e4m3_down()
         in_features = buffer.shape[1] - values.shape[0]
         unit = torch.ones(buffer.shape[0], 1, dtype=torch.float32, device=buffer.device)
@@ -260,13 +300,19 @@ class LoraGroup:
         return out.view(*x.shape[:-1], out.shape[-1])
 
     def forward_wide(self, member: _Member, x) -> torch.Tensor:
-        """A K-extended FP8 member's forward: `x` (`Fp8Rows` or a tensor `(..., in)`) -> `(..., out)` in the compute
-        dtype. Given the input `wide_input` handed out, one e4m3 GEMM over the buffer's columns `[0, in + wide_end)`
-        by `[W | B c / s_col]`; given any other input, the layer's GEMM with the update added after it."""
+        """A K-extended member's forward: `x` (`Fp8Rows` or a tensor `(..., in)`) -> `(..., out)` in the compute
+        dtype. Given the input `wide_input` handed out, one GEMM over the buffer's columns `[0, in + wide_end)` by
+        `[W | scale B]` (dense) or e4m3 `[W | B c / s_col]` (FP8); given any other input, the layer's GEMM with the
+        update written first (dense) or added after it (FP8)."""
         layer, buffer = member.layer, self._wide_buffer
         if x is not self._wide_x:
+            if not self._fp8:
+                return self.forward_update_first(member, x)
             return self.apply(member, x, type(layer).forward(layer, x))
         self._hidden_for(x)  # the group's first call with this input fills the buffer's projected columns
+        if not self._fp8:
+            out = F.linear(buffer[:, : layer.in_features + member.wide_end], member.wide_weight, layer.bias)
+            return out.view(*x.shape[:-1], out.shape[-1])
         columns = Fp8Rows(buffer[:, : layer.in_features + member.wide_end], x.scale)
         out = fp8_matmul(columns, member.wide_weight, layer.weight_scale, layer.bias, layer.compute_dtype)
         return out.view(*x.values.shape[:-1], out.shape[-1])
@@ -302,16 +348,21 @@ class LoraGroup:
             if _tensor_parallel(member.layer):
                 member.layer.partial_hook = None
             if member.wide_weight is not None:  # the weight back in a tensor of its own
-                member.layer._buffers["weight"] = member.wide_weight[:, : member.layer.in_features].contiguous()
+                weight = member.wide_weight[:, : member.layer.in_features].contiguous()
+                if isinstance(member.layer.weight, nn.Parameter):
+                    member.layer.weight.data = weight
+                else:
+                    member.layer._buffers["weight"] = weight
                 member.wide_weight = None
             member.layer.__dict__.pop("forward", None)  # back to the class's forward
             member.layer.lora_group = None
         self._input = self._hidden = self._wide_x = self._wide_buffer = self._factors = None
+        self._extended = False
         self.attached = False
 
 
-def _multiple_of_16(n: int) -> int:
-    return -(-n // 16) * 16
+def _multiple_of(n: int, step: int) -> int:
+    return -(-n // step) * step
 
 
 def wide_input(layer: nn.Module, shape, device) -> Fp8Rows | None:

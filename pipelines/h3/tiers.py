@@ -31,11 +31,13 @@ from h3gen.pipelines.h3.transformer import AttentionCore
 def fused_block_forward(block, hidden_states: torch.Tensor, table: torch.Tensor, adaln_indices: torch.Tensor,
                         rotary_emb: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
     """`H3TransformerBlock.forward` through fused kernels, given the block's `(K * 3, 6 * hidden)` AdaLN table:
-    5 passes over the rows besides GEMMs and attention. The residual stream is updated in place."""
+    5 passes over the rows besides GEMMs and attention. Where a linear carries a K-extended LoRA
+    (`h3gen.lora.wide`), the kernel producing its input writes it where the LoRA's GEMM reads it (`wide_input`).
+    The residual stream is updated in place."""
     shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = table.chunk(6, dim=-1)
-    attn = block.attn
+    attn, rows, device = block.attn, hidden_states.shape, hidden_states.device
     normed = rmsnorm_modulate(hidden_states, block.norm1.weight, shift_msa, scale_msa, adaln_indices,
-                              block.norm1.eps)
+                              block.norm1.eps, out=wide_input(attn.to_q, rows, device))
     query = attn.to_q(normed).unflatten(-1, (-1, attn.head_dim))
     key = attn.to_k(normed).unflatten(-1, (-1, attn.head_dim))
     value = attn.to_v(normed).unflatten(-1, (-1, attn.head_dim))
@@ -43,8 +45,9 @@ def fused_block_forward(block, hidden_states: torch.Tensor, table: torch.Tensor,
     out = attn.to_out[0](attn.core(query, key, value).flatten(2, 3))
     hidden_states, normed = gated_residual_norm_modulate(
         hidden_states, out, gate_msa, adaln_indices, block.norm2.weight, shift_mlp, scale_mlp, block.norm2.eps,
-        out=hidden_states)
-    ff = block.ff.net[2](swiglu(block.ff.net[0].proj(normed)))
+        out=hidden_states, normed_out=wide_input(block.ff.net[0].proj, rows, device))
+    up = block.ff.net[0].proj(normed)
+    ff = block.ff.net[2](swiglu(up, out=wide_input(block.ff.net[2], (*up.shape[:-1], up.shape[-1] // 2), device)))
     return gated_residual(hidden_states, ff, gate_mlp, adaln_indices, out=hidden_states)
 
 
