@@ -163,32 +163,47 @@ def measure(layers: int, rows: int, args, device, dtype, folder: Path) -> dict:
     with torch.no_grad():
         out["diffusers"] = time_ms(lambda: reference(**kwargs, return_dict=False), args.repeat)
         expected_plain = reference(**kwargs, return_dict=False)[0]
-        tables = {}
-
-        def ours_step(tier):
-            if tier not in tables:
-                tables[tier] = ours.precompute_adaln([kwargs["timestep"]])
-            return ours(**kwargs, return_dict=False, adaln_tables=tables[tier], step=0)
-
         set_quality(ours, "lossless")
-        out["lossless"] = time_ms(lambda: ours_step("lossless"), args.repeat)
+        fast = copy.deepcopy(ours)
+        set_quality(fast, "fast")
+
+        def tier_variants(model, outside: str) -> dict:
+            """name -> setup() that sets `model`'s adapters and returns its step (its AdaLN tables made after the
+            adapters are set: LoRA on the AdaLN projections changes them)."""
+            def setup(inside_gemm=None):
+                if inside_gemm is None:
+                    deactivate(model)
+                else:
+                    activate(model, adapters[0], "t2va", device, inside_gemm=inside_gemm)
+                tables = model.precompute_adaln([kwargs["timestep"]])
+                return lambda: model(**kwargs, return_dict=False, adaln_tables=tables, step=0)
+            tier = model.quality
+            return {tier: setup, f"{tier}+lora": lambda: setup(True), outside: lambda: setup(False)}
+
+        lossless = tier_variants(ours, "lossless+lora, update outside the GEMM")
+        fast_variants = tier_variants(fast, "fast+lora, update after the GEMM")
+        # Every variant timed once per round, in turn, so that a drift of the clocks over the run (the GPU warms
+        # up) reaches all of them alike; the median over the rounds is kept.
+        rounds = {name: [] for name in (*lossless, *fast_variants)}
+        for _ in range(args.rounds):
+            for name, setup in (*lossless.items(), *fast_variants.items()):
+                rounds[name].append(time_ms(setup(), args.repeat))
+        out.update({name: statistics.median(times) for name, times in rounds.items()})
+        out["rounds"] = rounds
+        step = lossless["lossless"]()
+        got_plain = step()[0]
+        out["peak lossless"] = peak_bytes(step, device)
         if args.profile:
-            out["kernels lossless"] = kernel_us(lambda: ours_step("lossless"), device)
-        got_plain = ours_step("lossless")[0]
-        out["peak lossless"] = peak_bytes(lambda: ours_step("lossless"), device)
-        activate(ours, adapters[0], "t2va", device)
-        tables.clear()
-        out["lossless+lora"] = time_ms(lambda: ours_step("lossless"), args.repeat)
+            out["kernels lossless"] = kernel_us(step, device)
+        step = lossless["lossless+lora"]()
+        got_lora = step()[0]
+        out["peak lossless+lora"] = peak_bytes(step, device)
         if args.profile:
-            out["kernels lossless+lora"] = kernel_us(lambda: ours_step("lossless"), device)
-        out["peak lossless+lora"] = peak_bytes(lambda: ours_step("lossless"), device)
-        got_lora = ours_step("lossless")[0]
+            out["kernels lossless+lora"] = kernel_us(step, device)
         out["adapter bytes"] = ours.active_loras.nbytes
         out["lossless groups inside their GEMMs"] = sum(
             any(m.wide_weight is not None for m in g.members) for g in ours.active_loras.groups)
-        activate(ours, adapters[0], "t2va", device, inside_gemm=False)
-        out["lossless+lora, update outside the GEMM"] = time_ms(lambda: ours_step("lossless"), args.repeat)
-        lossless_outside = ours_step("lossless")[0]
+        lossless_outside = lossless["lossless+lora, update outside the GEMM"]()()[0]
         # Switching between two registered adapters, as consecutive requests with different sets do.
         switches = []
         for i in range(4):
@@ -199,25 +214,17 @@ def measure(layers: int, rows: int, args, device, dtype, folder: Path) -> dict:
             switches.append(time.perf_counter() - start)
         out["switch s"] = statistics.median(switches)
         deactivate(ours)
-        fast = copy.deepcopy(ours)
-        set_quality(fast, "fast")
-        fast_tables = fast.precompute_adaln([kwargs["timestep"]])
-        fast_step = lambda: fast(**kwargs, return_dict=False, adaln_tables=fast_tables, step=0)  # noqa: E731
-        out["fast"] = time_ms(fast_step, args.repeat)
+        step = fast_variants["fast"]()
+        fast_plain = step()[0]
         if args.profile:
-            out["kernels fast"] = kernel_us(fast_step, device)
-        fast_plain = fast_step()[0]
-        activate(fast, adapters[0], "t2va", device)
-        fast_tables = fast.precompute_adaln([kwargs["timestep"]])
-        out["fast+lora"] = time_ms(fast_step, args.repeat)
+            out["kernels fast"] = kernel_us(step, device)
+        step = fast_variants["fast+lora"]()
+        fast_lora = step()[0]
         if args.profile:
-            out["kernels fast+lora"] = kernel_us(fast_step, device)
-        fast_lora = fast_step()[0]
+            out["kernels fast+lora"] = kernel_us(step, device)
         out["fast groups inside their GEMMs"] = sum(g.wide for g in fast.active_loras.groups)
-        activate(fast, adapters[0], "t2va", device, inside_gemm=False)
-        out["fast+lora, update after the GEMM"] = time_ms(fast_step, args.repeat)
-        fast_after = fast_step()[0]
-        del fast, fast_tables
+        fast_after = fast_variants["fast+lora, update after the GEMM"]()()[0]
+        del fast, fast_variants, step
         diffusers_with_lora(reference, files[0])
         out["diffusers+peft"] = time_ms(lambda: reference(**kwargs, return_dict=False), args.repeat)
         expected_lora = reference(**kwargs, return_dict=False)[0]
@@ -260,6 +267,8 @@ def main():
     parser.add_argument("--rows", type=int, nargs="+", default=[37838, 8192])
     parser.add_argument("--rank", type=int, default=128)
     parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=3, help="time our variants this many times each, in turn "
+                                                              "(the median of the rounds is kept)")
     parser.add_argument("--tiny", action="store_true", help="tiny dims on the CPU (checks the script runs)")
     parser.add_argument("--profile", action="store_true",
                         help="also list, per row count and tier, the CUDA kernels whose time the adapters change most "
@@ -287,6 +296,7 @@ def main():
                 plain = v.split("+")[0]
                 table.append({
                     "rows": rows, "variant": v, f"{args.layers}-block ms": f"{full[v]:.2f}",
+                    "each round": " ".join(f"{t:.1f}" for t in full["rounds"].get(v, [])),
                     "50-block step s": f"{step50[v] / 1000:.3f}",
                     "vs no LoRA": f"{step50[v] / step50[plain]:.3f}" if v != plain else "",
                 })
@@ -330,7 +340,7 @@ def main():
         print(f"\nCUDA kernel time per {args.layers}-block step, with the adapter minus without:")
         print_table(kernels, ["rows", "tier", "kernel", "us without", "us with", "delta us"])
         print()
-    print_table(table, ["rows", "variant", f"{args.layers}-block ms", "50-block step s", "vs no LoRA"])
+    print_table(table, ["rows", "variant", f"{args.layers}-block ms", "each round", "50-block step s", "vs no LoRA"])
 
 
 if __name__ == "__main__":
