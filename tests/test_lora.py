@@ -151,16 +151,21 @@ def test_turbo_v01_files_default_to_alpha_8_and_alpha_overrides(tmp_path):
         assert max_rel_err(got, expected) <= TOLERANCE, alpha
 
 
-def test_two_stacked_adapters_with_their_scales_match_diffusers(tmp_path):
+def test_two_stacked_adapters_with_their_scales_match_diffusers(tmp_path, monkeypatch):
     reference, ours = _pair(CONFIG)
     first = _diffusers_file(tmp_path, ours, "diffusers")
     second = _native_file(tmp_path, CONFIG, "kohya", seed=5, alphas={"blocks.1.attn.qkv_proj": 2.0})
     files = [(first, 0.7), (second, 0.4)]
     inputs = random_inputs(CONFIG, seed=5, **INPUTS)
     expected = _run(_reference(reference, files), inputs)
+    fills = []
+    original = LoraGroup._fill_wide
+    monkeypatch.setattr(LoraGroup, "_fill_wide", lambda self, x: fills.append(1) or original(self, x))
     for tier in ("exact", "lossless"):
         got, _ = _ours(ours, files, inputs=inputs, tier=tier)
         assert max_rel_err(got, expected) <= TOLERANCE, tier
+    # The lossless tier ran q/k/v, the SwiGLU projection and ff.net.2 of every block inside their GEMMs.
+    assert len(fills) == 3 * len(ours.transformer_blocks)
 
 
 @pytest.mark.parametrize("prefixed", [False, True])
@@ -472,7 +477,31 @@ def test_header_bytes_are_what_activate_holds(dtype, tmp_path):
     adapters = {path: (registry.adapter(registry.register(path)), 1.0) for path in files}
     for chosen in ([plain], [fused], [plain, fused]):
         held = activate(ours, [adapters[path] for path in chosen], "t2va", "cpu").nbytes
-        assert sum(lora_device_bytes(files[path], "t2va", dtype.itemsize) for path in chosen) == held
+        # Before a forward no weight is extended: the count without extended weights, exactly.
+        assert sum(lora_device_bytes(files[path], "t2va", dtype.itemsize, extended=False) for path in chosen) == held
+        deactivate(ours)
+
+
+def test_header_bytes_bound_what_the_lossless_tier_holds(tmp_path):
+    """After a lossless forward the blocks' q/k/v, SwiGLU projection and ff.net.2 groups hold extended weights
+    (`h3gen.lora.wide`): with a fused-QKV file (one A per group) the header's count is exact, with A's of their own
+    an upper bound (q reads the fewest columns)."""
+    _, ours = _pair(CONFIG)
+    plain = FORMATS["diffusers"][1](tmp_path, ours)
+    fused = FORMATS["kohya"][1](tmp_path, ours)
+    registry = _registry(ours)
+    set_quality(ours, "lossless")
+    inputs = random_inputs(CONFIG, seed=3, **INPUTS)
+    for path in (fused, plain):
+        lora = read_lora(path, head_dim=ours.config.attention_head_dim)
+        active = activate(ours, [(registry.adapter(registry.register(path)), 1.0)], "t2va", "cpu")
+        before = active.nbytes
+        _run(ours, inputs, "lossless")
+        extended = [g for g in active.groups if any(m.wide_weight is not None for m in g.members)]
+        assert len(extended) == 3 * len(ours.transformer_blocks) and active.nbytes > before
+        header = lora_device_bytes(lora, "t2va", 4)
+        assert active.nbytes == header if path == fused else before < active.nbytes < header
+        assert lora_device_bytes(lora, "t2va", 4, extended=False) == before
         deactivate(ours)
 
 
@@ -485,7 +514,8 @@ def test_header_bytes_bound_what_the_fast_tier_holds(tmp_path):
     fp8 = fp8_layers(ours)
     assert "transformer_blocks.0.attn.to_q" in fp8 and "transformer_blocks.0.adaln_proj.linear" not in fp8
     active = activate(ours, [(registry.adapter(registry.register(fused)), 1.0)], "t2va", "cpu")
-    assert active.nbytes == lora_device_bytes(lora, "t2va", 4)  # before a forward: the dense factors only
+    # Before a forward: the dense factors only.
+    assert active.nbytes == lora_device_bytes(lora, "t2va", 4, extended=False)
     _run(ours, random_inputs(CONFIG, seed=3, **INPUTS), "fast")  # e4m3 rows: FP8 copies of A, extended weights
     header = lora_device_bytes(lora, "t2va", 4, fp8)
     # Every FP8 group made its copy of A (rank 4 padded to 16 rows) and extended its members by 16 e4m3 columns.
@@ -504,15 +534,15 @@ def test_header_bytes_follow_the_ref2va_routing(tmp_path):
         write_diffusers(path, random_factors(shapes, rank, 1), prefix=prefix)
         per_file[prefix] = sum(rank * (rows + cols) * 2 for rows, cols in shapes.values())
     ref_only = read_lora(tmp_path / "transformer_ref.safetensors", head_dim=32)
-    assert lora_device_bytes(ref_only, "ref2va", 2) == per_file["transformer_ref."]
+    assert lora_device_bytes(ref_only, "ref2va", 2, extended=False) == per_file["transformer_ref."]
     for task in ("t2va", "fl2va"):
         with pytest.raises(RequestError, match=r"holds transformer_ref \(ref2va\) layers only") as error:
             lora_device_bytes(ref_only, task, 2)
         assert error.value.field == "loras"
     both = read_lora(tmp_path / "transformer.safetensors", head_dim=32)
     both.targets += ref_only.targets
-    assert lora_device_bytes(both, "t2va", 2) == per_file["transformer."]
-    assert lora_device_bytes(both, "ref2va", 2) == per_file["transformer_ref."]
+    assert lora_device_bytes(both, "t2va", 2, extended=False) == per_file["transformer."]
+    assert lora_device_bytes(both, "ref2va", 2, extended=False) == per_file["transformer_ref."]
 
 
 def test_pipeline_adapters_under_layerwise_offload_and_merged(tmp_path):
@@ -637,6 +667,44 @@ def test_fp8_members_run_the_update_inside_their_gemm_and_give_their_weights_bac
         for layer, before in zip(layers, saved):
             assert layer.weight.is_contiguous() and torch.equal(layer.weight.view(torch.uint8),
                                                                 before.view(torch.uint8))
+            assert "forward" not in vars(layer)
+        assert wide_input(layers[0], x.shape, "cpu") is None
+
+
+@pytest.mark.parametrize("shared_a", [False, True])
+def test_dense_members_run_the_update_inside_their_gemm_and_give_their_weights_back(shared_a):
+    """With `wide=True` a group of dense linears fed through `wide_input` runs `[x | x A^T]` by `[W | scale B]` in one
+    GEMM per member: the base plus the update as the update-first forward computes it. Any other input takes the
+    update written first; detaching gives the layers their weights back (the same parameters, contiguous)."""
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(48, 32 + 16 * i, bias=i == 1) for i in range(3)]
+    shared = _factors(32, 48, rank=6, seed=1)
+    members = [(layer, [LoraFactors(shared.down, torch.randn(layer.out_features, 6), 0.5)] if shared_a
+                else [_factors(layer.out_features, 48, rank=5, seed=2 + i), _factors(layer.out_features, 48, rank=3,
+                                                                                     seed=9 + i)])
+               for i, layer in enumerate(layers)]
+    parameters = [layer.weight for layer in layers]
+    saved = [layer.weight.detach().clone() for layer in layers]
+    x = torch.randn(2, 7, 48)
+    with torch.no_grad():
+        base = [layer(x) for layer in layers]
+        delta = [sum(f.scale * (x @ f.down.t()) @ f.up.t() for f in factors) for _, factors in members]
+        group = LoraGroup.build(members, "cpu", wide=True).attach()
+        assert group.wide and all(m.wide_end % 8 == 0 for m in group.members)
+        for _ in range(2):
+            wide = wide_input(layers[0], x.shape, "cpu")
+            assert wide.stride(-2) == 48 + (8 if shared_a else 24)  # the projected rows, padded to 8
+            wide.copy_(x)
+            got = [layer(wide) for layer in layers]
+            assert group._wide_x is None and group._input is None
+            for out, plain, update in zip(got, base, delta):
+                assert max_rel_err(out - plain, update) <= 1e-5
+        assert all(m.wide_weight is not None and m.layer.weight.data_ptr() == m.wide_weight.data_ptr()
+                   for m in group.members)
+        assert max_rel_err(layers[1](x) - base[1], delta[1]) <= 1e-5  # not the wide input: the update first
+        group.detach()
+        for layer, parameter, before in zip(layers, parameters, saved):
+            assert layer.weight is parameter and layer.weight.is_contiguous() and torch.equal(layer.weight, before)
             assert "forward" not in vars(layer)
         assert wide_input(layers[0], x.shape, "cpu") is None
 

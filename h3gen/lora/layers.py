@@ -8,13 +8,15 @@ stacked `scale * B`s in one GEMM. The group's tensors are plain attributes, neve
 layer-wise offload that streams a block's weights leaves them where they are (on the GPU, for the whole request).
 
 How the update reaches each kind of base:
-  - dense `nn.Linear`: the layer's forward is replaced while the group is attached: it writes the update
+  - a group of resident linears (not tensor parallel) built with `wide=True` whose input the block writes through
+    `wide_input` (the lossless tier's q/k/v, SwiGLU projection and ff.net.2; the fast tier's FP8 linears, to_out
+    too): the update runs inside the layer's own GEMM as more columns of its K loop, `[x | x A^T]` by
+    `[W | scale B]`, in the weight's dtype or in e4m3 (`h3gen.lora.wide`);
+  - dense `nn.Linear` given any other input (the lossless to_out, whose input the attention kernel writes; layers
+    under layer-wise offload): the layer's forward is replaced while the group is attached: it writes the update
     (`x A^T (scale B)^T`, plus the bias) first and lets the layer's own GEMM add `x W^T` into it (beta = 1). That
     moves as many bytes as adding the update after the GEMM (which reads and writes the output once more), and on
     the H200 it measured faster in the whole step at both row counts (benchmarks/RESULTS.md);
-  - `Fp8Linear` in a group built with `wide=True` (resident, not tensor parallel) whose input the fast tier's
-    block writes through `wide_input`: the update runs inside the layer's e4m3 GEMM as more columns of its K loop
-    (`h3gen.lora.wide`);
   - `Fp8Linear` given any other input, `MXFP4Linear` (their GEMMs take no matrix to add into): a forward hook adds
     it to the layer's output. An FP8 layer's input may be e4m3 `Fp8Rows` from a fused kernel: the A projection
     then runs as an FP8 GEMM like the layer's own (`h3gen.quant.fp8.fp8_matmul`, A quantized per rank row, its rows

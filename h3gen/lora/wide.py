@@ -1,23 +1,24 @@
-"""K-extended LoRA on FP8 linears: the update inside the layer's own e4m3 GEMM, `[x | x A^T] @ [W | scale B]^T`.
+"""K-extended LoRA: the update inside the layer's own GEMM, `[x | x A^T] @ [W | scale B]^T`.
 
-Added after the GEMM (FP8 GEMMs take no matrix to add into), an update reads and writes every adapted output once
-more; as `rank` more columns of the GEMM's K loop it costs next to nothing (benchmarks/RESULTS.md). That needs both
-operands side by side:
+Added after the GEMM, or written first for the GEMM to add into, an update reads and writes every adapted output
+once more; as `rank` more columns of the GEMM's K loop it moves no output again (its cost per GEMM and per step:
+benchmarks/RESULTS.md). That needs both operands side by side:
 
-- the weight: once an input comes through `LoraGroup.wide_input`, a member's e4m3 weight lives in an
-  `(out, in + end)` buffer whose first `in` columns are the layer's weight (its buffer a view of them, so nothing
-  holds a second copy) and whose last `end` columns hold its adapters' `scale * B` under the group's projected
-  columns `[0, end)` (zeros under the other members'). Detaching copies the weight back to a tensor of its own;
-- the input: the kernel producing the group's shared input writes its e4m3 rows into the first `in` columns of a
+- the weight: once an input comes through `LoraGroup.wide_input`, a member's weight lives in an `(out, in + end)`
+  buffer whose first `in` columns are the layer's weight (its parameter or buffer a view of them, so nothing holds a
+  second copy) and whose last `end` columns hold its adapters' `scale * B` under the group's projected columns
+  `[0, end)` (zeros under the other members'). Detaching copies the weight back to a tensor of its own;
+- the input: the kernel producing the group's shared input writes its rows into the first `in` columns of a
   `(rows, in + R)` buffer, and the group writes `x A^T` into the rest.
 
-One scale per input row (`s_row`) and per output feature (`s_col`) then covers those columns too, so a projected
-column `j` is stored as `x A^T / (s_row c_j)` and its B column as `scale * B * c_j / s_col`, for a factor `c_j` per
-column fixed when the weight is extended. `column_factors` picks it so that the B column's largest value is at
-most 448 and, as far as that allows, balanced against an estimate of the projected column's (448 times the A row's
-norm), keeping both well inside e4m3's range. Where an input row's projected values still pass 448, that row's
-scale grows by a power of two (`h3gen.kernels.fp8_quant.append_scaled_columns`), so nothing saturates; only values
-of that row which become subnormal lose precision.
+Dense layers (bf16, fp16, float32) hold `scale * B` and `x A^T` as they are. For FP8 layers one scale per input
+row (`s_row`) and per output feature (`s_col`) then covers those columns too, so a projected column `j` is stored as
+`x A^T / (s_row c_j)` and its B column as `scale * B * c_j / s_col`, for a factor `c_j` per column fixed when the
+weight is extended. `column_factors` picks it so that the B column's largest value is at most 448 and, as far as
+that allows, balanced against an estimate of the projected column's (448 times the A row's norm), keeping both well
+inside e4m3's range. Where an input row's projected values still pass 448, that row's scale grows by a power of two
+(`h3gen.kernels.fp8_quant.append_scaled_columns`), so nothing saturates; only values of that row which become
+subnormal lose precision.
 """
 
 import torch

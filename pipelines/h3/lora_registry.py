@@ -62,16 +62,24 @@ def route_partition(task: str, partitions, name: str) -> str:
                        f"(references), not {task}.", "loras")
 
 
-def lora_device_bytes(lora: LoraFile, task: str, itemsize: int, fp8_modules=frozenset()) -> int:
+# The block linears whose input a tier's fused block forward writes into a K-extended LoRA's wide buffer
+# (`pipelines/h3/tiers.py`): the lossless tier's q/k/v, SwiGLU projection and ff.net.2 (its attention output comes
+# from the attention kernel, so to_out keeps the update written first); the fast tier's FP8 linears, to_out too.
+_DENSE_EXTENDED = re.compile(r"transformer_blocks\.\d+\.(attn\.to_[qkv]|ff\.net\.0\.proj|ff\.net\.2)$")
+
+
+def lora_device_bytes(lora: LoraFile, task: str, itemsize: int, fp8_modules=frozenset(),
+                      extended: bool = True) -> int:
     """The device bytes `activate` holds for the `task` part of `lora`, from its header alone, at `itemsize` bytes
     per element: every module's B (out_features x rank) and every distinct A (rank x in_features; the A a fused-QKV
     file shares between q, k and v is held once, as `LoraGroup` holds it). A group with a layer among
-    `fp8_modules` (`fp8_layers`: the fast tier) may also hold its A as e4m3 rows padded to 16 with a float32 scale
-    each, made on its first forward with e4m3 input, and (K-extended, `h3gen.lora.wide`) the e4m3 B columns of each
-    member's extended weight, at most `out_features` x those padded rows; both are counted for every such group (an
-    upper bound: under layer-wise offload or tensor parallelism no weight is extended, and a member whose A columns
-    come first reads fewer of them). Exact otherwise, on one device; a tensor-parallel rank holds its shard of each,
-    less."""
+    `fp8_modules` (`fp8_layers`: the fast tier) also holds its A as e4m3 rows padded to 16 with a float32 scale
+    each, made on its first forward with e4m3 input. With `extended` (a resident model, not tensor parallel: where
+    `activate` lets groups run their updates inside their GEMMs, `h3gen.lora.wide`), each member of a group the
+    blocks' fused forward feeds through `wide_input` also holds the extra columns of its extended weight: at most
+    `out_features` x the group's projected rows (padded to 16, e4m3, in an FP8 group; to 8, at `itemsize`, in a
+    dense one), counted in full (an upper bound: a member whose A columns come first reads fewer, and the `exact`
+    tier extends nothing). Exact otherwise, on one device; a tensor-parallel rank holds its shard of each, less."""
     partition = route_partition(task, lora.partitions, lora.name)
     downs: dict[str, tuple[int, int, str]] = {}  # A's key -> (rank, in_features, the group it is projected in)
     elements, fp8_groups, outputs = 0, set(), {}
@@ -84,12 +92,16 @@ def lora_device_bytes(lora: LoraFile, task: str, itemsize: int, fp8_modules=froz
             if target.module in fp8_modules:
                 fp8_groups.add(group)
     total = (elements + sum(rank * width for rank, width, _ in downs.values())) * itemsize
-    for group in fp8_groups:
+    for group, members in outputs.items():
         rows = sum(rank for rank, _, of in downs.values() if of == group)
-        width = next(width for _, width, of in downs.values() if of == group)
-        padded = rows + -rows % 16
-        total += padded * width + padded * 4  # e4m3 values and a float32 scale per row
-        total += padded * sum(outputs[group].values())  # the extended weights' e4m3 columns
+        if group in fp8_groups:
+            width = next(width for _, width, of in downs.values() if of == group)
+            padded = rows + -rows % 16
+            total += padded * width + padded * 4  # e4m3 values and a float32 scale per row
+            if extended:
+                total += padded * sum(members.values())  # the extended weights' e4m3 columns
+        elif extended and all(_DENSE_EXTENDED.search(module) for module in members):
+            total += (rows + -rows % 8) * sum(members.values()) * itemsize
     return total
 
 
@@ -279,7 +291,8 @@ def activate(transformer, adapters: list[tuple[Adapter, float]], task: str, devi
              inside_gemm: bool = True) -> ActiveLoras | None:
     """Make `transformer` apply exactly `adapters` (`[(adapter, scale), ...]`, their `task` parts) from its next
     forward on; an empty list removes every adapter. The same set as now is left as it is. `inside_gemm=False` keeps
-    the fast tier's updates out of its FP8 GEMMs (`h3gen.lora.wide`), added after them (benchmarks compare both)."""
+    the updates out of the GEMMs (`h3gen.lora.wide`): written before the lossless tier's, added after the fast
+    tier's FP8 ones (benchmarks compare both)."""
     key = tuple((id(adapter), adapter.name, scale) for adapter, scale in adapters) + (inside_gemm,)
     active = active_loras(transformer)
     if active is not None and active.current(transformer, key):

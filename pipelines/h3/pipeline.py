@@ -378,7 +378,8 @@ class H3Pipeline:
         device memory available to them (`DeviceMemory`) less a margin."""
         model = self._transformer_for(task)
         fp8 = fp8_layers(model)
-        need = sum(lora_device_bytes(lora, task, model.dtype.itemsize, fp8) for lora in files)
+        extended = getattr(model, "offload", None) is None  # `activate` extends no weight under layer-wise offload
+        need = sum(lora_device_bytes(lora, task, model.dtype.itemsize, fp8, extended) for lora in files)
         check_device_budget(need, [lora.name for lora in files], self.lora_gpu_memory,
                             self.device_memory.available(self._partition_of(model)))
 
