@@ -29,9 +29,6 @@ def main():
     parser.add_argument("--lora-rank", type=int, default=0, help="also time the dense linear with a LoRA update of "
                                                                 "this rank both ways (0: skip)")
     parser.add_argument("--only-lora", action="store_true", help="time only the LoRA cases")
-    parser.add_argument("--two-source", action="store_true", help="with --lora-rank, also time the Triton GEMM "
-                                                                   "that reads the update's operands from tensors of "
-                                                                   "their own (`h3gen.kernels.lora_gemm`)")
     parser.add_argument("--rounds", type=int, default=1, help="time every case this many times, in turn; the "
                                                               "median is printed, with the spread (max - min)")
     args = parser.parse_args()
@@ -63,8 +60,6 @@ def main():
             cases = []
         if args.lora_rank:
             cases += lora_cases(rows, args.lora_rank)
-        if args.lora_rank and args.two_source:
-            cases += two_source_cases(rows, args.lora_rank)
         # Every case once per round, in turn, so that a drift of the clocks between rounds reaches all of them.
         times = {name: [] for name, _, _ in cases}
         for _ in range(args.rounds):
@@ -171,41 +166,6 @@ def lora_cases(rows, rank):
                       (f"{name}: FP8, then addmm_ of the update", 3 * out,
                        lambda a=x8, b=w8, h=hidden, u=up, f=scaled: f(a, b).addmm_(h, u.t())),
                       (f"{name}: FP8 K-extended GEMM", out, lambda a=xq, b=wq, f=scaled: f(a, b))]
-    return cases
-
-
-def two_source_cases(rows, rank):
-    """(name, output bytes, call) for the Triton GEMM of `h3gen.kernels.lora_gemm` at the block's linear shapes and
-    a few tilings: the linear alone and with its rank-`rank` update in the K loop (A product included)."""
-    from h3gen.kernels.lora_gemm.triton import two_source_matmul
-
-    bf16 = dict(device="cuda", dtype=torch.bfloat16)
-    mm = torch.nn.functional.linear
-    tilings = {"128x256x64 w8 s3": dict(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=3),
-               "128x256x64 w8 s4": dict(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=4),
-               "128x128x64 w8 s4": dict(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=4),
-               "128x128x64 w4 s4": dict(block_m=128, block_n=128, block_k=64, num_warps=4, num_stages=4),
-               "256x128x64 w8 s3": dict(block_m=256, block_n=128, block_k=64, num_warps=8, num_stages=3),
-               "128x256x64 w8 s3 one tile per program": dict(block_m=128, block_n=256, block_k=64, num_warps=8,
-                                                             num_stages=3, programs=1 << 30)}
-    cases = []
-    shapes = (("q", HEADS * DIM, HIDDEN), ("to_out", HIDDEN, HEADS * DIM), ("SwiGLU projection", 2 * FFN, HIDDEN),
-              ("ff.net.2", HIDDEN, FFN))
-    for name, n, k in shapes:
-        x, w = torch.randn(rows, k, **bf16), torch.randn(n, k, **bf16) * 0.02
-        down, up = torch.randn(rank, k, **bf16) / k**0.5, torch.randn(n, rank, **bf16) * 0.01
-        expected = (mm(x, w).float() + mm(mm(x, down), up).float())
-        for label, tiling in tilings.items():
-            try:
-                got = two_source_matmul(x, w, mm(x, down), up, **tiling).float()
-            except Exception as failure:  # a tiling the compiler or the device refuses: say so, time the others
-                print(f"{name}: Triton {label}: {type(failure).__name__}: {str(failure)[:200]}")
-                continue
-            error = ((got - expected).norm() / expected.norm()).item()
-            cases += [(f"{name}: Triton {label} alone", rows * n * 2,
-                       lambda x=x, w=w, t=tiling: two_source_matmul(x, w, **t)),
-                      (f"{name}: Triton {label} two-source (relL2 {error:.1e})", rows * n * 2,
-                       lambda x=x, w=w, d=down, u=up, t=tiling: two_source_matmul(x, w, mm(x, d), u, **t))]
     return cases
 
 
