@@ -14,7 +14,7 @@ Per row count (37,838 = a 5 s 768x1344 t2va sequence; 8,192), on random weights:
   - the adapters' device memory and the step's peak memory with and without them.
 `--tiny` runs the same on the CPU at tiny dims (wall-clock timing) to check the script end to end.
 
-    python benchmarks/bench_lora.py --layers 4 --rows 37838 8192
+    python benchmarks/bench_lora.py --layers 4 --rows 37838 8192 [--rounds 3]
     python benchmarks/bench_lora.py --layers 4 --rows 8192 --profile    # which kernels the adapters add
     python benchmarks/bench_lora.py --tiny
 """
