@@ -102,7 +102,7 @@ class LoraGroup:
     down: torch.Tensor  # (rows, in_local): every distinct A of the members, stacked, in the compute dtype
     members: list[_Member]
     _down_fp8: tuple[torch.Tensor, torch.Tensor] | None = None  # `down` as e4m3 rows and their scales (fast tier)
-    wide: bool = False  # whether FP8 members run their update inside their GEMM (`h3gen.lora.wide`)
+    wide: bool = False  # whether members run their update inside their GEMM (`h3gen.lora.wide`)
     _factors: torch.Tensor | None = None  # K-extended FP8: the factor `c` of each projected column (rows of _down_fp8,)
     _extended: bool = False  # K-extended: whether the members' weights are extended (on the first `wide_input`)
     _input: object = None
@@ -167,7 +167,7 @@ class LoraGroup:
                        for m in self.members if m.wide_weight is not None)
         return sum(t.numel() * t.element_size() for t in tensors) + extended
 
-    # ------------------------------------------------------------------ K-extended FP8 input
+    # ------------------------------------------------------------------ K-extended input
 
     @property
     def _fp8(self) -> bool:
@@ -367,10 +367,11 @@ def _multiple_of(n: int, step: int) -> int:
     return -(-n // step) * step
 
 
-def wide_input(layer: nn.Module, shape, device) -> Fp8Rows | None:
-    """Where the e4m3 input of `layer` (shape `(..., in)`) should be written for a K-extended LoRA
-    (`h3gen.lora.wide`): the `Fp8Rows` `out` to hand the kernel producing it, then to pass to the layer and the
-    others of its group; None when `layer` carries no K-extended group (the producer allocates as usual)."""
+def wide_input(layer: nn.Module, shape, device) -> Fp8Rows | torch.Tensor | None:
+    """Where the input of `layer` (shape `(..., in)`) should be written for a K-extended LoRA (`h3gen.lora.wide`):
+    the `out` to hand the kernel producing it (`Fp8Rows` of e4m3 rows for an FP8 layer, else a tensor in its
+    compute dtype; either a column slice of a wider buffer), then to pass to the layer and the others of its group;
+    None when `layer` carries no K-extended group (the producer allocates as usual)."""
     group = getattr(layer, "lora_group", None)
     return group.wide_input(shape, device) if group is not None and group.wide else None
 
