@@ -306,11 +306,13 @@ def build_ui(manager) -> gr.Blocks:
                 history = gr.Dataframe(headers=HISTORY_COLUMNS, value=lambda: _history(manager), interactive=False,
                                        column_widths=HISTORY_WIDTHS, wrap=True,
                                        label="History (click a row to play it)", elem_id="history")
+        # A click while the last Generate still follows its job (a cancelled job's, until its next poll) runs once
+        # that one ends, never dropped.
         run.click(actions.generate,
                   [prompt, task, image, last_image, references, aspect, seconds, steps, seed, randomize, plan,
                    window_prompts, window_frames, overlap_frames, quality, loras],
                   [status, progress, video, job_state, seed, history, planned], concurrency_limit=None,
-                  show_progress="hidden")
+                  show_progress="hidden", trigger_mode="always_last")
         stop.click(actions.cancel, [job_state], [status, video, history], show_progress="hidden")
         history.select(actions.show, None, [video, status, job_state], show_progress="hidden")
     return demo
