@@ -629,6 +629,16 @@ def test_a_dense_linear_writes_the_update_first_and_gets_its_forward_back():
         assert not fp8._forward_hooks
 
 
+def _three_members(layers, shared_a: bool, size: float = 1.0):
+    """(layer, adapters) for three linears reading one 48-wide input: one A of rank 6 they share (a fused-QKV file's),
+    or two adapters of their own each (ranks 5 and 3); `size` scales the first adapter."""
+    shared = _factors(32, 48, rank=6, seed=1)
+    return [(layer, [LoraFactors(shared.down, torch.randn(layer.out_features, 6) * size, 0.5)] if shared_a
+             else [_factors(layer.out_features, 48, rank=5, seed=2 + i, scale=size),
+                   _factors(layer.out_features, 48, rank=3, seed=9 + i)])
+            for i, layer in enumerate(layers)]
+
+
 @pytest.mark.parametrize("shared_a", [False, True])
 @pytest.mark.parametrize("size", [0.05, 5.0])
 def test_fp8_members_run_the_update_inside_their_gemm_and_give_their_weights_back(shared_a, size):
@@ -638,11 +648,7 @@ def test_fp8_members_run_the_update_inside_their_gemm_and_give_their_weights_bac
     update after the GEMM; detaching gives the layers their weights back, contiguous and unchanged."""
     torch.manual_seed(0)
     layers = [Fp8Linear(torch.nn.Linear(48, 32 + 16 * i, bias=i == 1)) for i in range(3)]
-    shared = _factors(32, 48, rank=6, seed=1)
-    members = [(layer, [LoraFactors(shared.down, torch.randn(layer.out_features, 6) * size, 0.5)] if shared_a
-                else [_factors(layer.out_features, 48, rank=5, seed=2 + i, scale=size),
-                      _factors(layer.out_features, 48, rank=3, seed=9 + i)])
-               for i, layer in enumerate(layers)]
+    members = _three_members(layers, shared_a, size)
     saved = [layer.weight.clone() for layer in layers]
     x = torch.randn(2, 7, 48) * torch.logspace(-1, 1, 48)
     rows = quantize_rows(x)
@@ -678,11 +684,7 @@ def test_dense_members_run_the_update_inside_their_gemm_and_give_their_weights_b
     update written first; detaching gives the layers their weights back (the same parameters, contiguous)."""
     torch.manual_seed(0)
     layers = [torch.nn.Linear(48, 32 + 16 * i, bias=i == 1) for i in range(3)]
-    shared = _factors(32, 48, rank=6, seed=1)
-    members = [(layer, [LoraFactors(shared.down, torch.randn(layer.out_features, 6), 0.5)] if shared_a
-                else [_factors(layer.out_features, 48, rank=5, seed=2 + i), _factors(layer.out_features, 48, rank=3,
-                                                                                     seed=9 + i)])
-               for i, layer in enumerate(layers)]
+    members = _three_members(layers, shared_a)
     parameters = [layer.weight for layer in layers]
     saved = [layer.weight.detach().clone() for layer in layers]
     x = torch.randn(2, 7, 48)
