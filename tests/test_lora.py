@@ -168,6 +168,25 @@ def test_two_stacked_adapters_with_their_scales_match_diffusers(tmp_path, monkey
     assert len(fills) == 3 * len(ours.transformer_blocks)
 
 
+def test_a_turbo_shaped_adapter_in_the_lossless_gemms_matches_diffusers(tmp_path):
+    """Rank 8 on q, k, v, out and the FFN, an A per projection (LightX2V Turbo's shape): the lossless tier keeps q's
+    projected columns left of its input (`LoraGroup._lay_out_wide`) and still matches diffusers."""
+    reference, ours = _pair(CONFIG, seed=4)
+    shapes = {k: v for k, v in diffusers_shapes(ours).items() if k.endswith(TURBO_MODULES)}
+    path = tmp_path / "turbo8.safetensors"
+    write_diffusers(path, random_factors(shapes, 8, seed=11), peft=True)
+    inputs = random_inputs(CONFIG, seed=8, **INPUTS)
+    expected = _run(_reference(reference, [(path, 0.9)]), inputs)
+    registry = _registry(ours)
+    set_quality(ours, "lossless")
+    active = activate(ours, [(registry.adapter(registry.register(path)), 0.9)], "t2va", "cpu")
+    got = _run(ours, inputs, "lossless")
+    assert max_rel_err(got, expected) <= TOLERANCE
+    qkv = [g for g in active.groups if len(g.members) == 3 and g._extended]  # the fused blocks' (not the refiner's)
+    assert len(qkv) == len(ours.transformer_blocks) and all(g._left_width == 8 for g in qkv)
+    deactivate(ours)
+
+
 @pytest.mark.parametrize("prefixed", [False, True])
 def test_ref2va_adapters_go_to_transformer_ref_as_diffusers_routes_them(prefixed, tmp_path):
     reference, ours = _pair(CONFIG, seed=3)
@@ -629,26 +648,41 @@ def test_a_dense_linear_writes_the_update_first_and_gets_its_forward_back():
         assert not fp8._forward_hooks
 
 
-def _three_members(layers, shared_a: bool, size: float = 1.0):
+def _three_members(layers, shared_a: bool, size: float = 1.0, ranks=(5, 3)):
     """(layer, adapters) for three linears reading one 48-wide input: one A of rank 6 they share (a fused-QKV file's),
-    or two adapters of their own each (ranks 5 and 3); `size` scales the first adapter."""
+    or two adapters of their own each (of `ranks`); `size` scales the first adapter."""
     shared = _factors(32, 48, rank=6, seed=1)
     return [(layer, [LoraFactors(shared.down, torch.randn(layer.out_features, 6) * size, 0.5)] if shared_a
-             else [_factors(layer.out_features, 48, rank=5, seed=2 + i, scale=size),
-                   _factors(layer.out_features, 48, rank=3, seed=9 + i)])
+             else [_factors(layer.out_features, 48, rank=ranks[0], seed=2 + i, scale=size),
+                   _factors(layer.out_features, 48, rank=ranks[1], seed=9 + i)])
             for i, layer in enumerate(layers)]
 
 
-@pytest.mark.parametrize("shared_a", [False, True])
+def _windows(group) -> list[tuple[int, int]]:
+    """Each member's (projected columns left of its input, right of it) in its K-extended window."""
+    return [(m.wide_x, m.wide_span[1] - m.wide_span[0] - m.wide_x - m.layer.in_features) for m in group.members]
+
+
+# (adapters, their ranks): the windows of the three members, and the wide buffer's row width (48 input columns)
+FP8_LAYOUTS = {
+    "a shared A": (True, (5, 3), [(0, 16)] * 3, 48 + 16),  # 6 projected columns, padded to 16
+    "A's of their own": (False, (5, 3), [(0, 16), (0, 16), (0, 32)], 48 + 32),  # 8 each: not whole groups of 16
+    "A's of their own, whole groups": (False, (11, 5), [(16, 0), (0, 16), (0, 32)], 16 + 48 + 48),
+}
+
+
+@pytest.mark.parametrize("layout", FP8_LAYOUTS)
 @pytest.mark.parametrize("size", [0.05, 5.0])
-def test_fp8_members_run_the_update_inside_their_gemm_and_give_their_weights_back(shared_a, size):
+def test_fp8_members_run_the_update_inside_their_gemm_and_give_their_weights_back(layout, size):
     """With `wide=True` a group of `Fp8Linear`s fed through `wide_input` runs `[x | x A^T]` by `[W | B]` in one
-    e4m3 GEMM per member: the base plus the dense update within e4m3 rounding, for a small adapter and for one
-    whose projections pass 448 (rows then take a larger scale: nothing saturates). Any other input takes the
-    update after the GEMM; detaching gives the layers their weights back, contiguous and unchanged."""
+    e4m3 GEMM per member (the first member's columns left of x where they fill whole groups of 16): the base plus
+    the dense update within e4m3 rounding, for a small adapter and for one whose projections pass 448 (rows then
+    take a larger scale: nothing saturates). Any other input takes the update after the GEMM; detaching gives the
+    layers their weights back, contiguous and unchanged."""
+    shared_a, ranks, windows, width = FP8_LAYOUTS[layout]
     torch.manual_seed(0)
     layers = [Fp8Linear(torch.nn.Linear(48, 32 + 16 * i, bias=i == 1)) for i in range(3)]
-    members = _three_members(layers, shared_a, size)
+    members = _three_members(layers, shared_a, size, ranks)
     saved = [layer.weight.clone() for layer in layers]
     x = torch.randn(2, 7, 48) * torch.logspace(-1, 1, 48)
     rows = quantize_rows(x)
@@ -657,10 +691,10 @@ def test_fp8_members_run_the_update_inside_their_gemm_and_give_their_weights_bac
         base = [layer(rows) for layer in layers]
         delta = [sum(f.scale * (dequantized @ f.down.t()) @ f.up.t() for f in factors) for _, factors in members]
         group = LoraGroup.build(members, "cpu", wide=True).attach()
-        assert group.wide and all(m.wide_end % 16 == 0 for m in group.members)
+        assert group.wide and _windows(group) == windows
         for _ in range(2):
             wide = wide_input(layers[0], x.shape, "cpu")
-            assert quantize_rows(x, out=wide) is wide and wide.values.stride(-2) == 48 + (16 if shared_a else 32)
+            assert quantize_rows(x, out=wide) is wide and wide.values.stride(-2) == width
             got = [layer(wide) for layer in layers]
             assert group._wide_x is None and group._input is None
             for out, plain, update in zip(got, base, delta):
@@ -677,14 +711,23 @@ def test_fp8_members_run_the_update_inside_their_gemm_and_give_their_weights_bac
         assert wide_input(layers[0], x.shape, "cpu") is None
 
 
-@pytest.mark.parametrize("shared_a", [False, True])
-def test_dense_members_run_the_update_inside_their_gemm_and_give_their_weights_back(shared_a):
+DENSE_LAYOUTS = {
+    "a shared A": (True, (5, 3), [(0, 8)] * 3, 48 + 8),  # 6 projected columns, padded to 8
+    "A's of their own": (False, (5, 3), [(8, 0), (0, 8), (0, 16)], 8 + 48 + 24),  # q's 8 left of x as well
+    "A's of their own, not whole groups": (False, (4, 3), [(0, 8), (0, 16), (0, 24)], 48 + 24),  # 7 each
+}
+
+
+@pytest.mark.parametrize("layout", DENSE_LAYOUTS)
+def test_dense_members_run_the_update_inside_their_gemm_and_give_their_weights_back(layout):
     """With `wide=True` a group of dense linears fed through `wide_input` runs `[x | x A^T]` by `[W | scale B]` in one
-    GEMM per member: the base plus the update as the update-first forward computes it. Any other input takes the
-    update written first; detaching gives the layers their weights back (the same parameters, contiguous)."""
+    GEMM per member (the first member's columns left of x where they fill whole groups of 8): the base plus the
+    update as the update-first forward computes it. Any other input takes the update written first; detaching
+    gives the layers their weights back (the same parameters, contiguous)."""
+    shared_a, ranks, windows, width = DENSE_LAYOUTS[layout]
     torch.manual_seed(0)
     layers = [torch.nn.Linear(48, 32 + 16 * i, bias=i == 1) for i in range(3)]
-    members = _three_members(layers, shared_a)
+    members = _three_members(layers, shared_a, ranks=ranks)
     parameters = [layer.weight for layer in layers]
     saved = [layer.weight.detach().clone() for layer in layers]
     x = torch.randn(2, 7, 48)
@@ -692,16 +735,16 @@ def test_dense_members_run_the_update_inside_their_gemm_and_give_their_weights_b
         base = [layer(x) for layer in layers]
         delta = [sum(f.scale * (x @ f.down.t()) @ f.up.t() for f in factors) for _, factors in members]
         group = LoraGroup.build(members, "cpu", wide=True).attach()
-        assert group.wide and all(m.wide_end % 8 == 0 for m in group.members)
+        assert group.wide and _windows(group) == windows
         for _ in range(2):
             wide = wide_input(layers[0], x.shape, "cpu")
-            assert wide.stride(-2) == 48 + (8 if shared_a else 24)  # the projected rows, padded to 8
+            assert wide.stride(-2) == width
             wide.copy_(x)
             got = [layer(wide) for layer in layers]
             assert group._wide_x is None and group._input is None
             for out, plain, update in zip(got, base, delta):
                 assert max_rel_err(out - plain, update) <= 1e-5
-        assert all(m.wide_weight is not None and m.layer.weight.data_ptr() == m.wide_weight.data_ptr()
+        assert all(m.wide_weight is not None and m.layer.weight.data_ptr() == m.wide_weight[:, m.wide_x:].data_ptr()
                    for m in group.members)
         assert max_rel_err(layers[1](x) - base[1], delta[1]) <= 1e-5  # not the wide input: the update first
         group.detach()

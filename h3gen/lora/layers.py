@@ -90,8 +90,12 @@ class _Member:
     segments: list[tuple[int, int, int]]
     up: torch.Tensor  # (out_local, sum of ranks): its adapters' scale * B side by side, in the layer's compute dtype
     handle: object = None  # the forward hook's handle, or None where the layer's forward was replaced
-    wide_end: int = 0  # K-extended (`h3gen.lora.wide`) when > 0: it reads the wide input's columns [0, in + wide_end)
-    wide_weight: torch.Tensor | None = None  # once extended: (out, in + wide_end), the layer's weight a view of it
+    # K-extended (`h3gen.lora.wide`) when set: the columns [start, stop) of the group's wide buffer it reads, and
+    # the column of that window where the input `x` begins (its projected columns lie right of x, or left of it for
+    # a group's first member; see `LoraGroup._lay_out_wide`)
+    wide_span: tuple[int, int] | None = None
+    wide_x: int = 0
+    wide_weight: torch.Tensor | None = None  # once extended: (out, stop - start), the layer's weight a view of it
 
 
 @dataclass
@@ -105,9 +109,10 @@ class LoraGroup:
     wide: bool = False  # whether members run their update inside their GEMM (`h3gen.lora.wide`)
     _factors: torch.Tensor | None = None  # K-extended FP8: the factor `c` of each projected column (rows of _down_fp8,)
     _extended: bool = False  # K-extended: whether the members' weights are extended (on the first `wide_input`)
+    _left_width: int = 0  # K-extended: the projected columns the buffer also holds left of x (see _lay_out_wide)
     _input: object = None
     _hidden: torch.Tensor | None = None
-    _left: int = 0
+    _uses_left: int = 0
     _wide_x: object = None  # the input `wide_input` handed out last (`Fp8Rows`), and its buffer
     _wide_buffer: torch.Tensor | None = None
     attached: bool = field(default=False)
@@ -154,17 +159,39 @@ class LoraGroup:
                     and layer.weight.dtype.itemsize >= 2 for layer in layers)
         if wide and (fp8 or dense) and all(layer.weight.device == group.down.device and not _tensor_parallel(layer)
                                            for layer in layers):
-            group.wide = True
-            for member in group.members:  # FP8 GEMMs take K in multiples of 16; 16-byte rows for the others
-                member.wide_end = _multiple_of(max(start + width for start, _, width in member.segments),
-                                               16 if fp8 else 8)
+            group._lay_out_wide(16 if fp8 else 8)  # FP8 GEMMs take K in multiples of 16; 16-byte rows for the others
         return group
+
+    def _lay_out_wide(self, align: int) -> None:
+        """Make the group K-extended: choose the columns of the wide buffer (`wide_input`) each member reads,
+        `align`-column groups whole. Where the first member's A rows are its own and fill whole groups (the q of an
+        adapter with an A per projection), they move to the end of `down` and the buffer holds their projection
+        left of x too, so that no window spans another member's columns on that side: q, k and v with A's of their
+        own then read 1, 1 and 2 ranks of extra columns instead of 1, 2 and 3 (benchmarks/RESULTS.md)."""
+        self.wide = True
+        first, others = self.members[0], self.members[1:]
+        left = max(start + width for start, _, width in first.segments)
+        exclusive = all(start >= left for member in others for start, _, _ in member.segments)
+        if others and exclusive and left % align == 0 and left < self.down.shape[0]:
+            rows = self.down.shape[0]
+            self.down = torch.cat([self.down[left:], self.down[:left]]).contiguous()
+            first.segments = [(start + rows - left, up_start, width) for start, up_start, width in first.segments]
+            for member in others:
+                member.segments = [(start - left, up_start, width) for start, up_start, width in member.segments]
+            self._left_width = left
+        for member in self.members:
+            in_features = member.layer.in_features
+            if member is first and self._left_width:
+                member.wide_span, member.wide_x = (0, left + in_features), left
+            else:
+                end = _multiple_of(max(start + width for start, _, width in member.segments), align)
+                member.wide_span = (self._left_width, self._left_width + in_features + end)
 
     @property
     def nbytes(self) -> int:
         tensors = [self.down] + [m.up for m in self.members] + list(self._down_fp8 or ())
-        extended = sum(m.wide_weight[:, m.layer.in_features :].numel() * m.wide_weight.element_size()
-                       for m in self.members if m.wide_weight is not None)
+        extended = sum((m.wide_weight.shape[1] - m.layer.in_features) * m.wide_weight.shape[0]
+                       * m.wide_weight.element_size() for m in self.members if m.wide_weight is not None)
         return sum(t.numel() * t.element_size() for t in tensors) + extended
 
     # ------------------------------------------------------------------ K-extended input
@@ -190,33 +217,45 @@ class LoraGroup:
 
     def wide_input(self, shape, device):
         """A buffer for the group's next input `shape` `(..., in)`, to hand the kernel that produces the input as
-        its `out`: the first `in` columns of rows `(rows, in + R)` (R: the projected columns, padded), as `Fp8Rows`
-        of e4m3 rows for FP8 members or a tensor in the compute dtype for dense ones. Members called with that very
-        object read the buffer whole. The first call extends the members' weights (a copy of each), so a group no
-        kernel asks this of never does."""
+        its `out`: columns `[L, L + in)` of rows `(rows, L + in + R)`, as `Fp8Rows` of e4m3 rows for FP8 members or
+        a tensor in the compute dtype for dense ones. `x A^T` fills the last R columns (R: the projected columns,
+        padded) and, where `_lay_out_wide` keeps the first member's L columns left of x (else L = 0), the first L
+        too. Members called with that very object read their window of the buffer (`wide_span`). The first call
+        extends the members' weights (a copy of each), so a group no kernel asks this of never does."""
         if not self._extended:
             self._extend_all()
         in_features, extra, rows = shape[-1], self._wide_down().shape[0], math.prod(shape[:-1])
-        buffer = torch.empty(rows, in_features + extra, dtype=FP8 if self._fp8 else self.down.dtype, device=device)
+        left = self._left_width
+        buffer = torch.empty(rows, left + in_features + extra, dtype=FP8 if self._fp8 else self.down.dtype,
+                             device=device)
         if self._fp8:
-            x = Fp8Rows(buffer[:, :in_features].view(*shape),
+            x = Fp8Rows(buffer[:, left : left + in_features].view(*shape),
                         torch.empty(rows, 1, dtype=torch.float32, device=device))
         else:
-            x = buffer[:, :in_features].view(*shape)
+            x = buffer[:, left : left + in_features].view(*shape)
         self._wide_x, self._wide_buffer = x, buffer
         return x
 
+    def _window_column(self, member: _Member, start: int) -> int:
+        """The column of `member`'s window (`wide_span`) that holds projected column `start` (a row of `down`)."""
+        if member.wide_x:  # the first member, reading the copy of its columns left of x
+            return start - (self.down.shape[0] - self._left_width)
+        return member.layer.in_features + start
+
     def _extend_all(self) -> None:
         """Each member's `[W | scale B]` (dense), or the columns' factors (`h3gen.lora.wide.column_factors`) and
-        then each member's e4m3 `[W | B c / s_col]` (FP8); the layer's weight becomes a view of its first columns."""
+        then each member's e4m3 `[W | B c / s_col]` (FP8), each B column where the member's window (`wide_span`)
+        holds its projection; the layer's weight becomes a view of the columns under x."""
         self._extended = True
         if not self._fp8:
             for member in self.members:
                 layer = member.layer
-                blocks = [(member.up[:, up_start : up_start + width], start)
+                blocks = [(member.up[:, up_start : up_start + width], self._window_column(member, start))
                           for start, up_start, width in member.segments]
-                member.wide_weight = extended_weight(layer.weight.detach(), blocks, member.wide_end)
-                layer.weight.data = member.wide_weight[:, : layer.in_features]  # the parameter keeps its identity
+                member.wide_weight = extended_weight(layer.weight.detach(), blocks, member.wide_x,
+                                                     member.wide_span[1] - member.wide_span[0])
+                # the parameter keeps its identity
+                layer.weight.data = member.wide_weight[:, member.wide_x : member.wide_x + layer.in_features]
             return
         values, scale = self._e4m3_down()
         peaks = torch.zeros(values.shape[0], device=values.device)
@@ -229,27 +268,29 @@ class LoraGroup:
         for member in self.members:
             layer = member.layer
             blocks = [(up_columns(member.up[:, up_start : up_start + width], layer.weight_scale,
-                                  self._factors[start : start + width]), start)
+                                  self._factors[start : start + width]), self._window_column(member, start))
                       for start, up_start, width in member.segments]
-            member.wide_weight = extended_weight(layer.weight, blocks, member.wide_end)
-            layer._buffers["weight"] = member.wide_weight[:, : layer.in_features]
+            member.wide_weight = extended_weight(layer.weight, blocks, member.wide_x,
+                                                 member.wide_span[1] - member.wide_span[0])
+            layer._buffers["weight"] = member.wide_weight[:, member.wide_x : member.wide_x + layer.in_features]
 
     def _fill_wide(self, x) -> torch.Tensor:
         """Write `x A^T` into the wide buffer's last columns, in the compute dtype (dense) or as e4m3
-        `x A^T / (s_row c)` (FP8, growing a row's scale where they need it: `append_scaled_columns`); returns
-        those columns."""
-        buffer = self._wide_buffer
+        `x A^T / (s_row c)` (FP8, growing a row's scale where they need it: `append_scaled_columns`), and the first
+        member's columns left of x too where it reads them there; returns the last columns."""
+        buffer, left, down = self._wide_buffer, self._left_width, self._wide_down()
+        end = buffer.shape[1] - down.shape[0]  # where x ends and its projection begins
         if not self._fp8:
-            down = self._wide_down()
-            in_features = buffer.shape[1] - down.shape[0]
-            torch.mm(buffer[:, :in_features], down.t(), out=buffer[:, in_features:])
-            return buffer[:, in_features:]
-        values, scale = self._e4m3_down()
-        in_features = buffer.shape[1] - values.shape[0]
-        unit = torch.ones(buffer.shape[0], 1, dtype=torch.float32, device=buffer.device)
-        projected = fp8_matmul(Fp8Rows(buffer[:, :in_features], unit), values, scale, None, torch.float32)
-        append_scaled_columns(buffer, x.scale, projected, self._factors)
-        return buffer[:, in_features:]
+            torch.mm(buffer[:, left:end], down.t(), out=buffer[:, end:])
+        else:
+            unit = torch.ones(buffer.shape[0], 1, dtype=torch.float32, device=buffer.device)
+            projected = fp8_matmul(Fp8Rows(buffer[:, left:end], unit), down, self._e4m3_down()[1], None,
+                                   torch.float32)
+            append_scaled_columns(buffer[:, left:], x.scale, projected, self._factors)
+        if left:
+            rows = self.down.shape[0]
+            buffer[:, :left].copy_(buffer[:, end + rows - left : end + rows])
+        return buffer[:, end:]
 
     # ------------------------------------------------------------------ forward
 
@@ -265,10 +306,10 @@ class LoraGroup:
         # The first member called with a new input projects it for all; the last one to use it drops the reference.
         if self._input is not x:
             hidden = self._fill_wide(x) if x is self._wide_x else self._project(x)
-            self._input, self._hidden, self._left = x, hidden, len(self.members)
+            self._input, self._hidden, self._uses_left = x, hidden, len(self.members)
         hidden = self._hidden
-        self._left -= 1
-        if self._left <= 0:
+        self._uses_left -= 1
+        if self._uses_left <= 0:
             if x is self._wide_x:
                 self._wide_x = self._wide_buffer = None
             self._input = self._hidden = None
@@ -303,19 +344,21 @@ class LoraGroup:
 
     def forward_wide(self, member: _Member, x) -> torch.Tensor:
         """A K-extended member's forward: `x` (`Fp8Rows` or a tensor `(..., in)`) -> `(..., out)` in the compute
-        dtype. Given the input `wide_input` handed out, one GEMM over the buffer's columns `[0, in + wide_end)` by
-        `[W | scale B]` (dense) or e4m3 `[W | B c / s_col]` (FP8); given any other input, the layer's GEMM with the
-        update written first (dense) or added after it (FP8)."""
+        dtype. Given the input `wide_input` handed out, one GEMM over its window of the buffer (`wide_span`) by its
+        extended weight, `[W | scale B]` (dense) or e4m3 `[W | B c / s_col]` (FP8), the B columns under their
+        projections; given any other input, the layer's GEMM with the update written first (dense) or added after
+        it (FP8)."""
         layer, buffer = member.layer, self._wide_buffer
         if x is not self._wide_x:
             if not self._fp8:
                 return self.forward_update_first(member, x)
             return self.apply(member, x, type(layer).forward(layer, x))
         self._hidden_for(x)  # the group's first call with this input fills the buffer's projected columns
+        start, stop = member.wide_span
         if not self._fp8:
-            out = F.linear(buffer[:, : layer.in_features + member.wide_end], member.wide_weight, layer.bias)
+            out = F.linear(buffer[:, start:stop], member.wide_weight, layer.bias)
             return out.view(*x.shape[:-1], out.shape[-1])
-        columns = Fp8Rows(buffer[:, : layer.in_features + member.wide_end], x.scale)
+        columns = Fp8Rows(buffer[:, start:stop], x.scale)
         out = fp8_matmul(columns, member.wide_weight, layer.weight_scale, layer.bias, layer.compute_dtype)
         return out.view(*x.values.shape[:-1], out.shape[-1])
 
@@ -328,7 +371,7 @@ class LoraGroup:
             if getattr(layer, "lora_group", None) is not None:
                 raise ValueError(f"a {type(layer).__name__} already carries a LoRA group; detach it first.")
             layer.lora_group = self
-            if member.wide_end:  # its weight is extended on the first `wide_input` (never, if no kernel asks)
+            if member.wide_span:  # its weight is extended on the first `wide_input` (never, if no kernel asks)
                 layer.forward = partial(self.forward_wide, member)  # an instance attribute: see detach
             elif _tensor_parallel(layer):
                 layer.partial_hook = partial(self.apply, member)
@@ -350,7 +393,8 @@ class LoraGroup:
             if _tensor_parallel(member.layer):
                 member.layer.partial_hook = None
             if member.wide_weight is not None:  # the weight back in a tensor of its own
-                weight = member.wide_weight[:, : member.layer.in_features].contiguous()
+                start = member.wide_x
+                weight = member.wide_weight[:, start : start + member.layer.in_features].contiguous()
                 if isinstance(member.layer.weight, nn.Parameter):
                     member.layer.weight.data = weight
                 else:

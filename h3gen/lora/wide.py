@@ -4,12 +4,14 @@ Added after the GEMM, or written first for the GEMM to add into, an update reads
 once more; as `rank` more columns of the GEMM's K loop it moves no output again (its cost per GEMM and per step:
 benchmarks/RESULTS.md). That needs both operands side by side:
 
-- the weight: once an input comes through `LoraGroup.wide_input`, a member's weight lives in an `(out, in + end)`
-  buffer whose first `in` columns are the layer's weight (its parameter or buffer a view of them, so nothing holds a
-  second copy) and whose last `end` columns hold its adapters' `scale * B` under the group's projected columns
-  `[0, end)` (zeros under the other members'). Detaching copies the weight back to a tensor of its own;
-- the input: the kernel producing the group's shared input writes its rows into the first `in` columns of a
-  `(rows, in + R)` buffer, and the group writes `x A^T` into the rest.
+- the input: the kernel producing the group's shared input writes its rows into columns `[L, L + in)` of a
+  `(rows, L + in + R)` buffer, and the group writes `x A^T` into the last R columns; L is 0, or the width of the
+  first member's own projected columns, which the group then also copies left of x (`LoraGroup._lay_out_wide`);
+- the weight: once an input comes through `LoraGroup.wide_input`, a member reads one window of that buffer, x and
+  the projected columns on one side of it up to its last own one, and its weight lives in an `(out, window)` buffer
+  holding the layer's weight under x (its parameter or buffer a view of those columns, so nothing holds a second
+  copy) and its adapters' `scale * B` under its own projected columns (zeros under the other members'). Detaching
+  copies the weight back to a tensor of its own.
 
 Dense layers (bf16, fp16, float32) hold `scale * B` and `x A^T` as they are. For FP8 layers one scale per input
 row (`s_row`) and per output feature (`s_col`) then covers those columns too, so a projected column `j` is stored as
@@ -42,12 +44,13 @@ def up_columns(up: torch.Tensor, weight_scale: torch.Tensor, factors: torch.Tens
     return values.clamp(-FP8_MAX, FP8_MAX).to(FP8)
 
 
-def extended_weight(weight: torch.Tensor, columns: list[tuple[torch.Tensor, int]], extra: int) -> torch.Tensor:
-    """`(out, in + extra)` in `weight`'s dtype and device: `weight` `(out, in)`, then zeros except each
-    `(block (out, w), column)` of `columns` placed at `in + column`."""
+def extended_weight(weight: torch.Tensor, columns: list[tuple[torch.Tensor, int]], at: int,
+                    width: int) -> torch.Tensor:
+    """`(out, width)` in `weight`'s dtype and device: `weight` `(out, in)` in columns `[at, at + in)`, each
+    `(block (out, w), column)` of `columns` in `[column, column + w)`, zeros elsewhere."""
     out_features, in_features = weight.shape
-    wide = torch.zeros(out_features, in_features + extra, dtype=weight.dtype, device=weight.device)
-    wide[:, :in_features].copy_(weight)
+    wide = torch.zeros(out_features, width, dtype=weight.dtype, device=weight.device)
+    wide[:, at : at + in_features].copy_(weight)
     for block, column in columns:
-        wide[:, in_features + column : in_features + column + block.shape[1]].copy_(block)
+        wide[:, column : column + block.shape[1]].copy_(block)
     return wide
