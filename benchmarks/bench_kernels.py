@@ -73,6 +73,17 @@ def main():
     print_table(table, ["rows", "kernel", "ms", "spread ms", "GB/s"])
 
 
+def project_cases(name, x, down):
+    """The A product `x A^T` through `h3gen.kernels.lora_project` in a few launch configurations (bytes: x read)."""
+    from h3gen.kernels.lora_project.triton import project
+
+    out = torch.empty(x.shape[0], down.shape[0], dtype=x.dtype, device=x.device)
+    configs = [(64, 64, 6, 4), (64, 128, 4, 4), (128, 64, 5, 8), (64, 64, 8, 4), (128, 128, 3, 8)]
+    return [(f"{name}: A product, Triton {m}x{k} {s} stages {w} warps", x.numel() * 2,
+             lambda m=m, k=k, s=s, w=w: project(x, down, out, block_m=m, block_k=k, stages=s, num_warps=w))
+            for m, k, s, w in configs]
+
+
 def lora_cases(rows, rank):
     """(name, output bytes written or read, call) for the block's linears with a rank-`rank` update, bf16 (each
     case with its A product `x A^T` included): the linear alone, the update added after the GEMM (`addmm_`),
@@ -121,7 +132,9 @@ def lora_cases(rows, rank):
                    lambda x=x, w=w, d=down, u=up: mm(x, w).addmm_(mm(x, d), u.t())),
                   (f"{name}: update first, linear adds into it", 2 * out,
                    lambda x=x, w=w, d=down, u=up: update_first(x, w, d, u)),
-                  (f"{name}: K-extended by {rank}", out, lambda a=(x_wide, w_wide, down): k_extended(*a))]
+                  (f"{name}: K-extended by {rank}", out, lambda a=(x_wide, w_wide, down): k_extended(*a)),
+                  (f"{name}: the A product alone (by {rank})", rows * rank * 2, lambda x=x, d=down: mm(x, d))]
+        cases += project_cases(name, x, down)
         if name == "q":
             for ranks in (2, 3):
                 wide = operands(n, k, ranks * rank)
@@ -145,6 +158,22 @@ def lora_cases(rows, rank):
                 return [mm(x_wide[:, :k + (i + 1) * rank], w_wide[i * n:(i + 1) * n, :k + (i + 1) * rank])
                         for i in range(3)]
 
+            x4 = torch.randn(rows, k + 4 * rank, **bf16)  # [x A_q^T | x | x A_k^T | x A_v^T | spare]
+            w_q = torch.cat([up, ws[0]], dim=1)
+            w_kv = [torch.cat([ws[1], ups[1]], dim=1), torch.cat([ws[2], torch.zeros_like(ups[2]), ups[2]], dim=1)]
+
+            def three_left_right(x_wide=x4, d=down3, k=k, w_q=w_q, w_kv=w_kv):
+                # one A product into [x A_k^T | x A_v^T | x A_q^T] right of x, x A_q^T then copied left of it
+                torch.mm(x_wide[:, rank:rank + k], d.t(), out=x_wide[:, rank + k:])
+                x_wide[:, :rank].copy_(x_wide[:, 3 * rank + k:])
+                return [mm(x_wide[:, :rank + k], w_q), mm(x_wide[:, rank:2 * rank + k], w_kv[0]),
+                        mm(x_wide[:, rank:3 * rank + k], w_kv[1])]
+
+            cases += [("q, k, v: three K-extended (by 1, 1, 2 ranks: q's columns left of x)", 3 * out,
+                       three_left_right),
+                      (f"q, k, v: the A product alone (by {3 * rank})", rows * 3 * rank * 2,
+                       lambda x=x3k, d=down3: mm(x, d))]
+            cases += project_cases("q, k, v", x3k, down3)
             shared = operands(3 * n, k, rank)
             cases += [("q, k, v: three linears alone", 3 * out, lambda x=x3k, ws=ws: [mm(x, w) for w in ws]),
                       ("q, k, v: three, each update first", 6 * out, three_first),

@@ -88,7 +88,7 @@ def kernel_us(fn, device, repeat: int = 3) -> dict[str, float]:
 
 
 def kernel_delta_rows(rows: int, tier: str, without: dict[str, float], with_lora: dict[str, float],
-                      top: int = 8) -> list[dict]:
+                      top: int = 14) -> list[dict]:
     """The kernels whose time per step the adapters change most (with minus without), for the table `--profile`
     prints, and their sum."""
     names = set(without) | set(with_lora)
