@@ -73,17 +73,6 @@ def main():
     print_table(table, ["rows", "kernel", "ms", "spread ms", "GB/s"])
 
 
-def project_cases(name, x, down):
-    """The A product `x A^T` through `h3gen.kernels.lora_project` in a few launch configurations (bytes: x read)."""
-    from h3gen.kernels.lora_project.triton import project
-
-    out = torch.empty(x.shape[0], down.shape[0], dtype=x.dtype, device=x.device)
-    configs = [(64, 64, 6, 4), (64, 128, 4, 4), (128, 64, 5, 8), (64, 64, 8, 4), (128, 128, 3, 8)]
-    return [(f"{name}: A product, Triton {m}x{k} {s} stages {w} warps", x.numel() * 2,
-             lambda m=m, k=k, s=s, w=w: project(x, down, out, block_m=m, block_k=k, stages=s, num_warps=w))
-            for m, k, s, w in configs]
-
-
 def lora_cases(rows, rank):
     """(name, output bytes written or read, call) for the block's linears with a rank-`rank` update, bf16 (each
     case with its A product `x A^T` included): the linear alone, the update added after the GEMM (`addmm_`),
@@ -134,7 +123,6 @@ def lora_cases(rows, rank):
                    lambda x=x, w=w, d=down, u=up: update_first(x, w, d, u)),
                   (f"{name}: K-extended by {rank}", out, lambda a=(x_wide, w_wide, down): k_extended(*a)),
                   (f"{name}: the A product alone (by {rank})", rows * rank * 2, lambda x=x, d=down: mm(x, d))]
-        cases += project_cases(name, x, down)
         if name == "q":
             for ranks in (2, 3):
                 wide = operands(n, k, ranks * rank)
@@ -173,7 +161,6 @@ def lora_cases(rows, rank):
                        three_left_right),
                       (f"q, k, v: the A product alone (by {3 * rank})", rows * 3 * rank * 2,
                        lambda x=x3k, d=down3: mm(x, d))]
-            cases += project_cases("q, k, v", x3k, down3)
             shared = operands(3 * n, k, rank)
             cases += [("q, k, v: three linears alone", 3 * out, lambda x=x3k, ws=ws: [mm(x, w) for w in ws]),
                       ("q, k, v: three, each update first", 6 * out, three_first),

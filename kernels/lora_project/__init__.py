@@ -1,1 +1,0 @@
-"""A LoRA group's input projection `x A^T` for its few (rank) output columns."""
