@@ -14,7 +14,7 @@ Per row count (37,838 = a 5 s 768x1344 t2va sequence; 8,192), on random weights:
   - the adapters' device memory and the step's peak memory with and without them.
 `--tiny` runs the same on the CPU at tiny dims (wall-clock timing) to check the script end to end.
 
-    python benchmarks/bench_lora.py --layers 4 --rows 37838 8192 [--rounds 3]
+    python benchmarks/bench_lora.py --layers 4 --rows 37838 8192 [--rounds 4]
     python benchmarks/bench_lora.py --layers 4 --rows 8192 --profile    # which kernels the adapters add
     python benchmarks/bench_lora.py --tiny
 """
@@ -183,10 +183,12 @@ def measure(layers: int, rows: int, args, device, dtype, folder: Path) -> dict:
         lossless = tier_variants(ours, "lossless+lora, update outside the GEMM")
         fast_variants = tier_variants(fast, "fast+lora, update after the GEMM")
         # Every variant timed once per round, in turn, so that a drift of the clocks over the run (the GPU warms
-        # up) reaches all of them alike; the median over the rounds is kept.
+        # up) reaches all of them alike, every other round in the reverse order, so that no variant is always
+        # timed after another; the median over the rounds is kept.
         rounds = {name: [] for name in (*lossless, *fast_variants)}
-        for _ in range(args.rounds):
-            for name, setup in (*lossless.items(), *fast_variants.items()):
+        order = [*lossless.items(), *fast_variants.items()]
+        for index in range(args.rounds):
+            for name, setup in order if index % 2 == 0 else order[::-1]:
                 rounds[name].append(time_ms(setup(), args.repeat))
         out.update({name: statistics.median(times) for name, times in rounds.items()})
         out["rounds"] = rounds
@@ -267,8 +269,9 @@ def main():
     parser.add_argument("--rows", type=int, nargs="+", default=[37838, 8192])
     parser.add_argument("--rank", type=int, default=128)
     parser.add_argument("--repeat", type=int, default=5)
-    parser.add_argument("--rounds", type=int, default=3, help="time our variants this many times each, in turn "
-                                                              "(the median of the rounds is kept)")
+    parser.add_argument("--rounds", type=int, default=4, help="time our variants this many times each, in turn, "
+                                                              "every other round in reverse (the median of the "
+                                                              "rounds is kept)")
     parser.add_argument("--tiny", action="store_true", help="tiny dims on the CPU (checks the script runs)")
     parser.add_argument("--profile", action="store_true",
                         help="also list, per row count and tier, the CUDA kernels whose time the adapters change most "
@@ -309,6 +312,12 @@ def main():
                   f"diffusers PEFT "
                   f"{100 * (step50['diffusers+peft'] / step50['diffusers'] - 1):+.1f} %; lossless+lora is "
                   f"{step50['diffusers+peft'] / step50['lossless+lora']:.2f}x diffusers+peft")
+            per_round = [
+                100 * ((e1 + 50 * (f1 - e1) / args.layers) / (e0 + 50 * (f0 - e0) / args.layers) - 1)
+                for e0, e1, f0, f1 in zip(empty["rounds"]["lossless"], empty["rounds"]["lossless+lora"],
+                                          full["rounds"]["lossless"], full["rounds"]["lossless+lora"])]
+            print(f"rows {rows}: the lossless overhead from each round's own times: "
+                  + ", ".join(f"{p:+.1f} %" for p in per_round))
             print(f"rows {rows}: switching adapter sets {full['switch s'] * 1000:.0f} ms for {args.layers} blocks "
                   f"(50 blocks: ~{(empty['switch s'] + 50 * (full['switch s'] - empty['switch s']) / args.layers):.2f}"
                   f" s, goal <= 0.5 s); first use of a file {full['first use s']:.2f} s; adapter on the device "
