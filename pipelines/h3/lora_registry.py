@@ -79,7 +79,8 @@ def lora_device_bytes(lora: LoraFile, task: str, itemsize: int, fp8_modules=froz
     blocks' fused forward feeds through `wide_input` also holds the extra columns of its extended weight: at most
     `out_features` x the group's projected rows (padded to 16, e4m3, in an FP8 group; to 8, at `itemsize`, in a
     dense one), counted in full (an upper bound: a member reads the projected columns on one side of its input
-    only, up to its own, `LoraGroup._lay_out_wide`, and the `exact` tier extends nothing). Exact otherwise, on one device; a tensor-parallel rank holds its shard of each, less."""
+    only, up to its own, `LoraGroup._lay_out_wide`, and the `exact` tier extends nothing). Exact otherwise, on one
+    device; a tensor-parallel rank holds its shard of each, less."""
     partition = route_partition(task, lora.partitions, lora.name)
     downs: dict[str, tuple[int, int, str]] = {}  # A's key -> (rank, in_features, the group it is projected in)
     elements, fp8_groups, outputs = 0, set(), {}
