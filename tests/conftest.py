@@ -17,6 +17,27 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+@pytest.fixture(autouse=True)
+def _stop_what_the_test_started():
+    """Kill every process group a test started (through `server_harness`) and left running, passed or failed.
+    Servers of module- and session-scoped fixtures start before this runs and are theirs to stop."""
+    from server_harness import STARTED, kill_group
+
+    before = set(STARTED)
+    yield
+    for process in [process for process in STARTED if process not in before]:
+        kill_group(process)
+        STARTED.remove(process)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Whatever a fixture's teardown did not stop (a teardown that failed) goes with the session."""
+    from server_harness import STARTED, kill_group
+
+    while STARTED:
+        kill_group(STARTED.pop())
+
+
 @pytest.fixture(scope="session")
 def tiny_dir(tmp_path_factory):
     """The tiny random-weight MiniMax-H3 checkpoint in the released on-disk layout, built once per run (tests read

@@ -1,4 +1,9 @@
-"""Running the real `h3gen serve` in a subprocess on 127.0.0.1 for tests, and talking to it over HTTP."""
+"""Running the real `h3gen serve` in a subprocess on 127.0.0.1 for tests, and talking to it over HTTP.
+
+Every process started here runs in a process group of its own and is recorded in `STARTED`: a server that fails to
+become ready is killed before the error is raised, and `tests/conftest.py` kills whatever a test (or, at the end of
+the session, a fixture) left running, so a failed test leaves no `h3gen` process behind.
+"""
 
 import os
 import signal
@@ -9,6 +14,33 @@ import time
 from pathlib import Path
 
 import httpx
+
+STARTED: list[subprocess.Popen] = []  # every process group started here, in order
+
+
+def kill_group(process: subprocess.Popen) -> None:
+    """SIGKILL `process` and everything in its process group (torchrun's ranks), then reap it."""
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    process.wait()
+
+
+def run_isolated(args: list[str], *, timeout: float, **kwargs) -> subprocess.CompletedProcess:
+    """`subprocess.run(args, capture_output=True, text=True)` in a process group of its own, killed whole when it
+    times out or the test is interrupted (a plain `subprocess.run` kills only its child, not torchrun's ranks)."""
+    process = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               start_new_session=True, **kwargs)
+    STARTED.append(process)
+    try:
+        stdout, stderr = process.communicate(timeout=timeout)
+    except BaseException:
+        kill_group(process)
+        raise
+    finally:
+        STARTED.remove(process)
+    return subprocess.CompletedProcess(args, process.returncode, stdout, stderr)
 
 
 def free_port() -> int:
@@ -41,18 +73,35 @@ class Server:
         # Its own process group, so stopping it also reaches any ranks it started under torchrun.
         self.process = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT, env=env,
                                         start_new_session=True)
-        self._wait_ready(ready_timeout)
+        STARTED.append(self.process)
+        try:
+            self._wait_ready(ready_timeout)
+        except BaseException:
+            self.kill()
+            raise
+
+    def __enter__(self) -> "Server":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
 
     def _wait_ready(self, timeout: float = 90.0) -> None:
+        """Return once /health says ready; raise at once when the server exits or reports a load error."""
         deadline = time.monotonic() + timeout
+        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
                 raise RuntimeError(f"server exited early:\n{self.log_path.read_text()[-3000:]}")
             try:
-                if httpx.get(f"{self.url}/health", timeout=2).json().get("ready"):
-                    return
-            except httpx.HTTPError:
-                pass
+                health = httpx.get(f"{self.url}/health", headers=headers, timeout=2).json()
+            except (httpx.HTTPError, ValueError):
+                health = {}
+            if health.get("ready"):
+                return
+            if health.get("load_error"):
+                raise RuntimeError(f"server could not load its model ({health['load_error']}):\n"
+                                   f"{self.log_path.read_text()[-3000:]}")
             time.sleep(0.2)
         raise RuntimeError(f"server not ready in {timeout} s:\n{self.log_path.read_text()[-3000:]}")
 
@@ -76,11 +125,9 @@ class Server:
         self._log.close()
 
     def _kill_group(self) -> None:
-        try:
-            os.killpg(self.process.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        self.process.wait()
+        kill_group(self.process)
+        if self.process in STARTED:
+            STARTED.remove(self.process)
 
 
 def cancelled(view: dict) -> bool:

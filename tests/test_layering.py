@@ -23,6 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 FLOORS = {
     "h3gen": "api",  # the package root: the public API, whose lazy attributes reach the pipeline
     "h3gen.errors": "errors",
+    "h3gen.checkout_names": "names",  # what a top-level folder does when imported by its bare name (standard library)
     "h3gen.quant.mxfp4_format": "format",
     "h3gen.linear_spec": "spec",
     "h3gen.kernels": "kernels",
@@ -61,9 +62,10 @@ def _alone(floor: str, text: str) -> Rule:
 
 RULES = (
     _alone("errors", "h3gen.errors imports nothing else of h3gen"),
+    _alone("names", "h3gen.checkout_names imports nothing else of h3gen"),
     _alone("format", "the MXFP4 format (h3gen.quant.mxfp4_format) imports nothing else of h3gen"),
     _alone("spec", "h3gen.linear_spec (what a model asks of a linear) imports nothing else of h3gen"),
-    Rule(frozenset({"kernels"}), ALL - {"kernels", "format"},
+    Rule(frozenset({"kernels"}), ALL - {"kernels", "format", "names"},
          "kernels import no other h3gen package but the MXFP4 format (h3gen.quant.mxfp4_format)"),
     Rule(CORE, frozenset({"pipelines", "offload"}) | TOP,
          "the core (errors, linear, lora, loading, quant, parallel, media, options) imports neither pipelines, offload, server, cli, "

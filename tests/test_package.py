@@ -1,6 +1,8 @@
 """The installed package: one `h3gen` namespace, the console script, the environment report, the environment
 variables it reads (each documented in the README)."""
 
+import json
+import os
 import re
 import subprocess
 import sys
@@ -21,10 +23,53 @@ def test_one_namespace_and_no_top_level_packages(tmp_path):
     result = _python(IMPORTS + "; import sys; print(sys.modules[\"h3gen.kernels.attention\"].__name__)", tmp_path)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "h3gen.kernels.attention"
-    check = "import importlib.util as u; print([n for n in ('kernels','pipelines','offload','ui') if u.find_spec(n)])"
+    # Top-level names found (other distributions own some: transformers installs `kernels`) are never ours.
+    check = ("import importlib.util as u; specs = [u.find_spec(n) for n in ('kernels','pipelines','offload','ui')]; "
+             "print([s.origin for s in specs if s is not None])")
     result = _python(check, tmp_path)
     assert result.returncode == 0, result.stderr
-    assert result.stdout.strip() == "[]"
+    assert not any(str(ROOT) in origin or "h3gen" in origin for origin in eval(result.stdout))
+
+
+SHADOW_CHECK = """
+import json, sys
+import kernels, ui, pipelines, offload
+import h3gen.kernels.attention_backends, h3gen.pipelines.h3.geometry, h3gen.offload
+from transformers.integrations import hub_kernels  # imports the PyPI `kernels` when installed
+print(json.dumps({name: sys.modules[name].__file__ for name in ("kernels", "ui", "pipelines", "offload",
+                                                                 "h3gen.kernels", "h3gen.offload")}))
+"""
+
+
+def test_checkout_root_never_shadows_installed_distributions(tmp_path):
+    """Python started in the checkout root (the current directory first on sys.path, as `python -m pytest` or a REPL
+    there) imports the installed distributions named kernels, ui, pipelines and offload, not our folders of those
+    names, and h3gen beside them; with none installed, the bare names do not import at all."""
+    import kernels
+
+    assert Path(kernels.__file__).parent.parent != ROOT, "the PyPI kernels (a transformers dependency) is installed"
+    site = tmp_path / "site"
+    for name in ("ui", "pipelines", "offload"):  # stand-ins for distributions of these names
+        (site / name).mkdir(parents=True)
+        (site / name / "__init__.py").write_text(f"WHO = 'installed {name}'\n")
+    env = dict(os.environ, PYTHONPATH=str(site))
+    result = subprocess.run([sys.executable, "-c", SHADOW_CHECK], cwd=ROOT, env=env, capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    files = json.loads(result.stdout.strip().splitlines()[-1])
+    assert Path(files["kernels"]).parent == Path(kernels.__file__).parent
+    for name in ("ui", "pipelines", "offload"):
+        assert Path(files[name]).parent == site / name
+    assert Path(files["h3gen.kernels"]).parent == ROOT / "kernels"
+    assert Path(files["h3gen.offload"]).parent == ROOT / "offload"
+
+    bare = "import ui"
+    result = subprocess.run([sys.executable, "-c", bare], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1 and "ModuleNotFoundError: No module named 'ui'" in result.stderr, result.stderr
+    assert "h3gen.ui" in result.stderr
+    version = subprocess.run([sys.executable, "-m", "h3gen.cli", "--version"], cwd=ROOT, capture_output=True,
+                             text=True, timeout=120)
+    assert version.returncode == 0 and version.stdout.strip() == f"h3gen {h3gen.__version__}", version.stderr
 
 
 def test_cli_version_and_env(tmp_path):
@@ -75,3 +120,28 @@ def test_every_environment_variable_read_is_in_the_readme_table():
     table = (ROOT / "README.md").read_text().split("## Environment variables", 1)[1]
     documented = set(re.findall(r"`([A-Z0-9_]+)(?:=[^`]*)?`", table))
     assert reads <= documented, f"read but not in the README's table: {sorted(reads - documented)}"
+
+
+FAST_MOVING = ("torch", "triton", "transformers", "huggingface-hub", "accelerate", "pydantic", "fastapi", "starlette",
+               "uvicorn", "gradio", "peft", "schemathesis", "playwright", "openai", "kernels")
+
+
+def test_fast_moving_dependencies_stop_at_a_tested_minor_release():
+    """Each fast-moving dependency has an upper bound below its next minor release (`<X.Y`), so a fresh install
+    cannot take an untested one, and the installed version is within the bounds (README, "Dependency versions")."""
+    import tomllib
+    from importlib.metadata import version
+
+    from packaging.requirements import Requirement
+    from packaging.version import Version
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    requirements = [Requirement(text) for text in project["dependencies"] + project["optional-dependencies"]["test"]]
+    by_name = {requirement.name.lower(): requirement for requirement in requirements}
+    for name in FAST_MOVING:
+        requirement = by_name[name]
+        uppers = [spec for spec in requirement.specifier if spec.operator == "<"]
+        assert uppers and len(Version(uppers[0].version).release) == 2, f"{requirement}: no <X.Y bound"
+        if requirement.marker is None or requirement.marker.evaluate():
+            assert Version(version(name)) in requirement.specifier, (name, version(name))
+    assert str(by_name["diffusers"].specifier) == "==0.42.1"

@@ -7,7 +7,7 @@ from server_harness import Server, wait_for
 from test_ui_security import KEY, call, generate_inputs, ui_client
 
 from h3gen.pipelines.h3.tiny_checkpoint import tiny_checkpoint
-from ui.blocks import chosen_loras
+from h3gen.ui.blocks import chosen_loras
 
 RECIPE = "LightX2V Turbo fl2v 8-step v1.0 768p"
 
