@@ -43,7 +43,8 @@ from h3gen.offload import apply_layerwise_offload  # noqa: E402
 from h3gen.pipelines.h3.packing import build_layout, row_timesteps  # noqa: E402
 from h3gen.pipelines.h3.random_weights import random_tensors  # noqa: E402
 from h3gen.pipelines.h3.schedules import AUDIO_SHIFT, VIDEO_SHIFT, FlowSchedule  # noqa: E402
-from h3gen.pipelines.h3.step_cache import StepCacheConfig, step_cache  # noqa: E402
+from h3gen.pipelines.h3.step_cache import step_cache
+from h3gen.pipelines.h3.step_cache_config import StepCacheConfig  # noqa: E402
 from h3gen.pipelines.h3.tiers import set_quality  # noqa: E402
 from h3gen.pipelines.h3.transformer import H3Transformer, H3TransformerConfig  # noqa: E402
 

@@ -7,7 +7,7 @@ from h3gen.errors import CheckpointError, RequestError
 from h3gen.options import (ATTENTION_BACKENDS, OFFLOAD_HELP, OFFLOAD_MODES, QUALITY_HELP, QUALITY_TIERS,
                            QUANTIZATION_HELP, QUANTIZATIONS, WORKFLOW_HELP, WORKFLOWS, RunOptions, describe,
                            uses_step_cache)
-from h3gen.pipelines.h3.step_cache import CACHE_HELP, StepCacheConfig
+from h3gen.pipelines.h3.step_cache_config import CACHE_HELP, StepCacheConfig
 
 DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
 REFERENCE_FLAGS = {"--ref-image": "image", "--ref-video": "video", "--ref-audio": "audio"}
@@ -70,8 +70,6 @@ def _loras(args: argparse.Namespace, head_dim: int) -> tuple[list, list]:
 
     loras, recipes = [], []
     for path, scale in args.lora or []:
-        if not Path(path).is_file():
-            raise RequestError(f"--lora {path}: no such file.", "lora")
         lora = read_lora(path, head_dim=head_dim)
         recipe = recipe_for(Path(path).name, lora.metadata)
         recipes += [recipe] if recipe else []
@@ -173,7 +171,42 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _workflow(args: argparse.Namespace) -> str:
+    """The task `generate`'s arguments ask for: ref2va with references, fl2va with keyframes, else t2va."""
+    return "ref2va" if args.references else "fl2va" if (args.image or args.last_image) else "t2va"
+
+
+def _check_arguments(args: argparse.Namespace) -> RunOptions:
+    """The checks that need no model and no torch, made before either loads: the run options (returned), files and
+    folders that must exist, the aspect ratio, the length and the windows, the AAC rate."""
+    from pathlib import Path
+
+    from h3gen.pipelines.h3.continuation import check_max_seconds, check_seconds, check_windows
+    from h3gen.pipelines.h3.geometry import parse_aspect_ratio, resolve_canvas
+
+    options = _run_options(args, workflow=_workflow(args))
+    if args.model is not None and not Path(args.model).is_dir():
+        problem = "is not a folder" if Path(args.model).exists() else "does not exist"
+        raise RequestError(f"--model {args.model} {problem} (a local MiniMax-H3 checkpoint folder).", "model")
+    named = [("--image", args.image), ("--last-image", args.last_image)]
+    named += [(flag, path) for _, path, flag in args.references or []]
+    named += [("--lora", path) for path, _ in args.lora or []]
+    for flag, path in named:
+        if path is not None and not Path(path).is_file():
+            raise RequestError(f"{flag} {path} does not exist.", flag.lstrip("-").replace("-", "_"))
+    if args.aspect is not None:
+        resolve_canvas(*parse_aspect_ratio(args.aspect))
+    max_seconds = check_max_seconds(args.max_seconds)
+    if args.seconds is not None:
+        check_seconds(args.seconds, max_seconds)
+    check_windows(args.window_frames, args.overlap_frames)
+    if args.audio_rate not in (32000, 48000):
+        raise RequestError(f"--audio-rate must be 32000 or 48000 (got {args.audio_rate}).", "audio_rate")
+    return options
+
+
 def _cmd_generate(args: argparse.Namespace) -> int:
+    options = _check_arguments(args)
     import torch
 
     _quiet_libraries()
@@ -194,8 +227,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype_name = args.dtype or ("bf16" if device.startswith("cuda") else "fp32")
     references = _references(args)
-    workflow = "ref2va" if references else "fl2va" if (args.image or args.last_image) else "t2va"
-    options = _run_options(args, workflow=workflow)  # checked before anything loads
+    workflow = options.workflow
     cache = _step_cache(args, options.quality)
     call = dict(image=args.image, last_image=args.last_image, references=references, aspect_ratio=args.aspect,
                 seconds=args.seconds, num_inference_steps=args.steps, forwards=args.forwards,
@@ -210,8 +242,6 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     loras, recipes = _loras(args, config.attention_head_dim)
     request = prepare_request(checkpoint, config, args.prompt, max_seconds=max_seconds, recipes=recipes, **call)
     call["loras"] = loras or None
-    if args.audio_rate not in (32000, 48000):
-        raise RequestError(f"--audio-rate must be 32000 or 48000 (got {args.audio_rate}).", "audio_rate")
     if args.planner:
         if args.tp * args.ulysses > 1:
             raise RequestError("--planner does not run under --tp / --ulysses yet; plan first with `h3gen plan` and "
@@ -363,6 +393,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         args.model = str(tiny_checkpoint())
     if args.max_queue < 1:
         raise RequestError(f"--max-queue must be at least 1 (got {args.max_queue}).", "max_queue")
+    if args.max_plan_queue < 0:
+        raise RequestError(f"--max-plan-queue must be 0 or more (got {args.max_plan_queue}).", "max_plan_queue")
     from h3gen.pipelines.h3.continuation import check_max_seconds
 
     check_max_seconds(args.max_seconds)
@@ -413,17 +445,20 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         return 2
     try:
         app = create_app(manager, api_key=api_key, max_upload_bytes=int(args.max_upload_mb * 2**20),
-                         model_name=args.model, model_id=args.model_name)
+                         model_name=args.model, model_id=args.model_name, max_plan_queue=args.max_plan_queue)
         if not args.no_ui:
             from h3gen.ui import mount_ui  # imports gradio, which only the UI needs
 
-            app = mount_ui(app, manager, api_key=api_key)
+            app = mount_ui(app, manager, api_key=api_key, max_upload_bytes=int(args.max_upload_mb * 2**20))
         where_ui = "no UI" if args.no_ui else "UI at /ui"
         print(f"h3gen: serving {args.model} on http://{args.host}:{args.port} ({where_ui}; API key "
               f"{'required' if api_key else 'not set'}; results in {args.results_dir})", file=sys.stderr)
         # uvicorn turns SIGTERM and SIGINT into a graceful shutdown, whose lifespan end stops the manager: the
         # running job is recorded as interrupted, the database checkpointed and closed, the folder released.
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+        # Client addresses (what the throttles count by) come from X-Forwarded-For only when the peer is a proxy
+        # the operator named: uvicorn's own default trusts it from 127.0.0.1, so any local client could forge one.
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
+                    proxy_headers=bool(args.forwarded_allow_ips), forwarded_allow_ips=args.forwarded_allow_ips or "")
     finally:
         manager.stop()  # idempotent; covers a uvicorn that never ran the lifespan
     return 0
@@ -454,7 +489,7 @@ def _long_video_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"longest clip a request may ask for, 15 to {MAX_SECONDS_LIMIT:g} s (default "
                              f"{DEFAULT_MAX_SECONDS:g})")
     parser.add_argument("--window-frames", dest="window_frames", type=int, default=None,
-                        help=f"a clip over 15 s: frames per window, 17n+5 from 107 to 345 (default "
+                        help=f"a clip over 15 s: frames per window, 17n+5 from 124 to 345 (default "
                              f"{DEFAULT_WINDOW_FRAMES})")
     parser.add_argument("--overlap-frames", dest="overlap_frames", type=int, default=None,
                         help=f"a clip over 15 s: frames each window repeats of the previous one, 17n+5, shorter than "
@@ -543,7 +578,13 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--api-key", dest="api_key",
                        help="require Authorization: Bearer <key> on every route but /health; the UI asks for it on its "
                             "login page (default: $H3GEN_API_KEY, else no key)")
+    serve.add_argument("--forwarded-allow-ips", dest="forwarded_allow_ips", default=None, metavar="IPS",
+                       help="comma-separated addresses of the reverse proxies whose X-Forwarded-For / "
+                            "X-Forwarded-Proto headers name the client (* for any); default: none, every request's "
+                            "client is its TCP peer")
     serve.add_argument("--max-queue", dest="max_queue", type=int, default=16, help="waiting jobs before 429")
+    serve.add_argument("--max-plan-queue", dest="max_plan_queue", type=int, default=4,
+                       help="prompt plans waiting behind the running one before POST /v1/prompts/plan answers 429")
     serve.add_argument("--results-dir", dest="results_dir", default="h3gen-results", help="jobs database and MP4s")
     serve.add_argument("--retention-hours", dest="retention_hours", type=float, default=168.0,
                        help="finished jobs and their MP4s are deleted after this many hours")

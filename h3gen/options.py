@@ -9,7 +9,7 @@ raises a `RequestError` naming the field and what is allowed.
 from dataclasses import dataclass, fields, replace
 
 from h3gen.errors import RequestError
-from h3gen.kernels.attention import BACKENDS as ATTENTION_BACKENDS
+from h3gen.kernels.attention_backends import BACKENDS as ATTENTION_BACKENDS
 
 # Each allowed value with the one line of help every face shows for it.
 QUALITY_HELP = {

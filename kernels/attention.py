@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from h3gen.kernels.attention_backends import BACKENDS, SDPA_BACKEND_NAMES
 from h3gen.kernels.fp8_quant import quantize_heads
 
 _SDPA_BACKENDS = {
@@ -26,7 +27,7 @@ _SDPA_BACKENDS = {
     "efficient": SDPBackend.EFFICIENT_ATTENTION,
     "cudnn": SDPBackend.CUDNN_ATTENTION,
 }
-BACKENDS = ("auto", "sdpa", "fa3", "fa3-fp8", *_SDPA_BACKENDS)
+assert tuple(_SDPA_BACKENDS) == SDPA_BACKEND_NAMES
 LAYOUTS = ("bshd", "bhsd")
 
 

@@ -104,9 +104,9 @@ def test_geometry_limits_and_messages():
     assert geometry.resolve_geometry(seconds=15).num_frames == 345  # 15 s snaps to the longest valid count
     with pytest.raises(RequestError, match="between 1:4 and 4:1"):
         geometry.resolve_geometry(aspect_ratio="1:5")
-    with pytest.raises(RequestError, match="seconds must be between 5 and 15"):
+    with pytest.raises(RequestError, match="seconds must be from 5 to 15"):
         geometry.resolve_geometry(seconds=2.0)
-    with pytest.raises(RequestError, match="seconds must be between 5 and 15"):
+    with pytest.raises(RequestError, match="seconds must be from 5 to 15"):
         geometry.resolve_geometry(seconds=16)
     with pytest.raises(RequestError, match="124 to 345 frames"):
         geometry.resolve_geometry(num_frames=346)

@@ -16,7 +16,8 @@ from h3_tiny import TINY_CONFIGS, max_rel_err, random_inputs, randomize_
 from h3gen.errors import RequestError
 from h3gen.offload import apply_layerwise_offload
 from h3gen.options import RunOptions
-from h3gen.pipelines.h3.step_cache import StepCache, StepCacheConfig, step_cache
+from h3gen.pipelines.h3.step_cache import StepCache, step_cache
+from h3gen.pipelines.h3.step_cache_config import StepCacheConfig
 from h3gen.pipelines.h3.tiers import set_quality
 from h3gen.pipelines.h3.transformer import H3Transformer
 

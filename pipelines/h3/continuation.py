@@ -13,6 +13,7 @@ holds audio latents `[round(start * 5/3), round(end * 5/3))`, so per-window roun
 Media rotary positions of a window are shifted by `start * 5/3` onto the clip's global timeline.
 """
 
+import math
 from dataclasses import dataclass
 
 from h3gen.errors import RequestError
@@ -20,7 +21,7 @@ from h3gen.pipelines.h3 import geometry
 
 DEFAULT_WINDOW_FRAMES = 277  # 11.5 s
 DEFAULT_OVERLAP_FRAMES = 22  # 0.9 s
-MIN_WINDOW_FRAMES = 107  # 17 * 6 + 5
+MIN_WINDOW_FRAMES = 124  # 17 * 7 + 5: a window is sampled as a request of its own, at least 5 s
 DEFAULT_MAX_SECONDS = 60.0  # what a server (or a pipeline) accepts unless raised
 MAX_SECONDS_LIMIT = 300.0  # the most a server may be raised to
 ROPE_UNITS_PER_FRAME = 5.0 / 3.0  # 40 audio latents per second over 24 fps
@@ -86,7 +87,7 @@ def _on_grid(value, name: str, field: str) -> int:
 
 
 def check_windows(window_frames=None, overlap_frames=None) -> tuple[int, int]:
-    """The (window, overlap) of a request, defaults filled in. Both on the 17n+5 grid, the window 107 to 345 frames
+    """The (window, overlap) of a request, defaults filled in. Both on the 17n+5 grid, the window 124 to 345 frames
     (4.5 to 14.4 s, what one request makes) and the overlap shorter than the window; else `RequestError` naming the
     field and the rule."""
     window = DEFAULT_WINDOW_FRAMES if window_frames is None else _on_grid(window_frames, "window_frames",
@@ -122,13 +123,23 @@ def long_frames(seconds, num_frames, max_seconds: float) -> int | None:
             raise RequestError(f"num_frames must last at most {max_seconds:g} s at {geometry.FPS} fps, this server's "
                                f"limit (got {num_frames} frames = {num_frames / geometry.FPS:.3g} s).", "num_frames")
         return geometry.align_num_frames(num_frames)
-    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or seconds <= geometry.MAX_SECONDS:
+    if seconds is None:
         return None
-    if seconds > max_seconds:
-        raise RequestError(f"seconds must be from {geometry.MIN_SECONDS:g} to {max_seconds:g} (this server's limit; "
-                           f"longer than {geometry.MAX_SECONDS:g} s is made in overlapping windows; got {seconds:g}).",
-                           "seconds")
+    check_seconds(seconds, max_seconds)
+    if seconds <= geometry.MAX_SECONDS:
+        return None
     return geometry.align_num_frames(int(round(seconds * geometry.FPS)))
+
+
+def check_seconds(seconds, max_seconds: float) -> float:
+    """A requested length in seconds: a finite number from 5 to `max_seconds` (the limit in force: a server's
+    --max-seconds, a pipeline's `max_seconds`). Every face words the refusal the same way."""
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not math.isfinite(seconds) \
+            or not geometry.MIN_SECONDS <= seconds <= max_seconds:
+        shown = f"{seconds:g}" if isinstance(seconds, (int, float)) and not isinstance(seconds, bool) else repr(seconds)
+        raise RequestError(f"seconds must be from {geometry.MIN_SECONDS:g} to {max_seconds:g} (got {shown}).",
+                           "seconds")
+    return float(seconds)
 
 
 def plan_windows(total_frames: int, window_frames: int, overlap_frames: int) -> list[Window]:

@@ -77,8 +77,8 @@ def check_duration(num_frames: int, field: str = "num_frames") -> None:
     seconds = num_frames / FPS
     if not MIN_SECONDS <= seconds <= MAX_SECONDS:
         raise RequestError(
-            f"seconds must be between {MIN_SECONDS:g} and {MAX_SECONDS:g} at {FPS} fps, i.e. 124 to 345 frames "
-            f"after rounding up to 17n+5 (got {num_frames} frames = {seconds:.3g} s).",
+            f"{field} must be from 124 to 345 frames, {MIN_SECONDS:g} to {MAX_SECONDS:g} s at {FPS} fps after rounding "
+            f"up to 17n+5 (got {num_frames} frames = {seconds:.3g} s).",
             field,
         )
 
@@ -141,10 +141,7 @@ def resolve_geometry(
         if seconds is None:
             raise RequestError("give seconds or num_frames.", "seconds")
         if not (isinstance(seconds, (int, float)) and MIN_SECONDS <= seconds <= MAX_SECONDS):
-            raise RequestError(
-                f"seconds must be between {MIN_SECONDS:g} and {MAX_SECONDS:g} at {FPS} fps (got {seconds}).",
-                "seconds",
-            )
+            raise RequestError(f"seconds must be from {MIN_SECONDS:g} to {MAX_SECONDS:g} (got {seconds}).", "seconds")
         num_frames = int(round(seconds * FPS))
         field = "seconds"
     else:

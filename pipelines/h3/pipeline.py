@@ -46,7 +46,8 @@ from h3gen.pipelines.h3.references import AudioReference, ImageReference, VideoR
 from h3gen.pipelines.h3.request import (KEYFRAME_NOISE_AUG, H3Request, check_activation_budget, prepare_request,
                                         read_transformer_config)
 from h3gen.pipelines.h3.schedules import AUDIO_SHIFT, VIDEO_SHIFT, noise_to, read_shift
-from h3gen.pipelines.h3.step_cache import StepCacheConfig, step_cache
+from h3gen.pipelines.h3.step_cache import step_cache
+from h3gen.pipelines.h3.step_cache_config import StepCacheConfig
 from h3gen.pipelines.h3.text_encoder import H3TextEncoder, TextConditioning
 from h3gen.pipelines.h3.tiers import set_quality
 from h3gen.pipelines.h3.transformer import H3Transformer
@@ -697,7 +698,7 @@ class H3Pipeline:
                 over 15 s needs it: it is written there window by window and never held whole.
             prompts: a clip over 15 s: one prompt per window (or one for all) instead of `prompt`.
             window_frames, overlap_frames: a clip over 15 s: window and overlap lengths on the 17n+5 frame grid
-                (default 277 and 22; window 107 to 345, overlap shorter than the window).
+                (default 277 and 22; window 124 to 345, overlap shorter than the window).
             loras: adapters for this call, stacked: `[name_or_path, (name_or_path, scale), ...]` (scale default
                 1.0); names come from `load_lora`, a path not loaded yet is loaded under its stem. Applied unmerged;
                 the next call with another set switches without reloading anything. ref2va applies them to

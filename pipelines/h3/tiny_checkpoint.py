@@ -19,7 +19,7 @@ from h3gen.pipelines.h3.schedules import write_scheduler_config
 from h3gen.pipelines.h3.transformer import H3Transformer, H3TransformerConfig
 
 # Bump when the builder changes what it writes, so stale caches are rebuilt.
-TINY_FORMAT = 2  # 2: transformer_ref/, the video processor config, reference_image_short_edge
+TINY_FORMAT = 3  # 3: the three-stage audio VAE; 2: transformer_ref/, the video processor config
 
 TRANSFORMER = dict(
     num_attention_heads=2, attention_head_dim=32, hidden_size=64, num_layers=2, num_refiner_layers=2, ffn_dim=128,
@@ -30,7 +30,13 @@ VIDEO_VAE = dict(
     block_out_channels=[8] * 6, layers_per_block=1, norm_num_groups=4, decoder_num_layers=1,
     decoder_num_attention_heads=2, decoder_attention_head_dim=16, decoder_num_register_tokens=4, decoder_ffn_mult=2,
 )
-AUDIO_VAE = dict(encoder_dim=4, latent_dim=64, num_attention_heads=2, decoder_dim=128)
+# The released hop (800 samples per latent) in three stages instead of five and seven, one resblock kernel per stage:
+# the released layout's stages and kernels made its decoder cost several times the tiny model's whole denoise.
+AUDIO_VAE = dict(
+    encoder_dim=4, encoder_rates=(8, 10, 10), latent_dim=64, num_attention_heads=2, decoder_dim=32,
+    decoder_rates=(8, 10, 10), decoder_kernel_sizes=(16, 20, 20), resblock_kernel_sizes=(3,),
+    resblock_dilation_sizes=((1,),),
+)
 TEXT_HIDDEN, TEXT_LAYERS = 64, 51
 # Qwen3-VL's text model and vision tower, thin (the vocabulary is the tokenizer's).
 TEXT_CONFIG = dict(
