@@ -534,6 +534,38 @@ def iter_video_frames(source, field: str = "video", max_frames: int | None = Non
         raise RequestError(f"{field} file {_shown(source)} has no decodable video frames.", field)
 
 
+MIN_AUDIO_RATE, MAX_AUDIO_RATE = 1000, 384000  # Hz a sound may have (a file's or an in-memory waveform's)
+
+
+def check_audio_rate(rate, field: str) -> int:
+    """`rate` as the sample rate of a sound, or a `RequestError` naming `field`, the rate and the allowed range."""
+    if isinstance(rate, bool) or not isinstance(rate, int) or not MIN_AUDIO_RATE <= rate <= MAX_AUDIO_RATE:
+        raise RequestError(f"{field} sample_rate must be an integer from {MIN_AUDIO_RATE} to {MAX_AUDIO_RATE} Hz "
+                           f"(got {rate!r}).", field)
+    return rate
+
+
+def resample_stream(waveform: np.ndarray, rate: int, new_rate: int, chunk: int = 1 << 16) -> np.ndarray:
+    """`(channels, samples)` float32 audio at `rate` resampled to `new_rate` by libswresample (PyAV), fed in chunks
+    of `chunk` samples: memory and time grow with the sound's length only, whatever the two rates are (a
+    windowed-sinc filter built from their ratio does not: 44101 -> 32000 Hz would need 1.4 billion taps)."""
+    import av
+
+    channels = waveform.shape[0]
+    layout = "mono" if channels == 1 else "stereo"
+    resampler = av.AudioResampler(format="fltp", layout=layout, rate=new_rate)
+    out = []
+    for start in range(0, waveform.shape[-1], chunk):
+        frame = av.AudioFrame.from_ndarray(np.ascontiguousarray(waveform[:, start:start + chunk], np.float32),
+                                           format="fltp", layout=layout)
+        frame.sample_rate = rate
+        frame.pts = start
+        frame.time_base = Fraction(1, rate)
+        out += [resampled.to_ndarray() for resampled in resampler.resample(frame)]
+    out += [resampled.to_ndarray() for resampled in resampler.resample(None)]
+    return np.concatenate(out, axis=-1) if out else np.zeros((channels, 0), np.float32)
+
+
 def read_audio(source, field: str = "audio", max_seconds: float | None = None):
     """The first audio stream of a file (audio, or the soundtrack of a video) as a `(channels, samples)` float32
     numpy waveform at the rate the file carries, and that rate. More than two channels are downmixed to stereo.
@@ -550,6 +582,7 @@ def read_audio(source, field: str = "audio", max_seconds: float | None = None):
         rate = int(stream.codec_context.sample_rate or 0)
         if rate <= 0:
             raise RequestError(f"{field} file {_shown(source)} does not say its sample rate.", field)
+        check_audio_rate(rate, field)
         _check_length(_container_seconds(container), field, source)
         # Planar float at the file's own rate and layout: a format conversion only (resampling is the caller's).
         layout = stream.layout if stream.codec_context.channels <= 2 else "stereo"

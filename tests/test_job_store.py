@@ -246,3 +246,31 @@ def test_sigterm_then_a_lost_wal_keeps_every_job(model, tmp_path):
             assert wait_for(http, queued)["status"] == "completed"
     finally:
         second.stop()
+
+
+class _FullDiskConnection:
+    """A SQLite connection whose WAL checkpoint fails as on a full disk; everything else goes through."""
+
+    def __init__(self, db):
+        self.db = db
+
+    def execute(self, sql, *args):
+        if "wal_checkpoint" in sql:
+            raise sqlite3.OperationalError("database or disk is full")
+        return self.db.execute(sql, *args)
+
+    def close(self):
+        self.db.close()
+
+
+def test_close_on_a_full_disk_says_what_it_kept_and_loses_nothing(tmp_path, caplog):
+    store = JobStore(tmp_path / "jobs.sqlite3")
+    store.insert({"id": "b" * 32, "status": "succeeded", "created_at": time.time(), "request": {"prompt": "kept"},
+                  "progress": 100.0, "stage": None, "timings": {}, "uploads": {}})
+    store._db = _FullDiskConnection(store._db)
+    with caplog.at_level(logging.ERROR, logger="h3gen.server.store"):
+        store.close()  # no exception: shutdown goes on
+    assert "jobs.sqlite3-wal" in caplog.text and "next start reads" in caplog.text
+    again = JobStore(tmp_path / "jobs.sqlite3")
+    assert again.get("b" * 32)["request"] == {"prompt": "kept"}
+    again.close()

@@ -777,3 +777,18 @@ def test_a_file_diffusers_saved_with_its_peft_config_is_scaled_as_that_config_sa
     assert max_rel_err(expected, _run(trained, inputs)) <= 1e-5  # diffusers reloads what it saved
     got, _ = _ours(ours, [(path, 1.0)], inputs=inputs)
     assert max_rel_err(got, expected) <= TOLERANCE
+
+
+@pytest.mark.parametrize("alpha", ["nan", "inf", "-inf"])
+def test_a_non_finite_alpha_is_refused_when_read_and_when_given(tmp_path, alpha):
+    """What is accepted must run: a metadata alpha "nan" (or an override) would fill the clip with NaN at its
+    end, so the file is refused from its header, naming it, and so is such an alpha given at load."""
+    _, ours = _pair(CONFIG)
+    factors = random_factors({k: v for k, v in diffusers_shapes(ours).items() if k.endswith(TURBO_MODULES)}, 4, 2)
+    path = tmp_path / "style.safetensors"
+    write_diffusers(path, factors, peft=True, metadata={"alpha": alpha})
+    with pytest.raises(RequestError, match="style: its metadata alpha .* is not a finite number"):
+        read_lora(path)
+    write_diffusers(path, factors, peft=True)
+    with pytest.raises(RequestError, match="the alpha given is not a finite number"):
+        read_lora(path, alpha=float(alpha))

@@ -92,6 +92,15 @@ def test_bad_aspect_ratio_reads_like_the_cli(server):
         assert response.json()["detail"][0]["msg"].startswith("aspect_ratio must look like 16:9"), response.text
 
 
+@pytest.mark.parametrize("seconds", [2, 61, 301])
+def test_length_refusal_names_the_limit_in_force(server, seconds):
+    """The words of the CLI and the pipeline: "seconds must be from 5 to N", N this server's --max-seconds (60)."""
+    with server.client() as http:
+        response = http.post("/v1/videos", json={"prompt": "x", "seconds": seconds})
+        assert response.status_code == 422 and _field(response) == "seconds", response.text
+        assert response.json()["detail"][0]["msg"] == f"seconds must be from 5 to 60 (got {seconds}).", response.text
+
+
 def _deep(depth: int) -> bytes:
     return b'{"prompt": ' + b"[" * depth + b"]" * depth + b"}"
 
@@ -135,9 +144,9 @@ def test_multipart_fields_agree_with_json(server, data, field):
     (b"[1, 2, 3]", "application/json", 422),
     (b"", "application/json", 422),
     (b"prompt=hello", "text/plain", 415),
-    # A 1 MB prompt fits the JSON body limit (a body may carry an input_reference data URL up to the upload
-    # limit), so the prompt's own limit answers; a body past the limit is refused before it is read.
-    pytest.param(json.dumps({"prompt": "x" * (1 << 20)}).encode(), "application/json", 422, id="1MB-prompt"),
+    # A JSON body holds at most 64 KB besides an input_reference data URL (which may take up to the upload limit):
+    # a 1 MB prompt is a 413 once parsed, a body past the data URL's limit is refused before it is read.
+    pytest.param(json.dumps({"prompt": "x" * (1 << 20)}).encode(), "application/json", 413, id="1MB-prompt"),
     pytest.param(json.dumps({"prompt": "x" * (30 << 20)}).encode(), "application/json", 413, id="30MB-body"),
 ])
 def test_bad_bodies(server, content, content_type, status):

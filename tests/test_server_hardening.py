@@ -117,6 +117,9 @@ def test_wrong_keys_are_backed_off_per_client(server):
         locked = http.get("/v1/videos", headers=wrong)
         assert locked.status_code == 429 and int(locked.headers["retry-after"]) >= 1
         assert http.get("/v1/videos", headers=right).status_code == 429  # the right key waits too
+        for forged in range(12):  # a forwarding header from a peer that is no named proxy changes nothing
+            headers = {**wrong, "X-Forwarded-For": f"198.51.100.{forged}", "X-Real-IP": f"198.51.100.{forged}"}
+            assert http.get("/v1/videos", headers=headers).status_code == 429
         assert http.get("/health", headers=right).json().keys() == {"status", "ready"}
         with server.client() as other:  # another client is not affected
             assert other.get("/v1/videos").status_code == 200
@@ -177,6 +180,9 @@ def test_ui_logins_are_backed_off(root):
             locked = login("guess")
             assert locked.status_code == 429 and int(locked.headers["retry-after"]) >= 1
             assert login(KEY).status_code == 429
+            forged = http.post("/ui/login", data={"username": "me", "password": "guess"},
+                               headers={"X-Forwarded-For": "198.51.100.7"})
+            assert forged.status_code == 429
             time.sleep(int(locked.headers["retry-after"]))
             assert login(KEY).status_code == 200
     finally:

@@ -21,7 +21,7 @@ def server(tmp_path_factory):
     root = tmp_path_factory.mktemp("ui-security")
     gradio_tmp = root / "gradio-tmp"
     instance = Server(tiny_checkpoint(cache_dir=root / "cache"), root / "results", ui=True, api_key=KEY,
-                      env={"GRADIO_TEMP_DIR": str(gradio_tmp)})
+                      env={"GRADIO_TEMP_DIR": str(gradio_tmp)}, extra=("--max-upload-mb", "1"))
     instance.gradio_tmp = gradio_tmp
     instance.results_dir = root / "results"
     yield instance
@@ -164,3 +164,45 @@ def test_an_upload_is_staged_under_its_decoded_type_not_its_name(tmp_path):
         stage_uploads(str(outside), None, None, staging, uploads)
     with pytest.raises(RequestError, match="not uploaded through this page"):
         stage_uploads(str(uploads / "abc" / ".." / ".." / "secret.png"), None, None, staging, uploads)
+
+
+def _peak_rss_kb(pid: int) -> int:
+    for line in open(f"/proc/{pid}/status").read().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1])
+    raise AssertionError("no VmHWM")
+
+
+def test_uploads_obey_the_upload_limit_and_answers_name_no_server_path(server, tmp_path):
+    """--max-upload-mb (1 here) holds for the UI's uploads as for the REST API's, and neither the upload's answer
+    nor the events of a job made from it name the folder Gradio keeps uploads in."""
+    from PIL import Image
+
+    image = tmp_path / "first.png"
+    Image.new("RGB", (96, 64), (200, 20, 20)).save(image)
+    with ui_client(server) as client:
+        too_big = client.post("/ui/gradio_api/upload", files={"files": ("big.png", b"\0" * (2 * 2**20), "image/png")})
+        assert too_big.status_code == 413, too_big.text
+        uploaded = client.post("/ui/gradio_api/upload", files={"files": ("first.png", image.read_bytes(), "image/png")})
+        assert uploaded.status_code == 200, uploaded.text
+        assert str(server.gradio_tmp) not in uploaded.text and str(server.gradio_tmp.resolve()) not in uploaded.text
+        (path,) = uploaded.json()
+        assert not path.startswith(str(server.gradio_tmp.resolve().parent))
+        assert client.get(f"/ui/gradio_api/file={path}").content == image.read_bytes()
+        kind, payload = call(client, "generate", generate_inputs(task="fl2va", image=file_data(path), steps=2))
+        assert kind == "complete", payload
+        assert str(server.gradio_tmp.resolve()) not in json.dumps(payload)
+
+
+def test_a_small_image_with_a_huge_canvas_is_refused_from_its_header_in_the_ui(server, tmp_path):
+    from media_files import bomb_png
+
+    bomb = bomb_png(tmp_path / "bomb.png")  # 13,000 x 13,000 pixels in about 160 KB
+    peak = _peak_rss_kb(server.process.pid)
+    with ui_client(server) as client:
+        uploaded = client.post("/ui/gradio_api/upload", files={"files": ("bomb.png", bomb.read_bytes(), "image/png")})
+        assert uploaded.status_code == 200, uploaded.text
+        (path,) = uploaded.json()
+        kind, payload = call(client, "generate", generate_inputs(task="fl2va", image=file_data(path)))
+        assert "at most 40 MP" in json.dumps(payload), (kind, payload)
+    assert _peak_rss_kb(server.process.pid) - peak < 100 * 1024  # decoding it would take 170-500 MB

@@ -262,8 +262,11 @@ def build_ui(manager) -> gr.Blocks:
                                     placeholder="a red fox runs through fresh snow, wind howling")
                 task = gr.Radio(list(TASKS), value=TASKS[0], label="Task", elem_id="task")
                 with gr.Row():
-                    image = gr.Image(type="filepath", label="First frame (fl2va)", elem_id="image")
-                    last_image = gr.Image(type="filepath", label="Last frame (fl2va)", elem_id="last-image")
+                    # image_mode=None: Gradio hands the file over as uploaded instead of decoding it to convert
+                    # its mode, so the pixel count is checked from the header before anything decodes it.
+                    image = gr.Image(type="filepath", image_mode=None, label="First frame (fl2va)", elem_id="image")
+                    last_image = gr.Image(type="filepath", image_mode=None, label="Last frame (fl2va)",
+                                          elem_id="last-image")
                 references = gr.File(file_count="multiple", type="filepath", elem_id="references",
                                      file_types=["image", "video", "audio"],
                                      label="References (ref2va): up to 9 images, 3 videos, 3 sounds, in this order")
@@ -277,7 +280,7 @@ def build_ui(manager) -> gr.Blocks:
                 with gr.Accordion("Windows (clips over 15 s)", open=False):
                     with gr.Row():
                         window_frames = gr.Number(value=DEFAULT_WINDOW_FRAMES, precision=0, elem_id="window-frames",
-                                                  label="Frames per window (17n+5, 107 to 345)")
+                                                  label="Frames per window (17n+5, 124 to 345)")
                         overlap_frames = gr.Number(value=DEFAULT_OVERLAP_FRAMES, precision=0, elem_id="overlap-frames",
                                                    label="Overlap frames (17n+5, shorter than the window)")
                 with gr.Row():

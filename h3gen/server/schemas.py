@@ -10,10 +10,12 @@ from pydantic_core import PydanticCustomError
 from h3gen.options import QUALITY_HELP, QUALITY_TIERS, TASKS, describe
 from h3gen.pipelines.h3.continuation import DEFAULT_MAX_SECONDS, MAX_SECONDS_LIMIT
 from h3gen.pipelines.h3.geometry import MAX_SECONDS, MIN_SECONDS
-from h3gen.pipelines.h3.step_cache import CACHE_HELP, MAX_CONSECUTIVE_RANGE, THRESHOLD_RANGE, WARMUP_RANGE
+from h3gen.pipelines.h3.recipes import MAX_SHIFT, MIN_SHIFT
+from h3gen.pipelines.h3.step_cache_config import CACHE_HELP, MAX_CONSECUTIVE_RANGE, THRESHOLD_RANGE, WARMUP_RANGE
+from h3gen.server.json_text import JsonRefused, parse_json
 
 MAX_PROMPT_CHARS = 4000
-MAX_WINDOW_PROMPTS = 64  # a 300 s clip in the shortest windows (107 frames, overlap 5) has 70: use longer ones
+MAX_WINDOW_PROMPTS = 64  # a 300 s clip in the shortest windows (124 frames, overlap 5) has 61
 IMAGE_FIELDS = ("image", "last_image")
 # ref2va uploads, each repeatable; the order of the parts is the order of the references.
 REFERENCE_FIELDS = ("ref_image", "ref_video", "ref_audio")
@@ -22,6 +24,15 @@ UPLOAD_KINDS = {"image": "image", "last_image": "image", "input_reference": "ima
                 "ref_video": "video", "ref_audio": "audio"}
 MAX_LORAS = 8  # adapters one request may stack
 ASPECT_RATIO = r"^[0-9]{1,4}(\.[0-9]{1,3})?:[0-9]{1,4}(\.[0-9]{1,3})?$"
+
+
+def _json_field(text: str, field: str, expected: str):
+    """The value of JSON text a form or string field carries, parsed within the body's limits (`json_text`)."""
+    try:
+        return parse_json(text, field)
+    except JsonRefused as error:
+        raise PydanticCustomError("value_error", "{field} must be {expected} ({problem})",
+                                  {"field": field, "expected": expected, "problem": str(error)}) from None
 
 
 class CacheKnobs(BaseModel):
@@ -50,7 +61,10 @@ class GenerationRequest(BaseModel):
         None, json_schema_extra={"pattern": ASPECT_RATIO},
         description="W:H from 1:4 to 4:1; default 16:9 (t2va) or the first keyframe's (fl2va).",
     )
-    seconds: float | None = Field(None, description=(
+    # The range is checked with the request against the limit in force (engine.validate), so that every face
+    # words it the same way; the schema shows the most any server takes.
+    seconds: float | None = Field(None, allow_inf_nan=False, json_schema_extra={
+        "minimum": MIN_SECONDS, "maximum": MAX_SECONDS_LIMIT}, description=(
         f"Length at 24 fps, as a number or a numeric string (OpenAI's `\"8\"`): 5 to the server's limit "
         f"({DEFAULT_MAX_SECONDS:g} s unless started with --max-seconds, at most {MAX_SECONDS_LIMIT:g}); over "
         f"{MAX_SECONDS:g} s the clip is made in overlapping windows. Default 5, or for ref2va the length of the first "
@@ -59,7 +73,7 @@ class GenerationRequest(BaseModel):
         "A clip over 15 s: one prompt per window (or one for all) instead of `prompt`; a list of another length is "
         "refused with the request's window count. In a multipart form: one field holding a JSON list."))
     window_frames: int | None = Field(None, description=(
-        "A clip over 15 s: frames per window, on the 17n+5 grid from 107 to 345 (default 277)."))
+        "A clip over 15 s: frames per window, on the 17n+5 grid from 124 to 345 (default 277)."))
     overlap_frames: int | None = Field(None, description=(
         "A clip over 15 s: frames each window repeats of the previous one (its guide), on the 17n+5 grid and "
         "shorter than the window (default 22)."))
@@ -77,10 +91,10 @@ class GenerationRequest(BaseModel):
     forwards: int | None = Field(None, ge=1, le=999, description=(
         "Transformer forwards, as SGLang and vLLM-Omni count steps (forwards = num_inference_steps - 1). Give this "
         "or `num_inference_steps`, not both."))
-    video_shift: float | None = Field(None, gt=0, le=100, description=(
+    video_shift: float | None = Field(None, ge=MIN_SHIFT, le=MAX_SHIFT, description=(
         "The video schedule's shift for this job (default: the model's, 12 for the released checkpoint, or the "
         "recipe's)."))
-    audio_shift: float | None = Field(None, gt=0, le=100, description=(
+    audio_shift: float | None = Field(None, ge=MIN_SHIFT, le=MAX_SHIFT, description=(
         "The audio schedule's shift for this job (default: the model's, 3, or the recipe's)."))
     audio_sample_rate: Literal[32000, 48000] = Field(32000, description="AAC sample rate of the MP4.")
     quality: Literal[QUALITY_TIERS] | None = Field(
@@ -102,11 +116,7 @@ class GenerationRequest(BaseModel):
     def _loras_from_text(cls, value):
         # A multipart form carries the list as one JSON text field.
         if isinstance(value, str):
-            try:
-                return json.loads(value)
-            except json.JSONDecodeError:
-                raise PydanticCustomError("value_error", 'loras must be a JSON list such as [{"name": "style", '
-                                          '"scale": 0.7}]') from None
+            return _json_field(value, "loras", 'a JSON list such as [{"name": "style", "scale": 0.7}]')
         return value
 
     @field_validator("aspect_ratio")
@@ -123,20 +133,7 @@ class GenerationRequest(BaseModel):
     def _cache_from_text(cls, value):
         # A multipart form carries the object as JSON text.
         if isinstance(value, str):
-            try:
-                return json.loads(value)
-            except json.JSONDecodeError:
-                raise PydanticCustomError("value_error", "cache must be a JSON object such as "
-                                          '{"threshold": 0.04} (got text that is not JSON)', {}) from None
-        return value
-
-    @field_validator("seconds")
-    @classmethod
-    def _seconds_in_range(cls, value: float | None) -> float | None:
-        # The server's own limit (--max-seconds) is checked with the request; this is the most any server takes.
-        if value is not None and not MIN_SECONDS <= value <= MAX_SECONDS_LIMIT:
-            raise ValueError(f"seconds must be from {MIN_SECONDS:g} to this server's limit (at most "
-                             f"{MAX_SECONDS_LIMIT:g}; got {value:g})")
+            return _json_field(value, "cache", 'a JSON object such as {"threshold": 0.04}')
         return value
 
     @field_validator("prompts", mode="before")
@@ -144,10 +141,7 @@ class GenerationRequest(BaseModel):
     def _prompts_from_a_form(cls, value):
         # A multipart form sends the list once, as JSON text (a form may not repeat a field).
         if isinstance(value, str) and value.lstrip().startswith("["):
-            try:
-                return json.loads(value)
-            except ValueError:
-                raise ValueError("prompts must be a JSON list of strings in a form field") from None
+            return _json_field(value, "prompts", "a JSON list of strings in a form field")
         return value
 
     @field_validator("prompts")

@@ -127,10 +127,14 @@ class JobStore:
 
     def close(self) -> None:
         """Fold the WAL into the database file, then close (idempotent). Later calls raise
-        `sqlite3.ProgrammingError`."""
+        `sqlite3.ProgrammingError`. A checkpoint that fails (a full disk) loses nothing: the jobs stay in the WAL
+        file beside the database, which the next open reads; the log says so."""
         with self._lock:
             try:
                 self._db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
             except sqlite3.ProgrammingError:  # closed already
                 return
+            except sqlite3.Error as error:
+                logger.error("could not fold the job database's WAL into %s (%s); the jobs are kept in %s-wal, "
+                             "which the next start reads", self.path.name, error, self.path.name)
             self._db.close()

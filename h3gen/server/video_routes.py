@@ -13,8 +13,8 @@ from starlette.datastructures import UploadFile
 from h3gen.media import MediaError, mp4_spritesheet, mp4_thumbnail
 from h3gen.pipelines.h3.references import MAX_REFERENCES
 from h3gen.server import openai_video
-from h3gen.server.bodies import (MAX_JSON_BYTES, body_fields, field_error, public_text, public_view,
-                                 save_upload, validated)
+from h3gen.server.bodies import (MAX_JSON_BYTES, body_fields, field_error, json_body_limit, json_object,
+                                 public_text, public_view, save_upload, validated)
 from h3gen.server.engine import upload_name
 from h3gen.server.jobs import QueueFull
 from h3gen.server.schemas import (IMAGE_FIELDS, REFERENCE_FIELDS, GenerationRequest, RemixRequest, VideoDeleted,
@@ -24,6 +24,13 @@ from h3gen.server.schemas import (IMAGE_FIELDS, REFERENCE_FIELDS, GenerationRequ
 _MULTIPART_FIELDS = tuple(GenerationRequest.model_fields)
 _FILE_FIELDS = IMAGE_FIELDS + REFERENCE_FIELDS + ("input_reference",)
 MAX_FILES = len(IMAGE_FIELDS) + MAX_REFERENCES + 1  # one more, so a 13th reference gets the count's own message
+
+
+def _data_url_bytes(data: dict) -> int:
+    """The bytes of a JSON body's `input_reference.image_url` (a keyframe carried as a data URL)."""
+    reference = data.get("input_reference")
+    url = reference.get("image_url") if isinstance(reference, dict) else None
+    return len(url.encode()) if isinstance(url, str) else 0
 
 
 def add_video_routes(app: FastAPI, server) -> None:
@@ -53,7 +60,7 @@ def add_video_routes(app: FastAPI, server) -> None:
         normalized = manager.engine.validate(generation, uploads) | (extra or {})
         return as_video(manager.submit(normalized, uploads))
 
-    @app.post("/v1/videos", status_code=202, response_model=VideoObject, dependencies=server.auth,
+    @app.post("/v1/videos", status_code=202, response_model=VideoObject,
               openapi_extra=request_body_schema(),
               responses={413: {"description": "body or upload too large"}, 415: {"description": "unsupported body"},
                          422: {"description": "invalid field"}, 429: {"description": "queue full"}})
@@ -91,10 +98,11 @@ def add_video_routes(app: FastAPI, server) -> None:
             data = await body_fields(request, server.max_upload_bytes * MAX_FILES + MAX_JSON_BYTES,
                                      max_files=MAX_FILES, max_fields=len(_MULTIPART_FIELDS) + 4, on_file=save,
                                      file_fields=_FILE_FIELDS,
-                                     text_limit=server.max_upload_bytes * 4 // 3 + MAX_JSON_BYTES)
+                                     text_limit=json_body_limit(server.max_upload_bytes),
+                                     json_allowance=_data_url_bytes)
             if isinstance(data, JSONResponse):
                 return data
-            generation = validated(GenerationRequest, data)
+            generation = await run_in_threadpool(validated, GenerationRequest, data)  # JSON fields parse off the loop
             if isinstance(generation, JSONResponse):
                 return generation
             video = await run_in_threadpool(submit, generation, uploads, staging_dir)
@@ -104,12 +112,23 @@ def add_video_routes(app: FastAPI, server) -> None:
             if staging is not None:
                 shutil.rmtree(staging, ignore_errors=True)
 
-    @app.post("/v1/videos/{job_id}/remix", status_code=202, response_model=VideoObject, dependencies=server.auth,
+    @app.post("/v1/videos/{job_id}/remix", status_code=202, response_model=VideoObject,
+              openapi_extra={"requestBody": {"required": True, "content": {"application/json": {
+                  "schema": RemixRequest.model_json_schema()}}}},
               responses={404: {"description": "unknown video"}, 409: {"description": "its files are gone"},
                          422: {"description": "invalid field"}, 429: {"description": "queue full"}})
-    def remix_video(job_id: str, remix: RemixRequest):
+    async def remix_video(job_id: str, request: Request):
         """A new job with the source video's settings (task, canvas, length, seed, steps, keyframes and references)
-        and a new prompt; `remixed_from_video_id` names the source."""
+        and a new prompt (JSON `RemixRequest`); `remixed_from_video_id` names the source."""
+        data = await json_object(request)
+        if isinstance(data, JSONResponse):
+            return data
+        remix = validated(RemixRequest, data)
+        if isinstance(remix, JSONResponse):
+            return remix
+        return await run_in_threadpool(remix_job, job_id, remix)
+
+    def remix_job(job_id: str, remix: RemixRequest) -> JSONResponse:
         job_or_404(job_id)
         source = manager.store.get(job_id)
         # The normalized request holds both step counts resolved; num_inference_steps alone carries them over.
@@ -132,7 +151,7 @@ def add_video_routes(app: FastAPI, server) -> None:
         finally:  # a RequestError or QueueFull is answered by the app's handlers (422, 429)
             shutil.rmtree(staging, ignore_errors=True)
 
-    @app.get("/v1/videos", response_model=VideoList, dependencies=server.auth)
+    @app.get("/v1/videos", response_model=VideoList)
     def list_videos(limit: int = Query(20, ge=1, le=100), after: str | None = Query(None, max_length=64),
                     order: str = Query("desc", pattern="^(asc|desc)$")):
         """Videos, newest first by default; page with `after` = `last_id` of the previous page."""
@@ -142,7 +161,7 @@ def add_video_routes(app: FastAPI, server) -> None:
         return {"object": "list", "data": [as_video(job) for job in jobs], "has_more": has_more,
                 "first_id": jobs[0]["id"] if jobs else None, "last_id": jobs[-1]["id"] if jobs else None}
 
-    @app.get("/v1/videos/{job_id}", response_model=VideoObject, dependencies=server.auth)
+    @app.get("/v1/videos/{job_id}", response_model=VideoObject)
     def get_video(job_id: str):
         """OpenAI's `Video` object, with H3's stage, stage timings, canvas and normalized request; the
         `openai-poll-after-ms` header says when to look again (one measured denoising step)."""
@@ -150,7 +169,7 @@ def add_video_routes(app: FastAPI, server) -> None:
         delay = openai_video.poll_after_ms(manager.metrics.mean_step_seconds())
         return JSONResponse(jsonable_encoder(video), headers={"openai-poll-after-ms": str(delay)})
 
-    @app.get("/v1/videos/{job_id}/content", dependencies=server.auth, response_class=FileResponse,
+    @app.get("/v1/videos/{job_id}/content", response_class=FileResponse,
              responses={200: {"content": {"video/mp4": {}, "image/jpeg": {}}},
                         206: {"description": "partial content (Range)"}, 404: {"description": "unknown job"},
                         409: {"description": "not ready or failed"}, 410: {"description": "cancelled"},
@@ -184,7 +203,7 @@ def add_video_routes(app: FastAPI, server) -> None:
             raise HTTPException(404, "the video file is gone or unreadable") from None
         return Response(image, media_type="image/jpeg", headers=headers)
 
-    @app.delete("/v1/videos/{job_id}", response_model=VideoDeleted, dependencies=server.auth)
+    @app.delete("/v1/videos/{job_id}", response_model=VideoDeleted)
     def delete_video(job_id: str):
         """Delete a finished video and its files (`deleted: true`); a queued job is cancelled, a running one at its
         next step (`deleted: false`: it reads as failed with `error.code` "cancelled" until deleted in turn).
@@ -196,7 +215,7 @@ def add_video_routes(app: FastAPI, server) -> None:
         return {"id": job_id, "object": "video.deleted", "deleted": bool(view.get("deleted")),
                 "video": as_video(view)}
 
-    @app.get("/v1/models", dependencies=server.auth)
+    @app.get("/v1/models")
     def list_models():
         """The served model (OpenAI's model list) and the tasks it answers."""
         return openai_video.model_list(server.model_id, manager.engine.tasks, server.created)

@@ -135,6 +135,8 @@ class LoraFile:
             return self.alpha / target.rank
         if self.alpha_source == "adapter-config":
             return self.config_scales[(target.partition, target.module)]
+        if alpha_tensor is not None and not math.isfinite(alpha_tensor):
+            raise _bad(self.name, f"the .alpha of {target.module} is not a finite number ({alpha_tensor}).")
         return (alpha_tensor if alpha_tensor is not None else float(target.rank)) / target.rank
 
 
@@ -363,6 +365,12 @@ def read_lora(path, *, head_dim: int = 128, alpha: float | None = None, name: st
     if "alpha" in metadata and source == "rank":
         logger.warning("LoRA %s records alpha %r in its metadata, which is not a number: loading it with alpha = "
                        "rank.", name, metadata["alpha"])
+    # What is accepted must run: a non-finite alpha would fill every output with NaN at the end of a job.
+    if network_alpha is not None and not math.isfinite(network_alpha):
+        given = "the alpha given" if source == "override" else f"its {source} alpha {metadata.get('alpha')!r}"
+        raise _bad(name, f"{given} is not a finite number.")
+    if not all(math.isfinite(scale) for scale in config_scales.values()):
+        raise _bad(name, "its adapter config gives a non-finite lora_alpha or rank.")
     element = {"F32": 4, "F16": 2, "BF16": 2, "F64": 8}
     nbytes = sum(s[0] * s[1] * element.get(dtypes[k], 4) for k, s in shapes.items() if len(s) == 2)
     return LoraFile(path, name, fmt, targets, network_alpha, source, metadata, qkv_layout, nbytes, config_scales)

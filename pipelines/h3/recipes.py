@@ -24,7 +24,9 @@ from h3gen.pipelines.h3.schedules import AUDIO_SHIFT, VIDEO_SHIFT, FlowSchedule,
 
 DEFAULT_SIGMA_POINTS = 50  # diffusers' default num_inference_steps: 49 forwards
 MAX_SIGMA_POINTS = 1000
-MAX_SHIFT = 100.0
+# Shifts a request may ask: at 0.01 and 100 every grid up to 1,000 points keeps its points apart in float32
+# (`resolve_sampling` checks the grid it built all the same); far below, sigmas underflow to 0 and steps vanish.
+MIN_SHIFT, MAX_SHIFT = 0.01, 100.0
 
 TURBO_NAME = re.compile(r"^minimax_h3_(?P<task>fl2v|ref2v)_turbo_(?P<steps>\d+)step_v(?P<version>\d+\.\d+)"
                         r"(?P<res>_768p)?(?P<bf16>_bf16)?\.safetensors$")
@@ -151,8 +153,19 @@ def _check_int(value, name: str, low: int, high: int) -> None:
 
 def _check_shift(value, name: str) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
-            or not 0 < value <= MAX_SHIFT:
-        raise RequestError(f"{name} must be a number above 0 and at most {MAX_SHIFT:g} (got {value!r}).", name)
+            or not MIN_SHIFT <= value <= MAX_SHIFT:
+        raise RequestError(f"{name} must be a number from {MIN_SHIFT:g} to {MAX_SHIFT:g} (got {value!r}).", name)
+
+
+def _check_grid(sampling: "Sampling") -> "Sampling":
+    """`sampling` when both of its schedules hold `forwards` distinct steps, else a `RequestError` naming the
+    shift that collapsed them (what validation accepts must run)."""
+    for schedule, name in zip(sampling.schedules(), ("video_shift", "audio_shift")):
+        if len(schedule) != sampling.forwards or not bool(schedule.sigmas[-2] > 0):
+            shift = sampling.video_shift if name == "video_shift" else sampling.audio_shift
+            raise RequestError(f"{name} {shift:g} collapses the {sampling.forwards}-forward grid in float32; pick a "
+                               f"shift from {MIN_SHIFT:g} to {MAX_SHIFT:g} nearer 1.", name)
+    return sampling
 
 
 def resolve_sampling(task: str, *, num_inference_steps=None, forwards=None, video_shift=None, audio_shift=None,
@@ -181,9 +194,9 @@ def resolve_sampling(task: str, *, num_inference_steps=None, forwards=None, vide
                            "one: stack one recipe adapter with ordinary adapters only.",
                            "loras")
     if not recipes:
-        return Sampling(asked if asked is not None else DEFAULT_SIGMA_POINTS - 1,
-                        float(video_shift if video_shift is not None else default_shifts[0]),
-                        float(audio_shift if audio_shift is not None else default_shifts[1]))
+        return _check_grid(Sampling(asked if asked is not None else DEFAULT_SIGMA_POINTS - 1,
+                                    float(video_shift if video_shift is not None else default_shifts[0]),
+                                    float(audio_shift if audio_shift is not None else default_shifts[1])))
     recipe = recipes[0]
     if task not in recipe.tasks:
         raise RequestError(f"the {recipe.name} recipe serves {', '.join(recipe.tasks)}, not {task}.", "task")

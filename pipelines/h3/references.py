@@ -27,7 +27,8 @@ import torch
 from PIL import Image
 
 from h3gen.errors import RequestError
-from h3gen.media import iter_video_frames, probe_video, read_audio, read_image
+from h3gen.media import (check_audio_rate, iter_video_frames, probe_video, read_audio, read_image,
+                         resample_stream)
 from h3gen.pipelines.h3 import geometry
 
 MAX_IMAGES, MAX_VIDEOS, MAX_AUDIOS, MAX_REFERENCES = 9, 3, 3, 12
@@ -216,10 +217,18 @@ def as_references(references) -> list[Reference]:
 # ---------------------------------------------------------------------------------------------- sound
 
 
+MAX_FILTER_TAPS = 1 << 22  # 32 MB of float64 filter; 44.1 kHz -> 32 kHz needs 146,880 values
+
+
 def resample_audio(waveform: torch.Tensor, orig_rate: int, new_rate: int) -> torch.Tensor:
     """Band-limited (windowed-sinc, Hann window, 6 zero crossings, rolloff 0.99) resampling along the last axis:
     torchaudio's `Resample` filter, computed in float64 and applied in float32 with the same arithmetic, so the
-    result equals it. Output length ceil(N * new / orig)."""
+    result equals it. Output length ceil(N * new / orig).
+
+    The filter has `new / gcd` phases of `orig / gcd` taps: a few thousand values for the rates sound comes in
+    (44.1, 48, 16 kHz ...), but billions for two rates with a small common divisor (44101 -> 32000 Hz). Past
+    `MAX_FILTER_TAPS`, libswresample resamples instead (`h3gen.media.resample_stream`, bounded memory), to the
+    same length."""
     if orig_rate == new_rate:
         return waveform
     zero_crossings, rolloff = 6, 0.99
@@ -227,6 +236,12 @@ def resample_audio(waveform: torch.Tensor, orig_rate: int, new_rate: int) -> tor
     orig, new = int(orig_rate) // gcd, int(new_rate) // gcd
     cutoff = min(orig, new) * rolloff
     width = math.ceil(zero_crossings * orig / cutoff)
+    length = math.ceil(new * waveform.shape[-1] / orig)
+    if new * (2 * width + orig) > MAX_FILTER_TAPS:
+        flat = waveform.reshape(-1, waveform.shape[-1]).to(torch.float32).numpy()
+        out = np.concatenate([resample_stream(row[None], int(orig_rate), int(new_rate)) for row in flat])
+        out = np.pad(out[:, :length], ((0, 0), (0, max(0, length - out.shape[-1]))))
+        return torch.from_numpy(out).reshape(*waveform.shape[:-1], -1)
     # Filter taps for the `new` output phases: t[phase, tap] = (tap - width) / orig - phase / new, in cutoff units.
     taps = torch.arange(-width, width + orig, dtype=torch.float64)[None, None] / orig
     phases = torch.arange(0, -new, -1)[:, None, None] / new  # float32, as the reference computes it
@@ -240,7 +255,6 @@ def resample_audio(waveform: torch.Tensor, orig_rate: int, new_rate: int) -> tor
     flat = waveform.reshape(-1, shape[-1])
     padded = torch.nn.functional.pad(flat, (width, width + orig))
     out = torch.nn.functional.conv1d(padded[:, None], kernel, stride=orig).transpose(1, 2).reshape(flat.shape[0], -1)
-    length = math.ceil(new * shape[-1] / orig)
     return out[:, :length].reshape(*shape[:-1], -1)
 
 
@@ -265,12 +279,6 @@ def normalize_audio(waveform: torch.Tensor, sample_rate: int, num_frames: int) -
     return resample_audio(waveform, sample_rate, AUDIO_SAMPLE_RATE)
 
 
-def _check_rate(rate, name: str) -> int:
-    if isinstance(rate, bool) or not isinstance(rate, int) or not 1000 <= rate <= 384000:
-        raise RequestError(f"{name} sample_rate must be an integer from 1000 to 384000 Hz (got {rate!r}).", name)
-    return rate
-
-
 def sound_of(reference: Reference, num_frames: int | None = None) -> tuple[torch.Tensor, int] | None:
     """A reference's raw sound `(channels, samples)` float32 and its rate, or None when it carries none. With
     `num_frames`, a file is decoded only as far as that many frames at 24 fps need."""
@@ -288,9 +296,10 @@ def sound_of(reference: Reference, num_frames: int | None = None) -> tuple[torch
         seconds = None if num_frames is None or reference.sample_rate is not None else num_frames / geometry.FPS
         waveform, rate = read_audio(source, reference.name, max_seconds=seconds)
         if reference.sample_rate is not None:  # the caller corrects a file whose metadata is wrong
-            rate = _check_rate(reference.sample_rate, reference.name)
+            rate = check_audio_rate(reference.sample_rate, reference.name)
         return torch.from_numpy(waveform), rate
-    rate = AUDIO_SAMPLE_RATE if reference.sample_rate is None else _check_rate(reference.sample_rate, reference.name)
+    rate = AUDIO_SAMPLE_RATE if reference.sample_rate is None else check_audio_rate(reference.sample_rate,
+                                                                                      reference.name)
     return _as_waveform(source, reference.name), rate
 
 
