@@ -9,14 +9,21 @@ results folder, or targets a running one with `--url` and `--api-key`. After one
   list the jobs; a 429 waits out `Retry-After` (at most 2 s). Jobs accepted before the end are followed until they
   finish (at most `--drain-seconds`).
 
-Every call carries the API key. A job is lost when it was accepted and then did not finish (within the drain time),
-failed, was cancelled without being asked to, or its MP4 is missing or not an MP4; every `--decode-every`-th MP4
-is decoded in full with PyAV (all frames, both audio channels). Prints per phase: accepted / 429 / 5xx / other 4xx /
-transport errors / lost / p50 and p95 status-poll latency, then the server's resident memory (VmRSS of the server
-process and its children) and open file descriptors after the warm-up, at the peak and at the end.
-Exits 1 on any 5xx, transport error, lost job or a server that is gone at the end.
+- hostile: with `--hostile N` (default 0), N more clients run beside the sustained ones for the same time, each in
+  turn sending a 300 MB Content-Length with and without the key (answered from the headers: 413 / 401), a JSON body
+  past its limit (413), JSON nested 50,000 deep as a body and inside a form field (422), a million tiny JSON values
+  (422), a 16 KB WAV at 4001 Hz as a ref2va sound (accepted, and followed like any job) and a 160 KB PNG of
+  13,000 x 13,000 pixels (422). Meanwhile /health is asked every 0.1 s; its p50 / p99 latency is reported.
 
-    python benchmarks/load_test.py [--sustain-seconds 180] [--clients 16] [--burst 50] [--json out.json]
+Every call carries the API key (but the one hostile call that tests a missing key). A job is lost when it was
+accepted and then did not finish (within the drain time), failed, was cancelled without being asked to, or its MP4
+is missing or not an MP4; every `--decode-every`-th MP4 is decoded in full with PyAV (all frames, both audio
+channels). Prints per phase: accepted / 429 / 5xx / other 4xx / transport errors / lost / p50 and p95 status-poll
+latency, then the server's resident memory (VmRSS of the server process and its children) and open file descriptors
+after the warm-up, at the peak and at the end. Exits 1 on any 5xx, transport error, lost job, hostile call answered
+otherwise than expected, /health p99 over 100 ms during a hostile run, or a server that is gone at the end.
+
+    python benchmarks/load_test.py [--sustain-seconds 180] [--clients 16] [--burst 50] [--hostile 4] [--json out.json]
     python benchmarks/load_test.py --url http://127.0.0.1:8000 --api-key "$KEY" [--pid SERVER_PID]
 """
 
@@ -51,6 +58,7 @@ FINISHED = ("completed", "failed")  # OpenAI's statuses; a cancelled job is fail
 MAX_CLIENTS = 200  # bounds on what one run may open, whatever the flags say
 MAX_SECONDS = 3600
 REQUEST_TIMEOUT = 30.0
+HEALTH_P99_MS = 100.0  # /health must answer this fast while hostile requests are handled
 
 
 # ---------------------------------------------------------------------------------------------- the server
@@ -292,6 +300,7 @@ class Tally:
     poll_ms: list[float] = field(default_factory=list)
     jobs: dict[str, str] = field(default_factory=dict)
     decoded: int = 0
+    unexpected: int = 0  # hostile calls answered otherwise than expected
     notes: list[str] = field(default_factory=list)
 
     def note(self, text: str) -> None:
@@ -306,7 +315,8 @@ class Tally:
         return {"phase": phase, "calls": self.calls, "accepted": len(self.jobs), "429": self.statuses[429],
                 "5xx": five, "other_4xx": other_4xx, "transport_err": self.transport_errors,
                 "succeeded": fates["succeeded"], "cancelled": fates["cancelled"] + fates["deleted"],
-                "lost": fates["lost"], "mp4_decoded": self.decoded, "polls": len(self.poll_ms),
+                "lost": fates["lost"], "unexpected": self.unexpected, "mp4_decoded": self.decoded,
+                "polls": len(self.poll_ms),
                 "poll_p50_ms": f"{p50:.1f}", "poll_p95_ms": f"{p95:.1f}"}
 
 
@@ -472,6 +482,118 @@ async def sustained(run: Run, clients: int, seconds: float, drain_seconds: float
     await asyncio.gather(*(one(i) for i in range(clients)))
 
 
+def odd_rate_wav(rate: int = 4001, samples: int = 8000) -> bytes:
+    """A 16 KB mono WAV at `rate` Hz: a sample rate whose exact resampling filter to 32 kHz would be enormous."""
+    import wave
+
+    buffer = io.BytesIO()
+    with wave.open(buffer, "wb") as out:
+        out.setnchannels(1)
+        out.setsampwidth(2)
+        out.setframerate(rate)
+        out.writeframes(bytes(2 * samples))
+    return buffer.getvalue()
+
+
+def bomb_png(width: int = 13_000, height: int = 13_000) -> bytes:
+    """A grayscale PNG of `width` x `height` black pixels in about 160 KB."""
+    import struct
+    import zlib
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    pixels = zlib.compress(bytes(width + 1) * height, 9)
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 0, 0, 0, 0))
+            + chunk(b"IDAT", pixels) + chunk(b"IEND", b""))
+
+
+async def declared_only(url: str, path: str, api_key: str | None, length: int = 300_000_000) -> int | None:
+    """POST `path` declaring a `length`-byte body and sending none of it: the status the server answers from the
+    headers alone (None if it waits for the body or the connection fails)."""
+    parts = urlsplit(url)
+    try:
+        reader, writer = await asyncio.open_connection(parts.hostname, parts.port or 80)
+    except OSError:
+        return None
+    key = f"Authorization: Bearer {api_key}\r\n" if api_key else ""
+    writer.write(f"POST {path} HTTP/1.1\r\nHost: {parts.hostname}\r\nContent-Type: application/json\r\n"
+                 f"Content-Length: {length}\r\n{key}Connection: close\r\n\r\n".encode())
+    try:
+        await writer.drain()
+        line = await asyncio.wait_for(reader.readline(), REQUEST_TIMEOUT)
+        return int(line.split()[1])
+    except (OSError, asyncio.TimeoutError, IndexError, ValueError):
+        return None
+    finally:
+        writer.close()
+
+
+async def hostile(run: Run, clients: int, seconds: float, drain_seconds: float) -> None:
+    """`clients` clients for `seconds`, each sending in turn the hostile requests of the module docstring; an
+    answer other than the expected one is counted as `unexpected` (a 5xx also as 5xx); the accepted odd-rate job
+    is followed to the end."""
+    stop_at = time.monotonic() + seconds
+    deep = b"[" * 50_000 + b"]" * 50_000
+    many = b'{"prompt": "x", "cache": [' + b"0," * 1_000_000 + b"0]}"
+    png = keyframe_png(1)
+    cases = [
+        ("declared 300 MB, no key", None, 401),
+        ("declared 300 MB", None, 413),
+        ("JSON past its limit", {"content": b'{"prompt": "' + b"x" * (9 * 2**20) + b'"}',
+                                 "headers": {"content-type": "application/json"}}, 413),
+        ("deep JSON body", {"content": b'{"prompt": ' + deep + b"}",
+                            "headers": {"content-type": "application/json"}}, 422),
+        ("deep JSON in a form field", {"files": [("prompt", (None, "x")), ("quality", (None, "high")),
+                                                 ("cache", (None, deep.decode()))]}, 422),
+        ("a million JSON values", {"content": many, "headers": {"content-type": "application/json"}}, 422),
+        ("4001 Hz sound", {"data": {"prompt": "x", "task": "ref2va", "num_inference_steps": str(run.options.steps)},
+                           "files": [("ref_image", ("a.png", png, "image/png")),
+                                     ("ref_audio", ("a.wav", odd_rate_wav(), "audio/wav"))]}, 202),
+        ("13,000 x 13,000 PNG", {"data": {"prompt": "x", "task": "fl2va"},
+                                 "files": {"image": ("bomb.png", bomb_png(), "image/png")}}, 422),
+    ]
+
+    async def one(index: int):
+        async with run.client() as http:
+            turn = index
+            while time.monotonic() < stop_at:
+                name, request, expected = cases[turn % len(cases)]
+                turn += 1
+                if request is None:
+                    run.tally.calls += 1
+                    status = await declared_only(run.url, "/v1/videos", None if expected == 401 else run.api_key)
+                else:
+                    response = await run.call(http, "POST", "/v1/videos", expect=(expected, 422, 413, 429),
+                                              **request)
+                    status = response.status_code if response is not None else None
+                if status == 202:
+                    job_id = response.json()["id"]
+                    run.tally.jobs[job_id] = "lost: never seen finished"
+                    await run.follow(http, job_id, stop_at + drain_seconds)
+                elif status != expected and status != 429:
+                    run.tally.unexpected += 1
+                    run.tally.note(f"hostile {name}: answered {status}, expected {expected}")
+                    if status is not None and status >= 500:
+                        run.tally.statuses[status] += 1
+                await asyncio.sleep(0.2)
+
+    await asyncio.gather(*(one(i) for i in range(clients)))
+
+
+async def health_probe(url: str, stop: asyncio.Event, latencies: list[float], interval: float = 0.1) -> None:
+    """GET /health every `interval` s until `stop`, recording each answer's latency in ms."""
+    async with httpx.AsyncClient(timeout=REQUEST_TIMEOUT) as http:
+        while not stop.is_set():
+            started = time.perf_counter()
+            try:
+                await http.get(f"{url}/health")
+                latencies.append((time.perf_counter() - started) * 1000)
+            except httpx.HTTPError:
+                latencies.append(REQUEST_TIMEOUT * 1000)
+            await asyncio.sleep(interval)
+
+
 async def warm_up(run: Run, timeout: float) -> None:
     """One job to the end, so that first-job allocations do not read as growth."""
     async with run.client() as http:
@@ -496,23 +618,36 @@ async def load_test(url: str, api_key: str, pid: int | None, options: argparse.N
     before = usage.now()
     stop = asyncio.Event()
     sampler = asyncio.create_task(usage.sample(stop))
-    tallies = {"burst": Tally(), "sustained": Tally()}
+    tallies = {"burst": Tally(), "sustained": Tally(), "hostile": Tally()}
+    health_ms: list[float] = []
+    prober = asyncio.create_task(health_probe(url, stop, health_ms))
     try:
         started = time.monotonic()
         await burst(Run(url, api_key, options, tallies["burst"]), options.burst, options.drain_seconds)
         burst_seconds = time.monotonic() - started
         started = time.monotonic()
-        await sustained(Run(url, api_key, options, tallies["sustained"]), options.clients,
-                        options.sustain_seconds, options.drain_seconds)
+        await asyncio.gather(
+            sustained(Run(url, api_key, options, tallies["sustained"]), options.clients, options.sustain_seconds,
+                      options.drain_seconds),
+            hostile(Run(url, api_key, options, tallies["hostile"]), options.hostile, options.sustain_seconds,
+                    options.drain_seconds))
         sustained_seconds = time.monotonic() - started
     finally:
         stop.set()
         await sampler
+        await prober
     await asyncio.sleep(2.0)  # let the last responses' buffers go
     after = usage.now()
 
     phases = [tallies["burst"].row("burst"), tallies["sustained"].row("sustained")]
     phases[0]["seconds"], phases[1]["seconds"] = f"{burst_seconds:.0f}", f"{sustained_seconds:.0f}"
+    if options.hostile:
+        phases.append(tallies["hostile"].row("hostile") | {"seconds": f"{sustained_seconds:.0f}"})
+    health = sorted(health_ms)
+    health_row = {"probes": len(health),
+                  "p50_ms": f"{health[len(health) // 2]:.1f}" if health else "nan",
+                  "p99_ms": f"{health[int(0.99 * (len(health) - 1))]:.1f}" if health else "nan",
+                  "max_ms": f"{health[-1]:.1f}" if health else "nan"}
     usage_rows = []
     if before and after:
         usage_rows = [{"server": "rss_MiB", "after_warm_up": f"{before[0]:.0f}", "peak": f"{usage.peak_rss:.0f}",
@@ -521,9 +656,11 @@ async def load_test(url: str, api_key: str, pid: int | None, options: argparse.N
                        "change": f"{after[1] - before[1]:+d}"}]
     failures = []
     for row in phases:
-        for column in ("5xx", "transport_err", "lost"):
+        for column in ("5xx", "transport_err", "lost", "unexpected"):
             if row[column]:
                 failures.append(f"{row['phase']}: {row[column]} {column}")
+    if options.hostile and health and float(health_row["p99_ms"]) > HEALTH_P99_MS:
+        failures.append(f"/health p99 {health_row['p99_ms']} ms during the hostile run (at most {HEALTH_P99_MS})")
     health_ok = False
     if alive():
         try:
@@ -536,13 +673,16 @@ async def load_test(url: str, api_key: str, pid: int | None, options: argparse.N
     notes = [f"{phase}: {note}" for phase, tally in tallies.items() for note in tally.notes]
     notes += [f"{phase}: job {job_id}: {fate}" for phase, tally in tallies.items()
               for job_id, fate in tally.jobs.items() if fate.startswith("lost")][:20]
-    return {"phases": phases, "usage": usage_rows, "notes": notes, "failures": failures}
+    return {"phases": phases, "usage": usage_rows, "health": health_row, "notes": notes, "failures": failures}
 
 
 def print_report(report: dict) -> None:
     print_table(report["phases"], ["phase", "seconds", "calls", "accepted", "429", "5xx", "other_4xx",
-                                   "transport_err", "succeeded", "cancelled", "lost", "mp4_decoded", "polls",
-                                   "poll_p50_ms", "poll_p95_ms"])
+                                   "transport_err", "succeeded", "cancelled", "lost", "unexpected", "mp4_decoded",
+                                   "polls", "poll_p50_ms", "poll_p95_ms"])
+    print()
+    print_table([{"what": "/health (every 0.1 s)", **report["health"]}], ["what", "probes", "p50_ms", "p99_ms",
+                                                                        "max_ms"])
     if report["usage"]:
         print()
         print_table(report["usage"], ["server", "after_warm_up", "peak", "end", "change"])
@@ -565,6 +705,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--no-ui", dest="ui", action="store_false", help="start the server without its web UI")
     parser.add_argument("--burst", type=int, default=50, help="clients in the burst (default 50)")
     parser.add_argument("--clients", type=int, default=16, help="clients in the sustained phase (default 16)")
+    parser.add_argument("--hostile", type=int, default=0,
+                        help="clients sending hostile requests beside the sustained ones (default 0)")
     parser.add_argument("--sustain-seconds", dest="sustain_seconds", type=float, default=180.0)
     parser.add_argument("--drain-seconds", dest="drain_seconds", type=float, default=600.0,
                         help="how long accepted jobs may take to finish after a phase (default 600)")
@@ -575,7 +717,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="decode every n-th MP4 in full with PyAV (default 3; 1 decodes all)")
     parser.add_argument("--json", help="also write the report here")
     args = parser.parse_args(argv)
-    for name, low, high in (("burst", 1, MAX_CLIENTS), ("clients", 1, MAX_CLIENTS),
+    for name, low, high in (("burst", 1, MAX_CLIENTS), ("clients", 1, MAX_CLIENTS), ("hostile", 0, MAX_CLIENTS),
                             ("sustain_seconds", 0, MAX_SECONDS), ("drain_seconds", 1, MAX_SECONDS),
                             ("poll_interval", 0.05, 10), ("cancel_fraction", 0, 1), ("decode_every", 1, 10**6),
                             ("max_queue", 1, 10**4), ("steps", 2, 1000)):

@@ -30,11 +30,13 @@ def test_short_run_against_the_real_server(load_test, tmp_path_factory):
     args = load_test.parse_args(["--model", str(model), "--device", "cpu", "--no-ui", "--max-queue", "2",
                                  "--burst", "5", "--clients", "2", "--sustain-seconds", "3", "--drain-seconds", "300",
                                  "--steps", "2", "--poll-interval", "0.5", "--cancel-fraction", "0.5",
-                                 "--decode-every", "1"])
+                                 "--decode-every", "1", "--hostile", "1"])
     report = load_test.run(args)
     load_test.print_report(report)
     assert report["failures"] == [], report
-    burst, sustained = report["phases"]
+    burst, sustained, hostile = report["phases"]
+    assert hostile["calls"] >= 3 and hostile["5xx"] == hostile["unexpected"] == hostile["lost"] == 0
+    assert report["health"]["probes"] > 10 and float(report["health"]["p99_ms"]) <= 100
     # One job may start running before the others arrive, so a queue of two holds two or three jobs.
     assert 2 <= burst["accepted"] <= 3 and burst["429"] == 5 - burst["accepted"]
     assert burst["succeeded"] == burst["mp4_decoded"] == burst["accepted"]

@@ -3,8 +3,8 @@ carry (`loras`, `cache`, `prompts`).
 
 A request is a flat object. Before anything is parsed, the structural characters are counted (`bytes.count` at
 memory speed, a megabyte at a time), so a body of millions of tiny values is refused without building them; a long
-string (a base64 image) costs what copying it costs. Nesting deeper than `MAX_JSON_DEPTH` is refused after parsing (the parser itself
-stops at Python's recursion limit, which is caught).
+string (a base64 image) costs what copying it costs. Nesting deeper than `MAX_JSON_DEPTH` is refused after parsing
+(the parser itself stops at Python's recursion limit, which is caught).
 """
 
 import json
