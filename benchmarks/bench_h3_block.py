@@ -24,12 +24,12 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import matmul_peak_tflops, print_table, rel_l2, time_cuda  # noqa: E402
+from common import matmul_peak_tflops, print_table, rel_l2, time_cuda
 
-from h3gen.linear import dense_linear  # noqa: E402
-from h3gen.pipelines.h3.packing import build_layout, row_timesteps  # noqa: E402
-from h3gen.pipelines.h3.tiers import fast_block_forward, fused_block_forward, quantize_block_linears  # noqa: E402
-from h3gen.pipelines.h3.transformer import H3RotaryPosEmbed, H3TransformerBlock, H3TransformerConfig  # noqa: E402
+from h3gen.linear import dense_linear
+from h3gen.pipelines.h3.packing import build_layout, row_timesteps
+from h3gen.pipelines.h3.tiers import fast_block_forward, fused_block_forward, quantize_block_linears
+from h3gen.pipelines.h3.transformer import H3RotaryPosEmbed, H3TransformerBlock, H3TransformerConfig
 
 CFG = H3TransformerConfig()  # released dims
 HIDDEN, HEADS, HEAD_DIM, FFN = CFG.hidden_size, CFG.num_attention_heads, CFG.attention_head_dim, CFG.ffn_dim
@@ -58,8 +58,9 @@ def build_blocks(device):
     from diffusers.models.transformers.transformer_minimax_h3 import MiniMaxH3TransformerBlock
 
     torch.manual_seed(0)
-    reference = MiniMaxH3TransformerBlock(HIDDEN, HEADS, HEAD_DIM, FFN, CFG.time_embed_dim, CFG.norm_eps,
-                                          CFG.qk_norm_eps)
+    reference = MiniMaxH3TransformerBlock(
+        HIDDEN, HEADS, HEAD_DIM, FFN, CFG.time_embed_dim, CFG.norm_eps, CFG.qk_norm_eps
+    )
     with torch.no_grad():  # give the norms non-trivial weights too
         for name, param in reference.named_parameters():
             if "norm" in name:
@@ -113,6 +114,7 @@ def graphed(fn, x, args):
 
 def _ours(model, forward, backend, extra):
     """A call of our block in one configuration (set on every call, so that configurations can be interleaved)."""
+
     def run(h, *a):
         model.fused_forward, model.attn.core.backend = forward, backend
         return model(h, *a, **extra)
@@ -120,8 +122,18 @@ def _ours(model, forward, backend, extra):
     return run
 
 
-def bench_rows(rows: int, reference, ours, fast, peak: float, device, repeat: int, compile_ref: bool,
-               graph: bool = False, rounds: int = 1) -> list[dict]:
+def bench_rows(
+    rows: int,
+    reference,
+    ours,
+    fast,
+    peak: float,
+    device,
+    repeat: int,
+    compile_ref: bool,
+    graph: bool = False,
+    rounds: int = 1,
+) -> list[dict]:
     """Every variant's median time over `rounds` interleaved rounds (each round times every variant once, so drift
     of the clocks under the power cap falls on all variants alike); "x compiled" is the median of the per-round
     ratios when `rounds` > 1."""
@@ -156,13 +168,17 @@ def bench_rows(rows: int, reference, ours, fast, peak: float, device, repeat: in
         # in the pipeline: one batched projection per block per request), so no AdaLN GEMM runs per step.
         table = ours.adaln_proj.table(temb)
         # (label, block, forward, attention backend, AdaLN table precomputed)
-        variants = [("ours lossless (cuDNN attention)", ours, fused_block_forward, "cudnn", False),
-                    ("ours lossless, AdaLN precomputed", ours, fused_block_forward, "cudnn", True),
-                    ("ours fast, FP8 GEMMs + cuDNN", fast, fast_block_forward, "cudnn", True)]
+        variants = [
+            ("ours lossless (cuDNN attention)", ours, fused_block_forward, "cudnn", False),
+            ("ours lossless, AdaLN precomputed", ours, fused_block_forward, "cudnn", True),
+            ("ours fast, FP8 GEMMs + cuDNN", fast, fast_block_forward, "cudnn", True),
+        ]
         if fa3_available:
-            variants += [("ours lossless, FA3 attention", ours, fused_block_forward, "fa3", True),
-                         ("ours fast, FP8 + FA3 FP8, quantizing passes", fast, fused_block_forward, "fa3-fp8", True),
-                         ("ours fast, FP8 + FA3 FP8 (the tier)", fast, fast_block_forward, "fa3-fp8", True)]
+            variants += [
+                ("ours lossless, FA3 attention", ours, fused_block_forward, "fa3", True),
+                ("ours fast, FP8 + FA3 FP8, quantizing passes", fast, fused_block_forward, "fa3-fp8", True),
+                ("ours fast, FP8 + FA3 FP8 (the tier)", fast, fast_block_forward, "fa3-fp8", True),
+            ]
         for label, model, forward, backend, precomputed in variants:
             run = _ours(model, forward, backend, {"modulation": table} if precomputed else {})
             calls[label] = (run, run(x.clone(), *args))
@@ -180,8 +196,10 @@ def bench_rows(rows: int, reference, ours, fast, peak: float, device, repeat: in
             mine.fused_forward, mine.attn.core.backend = fused_block_forward, "cudnn"
             try:
                 compiled_ours = torch.compile(mine)
-                calls["ours lossless + torch.compile"] = (lambda h, *a: compiled_ours(h, *a),
-                                                          compiled_ours(x.clone(), *args))
+                calls["ours lossless + torch.compile"] = (
+                    lambda h, *a: compiled_ours(h, *a),
+                    compiled_ours(x.clone(), *args),
+                )
             except Exception as error:  # reported, not fatal: compile support for Triton kernels varies
                 print(f"torch.compile of our block failed: {type(error).__name__}: {str(error)[:300]}", flush=True)
 
@@ -195,20 +213,26 @@ def bench_rows(rows: int, reference, ours, fast, peak: float, device, repeat: in
     compiled_ms = median.get("diffusers torch.compile")
 
     def versus_compiled(label):
-        ratios = [c / t for c, t in zip(samples["diffusers torch.compile"], samples[label])]
+        ratios = [c / t for c, t in zip(samples["diffusers torch.compile"], samples[label], strict=False)]
         return statistics.median(ratios)
 
     table = []
     for name, (_, out) in calls.items():
         ms = median[name]
-        table.append({
-            "rows": rows, "variant": name, "ms": f"{ms:.2f}", "TFLOP/s": f"{flops / ms / 1e9:.0f}",
-            "% peak": f"{100 * flops / ms / 1e9 / peak:.0f}", "x eager": f"{eager_ms / ms:.3f}",
-            "x compiled": f"{versus_compiled(name):.3f}" if compiled_ms else "-",
-            "ms min-max": f"{min(samples[name]):.2f}-{max(samples[name]):.2f}",
-            "relL2 vs eager": f"{rel_l2(out, expected):.2e}",
-            "maxabs vs eager": f"{(out.float() - expected.float()).abs().max().item():.2e}",
-        })
+        table.append(
+            {
+                "rows": rows,
+                "variant": name,
+                "ms": f"{ms:.2f}",
+                "TFLOP/s": f"{flops / ms / 1e9:.0f}",
+                "% peak": f"{100 * flops / ms / 1e9 / peak:.0f}",
+                "x eager": f"{eager_ms / ms:.3f}",
+                "x compiled": f"{versus_compiled(name):.3f}" if compiled_ms else "-",
+                "ms min-max": f"{min(samples[name]):.2f}-{max(samples[name]):.2f}",
+                "relL2 vs eager": f"{rel_l2(out, expected):.2e}",
+                "maxabs vs eager": f"{(out.float() - expected.float()).abs().max().item():.2e}",
+            }
+        )
     return table
 
 
@@ -237,32 +261,70 @@ def bench_parts(rows: int, ours, device, repeat: int) -> list[dict]:
         attn_flops = 4 * rows * rows * HEADS * HEAD_DIM
         for backend in ("cudnn", "flash", "fa3"):
             try:
-                add(f"attention {backend} bshd", time_cuda(lambda: attention(*qkv, backend=backend), repeat=repeat),
-                    attn_flops)
-                add(f"attention {backend} bhsd", time_cuda(
-                    lambda: attention(*heads_first, backend=backend, layout="bhsd"), repeat=repeat), attn_flops)
+                add(
+                    f"attention {backend} bshd",
+                    time_cuda(lambda: attention(*qkv, backend=backend), repeat=repeat),
+                    attn_flops,
+                )
+                add(
+                    f"attention {backend} bhsd",
+                    time_cuda(lambda: attention(*heads_first, backend=backend, layout="bhsd"), repeat=repeat),
+                    attn_flops,
+                )
             except (RuntimeError, ValueError) as error:
                 table.append({"rows": rows, "part": f"attention {backend}", "ms": f"n/a ({str(error)[:40]})"})
-        for name, layer in (("to_q", ours.attn.to_q), ("to_out", ours.attn.to_out[0]),
-                            ("ff up", ours.ff.net[0].proj), ("ff down", ours.ff.net[2])):
+        for name, layer in (
+            ("to_q", ours.attn.to_q),
+            ("to_out", ours.attn.to_out[0]),
+            ("ff up", ours.ff.net[0].proj),
+            ("ff down", ours.ff.net[2]),
+        ):
             inp = torch.randn(1, rows, layer.in_features, device=device, dtype=torch.bfloat16)
-            add(f"gemm {name}", time_cuda(lambda: layer(inp), repeat=repeat),
-                2 * rows * layer.in_features * layer.out_features)
+            add(
+                f"gemm {name}",
+                time_cuda(lambda: layer(inp), repeat=repeat),
+                2 * rows * layer.in_features * layer.out_features,
+            )
         table_rows = ours.adaln_proj(temb)
         row_bytes = rows * HIDDEN * 2
-        add("rmsnorm_modulate", time_cuda(lambda: rmsnorm_modulate(
-            x, ours.norm1.weight, table_rows[0], table_rows[1], idx, 1e-5), repeat=repeat), nbytes=2 * row_bytes)
+        add(
+            "rmsnorm_modulate",
+            time_cuda(
+                lambda: rmsnorm_modulate(x, ours.norm1.weight, table_rows[0], table_rows[1], idx, 1e-5), repeat=repeat
+            ),
+            nbytes=2 * row_bytes,
+        )
         y = torch.randn_like(x)
-        add("gated_residual_norm_modulate", time_cuda(lambda: gated_residual_norm_modulate(
-            x, y, table_rows[2], idx, ours.norm2.weight, table_rows[3], table_rows[4], 1e-5), repeat=repeat),
-            nbytes=4 * row_bytes)
+        add(
+            "gated_residual_norm_modulate",
+            time_cuda(
+                lambda: gated_residual_norm_modulate(
+                    x, y, table_rows[2], idx, ours.norm2.weight, table_rows[3], table_rows[4], 1e-5
+                ),
+                repeat=repeat,
+            ),
+            nbytes=4 * row_bytes,
+        )
         q, k = qkv[0], qkv[1]
         qk_bytes = 4 * rows * HEADS * HEAD_DIM * 2
-        add("qk_norm_rope bshd", time_cuda(lambda: qk_norm_rope(
-            q, k, ours.attn.norm_q.weight, ours.attn.norm_k.weight, cos, sin, 1e-5), repeat=repeat), nbytes=qk_bytes)
-        add("qk_norm_rope bhsd", time_cuda(lambda: qk_norm_rope(
-            q, k, ours.attn.norm_q.weight, ours.attn.norm_k.weight, cos, sin, 1e-5, heads_first=True),
-            repeat=repeat), nbytes=qk_bytes)
+        add(
+            "qk_norm_rope bshd",
+            time_cuda(
+                lambda: qk_norm_rope(q, k, ours.attn.norm_q.weight, ours.attn.norm_k.weight, cos, sin, 1e-5),
+                repeat=repeat,
+            ),
+            nbytes=qk_bytes,
+        )
+        add(
+            "qk_norm_rope bhsd",
+            time_cuda(
+                lambda: qk_norm_rope(
+                    q, k, ours.attn.norm_q.weight, ours.attn.norm_k.weight, cos, sin, 1e-5, heads_first=True
+                ),
+                repeat=repeat,
+            ),
+            nbytes=qk_bytes,
+        )
         up = torch.randn(1, rows, 2 * FFN, device=device, dtype=torch.bfloat16)
         add("swiglu", time_cuda(lambda: swiglu(up), repeat=repeat), nbytes=3 * rows * FFN * 2)
         add("adaln_proj (K=2)", time_cuda(lambda: ours.adaln_proj(temb), repeat=repeat))
@@ -276,10 +338,18 @@ def main() -> None:
     parser.add_argument("--no-compile", action="store_true", help="skip torch.compile of diffusers' block")
     parser.add_argument("--no-parts", action="store_true")
     parser.add_argument("--graph", action="store_true", help="also time our lossless block replayed as a CUDA graph")
-    parser.add_argument("--back-to-back", type=int, default=1,
-                        help="blocks run back to back per timed sample (as in a step), time reported per block")
-    parser.add_argument("--rounds", type=int, default=1,
-                        help="interleaved rounds per variant (medians; ratios to compiled diffusers per round)")
+    parser.add_argument(
+        "--back-to-back",
+        type=int,
+        default=1,
+        help="blocks run back to back per timed sample (as in a step), time reported per block",
+    )
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="interleaved rounds per variant (medians; ratios to compiled diffusers per round)",
+    )
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     global BACK_TO_BACK
@@ -287,16 +357,24 @@ def main() -> None:
     device = torch.device("cuda")
     torch.backends.cuda.matmul.allow_tf32 = False
     peak = matmul_peak_tflops()
-    print(f"device {torch.cuda.get_device_name()}  torch {torch.__version__}  bf16 matmul peak {peak:.0f} TFLOP/s",
-          flush=True)
+    print(
+        f"device {torch.cuda.get_device_name()}  torch {torch.__version__}  bf16 matmul peak {peak:.0f} TFLOP/s",
+        flush=True,
+    )
     reference, ours = build_blocks(device)
     fast = copy.deepcopy(ours)
     quantize_block_linears(fast)
-    report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "peak_tflops": peak,
-              "blocks": [], "parts": []}
+    report = {
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "peak_tflops": peak,
+        "blocks": [],
+        "parts": [],
+    }
     for rows in args.rows:
-        report["blocks"] += bench_rows(rows, reference, ours, fast, peak, device, args.repeat, not args.no_compile,
-                                       args.graph, args.rounds)
+        report["blocks"] += bench_rows(
+            rows, reference, ours, fast, peak, device, args.repeat, not args.no_compile, args.graph, args.rounds
+        )
         if not args.no_parts:
             report["parts"] += bench_parts(rows, ours, device, args.repeat)
     if args.out:
@@ -305,8 +383,21 @@ def main() -> None:
         print()
         print_table(report["parts"], ["rows", "part", "ms", "TFLOP/s", "GB/s"])
     print()
-    print_table(report["blocks"], ["rows", "variant", "ms", "TFLOP/s", "% peak", "x eager", "x compiled",
-                                   "ms min-max", "relL2 vs eager", "maxabs vs eager"])
+    print_table(
+        report["blocks"],
+        [
+            "rows",
+            "variant",
+            "ms",
+            "TFLOP/s",
+            "% peak",
+            "x eager",
+            "x compiled",
+            "ms min-max",
+            "relL2 vs eager",
+            "maxabs vs eager",
+        ],
+    )
 
 
 if __name__ == "__main__":

@@ -14,11 +14,11 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import print_table, rel_l2, time_cuda  # noqa: E402
+from common import print_table, rel_l2, time_cuda
 
-from h3gen.pipelines.h3.packing import build_layout, row_timesteps  # noqa: E402
-from h3gen.pipelines.h3.tiers import set_quality  # noqa: E402
-from h3gen.pipelines.h3.transformer import KEEP_FP32_MODULES, H3Transformer, H3TransformerConfig  # noqa: E402
+from h3gen.pipelines.h3.packing import build_layout, row_timesteps
+from h3gen.pipelines.h3.tiers import set_quality
+from h3gen.pipelines.h3.transformer import KEEP_FP32_MODULES, H3Transformer, H3TransformerConfig
 
 TEXT_ROWS = 128
 
@@ -44,10 +44,13 @@ def inputs(rows: int, config: H3TransformerConfig, device):
         hidden_states=torch.randn(1, video_rows, config.video_patch_dim, device=device, generator=g),
         audio_hidden_states=torch.randn(1, 414, config.audio_in_channels, device=device, generator=g),
         encoder_hidden_states=torch.randn(1, TEXT_ROWS, config.text_dim, device=device, generator=g).bfloat16(),
-        timestep=timestep.to(device), timestep_indices=indices[keep].to(device), token_tags=tags.to(device),
+        timestep=timestep.to(device),
+        timestep_indices=indices[keep].to(device),
+        token_tags=tags.to(device),
         position_ids=layout.position_ids[keep].to(device),
         video_indices=torch.arange(TEXT_ROWS + 414, TEXT_ROWS + 414 + video_rows, device=device),
-        audio_indices=layout.audio_indices.to(device), text_indices=layout.text_indices.to(device),
+        audio_indices=layout.audio_indices.to(device),
+        text_indices=layout.text_indices.to(device),
     )
 
 
@@ -65,8 +68,7 @@ def main():
     for layers in (0, args.layers):
         config = H3TransformerConfig(num_layers=layers)
         torch.manual_seed(0)
-        reference = MiniMaxH3Transformer3DModel(**{k: v for k, v in config.to_dict().items()
-                                                   if not k.startswith("_")})
+        reference = MiniMaxH3Transformer3DModel(**{k: v for k, v in config.to_dict().items() if not k.startswith("_")})
         reference = cast_with_islands(reference, torch.bfloat16).to(device).eval()
         ours = cast_with_islands(H3Transformer(config), torch.bfloat16).to(device).eval()
         ours.load_state_dict(reference.state_dict())
@@ -77,30 +79,64 @@ def main():
                 variants = {"diffusers eager": lambda: reference(**kwargs, return_dict=False)}
                 set_quality(ours, "exact")
                 variants["ours exact"] = lambda: ours(**kwargs, return_dict=False)
-                results = {name: (time_cuda(fn, warmup=2, repeat=args.repeat), fn()[0]) for name, fn in variants.items()}
+                results = {
+                    name: (time_cuda(fn, warmup=2, repeat=args.repeat), fn()[0]) for name, fn in variants.items()
+                }
                 set_quality(ours, "lossless")
                 tables = ours.precompute_adaln([kwargs["timestep"]])
-                lossless = lambda: ours(**kwargs, return_dict=False, adaln_tables=tables, step=0)  # noqa: E731
+
+                def lossless(ours=ours, tables=tables):
+                    return ours(**kwargs, return_dict=False, adaln_tables=tables, step=0)
+
                 results["ours lossless"] = (time_cuda(lossless, warmup=2, repeat=args.repeat), lossless()[0])
             for name, (ms, out) in results.items():
-                rows_out.append({"layers": layers, "rows": rows, "variant": name, "ms": ms,
-                                 "relL2 vs diffusers": f"{rel_l2(out, expected):.2e}"})
+                rows_out.append(
+                    {
+                        "layers": layers,
+                        "rows": rows,
+                        "variant": name,
+                        "ms": ms,
+                        "relL2 vs diffusers": f"{rel_l2(out, expected):.2e}",
+                    }
+                )
         torch.cuda.empty_cache()
     summary = []
     for row in rows_out:
         if row["layers"] == args.layers:
-            overhead = next(r["ms"] for r in rows_out if r["layers"] == 0 and r["variant"] == row["variant"]
-                            and r["rows"] == row["rows"])
+            overhead = next(
+                r["ms"]
+                for r in rows_out
+                if r["layers"] == 0 and r["variant"] == row["variant"] and r["rows"] == row["rows"]
+            )
             per_block = (row["ms"] - overhead) / args.layers
-            summary.append({**row, "ms": f"{row['ms']:.2f}", "overhead ms": f"{overhead:.2f}",
-                            "per block ms": f"{per_block:.2f}", "50-block step s": f"{(overhead + 50 * per_block) / 1000:.2f}"})
+            summary.append(
+                {
+                    **row,
+                    "ms": f"{row['ms']:.2f}",
+                    "overhead ms": f"{overhead:.2f}",
+                    "per block ms": f"{per_block:.2f}",
+                    "50-block step s": f"{(overhead + 50 * per_block) / 1000:.2f}",
+                }
+            )
     base = {s["rows"]: float(s["50-block step s"]) for s in summary if s["variant"] == "diffusers eager"}
     for s in summary:
         s["x diffusers"] = f"{base[s['rows']] / float(s['50-block step s']):.3f}"
     if args.out:
         args.out.write_text(json.dumps({"raw": rows_out, "summary": summary}, indent=2, default=str))
-    print_table(summary, ["layers", "rows", "variant", "ms", "overhead ms", "per block ms", "50-block step s",
-                          "x diffusers", "relL2 vs diffusers"])
+    print_table(
+        summary,
+        [
+            "layers",
+            "rows",
+            "variant",
+            "ms",
+            "overhead ms",
+            "per block ms",
+            "50-block step s",
+            "x diffusers",
+            "relL2 vs diffusers",
+        ],
+    )
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """K3 engine throughput on a mid-size random config: decode tokens/s at batch 1, 8 and 32 (greedy; batch 1 also
 sampled as the planner samples) against the weight-bytes / bandwidth roofline, prefill tokens/s, and time to first
-token with and without a cached 4k-token system prompt. The reference is the model's own `generate` (no engine) at batch 1: both run in this process on
-the same prompt, must give the same greedy tokens, and are timed the same way.
+token with and without a cached 4k-token system prompt. The reference is the model's own `generate` (no engine) at batch
+1: both run in this process on the same prompt, must give the same greedy tokens, and are timed the same way.
 
     python benchmarks/bench_k3.py                 # CUDA, mid-size config (bf16)
     python benchmarks/bench_k3.py --tiny          # CPU smoke run on a tiny config (fp32)
@@ -18,13 +18,13 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import print_table  # noqa: E402
+from common import print_table
 
-from h3gen.loading.load import keeps_fp32  # noqa: E402
-from h3gen.pipelines.k3.config import K3Config  # noqa: E402
-from h3gen.pipelines.k3.engine import K3Engine, SamplingParams  # noqa: E402
-from h3gen.pipelines.k3.model import K3ForCausalLM, quantize_experts_mxfp4  # noqa: E402
-from h3gen.pipelines.k3.demo_model import randomize  # noqa: E402
+from h3gen.loading.load import keeps_fp32
+from h3gen.pipelines.k3.config import K3Config
+from h3gen.pipelines.k3.demo_model import randomize
+from h3gen.pipelines.k3.engine import K3Engine, SamplingParams
+from h3gen.pipelines.k3.model import K3ForCausalLM, quantize_experts_mxfp4
 
 H200_BANDWIDTH = 4.8e12  # bytes/s, HBM3e nominal; the script also measures a device copy
 
@@ -32,19 +32,51 @@ H200_BANDWIDTH = 4.8e12  # bytes/s, HBM3e nominal; the script also measures a de
 def mid_config(tiny: bool) -> K3Config:
     if tiny:
         layers = 4
-        return K3Config(model_type="kimi_linear", vocab_size=512, hidden_size=64, num_hidden_layers=layers,
-                        attention_types=["kda", "kda", "kda", "mla"], ffn_types=["dense"] + ["moe"] * 3,
-                        num_attention_heads=2, q_lora_rank=None, kv_lora_rank=32, qk_nope_head_dim=16,
-                        qk_rope_head_dim=8, v_head_dim=16, linear_num_heads=2, linear_head_dim=16,
-                        intermediate_size=128, moe_intermediate_size=32, num_experts=8, num_experts_per_token=2,
-                        num_shared_experts=1, eos_token_id=1)
+        return K3Config(
+            model_type="kimi_linear",
+            vocab_size=512,
+            hidden_size=64,
+            num_hidden_layers=layers,
+            attention_types=["kda", "kda", "kda", "mla"],
+            ffn_types=["dense"] + ["moe"] * 3,
+            num_attention_heads=2,
+            q_lora_rank=None,
+            kv_lora_rank=32,
+            qk_nope_head_dim=16,
+            qk_rope_head_dim=8,
+            v_head_dim=16,
+            linear_num_heads=2,
+            linear_head_dim=16,
+            intermediate_size=128,
+            moe_intermediate_size=32,
+            num_experts=8,
+            num_experts_per_token=2,
+            num_shared_experts=1,
+            eos_token_id=1,
+        )
     layers = 16  # KDA : MLA = 3 : 1, as K3
-    return K3Config(model_type="kimi_linear", vocab_size=32768, hidden_size=2048, num_hidden_layers=layers,
-                    attention_types=["mla" if i % 4 == 3 else "kda" for i in range(layers)],
-                    ffn_types=["dense"] + ["moe"] * (layers - 1), num_attention_heads=16, q_lora_rank=768,
-                    kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
-                    linear_num_heads=16, linear_head_dim=128, intermediate_size=8192, moe_intermediate_size=768,
-                    num_experts=64, num_experts_per_token=6, num_shared_experts=1, eos_token_id=1)
+    return K3Config(
+        model_type="kimi_linear",
+        vocab_size=32768,
+        hidden_size=2048,
+        num_hidden_layers=layers,
+        attention_types=["mla" if i % 4 == 3 else "kda" for i in range(layers)],
+        ffn_types=["dense"] + ["moe"] * (layers - 1),
+        num_attention_heads=16,
+        q_lora_rank=768,
+        kv_lora_rank=512,
+        qk_nope_head_dim=128,
+        qk_rope_head_dim=64,
+        v_head_dim=128,
+        linear_num_heads=16,
+        linear_head_dim=128,
+        intermediate_size=8192,
+        moe_intermediate_size=768,
+        num_experts=64,
+        num_experts_per_token=6,
+        num_shared_experts=1,
+        eos_token_id=1,
+    )
 
 
 def sync(device):
@@ -95,17 +127,19 @@ def prompts(count: int, length: int, vocab: int, seed: int) -> list[list[int]]:
 PLANNER_SAMPLING = dict(temperature=0.6, top_p=0.95)
 
 
-def decode_rate(model, batch, prompt_len, steps, device, sampled=False,
-                **engine_options) -> tuple[float, list[list[int]]]:
+def decode_rate(
+    model, batch, prompt_len, steps, device, sampled=False, **engine_options
+) -> tuple[float, list[list[int]]]:
     """Tokens/s of decode steps alone, with `batch` requests decoding together (`steps` steps in a row), greedy or
     (`sampled`) drawing as the planner does, with fixed seeds."""
     engine = K3Engine(model, max_batch=batch, prefix_cache=False, **engine_options)
     # Enough tokens that the first request still decodes when the last one's prefill is done.
     budget = steps + 4 + batch * -(-prompt_len // engine.prefill_budget)
     choice = dict(PLANNER_SAMPLING) if sampled else dict(temperature=0.0)
-    requests = [engine.add_request(p, SamplingParams(max_tokens=budget, ignore_eos=True, seed=i if sampled else None,
-                                                     **choice))
-                for i, p in enumerate(prompts(batch, prompt_len, model.config.vocab_size, seed=batch))]
+    requests = [
+        engine.add_request(p, SamplingParams(max_tokens=budget, ignore_eos=True, seed=i if sampled else None, **choice))
+        for i, p in enumerate(prompts(batch, prompt_len, model.config.vocab_size, seed=batch))
+    ]
     while any(r.status != "decode" for r in requests):
         engine.step()
         errors = [r.error for r in requests if r.error]
@@ -145,8 +179,9 @@ def reference_rate(model, prompt, steps, device) -> tuple[float, list[int]]:
 
 
 def prefill_rate(model, length, device, chunk) -> float:
-    engine = K3Engine(model, max_batch=1, prefix_cache=False, chunk_size=chunk, prefill_budget=length,
-                      max_context=length + 8)
+    engine = K3Engine(
+        model, max_batch=1, prefix_cache=False, chunk_size=chunk, prefill_budget=length, max_context=length + 8
+    )
     prompt = prompts(1, length, model.config.vocab_size, seed=7)[0]
     engine.generate([prompt], SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))  # warm-up
     sync(device)
@@ -159,8 +194,13 @@ def prefill_rate(model, length, device, chunk) -> float:
 def time_to_first_token(model, system_len, user_len, device, chunk) -> tuple[float, float, int]:
     """TTFT of system + user prompts: cold (empty cache) and warm (the system prompt cached by an earlier request
     with another user part). Returns (cold s, warm s, tokens taken from the cache)."""
-    engine = K3Engine(model, max_batch=4, chunk_size=chunk, prefill_budget=system_len + user_len,
-                      max_context=system_len + user_len + 8)
+    engine = K3Engine(
+        model,
+        max_batch=4,
+        chunk_size=chunk,
+        prefill_budget=system_len + user_len,
+        max_context=system_len + user_len + 8,
+    )
     system = prompts(1, system_len, model.config.vocab_size, seed=11)[0]
     users = prompts(3, user_len, model.config.vocab_size, seed=12)
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
@@ -196,18 +236,31 @@ def correctness_check(tiny: bool, device, mxfp4_experts: bool = False) -> None:
     q = l2_normalize(torch.randn(b, t, h, k, generator=gen, device=device))
     key = l2_normalize(torch.randn(b, t, h, k, generator=gen, device=device))
     v = torch.randn(b, t, h, k, generator=gen, device=device)
-    g = kda_gate(torch.randn(b, t, h, k, generator=gen, device=device), torch.rand(h, device=device) * 2,
-                 torch.randn(h * k, generator=gen, device=device) * 0.5, -5.0)
+    g = kda_gate(
+        torch.randn(b, t, h, k, generator=gen, device=device),
+        torch.rand(h, device=device) * 2,
+        torch.randn(h * k, generator=gen, device=device) * 0.5,
+        -5.0,
+    )
     beta = torch.rand(b, t, h, generator=gen, device=device)
     state = torch.randn(b, h, k, k, generator=gen, device=device) * 0.1
-    expected = kda_reference.kda_chunked(q, key, v, g, beta, k ** -0.5, state)
-    got = kda_chunked(q, key, v, g, beta, k ** -0.5, state)
-    errors = [((x.double() - y.double()).norm() / y.double().norm()).item() for x, y in zip(got, expected)]
-    print(f"check: KDA chunk ({'fla' if os.environ.get('H3GEN_FLA') == '1' else 'torch'}) vs reference, relL2 "
-          f"output {errors[0]:.1e}, state {errors[1]:.1e}", flush=True)
+    expected = kda_reference.kda_chunked(q, key, v, g, beta, k**-0.5, state)
+    got = kda_chunked(q, key, v, g, beta, k**-0.5, state)
+    errors = [
+        ((x.double() - y.double()).norm() / y.double().norm()).item() for x, y in zip(got, expected, strict=False)
+    ]
+    print(
+        f"check: KDA chunk ({'fla' if os.environ.get('H3GEN_FLA') == '1' else 'torch'}) vs reference, relL2 "
+        f"output {errors[0]:.1e}, state {errors[1]:.1e}",
+        flush=True,
+    )
 
-    config = dataclasses.replace(mid_config(tiny), num_hidden_layers=4, attention_types=["kda", "kda", "kda", "mla"],
-                                 ffn_types=["dense", "moe", "moe", "moe"])
+    config = dataclasses.replace(
+        mid_config(tiny),
+        num_hidden_layers=4,
+        attention_types=["kda", "kda", "kda", "mla"],
+        ffn_types=["dense", "moe", "moe", "moe"],
+    )
     with torch.device("meta"):
         model = K3ForCausalLM(config)
     model = randomize(model.to_empty(device=device), seed=0).float().eval()
@@ -225,33 +278,61 @@ def correctness_check(tiny: bool, device, mxfp4_experts: bool = False) -> None:
         else:
             os.environ["H3GEN_TRITON"] = previous
     for batch in (1, 3):
-        engine = K3Engine(model, max_batch=batch, prefix_cache=False, page_size=16 if tiny else 64, chunk_size=64,
-                          max_context=512, cuda_graphs=True)
+        engine = K3Engine(
+            model,
+            max_batch=batch,
+            prefix_cache=False,
+            page_size=16 if tiny else 64,
+            chunk_size=64,
+            max_context=512,
+            cuda_graphs=True,
+        )
         done = engine.generate(asks[:batch], SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True))
-        same = [r.output_ids == e for r, e in zip(done, expected)]
-        print(f"check: float32 engine b={batch} ({'CUDA graphs' if device.type == 'cuda' else 'static path'}) "
-              f"greedy tokens equal to the torch reference: {same}", flush=True)
+        same = [r.output_ids == e for r, e in zip(done, expected, strict=False)]
+        print(
+            f"check: float32 engine b={batch} ({'CUDA graphs' if device.type == 'cuda' else 'static path'}) "
+            f"greedy tokens equal to the torch reference: {same}",
+            flush=True,
+        )
     # Sampled rows: with decode graphs they are drawn on the device (steps launched ahead); the same seeds without
     # graphs must give the same tokens.
-    sampled = [SamplingParams(max_tokens=20, temperature=0.9, top_p=0.9, top_k=40, seed=7 + i, ignore_eos=True)
-               for i in range(3)]
+    sampled = [
+        SamplingParams(max_tokens=20, temperature=0.9, top_p=0.9, top_k=40, seed=7 + i, ignore_eos=True)
+        for i in range(3)
+    ]
     outputs = {}
     for graphs in (False, True):
-        engine = K3Engine(model, max_batch=3, prefix_cache=False, page_size=16 if tiny else 64, chunk_size=64,
-                          max_context=512, cuda_graphs=graphs)
+        engine = K3Engine(
+            model,
+            max_batch=3,
+            prefix_cache=False,
+            page_size=16 if tiny else 64,
+            chunk_size=64,
+            max_context=512,
+            cuda_graphs=graphs,
+        )
         outputs[graphs] = [r.output_ids for r in engine.generate(asks, sampled)]
-    print(f"check: float32 engine b=3 sampled, decode graphs vs eager: same tokens "
-          f"{[a == b for a, b in zip(outputs[True], outputs[False])]}", flush=True)
+    print(
+        f"check: float32 engine b=3 sampled, decode graphs vs eager: same tokens "
+        f"{[a == b for a, b in zip(outputs[True], outputs[False], strict=False)]}",
+        flush=True,
+    )
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tiny", action="store_true", help="tiny config on the CPU (a smoke run)")
     parser.add_argument("--steps", type=int, default=None, help="decode steps timed per batch size")
-    parser.add_argument("--check", action="store_true", help="check the kernels and the engine against the torch "
-                                                             "references first (float32, 4 layers)")
-    parser.add_argument("--mxfp4-experts", action="store_true",
-                        help="routed experts in MXFP4, as K3 ships them (decode graphs asked for explicitly)")
+    parser.add_argument(
+        "--check",
+        action="store_true",
+        help="check the kernels and the engine against the torch references first (float32, 4 layers)",
+    )
+    parser.add_argument(
+        "--mxfp4-experts",
+        action="store_true",
+        help="routed experts in MXFP4, as K3 ships them (decode graphs asked for explicitly)",
+    )
     args = parser.parse_args()
     device = torch.device("cpu" if args.tiny or not torch.cuda.is_available() else "cuda")
     if device.type == "cpu" and not args.tiny:
@@ -279,9 +360,12 @@ def main():
     roof_bw = bandwidth if bandwidth == bandwidth else H200_BANDWIDTH
     params = sum(p.numel() for p in model.parameters())
     weight_bytes = sum(t.numel() * t.element_size() for t in itertools.chain(model.parameters(), model.buffers()))
-    print(f"device {torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}, {params / 1e9:.3f} B dense "
-          f"params ({dtype}{', MXFP4 experts' if args.mxfp4_experts else ''}), {weight_bytes / 1e9:.2f} GB of "
-          f"weights, measured copy bandwidth {bandwidth / 1e12:.2f} TB/s", flush=True)
+    print(
+        f"device {torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}, {params / 1e9:.3f} B dense "
+        f"params ({dtype}{', MXFP4 experts' if args.mxfp4_experts else ''}), {weight_bytes / 1e9:.2f} GB of "
+        f"weights, measured copy bandwidth {bandwidth / 1e12:.2f} TB/s",
+        flush=True,
+    )
 
     engine_options = dict(page_size=64 if not args.tiny else 16, chunk_size=chunk, max_context=2048)
     ref_rate, ref_tokens = reference_rate(model, prompts(1, 128, config.vocab_size, seed=1)[0], steps, device)
@@ -292,13 +376,19 @@ def main():
     variants += [(batch, True if args.mxfp4_experts else None, False) for batch in (1, 8, 32)]
     variants += [(batch, True if args.mxfp4_experts else None, True) for batch in (1, 8)]  # sampled as a planner
     for batch, graphs, sampled in variants:
-        rate, outputs = decode_rate(model, batch, 128, steps, device, sampled=sampled, cuda_graphs=graphs,
-                                    **engine_options)
+        rate, outputs = decode_rate(
+            model, batch, 128, steps, device, sampled=sampled, cuda_graphs=graphs, **engine_options
+        )
         roof = batch * roof_bw / decode_bytes(model, batch)
         label = "eager" if graphs is False else ("CUDA graphs" if device.type == "cuda" else "eager")
         label += ", sampled" if sampled else ""
-        row = dict(phase=f"decode b={batch} ({label})", tokens_per_s=f"{rate:.1f}",
-                   ms_per_step=f"{batch / rate * 1e3:.3f}", roofline=f"{roof:.0f}", of_roofline=f"{rate / roof:.1%}")
+        row = dict(
+            phase=f"decode b={batch} ({label})",
+            tokens_per_s=f"{rate:.1f}",
+            ms_per_step=f"{batch / rate * 1e3:.3f}",
+            roofline=f"{roof:.0f}",
+            of_roofline=f"{rate / roof:.1%}",
+        )
         if batch == 1 and not sampled:
             same = outputs[0][: len(ref_tokens)] == ref_tokens[: len(outputs[0])]
             row.update(reference=f"{ref_rate:.1f}", ratio=f"{rate / ref_rate:.2f}", same_tokens=same)
@@ -307,10 +397,17 @@ def main():
     rows.append(dict(phase=f"prefill {prefill_len}", tokens_per_s=f"{prefill:.0f}"))
     cold, warm, cached = time_to_first_token(model, system_len, 64, device, chunk)
     rows.append(dict(phase=f"TTFT {system_len}+64 cold", tokens_per_s=f"{cold * 1e3:.1f} ms"))
-    rows.append(dict(phase=f"TTFT {system_len}+64 cached", tokens_per_s=f"{warm * 1e3:.1f} ms",
-                     ratio=f"{cold / warm:.2f}", reference=f"{cached} cached"))
-    print_table(rows, ["phase", "tokens_per_s", "ms_per_step", "roofline", "of_roofline", "reference", "ratio",
-                       "same_tokens"])
+    rows.append(
+        dict(
+            phase=f"TTFT {system_len}+64 cached",
+            tokens_per_s=f"{warm * 1e3:.1f} ms",
+            ratio=f"{cold / warm:.2f}",
+            reference=f"{cached} cached",
+        )
+    )
+    print_table(
+        rows, ["phase", "tokens_per_s", "ms_per_step", "roofline", "of_roofline", "reference", "ratio", "same_tokens"]
+    )
 
 
 if __name__ == "__main__":

@@ -31,17 +31,27 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_h3_step import cast_with_islands, inputs  # noqa: E402
-from common import print_table, rel_l2, synchronize, timer  # noqa: E402
-from safetensors.torch import save_file  # noqa: E402
+from bench_h3_step import cast_with_islands, inputs
+from common import print_table, rel_l2, synchronize, timer
+from safetensors.torch import save_file
 
-from h3gen.pipelines.h3.lora_registry import LoraRegistry, activate, check_targets, deactivate  # noqa: E402
-from h3gen.pipelines.h3.tiers import set_quality  # noqa: E402
-from h3gen.pipelines.h3.transformer import H3Transformer, H3TransformerConfig  # noqa: E402
+from h3gen.pipelines.h3.lora_registry import LoraRegistry, activate, check_targets, deactivate
+from h3gen.pipelines.h3.tiers import set_quality
+from h3gen.pipelines.h3.transformer import H3Transformer, H3TransformerConfig
 
 TURBO_MODULES = ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "ff.net.0.proj", "ff.net.2")
-TINY = dict(num_attention_heads=2, attention_head_dim=32, hidden_size=64, num_refiner_layers=2, ffn_dim=128,
-            text_dim=64, freq_dim=32, time_embed_hidden_dim=64, time_embed_dim=32, rope_freq_dim=4)
+TINY = dict(
+    num_attention_heads=2,
+    attention_head_dim=32,
+    hidden_size=64,
+    num_refiner_layers=2,
+    ffn_dim=128,
+    text_dim=64,
+    freq_dim=32,
+    time_embed_hidden_dim=64,
+    time_embed_dim=32,
+    rope_freq_dim=4,
+)
 
 
 def write_turbo_file(path: Path, model: H3Transformer, rank: int, seed: int) -> None:
@@ -87,17 +97,35 @@ def kernel_us(fn, device, repeat: int = 3) -> dict[str, float]:
     return totals
 
 
-def kernel_delta_rows(rows: int, tier: str, without: dict[str, float], with_lora: dict[str, float],
-                      top: int = 14) -> list[dict]:
+def kernel_delta_rows(
+    rows: int, tier: str, without: dict[str, float], with_lora: dict[str, float], top: int = 14
+) -> list[dict]:
     """The kernels whose time per step the adapters change most (with minus without), for the table `--profile`
     prints, and their sum."""
     names = set(without) | set(with_lora)
     delta = {name: with_lora.get(name, 0.0) - without.get(name, 0.0) for name in names}
     chosen = sorted(delta, key=lambda name: -abs(delta[name]))[:top]
-    out = [{"rows": rows, "tier": tier, "kernel": name[:90], "us without": f"{without.get(name, 0.0):.0f}",
-            "us with": f"{with_lora.get(name, 0.0):.0f}", "delta us": f"{delta[name]:+.0f}"} for name in chosen]
-    out.append({"rows": rows, "tier": tier, "kernel": "all kernels", "us without": f"{sum(without.values()):.0f}",
-                "us with": f"{sum(with_lora.values()):.0f}", "delta us": f"{sum(delta.values()):+.0f}"})
+    out = [
+        {
+            "rows": rows,
+            "tier": tier,
+            "kernel": name[:90],
+            "us without": f"{without.get(name, 0.0):.0f}",
+            "us with": f"{with_lora.get(name, 0.0):.0f}",
+            "delta us": f"{delta[name]:+.0f}",
+        }
+        for name in chosen
+    ]
+    out.append(
+        {
+            "rows": rows,
+            "tier": tier,
+            "kernel": "all kernels",
+            "us without": f"{sum(without.values()):.0f}",
+            "us with": f"{sum(with_lora.values()):.0f}",
+            "delta us": f"{sum(delta.values()):+.0f}",
+        }
+    )
     return out
 
 
@@ -151,8 +179,9 @@ def measure(layers: int, rows: int, args, device, dtype, folder: Path) -> dict:
     files = [folder / f"turbo_{layers}_{i}.safetensors" for i in range(2)]
     for seed, path in enumerate(files):
         write_turbo_file(path, ours, args.rank, seed)
-    registry = LoraRegistry(4, head_dim=config.attention_head_dim, check=lambda lora: check_targets(ours, lora),
-                            pin=device.type == "cuda")
+    registry = LoraRegistry(
+        4, head_dim=config.attention_head_dim, check=lambda lora: check_targets(ours, lora), pin=device.type == "cuda"
+    )
     start = time.perf_counter()
     names = [registry.register(path) for path in files]
     first_use_s = (time.perf_counter() - start) / len(files)
@@ -170,6 +199,7 @@ def measure(layers: int, rows: int, args, device, dtype, folder: Path) -> dict:
         def tier_variants(model, outside: str) -> dict:
             """name -> setup() that sets `model`'s adapters and returns its step (its AdaLN tables made after the
             adapters are set: LoRA on the AdaLN projections changes them)."""
+
             def setup(inside_gemm=None):
                 if inside_gemm is None:
                     deactivate(model)
@@ -177,6 +207,7 @@ def measure(layers: int, rows: int, args, device, dtype, folder: Path) -> dict:
                     activate(model, adapters[0], "t2va", device, inside_gemm=inside_gemm)
                 tables = model.precompute_adaln([kwargs["timestep"]])
                 return lambda: model(**kwargs, return_dict=False, adaln_tables=tables, step=0)
+
             tier = model.quality
             return {tier: setup, f"{tier}+lora": lambda: setup(True), outside: lambda: setup(False)}
 
@@ -204,7 +235,8 @@ def measure(layers: int, rows: int, args, device, dtype, folder: Path) -> dict:
             out["kernels lossless+lora"] = kernel_us(step, device)
         out["adapter bytes"] = ours.active_loras.nbytes
         out["lossless groups inside their GEMMs"] = sum(
-            any(m.wide_weight is not None for m in g.members) for g in ours.active_loras.groups)
+            any(m.wide_weight is not None for m in g.members) for g in ours.active_loras.groups
+        )
         lossless_outside = lossless["lossless+lora, update outside the GEMM"]()()[0]
         # Switching between two registered adapters, as consecutive requests with different sets do.
         switches = []
@@ -233,12 +265,14 @@ def measure(layers: int, rows: int, args, device, dtype, folder: Path) -> dict:
     out["relL2 lossless+lora vs diffusers+peft"] = rel_l2(got_lora, expected_lora)
     out["relL2 adapter change"] = rel_l2(expected_lora, expected_plain)
     out["relL2 of the change, ours vs diffusers"] = rel_l2(got_lora - got_plain, expected_lora - expected_plain)
-    out["relL2 of the change, ours (outside) vs diffusers"] = rel_l2(lossless_outside - got_plain,
-                                                                     expected_lora - expected_plain)
+    out["relL2 of the change, ours (outside) vs diffusers"] = rel_l2(
+        lossless_outside - got_plain, expected_lora - expected_plain
+    )
     out["relL2 of the change, fast vs diffusers"] = rel_l2(fast_lora - fast_plain, expected_lora - expected_plain)
-    out["relL2 of the change, fast (after) vs diffusers"] = rel_l2(fast_after - fast_plain,
-                                                                  expected_lora - expected_plain)
-    del reference, ours
+    out["relL2 of the change, fast (after) vs diffusers"] = rel_l2(
+        fast_after - fast_plain, expected_lora - expected_plain
+    )
+    reference = ours = None  # the closures above hold them: free both before the cache is emptied
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return out
@@ -254,28 +288,43 @@ def tiny_inputs(rows: int, config: H3TransformerConfig, device):
     g = torch.Generator().manual_seed(0)
     return dict(
         hidden_states=torch.randn(1, layout.video_indices.numel(), config.video_patch_dim, generator=g).to(device),
-        audio_hidden_states=torch.randn(1, layout.audio_indices.numel(), config.audio_in_channels,
-                                        generator=g).to(device),
+        audio_hidden_states=torch.randn(1, layout.audio_indices.numel(), config.audio_in_channels, generator=g).to(
+            device
+        ),
         encoder_hidden_states=torch.randn(1, 16, config.text_dim, generator=g).to(device),
-        timestep=timestep.to(device), timestep_indices=indices.to(device), token_tags=layout.token_tags.to(device),
-        position_ids=layout.position_ids.to(device), video_indices=layout.video_indices.to(device),
-        audio_indices=layout.audio_indices.to(device), text_indices=layout.text_indices.to(device))
+        timestep=timestep.to(device),
+        timestep_indices=indices.to(device),
+        token_tags=layout.token_tags.to(device),
+        position_ids=layout.position_ids.to(device),
+        video_indices=layout.video_indices.to(device),
+        audio_indices=layout.audio_indices.to(device),
+        text_indices=layout.text_indices.to(device),
+    )
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--layers", type=int, default=4, help="full-size blocks measured (the step is extrapolated "
-                                                               "to 50)")
+    parser.add_argument(
+        "--layers", type=int, default=4, help="full-size blocks measured (the step is extrapolated to 50)"
+    )
     parser.add_argument("--rows", type=int, nargs="+", default=[37838, 8192])
     parser.add_argument("--rank", type=int, default=128)
     parser.add_argument("--repeat", type=int, default=5)
-    parser.add_argument("--rounds", type=int, default=4, help="time our variants this many times each, in turn, "
-                                                              "every other round in reverse (the median of the "
-                                                              "rounds is kept)")
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=4,
+        help="time our variants this many times each, in turn, "
+        "every other round in reverse (the median of the "
+        "rounds is kept)",
+    )
     parser.add_argument("--tiny", action="store_true", help="tiny dims on the CPU (checks the script runs)")
-    parser.add_argument("--profile", action="store_true",
-                        help="also list, per row count and tier, the CUDA kernels whose time the adapters change most "
-                             "(torch.profiler, the measured-blocks step with minus without)")
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="also list, per row count and tier, the CUDA kernels whose time the adapters change most "
+        "(torch.profiler, the measured-blocks step with minus without)",
+    )
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     if args.tiny:
@@ -285,8 +334,16 @@ def main():
         args.rows = [r for r in args.rows if r <= 600] or [300]
     else:
         device, dtype = torch.device("cuda"), torch.bfloat16
-    variants = ("diffusers", "diffusers+peft", "lossless", "lossless+lora", "lossless+lora, update outside the GEMM",
-                "fast", "fast+lora", "fast+lora, update after the GEMM")
+    variants = (
+        "diffusers",
+        "diffusers+peft",
+        "lossless",
+        "lossless+lora",
+        "lossless+lora, update outside the GEMM",
+        "fast",
+        "fast+lora",
+        "fast+lora, update after the GEMM",
+    )
     table, raw, kernels = [], [], []
     with tempfile.TemporaryDirectory() as folder:
         for rows in args.rows:
@@ -297,52 +354,74 @@ def main():
             per_block_bytes = (full["adapter bytes"] - empty["adapter bytes"]) / args.layers
             for v in variants:
                 plain = v.split("+")[0]
-                table.append({
-                    "rows": rows, "variant": v, f"{args.layers}-block ms": f"{full[v]:.2f}",
-                    "each round": " ".join(f"{t:.1f}" for t in full["rounds"].get(v, [])),
-                    "50-block step s": f"{step50[v] / 1000:.3f}",
-                    "vs no LoRA": f"{step50[v] / step50[plain]:.3f}" if v != plain else "",
-                })
-            print(f"rows {rows}: LoRA overhead on the 50-block step: lossless "
-                  f"{100 * (step50['lossless+lora'] / step50['lossless'] - 1):+.1f} % (goal <= 4 %; with the update "
-                  f"written before its GEMMs "
-                  f"{100 * (step50['lossless+lora, update outside the GEMM'] / step50['lossless'] - 1):+.1f} %), fast "
-                  f"{100 * (step50['fast+lora'] / step50['fast'] - 1):+.1f} % (goal <= 6 %; with the update after its "
-                  f"GEMMs {100 * (step50['fast+lora, update after the GEMM'] / step50['fast'] - 1):+.1f} %), "
-                  f"diffusers PEFT "
-                  f"{100 * (step50['diffusers+peft'] / step50['diffusers'] - 1):+.1f} %; lossless+lora is "
-                  f"{step50['diffusers+peft'] / step50['lossless+lora']:.2f}x diffusers+peft")
+                table.append(
+                    {
+                        "rows": rows,
+                        "variant": v,
+                        f"{args.layers}-block ms": f"{full[v]:.2f}",
+                        "each round": " ".join(f"{t:.1f}" for t in full["rounds"].get(v, [])),
+                        "50-block step s": f"{step50[v] / 1000:.3f}",
+                        "vs no LoRA": f"{step50[v] / step50[plain]:.3f}" if v != plain else "",
+                    }
+                )
+            print(
+                f"rows {rows}: LoRA overhead on the 50-block step: lossless "
+                f"{100 * (step50['lossless+lora'] / step50['lossless'] - 1):+.1f} % (goal <= 4 %; with the update "
+                f"written before its GEMMs "
+                f"{100 * (step50['lossless+lora, update outside the GEMM'] / step50['lossless'] - 1):+.1f} %), fast "
+                f"{100 * (step50['fast+lora'] / step50['fast'] - 1):+.1f} % (goal <= 6 %; with the update after its "
+                f"GEMMs {100 * (step50['fast+lora, update after the GEMM'] / step50['fast'] - 1):+.1f} %), "
+                f"diffusers PEFT "
+                f"{100 * (step50['diffusers+peft'] / step50['diffusers'] - 1):+.1f} %; lossless+lora is "
+                f"{step50['diffusers+peft'] / step50['lossless+lora']:.2f}x diffusers+peft"
+            )
             per_round = [
                 100 * ((e1 + 50 * (f1 - e1) / args.layers) / (e0 + 50 * (f0 - e0) / args.layers) - 1)
-                for e0, e1, f0, f1 in zip(empty["rounds"]["lossless"], empty["rounds"]["lossless+lora"],
-                                          full["rounds"]["lossless"], full["rounds"]["lossless+lora"])]
-            print(f"rows {rows}: the lossless overhead from each round's own times: "
-                  + ", ".join(f"{p:+.1f} %" for p in per_round))
-            print(f"rows {rows}: switching adapter sets {full['switch s'] * 1000:.0f} ms for {args.layers} blocks "
-                  f"(50 blocks: ~{(empty['switch s'] + 50 * (full['switch s'] - empty['switch s']) / args.layers):.2f}"
-                  f" s, goal <= 0.5 s); first use of a file {full['first use s']:.2f} s; adapter on the device "
-                  f"{(empty['adapter bytes'] + 50 * per_block_bytes) / 2**30:.2f} GiB for 50 blocks; relL2 vs "
-                  f"diffusers+peft {full['relL2 lossless+lora vs diffusers+peft']:.2e} (the adapter moves the output "
-                  f"by {full['relL2 adapter change']:.2e}; that change in ours vs in diffusers: relL2 "
-                  f"{full['relL2 of the change, ours vs diffusers']:.2e}, with the update outside its GEMMs "
-                  f"{full['relL2 of the change, ours (outside) vs diffusers']:.2e}; in the fast tier "
-                  f"{full['relL2 of the change, fast vs diffusers']:.2e}, with the update after its GEMMs "
-                  f"{full['relL2 of the change, fast (after) vs diffusers']:.2e}); LoRA groups inside their GEMMs: "
-                  f"lossless {full['lossless groups inside their GEMMs']}, "
-                  f"fast {full['fast groups inside their GEMMs']}")
+                for e0, e1, f0, f1 in zip(
+                    empty["rounds"]["lossless"],
+                    empty["rounds"]["lossless+lora"],
+                    full["rounds"]["lossless"],
+                    full["rounds"]["lossless+lora"],
+                    strict=False,
+                )
+            ]
+            print(
+                f"rows {rows}: the lossless overhead from each round's own times: "
+                + ", ".join(f"{p:+.1f} %" for p in per_round)
+            )
+            print(
+                f"rows {rows}: switching adapter sets {full['switch s'] * 1000:.0f} ms for {args.layers} blocks "
+                f"(50 blocks: ~{(empty['switch s'] + 50 * (full['switch s'] - empty['switch s']) / args.layers):.2f}"
+                f" s, goal <= 0.5 s); first use of a file {full['first use s']:.2f} s; adapter on the device "
+                f"{(empty['adapter bytes'] + 50 * per_block_bytes) / 2**30:.2f} GiB for 50 blocks; relL2 vs "
+                f"diffusers+peft {full['relL2 lossless+lora vs diffusers+peft']:.2e} (the adapter moves the output "
+                f"by {full['relL2 adapter change']:.2e}; that change in ours vs in diffusers: relL2 "
+                f"{full['relL2 of the change, ours vs diffusers']:.2e}, with the update outside its GEMMs "
+                f"{full['relL2 of the change, ours (outside) vs diffusers']:.2e}; in the fast tier "
+                f"{full['relL2 of the change, fast vs diffusers']:.2e}, with the update after its GEMMs "
+                f"{full['relL2 of the change, fast (after) vs diffusers']:.2e}); LoRA groups inside their GEMMs: "
+                f"lossless {full['lossless groups inside their GEMMs']}, "
+                f"fast {full['fast groups inside their GEMMs']}"
+            )
             if args.profile and device.type == "cuda":
                 # The 0-block model's step is bound by kernel launches (its wall time varies by milliseconds
                 # between runs), which the 50-block estimate multiplies; summed kernel time does not vary so.
-                busy = {v: kernel_step_ms(empty[f"kernels {v}"], full[f"kernels {v}"], args.layers)
-                        for v in ("lossless", "lossless+lora", "fast", "fast+lora")}
-                print(f"rows {rows}: GPU kernel time of the 50-block step: lossless {busy['lossless']:.1f} ms, "
-                      f"{100 * (busy['lossless+lora'] / busy['lossless'] - 1):+.1f} % with the adapter; fast "
-                      f"{busy['fast']:.1f} ms, {100 * (busy['fast+lora'] / busy['fast'] - 1):+.1f} %")
+                busy = {
+                    v: kernel_step_ms(empty[f"kernels {v}"], full[f"kernels {v}"], args.layers)
+                    for v in ("lossless", "lossless+lora", "fast", "fast+lora")
+                }
+                print(
+                    f"rows {rows}: GPU kernel time of the 50-block step: lossless {busy['lossless']:.1f} ms, "
+                    f"{100 * (busy['lossless+lora'] / busy['lossless'] - 1):+.1f} % with the adapter; fast "
+                    f"{busy['fast']:.1f} ms, {100 * (busy['fast+lora'] / busy['fast'] - 1):+.1f} %"
+                )
                 for tier in ("lossless", "fast"):
                     kernels += kernel_delta_rows(rows, tier, full[f"kernels {tier}"], full[f"kernels {tier}+lora"])
             if full["peak lossless"] is not None:
-                print(f"rows {rows}: peak memory of the {args.layers}-block step {full['peak lossless'] / 2**30:.2f}"
-                      f" GiB without the adapter, {full['peak lossless+lora'] / 2**30:.2f} GiB with it")
+                print(
+                    f"rows {rows}: peak memory of the {args.layers}-block step {full['peak lossless'] / 2**30:.2f}"
+                    f" GiB without the adapter, {full['peak lossless+lora'] / 2**30:.2f} GiB with it"
+                )
     if args.out:
         args.out.write_text(json.dumps(raw, indent=2, default=str))
     if kernels:

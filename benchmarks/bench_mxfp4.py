@@ -21,11 +21,11 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import print_table, rel_l2  # noqa: E402
+from common import print_table, rel_l2
 
-from h3gen.kernels.mxfp4_gemm import gluon  # noqa: E402
-from h3gen.kernels.mxfp4_gemm import triton as mxfp4  # noqa: E402
-from h3gen.quant.mxfp4_format import dequantize, quantize  # noqa: E402
+from h3gen.kernels.mxfp4_gemm import gluon
+from h3gen.kernels.mxfp4_gemm import triton as mxfp4
+from h3gen.quant.mxfp4_format import dequantize, quantize
 
 SHAPES = [(5376, 7168), (7168, 5376), (5376, 28672), (14336, 5376)]
 ROWS = [1, 8, 16, 256, 4096, 37838]
@@ -73,7 +73,7 @@ def copy_bandwidth() -> float:
 def weight_copies(k, n, nbytes):
     copies = max(2, math.ceil(L2_FLUSH_BYTES / nbytes))
     weights = []
-    for i in range(copies):
+    for _ in range(copies):
         weight = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
         packed, scales = quantize(weight)
         weights.append((weight, packed, scales))
@@ -89,8 +89,9 @@ def small_m_configs(m):
     for block_n in (64, 128):
         for block_k in (256, 512):
             for num_stages in (3, 5):
-                yield dict(block_m=16, block_n=block_n, block_k=block_k, num_warps=4, num_stages=num_stages,
-                           split="auto")
+                yield dict(
+                    block_m=16, block_n=block_n, block_k=block_k, num_warps=4, num_stages=num_stages, split="auto"
+                )
 
 
 def pair_configs(m):
@@ -101,8 +102,14 @@ def pair_configs(m):
                 for num_stages in (2, 3, 4):
                     for split in (1, 2, 4):
                         for num_warps in (1, 2, 4) if block_n <= 64 else (4, 8):
-                            yield dict(path="pairs", block_n=block_n, block_k=block_k, num_warps=num_warps,
-                                       num_stages=num_stages, split=split)
+                            yield dict(
+                                path="pairs",
+                                block_n=block_n,
+                                block_k=block_k,
+                                num_warps=num_warps,
+                                num_stages=num_stages,
+                                split=split,
+                            )
 
 
 def few_rows_configs(m):
@@ -120,13 +127,21 @@ def scaled_configs(m):
     for block_m in (16,) if small else (32, 64) if m <= 256 else (64, 128):
         for block_n in (32, 64, 128) if small else (64, 128):
             for block_k in (128, 256, 512) if small else (128, 256):
-                yield dict(path="scaled", block_m=block_m, block_n=block_n, block_k=block_k,
-                           num_warps=4 if block_m * block_n <= 64 * 64 else 8, num_stages=3,
-                           split="auto" if m <= 256 else 1)
+                yield dict(
+                    path="scaled",
+                    block_m=block_m,
+                    block_n=block_n,
+                    block_k=block_k,
+                    num_warps=4 if block_m * block_n <= 64 * 64 else 8,
+                    num_stages=3,
+                    split="auto" if m <= 256 else 1,
+                )
 
 
-DEQUANT_CONFIGS = [dict(block_n=bn, block_k=bk, num_warps=w) for bn, bk, w in
-                   [(32, 256, 4), (64, 256, 4), (16, 512, 4), (64, 128, 4), (32, 512, 8), (128, 256, 8)]]
+DEQUANT_CONFIGS = [
+    dict(block_n=bn, block_k=bk, num_warps=w)
+    for bn, bk, w in [(32, 256, 4), (64, 256, 4), (16, 512, 4), (64, 128, 4), (32, 512, 8), (128, 256, 8)]
+]
 
 
 def sweep_dequantize(log):
@@ -136,10 +151,14 @@ def sweep_dequantize(log):
         weights = weight_copies(k, n, n * k // 2)
         nbytes = n * k // 2 + n * k // 32 + 2 * n * k
         for config in DEQUANT_CONFIGS:
-            ms = time_rotating(lambda p, s, c=config: mxfp4.dequantize(p, s, torch.bfloat16, k, **c),
-                               [(p, s) for _, p, s in weights], repeat=3)
-            rows.append({"K x N": f"{k}x{n}", "config": str(config), "ms": f"{ms:.4f}",
-                         "GB/s": f"{nbytes / ms / 1e6:.0f}"})
+            ms = time_rotating(
+                lambda p, s, c=config: mxfp4.dequantize(p, s, torch.bfloat16, k, **c),
+                [(p, s) for _, p, s in weights],
+                repeat=3,
+            )
+            rows.append(
+                {"K x N": f"{k}x{n}", "config": str(config), "ms": f"{ms:.4f}", "GB/s": f"{nbytes / ms / 1e6:.0f}"}
+            )
             log.write(f"dequantize {rows[-1]}\n")
     return rows
 
@@ -179,24 +198,46 @@ def sweep(rows_list, log, budget_s, paths=("few_rows", "gemv", "pairs", "fused",
             graph = m <= 256  # GPU time: at a few rows the host's launch cost would hide the kernels
             bf16_ms = time_rotating(lambda x, w: x @ w.t(), [(x, w) for w, _, _ in weights], repeat=3, graph=graph)
             configs = list(small_m_configs(m)) if m <= 16 else []
-            configs = [c for c in configs + list(scaled_configs(m)) + list(pair_configs(m)) + list(few_rows_configs(m))
-                       if c.get("path", "fused") in paths]
+            configs = [
+                c
+                for c in configs + list(scaled_configs(m)) + list(pair_configs(m)) + list(few_rows_configs(m))
+                if c.get("path", "fused") in paths
+            ]
             results = []
             for config in configs:
                 try:
-                    ms = time_rotating(lambda x, p, s, c=config: run_config(x, p, s, c), sets, repeat=3,
-                                       calls=None if m < 4096 else 3, graph=graph)
+                    ms = time_rotating(
+                        lambda x, p, s, c=config: run_config(x, p, s, c),
+                        sets,
+                        repeat=3,
+                        calls=None if m < 4096 else 3,
+                        graph=graph,
+                    )
                 except Exception as error:  # out of shared memory and the like: skip the configuration
                     log.write(f"{k}x{n} M={m} {config}: {type(error).__name__}: {str(error)[:200]}\n")
                     continue
                 results.append((ms, config))
                 log.write(f"{k}x{n} M={m} {config}: {ms:.4f} ms (bf16 {bf16_ms:.4f})\n")
-            dequant_ms = time_rotating(lambda x, p, s: mxfp4.mxfp4_matmul(x, p, s, path="dequant"), sets, repeat=3,
-                                       calls=None if m < 4096 else 3, graph=graph)
+            dequant_ms = time_rotating(
+                lambda x, p, s: mxfp4.mxfp4_matmul(x, p, s, path="dequant"),
+                sets,
+                repeat=3,
+                calls=None if m < 4096 else 3,
+                graph=graph,
+            )
             ms, config = min(results, key=lambda r: r[0]) if results else (float("nan"), None)
-            best_rows.append({"K x N": f"{k}x{n}", "M": m, "bf16 ms": f"{bf16_ms:.4f}", "best fused ms": f"{ms:.4f}",
-                              "x bf16": f"{bf16_ms / ms:.2f}", "dequant+cuBLAS ms": f"{dequant_ms:.4f}",
-                              "x bf16 (dequant)": f"{bf16_ms / dequant_ms:.2f}", "config": str(config)})
+            best_rows.append(
+                {
+                    "K x N": f"{k}x{n}",
+                    "M": m,
+                    "bf16 ms": f"{bf16_ms:.4f}",
+                    "best fused ms": f"{ms:.4f}",
+                    "x bf16": f"{bf16_ms / ms:.2f}",
+                    "dequant+cuBLAS ms": f"{dequant_ms:.4f}",
+                    "x bf16 (dequant)": f"{bf16_ms / dequant_ms:.2f}",
+                    "config": str(config),
+                }
+            )
             log.flush()
         del weights
         torch.cuda.empty_cache()
@@ -222,19 +263,31 @@ def bench_gemms(rows_list, copy_gbs):
                 bf16_graph_ms = time_rotating(lambda x, w: x @ w.t(), [(x, w) for w, _, _ in weights], graph=True)
             registers_ms = float("nan")
             if gluon.supports(x, packed, scales) and gluon.uses_ring(packed):  # the kernel before the TMA ring
-                registers_ms = time_rotating(lambda x, p, s: gluon.few_rows_matmul(x, p, s, ring=False, fold=False),
-                                             [(x, p, s) for _, p, s in weights], graph=True)
+                registers_ms = time_rotating(
+                    lambda x, p, s: gluon.few_rows_matmul(x, p, s, ring=False, fold=False),
+                    [(x, p, s) for _, p, s in weights],
+                    graph=True,
+                )
             flops = 2 * m * n * k
-            table.append({"K x N": f"{k}x{n}", "M": m, "bf16 ms": f"{bf16_ms:.4f}", "mxfp4 ms": f"{ours_ms:.4f}",
-                          "mxfp4 TFLOP/s": f"{flops / ours_ms / 1e9:.0f}",
-                          "packed GB/s": f"{packed_bytes / ours_ms / 1e6:.0f}",
-                          "% copy BW": f"{100 * packed_bytes / ours_ms / 1e6 / copy_gbs:.0f}",
-                          "x bf16": f"{bf16_ms / ours_ms:.2f}", "relL2": f"{rel_l2(got, expected):.1e}",
-                          "graphed: bf16 ms": f"{bf16_graph_ms:.4f}", "graphed mxfp4 ms": f"{graph_ms:.4f}",
-                          "x bf16 (graphed)": f"{bf16_graph_ms / graph_ms:.2f}",
-                          "% copy BW (graphed)": f"{100 * packed_bytes / graph_ms / 1e6 / copy_gbs:.0f}",
-                          "graphed: registers, unfolded ms": f"{registers_ms:.4f}",
-                          "x registers": f"{registers_ms / graph_ms:.2f}"})
+            table.append(
+                {
+                    "K x N": f"{k}x{n}",
+                    "M": m,
+                    "bf16 ms": f"{bf16_ms:.4f}",
+                    "mxfp4 ms": f"{ours_ms:.4f}",
+                    "mxfp4 TFLOP/s": f"{flops / ours_ms / 1e9:.0f}",
+                    "packed GB/s": f"{packed_bytes / ours_ms / 1e6:.0f}",
+                    "% copy BW": f"{100 * packed_bytes / ours_ms / 1e6 / copy_gbs:.0f}",
+                    "x bf16": f"{bf16_ms / ours_ms:.2f}",
+                    "relL2": f"{rel_l2(got, expected):.1e}",
+                    "graphed: bf16 ms": f"{bf16_graph_ms:.4f}",
+                    "graphed mxfp4 ms": f"{graph_ms:.4f}",
+                    "x bf16 (graphed)": f"{bf16_graph_ms / graph_ms:.2f}",
+                    "% copy BW (graphed)": f"{100 * packed_bytes / graph_ms / 1e6 / copy_gbs:.0f}",
+                    "graphed: registers, unfolded ms": f"{registers_ms:.4f}",
+                    "x registers": f"{registers_ms / graph_ms:.2f}",
+                }
+            )
             print(table[-1], flush=True)
         del weights
         torch.cuda.empty_cache()
@@ -285,8 +338,12 @@ def main():
     parser.add_argument("--repeat", type=int, default=10)
     parser.add_argument("--sweep", action="store_true")
     parser.add_argument("--sweep-budget", type=float, default=240.0, help="seconds of GEMM sweeping at most")
-    parser.add_argument("--sweep-paths", nargs="+", default=["few_rows", "gemv", "pairs", "fused", "scaled"],
-                        help="kernel paths the sweep tries")
+    parser.add_argument(
+        "--sweep-paths",
+        nargs="+",
+        default=["few_rows", "gemv", "pairs", "fused", "scaled"],
+        help="kernel paths the sweep tries",
+    )
     parser.add_argument("--out", type=Path, help="folder for the JSON results and the sweep log")
     args = parser.parse_args()
     out = args.out or Path(".")
@@ -299,8 +356,10 @@ def main():
             results["dequantize"] = sweep_dequantize(log)
             print_table(results["dequantize"], ["K x N", "config", "ms", "GB/s"])
             results["sweep"] = sweep(args.rows, log, args.sweep_budget, args.sweep_paths)
-            print_table(results["sweep"], ["K x N", "M", "bf16 ms", "best fused ms", "x bf16", "dequant+cuBLAS ms",
-                                           "x bf16 (dequant)", "config"])
+            print_table(
+                results["sweep"],
+                ["K x N", "M", "bf16 ms", "best fused ms", "x bf16", "dequant+cuBLAS ms", "x bf16 (dequant)", "config"],
+            )
     results["gemm"] = bench_gemms(args.rows, copy_gbs)
     results["block"] = [row for rows in args.block_rows for row in bench_block(rows, args.repeat)]
     (out / "bench_mxfp4.json").write_text(json.dumps(results, indent=2))
@@ -309,12 +368,31 @@ def main():
         print_table(results["block"], ["block", "ms", "weight GB", "relL2 vs bf16"])
     if args.sweep:
         print()
-        print_table(results["sweep"], ["K x N", "M", "bf16 ms", "best fused ms", "x bf16", "dequant+cuBLAS ms",
-                                       "x bf16 (dequant)", "config"])
+        print_table(
+            results["sweep"],
+            ["K x N", "M", "bf16 ms", "best fused ms", "x bf16", "dequant+cuBLAS ms", "x bf16 (dequant)", "config"],
+        )
     print()
-    print_table(results["gemm"], ["K x N", "M", "bf16 ms", "mxfp4 ms", "mxfp4 TFLOP/s", "packed GB/s", "% copy BW",
-                                  "x bf16", "relL2", "graphed: bf16 ms", "graphed mxfp4 ms", "x bf16 (graphed)",
-                                  "% copy BW (graphed)", "graphed: registers, unfolded ms", "x registers"])
+    print_table(
+        results["gemm"],
+        [
+            "K x N",
+            "M",
+            "bf16 ms",
+            "mxfp4 ms",
+            "mxfp4 TFLOP/s",
+            "packed GB/s",
+            "% copy BW",
+            "x bf16",
+            "relL2",
+            "graphed: bf16 ms",
+            "graphed mxfp4 ms",
+            "x bf16 (graphed)",
+            "% copy BW (graphed)",
+            "graphed: registers, unfolded ms",
+            "x registers",
+        ],
+    )
 
 
 if __name__ == "__main__":

@@ -17,14 +17,14 @@ import torch
 import torch.nn as nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_h3_block import CFG, FFN, HEAD_DIM, HEADS, HIDDEN, make_inputs  # noqa: E402
-from common import print_table, rel_l2, time_cuda  # noqa: E402
+from bench_h3_block import CFG, FFN, HEAD_DIM, HEADS, HIDDEN, make_inputs
+from common import print_table, rel_l2, time_cuda
 
-from h3gen.linear import dense_linear, make_linear_factory  # noqa: E402
-from h3gen.offload.layerwise import LayerwiseOffload  # noqa: E402
-from h3gen.offload.residency import OffloadPlan, spread  # noqa: E402
-from h3gen.pipelines.h3.tiers import fused_block_forward  # noqa: E402
-from h3gen.pipelines.h3.transformer import H3TransformerBlock  # noqa: E402
+from h3gen.linear import dense_linear, make_linear_factory
+from h3gen.offload.layerwise import LayerwiseOffload
+from h3gen.offload.residency import OffloadPlan, spread
+from h3gen.pipelines.h3.tiers import fused_block_forward
+from h3gen.pipelines.h3.transformer import H3TransformerBlock
 
 GiB = 2**30
 
@@ -59,8 +59,13 @@ def build(count: int, mxfp4: bool = False):
     for _ in range(count):
         with torch.device("cuda"):
             block = H3TransformerBlock(CFG, dense_linear).to(torch.bfloat16).eval()
-            reference = MiniMaxH3TransformerBlock(HIDDEN, HEADS, HEAD_DIM, FFN, CFG.time_embed_dim, CFG.norm_eps,
-                                                  CFG.qk_norm_eps).to(torch.bfloat16).eval()
+            reference = (
+                MiniMaxH3TransformerBlock(
+                    HIDDEN, HEADS, HEAD_DIM, FFN, CFG.time_embed_dim, CFG.norm_eps, CFG.qk_norm_eps
+                )
+                .to(torch.bfloat16)
+                .eval()
+            )
         reference.load_state_dict(block.state_dict())
         block.fused_forward, block.attn.core.backend = fused_block_forward, "auto"
         if mxfp4:
@@ -71,7 +76,7 @@ def build(count: int, mxfp4: bool = False):
 
 
 def forward_ours(blocks, x, tables, idx, rope):
-    for block, table in zip(blocks, tables):
+    for block, table in zip(blocks, tables, strict=False):
         x = block(x, None, idx, rope, modulation=table)
     return x
 
@@ -97,9 +102,13 @@ def main():
     parser.add_argument("--resident", type=int, default=0, help="blocks the planner keeps on the GPU (strided)")
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--mxfp4", action="store_true", help="also MXFP4 blocks, resident and streamed")
-    parser.add_argument("--gpu-cap-gib", type=float, default=None,
-                        help="after the all-resident run, cap this process's GPU memory "
-                             "(torch.cuda.set_per_process_memory_fraction) so that the blocks cannot all be resident")
+    parser.add_argument(
+        "--gpu-cap-gib",
+        type=float,
+        default=None,
+        help="after the all-resident run, cap this process's GPU memory "
+        "(torch.cuda.set_per_process_memory_fraction) so that the blocks cannot all be resident",
+    )
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     from diffusers.hooks import apply_group_offloading
@@ -119,15 +128,18 @@ def main():
             quantized.to("cuda")
             tables_q = [block.adaln_proj.table(temb) for block in quantized]
             expected_q = forward_ours(quantized, x.clone(), tables_q, idx, rope)
-            q_resident_ms, q_resident_peak = measure(lambda h: forward_ours(quantized, h, tables_q, idx, rope), x,
-                                                     args.repeat)
+            q_resident_ms, q_resident_peak = measure(
+                lambda h: forward_ours(quantized, h, tables_q, idx, rope), x, args.repeat
+            )
             quantized.cpu()
             torch.cuda.empty_cache()
         if args.gpu_cap_gib:
             total = torch.cuda.get_device_properties(0).total_memory
             torch.cuda.set_per_process_memory_fraction(min(1.0, args.gpu_cap_gib * GiB / total))
-            print(f"GPU memory capped at {args.gpu_cap_gib:.1f} GiB (all-resident peak was {resident_peak:.1f} GiB)",
-                  flush=True)
+            print(
+                f"GPU memory capped at {args.gpu_cap_gib:.1f} GiB (all-resident peak was {resident_peak:.1f} GiB)",
+                flush=True,
+            )
 
         # Ours: the planned blocks streamed from pinned host memory; AdaLN tables computed once (weights loaded on
         # demand for that), so AdaLN weights do not stream per step.
@@ -152,35 +164,70 @@ def main():
         if args.mxfp4:  # the same blocks with MXFP4 linears: packed bytes stream, dequantized on the GPU
             q_ms, q_peak, got_q, q_pinned, q_ring = streamed(quantized)
             mxfp4_rows = [
-                {"rows": rows, "variant": "MXFP4 all resident (uncapped)", "ms": f"{q_resident_ms:.1f}",
-                 "x resident": f"{q_resident_ms / resident_ms:.3f}", "peak GPU GiB": f"{q_resident_peak:.1f}",
-                 "host GiB": "-", "relL2": f"{rel_l2(expected_q, expected):.1e}"},
-                {"rows": rows, "variant": f"MXFP4 layer-wise, {args.blocks - args.resident} of {args.blocks} "
-                                          f"streamed ({q_ms / q_resident_ms:.3f}x MXFP4 resident)",
-                 "ms": f"{q_ms:.1f}", "x resident": f"{q_ms / resident_ms:.3f}", "peak GPU GiB": f"{q_peak:.1f}",
-                 "host GiB": f"{q_pinned:.2f} pinned, ring {q_ring:.2f}",
-                 "relL2": f"{rel_l2(got_q, expected_q):.1e} (vs MXFP4 resident)"},
+                {
+                    "rows": rows,
+                    "variant": "MXFP4 all resident (uncapped)",
+                    "ms": f"{q_resident_ms:.1f}",
+                    "x resident": f"{q_resident_ms / resident_ms:.3f}",
+                    "peak GPU GiB": f"{q_resident_peak:.1f}",
+                    "host GiB": "-",
+                    "relL2": f"{rel_l2(expected_q, expected):.1e}",
+                },
+                {
+                    "rows": rows,
+                    "variant": f"MXFP4 layer-wise, {args.blocks - args.resident} of {args.blocks} "
+                    f"streamed ({q_ms / q_resident_ms:.3f}x MXFP4 resident)",
+                    "ms": f"{q_ms:.1f}",
+                    "x resident": f"{q_ms / resident_ms:.3f}",
+                    "peak GPU GiB": f"{q_peak:.1f}",
+                    "host GiB": f"{q_pinned:.2f} pinned, ring {q_ring:.2f}",
+                    "relL2": f"{rel_l2(got_q, expected_q):.1e} (vs MXFP4 resident)",
+                },
             ]
 
         # diffusers' group offloading, block level, one block per group, with streams.
         holder = nn.Module()
         holder.blocks = theirs
-        apply_group_offloading(holder, onload_device=torch.device("cuda"), offload_type="block_level",
-                               num_blocks_per_group=1, use_stream=True)
+        apply_group_offloading(
+            holder,
+            onload_device=torch.device("cuda"),
+            offload_type="block_level",
+            num_blocks_per_group=1,
+            use_stream=True,
+        )
         reference = forward_theirs(theirs, x.clone(), temb, idx, rope)
         theirs_ms, theirs_peak = measure(lambda h: forward_theirs(theirs, h, temb, idx, rope), x, args.repeat)
 
     rows_out = [
-        {"rows": rows, "variant": "all resident (ours, lossless, uncapped)", "ms": f"{resident_ms:.1f}",
-         "x resident": "1.000", "peak GPU GiB": f"{resident_peak:.1f}", "host GiB": "-", "relL2": "0"},
-        {"rows": rows, "variant": f"ours layer-wise, {args.blocks - args.resident} of {args.blocks} streamed, "
-                                  f"prefetch {args.prefetch}", "ms": f"{ours_ms:.1f}",
-         "x resident": f"{ours_ms / resident_ms:.3f}", "peak GPU GiB": f"{ours_peak:.1f}",
-         "host GiB": f"{pinned:.1f} pinned, ring {ring:.1f} on GPU", "relL2": f"{rel_l2(got, expected):.1e}"},
-        {"rows": rows, "variant": "diffusers group offloading (block, stream)", "ms": f"{theirs_ms:.1f}",
-         "x resident": f"{theirs_ms / resident_ms:.3f}", "peak GPU GiB": f"{theirs_peak:.1f}",
-         "host GiB": f"{sum(p.numel() * 2 for p in theirs.parameters()) / GiB:.1f}",
-         "relL2": f"{rel_l2(reference, expected):.1e}", "ours faster": f"{theirs_ms / ours_ms:.2f}x"},
+        {
+            "rows": rows,
+            "variant": "all resident (ours, lossless, uncapped)",
+            "ms": f"{resident_ms:.1f}",
+            "x resident": "1.000",
+            "peak GPU GiB": f"{resident_peak:.1f}",
+            "host GiB": "-",
+            "relL2": "0",
+        },
+        {
+            "rows": rows,
+            "variant": f"ours layer-wise, {args.blocks - args.resident} of {args.blocks} streamed, "
+            f"prefetch {args.prefetch}",
+            "ms": f"{ours_ms:.1f}",
+            "x resident": f"{ours_ms / resident_ms:.3f}",
+            "peak GPU GiB": f"{ours_peak:.1f}",
+            "host GiB": f"{pinned:.1f} pinned, ring {ring:.1f} on GPU",
+            "relL2": f"{rel_l2(got, expected):.1e}",
+        },
+        {
+            "rows": rows,
+            "variant": "diffusers group offloading (block, stream)",
+            "ms": f"{theirs_ms:.1f}",
+            "x resident": f"{theirs_ms / resident_ms:.3f}",
+            "peak GPU GiB": f"{theirs_peak:.1f}",
+            "host GiB": f"{sum(p.numel() * 2 for p in theirs.parameters()) / GiB:.1f}",
+            "relL2": f"{rel_l2(reference, expected):.1e}",
+            "ours faster": f"{theirs_ms / ours_ms:.2f}x",
+        },
     ] + mxfp4_rows
     if args.out:
         args.out.write_text(json.dumps(rows_out, indent=2))

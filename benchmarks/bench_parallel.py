@@ -30,23 +30,24 @@ import torch.nn as nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(1, str(Path(__file__).resolve().parents[1] / "tests"))  # the test helper that fills TP shards
-from common import print_table, rel_l2, time_cuda  # noqa: E402
-from parallel_model import load_full_state_dict  # noqa: E402
+from common import print_table, rel_l2, time_cuda
+from parallel_model import load_full_state_dict
 
-from h3gen.linear import dense_linear, make_linear_factory  # noqa: E402
-from h3gen.offload.apply import ON_DEMAND  # noqa: E402
-from h3gen.offload.layerwise import LayerwiseOffload, _owned_tensors  # noqa: E402
-from h3gen.offload.residency import parse_bytes, plan_residency  # noqa: E402
-from h3gen.offload.shared_host import shared_store_for_ranks  # noqa: E402
-from h3gen.parallel.state import init_parallel, valid_degrees  # noqa: E402
-from h3gen.parallel.ulysses import SequenceShard, UlyssesAttention  # noqa: E402
-from h3gen.pipelines.h3.packing import build_layout, row_timesteps  # noqa: E402
-from h3gen.pipelines.h3.tiers import fused_block_forward  # noqa: E402
-from h3gen.pipelines.h3.transformer import H3RotaryPosEmbed, H3TransformerBlock, H3TransformerConfig  # noqa: E402
+from h3gen.linear import dense_linear, make_linear_factory
+from h3gen.offload.apply import ON_DEMAND
+from h3gen.offload.layerwise import LayerwiseOffload, _owned_tensors
+from h3gen.offload.residency import parse_bytes, plan_residency
+from h3gen.offload.shared_host import shared_store_for_ranks
+from h3gen.parallel.state import init_parallel, valid_degrees
+from h3gen.parallel.ulysses import SequenceShard, UlyssesAttention
+from h3gen.pipelines.h3.packing import build_layout, row_timesteps
+from h3gen.pipelines.h3.tiers import fused_block_forward
+from h3gen.pipelines.h3.transformer import H3RotaryPosEmbed, H3TransformerBlock, H3TransformerConfig
 
 GiB = 2**30
-TINY = H3TransformerConfig(num_attention_heads=8, attention_head_dim=16, hidden_size=48, ffn_dim=80,
-                           time_embed_dim=24, rope_freq_dim=2)
+TINY = H3TransformerConfig(
+    num_attention_heads=8, attention_head_dim=16, hidden_size=48, ffn_dim=80, time_embed_dim=24, rope_freq_dim=2
+)
 PARITY_REL_L2 = 1e-2  # bf16 tolerance for "equal to one GPU" (bf16 epsilon is 7.8e-3)
 
 
@@ -86,8 +87,9 @@ def build_blocks(cfg, count: int, device, dtype) -> nn.ModuleList:
     return blocks
 
 
-def shard_blocks(full: nn.ModuleList, cfg, state, shard: SequenceShard | None, device, dtype, backend: str,
-                 core_factory=None) -> nn.ModuleList:
+def shard_blocks(
+    full: nn.ModuleList, cfg, state, shard: SequenceShard | None, device, dtype, backend: str, core_factory=None
+) -> nn.ModuleList:
     """This rank's TP shards of `full` (Ulysses attention cores when sp > 1, or `core_factory()`'s)."""
     blocks = nn.ModuleList()
     for source in full:
@@ -107,7 +109,7 @@ def shard_blocks(full: nn.ModuleList, cfg, state, shard: SequenceShard | None, d
 
 
 def forward(blocks, x, tables, idx, rope):
-    for block, table in zip(blocks, tables):
+    for block, table in zip(blocks, tables, strict=False):
         x = block(x, None, idx, rope, modulation=table)
     return x
 
@@ -186,7 +188,7 @@ def xfuser_core_factory(world: int, rank: int, head_dim: int, cuda: bool):
     try:
         from yunchang import LongContextAttention, set_seq_parallel_pg
         from yunchang.kernels import AttnType
-    except Exception as error:  # noqa: BLE001 - any import failure means "baseline not available"
+    except Exception as error:  # any import failure means "baseline not available"
         print(f"xfuser baseline skipped: yunchang does not import ({error})", flush=True)
         return None
     set_seq_parallel_pg(world, 1, rank, world)
@@ -215,16 +217,36 @@ def run_scaling(args, cfg, device, dtype, world: int, rank: int) -> list[dict]:
         one_peak = peak_gib(device)
     full_gib = weight_bytes(full) / GiB
     full.cpu()
-    rows = [{"layout": "1 GPU", "ms": f"{one_ms:.1f}", "efficiency": "-", "weights GiB/GPU": f"{full_gib:.2f}",
-             "peak GiB/GPU": f"{one_peak:.2f}", "relL2 vs 1 GPU": "0", "max abs": "0"}]
+    rows = [
+        {
+            "layout": "1 GPU",
+            "ms": f"{one_ms:.1f}",
+            "efficiency": "-",
+            "weights GiB/GPU": f"{full_gib:.2f}",
+            "peak GiB/GPU": f"{one_peak:.2f}",
+            "relL2 vs 1 GPU": "0",
+            "max abs": "0",
+        }
+    ]
 
     layouts = [(tp, sp) for tp, sp in valid_degrees(cfg.num_attention_heads, world) if tp * sp == world]
-    variants = [(f"Ulysses {sp}" if tp == 1 else f"TP {tp}" if sp == 1 else f"TP {tp} x Ulysses {sp}", tp, sp,
-                 args.backend, None) for tp, sp in layouts]
+    variants = [
+        (
+            f"Ulysses {sp}" if tp == 1 else f"TP {tp}" if sp == 1 else f"TP {tp} x Ulysses {sp}",
+            tp,
+            sp,
+            args.backend,
+            None,
+        )
+        for tp, sp in layouts
+    ]
     if args.xfuser and world > 1 and (1, world) in layouts:
         if args.rows % world:
-            print(f"xfuser baseline skipped: {args.rows} rows do not split evenly over {world} ranks and "
-                  "LongContextAttention has no padding support", flush=True)
+            print(
+                f"xfuser baseline skipped: {args.rows} rows do not split evenly over {world} ranks and "
+                "LongContextAttention has no padding support",
+                flush=True,
+            )
         else:
             cuda = device.type == "cuda"
             factory = xfuser_core_factory(world, rank, cfg.attention_head_dim, cuda)
@@ -243,14 +265,22 @@ def run_scaling(args, cfg, device, dtype, world: int, rank: int) -> list[dict]:
             rope_local = tuple(local_rows(t, 0, shard, state.sp_rank) for t in rope)
             got = gather_rows(forward(blocks, x_local.clone(), tables, idx_local, rope_local), state, args.rows)
             reset_peak(device)
-            ms = slowest(timed(lambda h: forward(blocks, h, tables, idx_local, rope_local), x_local, args.repeat,
-                               device))
+            ms = slowest(
+                timed(lambda h: forward(blocks, h, tables, idx_local, rope_local), x_local, args.repeat, device)
+            )
             peak = slowest(peak_gib(device))
         error = slowest(rel_l2(got, expected))
-        rows.append({"layout": name, "ms": f"{ms:.1f}", "efficiency": f"{one_ms / (world * ms):.1%}",
-                     "weights GiB/GPU": f"{weight_bytes(blocks) / GiB:.2f}", "peak GiB/GPU": f"{peak:.2f}",
-                     "relL2 vs 1 GPU": f"{error:.1e}" + ("" if error <= PARITY_REL_L2 else " (over bf16 tolerance)"),
-                     "max abs": f"{slowest((got.float() - expected.float()).abs().max().item()):.1e}"})
+        rows.append(
+            {
+                "layout": name,
+                "ms": f"{ms:.1f}",
+                "efficiency": f"{one_ms / (world * ms):.1%}",
+                "weights GiB/GPU": f"{weight_bytes(blocks) / GiB:.2f}",
+                "peak GiB/GPU": f"{peak:.2f}",
+                "relL2 vs 1 GPU": f"{error:.1e}" + ("" if error <= PARITY_REL_L2 else " (over bf16 tolerance)"),
+                "max abs": f"{slowest((got.float() - expected.float()).abs().max().item()):.1e}",
+            }
+        )
         blocks = None  # free this layout's shards before the next
         reset_peak(device)
     return rows
@@ -273,8 +303,9 @@ def run_workstation(args, cfg, device, dtype, world: int, rank: int) -> list[dic
         tables = [block.adaln_proj.table(temb) for block in blocks]
         expected = forward(blocks, x_local.clone(), tables, idx_local, rope_local)
         reset_peak(device)
-        resident_ms = slowest(timed(lambda h: forward(blocks, h, tables, idx_local, rope_local), x_local,
-                                    args.repeat, device))
+        resident_ms = slowest(
+            timed(lambda h: forward(blocks, h, tables, idx_local, rope_local), x_local, args.repeat, device)
+        )
         resident_peak = slowest(peak_gib(device))
     del tables
 
@@ -302,24 +333,38 @@ def run_workstation(args, cfg, device, dtype, world: int, rank: int) -> list[dic
             torch.cuda.synchronize()
         tables_ms = slowest((time.perf_counter() - start) * 1e3)
         got = forward(blocks, x_local.clone(), tables, idx_local, rope_local)
-        offload_ms = slowest(timed(lambda h: forward(blocks, h, tables, idx_local, rope_local), x_local, args.repeat,
-                                   device))
+        offload_ms = slowest(
+            timed(lambda h: forward(blocks, h, tables, idx_local, rope_local), x_local, args.repeat, device)
+        )
         offload_peak = slowest(peak_gib(device))
     exact = slowest(float(not torch.equal(got, expected))) == 0
     shared = "one shared copy" if store is not None else f"{world} per-rank copies"
     host = f"{offload.pinned_bytes / GiB:.1f} ({shared}; Shmem +{shmem:.1f})"
     rows = [
-        {"run": f"Ulysses {world}, {args.blocks} blocks all resident", "ms": f"{resident_ms:.0f}",
-         "x resident": "1.000", "peak GiB/GPU": f"{resident_peak:.1f}", "host GiB": "-", "output": "reference"},
-        {"run": f"Ulysses {world}, GPU capped at {args.gpu_cap_gib} GiB, {len(plan.resident)} resident + "
-                f"{len(plan.streamed)} streamed (planned for {args.gpu_memory})",
-         "ms": f"{offload_ms:.0f}", "x resident": f"{offload_ms / resident_ms:.3f}",
-         "peak GiB/GPU": f"{offload_peak:.1f}", "host GiB": host,
-         "output": "bit-identical" if exact else f"relL2 {rel_l2(got, expected):.1e}"},
+        {
+            "run": f"Ulysses {world}, {args.blocks} blocks all resident",
+            "ms": f"{resident_ms:.0f}",
+            "x resident": "1.000",
+            "peak GiB/GPU": f"{resident_peak:.1f}",
+            "host GiB": "-",
+            "output": "reference",
+        },
+        {
+            "run": f"Ulysses {world}, GPU capped at {args.gpu_cap_gib} GiB, {len(plan.resident)} resident + "
+            f"{len(plan.streamed)} streamed (planned for {args.gpu_memory})",
+            "ms": f"{offload_ms:.0f}",
+            "x resident": f"{offload_ms / resident_ms:.3f}",
+            "peak GiB/GPU": f"{offload_peak:.1f}",
+            "host GiB": host,
+            "output": "bit-identical" if exact else f"relL2 {rel_l2(got, expected):.1e}",
+        },
     ]
     if rank == 0:
-        print(f"stack {stack_gib:.1f} GiB; packing the host store took {pack_s:.1f} s; AdaLN tables for the request "
-              f"(AdaLN weights copied on demand) {tables_ms:.0f} ms", flush=True)
+        print(
+            f"stack {stack_gib:.1f} GiB; packing the host store took {pack_s:.1f} s; AdaLN tables for the request "
+            f"(AdaLN weights copied on demand) {tables_ms:.0f} ms",
+            flush=True,
+        )
     offload.remove()
     return rows
 
@@ -367,8 +412,11 @@ def main():
         args.gpu_memory = args.gpu_memory if args.gpu_memory != "30GiB" else "1MiB"
     rows = (run_workstation if args.workstation else run_scaling)(args, cfg, device, dtype, world, rank)
     if rank == 0:
-        print(f"\n{world} x {torch.cuda.get_device_name(device) if cuda else 'CPU'}, {args.rows} rows, "
-              f"{args.blocks} blocks, {'bf16' if cuda else 'fp32'}", flush=True)
+        print(
+            f"\n{world} x {torch.cuda.get_device_name(device) if cuda else 'CPU'}, {args.rows} rows, "
+            f"{args.blocks} blocks, {'bf16' if cuda else 'fp32'}",
+            flush=True,
+        )
         print_table(rows, list(rows[0]))
         if args.out:
             args.out.write_text(json.dumps(rows, indent=2))

@@ -31,18 +31,20 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import matmul_peak_tflops, print_table, rel_l2, time_cuda  # noqa: E402
+from common import matmul_peak_tflops, print_table, rel_l2, time_cuda
 
-from h3gen.media import Mp4Writer, probe_mp4, rgb_to_yuv420  # noqa: E402
-from h3gen.pipelines.h3 import pipeline as pipeline_module  # noqa: E402
-from h3gen.pipelines.h3 import video_decode  # noqa: E402
-from h3gen.pipelines.h3.random_weights import random_pipeline  # noqa: E402
-from h3gen.pipelines.h3.tiers import set_quality  # noqa: E402
-from h3gen.pipelines.h3.video_decode import to_fp8_decoder  # noqa: E402
+from h3gen.media import Mp4Writer, probe_mp4, rgb_to_yuv420
+from h3gen.pipelines.h3 import pipeline as pipeline_module
+from h3gen.pipelines.h3 import video_decode
+from h3gen.pipelines.h3.random_weights import random_pipeline
+from h3gen.pipelines.h3.tiers import set_quality
+from h3gen.pipelines.h3.video_decode import to_fp8_decoder
 
 # 128 bytes: 128 text rows with the byte-level tokenizer, so the packed sequence is 37,838 rows at 768x1344.
-PROMPT = ("A red fox trots across a snowy meadow at dawn, breath steaming, while distant church bells ring and "
-          "crows call over the pines.")[:128].ljust(128, ".")
+PROMPT = (
+    "A red fox trots across a snowy meadow at dawn, breath steaming, while distant church bells ring and "
+    "crows call over the pines."
+)[:128].ljust(128, ".")
 PROFILES = {
     "h200": dict(quality="lossless"),
     "fast": dict(quality="fast"),
@@ -133,19 +135,30 @@ def run_request(pipe, forwards: int, out_dir: Path, device, seconds: float) -> d
     path = out_dir / f"request_{forwards}.mp4"
     sync(device)
     started = time.perf_counter()
-    output = pipe(PROMPT, seconds=seconds, num_inference_steps=forwards + 1, seed=0, callback=callback,
-                  output_path=path)
+    output = pipe(
+        PROMPT, seconds=seconds, num_inference_steps=forwards + 1, seed=0, callback=callback, output_path=path
+    )
     sync(device)
     total = time.perf_counter() - started
     info = probe_mp4(path)
     timings = dict(output.timings)
     outside = total - timings["denoise"]
     return {
-        "forwards": forwards, "total_s": total, "stages_s": timings, "step_s": step_times,
-        "median_step_s": statistics.median(step_times), "outside_loop_s": outside, "outside_share": outside / total,
+        "forwards": forwards,
+        "total_s": total,
+        "stages_s": timings,
+        "step_s": step_times,
+        "median_step_s": statistics.median(step_times),
+        "outside_loop_s": outside,
+        "outside_share": outside / total,
         "peak_gpu_gib": torch.cuda.max_memory_allocated(device) / GiB if device.type == "cuda" else 0.0,
-        "mp4": {"frames": info.num_frames, "size": f"{info.width}x{info.height}", "video_s": info.video_seconds,
-                "audio_s": info.audio_seconds, "bytes": path.stat().st_size},
+        "mp4": {
+            "frames": info.num_frames,
+            "size": f"{info.width}x{info.height}",
+            "video_s": info.video_seconds,
+            "audio_s": info.audio_seconds,
+            "bytes": path.stat().st_size,
+        },
     }
 
 
@@ -192,8 +205,9 @@ def reference_runs(pipe, capture: Capture, device, out_dir: Path, fast_decode: b
         ours = ours_model(**kwargs)  # the captured call asked for a tuple
         results["step_rel_l2_video"] = rel_l2(ours[0].float(), expected[0].float())
         results["step_rel_l2_audio"] = rel_l2(ours[1].float(), expected[1].float())
-        results["diffusers_step_s"] = time_cuda(lambda: diffusers_model(**plain, return_dict=False), warmup=0,
-                                                repeat=1) / 1000
+        results["diffusers_step_s"] = (
+            time_cuda(lambda: diffusers_model(**plain, return_dict=False), warmup=0, repeat=1) / 1000
+        )
         set_quality(ours_model, "exact")
         exact = ours_model(**plain, return_dict=False)
         results["exact_step_rel_l2_video"] = rel_l2(exact[0].float(), expected[0].float())
@@ -204,6 +218,7 @@ def reference_runs(pipe, capture: Capture, device, out_dir: Path, fast_decode: b
     vae = pipe.vae
     latents = capture.latents
     from h3gen.pipelines.h3.vae import _stat
+
     z = latents * _stat(vae.config.latents_std, device, 5) + _stat(vae.config.latents_mean, device, 5)
     flops = decoder_flops(vae, z)
     peak = matmul_peak_tflops()
@@ -214,16 +229,24 @@ def reference_runs(pipe, capture: Capture, device, out_dir: Path, fast_decode: b
         for tier in ("exact", "lossless"):
             ms = time_cuda(lambda: video_decode.decode(vae, z, tier=tier), warmup=1, repeat=2)
             out = video_decode.decode(vae, z, tier=tier)
-            decodes[tier] = {"s": ms / 1000, "tflops": flops / ms / 1e9, "rel_l2_vs_diffusers": rel_l2(out, exact),
-                             "max_abs_vs_diffusers": (out.float() - exact.float()).abs().max().item()}
+            decodes[tier] = {
+                "s": ms / 1000,
+                "tflops": flops / ms / 1e9,
+                "rel_l2_vs_diffusers": rel_l2(out, exact),
+                "max_abs_vs_diffusers": (out.float() - exact.float()).abs().max().item(),
+            }
             del out
         if fast_decode:
             fast_vae = copy.deepcopy(vae)
             to_fp8_decoder(fast_vae)
             ms = time_cuda(lambda: video_decode.decode(fast_vae, z, tier="fast"), warmup=1, repeat=2)
             out = video_decode.decode(fast_vae, z, tier="fast")
-            decodes["fast"] = {"s": ms / 1000, "tflops": flops / ms / 1e9, "rel_l2_vs_diffusers": rel_l2(out, exact),
-                               "max_abs_vs_diffusers": (out.float() - exact.float()).abs().max().item()}
+            decodes["fast"] = {
+                "s": ms / 1000,
+                "tflops": flops / ms / 1e9,
+                "rel_l2_vs_diffusers": rel_l2(out, exact),
+                "max_abs_vs_diffusers": (out.float() - exact.float()).abs().max().item(),
+            }
             del fast_vae, out
     results["video_decode"] = decodes
     results["decoder_tflop"] = flops / 1e12
@@ -231,6 +254,7 @@ def reference_runs(pipe, capture: Capture, device, out_dir: Path, fast_decode: b
 
     # The MP4 writer on these frames: x264 presets at CRF 18, frames converted on the GPU.
     from h3gen.pipelines.h3.vae import PIXEL_MEAN, PIXEL_STD
+
     frames = (exact.float() * _stat(PIXEL_STD, device, 5) + _stat(PIXEL_MEAN, device, 5)).clamp(0, 1)[0]
     frames = frames.permute(1, 2, 3, 0)
     audio = torch.zeros(2, round(frames.shape[0] / 24 * 32000)).numpy()
@@ -238,14 +262,18 @@ def reference_runs(pipe, capture: Capture, device, out_dir: Path, fast_decode: b
     for preset in ("ultrafast", "superfast", "veryfast", "faster", "medium"):
         started = time.perf_counter()
         planes = rgb_to_yuv420(frames).cpu().numpy()
-        writer = Mp4Writer(out_dir / f"preset_{preset}.mp4", width=frames.shape[2], height=frames.shape[1],
-                           preset=preset)
+        writer = Mp4Writer(
+            out_dir / f"preset_{preset}.mp4", width=frames.shape[2], height=frames.shape[1], preset=preset
+        )
         writer.add_frames(planes)
         writer.add_audio(audio)
         encoded = time.perf_counter() - started
         writer.close()
-        writes[preset] = {"encode_s": encoded, "with_verify_s": time.perf_counter() - started,
-                          "bytes": (out_dir / f"preset_{preset}.mp4").stat().st_size}
+        writes[preset] = {
+            "encode_s": encoded,
+            "with_verify_s": time.perf_counter() - started,
+            "bytes": (out_dir / f"preset_{preset}.mp4").stat().st_size,
+        }
         (out_dir / f"preset_{preset}.mp4").unlink()
     results["mp4_presets"] = writes
     return results
@@ -259,8 +287,10 @@ def one_clip_errors(vae, z) -> dict:
         reference = copy.deepcopy(vae).float()
         truth = reference.decode(clip.float(), return_dict=False)[0]
         del reference
-        errors = {"diffusers bf16": rel_l2(video_decode.decode(vae, clip, tier="exact").float(), truth),
-                  "lossless": rel_l2(video_decode.decode(vae, clip, tier="lossless").float(), truth)}
+        errors = {
+            "diffusers bf16": rel_l2(video_decode.decode(vae, clip, tier="exact").float(), truth),
+            "lossless": rel_l2(video_decode.decode(vae, clip, tier="lossless").float(), truth),
+        }
         fast_vae = copy.deepcopy(vae)
         to_fp8_decoder(fast_vae)
         errors["fast"] = rel_l2(video_decode.decode(fast_vae, clip, tier="fast").float(), truth)
@@ -286,9 +316,15 @@ def main():
     if args.profile == "rtx5090" and device.type == "cuda":
         total = torch.cuda.get_device_properties(device).total_memory
         torch.cuda.set_per_process_memory_fraction(32 * GiB / total, device)
-    report = {"profile": args.profile, "sizes": args.sizes, "device": str(device),
-              "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-              "torch": torch.__version__, "options": options, "cores": os.cpu_count()}
+    report = {
+        "profile": args.profile,
+        "sizes": args.sizes,
+        "device": str(device),
+        "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "options": options,
+        "cores": os.cpu_count(),
+    }
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     with RssSampler() as rss:
         started = time.perf_counter()
@@ -300,8 +336,7 @@ def main():
         warm = run_request(pipe, 1, args.out, device, args.seconds)  # kernels compile and tune here
         report["warmup"] = {"total_s": warm["total_s"], "stages_s": warm["stages_s"]}
         rss.peak = RssSampler.rss()  # the request's peak from here on, not the build's transients
-        report["requests"] = [run_request(pipe, forwards, args.out, device, args.seconds)
-                              for forwards in args.forwards]
+        report["requests"] = [run_request(pipe, forwards, args.out, device, args.seconds) for forwards in args.forwards]
     report["peak_rss_gib"] = rss.peak / GiB
     (args.out / f"{args.profile}.json").write_text(json.dumps(report, indent=2, default=str))
     if args.profile == "rtx5090" and device.type == "cuda":
@@ -324,9 +359,11 @@ def resident_step(pipe, capture: Capture, device, dtype, sizes: str) -> float:
     config = H3TransformerConfig.from_dict(_json.loads((folder / "config.json").read_text()))
     pipe.transformer = None
     torch.cuda.empty_cache()
-    resident = H3Transformer.from_pretrained(folder, torch_dtype=dtype, device=device, quantization="mxfp4",
-                                             tensors=random_tensors(config, dtype=dtype))
+    resident = H3Transformer.from_pretrained(
+        folder, torch_dtype=dtype, device=device, quantization="mxfp4", tensors=random_tensors(config, dtype=dtype)
+    )
     from h3gen.pipelines.h3.tiers import set_quality
+
     set_quality(resident, "lossless")
     kwargs = dict(capture.kwargs)
     kwargs["adaln_tables"] = resident.precompute_adaln([kwargs["timestep"]])
@@ -340,41 +377,82 @@ def summarize(report: dict) -> None:
     for request in report["requests"]:
         stages = request["stages_s"]
         for stage, seconds in stages.items():
-            rows.append({"forwards": request["forwards"], "stage": stage, "s": f"{seconds:.3f}",
-                         "share": f"{seconds / request['total_s']:.1%}"})
+            rows.append(
+                {
+                    "forwards": request["forwards"],
+                    "stage": stage,
+                    "s": f"{seconds:.3f}",
+                    "share": f"{seconds / request['total_s']:.1%}",
+                }
+            )
         rows.append({"forwards": request["forwards"], "stage": "median step", "s": f"{request['median_step_s']:.3f}"})
-        rows.append({"forwards": request["forwards"], "stage": "outside the loop",
-                     "s": f"{request['outside_loop_s']:.3f}", "share": f"{request['outside_share']:.1%}"})
-        rows.append({"forwards": request["forwards"], "stage": "total", "s": f"{request['total_s']:.3f}",
-                     "share": f"peak GPU {request['peak_gpu_gib']:.1f} GiB"})
-    print(f"profile {report['profile']} ({report['gpu']}), build {report['build_s']:.1f} s, "
-          f"peak host RSS {report['peak_rss_gib']:.1f} GiB")
+        rows.append(
+            {
+                "forwards": request["forwards"],
+                "stage": "outside the loop",
+                "s": f"{request['outside_loop_s']:.3f}",
+                "share": f"{request['outside_share']:.1%}",
+            }
+        )
+        rows.append(
+            {
+                "forwards": request["forwards"],
+                "stage": "total",
+                "s": f"{request['total_s']:.3f}",
+                "share": f"peak GPU {request['peak_gpu_gib']:.1f} GiB",
+            }
+        )
+    print(
+        f"profile {report['profile']} ({report['gpu']}), build {report['build_s']:.1f} s, "
+        f"peak host RSS {report['peak_rss_gib']:.1f} GiB"
+    )
     print_table(rows, ["forwards", "stage", "s", "share"])
     if "resident_mxfp4_step_s" in report:
         offloaded = report["requests"][0]["median_step_s"]
-        print(f"offloaded step {offloaded:.3f} s vs resident MXFP4 step {report['resident_mxfp4_step_s']:.3f} s: "
-              f"{offloaded / report['resident_mxfp4_step_s']:.3f}x")
+        print(
+            f"offloaded step {offloaded:.3f} s vs resident MXFP4 step {report['resident_mxfp4_step_s']:.3f} s: "
+            f"{offloaded / report['resident_mxfp4_step_s']:.3f}x"
+        )
     reference = report.get("reference")
     if reference:
-        print(f"diffusers step {reference['diffusers_step_s']:.3f} s; ours (lossless) vs diffusers rel L2 video "
-              f"{reference['step_rel_l2_video']:.2e} audio {reference['step_rel_l2_audio']:.2e}; ours (exact) "
-              f"{reference['exact_step_rel_l2_video']:.2e}")
-        print("one clip's decode against diffusers' float32 decode (rel L2): "
-              + ", ".join(f"{k} {v:.2e}" for k, v in reference["one_clip_vs_float32"].items()))
-        decode_rows = [{"tier": tier, **{k: (f"{v:.3g}" if isinstance(v, float) else v) for k, v in d.items()}}
-                       for tier, d in reference["video_decode"].items()]
-        print(f"video decode: {reference['decoder_tflop']:.0f} TFLOP, matmul peak "
-              f"{reference['matmul_peak_tflops']:.0f} TFLOP/s")
+        print(
+            f"diffusers step {reference['diffusers_step_s']:.3f} s; ours (lossless) vs diffusers rel L2 video "
+            f"{reference['step_rel_l2_video']:.2e} audio {reference['step_rel_l2_audio']:.2e}; ours (exact) "
+            f"{reference['exact_step_rel_l2_video']:.2e}"
+        )
+        print(
+            "one clip's decode against diffusers' float32 decode (rel L2): "
+            + ", ".join(f"{k} {v:.2e}" for k, v in reference["one_clip_vs_float32"].items())
+        )
+        decode_rows = [
+            {"tier": tier, **{k: (f"{v:.3g}" if isinstance(v, float) else v) for k, v in d.items()}}
+            for tier, d in reference["video_decode"].items()
+        ]
+        print(
+            f"video decode: {reference['decoder_tflop']:.0f} TFLOP, matmul peak "
+            f"{reference['matmul_peak_tflops']:.0f} TFLOP/s"
+        )
         print_table(decode_rows, ["tier", "s", "tflops", "rel_l2_vs_diffusers", "max_abs_vs_diffusers"])
-        print_table([{"preset": p, **{k: (f"{v:.3f}" if isinstance(v, float) else v) for k, v in d.items()}}
-                     for p, d in reference["mp4_presets"].items()], ["preset", "encode_s", "with_verify_s", "bytes"])
+        print_table(
+            [
+                {"preset": p, **{k: (f"{v:.3f}" if isinstance(v, float) else v) for k, v in d.items()}}
+                for p, d in reference["mp4_presets"].items()
+            ],
+            ["preset", "encode_s", "with_verify_s", "bytes"],
+        )
         for request in report["requests"]:
             stages = request["stages_s"]
-            composed = (stages["encode_text"] + stages.get("encode_conditions", 0.0)
-                        + request["forwards"] * reference["diffusers_step_s"]
-                        + reference["video_decode"]["exact"]["s"] + stages["decode_audio"])
-            print(f"{request['forwards']} forwards: diffusers composed {composed:.1f} s vs ours "
-                  f"{request['total_s']:.1f} s (MP4 written and verified): {composed / request['total_s']:.3f}x")
+            composed = (
+                stages["encode_text"]
+                + stages.get("encode_conditions", 0.0)
+                + request["forwards"] * reference["diffusers_step_s"]
+                + reference["video_decode"]["exact"]["s"]
+                + stages["decode_audio"]
+            )
+            print(
+                f"{request['forwards']} forwards: diffusers composed {composed:.1f} s vs ours "
+                f"{request['total_s']:.1f} s (MP4 written and verified): {composed / request['total_s']:.3f}x"
+            )
 
 
 if __name__ == "__main__":

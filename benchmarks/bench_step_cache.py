@@ -37,22 +37,32 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import print_table, rel_l2, synchronize, timer  # noqa: E402
+from common import print_table, rel_l2, synchronize, timer
 
-from h3gen.offload import apply_layerwise_offload  # noqa: E402
-from h3gen.pipelines.h3.packing import build_layout, row_timesteps  # noqa: E402
-from h3gen.pipelines.h3.random_weights import random_tensors  # noqa: E402
-from h3gen.pipelines.h3.schedules import AUDIO_SHIFT, VIDEO_SHIFT, FlowSchedule  # noqa: E402
+from h3gen.offload import apply_layerwise_offload
+from h3gen.pipelines.h3.packing import build_layout, row_timesteps
+from h3gen.pipelines.h3.random_weights import random_tensors
+from h3gen.pipelines.h3.schedules import AUDIO_SHIFT, VIDEO_SHIFT, FlowSchedule
 from h3gen.pipelines.h3.step_cache import step_cache
-from h3gen.pipelines.h3.step_cache_config import StepCacheConfig  # noqa: E402
-from h3gen.pipelines.h3.tiers import set_quality  # noqa: E402
-from h3gen.pipelines.h3.transformer import H3Transformer, H3TransformerConfig  # noqa: E402
+from h3gen.pipelines.h3.step_cache_config import StepCacheConfig
+from h3gen.pipelines.h3.tiers import set_quality
+from h3gen.pipelines.h3.transformer import H3Transformer, H3TransformerConfig
 
 GiB = 2**30
 ROWS = 37838
-TINY = H3TransformerConfig(num_attention_heads=4, attention_head_dim=24, hidden_size=56, num_layers=6,
-                           num_refiner_layers=2, ffn_dim=100, text_dim=40, freq_dim=16, time_embed_hidden_dim=48,
-                           time_embed_dim=24, rope_freq_dim=4)
+TINY = H3TransformerConfig(
+    num_attention_heads=4,
+    attention_head_dim=24,
+    hidden_size=56,
+    num_layers=6,
+    num_refiner_layers=2,
+    ffn_dim=100,
+    text_dim=40,
+    freq_dim=16,
+    time_embed_hidden_dim=48,
+    time_embed_dim=24,
+    rope_freq_dim=4,
+)
 
 
 def patterns(forwards: int) -> dict[str, list[int]]:
@@ -84,8 +94,13 @@ def random_transformer(config: H3TransformerConfig, device, dtype, quantization:
     (`random_weights.random_tensors`; MXFP4 linears quantized as they arrive)."""
     folder = Path(tempfile.mkdtemp(prefix="h3gen-bench-step-cache-"))
     (folder / "config.json").write_text(json.dumps(config.to_dict()))
-    return H3Transformer.from_pretrained(folder, torch_dtype=dtype, device=device, quantization=quantization,
-                                         tensors=random_tensors(config, dtype=dtype, seed=seed))
+    return H3Transformer.from_pretrained(
+        folder,
+        torch_dtype=dtype,
+        device=device,
+        quantization=quantization,
+        tensors=random_tensors(config, dtype=dtype, seed=seed),
+    )
 
 
 def request_inputs(config: H3TransformerConfig, rows: int, forwards: int, device, dtype, text_rows: int = 128):
@@ -102,9 +117,11 @@ def request_inputs(config: H3TransformerConfig, rows: int, forwards: int, device
     g = torch.Generator(device=device).manual_seed(1)
     fixed = dict(
         encoder_hidden_states=torch.randn(1, text_rows, config.text_dim, device=device, generator=g).to(dtype),
-        token_tags=layout.token_tags[keep].to(device), position_ids=layout.position_ids[keep].to(device),
+        token_tags=layout.token_tags[keep].to(device),
+        position_ids=layout.position_ids[keep].to(device),
         video_indices=torch.arange(text_rows + audio_rows, rows, device=device),
-        audio_indices=layout.audio_indices.to(device), text_indices=layout.text_indices.to(device),
+        audio_indices=layout.audio_indices.to(device),
+        text_indices=layout.text_indices.to(device),
     )
     video = torch.randn(video_rows, config.video_patch_dim, device=device, generator=g)
     sound = torch.randn(audio_rows, config.audio_in_channels, device=device, generator=g)
@@ -120,8 +137,16 @@ def request_inputs(config: H3TransformerConfig, rows: int, forwards: int, device
 
 def forward(model, fixed, video, sound, plan, tables, step):
     timestep, indices = plan[step]
-    return model(hidden_states=video[None], audio_hidden_states=sound[None], timestep=timestep,
-                 timestep_indices=indices, adaln_tables=tables, step=step, return_dict=False, **fixed)
+    return model(
+        hidden_states=video[None],
+        audio_hidden_states=sound[None],
+        timestep=timestep,
+        timestep_indices=indices,
+        adaln_tables=tables,
+        step=step,
+        return_dict=False,
+        **fixed,
+    )
 
 
 # ---------------------------------------------------------------------------------------------------- runs
@@ -144,22 +169,28 @@ def run_step(args, model, device, dtype):
     return [
         {"forward": "plain lossless (no cache)", "ms": f"{plain_ms:.1f}", "x plain": "1.000"},
         {"forward": "computed under the cache", "ms": f"{computed_ms:.1f}", "x plain": f"{computed_ms / plain_ms:.4f}"},
-        {"forward": "cached (block 0 + diff + stored tail)", "ms": f"{cached_ms:.1f}",
-         "x plain": f"{cached_ms / plain_ms:.4f}", "goal": "<= 0.03",
-         "met": "yes" if cached_ms / plain_ms <= 0.03 else "no"},
+        {
+            "forward": "cached (block 0 + diff + stored tail)",
+            "ms": f"{cached_ms:.1f}",
+            "x plain": f"{cached_ms / plain_ms:.4f}",
+            "goal": "<= 0.03",
+            "met": "yes" if cached_ms / plain_ms <= 0.03 else "no",
+        },
     ]
 
 
 def run_request(args, model, device, dtype, cached: list[int], label: str):
     """Denoise time (s) of `args.forwards` forwards without cache and with the decisions forced to `cached`;
     copies of blocks per forward under offload."""
-    fixed, video0, sound0, plan, (video_schedule, audio_schedule) = request_inputs(model.config, args.rows,
-                                                                                    args.forwards, device, dtype)
+    fixed, video0, sound0, plan, (video_schedule, audio_schedule) = request_inputs(
+        model.config, args.rows, args.forwards, device, dtype
+    )
     offload = getattr(model, "offload", None)
     log = offload.copy_log if offload is not None else None
     starts = []
     model.transformer_blocks[0].register_forward_pre_hook(
-        lambda *_: starts.append(len(log) if log is not None else 0), prepend=True)
+        lambda *_: starts.append(len(log) if log is not None else 0), prepend=True
+    )
 
     def loop(forced):
         video, sound = video0.clone(), sound0.clone()
@@ -181,22 +212,29 @@ def run_request(args, model, device, dtype, cached: list[int], label: str):
         forward(model, fixed, video0, sound0, plan, model.precompute_adaln([t for t, _ in plan]), 0)
         if not args.skip_plain:
             plain_s, plain_video, _ = loop(None)
-            rows.append({"run": f"{label}: no cache", "denoise s": f"{plain_s:.2f}", "x no cache": "1.000",
-                         "cached": "0"})
+            rows.append(
+                {"run": f"{label}: no cache", "denoise s": f"{plain_s:.2f}", "x no cache": "1.000", "cached": "0"}
+            )
         del starts[:]
         first = len(log) if log is not None else 0
         cached_s, video, got = loop(forced)
         assert got == sorted(cached), (got, cached)
     copies = ""
     if log is not None:
-        bounds = starts[-args.forwards:] + [len(log)]
+        bounds = starts[-args.forwards :] + [len(log)]
         per = [bounds[i + 1] - bounds[i] for i in range(args.forwards)]
         on_cached = sorted({per[s] for s in cached})
         on_computed = [per[s] for s in range(args.forwards) if s not in cached]
-        copies = (f"{len(log) - first} copies; per cached forward {on_cached}, per computed forward "
-                  f"{min(on_computed)}-{max(on_computed)}")
-    row = {"run": f"{label}: forced pattern", "denoise s": f"{cached_s:.2f}", "cached": f"{len(cached)}",
-           "copies of blocks": copies}
+        copies = (
+            f"{len(log) - first} copies; per cached forward {on_cached}, per computed forward "
+            f"{min(on_computed)}-{max(on_computed)}"
+        )
+    row = {
+        "run": f"{label}: forced pattern",
+        "denoise s": f"{cached_s:.2f}",
+        "cached": f"{len(cached)}",
+        "copies of blocks": copies,
+    }
     if not args.skip_plain:
         row["x no cache"] = f"{cached_s / plain_s:.3f}"
         row["relL2 video vs no cache"] = f"{rel_l2(video, plain_video):.2e}"
@@ -213,13 +251,20 @@ def main():
     parser.add_argument("--rows", type=int, default=ROWS)
     parser.add_argument("--layers", type=int, default=50, help="transformer blocks (released: 50)")
     parser.add_argument("--forwards", type=int, default=49, help="forwards of the request (50 sigma points: 49)")
-    parser.add_argument("--pattern", default="ceiling",
-                        help="ceiling, cache-dit, or comma-separated forward indices to cache (see the docstring)")
+    parser.add_argument(
+        "--pattern",
+        default="ceiling",
+        help="ceiling, cache-dit, or comma-separated forward indices to cache (see the docstring)",
+    )
     parser.add_argument("--offload", action="store_true", help="the request under layer-wise offload")
     parser.add_argument("--gpu-memory", default="30GiB", help="the offload budget (the 32 GiB profile: 30GiB)")
     parser.add_argument("--prefetch", type=int, default=2)
-    parser.add_argument("--quantization", choices=("mxfp4", "none"), default=None,
-                        help="block linears (default: mxfp4 with --offload, bf16 otherwise)")
+    parser.add_argument(
+        "--quantization",
+        choices=("mxfp4", "none"),
+        default=None,
+        help="block linears (default: mxfp4 with --offload, bf16 otherwise)",
+    )
     parser.add_argument("--skip-plain", action="store_true", help="time only the cached request (saves GPU time)")
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--tiny", action="store_true", help="a tiny config on the CPU (a smoke run)")
@@ -249,8 +294,7 @@ def main():
     if args.what in ("step", "all") or not args.offload:
         model = random_transformer(config, device, dtype, quantization)
         set_quality(model, "lossless")
-        print(f"built {config.num_layers} blocks ({weights}) in {time.perf_counter() - started:.0f} s",
-              flush=True)
+        print(f"built {config.num_layers} blocks ({weights}) in {time.perf_counter() - started:.0f} s", flush=True)
         if args.what in ("step", "all"):
             results += run_step(args, model, device, dtype)
             print_table(results, ["forward", "ms", "x plain", "goal", "met"])
@@ -265,27 +309,39 @@ def main():
         set_quality(model, "lossless")
         budget = args.gpu_memory
         if budget is None:  # tiny: the non-block weights, two resident blocks and the ring
-            block = sum(t.numel() * t.element_size() for n, t in model.transformer_blocks[0].state_dict().items()
-                        if not n.startswith("adaln_proj"))
-            other = sum(p.numel() * p.element_size() for n, p in model.named_parameters()
-                        if not n.startswith("transformer_blocks."))
+            block = sum(
+                t.numel() * t.element_size()
+                for n, t in model.transformer_blocks[0].state_dict().items()
+                if not n.startswith("adaln_proj")
+            )
+            other = sum(
+                p.numel() * p.element_size()
+                for n, p in model.named_parameters()
+                if not n.startswith("transformer_blocks.")
+            )
             budget = int((other + (2 + args.prefetch + 1) * block) / 0.8) + 1
         apply_layerwise_offload(model, device, gpu_memory=budget, prefetch=args.prefetch, copy_log=[])
         plan = model.offload_plan
-        where = (f"layer-wise {args.gpu_memory or budget}, {weights}: {len(plan.resident)} resident "
-                 f"(block 0 {'resident' if 0 in plan.resident else 'streamed'}) + {len(plan.streamed)} streamed")
+        where = (
+            f"layer-wise {args.gpu_memory or budget}, {weights}: {len(plan.resident)} resident "
+            f"(block 0 {'resident' if 0 in plan.resident else 'streamed'}) + {len(plan.streamed)} streamed"
+        )
         print(where, flush=True)
         results += run_request(args, model, device, dtype, cached, where)
     request_rows = [r for r in results if "run" in r]
     if request_rows:
         print()
-        print_table(request_rows, ["run", "denoise s", "x no cache", "cached", "relL2 video vs no cache",
-                                   "copies of blocks"])
+        print_table(
+            request_rows, ["run", "denoise s", "x no cache", "cached", "relL2 video vs no cache", "copies of blocks"]
+        )
     if args.out:
         args.out.write_text(json.dumps({"pattern": cached, "rows": results}, indent=2))
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
-    print(f"\n{name}, {args.rows} rows, {config.num_layers} blocks, {args.forwards} forwards, "
-          f"{time.perf_counter() - started:.0f} s in all", flush=True)
+    print(
+        f"\n{name}, {args.rows} rows, {config.num_layers} blocks, {args.forwards} forwards, "
+        f"{time.perf_counter() - started:.0f} s in all",
+        flush=True,
+    )
 
 
 if __name__ == "__main__":

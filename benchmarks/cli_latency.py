@@ -50,12 +50,14 @@ print(json.dumps({name: stop - starts[name] for name, stop in zip(order, stops)}
 def run(arguments: list[str], cwd: Path, env: dict, expected: int) -> float:
     """Seconds one fresh `python -m h3gen.cli ARGUMENTS` process takes; its exit code must be `expected`."""
     start = time.perf_counter()
-    done = subprocess.run([sys.executable, "-m", "h3gen.cli", *arguments], cwd=cwd, env=env, capture_output=True,
-                          text=True, timeout=900)
+    done = subprocess.run(
+        [sys.executable, "-m", "h3gen.cli", *arguments], cwd=cwd, env=env, capture_output=True, text=True, timeout=900
+    )
     seconds = time.perf_counter() - start
     if done.returncode != expected:
-        raise SystemExit(f"h3gen {' '.join(arguments)} exited {done.returncode}, expected {expected}:\n"
-                         f"{done.stderr[-2000:]}")
+        raise SystemExit(
+            f"h3gen {' '.join(arguments)} exited {done.returncode}, expected {expected}:\n{done.stderr[-2000:]}"
+        )
     return seconds
 
 
@@ -79,8 +81,14 @@ def main() -> None:
     for label, arguments, expected, goal in COMMANDS:
         rows.append((label, statistics.median(run(arguments, work, env, expected) for _ in range(args.repeat)), goal))
 
-    stages = subprocess.run([sys.executable, "-c", STAGES_SCRIPT, str(work / "stages.mp4")], cwd=work, env=env,
-                            capture_output=True, text=True, timeout=900)
+    stages = subprocess.run(
+        [sys.executable, "-c", STAGES_SCRIPT, str(work / "stages.mp4")],
+        cwd=work,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     if stages.returncode != 0:
         raise SystemExit(stages.stderr[-2000:])
     stage_seconds = json.loads(stages.stdout.strip().splitlines()[-1])

@@ -16,22 +16,33 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import bench_k3  # noqa: E402
+import bench_k3
 
-import h3gen.pipelines.k3.attention as k3_attention  # noqa: E402
-import h3gen.pipelines.k3.layers as k3_layers  # noqa: E402
-import h3gen.pipelines.k3.model as k3_model  # noqa: E402
-import h3gen.pipelines.k3.moe as k3_moe  # noqa: E402
-import h3gen.pipelines.k3.pending_norm as pending_norm  # noqa: E402
-from h3gen.loading.load import keeps_fp32  # noqa: E402
-from h3gen.pipelines.k3.model import K3ForCausalLM  # noqa: E402
-from h3gen.pipelines.k3.demo_model import randomize  # noqa: E402
+import h3gen.pipelines.k3.attention as k3_attention
+import h3gen.pipelines.k3.layers as k3_layers
+import h3gen.pipelines.k3.model as k3_model
+import h3gen.pipelines.k3.moe as k3_moe
+import h3gen.pipelines.k3.pending_norm as pending_norm
+from h3gen.loading.load import keeps_fp32
+from h3gen.pipelines.k3.demo_model import randomize
+from h3gen.pipelines.k3.model import K3ForCausalLM
 
 # The ops a variant may replace (restored before each variant), by name: in every module of the K3 model that reads
 # them, and in those through which a decode step's norms reach the projection kernels (`PendingNorm`).
 K3_MODULES = (k3_model, k3_layers, k3_attention, k3_moe)
-MODEL_OPS = ("rms_norm", "kda_decode", "grouped_rows_linear", "absorb_query", "mla_decode", "mla_decode_partials",
-             "absorb_output", "router_topk", "expert_swiglu_down", "rows_linear", "expert_gemv")
+MODEL_OPS = (
+    "rms_norm",
+    "kda_decode",
+    "grouped_rows_linear",
+    "absorb_query",
+    "mla_decode",
+    "mla_decode_partials",
+    "absorb_output",
+    "router_topk",
+    "expert_swiglu_down",
+    "rows_linear",
+    "expert_gemv",
+)
 PATCHED = {module: tuple(name for name in MODEL_OPS if hasattr(module, name)) for module in K3_MODULES}
 PATCHED[pending_norm] = ("add_rms_norm", "rms_norm", "rows_linear", "normed_rows_linear")
 
@@ -64,6 +75,7 @@ def fixed_router(num_experts: int):
 def skips() -> dict:
     """Each skipped family's replacement ops, by (module, name): outputs of the right shape, nothing launched (the
     norms computed in a projection's kernel: that projection without its norm prologue)."""
+
     def empty(*shape, dtype, like):
         return torch.empty(*shape, dtype=dtype, device=like.device)
 
@@ -73,32 +85,56 @@ def skips() -> dict:
     p = pending_norm
     return {
         "norms (separate, and in the projections' prologues)": {
-            **everywhere("rms_norm", lambda x, w, e: x), (p, "rms_norm"): lambda x, w, e: x,
-            (p, "add_rms_norm"): lambda x, y, w, e: (x, x), (p, "normed_rows_linear"): unnormed_linear},
+            **everywhere("rms_norm", lambda x, w, e: x),
+            (p, "rms_norm"): lambda x, w, e: x,
+            (p, "add_rms_norm"): lambda x, y, w, e: (x, x),
+            (p, "normed_rows_linear"): unnormed_linear,
+        },
         "KDA decode": everywhere("kda_decode", lambda q, *a, **k: torch.empty_like(q)),
         "low-rank gate GEMV (above 4 rows)": everywhere(
-            "grouped_rows_linear", lambda x, w: empty(x.shape[0], x.shape[1], w.shape[1], dtype=x.dtype, like=x)),
+            "grouped_rows_linear", lambda x, w: empty(x.shape[0], x.shape[1], w.shape[1], dtype=x.dtype, like=x)
+        ),
         "MLA cache write + absorb + decode": {
-            **everywhere("absorb_query", lambda q, w, nope, new_rows=None: empty(
-                q.shape[0], q.shape[1], w.shape[-1] + q.shape[-1] - nope, dtype=torch.float32, like=q)),
-            **everywhere("mla_decode", lambda q, pages, table, lens, scale, v: empty(
-                q.shape[0], q.shape[1], v, dtype=torch.float32, like=q)),
-            **everywhere("mla_decode_partials", lambda q, pages, table, lens, scale, v, splits: (
-                empty(q.shape[0], q.shape[1], splits, v, dtype=torch.float32, like=q),
-                empty(q.shape[0], q.shape[1], splits, dtype=torch.float32, like=q))),
-            **everywhere("absorb_output", lambda latent, w_vc, dtype, gate=None, lse=None: empty(
-                latent.shape[0], w_vc.shape[0], w_vc.shape[1], dtype=dtype, like=latent))},
+            **everywhere(
+                "absorb_query",
+                lambda q, w, nope, new_rows=None: empty(
+                    q.shape[0], q.shape[1], w.shape[-1] + q.shape[-1] - nope, dtype=torch.float32, like=q
+                ),
+            ),
+            **everywhere(
+                "mla_decode",
+                lambda q, pages, table, lens, scale, v: empty(q.shape[0], q.shape[1], v, dtype=torch.float32, like=q),
+            ),
+            **everywhere(
+                "mla_decode_partials",
+                lambda q, pages, table, lens, scale, v, splits: (
+                    empty(q.shape[0], q.shape[1], splits, v, dtype=torch.float32, like=q),
+                    empty(q.shape[0], q.shape[1], splits, dtype=torch.float32, like=q),
+                ),
+            ),
+            **everywhere(
+                "absorb_output",
+                lambda latent, w_vc, dtype, gate=None, lse=None: empty(
+                    latent.shape[0], w_vc.shape[0], w_vc.shape[1], dtype=dtype, like=latent
+                ),
+            ),
+        },
         "expert SwiGLU + down tail": everywhere(
-            "expert_swiglu_down", lambda both, down, ids, w, add=None: empty(ids.shape[0], down.shape[1],
-                                                                            dtype=both.dtype, like=both)),
+            "expert_swiglu_down",
+            lambda both, down, ids, w, add=None: empty(ids.shape[0], down.shape[1], dtype=both.dtype, like=both),
+        ),
         "expert gate/up GEMV": everywhere(
-            "expert_gemv", lambda x, w, ids, top_k=1, always=0, out=None: empty(ids.numel(), w.shape[1],
-                                                                                dtype=x.dtype, like=x)),
+            "expert_gemv",
+            lambda x, w, ids, top_k=1, always=0, out=None: empty(ids.numel(), w.shape[1], dtype=x.dtype, like=x),
+        ),
         "few-row GEMVs (rows_linear, normed_rows_linear)": {
             **everywhere("rows_linear", lambda x, w: empty(*x.shape[:-1], w.shape[0], dtype=x.dtype, like=x)),
             (p, "rows_linear"): lambda x, w: empty(*x.shape[:-1], w.shape[0], dtype=x.dtype, like=x),
             (p, "normed_rows_linear"): lambda x, nw, e, w, residual=None: (
-                x, empty(*x.shape[:-1], w.shape[0], dtype=x.dtype, like=x))},
+                x,
+                empty(*x.shape[:-1], w.shape[0], dtype=x.dtype, like=x),
+            ),
+        },
     }
 
 
@@ -127,16 +163,22 @@ def main():
         for label, ops in variants:
             for (module, name), op in [*originals.items(), *ops.items()]:
                 setattr(module, name, op)
-            times = [args.batch * 1e3 / bench_k3.decode_rate(model, args.batch, 128, args.steps, device,
-                                                              cuda_graphs=None, **options)[0] for _ in range(2)]
+            times = [
+                args.batch
+                * 1e3
+                / bench_k3.decode_rate(model, args.batch, 128, args.steps, device, cuda_graphs=None, **options)[0]
+                for _ in range(2)
+            ]
             rows.append((label, min(times)))
             print(f"{label}: {min(times):.4f} ms per step", flush=True)
     finally:
         for (module, name), op in originals.items():
             setattr(module, name, op)
     base = rows[1][1]
-    print(f"\nbatch {args.batch}, {'tiny' if tiny else 'mid'} config on {device.type}; saved = fixed-routing step - "
-          "variant (the first row's saving is the router's)")
+    print(
+        f"\nbatch {args.batch}, {'tiny' if tiny else 'mid'} config on {device.type}; saved = fixed-routing step - "
+        "variant (the first row's saving is the router's)"
+    )
     print(f"{'variant':55s} {'ms per step':>12s} {'saved us':>9s}")
     for label, ms in rows:
         print(f"{label:55s} {ms:12.4f} {(base - ms) * 1e3:+9.1f}")

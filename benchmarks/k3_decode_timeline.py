@@ -15,12 +15,12 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import bench_k3  # noqa: E402
+import bench_k3
 
-from h3gen.loading.load import keeps_fp32  # noqa: E402
-from h3gen.pipelines.k3.engine import K3Engine, SamplingParams  # noqa: E402
-from h3gen.pipelines.k3.model import K3ForCausalLM  # noqa: E402
-from h3gen.pipelines.k3.demo_model import randomize  # noqa: E402
+from h3gen.loading.load import keeps_fp32
+from h3gen.pipelines.k3.demo_model import randomize
+from h3gen.pipelines.k3.engine import K3Engine, SamplingParams
+from h3gen.pipelines.k3.model import K3ForCausalLM
 
 
 def step_kernels(events: list, replays: int) -> list:
@@ -28,7 +28,7 @@ def step_kernels(events: list, replays: int) -> list:
     us) relative to the replay's first kernel."""
     events = sorted(events, key=lambda e: e.time_range.start)
     per_step = len(events) // replays
-    steps = [events[i * per_step:(i + 1) * per_step] for i in range(replays)]
+    steps = [events[i * per_step : (i + 1) * per_step] for i in range(replays)]
     best = min(steps[2:] or steps, key=lambda s: max(e.time_range.end for e in s) - s[0].time_range.start)
     origin = best[0].time_range.start
     return [(e.name, e.time_range.start - origin, e.time_range.end - origin) for e in best]
@@ -61,8 +61,7 @@ def main():
     for name, param in model.named_parameters():
         if keeps_fp32(name, K3ForCausalLM.keep_fp32_modules):
             param.data = param.data.float()
-    engine = K3Engine(model, max_batch=args.batch, prefix_cache=False, page_size=64, chunk_size=2048,
-                      max_context=2048)
+    engine = K3Engine(model, max_batch=args.batch, prefix_cache=False, page_size=64, chunk_size=2048, max_context=2048)
     for prompt in bench_k3.prompts(args.batch, 128, config.vocab_size, seed=1):
         engine.add_request(prompt, SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True))
     for _ in range(8 + args.batch):  # prefills, then decode steps (the graph is captured in the first)

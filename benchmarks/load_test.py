@@ -52,7 +52,7 @@ import httpx
 from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import print_table  # noqa: E402
+from common import print_table
 
 FINISHED = ("completed", "failed")  # OpenAI's statuses; a cancelled job is failed with error.code "cancelled"
 MAX_CLIENTS = 200  # bounds on what one run may open, whatever the flags say
@@ -88,21 +88,46 @@ def free_port() -> int:
 class LocalServer:
     """`h3gen serve` in its own process group on 127.0.0.1 with a fresh results folder; `.url`, `.pid`, `.stop()`."""
 
-    def __init__(self, workdir: Path, *, api_key: str, max_queue: int, model: str | None, device: str | None,
-                 ui: bool, ready_timeout: float = 180.0):
+    def __init__(
+        self,
+        workdir: Path,
+        *,
+        api_key: str,
+        max_queue: int,
+        model: str | None,
+        device: str | None,
+        ui: bool,
+        ready_timeout: float = 180.0,
+    ):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = workdir / "server.log"
-        args = [sys.executable, "-m", "h3gen.cli", "serve", "--host", "127.0.0.1", "--port", str(self.port),
-                "--results-dir", str(workdir / "results"), "--max-queue", str(max_queue), "--api-key", api_key,
-                "--log-level", "warning"]
+        args = [
+            sys.executable,
+            "-m",
+            "h3gen.cli",
+            "serve",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--results-dir",
+            str(workdir / "results"),
+            "--max-queue",
+            str(max_queue),
+            "--api-key",
+            api_key,
+            "--log-level",
+            "warning",
+        ]
         args += ["--model", model] if model else []
         args += ["--device", device] if device else []
         args += [] if ui else ["--no-ui"]
         env = dict(os.environ, HF_HUB_OFFLINE="1", GRADIO_ANALYTICS_ENABLED="False")
         self._log = open(self.log_path, "w")
-        self.process = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT, env=env,
-                                        start_new_session=True)
+        self.process = subprocess.Popen(
+            args, stdout=self._log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
         self.pid = self.process.pid
         try:
             wait_ready(self.url, api_key, ready_timeout, alive=lambda: self.process.poll() is None)
@@ -254,8 +279,14 @@ def decode_mp4(data: bytes) -> dict:
             else:
                 samples += frame.samples
                 channels, rate = len(frame.layout.channels), frame.sample_rate
-    return {"frames": frames, "width": width, "height": height, "audio_channels": channels, "sample_rate": rate,
-            "audio_samples": samples}
+    return {
+        "frames": frames,
+        "width": width,
+        "height": height,
+        "audio_channels": channels,
+        "sample_rate": rate,
+        "audio_samples": samples,
+    }
 
 
 def mp4_problem(data: bytes, request: dict, decode: bool) -> str | None:
@@ -312,12 +343,23 @@ class Tally:
         five = sum(n for code, n in self.statuses.items() if code >= 500)
         other_4xx = sum(n for code, n in self.statuses.items() if 400 <= code < 500 and code != 429)
         p50, p95 = percentiles(self.poll_ms)
-        return {"phase": phase, "calls": self.calls, "accepted": len(self.jobs), "429": self.statuses[429],
-                "5xx": five, "other_4xx": other_4xx, "transport_err": self.transport_errors,
-                "succeeded": fates["succeeded"], "cancelled": fates["cancelled"] + fates["deleted"],
-                "lost": fates["lost"], "unexpected": self.unexpected, "mp4_decoded": self.decoded,
-                "polls": len(self.poll_ms),
-                "poll_p50_ms": f"{p50:.1f}", "poll_p95_ms": f"{p95:.1f}"}
+        return {
+            "phase": phase,
+            "calls": self.calls,
+            "accepted": len(self.jobs),
+            "429": self.statuses[429],
+            "5xx": five,
+            "other_4xx": other_4xx,
+            "transport_err": self.transport_errors,
+            "succeeded": fates["succeeded"],
+            "cancelled": fates["cancelled"] + fates["deleted"],
+            "lost": fates["lost"],
+            "unexpected": self.unexpected,
+            "mp4_decoded": self.decoded,
+            "polls": len(self.poll_ms),
+            "poll_p50_ms": f"{p50:.1f}",
+            "poll_p95_ms": f"{p95:.1f}",
+        }
 
 
 def percentiles(values: list[float]) -> tuple[float, float]:
@@ -335,8 +377,9 @@ class Run:
         self.finished_jobs = 0
 
     def client(self) -> httpx.AsyncClient:
-        return httpx.AsyncClient(base_url=self.url, headers={"Authorization": f"Bearer {self.api_key}"},
-                                 timeout=REQUEST_TIMEOUT)
+        return httpx.AsyncClient(
+            base_url=self.url, headers={"Authorization": f"Bearer {self.api_key}"}, timeout=REQUEST_TIMEOUT
+        )
 
     async def call(self, http: httpx.AsyncClient, method: str, path: str, *, expect=(), **kwargs):
         """One request, counted by status; `expect` lists the 4xx codes that are a right answer here (they are not
@@ -358,8 +401,10 @@ class Run:
         fields = {"prompt": f"load test {seed}", "seed": seed, "num_inference_steps": self.options.steps}
         if not multipart:
             return {"json": fields}
-        return {"data": {**{k: str(v) for k, v in fields.items()}, "task": "fl2va"},
-                "files": {"image": ("first.png", keyframe_png(seed), "image/png")}}
+        return {
+            "data": {**{k: str(v) for k, v in fields.items()}, "task": "fl2va"},
+            "files": {"image": ("first.png", keyframe_png(seed), "image/png")},
+        }
 
     async def submit(self, http: httpx.AsyncClient, seed: int, multipart: bool = False):
         """The new job's id, or the 429's Retry-After in seconds (float), or None."""
@@ -504,8 +549,12 @@ def bomb_png(width: int = 13_000, height: int = 13_000) -> bytes:
         return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
 
     pixels = zlib.compress(bytes(width + 1) * height, 9)
-    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 0, 0, 0, 0))
-            + chunk(b"IDAT", pixels) + chunk(b"IEND", b""))
+    return (
+        b"\x89PNG\r\n\x1a\n"
+        + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 0, 0, 0, 0))
+        + chunk(b"IDAT", pixels)
+        + chunk(b"IEND", b"")
+    )
 
 
 async def declared_only(url: str, path: str, api_key: str | None, length: int = 300_000_000) -> int | None:
@@ -517,8 +566,10 @@ async def declared_only(url: str, path: str, api_key: str | None, length: int = 
     except OSError:
         return None
     key = f"Authorization: Bearer {api_key}\r\n" if api_key else ""
-    writer.write(f"POST {path} HTTP/1.1\r\nHost: {parts.hostname}\r\nContent-Type: application/json\r\n"
-                 f"Content-Length: {length}\r\n{key}Connection: close\r\n\r\n".encode())
+    writer.write(
+        f"POST {path} HTTP/1.1\r\nHost: {parts.hostname}\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {length}\r\n{key}Connection: close\r\n\r\n".encode()
+    )
     try:
         await writer.drain()
         line = await asyncio.wait_for(reader.readline(), REQUEST_TIMEOUT)
@@ -540,18 +591,38 @@ async def hostile(run: Run, clients: int, seconds: float, drain_seconds: float) 
     cases = [
         ("declared 300 MB, no key", None, 401),
         ("declared 300 MB", None, 413),
-        ("JSON past its limit", {"content": b'{"prompt": "' + b"x" * (9 * 2**20) + b'"}',
-                                 "headers": {"content-type": "application/json"}}, 413),
-        ("deep JSON body", {"content": b'{"prompt": ' + deep + b"}",
-                            "headers": {"content-type": "application/json"}}, 422),
-        ("deep JSON in a form field", {"files": [("prompt", (None, "x")), ("quality", (None, "high")),
-                                                 ("cache", (None, deep.decode()))]}, 422),
+        (
+            "JSON past its limit",
+            {"content": b'{"prompt": "' + b"x" * (9 * 2**20) + b'"}', "headers": {"content-type": "application/json"}},
+            413,
+        ),
+        (
+            "deep JSON body",
+            {"content": b'{"prompt": ' + deep + b"}", "headers": {"content-type": "application/json"}},
+            422,
+        ),
+        (
+            "deep JSON in a form field",
+            {"files": [("prompt", (None, "x")), ("quality", (None, "high")), ("cache", (None, deep.decode()))]},
+            422,
+        ),
         ("a million JSON values", {"content": many, "headers": {"content-type": "application/json"}}, 422),
-        ("4001 Hz sound", {"data": {"prompt": "x", "task": "ref2va", "num_inference_steps": str(run.options.steps)},
-                           "files": [("ref_image", ("a.png", png, "image/png")),
-                                     ("ref_audio", ("a.wav", odd_rate_wav(), "audio/wav"))]}, 202),
-        ("13,000 x 13,000 PNG", {"data": {"prompt": "x", "task": "fl2va"},
-                                 "files": {"image": ("bomb.png", bomb_png(), "image/png")}}, 422),
+        (
+            "4001 Hz sound",
+            {
+                "data": {"prompt": "x", "task": "ref2va", "num_inference_steps": str(run.options.steps)},
+                "files": [
+                    ("ref_image", ("a.png", png, "image/png")),
+                    ("ref_audio", ("a.wav", odd_rate_wav(), "audio/wav")),
+                ],
+            },
+            202,
+        ),
+        (
+            "13,000 x 13,000 PNG",
+            {"data": {"prompt": "x", "task": "fl2va"}, "files": {"image": ("bomb.png", bomb_png(), "image/png")}},
+            422,
+        ),
     ]
 
     async def one(index: int):
@@ -564,8 +635,7 @@ async def hostile(run: Run, clients: int, seconds: float, drain_seconds: float) 
                     run.tally.calls += 1
                     status = await declared_only(run.url, "/v1/videos", None if expected == 401 else run.api_key)
                 else:
-                    response = await run.call(http, "POST", "/v1/videos", expect=(expected, 422, 413, 429),
-                                              **request)
+                    response = await run.call(http, "POST", "/v1/videos", expect=(expected, 422, 413, 429), **request)
                     status = response.status_code if response is not None else None
                 if status == 202:
                     job_id = response.json()["id"]
@@ -608,8 +678,7 @@ async def warm_up(run: Run, timeout: float) -> None:
 # ---------------------------------------------------------------------------------------------- main
 
 
-async def load_test(url: str, api_key: str, pid: int | None, options: argparse.Namespace,
-                    alive=lambda: True) -> dict:
+async def load_test(url: str, api_key: str, pid: int | None, options: argparse.Namespace, alive=lambda: True) -> dict:
     """Both phases against the server at `url` (whose process tree is `pid`, if known). Returns the report:
     {"phases": [row, ...], "usage": [row, ...], "notes": [...], "failures": [...]}."""
     usage = Usage(pid)
@@ -627,10 +696,19 @@ async def load_test(url: str, api_key: str, pid: int | None, options: argparse.N
         burst_seconds = time.monotonic() - started
         started = time.monotonic()
         await asyncio.gather(
-            sustained(Run(url, api_key, options, tallies["sustained"]), options.clients, options.sustain_seconds,
-                      options.drain_seconds),
-            hostile(Run(url, api_key, options, tallies["hostile"]), options.hostile, options.sustain_seconds,
-                    options.drain_seconds))
+            sustained(
+                Run(url, api_key, options, tallies["sustained"]),
+                options.clients,
+                options.sustain_seconds,
+                options.drain_seconds,
+            ),
+            hostile(
+                Run(url, api_key, options, tallies["hostile"]),
+                options.hostile,
+                options.sustain_seconds,
+                options.drain_seconds,
+            ),
+        )
         sustained_seconds = time.monotonic() - started
     finally:
         stop.set()
@@ -644,16 +722,30 @@ async def load_test(url: str, api_key: str, pid: int | None, options: argparse.N
     if options.hostile:
         phases.append(tallies["hostile"].row("hostile") | {"seconds": f"{sustained_seconds:.0f}"})
     health = sorted(health_ms)
-    health_row = {"probes": len(health),
-                  "p50_ms": f"{health[len(health) // 2]:.1f}" if health else "nan",
-                  "p99_ms": f"{health[int(0.99 * (len(health) - 1))]:.1f}" if health else "nan",
-                  "max_ms": f"{health[-1]:.1f}" if health else "nan"}
+    health_row = {
+        "probes": len(health),
+        "p50_ms": f"{health[len(health) // 2]:.1f}" if health else "nan",
+        "p99_ms": f"{health[int(0.99 * (len(health) - 1))]:.1f}" if health else "nan",
+        "max_ms": f"{health[-1]:.1f}" if health else "nan",
+    }
     usage_rows = []
     if before and after:
-        usage_rows = [{"server": "rss_MiB", "after_warm_up": f"{before[0]:.0f}", "peak": f"{usage.peak_rss:.0f}",
-                       "end": f"{after[0]:.0f}", "change": f"{after[0] - before[0]:+.0f}"},
-                      {"server": "open_fds", "after_warm_up": before[1], "peak": usage.peak_fds, "end": after[1],
-                       "change": f"{after[1] - before[1]:+d}"}]
+        usage_rows = [
+            {
+                "server": "rss_MiB",
+                "after_warm_up": f"{before[0]:.0f}",
+                "peak": f"{usage.peak_rss:.0f}",
+                "end": f"{after[0]:.0f}",
+                "change": f"{after[0] - before[0]:+.0f}",
+            },
+            {
+                "server": "open_fds",
+                "after_warm_up": before[1],
+                "peak": usage.peak_fds,
+                "end": after[1],
+                "change": f"{after[1] - before[1]:+d}",
+            },
+        ]
     failures = []
     for row in phases:
         for column in ("5xx", "transport_err", "lost", "unexpected"):
@@ -671,18 +763,41 @@ async def load_test(url: str, api_key: str, pid: int | None, options: argparse.N
     if not health_ok:
         failures.append("the server does not answer /health at the end")
     notes = [f"{phase}: {note}" for phase, tally in tallies.items() for note in tally.notes]
-    notes += [f"{phase}: job {job_id}: {fate}" for phase, tally in tallies.items()
-              for job_id, fate in tally.jobs.items() if fate.startswith("lost")][:20]
+    notes += [
+        f"{phase}: job {job_id}: {fate}"
+        for phase, tally in tallies.items()
+        for job_id, fate in tally.jobs.items()
+        if fate.startswith("lost")
+    ][:20]
     return {"phases": phases, "usage": usage_rows, "health": health_row, "notes": notes, "failures": failures}
 
 
 def print_report(report: dict) -> None:
-    print_table(report["phases"], ["phase", "seconds", "calls", "accepted", "429", "5xx", "other_4xx",
-                                   "transport_err", "succeeded", "cancelled", "lost", "unexpected", "mp4_decoded",
-                                   "polls", "poll_p50_ms", "poll_p95_ms"])
+    print_table(
+        report["phases"],
+        [
+            "phase",
+            "seconds",
+            "calls",
+            "accepted",
+            "429",
+            "5xx",
+            "other_4xx",
+            "transport_err",
+            "succeeded",
+            "cancelled",
+            "lost",
+            "unexpected",
+            "mp4_decoded",
+            "polls",
+            "poll_p50_ms",
+            "poll_p95_ms",
+        ],
+    )
     print()
-    print_table([{"what": "/health (every 0.1 s)", **report["health"]}], ["what", "probes", "p50_ms", "p99_ms",
-                                                                        "max_ms"])
+    print_table(
+        [{"what": "/health (every 0.1 s)", **report["health"]}], ["what", "probes", "p50_ms", "p99_ms", "max_ms"]
+    )
     if report["usage"]:
         print()
         print_table(report["usage"], ["server", "after_warm_up", "peak", "end", "change"])
@@ -690,8 +805,7 @@ def print_report(report: dict) -> None:
         print("server memory and descriptors: not measured (its process was not found; pass --pid)")
     for note in report["notes"]:
         print(f"note: {note}")
-    print("FAIL: " + "; ".join(report["failures"]) if report["failures"] else "OK: no 5xx, no lost job",
-          flush=True)
+    print("FAIL: " + "; ".join(report["failures"]) if report["failures"] else "OK: no 5xx, no lost job", flush=True)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -705,22 +819,41 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--no-ui", dest="ui", action="store_false", help="start the server without its web UI")
     parser.add_argument("--burst", type=int, default=50, help="clients in the burst (default 50)")
     parser.add_argument("--clients", type=int, default=16, help="clients in the sustained phase (default 16)")
-    parser.add_argument("--hostile", type=int, default=0,
-                        help="clients sending hostile requests beside the sustained ones (default 0)")
+    parser.add_argument(
+        "--hostile", type=int, default=0, help="clients sending hostile requests beside the sustained ones (default 0)"
+    )
     parser.add_argument("--sustain-seconds", dest="sustain_seconds", type=float, default=180.0)
-    parser.add_argument("--drain-seconds", dest="drain_seconds", type=float, default=600.0,
-                        help="how long accepted jobs may take to finish after a phase (default 600)")
+    parser.add_argument(
+        "--drain-seconds",
+        dest="drain_seconds",
+        type=float,
+        default=600.0,
+        help="how long accepted jobs may take to finish after a phase (default 600)",
+    )
     parser.add_argument("--steps", type=int, default=4, help="num_inference_steps of each job (default 4)")
     parser.add_argument("--poll-interval", dest="poll_interval", type=float, default=0.5)
     parser.add_argument("--cancel-fraction", dest="cancel_fraction", type=float, default=0.2)
-    parser.add_argument("--decode-every", dest="decode_every", type=int, default=3,
-                        help="decode every n-th MP4 in full with PyAV (default 3; 1 decodes all)")
+    parser.add_argument(
+        "--decode-every",
+        dest="decode_every",
+        type=int,
+        default=3,
+        help="decode every n-th MP4 in full with PyAV (default 3; 1 decodes all)",
+    )
     parser.add_argument("--json", help="also write the report here")
     args = parser.parse_args(argv)
-    for name, low, high in (("burst", 1, MAX_CLIENTS), ("clients", 1, MAX_CLIENTS), ("hostile", 0, MAX_CLIENTS),
-                            ("sustain_seconds", 0, MAX_SECONDS), ("drain_seconds", 1, MAX_SECONDS),
-                            ("poll_interval", 0.05, 10), ("cancel_fraction", 0, 1), ("decode_every", 1, 10**6),
-                            ("max_queue", 1, 10**4), ("steps", 2, 1000)):
+    for name, low, high in (
+        ("burst", 1, MAX_CLIENTS),
+        ("clients", 1, MAX_CLIENTS),
+        ("hostile", 0, MAX_CLIENTS),
+        ("sustain_seconds", 0, MAX_SECONDS),
+        ("drain_seconds", 1, MAX_SECONDS),
+        ("poll_interval", 0.05, 10),
+        ("cancel_fraction", 0, 1),
+        ("decode_every", 1, 10**6),
+        ("max_queue", 1, 10**4),
+        ("steps", 2, 1000),
+    ):
         if not low <= getattr(args, name) <= high:
             parser.error(f"--{name.replace('_', '-')} must be from {low} to {high} (got {getattr(args, name)})")
     if args.url:
@@ -743,8 +876,9 @@ def run(args: argparse.Namespace) -> dict:
         return asyncio.run(load_test(args.url, args.api_key, pid, args))
     api_key = secrets.token_urlsafe(24)
     with tempfile.TemporaryDirectory(prefix="h3gen-load-") as workdir:
-        server = LocalServer(Path(workdir), api_key=api_key, max_queue=args.max_queue, model=args.model,
-                             device=args.device, ui=args.ui)
+        server = LocalServer(
+            Path(workdir), api_key=api_key, max_queue=args.max_queue, model=args.model, device=args.device, ui=args.ui
+        )
         try:
             report = asyncio.run(load_test(server.url, api_key, server.pid, args, alive=server.alive))
         finally:

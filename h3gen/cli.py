@@ -4,9 +4,20 @@ import argparse
 import sys
 
 from h3gen.errors import CheckpointError, RequestError
-from h3gen.options import (ATTENTION_BACKENDS, OFFLOAD_HELP, OFFLOAD_MODES, QUALITY_HELP, QUALITY_TIERS,
-                           QUANTIZATION_HELP, QUANTIZATIONS, WORKFLOW_HELP, WORKFLOWS, RunOptions, describe,
-                           uses_step_cache)
+from h3gen.options import (
+    ATTENTION_BACKENDS,
+    OFFLOAD_HELP,
+    OFFLOAD_MODES,
+    QUALITY_HELP,
+    QUALITY_TIERS,
+    QUANTIZATION_HELP,
+    QUANTIZATIONS,
+    WORKFLOW_HELP,
+    WORKFLOWS,
+    RunOptions,
+    describe,
+    uses_step_cache,
+)
 from h3gen.pipelines.h3.step_cache_config import CACHE_HELP, StepCacheConfig
 
 DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
@@ -34,8 +45,11 @@ def _step_cache(args: argparse.Namespace, tier: str) -> dict | None:
     given = {name: getattr(args, f"cache_{name}") for name in ("threshold", "warmup", "max_consecutive")}
     cache = {name: value for name, value in given.items() if value is not None} or None
     if cache is not None and not uses_step_cache(tier):
-        raise RequestError(f"--cache-threshold, --cache-warmup and --cache-max-consecutive apply to --quality high or "
-                           f"fast+high (this run is {tier}).", "cache")
+        raise RequestError(
+            f"--cache-threshold, --cache-warmup and --cache-max-consecutive apply to --quality high or "
+            f"fast+high (this run is {tier}).",
+            "cache",
+        )
     if cache is not None:
         StepCacheConfig.from_request(cache)
     return cache
@@ -143,8 +157,10 @@ def _planner(spec: str, device=None, api_key: str | None = None):
     from h3gen.pipelines.k3.planner import make_planner
 
     if spec == "tiny":
-        print("h3gen: planning with the tiny demo K3 model: its weights are random, so the planned prompt is noise.",
-              file=sys.stderr)
+        print(
+            "h3gen: planning with the tiny demo K3 model: its weights are random, so the planned prompt is noise.",
+            file=sys.stderr,
+        )
     return make_planner(spec, device=device, api_key=api_key or os.environ.get("H3GEN_PLANNER_API_KEY"))
 
 
@@ -161,13 +177,22 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     planner = _planner(args.model, args.device, args.api_key)
     show = (lambda text: print(text, end="", flush=True)) if args.stream else None
     try:
-        result = planner.plan(args.prompt, image=args.image, max_tokens=args.max_tokens, seed=args.seed,
-                              temperature=args.temperature, on_text=show)
+        result = planner.plan(
+            args.prompt,
+            image=args.image,
+            max_tokens=args.max_tokens,
+            seed=args.seed,
+            temperature=args.temperature,
+            on_text=show,
+        )
     except PlannerError as error:
         raise RequestError(str(error)) from None
     print() if args.stream else print(result.planned)
-    print(f"h3gen: planned by {result.backend} in {result.seconds:.1f} s"
-          + (f", {result.tokens} tokens" if result.tokens is not None else ""), file=sys.stderr)
+    print(
+        f"h3gen: planned by {result.backend} in {result.seconds:.1f} s"
+        + (f", {result.tokens} tokens" if result.tokens is not None else ""),
+        file=sys.stderr,
+    )
     return 0
 
 
@@ -219,8 +244,11 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     if args.model is None:
         from h3gen.pipelines.h3.tiny_checkpoint import tiny_checkpoint
 
-        print("h3gen: no --model given: using the built-in tiny demo model. Its weights are random, so the picture "
-              "and sound are noise.", file=sys.stderr)
+        print(
+            "h3gen: no --model given: using the built-in tiny demo model. Its weights are random, so the picture "
+            "and sound are noise.",
+            file=sys.stderr,
+        )
         args.model = str(tiny_checkpoint())
     if args.device == "cuda" and not torch.cuda.is_available():
         raise RequestError("--device cuda was asked for but no CUDA device is available.", "device")
@@ -229,10 +257,21 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     references = _references(args)
     workflow = options.workflow
     cache = _step_cache(args, options.quality)
-    call = dict(image=args.image, last_image=args.last_image, references=references, aspect_ratio=args.aspect,
-                seconds=args.seconds, num_inference_steps=args.steps, forwards=args.forwards,
-                video_shift=args.video_shift, audio_shift=args.audio_shift, seed=args.seed, prompts=_prompts(args),
-                window_frames=args.window_frames, overlap_frames=args.overlap_frames)
+    call = dict(
+        image=args.image,
+        last_image=args.last_image,
+        references=references,
+        aspect_ratio=args.aspect,
+        seconds=args.seconds,
+        num_inference_steps=args.steps,
+        forwards=args.forwards,
+        video_shift=args.video_shift,
+        audio_shift=args.audio_shift,
+        seed=args.seed,
+        prompts=_prompts(args),
+        window_frames=args.window_frames,
+        overlap_frames=args.overlap_frames,
+    )
 
     # Check the request against the checkpoint before loading any weights (or starting any process).
     checkpoint = H3Checkpoint.open(args.model)
@@ -244,14 +283,18 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     call["loras"] = loras or None
     if args.planner:
         if args.tp * args.ulysses > 1:
-            raise RequestError("--planner does not run under --tp / --ulysses yet; plan first with `h3gen plan` and "
-                               "pass its output as the prompt.", "planner")
+            raise RequestError(
+                "--planner does not run under --tp / --ulysses yet; plan first with `h3gen plan` and "
+                "pass its output as the prompt.",
+                "planner",
+            )
         from h3gen.pipelines.k3.planner import PlannerError
 
         planner = _planner(args.planner, device)
         try:
-            args.prompt = planner.plan(args.prompt, image=args.image if planner.accepts_images else None,
-                                       seed=request.seed).planned
+            args.prompt = planner.plan(
+                args.prompt, image=args.image if planner.accepts_images else None, seed=request.seed
+            ).planned
         except PlannerError as error:
             raise RequestError(str(error)) from None
         del planner  # its memory goes back before the video model loads
@@ -263,8 +306,10 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
         if not launched_by_torchrun():
             check_degrees(config.num_attention_heads, args.tp, args.ulysses)
-            return relaunch_with_torchrun(args.tp * args.ulysses, ["generate", *args.argv_rest,
-                                                                   "--model", args.model, "--seed", str(request.seed)])
+            return relaunch_with_torchrun(
+                args.tp * args.ulysses,
+                ["generate", *args.argv_rest, "--model", args.model, "--seed", str(request.seed)],
+            )
         parallel, device = start_rank(args.tp, args.ulysses, config.num_attention_heads, device)
         rank = torch.distributed.get_rank()
 
@@ -272,8 +317,9 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
     if rank == 0:
         print(f"h3gen: loading {args.model} on {device} ({dtype_name})", file=sys.stderr)
-    pipe = H3Pipeline.from_pretrained(args.model, device=device, torch_dtype=getattr(torch, DTYPES[dtype_name]),
-                                      parallel=parallel, options=options)
+    pipe = H3Pipeline.from_pretrained(
+        args.model, device=device, torch_dtype=getattr(torch, DTYPES[dtype_name]), parallel=parallel, options=options
+    )
     pipe.max_seconds = max_seconds
     if args.seed is None:
         call["seed"] = request.seed  # the seed drawn during the check, so it can be reported
@@ -284,12 +330,20 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         return 0
     if request.continuation is not None:
         return _generate_long(pipe, args, call, request.continuation.num_windows, request.sampling.forwards)
-    bar, callback = _progress_bar({"encode_text": 1, "encode_conditions": len(request.keyframes) +
-                                   len(request.references), "denoise": request.sampling.forwards, "decode_video": 1,
-                                   "decode_audio": 1, "write_mp4": 1})
+    bar, callback = _progress_bar(
+        {
+            "encode_text": 1,
+            "encode_conditions": len(request.keyframes) + len(request.references),
+            "denoise": request.sampling.forwards,
+            "decode_video": 1,
+            "decode_audio": 1,
+            "write_mp4": 1,
+        }
+    )
     try:
-        output = pipe(args.prompt, callback=callback, output_path=args.out, audio_sample_rate=args.audio_rate,
-                      cache=cache, **call)
+        output = pipe(
+            args.prompt, callback=callback, output_path=args.out, audio_sample_rate=args.audio_rate, cache=cache, **call
+        )
         info = output.media
     except torch.cuda.OutOfMemoryError:
         raise RequestError("the GPU ran out of memory: try fewer seconds, a smaller canvas or --dtype bf16.") from None
@@ -299,11 +353,13 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         bar.close()
     sampling = output.sampling
     recipe = f", recipe {sampling['recipe']}" if sampling.get("recipe") else ""
-    print(f"h3gen: wrote {args.out}: {info.num_frames} frames {info.width}x{info.height} at {info.fps:g} fps, "
-          f"stereo AAC {info.sample_rate} Hz, {info.video_seconds:.2f} s, seed {output.seed}; "
-          f"{sampling['forwards']} transformer forwards ({sampling['num_inference_steps']} sigma points), shifts "
-          f"{sampling['video_shift']:g}/{sampling['audio_shift']:g}{recipe}{_cached_summary(output, options.quality)}",
-          file=sys.stderr)
+    print(
+        f"h3gen: wrote {args.out}: {info.num_frames} frames {info.width}x{info.height} at {info.fps:g} fps, "
+        f"stereo AAC {info.sample_rate} Hz, {info.video_seconds:.2f} s, seed {output.seed}; "
+        f"{sampling['forwards']} transformer forwards ({sampling['num_inference_steps']} sigma points), shifts "
+        f"{sampling['video_shift']:g}/{sampling['audio_shift']:g}{recipe}{_cached_summary(output, options.quality)}",
+        file=sys.stderr,
+    )
     return 0
 
 
@@ -316,8 +372,9 @@ def _prompts(args: argparse.Namespace) -> list[str] | None:
         try:
             given = json.loads(given[0])
         except ValueError:
-            raise RequestError("--prompt-per-window must be a prompt (repeat the flag) or a JSON list of prompts.",
-                               "prompts") from None
+            raise RequestError(
+                "--prompt-per-window must be a prompt (repeat the flag) or a JSON list of prompts.", "prompts"
+            ) from None
     return given
 
 
@@ -357,24 +414,31 @@ def _generate_long(pipe, args: argparse.Namespace, call: dict, windows: int, for
     try:
         output = pipe(args.prompt, callback=callback, output_path=args.out, audio_sample_rate=args.audio_rate, **call)
     except torch.cuda.OutOfMemoryError:
-        raise RequestError("the GPU ran out of memory: try a smaller canvas, a shorter window or --dtype bf16.") \
-            from None
+        raise RequestError(
+            "the GPU ran out of memory: try a smaller canvas, a shorter window or --dtype bf16."
+        ) from None
     except MediaError as error:
         raise RequestError(str(error)) from None
     finally:
         bar.close()
     info = output.media
-    print(f"h3gen: wrote {args.out}: {info.num_frames} frames {info.width}x{info.height} at {info.fps:g} fps in "
-          f"{windows} windows, stereo AAC {info.sample_rate} Hz, {info.video_seconds:.2f} s, seed {output.seed}",
-          file=sys.stderr)
+    print(
+        f"h3gen: wrote {args.out}: {info.num_frames} frames {info.width}x{info.height} at {info.fps:g} fps in "
+        f"{windows} windows, stereo AAC {info.sample_rate} Hz, {info.video_seconds:.2f} s, seed {output.seed}",
+        file=sys.stderr,
+    )
     return 0
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
     import os
 
-    for name, value in (("GRADIO_ANALYTICS_ENABLED", "False"), ("HF_HUB_OFFLINE", "1"),
-                        ("HF_HUB_DISABLE_TELEMETRY", "1"), ("DO_NOT_TRACK", "1")):
+    for name, value in (
+        ("GRADIO_ANALYTICS_ENABLED", "False"),
+        ("HF_HUB_OFFLINE", "1"),
+        ("HF_HUB_DISABLE_TELEMETRY", "1"),
+        ("DO_NOT_TRACK", "1"),
+    ):
         os.environ.setdefault(name, value)
     _quiet_libraries()
     import torch
@@ -388,8 +452,11 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     if args.model is None:
         from h3gen.pipelines.h3.tiny_checkpoint import tiny_checkpoint
 
-        print("h3gen: no --model given: serving the built-in tiny demo model (random weights: pictures and sound "
-              "are noise).", file=sys.stderr)
+        print(
+            "h3gen: no --model given: serving the built-in tiny demo model (random weights: pictures and sound "
+            "are noise).",
+            file=sys.stderr,
+        )
         args.model = str(tiny_checkpoint())
     if args.max_queue < 1:
         raise RequestError(f"--max-queue must be at least 1 (got {args.max_queue}).", "max_queue")
@@ -404,12 +471,18 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         try:
             lora_budget_bytes(args.lora_gpu_memory)
         except RequestError:
-            raise RequestError(f"--lora-gpu-memory must be a size like 4GiB, 2GB or 512MiB, 0 or more (got "
-                               f"{args.lora_gpu_memory!r}).", "lora_gpu_memory") from None
+            raise RequestError(
+                f"--lora-gpu-memory must be a size like 4GiB, 2GB or 512MiB, 0 or more (got {args.lora_gpu_memory!r}).",
+                "lora_gpu_memory",
+            ) from None
     api_key = args.api_key or os.environ.get("H3GEN_API_KEY") or None
     dtype = getattr(torch, DTYPES[args.dtype]) if args.dtype else None
-    serving = {"options": _run_options(args, workflow=args.workflow), "max_seconds": args.max_seconds,
-               "lora_dir": args.lora_dir, "lora_gpu_memory": args.lora_gpu_memory}
+    serving = {
+        "options": _run_options(args, workflow=args.workflow),
+        "max_seconds": args.max_seconds,
+        "lora_dir": args.lora_dir,
+        "lora_gpu_memory": args.lora_gpu_memory,
+    }
     if args.tp * args.ulysses > 1:
         from h3gen.parallel.launch import launched_by_torchrun, relaunch_with_torchrun, start_rank
         from h3gen.parallel.state import check_degrees
@@ -434,31 +507,50 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     if args.planner:
         engine.planner = _planner(args.planner, args.device)
     try:
-        manager = JobManager(engine, args.results_dir, max_queue=args.max_queue,
-                             retention_seconds=args.retention_hours * 3600,
-                             max_results_bytes=int(args.max_results_gb * 2**30),
-                             owner=f"h3gen serve on http://{args.host}:{args.port}")
+        manager = JobManager(
+            engine,
+            args.results_dir,
+            max_queue=args.max_queue,
+            retention_seconds=args.retention_hours * 3600,
+            max_results_bytes=int(args.max_results_gb * 2**30),
+            owner=f"h3gen serve on http://{args.host}:{args.port}",
+        )
     except FolderBusy as error:
         print(f"h3gen: error: {error}", file=sys.stderr)
         if args.tp * args.ulysses > 1:
             engine.shutdown()  # the other ranks are waiting for jobs
         return 2
     try:
-        app = create_app(manager, api_key=api_key, max_upload_bytes=int(args.max_upload_mb * 2**20),
-                         model_name=args.model, model_id=args.model_name, max_plan_queue=args.max_plan_queue)
+        app = create_app(
+            manager,
+            api_key=api_key,
+            max_upload_bytes=int(args.max_upload_mb * 2**20),
+            model_name=args.model,
+            model_id=args.model_name,
+            max_plan_queue=args.max_plan_queue,
+        )
         if not args.no_ui:
             from h3gen.ui import mount_ui  # imports gradio, which only the UI needs
 
             app = mount_ui(app, manager, api_key=api_key, max_upload_bytes=int(args.max_upload_mb * 2**20))
         where_ui = "no UI" if args.no_ui else "UI at /ui"
-        print(f"h3gen: serving {args.model} on http://{args.host}:{args.port} ({where_ui}; API key "
-              f"{'required' if api_key else 'not set'}; results in {args.results_dir})", file=sys.stderr)
+        print(
+            f"h3gen: serving {args.model} on http://{args.host}:{args.port} ({where_ui}; API key "
+            f"{'required' if api_key else 'not set'}; results in {args.results_dir})",
+            file=sys.stderr,
+        )
         # uvicorn turns SIGTERM and SIGINT into a graceful shutdown, whose lifespan end stops the manager: the
         # running job is recorded as interrupted, the database checkpointed and closed, the folder released.
         # Client addresses (what the throttles count by) come from X-Forwarded-For only when the peer is a proxy
         # the operator named: uvicorn's own default trusts it from 127.0.0.1, so any local client could forge one.
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
-                    proxy_headers=bool(args.forwarded_allow_ips), forwarded_allow_ips=args.forwarded_allow_ips or "")
+        uvicorn.run(
+            app,
+            host=args.host,
+            port=args.port,
+            log_level=args.log_level,
+            proxy_headers=bool(args.forwarded_allow_ips),
+            forwarded_allow_ips=args.forwarded_allow_ips or "",
+        )
     finally:
         manager.stop()  # idempotent; covers a uvicorn that never ran the lifespan
     return 0
@@ -466,40 +558,76 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
 def _run_option_arguments(parser: argparse.ArgumentParser, quality_help: str) -> None:
     """The `RunOptions` flags (`h3gen.options` holds their values and rules)."""
-    parser.add_argument("--quality", choices=QUALITY_TIERS, default="lossless",
-                        help=f"{describe(QUALITY_HELP)}; {quality_help}")
+    parser.add_argument(
+        "--quality", choices=QUALITY_TIERS, default="lossless", help=f"{describe(QUALITY_HELP)}; {quality_help}"
+    )
     parser.add_argument("--offload", choices=OFFLOAD_MODES, default="none", help=describe(OFFLOAD_HELP))
-    parser.add_argument("--gpu-memory", dest="gpu_memory", default=None,
-                        help="GPU memory the transformer may use with --offload layerwise, e.g. 30GiB (needed there; "
-                             "default: unset)")
+    parser.add_argument(
+        "--gpu-memory",
+        dest="gpu_memory",
+        default=None,
+        help="GPU memory the transformer may use with --offload layerwise, e.g. 30GiB (needed there; default: unset)",
+    )
     parser.add_argument("--prefetch", type=int, default=2, help="blocks copied ahead with --offload layerwise")
-    parser.add_argument("--quantization", choices=QUANTIZATIONS, default=None,
-                        help=f"{describe(QUANTIZATION_HELP)} (default: the checkpoint's dtype)")
-    parser.add_argument("--attention", choices=ATTENTION_BACKENDS, default=None,
-                        help="attention backend for the lossless and fast tiers instead of the tier's own choice "
-                             "(FP8 backends with --quality fast only; default: the tier's own)")
+    parser.add_argument(
+        "--quantization",
+        choices=QUANTIZATIONS,
+        default=None,
+        help=f"{describe(QUANTIZATION_HELP)} (default: the checkpoint's dtype)",
+    )
+    parser.add_argument(
+        "--attention",
+        choices=ATTENTION_BACKENDS,
+        default=None,
+        help="attention backend for the lossless and fast tiers instead of the tier's own choice "
+        "(FP8 backends with --quality fast only; default: the tier's own)",
+    )
 
 
 def _long_video_arguments(parser: argparse.ArgumentParser) -> None:
     """The flags of clips over 15 s (`pipelines/h3/continuation.py` holds their rules)."""
-    from h3gen.pipelines.h3.continuation import (DEFAULT_MAX_SECONDS, DEFAULT_OVERLAP_FRAMES, DEFAULT_WINDOW_FRAMES,
-                                                 MAX_SECONDS_LIMIT)
+    from h3gen.pipelines.h3.continuation import (
+        DEFAULT_MAX_SECONDS,
+        DEFAULT_OVERLAP_FRAMES,
+        DEFAULT_WINDOW_FRAMES,
+        MAX_SECONDS_LIMIT,
+    )
 
-    parser.add_argument("--max-seconds", dest="max_seconds", type=float, default=DEFAULT_MAX_SECONDS,
-                        help=f"longest clip a request may ask for, 15 to {MAX_SECONDS_LIMIT:g} s (default "
-                             f"{DEFAULT_MAX_SECONDS:g})")
-    parser.add_argument("--window-frames", dest="window_frames", type=int, default=None,
-                        help=f"a clip over 15 s: frames per window, 17n+5 from 124 to 345 (default "
-                             f"{DEFAULT_WINDOW_FRAMES})")
-    parser.add_argument("--overlap-frames", dest="overlap_frames", type=int, default=None,
-                        help=f"a clip over 15 s: frames each window repeats of the previous one, 17n+5, shorter than "
-                             f"the window (default {DEFAULT_OVERLAP_FRAMES})")
+    parser.add_argument(
+        "--max-seconds",
+        dest="max_seconds",
+        type=float,
+        default=DEFAULT_MAX_SECONDS,
+        help=f"longest clip a request may ask for, 15 to {MAX_SECONDS_LIMIT:g} s (default {DEFAULT_MAX_SECONDS:g})",
+    )
+    parser.add_argument(
+        "--window-frames",
+        dest="window_frames",
+        type=int,
+        default=None,
+        help=f"a clip over 15 s: frames per window, 17n+5 from 124 to 345 (default {DEFAULT_WINDOW_FRAMES})",
+    )
+    parser.add_argument(
+        "--overlap-frames",
+        dest="overlap_frames",
+        type=int,
+        default=None,
+        help=f"a clip over 15 s: frames each window repeats of the previous one, 17n+5, shorter than "
+        f"the window (default {DEFAULT_OVERLAP_FRAMES})",
+    )
 
 
 def _run_options(args: argparse.Namespace, **keywords) -> RunOptions:
     """The validated `RunOptions` of the command line's flags."""
-    return RunOptions(quality=args.quality, offload=args.offload, gpu_memory=args.gpu_memory, prefetch=args.prefetch,
-                      quantization=args.quantization, attention=args.attention, **keywords)
+    return RunOptions(
+        quality=args.quality,
+        offload=args.offload,
+        gpu_memory=args.gpu_memory,
+        prefetch=args.prefetch,
+        quantization=args.quantization,
+        attention=args.attention,
+        **keywords,
+    )
 
 
 class _DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -522,113 +650,236 @@ def build_parser() -> argparse.ArgumentParser:
     env = commands.add_parser("env", help="print versions, devices and codecs")
     env.set_defaults(run=_cmd_env)
 
-    gen = commands.add_parser("generate", help="generate an MP4 with stereo audio from a prompt (and keyframes or "
-                                               "references)")
+    gen = commands.add_parser(
+        "generate", help="generate an MP4 with stereo audio from a prompt (and keyframes or references)"
+    )
     gen.add_argument("prompt", help="what to generate, used verbatim")
     gen.add_argument("--model", help="local MiniMax-H3 checkpoint folder (default: the tiny random demo model)")
     gen.add_argument("--image", help="keyframe the video starts on (fl2va)")
     gen.add_argument("--last-image", dest="last_image", help="keyframe the video ends on (fl2va)")
-    for flag, what in (("--ref-image", "an image (subject, style, scene; up to 9)"),
-                       ("--ref-video", "a video (motion, camera; its soundtrack too; up to 3)"),
-                       ("--ref-audio", "an audio clip (voice, music; up to 3, not alone)")):
-        gen.add_argument(flag, dest="references", action=_AppendReference, metavar="PATH",
-                         help=f"ref2va reference: {what}; repeatable, references keep the command line's order")
+    for flag, what in (
+        ("--ref-image", "an image (subject, style, scene; up to 9)"),
+        ("--ref-video", "a video (motion, camera; its soundtrack too; up to 3)"),
+        ("--ref-audio", "an audio clip (voice, music; up to 3, not alone)"),
+    ):
+        gen.add_argument(
+            flag,
+            dest="references",
+            action=_AppendReference,
+            metavar="PATH",
+            help=f"ref2va reference: {what}; repeatable, references keep the command line's order",
+        )
     gen.add_argument("--aspect", default=None, help="W:H from 1:4 to 4:1 (default 16:9, or the keyframe's)")
-    gen.add_argument("--seconds", type=float, default=None,
-                     help="length, 5 to --max-seconds (default 5; ref2va: the length of the first reference with "
-                          "sound); over 15 s the clip is made in overlapping windows")
+    gen.add_argument(
+        "--seconds",
+        type=float,
+        default=None,
+        help="length, 5 to --max-seconds (default 5; ref2va: the length of the first reference with "
+        "sound); over 15 s the clip is made in overlapping windows",
+    )
     _long_video_arguments(gen)
-    gen.add_argument("--prompt-per-window", dest="prompts", action="append", metavar="PROMPT",
-                     help="a clip over 15 s: the prompt of the next window (repeat once per window, or give one "
-                          "for all, or a JSON list); default: the prompt for every window")
-    gen.add_argument("--steps", type=int, default=None,
-                     help="sigma grid points as diffusers counts them (num_inference_steps), 2 to 1000: N points run "
-                          "N - 1 transformer forwards (default 50, or the recipe's of a few-step LoRA)")
-    gen.add_argument("--forwards", type=int, default=None,
-                     help="transformer forwards (SGLang's and vLLM-Omni's step count), 1 to 999, instead of --steps")
-    gen.add_argument("--video-shift", dest="video_shift", type=float, default=None,
-                     help="video schedule shift (default: the model's, 12, or the recipe's)")
-    gen.add_argument("--audio-shift", dest="audio_shift", type=float, default=None,
-                     help="audio schedule shift (default: the model's, 3, or the recipe's)")
-    gen.add_argument("--lora", action="append", type=_lora_argument, metavar="PATH[:SCALE]",
-                     help="apply a LoRA adapter (.safetensors, any MiniMax-H3 format) at SCALE (default 1.0); "
-                          "repeatable, adapters stack. A few-step adapter (LightX2V Turbo, FlashGen) brings its "
-                          "recipe: its forwards and shifts, unless --steps / --forwards say otherwise (refused)")
+    gen.add_argument(
+        "--prompt-per-window",
+        dest="prompts",
+        action="append",
+        metavar="PROMPT",
+        help="a clip over 15 s: the prompt of the next window (repeat once per window, or give one "
+        "for all, or a JSON list); default: the prompt for every window",
+    )
+    gen.add_argument(
+        "--steps",
+        type=int,
+        default=None,
+        help="sigma grid points as diffusers counts them (num_inference_steps), 2 to 1000: N points run "
+        "N - 1 transformer forwards (default 50, or the recipe's of a few-step LoRA)",
+    )
+    gen.add_argument(
+        "--forwards",
+        type=int,
+        default=None,
+        help="transformer forwards (SGLang's and vLLM-Omni's step count), 1 to 999, instead of --steps",
+    )
+    gen.add_argument(
+        "--video-shift",
+        dest="video_shift",
+        type=float,
+        default=None,
+        help="video schedule shift (default: the model's, 12, or the recipe's)",
+    )
+    gen.add_argument(
+        "--audio-shift",
+        dest="audio_shift",
+        type=float,
+        default=None,
+        help="audio schedule shift (default: the model's, 3, or the recipe's)",
+    )
+    gen.add_argument(
+        "--lora",
+        action="append",
+        type=_lora_argument,
+        metavar="PATH[:SCALE]",
+        help="apply a LoRA adapter (.safetensors, any MiniMax-H3 format) at SCALE (default 1.0); "
+        "repeatable, adapters stack. A few-step adapter (LightX2V Turbo, FlashGen) brings its "
+        "recipe: its forwards and shifts, unless --steps / --forwards say otherwise (refused)",
+    )
     gen.add_argument("--seed", type=int, default=None, help="noise seed (default: random, printed at the end)")
     gen.add_argument("--device", choices=("cuda", "cpu"), default=None, help="default: cuda if available")
     gen.add_argument("--dtype", choices=tuple(DTYPES), default=None, help="default: bf16 on cuda, fp32 on cpu")
     gen.add_argument("--audio-rate", dest="audio_rate", type=int, default=32000, help="AAC rate, 32000 or 48000")
     _run_option_arguments(gen, "default lossless")
     for name, kind in (("threshold", float), ("warmup", int), ("max_consecutive", int)):
-        gen.add_argument(f"--cache-{name.replace('_', '-')}", dest=f"cache_{name}", type=kind, default=None,
-                         help=f"with --quality high or fast+high: {CACHE_HELP[name]}")
+        gen.add_argument(
+            f"--cache-{name.replace('_', '-')}",
+            dest=f"cache_{name}",
+            type=kind,
+            default=None,
+            help=f"with --quality high or fast+high: {CACHE_HELP[name]}",
+        )
     gen.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (processes started with torchrun)")
     gen.add_argument("--ulysses", type=int, default=1, help="Ulysses sequence-parallel degree")
-    gen.add_argument("--planner", default=None, metavar="SPEC",
-                     help="first rewrite the prompt with a K3 planner: tiny (random demo), a K3 checkpoint folder, or "
-                          "an OpenAI-compatible base URL (key in $H3GEN_PLANNER_API_KEY)")
+    gen.add_argument(
+        "--planner",
+        default=None,
+        metavar="SPEC",
+        help="first rewrite the prompt with a K3 planner: tiny (random demo), a K3 checkpoint folder, or "
+        "an OpenAI-compatible base URL (key in $H3GEN_PLANNER_API_KEY)",
+    )
     gen.add_argument("--out", required=True, help="output .mp4 path")
     gen.set_defaults(run=_cmd_generate)
 
-    serve = commands.add_parser("serve", help="run the REST API and web UI", formatter_class=_DefaultsFormatter,
-                                description="Serve MiniMax-H3 over a REST API (/v1/videos) and a web UI (/ui).")
+    serve = commands.add_parser(
+        "serve",
+        help="run the REST API and web UI",
+        formatter_class=_DefaultsFormatter,
+        description="Serve MiniMax-H3 over a REST API (/v1/videos) and a web UI (/ui).",
+    )
     serve.add_argument("--model", help="local MiniMax-H3 checkpoint folder (default: the tiny random demo model)")
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 for every interface)")
     serve.add_argument("--port", type=int, default=8000, help="TCP port")
-    serve.add_argument("--api-key", dest="api_key",
-                       help="require Authorization: Bearer <key> on every route but /health; the UI asks for it on its "
-                            "login page (default: $H3GEN_API_KEY, else no key)")
-    serve.add_argument("--forwarded-allow-ips", dest="forwarded_allow_ips", default=None, metavar="IPS",
-                       help="comma-separated addresses of the reverse proxies whose X-Forwarded-For / "
-                            "X-Forwarded-Proto headers name the client (* for any); default: none, every request's "
-                            "client is its TCP peer")
+    serve.add_argument(
+        "--api-key",
+        dest="api_key",
+        help="require Authorization: Bearer <key> on every route but /health; the UI asks for it on its "
+        "login page (default: $H3GEN_API_KEY, else no key)",
+    )
+    serve.add_argument(
+        "--forwarded-allow-ips",
+        dest="forwarded_allow_ips",
+        default=None,
+        metavar="IPS",
+        help="comma-separated addresses of the reverse proxies whose X-Forwarded-For / "
+        "X-Forwarded-Proto headers name the client (* for any); default: none, every request's "
+        "client is its TCP peer",
+    )
     serve.add_argument("--max-queue", dest="max_queue", type=int, default=16, help="waiting jobs before 429")
-    serve.add_argument("--max-plan-queue", dest="max_plan_queue", type=int, default=4,
-                       help="prompt plans waiting behind the running one before POST /v1/prompts/plan answers 429")
+    serve.add_argument(
+        "--max-plan-queue",
+        dest="max_plan_queue",
+        type=int,
+        default=4,
+        help="prompt plans waiting behind the running one before POST /v1/prompts/plan answers 429",
+    )
     serve.add_argument("--results-dir", dest="results_dir", default="h3gen-results", help="jobs database and MP4s")
-    serve.add_argument("--retention-hours", dest="retention_hours", type=float, default=168.0,
-                       help="finished jobs and their MP4s are deleted after this many hours")
-    serve.add_argument("--max-results-gb", dest="max_results_gb", type=float, default=50.0,
-                       help="the oldest results are deleted when the MP4s take more than this")
-    serve.add_argument("--max-upload-mb", dest="max_upload_mb", type=float, default=20.0,
-                       help="largest uploaded file (keyframe or reference)")
+    serve.add_argument(
+        "--retention-hours",
+        dest="retention_hours",
+        type=float,
+        default=168.0,
+        help="finished jobs and their MP4s are deleted after this many hours",
+    )
+    serve.add_argument(
+        "--max-results-gb",
+        dest="max_results_gb",
+        type=float,
+        default=50.0,
+        help="the oldest results are deleted when the MP4s take more than this",
+    )
+    serve.add_argument(
+        "--max-upload-mb",
+        dest="max_upload_mb",
+        type=float,
+        default=20.0,
+        help="largest uploaded file (keyframe or reference)",
+    )
     serve.add_argument("--device", choices=("cuda", "cpu"), default=None, help="default: cuda if available")
     serve.add_argument("--dtype", choices=tuple(DTYPES), default=None, help="default: bf16 on cuda, fp32 on cpu")
-    _run_option_arguments(serve, "the tier of requests that name none (default lossless); requests may ask exact, "
-                                 "lossless or high, and a server started with fast or fast+high serves only those "
-                                 "two")
+    _run_option_arguments(
+        serve,
+        "the tier of requests that name none (default lossless); requests may ask exact, "
+        "lossless or high, and a server started with fast or fast+high serves only those "
+        "two",
+    )
     serve.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (processes started with torchrun)")
     serve.add_argument("--ulysses", type=int, default=1, help="Ulysses sequence-parallel degree")
-    serve.add_argument("--max-seconds", dest="max_seconds", type=float, default=60.0,
-                       help="longest clip a job may ask for, 15 to 300 s; over 15 s a clip is made in overlapping "
-                            "windows and written as it is made")
-    serve.add_argument("--workflow", choices=WORKFLOWS, default="auto",
-                       help=f"tasks to serve (default auto): {describe(WORKFLOW_HELP)}")
-    serve.add_argument("--planner", default=None, metavar="SPEC",
-                       help="enable plan: true jobs and POST /v1/prompts/plan with a K3 planner: tiny (random demo), a "
-                            "K3 checkpoint folder, or an OpenAI-compatible base URL (default: off)")
-    serve.add_argument("--lora-dir", dest="lora_dir", default=None, metavar="DIR",
-                       help="serve the LoRA adapters (*.safetensors) of this folder: requests name them in `loras` "
-                            "(GET /v1/loras lists them); names never reach outside it (default: no adapters)")
-    serve.add_argument("--lora-gpu-memory", dest="lora_gpu_memory", default=None, metavar="SIZE",
-                       help="caps the device memory a request's adapters may use, e.g. 4GiB; a request over it is "
-                            "refused when submitted (default: free device memory less 2 GiB on a GPU, no cap on the "
-                            "CPU)")
-    serve.add_argument("--model-name", dest="model_name", default="MiniMax-H3",
-                       help="the model's id in OpenAI's API (`model` of /v1/videos, GET /v1/models)")
-    serve.add_argument("--no-ui", dest="no_ui", action="store_true", help="do not mount the web UI at /ui "
-                       "(default: mounted)")
-    serve.add_argument("--log-level", dest="log_level", default="info",
-                       choices=("critical", "error", "warning", "info", "debug", "trace"), help="uvicorn's log level")
+    serve.add_argument(
+        "--max-seconds",
+        dest="max_seconds",
+        type=float,
+        default=60.0,
+        help="longest clip a job may ask for, 15 to 300 s; over 15 s a clip is made in overlapping "
+        "windows and written as it is made",
+    )
+    serve.add_argument(
+        "--workflow",
+        choices=WORKFLOWS,
+        default="auto",
+        help=f"tasks to serve (default auto): {describe(WORKFLOW_HELP)}",
+    )
+    serve.add_argument(
+        "--planner",
+        default=None,
+        metavar="SPEC",
+        help="enable plan: true jobs and POST /v1/prompts/plan with a K3 planner: tiny (random demo), a "
+        "K3 checkpoint folder, or an OpenAI-compatible base URL (default: off)",
+    )
+    serve.add_argument(
+        "--lora-dir",
+        dest="lora_dir",
+        default=None,
+        metavar="DIR",
+        help="serve the LoRA adapters (*.safetensors) of this folder: requests name them in `loras` "
+        "(GET /v1/loras lists them); names never reach outside it (default: no adapters)",
+    )
+    serve.add_argument(
+        "--lora-gpu-memory",
+        dest="lora_gpu_memory",
+        default=None,
+        metavar="SIZE",
+        help="caps the device memory a request's adapters may use, e.g. 4GiB; a request over it is "
+        "refused when submitted (default: free device memory less 2 GiB on a GPU, no cap on the "
+        "CPU)",
+    )
+    serve.add_argument(
+        "--model-name",
+        dest="model_name",
+        default="MiniMax-H3",
+        help="the model's id in OpenAI's API (`model` of /v1/videos, GET /v1/models)",
+    )
+    serve.add_argument(
+        "--no-ui", dest="no_ui", action="store_true", help="do not mount the web UI at /ui (default: mounted)"
+    )
+    serve.add_argument(
+        "--log-level",
+        dest="log_level",
+        default="info",
+        choices=("critical", "error", "warning", "info", "debug", "trace"),
+        help="uvicorn's log level",
+    )
     serve.set_defaults(run=_cmd_serve)
 
-    plan = commands.add_parser("plan", help="turn a short idea into an H3 prompt (picture, motion, camera, sound, "
-                                            "music, dialogue) with a K3 planner; prints it")
+    plan = commands.add_parser(
+        "plan",
+        help="turn a short idea into an H3 prompt (picture, motion, camera, sound, "
+        "music, dialogue) with a K3 planner; prints it",
+    )
     plan.add_argument("prompt", help="the idea")
     plan.add_argument("--image", help="an image the video starts on (needs a planner that reads images)")
-    plan.add_argument("--model", default="tiny",
-                      help="K3 checkpoint folder, tiny (the random demo model, default), or an OpenAI-compatible base "
-                           "URL such as http://host:8000/v1")
+    plan.add_argument(
+        "--model",
+        default="tiny",
+        help="K3 checkpoint folder, tiny (the random demo model, default), or an OpenAI-compatible base "
+        "URL such as http://host:8000/v1",
+    )
     plan.add_argument("--api-key", dest="api_key", help="key for a remote planner (or $H3GEN_PLANNER_API_KEY)")
     plan.add_argument("--max-tokens", dest="max_tokens", type=int, default=512, help="most tokens to write")
     plan.add_argument("--seed", type=int, default=None, help="sampling seed (default: random)")

@@ -1,8 +1,8 @@
 """A small Python client for the h3gen REST API.
 
-    client = H3Client("http://127.0.0.1:8000", api_key=None)
-    job = client.generate("a red fox in the snow", seconds=5, seed=7, out="fox.mp4")
-    job = client.generate("<Picture 1> sings <Audio 1>", references=["singer.png", "voice.wav"], out="song.mp4")
+client = H3Client("http://127.0.0.1:8000", api_key=None)
+job = client.generate("a red fox in the snow", seconds=5, seed=7, out="fox.mp4")
+job = client.generate("<Picture 1> sings <Audio 1>", references=["singer.png", "voice.wav"], out="song.mp4")
 """
 
 import json
@@ -27,8 +27,10 @@ def _reference_part(reference) -> tuple[str, Path]:
         path = Path(reference)
         kind = next((k for k, suffixes in REFERENCE_SUFFIXES.items() if path.suffix.lower() in suffixes), None)
         if kind is None:
-            raise H3ClientError(f"cannot tell the kind of reference {path} from its suffix; pass (kind, path) with "
-                                "kind image, video or audio.")
+            raise H3ClientError(
+                f"cannot tell the kind of reference {path} from its suffix; pass (kind, path) with "
+                "kind image, video or audio."
+            )
     if kind not in REFERENCE_SUFFIXES:
         raise H3ClientError(f"a reference kind is image, video or audio (got {kind!r}).")
     return f"ref_{kind}", Path(path)

@@ -10,18 +10,26 @@ never change.
 import torch.nn as nn
 
 from h3gen.linear_spec import LinearFactory, LinearSpec, ParallelRole
+from h3gen.parallel.state import ParallelState
 from h3gen.parallel.tp_linear import (
     ColumnParallelLinear,
     ColumnParallelMXFP4Linear,
     RowParallelLinear,
     RowParallelMXFP4Linear,
 )
-from h3gen.parallel.state import ParallelState
 from h3gen.quant.fp8 import Fp8Linear
 from h3gen.quant.mxfp4 import MXFP4Linear
 
-__all__ = ["LinearFactory", "LinearSpec", "MXFP4_KINDS", "ParallelRole", "dense_linear", "make_linear_factory",
-           "to_fp8", "to_mxfp4"]
+__all__ = [
+    "LinearFactory",
+    "LinearSpec",
+    "MXFP4_KINDS",
+    "ParallelRole",
+    "dense_linear",
+    "make_linear_factory",
+    "to_fp8",
+    "to_mxfp4",
+]
 
 QUANTIZATIONS = ("mxfp4",)
 # The block linears `quantization="mxfp4"` stores as MXFP4 by default (float32 islands, embedders and heads stay
@@ -34,9 +42,13 @@ def dense_linear(spec: LinearSpec) -> nn.Linear:
     return nn.Linear(spec.in_features, spec.out_features, bias=spec.bias)
 
 
-def make_linear_factory(*, parallel: ParallelState | None = None, quantization: str | None = None,
-                        quantized_kinds: tuple[str, ...] = MXFP4_KINDS,
-                        base: LinearFactory | None = None) -> LinearFactory:
+def make_linear_factory(
+    *,
+    parallel: ParallelState | None = None,
+    quantization: str | None = None,
+    quantized_kinds: tuple[str, ...] = MXFP4_KINDS,
+    base: LinearFactory | None = None,
+) -> LinearFactory:
     """A `LinearFactory` for one model.
 
     - `quantization="mxfp4"`: specs whose `kind` is in `quantized_kinds` (never float32 islands) become

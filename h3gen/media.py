@@ -125,17 +125,28 @@ class Mp4Writer:
     quality `crf`, its fastest preset).
     """
 
-    def __init__(self, path, *, width: int, height: int, fps: int = 24, sample_rate: int = 32000,
-                 audio_sample_rate: int | None = None, crf: int = 18, preset: str | None = None,
-                 encoder: str | None = None):
+    def __init__(
+        self,
+        path,
+        *,
+        width: int,
+        height: int,
+        fps: int = 24,
+        sample_rate: int = 32000,
+        audio_sample_rate: int | None = None,
+        crf: int = 18,
+        preset: str | None = None,
+        encoder: str | None = None,
+    ):
         import av
 
         if height % 2 or width % 2:
             raise ValueError(f"H.264 yuv420p needs even sizes, got {width}x{height}.")
         self.out_rate = audio_sample_rate or sample_rate
         if self.out_rate not in AUDIO_RATES:
-            raise RequestError(f"audio_sample_rate must be one of {AUDIO_RATES} (got {self.out_rate}).",
-                               "audio_sample_rate")
+            raise RequestError(
+                f"audio_sample_rate must be one of {AUDIO_RATES} (got {self.out_rate}).", "audio_sample_rate"
+            )
         self.path, self.width, self.height, self.fps = Path(path), width, height, fps
         self.sample_rate = sample_rate
         self.num_frames = 0
@@ -162,8 +173,10 @@ class Mp4Writer:
         planar = frames.ndim == 3
         if planar:
             if frames.shape[1:] != (self.height * 3 // 2, self.width) or frames.dtype != np.uint8:
-                raise ValueError(f"yuv420p planes must be uint8 (n, {self.height * 3 // 2}, {self.width}), got "
-                                 f"{frames.dtype} {frames.shape}.")
+                raise ValueError(
+                    f"yuv420p planes must be uint8 (n, {self.height * 3 // 2}, {self.width}), got "
+                    f"{frames.dtype} {frames.shape}."
+                )
         else:
             frames = _to_uint8_frames(frames)
             if frames.shape[1:3] != (self.height, self.width):
@@ -206,8 +219,14 @@ class Mp4Writer:
             info = None
             if verify:
                 info = probe_mp4(self.partial, on_frame=progress)
-                check_mp4(info, num_frames=self.num_frames, width=self.width, height=self.height, fps=self.fps,
-                          sample_rate=self.out_rate)
+                check_mp4(
+                    info,
+                    num_frames=self.num_frames,
+                    width=self.width,
+                    height=self.height,
+                    fps=self.fps,
+                    sample_rate=self.out_rate,
+                )
             self.partial.replace(self.path)
             return info
         except BaseException:
@@ -252,8 +271,16 @@ def write_mp4(
     if video.ndim != 4 or video.shape[-1] != 3:
         raise ValueError(f"video must be (frames, height, width, 3), got {video.shape}.")
     num_frames, height, width, _ = video.shape
-    writer = Mp4Writer(path, width=width, height=height, fps=fps, sample_rate=sample_rate,
-                       audio_sample_rate=audio_sample_rate, crf=crf, preset=preset)
+    writer = Mp4Writer(
+        path,
+        width=width,
+        height=height,
+        fps=fps,
+        sample_rate=sample_rate,
+        audio_sample_rate=audio_sample_rate,
+        crf=crf,
+        preset=preset,
+    )
     units = num_frames * (2 if verify else 1)
     try:
         writer.add_frames(video, None if progress is None else (lambda done: progress(done, units)))
@@ -328,10 +355,22 @@ MAX_IMAGE_PIXELS = 40_000_000
 
 # What an upload's content decodes as, by field kind: container/format name -> the suffix it is stored under.
 IMAGE_FORMATS = {"PNG": ".png", "JPEG": ".jpg", "WEBP": ".webp", "GIF": ".gif", "BMP": ".bmp", "TIFF": ".tiff"}
-VIDEO_FORMATS = {"mov,mp4,m4a,3gp,3g2,mj2": ".mp4", "matroska,webm": ".mkv", "avi": ".avi", "mpegts": ".ts",
-                 "mpeg": ".mpg"}
-AUDIO_FORMATS = {"wav": ".wav", "mp3": ".mp3", "flac": ".flac", "ogg": ".ogg", "aac": ".aac",
-                 "mov,mp4,m4a,3gp,3g2,mj2": ".m4a", "matroska,webm": ".mka"}
+VIDEO_FORMATS = {
+    "mov,mp4,m4a,3gp,3g2,mj2": ".mp4",
+    "matroska,webm": ".mkv",
+    "avi": ".avi",
+    "mpegts": ".ts",
+    "mpeg": ".mpg",
+}
+AUDIO_FORMATS = {
+    "wav": ".wav",
+    "mp3": ".mp3",
+    "flac": ".flac",
+    "ogg": ".ogg",
+    "aac": ".aac",
+    "mov,mp4,m4a,3gp,3g2,mj2": ".m4a",
+    "matroska,webm": ".mka",
+}
 
 
 def _shown(path) -> str:
@@ -370,7 +409,9 @@ def read_image(source, field: str = "image"):
         return source.convert("RGB")
     if isinstance(source, np.ndarray):
         if source.ndim != 3 or source.shape[-1] not in (3, 4) or source.dtype != np.uint8:
-            raise RequestError(f"{field} array must be (height, width, 3) uint8 (got {source.shape}, {source.dtype}).", field)
+            raise RequestError(
+                f"{field} array must be (height, width, 3) uint8 (got {source.shape}, {source.dtype}).", field
+            )
         return Image.fromarray(source[..., :3])
     path = Path(source)
     if not path.is_file():
@@ -385,8 +426,9 @@ def read_image(source, field: str = "image"):
     except (UnidentifiedImageError, OSError, ValueError) as error:
         if isinstance(error, RequestError):
             raise
-        raise RequestError(f"{field} file {_shown(path)} is not a readable image ({type(error).__name__}).",
-                           field) from None
+        raise RequestError(
+            f"{field} file {_shown(path)} is not a readable image ({type(error).__name__}).", field
+        ) from None
 
 
 def upload_suffix(path, kind: str, field: str) -> str:
@@ -402,7 +444,7 @@ def upload_suffix(path, kind: str, field: str) -> str:
                 found, size = image.format, image.size
         except Image.DecompressionBombError:
             raise _pixel_cap_error(field, "larger than PIL opens") from None
-        except Exception:  # noqa: BLE001 - whatever PIL cannot identify is simply not an image
+        except Exception:  # whatever PIL cannot identify is simply not an image
             found, size = None, (0, 0)
         if found not in IMAGE_FORMATS:
             raise RequestError(f"{field} is not a readable image (send PNG, JPEG, WebP, GIF, BMP or TIFF).", field)
@@ -413,10 +455,16 @@ def upload_suffix(path, kind: str, field: str) -> str:
     formats = VIDEO_FORMATS if kind == "video" else AUDIO_FORMATS
     try:
         with av.open(str(path)) as container:
-            name, has_video, has_audio = container.format.name, bool(container.streams.video), \
-                bool(container.streams.audio)
-            size = (container.streams.video[0].codec_context.width, container.streams.video[0].codec_context.height) \
-                if has_video else (0, 0)
+            name, has_video, has_audio = (
+                container.format.name,
+                bool(container.streams.video),
+                bool(container.streams.audio),
+            )
+            size = (
+                (container.streams.video[0].codec_context.width, container.streams.video[0].codec_context.height)
+                if has_video
+                else (0, 0)
+            )
     except (av.error.FFmpegError, OSError, ValueError):
         name, has_video, has_audio, size = None, False, False, (0, 0)
     if kind == "video":
@@ -464,8 +512,11 @@ def _open_media(source, field: str):
 
 def _check_length(seconds: float | None, field: str, path) -> None:
     if seconds is not None and seconds > MAX_MEDIA_SECONDS + 1e-6:
-        raise RequestError(f"{field} file {_shown(path)} lasts {seconds:.1f} s; a reference may last at most "
-                           f"{MAX_MEDIA_SECONDS:g} s (the model uses at most the first 15 s).", field)
+        raise RequestError(
+            f"{field} file {_shown(path)} lasts {seconds:.1f} s; a reference may last at most "
+            f"{MAX_MEDIA_SECONDS:g} s (the model uses at most the first 15 s).",
+            field,
+        )
 
 
 def _container_seconds(container) -> float | None:
@@ -540,8 +591,10 @@ MIN_AUDIO_RATE, MAX_AUDIO_RATE = 1000, 384000  # Hz a sound may have (a file's o
 def check_audio_rate(rate, field: str) -> int:
     """`rate` as the sample rate of a sound, or a `RequestError` naming `field`, the rate and the allowed range."""
     if isinstance(rate, bool) or not isinstance(rate, int) or not MIN_AUDIO_RATE <= rate <= MAX_AUDIO_RATE:
-        raise RequestError(f"{field} sample_rate must be an integer from {MIN_AUDIO_RATE} to {MAX_AUDIO_RATE} Hz "
-                           f"(got {rate!r}).", field)
+        raise RequestError(
+            f"{field} sample_rate must be an integer from {MIN_AUDIO_RATE} to {MAX_AUDIO_RATE} Hz (got {rate!r}).",
+            field,
+        )
     return rate
 
 
@@ -556,8 +609,9 @@ def resample_stream(waveform: np.ndarray, rate: int, new_rate: int, chunk: int =
     resampler = av.AudioResampler(format="fltp", layout=layout, rate=new_rate)
     out = []
     for start in range(0, waveform.shape[-1], chunk):
-        frame = av.AudioFrame.from_ndarray(np.ascontiguousarray(waveform[:, start:start + chunk], np.float32),
-                                           format="fltp", layout=layout)
+        frame = av.AudioFrame.from_ndarray(
+            np.ascontiguousarray(waveform[:, start : start + chunk], np.float32), format="fltp", layout=layout
+        )
         frame.sample_rate = rate
         frame.pts = start
         frame.time_base = Fraction(1, rate)
@@ -624,8 +678,11 @@ def _sampled_frames(path, count: int) -> list[np.ndarray]:
                 total = sum(1 for _ in container.decode(video=0))
                 container.seek(0)
             wanted = {round(i * (total - 1) / max(count - 1, 1)) for i in range(count)} if count > 1 else {total // 2}
-            frames = [frame.to_ndarray(format="rgb24") for index, frame in enumerate(container.decode(video=0))
-                      if index in wanted]
+            frames = [
+                frame.to_ndarray(format="rgb24")
+                for index, frame in enumerate(container.decode(video=0))
+                if index in wanted
+            ]
     except (av.error.FFmpegError, IndexError) as error:
         raise MediaError(f"the video does not decode: {error}") from None
     if not frames:
@@ -662,6 +719,11 @@ def mp4_spritesheet(path, columns: int = SPRITESHEET_COLUMNS, rows: int = SPRITE
     for index, frame in enumerate(frames):
         tile = Image.fromarray(frame).resize((tile_width, tile_height), Image.Resampling.BILINEAR)
         sheet.paste(tile, ((index % columns) * tile_width, (index // columns) * tile_height))
-    layout = {"columns": columns, "rows": rows, "tile_width": tile_width, "tile_height": tile_height,
-              "frames": len(frames)}
+    layout = {
+        "columns": columns,
+        "rows": rows,
+        "tile_width": tile_width,
+        "tile_height": tile_height,
+        "frames": len(frames),
+    }
     return _jpeg(sheet), layout

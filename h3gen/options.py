@@ -17,7 +17,7 @@ QUALITY_HELP = {
     "lossless": "the same math through fused kernels, bf16-level differences",
     "fast": "FP8 GEMMs and attention, an approximation with measured error",
     "high": "lossless plus a first-block step cache: forwards whose first block changes little reuse the other "
-            "blocks' last output (an approximation; knobs: cache)",
+    "blocks' last output (an approximation; knobs: cache)",
     "fast+high": "fast plus the same step cache",
 }
 # Tiers that add the first-block step cache (pipelines/h3/step_cache.py) to a base tier, per request.
@@ -56,7 +56,7 @@ _BYTE_UNITS = {"gib": GiB, "gb": 10**9, "mib": 2**20, "mb": 10**6, "kib": 2**10,
 
 
 def describe(help_by_value: dict[str, str]) -> str:
-    """"value: help; value: help" for a help line (argparse, the REST schema)."""
+    """ "value: help; value: help" for a help line (argparse, the REST schema)."""
     return "; ".join(f"{value}: {text}" for value, text in help_by_value.items())
 
 
@@ -80,7 +80,7 @@ def uses_step_cache(tier: str | None) -> bool:
 
 
 def parse_bytes(text: str | int | float | None) -> int | None:
-    """"30GiB", "24GB", "512MiB" or a number of bytes -> bytes (None stays None)."""
+    """ "30GiB", "24GB", "512MiB" or a number of bytes -> bytes (None stays None)."""
     if text is None or isinstance(text, (int, float)):
         return None if text is None else int(text)
     value = text.strip().lower().replace(" ", "")
@@ -130,20 +130,27 @@ class RunOptions:
         check_choice("workflow", self.workflow, WORKFLOWS)
         check_choice("attention", self.attention, ATTENTION_BACKENDS, optional=True)
         if isinstance(self.prefetch, bool) or not isinstance(self.prefetch, int) or self.prefetch < 1:
-            raise RequestError(f"prefetch must be a whole number of blocks, at least 1 (got {self.prefetch!r}).",
-                               "prefetch")
+            raise RequestError(
+                f"prefetch must be a whole number of blocks, at least 1 (got {self.prefetch!r}).", "prefetch"
+            )
         if self.gpu_memory is not None and (parse_bytes(self.gpu_memory) or 0) <= 0:
             raise RequestError(f"gpu_memory must be more than 0 bytes (got {self.gpu_memory!r}).", "gpu_memory")
         if self.offload == "layerwise" and self.gpu_memory is None:
             raise RequestError("offload='layerwise' needs gpu_memory, e.g. '30GiB'.", "gpu_memory")
         base = base_tier(self.quality)
         if self.attention is not None and base == "exact":
-            raise RequestError(f"attention {self.attention} cannot be combined with quality exact, which runs torch's "
-                               "SDPA choice as the reference does; leave attention unset or pick quality "
-                               "lossless or fast.", "attention")
+            raise RequestError(
+                f"attention {self.attention} cannot be combined with quality exact, which runs torch's "
+                "SDPA choice as the reference does; leave attention unset or pick quality "
+                "lossless or fast.",
+                "attention",
+            )
         if self.attention in APPROXIMATE_ATTENTION and base != "fast":
-            raise RequestError(f"attention {self.attention} quantizes q/k/v to FP8, an approximation for quality "
-                               f"fast only (quality is {self.quality}).", "attention")
+            raise RequestError(
+                f"attention {self.attention} quantizes q/k/v to FP8, an approximation for quality "
+                f"fast only (quality is {self.quality}).",
+                "attention",
+            )
 
     @classmethod
     def merged(cls, options: "RunOptions | None" = None, **keywords) -> "RunOptions":
@@ -171,7 +178,9 @@ class RunOptions:
             raise RequestError(
                 f"quality {tier} is not available here: fast and fast+high need a model loaded with quality fast or "
                 "fast+high (its block weights are FP8; --quality fast on the command line), and such a model serves "
-                f"only fast and fast+high requests (loaded: {self.quality}).", "quality")
+                f"only fast and fast+high requests (loaded: {self.quality}).",
+                "quality",
+            )
         return tier
 
     def servable_tiers(self) -> tuple[str, ...]:

@@ -52,8 +52,9 @@ _HALF_ONLY = {"fa3": 256, "cudnn": 128, "flash": 256}
 _HALF = (torch.float16, torch.bfloat16)
 
 
-def _auto_backend(device_type: str, major: int, dtype: torch.dtype, head_dim: int, has_fa3: bool,
-                  has_cudnn: bool) -> str:
+def _auto_backend(
+    device_type: str, major: int, dtype: torch.dtype, head_dim: int, has_fa3: bool, has_cudnn: bool
+) -> str:
     """The fastest backend for these inputs: FA3 on Hopper (bf16), else cuDNN on Hopper and newer, else flash on
     Ampere and newer, each only where it takes the dtype and head size; else torch's own choice ("sdpa")."""
     if device_type != "cuda" or not _takes(dtype, head_dim, 256):
@@ -78,8 +79,12 @@ def _fa3_fp8(query, key, value):
     return fp8_attention(*(quantize_heads(t) for t in (query, key, value)), out_dtype=query.dtype)
 
 
-def fp8_attention(query: tuple[torch.Tensor, torch.Tensor], key: tuple[torch.Tensor, torch.Tensor],
-                  value: tuple[torch.Tensor, torch.Tensor], out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+def fp8_attention(
+    query: tuple[torch.Tensor, torch.Tensor],
+    key: tuple[torch.Tensor, torch.Tensor],
+    value: tuple[torch.Tensor, torch.Tensor],
+    out_dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor:
     """Attention over inputs already in e4m3 (the `fast` tier hands them over from its fused kernels).
 
     Args:
@@ -105,8 +110,9 @@ def takes_fp8_inputs(backend: str | None) -> bool:
     return (os.environ.get("H3GEN_ATTENTION_BACKEND") or backend) == "fa3-fp8"
 
 
-def resolve_backend(backend: str | None, device: torch.device, dtype: torch.dtype = torch.bfloat16,
-                    head_dim: int = 128) -> str:
+def resolve_backend(
+    backend: str | None, device: torch.device, dtype: torch.dtype = torch.bfloat16, head_dim: int = 128
+) -> str:
     """The concrete backend `attention` will use for heads of `dtype` and `head_dim` on `device`:
     `H3GEN_ATTENTION_BACKEND` when set (an override for every call), else `backend`, else "sdpa". A named backend
     that cannot take these inputs raises ValueError."""
@@ -115,18 +121,22 @@ def resolve_backend(backend: str | None, device: torch.device, dtype: torch.dtyp
         raise ValueError(f"Unknown attention backend {name!r}; choose one of {', '.join(BACKENDS)}.")
     if name == "auto":
         major = torch.cuda.get_device_capability(device)[0] if device.type == "cuda" else 0
-        name = _auto_backend(device.type, major, dtype, head_dim, _fa3() is not None,
-                             torch.backends.cudnn.is_available())
+        name = _auto_backend(
+            device.type, major, dtype, head_dim, _fa3() is not None, torch.backends.cudnn.is_available()
+        )
     if name in ("fa3", "fa3-fp8") and _fa3() is None:
         raise ValueError("attention backend 'fa3' needs FlashAttention-3 (flash_attn_interface), not importable.")
     if name in _HALF_ONLY and not _takes(dtype, head_dim, _HALF_ONLY[name]):
-        raise ValueError(f"attention backend {name!r} takes fp16 or bf16 heads of a multiple of 8 up to "
-                         f"{_HALF_ONLY[name]} channels, got {dtype} heads of {head_dim}; use 'auto' or 'sdpa'.")
+        raise ValueError(
+            f"attention backend {name!r} takes fp16 or bf16 heads of a multiple of 8 up to "
+            f"{_HALF_ONLY[name]} channels, got {dtype} heads of {head_dim}; use 'auto' or 'sdpa'."
+        )
     return name
 
 
-def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, backend: str | None = None,
-              layout: str = "bshd") -> torch.Tensor:
+def attention(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, backend: str | None = None, layout: str = "bshd"
+) -> torch.Tensor:
     """Softmax attention of every row over every row, scale 1/sqrt(head_dim).
 
     Args:
@@ -141,8 +151,12 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, ba
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}.")
     seq_axis = 1 if layout == "bshd" else 2
     other = [d for d in range(4) if d != seq_axis]
-    if (query.ndim != 4 or key.shape != value.shape or key.ndim != 4
-            or [query.shape[d] for d in other] != [key.shape[d] for d in other]):
+    if (
+        query.ndim != 4
+        or key.shape != value.shape
+        or key.ndim != 4
+        or [query.shape[d] for d in other] != [key.shape[d] for d in other]
+    ):
         raise ValueError(
             "attention expects 4-D query, key and value that differ at most in the key/value length, got "
             f"{tuple(query.shape)}, {tuple(key.shape)}, {tuple(value.shape)}."

@@ -14,5 +14,14 @@ else:
     from h3gen.offload.shared_host import SharedHostStore
     from h3gen.options import OFFLOAD_MODES
 
-    __all__ = ["OFFLOAD_MODES", "LayerwiseOffload", "OffloadPlan", "Placement", "SharedHostStore",
-               "apply_layerwise_offload", "plan_placement", "plan_residency", "stream_layers"]
+    __all__ = [
+        "OFFLOAD_MODES",
+        "LayerwiseOffload",
+        "OffloadPlan",
+        "Placement",
+        "SharedHostStore",
+        "apply_layerwise_offload",
+        "plan_placement",
+        "plan_residency",
+        "stream_layers",
+    ]

@@ -14,8 +14,17 @@ def _bytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def apply_layerwise_offload(transformer, device, *, gpu_memory, prefetch: int = 2, activation_reserve=None,
-                            policy: str = "strided", copy_log=None, host_store=None) -> LayerwiseOffload:
+def apply_layerwise_offload(
+    transformer,
+    device,
+    *,
+    gpu_memory,
+    prefetch: int = 2,
+    activation_reserve=None,
+    policy: str = "strided",
+    copy_log=None,
+    host_store=None,
+) -> LayerwiseOffload:
     """Offload `transformer`'s blocks (loaded on the CPU) to fit `gpu_memory` on `device`.
 
     `gpu_memory` ("30GiB", bytes) is what the transformer may use on the GPU, activations included; the
@@ -33,8 +42,9 @@ def apply_layerwise_offload(transformer, device, *, gpu_memory, prefetch: int = 
     block_bytes = [_bytes(t for *_, t in _owned_tensors(block, ON_DEMAND)) for block in blocks]
     other = _bytes(p for n, p in transformer.named_parameters() if not n.startswith("transformer_blocks."))
     plan = plan_residency(block_bytes, budget - other - reserve, prefetch=prefetch, policy=policy)
-    offload = LayerwiseOffload(blocks, plan, device, prefetch=prefetch, on_demand=ON_DEMAND, copy_log=copy_log,
-                               host_store=host_store)
+    offload = LayerwiseOffload(
+        blocks, plan, device, prefetch=prefetch, on_demand=ON_DEMAND, copy_log=copy_log, host_store=host_store
+    )
     transformer.offload = offload
     transformer.offload_plan = plan
     if torch.device(device).type == "cuda":  # what a request's activations may take on the GPU (checked per request)

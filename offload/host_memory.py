@@ -16,9 +16,10 @@ def available_host_bytes() -> int | None:
                 available = int(line.split()[1]) * 1024
     except OSError:
         return None
-    for limit_file, usage_file in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
-                                   ("/sys/fs/cgroup/memory/memory.limit_in_bytes",
-                                    "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
+    for limit_file, usage_file in (
+        ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+        ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes"),
+    ):
         try:
             limit = Path(limit_file).read_text().strip()
             usage = int(Path(usage_file).read_text().strip())
@@ -35,7 +36,8 @@ def check_host_memory(needed_bytes: int, what: str, available_bytes: int | None 
     if available is not None and needed_bytes > available:
         raise CheckpointError(
             f"{what} needs {needed_bytes / GiB:.1f} GiB of host memory but only {available / GiB:.1f} GiB is "
-            "available; free memory, use MXFP4 weights, or keep more on the GPU (a larger --gpu-memory).")
+            "available; free memory, use MXFP4 weights, or keep more on the GPU (a larger --gpu-memory)."
+        )
 
 
 def folder_bytes(folder) -> int:

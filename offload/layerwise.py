@@ -66,8 +66,14 @@ class PackedModule:
     `host` gives the buffers (e.g. views of a shared host store; default: new ones, pinned if `pin`); `fill=False`
     leaves them as they are, for a module whose tensors are not loaded here (meta) but packed by another process."""
 
-    def __init__(self, module: nn.Module, skip: tuple[str, ...], pin: bool,
-                 host: dict[torch.dtype, torch.Tensor] | None = None, fill: bool = True):
+    def __init__(
+        self,
+        module: nn.Module,
+        skip: tuple[str, ...],
+        pin: bool,
+        host: dict[torch.dtype, torch.Tensor] | None = None,
+        fill: bool = True,
+    ):
         self.slots: list[_Slot] = []
         sizes: dict[torch.dtype, int] = {}
         tensors = list(_owned_tensors(module, skip))
@@ -76,10 +82,13 @@ class PackedModule:
             self.slots.append(_Slot(owner, name, is_param, tensor.dtype, offset, tensor.shape))
             sizes[tensor.dtype] = offset + tensor.numel()
         self.sizes = sizes
-        self.host = host if host is not None else \
-            {dtype: torch.empty(n, dtype=dtype, pin_memory=pin) for dtype, n in sizes.items()}
+        self.host = (
+            host
+            if host is not None
+            else {dtype: torch.empty(n, dtype=dtype, pin_memory=pin) for dtype, n in sizes.items()}
+        )
         if fill:
-            for slot, (_, _, _, tensor) in zip(self.slots, tensors):
+            for slot, (_, _, _, tensor) in zip(self.slots, tensors, strict=True):
                 self.host[slot.dtype][slot.offset : slot.offset + tensor.numel()].copy_(tensor.detach().reshape(-1))
 
     @property
@@ -117,9 +126,18 @@ class LayerwiseOffload:
     """Streams the `plan.streamed` blocks of `blocks` through `plan.slots` GPU buffers; the resident blocks move to
     `device` for good. `copy_log`, if given, records the order of block copies (tests use it)."""
 
-    def __init__(self, blocks: nn.ModuleList, plan: OffloadPlan, device, *, prefetch: int = 2,
-                 on_demand: tuple[str, ...] = ("adaln_proj",), pin: bool | None = None, copy_log: list | None = None,
-                 host_store=None):
+    def __init__(
+        self,
+        blocks: nn.ModuleList,
+        plan: OffloadPlan,
+        device,
+        *,
+        prefetch: int = 2,
+        on_demand: tuple[str, ...] = ("adaln_proj",),
+        pin: bool | None = None,
+        copy_log: list | None = None,
+        host_store=None,
+    ):
         self.device = torch.device(device)
         cuda = self.device.type == "cuda"
         pin = cuda if pin is None else pin
@@ -131,8 +149,12 @@ class LayerwiseOffload:
         units = {("block", i): (blocks[i], on_demand) for i in self.order}
         # The on-demand parts of every block, resident ones included, stay on the host: the planner's budget
         # leaves them out.
-        units |= {(i, name): (getattr(blocks[i], name), ()) for i in self.order + list(plan.resident)
-                  for name in on_demand if hasattr(blocks[i], name)}
+        units |= {
+            (i, name): (getattr(blocks[i], name), ())
+            for i in self.order + list(plan.resident)
+            for name in on_demand
+            if hasattr(blocks[i], name)
+        }
         self.host_store = host_store
         if host_store is None:
             for index in plan.resident:
@@ -144,8 +166,10 @@ class LayerwiseOffload:
             # out identically on every rank; the owner fills it, the readers only map it.
             units |= {("resident", i): (blocks[i], on_demand) for i in plan.resident}
             hosts = host_store.allocate([packed_sizes(module, skip) for module, skip in units.values()])
-            packed = {key: PackedModule(module, skip, pin, host=host, fill=host_store.owner)
-                      for (key, (module, skip)), host in zip(units.items(), hosts)}
+            packed = {
+                key: PackedModule(module, skip, pin, host=host, fill=host_store.owner)
+                for (key, (module, skip)), host in zip(units.items(), hosts, strict=True)
+            }
             host_store.publish()
             for i in plan.resident:
                 resident = packed.pop(("resident", i))
@@ -157,8 +181,10 @@ class LayerwiseOffload:
         for packed in list(self.packed.values()) + list(self.on_demand.values()):
             packed.release(self.placeholders)
         largest = {dtype: max((p.sizes.get(dtype, 0) for p in self.packed.values()), default=0) for dtype in dtypes}
-        self.ring = [{dtype: torch.empty(n, dtype=dtype, device=self.device) for dtype, n in largest.items() if n}
-                     for _ in range(self.slots)]
+        self.ring = [
+            {dtype: torch.empty(n, dtype=dtype, device=self.device) for dtype, n in largest.items() if n}
+            for _ in range(self.slots)
+        ]
         self.copied = [torch.cuda.Event() if cuda else None for _ in range(self.slots)]
         self.computed = [torch.cuda.Event() if cuda else None for _ in range(self.slots)]
         self.position = {block_index: p for p, block_index in enumerate(self.order)}
@@ -253,6 +279,7 @@ class LayerwiseOffload:
             if self.copied[slot] is not None:
                 torch.cuda.current_stream(self.device).wait_event(self.copied[slot])
             self.packed[index].bind(self.ring[slot])
+
         return hook
 
     def _after(self, index: int):
@@ -262,16 +289,19 @@ class LayerwiseOffload:
                 self.computed[slot].record(torch.cuda.current_stream(self.device))
             self.packed[index].release(self.placeholders)
             self.computing += 1
+
         return hook
 
     def _load_now(self, packed: PackedModule):
         def hook(module, args):
             packed.bind({dtype: host.to(self.device, non_blocking=True) for dtype, host in packed.host.items()})
+
         return hook
 
     def _unload(self, packed: PackedModule):
         def hook(module, args, output):
             packed.release(self.placeholders)
+
         return hook
 
     # ------------------------------------------------------------------ reports

@@ -53,8 +53,9 @@ class Placement:
         """The machine-wide host copy of partition `name`'s blocks when Ulysses ranks can share one, else None."""
         if not self.layerwise or self.parallel is None or self.parallel.tp != 1:
             return None
-        return shared_store_for_ranks(name, host_memory.folder_bytes(self.folders[name]),
-                                      pin=self.device.type == "cuda")
+        return shared_store_for_ranks(
+            name, host_memory.folder_bytes(self.folders[name]), pin=self.device.type == "cuda"
+        )
 
     @staticmethod
     def skip_prefixes(store: SharedHostStore | None) -> tuple[str, ...]:
@@ -65,8 +66,9 @@ class Placement:
         """Put a loaded `H3Transformer` on its share of the GPU budget (layer-wise offload only)."""
         if self.layerwise:
             share = self.options.gpu_memory_bytes // self.partitions
-            apply_layerwise_offload(transformer, self.device, gpu_memory=share, prefetch=self.options.prefetch,
-                                    host_store=store)
+            apply_layerwise_offload(
+                transformer, self.device, gpu_memory=share, prefetch=self.options.prefetch, host_store=store
+            )
 
     def offload_text_encoder(self, layers) -> None:
         """Stream the text encoder's decoder `layers` (layer-wise offload only); the rest of it visits the device
@@ -75,8 +77,9 @@ class Placement:
             stream_layers(layers, self.device, prefetch=self.options.prefetch)
 
 
-def plan_placement(options: RunOptions, device, folders: dict[str, Path], *, partitions: int = 1,
-                   parallel=None) -> Placement:
+def plan_placement(
+    options: RunOptions, device, folders: dict[str, Path], *, partitions: int = 1, parallel=None
+) -> Placement:
     """The `Placement` of a pipeline whose components live in `folders` (every part it will load: the transformer
     partitions, the text encoder, the VAEs). Raises `CheckpointError` before any loading when layer-wise offload's
     host copies would not fit in host memory. On a CUDA device the allocator takes expandable segments from here on
@@ -86,5 +89,6 @@ def plan_placement(options: RunOptions, device, folders: dict[str, Path], *, par
     if placement.layerwise:
         needed = sum(host_memory.folder_bytes(folder) for folder in folders.values())
         host_memory.check_host_memory(
-            needed, "layer-wise offload (host copies of the transformer, text encoder and VAEs)")
+            needed, "layer-wise offload (host copies of the transformer, text encoder and VAEs)"
+        )
     return placement

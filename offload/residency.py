@@ -29,8 +29,9 @@ def spread(count: int, total: int) -> list[int]:
     return sorted({round(i * total / count) for i in range(count)})
 
 
-def plan_residency(block_bytes: list[int], budget_bytes: int, *, prefetch: int = 2,
-                   policy: str = "strided") -> OffloadPlan:
+def plan_residency(
+    block_bytes: list[int], budget_bytes: int, *, prefetch: int = 2, policy: str = "strided"
+) -> OffloadPlan:
     """Keep as many blocks resident as fit in `budget_bytes` next to a ring of `prefetch + 1` streaming buffers.
 
     Args:
@@ -55,7 +56,9 @@ def plan_residency(block_bytes: list[int], budget_bytes: int, *, prefetch: int =
         raise RequestError(
             f"gpu_memory leaves {format_bytes(budget_bytes)} for transformer blocks, but streaming with prefetch "
             f"{prefetch} needs {format_bytes(ring)} of buffers; give at least {format_bytes(ring - budget_bytes)} "
-            "more or lower --prefetch.", "gpu_memory")
+            "more or lower --prefetch.",
+            "gpu_memory",
+        )
     # Most resident blocks that fit next to the ring (blocks are near-equal in size; check the actual choice).
     for count in range(len(block_bytes) - 1, -1, -1):
         chosen = spread(count, len(block_bytes)) if policy == "strided" else list(range(count))

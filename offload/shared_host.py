@@ -44,8 +44,16 @@ class SharedHostStore:
     """Flat host buffers in one shared-memory file: `allocate` lays them out and maps the file (the owner creates
     it); the owner fills them and calls `publish`. Readers' `allocate` waits until the owner has published."""
 
-    def __init__(self, key: str, *, local_rank: int | None = None, local_world: int | None = None,
-                 directory: str | os.PathLike = "/dev/shm", timeout: float = 1800.0, pin: bool = False):
+    def __init__(
+        self,
+        key: str,
+        *,
+        local_rank: int | None = None,
+        local_world: int | None = None,
+        directory: str | os.PathLike = "/dev/shm",
+        timeout: float = 1800.0,
+        pin: bool = False,
+    ):
         rank, world = local_rank_and_world()
         self.rank = rank if local_rank is None else local_rank
         self.world = world if local_world is None else local_world
@@ -89,13 +97,22 @@ class SharedHostStore:
             self._wait_for(self.path, "the weights local rank 0 is packing")
             size = self.path.stat().st_size
             if size != total:
-                raise RuntimeError(f"shared host store {self.path} holds {size} bytes, this rank expects {total}: "
-                                   "the local ranks did not build the same model.")
+                raise RuntimeError(
+                    f"shared host store {self.path} holds {size} bytes, this rank expects {total}: "
+                    "the local ranks did not build the same model."
+                )
             self.storage = torch.from_file(str(self.path), shared=True, size=total, dtype=torch.uint8)
             self.path.with_name(f"{self.path.name}.rank{self.rank}").touch()
         self._register()
-        return [{dtype: self.storage[offset : offset + _align(count * torch.empty(0, dtype=dtype).element_size())]
-                 .view(dtype)[:count] for dtype, (offset, count) in placed.items()} for placed in layout]
+        return [
+            {
+                dtype: self.storage[offset : offset + _align(count * torch.empty(0, dtype=dtype).element_size())].view(
+                    dtype
+                )[:count]
+                for dtype, (offset, count) in placed.items()
+            }
+            for placed in layout
+        ]
 
     def publish(self) -> None:
         """Owner: make the filled file visible to the readers, wait until each has mapped it, then unlink it (the
@@ -128,8 +145,11 @@ class SharedHostStore:
             return
         result = torch.cuda.cudart().cudaHostRegister(self.storage.data_ptr(), self.storage.numel(), 0)
         if int(result) != 0:
-            log.warning("could not page-lock the shared host store (cudaHostRegister error %s); copies from it "
-                        "will be slower. Raise the locked-memory limit (ulimit -l) to fix this.", int(result))
+            log.warning(
+                "could not page-lock the shared host store (cudaHostRegister error %s); copies from it "
+                "will be slower. Raise the locked-memory limit (ulimit -l) to fix this.",
+                int(result),
+            )
         else:
             self.registered = True
 
@@ -151,7 +171,13 @@ def shared_store_for_ranks(what: str, nbytes: int, *, pin: bool, directory: str 
         torch.distributed.all_gather_object(votes, fits)
         fits = all(votes)
     if not fits:
-        log.warning("not enough room in %s for one shared host copy of the %s (%.1f GiB); each of the %d local "
-                    "ranks keeps its own copy.", directory, what, nbytes / 2**30, world)
+        log.warning(
+            "not enough room in %s for one shared host copy of the %s (%.1f GiB); each of the %d local "
+            "ranks keeps its own copy.",
+            directory,
+            what,
+            nbytes / 2**30,
+            world,
+        )
         return None
     return SharedHostStore(default_key(what), local_rank=rank, local_world=world, directory=directory, pin=pin)

@@ -1,5 +1,8 @@
 """Running diffusers' own MiniMax-H3 ModularPipeline on a checkpoint folder: the reference our pipeline must equal."""
 
+import enum
+import sys
+import types
 import warnings
 from unittest import mock
 
@@ -43,8 +46,13 @@ def run_reference(pipe, prompt: str, seed: int, **kwargs):
     """-> (video (F, H, W, 3) float32 numpy, audio (2, N) float32 numpy, latents, audio_latents)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        out = pipe(prompt=prompt, generator=torch.Generator().manual_seed(seed), output_type="np",
-                   output=["videos", "audio", "latents", "audio_latents"], **kwargs)
+        out = pipe(
+            prompt=prompt,
+            generator=torch.Generator().manual_seed(seed),
+            output_type="np",
+            output=["videos", "audio", "latents", "audio_latents"],
+            **kwargs,
+        )
     return out["videos"][0], out["audio"][0].numpy(), out["latents"], out["audio_latents"]
 
 
@@ -60,10 +68,6 @@ def run_reference(pipe, prompt: str, seed: int, **kwargs):
 #   transformers to pin this down;
 # - `torchaudio.transforms.Resample` is h3gen's `resample_audio`, which tests/data/golden_ref2va.npz pins against
 #   real torchaudio outputs. Requests with sound at 32 kHz need no resampling and exercise no substitute at all.
-
-import enum
-import sys
-import types
 
 
 class InterpolationMode(enum.Enum):
@@ -90,10 +94,13 @@ class TorchvisionFunctional:
         if interpolation not in (InterpolationMode.BILINEAR, InterpolationMode.BICUBIC):
             raise NotImplementedError(interpolation)
         flat = image.reshape(-1, channels, height, width)
-        native = image.dtype == torch.float32 or (image.dtype == torch.uint8 and interpolation == InterpolationMode.BICUBIC)
+        native = image.dtype == torch.float32 or (
+            image.dtype == torch.uint8 and interpolation == InterpolationMode.BICUBIC
+        )
         work = flat if native else flat.float()
-        out = torch.nn.functional.interpolate(work, size=list(size), mode=interpolation.value, align_corners=False,
-                                              antialias=antialias)
+        out = torch.nn.functional.interpolate(
+            work, size=list(size), mode=interpolation.value, align_corners=False, antialias=antialias
+        )
         if not native:
             out = out.clamp(0, 255).round().to(image.dtype) if image.dtype == torch.uint8 else out.to(image.dtype)
         return out.reshape(*shape[:-3], channels, *size)
@@ -116,11 +123,14 @@ def _torchvision_patches():
     import transformers.video_processing_utils as video_utils
     from transformers.image_utils import PILImageResampling
 
-    mapping = {PILImageResampling.BILINEAR: InterpolationMode.BILINEAR,
-               PILImageResampling.BICUBIC: InterpolationMode.BICUBIC}
-    return [mock.patch.object(module, "tvF", TorchvisionFunctional, create=True)
-            for module in (backends, qwen_video, video_utils)] + [
-        mock.patch.object(backends, "pil_torch_interpolation_mapping", mapping)]
+    mapping = {
+        PILImageResampling.BILINEAR: InterpolationMode.BILINEAR,
+        PILImageResampling.BICUBIC: InterpolationMode.BICUBIC,
+    }
+    return [
+        mock.patch.object(module, "tvF", TorchvisionFunctional, create=True)
+        for module in (backends, qwen_video, video_utils)
+    ] + [mock.patch.object(backends, "pil_torch_interpolation_mapping", mapping)]
 
 
 def reference_video_processor(folder):
@@ -171,8 +181,11 @@ def load_ref2va_reference(folder, dtype=torch.float32):
 def diffusers_references(references):
     """diffusers' reference objects for (kind, payload) pairs: a path (decoded by diffusers' own `from_file`) or
     in-memory media as diffusers takes it."""
-    from diffusers.modular_pipelines.minimax_h3 import (MiniMaxH3AudioReference, MiniMaxH3ImageReference,
-                                                        MiniMaxH3VideoReference)
+    from diffusers.modular_pipelines.minimax_h3 import (
+        MiniMaxH3AudioReference,
+        MiniMaxH3ImageReference,
+        MiniMaxH3VideoReference,
+    )
 
     classes = {"image": MiniMaxH3ImageReference, "video": MiniMaxH3VideoReference, "audio": MiniMaxH3AudioReference}
     out = []

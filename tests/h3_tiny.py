@@ -7,13 +7,47 @@ from h3gen.pipelines.h3.transformer import KEEP_FP32_MODULES
 
 # Tiny transformer configs with different heads, layers and head dims (rope rotates 6 * rope_freq_dim channels).
 TINY_CONFIGS = [
-    dict(num_attention_heads=2, attention_head_dim=32, hidden_size=64, num_layers=2, num_refiner_layers=2,
-         ffn_dim=128, text_dim=64, freq_dim=32, time_embed_hidden_dim=64, time_embed_dim=32, rope_freq_dim=4),
-    dict(num_attention_heads=3, attention_head_dim=16, hidden_size=40, num_layers=1, num_refiner_layers=1,
-         ffn_dim=72, text_dim=24, freq_dim=18, time_embed_hidden_dim=36, time_embed_dim=20, rope_freq_dim=2),
-    dict(num_attention_heads=4, attention_head_dim=24, hidden_size=56, num_layers=3, num_refiner_layers=2,
-         ffn_dim=100, text_dim=40, freq_dim=16, time_embed_hidden_dim=48, time_embed_dim=24, rope_freq_dim=4,
-         in_channels=8, audio_in_channels=12),
+    dict(
+        num_attention_heads=2,
+        attention_head_dim=32,
+        hidden_size=64,
+        num_layers=2,
+        num_refiner_layers=2,
+        ffn_dim=128,
+        text_dim=64,
+        freq_dim=32,
+        time_embed_hidden_dim=64,
+        time_embed_dim=32,
+        rope_freq_dim=4,
+    ),
+    dict(
+        num_attention_heads=3,
+        attention_head_dim=16,
+        hidden_size=40,
+        num_layers=1,
+        num_refiner_layers=1,
+        ffn_dim=72,
+        text_dim=24,
+        freq_dim=18,
+        time_embed_hidden_dim=36,
+        time_embed_dim=20,
+        rope_freq_dim=2,
+    ),
+    dict(
+        num_attention_heads=4,
+        attention_head_dim=24,
+        hidden_size=56,
+        num_layers=3,
+        num_refiner_layers=2,
+        ffn_dim=100,
+        text_dim=40,
+        freq_dim=16,
+        time_embed_hidden_dim=48,
+        time_embed_dim=24,
+        rope_freq_dim=4,
+        in_channels=8,
+        audio_in_channels=12,
+    ),
 ]
 
 
@@ -36,9 +70,19 @@ def cast_with_islands_(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.M
     return model
 
 
-def random_inputs(config: dict, *, seed: int, num_text: int, latent_frames: int, latent_hw: tuple[int, int],
-                  audio_latents: int, anchors: tuple[str, ...] = (), vision_rows: int = 0, batch: int = 1,
-                  distinct_timesteps: int = 2) -> dict:
+def random_inputs(
+    config: dict,
+    *,
+    seed: int,
+    num_text: int,
+    latent_frames: int,
+    latent_hw: tuple[int, int],
+    audio_latents: int,
+    anchors: tuple[str, ...] = (),
+    vision_rows: int = 0,
+    batch: int = 1,
+    distinct_timesteps: int = 2,
+) -> dict:
     """Forward kwargs for a random packed request. `vision_rows` text rows are tagged video (a keyframe's vision
     block); `distinct_timesteps` is 1 (audio at the video t, no conditions), 2 or 3 (conditioning rows)."""
     generator = torch.Generator().manual_seed(seed)

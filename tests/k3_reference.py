@@ -49,12 +49,14 @@ def max_rel_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
 
 # --- K3 vision tower, float64, written from sglang 0.5.23's kimi_vl_moonvit.py (not from our module) ---------------
 
+
 def _rms64(x, weight, eps):
     return x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
 
 
 def _bilinear64(table, h, w):
     """`[H0, W0, D]` -> `[h, w, D]`: half-pixel centres (align_corners=False), sources clamped at 0."""
+
     def taps(size_in, size_out):
         out = []
         for i in range(size_out):
@@ -63,17 +65,19 @@ def _bilinear64(table, h, w):
             hi = min(lo + 1, size_in - 1)
             out.append((lo, hi, src - lo))
         return out
+
     rows, cols = taps(table.shape[0], h), taps(table.shape[1], w)
     out = torch.empty(h, w, table.shape[2], dtype=torch.float64)
     for i, (r0, r1, a) in enumerate(rows):
         for j, (c0, c1, b) in enumerate(cols):
-            out[i, j] = ((1 - a) * ((1 - b) * table[r0, c0] + b * table[r0, c1])
-                         + a * ((1 - b) * table[r1, c0] + b * table[r1, c1]))
+            out[i, j] = (1 - a) * ((1 - b) * table[r0, c0] + b * table[r0, c1]) + a * (
+                (1 - b) * table[r1, c0] + b * table[r1, c1]
+            )
     return out
 
 
 def _gelu_tanh64(x):
-    return 0.5 * x * (1 + torch.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x ** 3)))
+    return 0.5 * x * (1 + torch.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x**3)))
 
 
 def _gelu_erf64(x):
@@ -90,8 +94,10 @@ def vision_reference(state: dict, config, pixels: torch.Tensor, grids, norm_eps:
     start = 0
     for t, h, w in grids:
         n = t * h * w
-        x = pixels[start:start + n].double().reshape(n, 3 * p * p) @ s["vision_tower.patch_embed.proj.weight"] \
-            .reshape(d, -1).T
+        x = (
+            pixels[start : start + n].double().reshape(n, 3 * p * p)
+            @ s["vision_tower.patch_embed.proj.weight"].reshape(d, -1).T
+        )
         start += n
         table = s["vision_tower.patch_embed.pos_emb.weight"]
         pos = table if tuple(table.shape[:2]) == (h, w) else _bilinear64(table, h, w)
@@ -106,9 +112,10 @@ def vision_reference(state: dict, config, pixels: torch.Tensor, grids, norm_eps:
         angle = torch.stack([cols[:, None] * freq, rows[:, None] * freq], dim=-1).reshape(n, hd // 2)
         cos, sin = torch.cos(angle)[:, None], torch.sin(angle)[:, None]
 
-        def rotate(v):
+        def rotate(v, cos=cos, sin=sin):
             a, b = v[..., 0::2], v[..., 1::2]
             return torch.stack([a * cos - b * sin, a * sin + b * cos], dim=-1).reshape(v.shape)
+
         for i in range(config.vt_num_hidden_layers):
             pre = f"vision_tower.encoder.blocks.{i}."
             y = _rms64(x, s[pre + "norm0.weight"], norm_eps)
@@ -121,8 +128,11 @@ def vision_reference(state: dict, config, pixels: torch.Tensor, grids, norm_eps:
             x = x + _gelu_tanh64(y @ s[pre + "mlp.fc0.weight"].T) @ s[pre + "mlp.fc1.weight"].T
         x = _rms64(x, s["vision_tower.encoder.final_layernorm.weight"], norm_eps).reshape(t, h, w, d)
         x = x.mean(0)
-        groups = [torch.cat([x[2 * r, 2 * c], x[2 * r, 2 * c + 1], x[2 * r + 1, 2 * c], x[2 * r + 1, 2 * c + 1]])
-                  for r in range(h // 2) for c in range(w // 2)]
+        groups = [
+            torch.cat([x[2 * r, 2 * c], x[2 * r, 2 * c + 1], x[2 * r + 1, 2 * c], x[2 * r + 1, 2 * c + 1]])
+            for r in range(h // 2)
+            for c in range(w // 2)
+        ]
         outputs.append(torch.stack(groups))
     v = torch.cat(outputs)
     v = _gelu_erf64(v @ s["mm_projector.proj.0.weight"].T) @ s["mm_projector.proj.2.weight"].T

@@ -10,7 +10,7 @@ ON_GPU = torch.cuda.is_available()
 if not ON_GPU:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from h3gen.kernels.fp8_quant import Fp8Rows  # noqa: E402
+from h3gen.kernels.fp8_quant import Fp8Rows
 
 DEVICE = "cuda" if ON_GPU else "cpu"
 # The interpreter gets bf16 wrong: fp16 stands in for it on the CPU.
@@ -71,13 +71,11 @@ def assert_same_fp8(got: torch.Tensor, expected: torch.Tensor):
     assert ok.all(), f"{(~ok).sum().item()} of {ok.numel()} e4m3 values differ by more than one step"
 
 
-
 def assert_same_rows(got: Fp8Rows, expected: Fp8Rows, source: torch.Tensor):
     assert isinstance(got, Fp8Rows) and got.scale.shape == expected.scale.shape
     assert torch.allclose(got.scale, expected.scale, rtol=1e-5, atol=0)
     assert_same_fp8(got.values, expected.values)
     assert err(dequantized(got.values, expected.values) * got.scale, source.reshape(-1, source.shape[-1])) < 0.05
-
 
 
 def dequantized(got, expected):

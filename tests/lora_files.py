@@ -21,8 +21,12 @@ def diffusers_shapes(model, blocks_only: bool = False) -> dict[str, tuple[int, i
 def native_shapes(config) -> dict[str, tuple[int, int]]:
     """Every LoRA-able module of the original checkpoint's layout: native name -> (out, in)."""
     hidden, inner = config.hidden_size, config.num_attention_heads * config.attention_head_dim
-    block = {"attn.qkv_proj": (3 * inner, hidden), "attn.out_proj": (hidden, inner),
-             "mlp.fc1": (2 * config.ffn_dim, hidden), "mlp.fc2": (hidden, config.ffn_dim)}
+    block = {
+        "attn.qkv_proj": (3 * inner, hidden),
+        "attn.out_proj": (hidden, inner),
+        "mlp.fc1": (2 * config.ffn_dim, hidden),
+        "mlp.fc2": (hidden, config.ffn_dim),
+    }
     shapes = {}
     for i in range(config.num_layers):
         shapes |= {f"blocks.{i}.{k}": v for k, v in block.items()}
@@ -30,7 +34,8 @@ def native_shapes(config) -> dict[str, tuple[int, int]]:
     for i in range(config.num_refiner_layers):
         shapes |= {f"token_refiner.blocks.{i}.{k}": v for k, v in block.items()}
     shapes |= {
-        "video_patch_proj": (hidden, config.video_patch_dim), "audio_patch_proj": (hidden, config.audio_in_channels),
+        "video_patch_proj": (hidden, config.video_patch_dim),
+        "audio_patch_proj": (hidden, config.audio_in_channels),
         "condition_proj": (hidden, config.text_dim),
         "time_embedder.proj_in": (config.time_embed_hidden_dim, config.freq_dim),
         "time_embedder.proj_out": (config.time_embed_dim, config.time_embed_hidden_dim),
@@ -41,15 +46,18 @@ def native_shapes(config) -> dict[str, tuple[int, int]]:
     return shapes
 
 
-def random_factors(shapes: dict[str, tuple[int, int]], rank: int, seed: int, scale: float = 0.3,
-                   ranks: dict[str, int] | None = None) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+def random_factors(
+    shapes: dict[str, tuple[int, int]], rank: int, seed: int, scale: float = 0.3, ranks: dict[str, int] | None = None
+) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """module -> (A (rank, in), B (out, rank)) random, `ranks` overriding the rank per module."""
     generator = torch.Generator().manual_seed(seed)
     out = {}
     for module, (rows, cols) in shapes.items():
         r = (ranks or {}).get(module, rank)
-        out[module] = (torch.randn(r, cols, generator=generator) * scale,
-                       torch.randn(rows, r, generator=generator) * scale)
+        out[module] = (
+            torch.randn(r, cols, generator=generator) * scale,
+            torch.randn(rows, r, generator=generator) * scale,
+        )
     return out
 
 
@@ -72,13 +80,25 @@ def interleave_qkv(up: torch.Tensor, head_dim: int) -> torch.Tensor:
     return torch.cat(parts, dim=1).reshape(up.shape)
 
 
-def write_native(path, factors, *, style: str = "native", alphas: dict[str, float] | None = None,
-                 prefix: str = "", head_dim: int | None = None, metadata=None) -> None:
+def write_native(
+    path,
+    factors,
+    *,
+    style: str = "native",
+    alphas: dict[str, float] | None = None,
+    prefix: str = "",
+    head_dim: int | None = None,
+    metadata=None,
+) -> None:
     """Native module names. `style`: "native" (`lora_A` / `lora_B`), "kohya" (`lora_down` / `lora_up`), "musubi"
     (kohya with flattened `lora_unet_` names), "diffsynth" (`.lora_A.default.`; with `head_dim`, the fused QKV's B
     is written per-head interleaved). `alphas` adds `.alpha` tensors."""
-    down_name, up_name = {"native": ("lora_A", "lora_B"), "kohya": ("lora_down", "lora_up"),
-                          "musubi": ("lora_down", "lora_up"), "diffsynth": ("lora_A.default", "lora_B.default")}[style]
+    down_name, up_name = {
+        "native": ("lora_A", "lora_B"),
+        "kohya": ("lora_down", "lora_up"),
+        "musubi": ("lora_down", "lora_up"),
+        "diffsynth": ("lora_A.default", "lora_B.default"),
+    }[style]
     tensors = {}
     for module, (down, up) in factors.items():
         if head_dim is not None and module.endswith("qkv_proj"):
@@ -100,8 +120,11 @@ def diffusers_holder(transformer=None, transformer_ref=None):
 
         @property
         def components(self):
-            return {k: v for k, v in (("transformer", self.transformer), ("transformer_ref", self.transformer_ref))
-                    if v is not None}
+            return {
+                k: v
+                for k, v in (("transformer", self.transformer), ("transformer_ref", self.transformer_ref))
+                if v is not None
+            }
 
     holder = Holder()
     holder.transformer, holder.transformer_ref = transformer, transformer_ref

@@ -22,8 +22,9 @@ def tone(seconds: float, rate: int, channels: int = 2, seed: int = 0) -> np.ndar
     """`(channels, samples)` float32: a few sines plus a little noise, within [-0.5, 0.5]."""
     rng = np.random.default_rng(seed)
     t = np.arange(int(seconds * rate)) / rate
-    waves = [0.3 * np.sin(2 * np.pi * (220 + 110 * c) * t) + 0.05 * rng.standard_normal(t.shape)
-             for c in range(channels)]
+    waves = [
+        0.3 * np.sin(2 * np.pi * (220 + 110 * c) * t) + 0.05 * rng.standard_normal(t.shape) for c in range(channels)
+    ]
     return np.stack(waves).astype(np.float32)
 
 
@@ -63,8 +64,9 @@ def _encode_audio(container, stream, audio: np.ndarray, rate: int, layout: str) 
     resampler = av.AudioResampler(format=stream.codec_context.format.name, layout=layout, rate=rate)
     chunk = stream.codec_context.frame_size or 1024
     for start in range(0, audio.shape[1], chunk):
-        frame = av.AudioFrame.from_ndarray(np.ascontiguousarray(audio[:, start : start + chunk]), format="fltp",
-                                           layout=layout)
+        frame = av.AudioFrame.from_ndarray(
+            np.ascontiguousarray(audio[:, start : start + chunk]), format="fltp", layout=layout
+        )
         frame.sample_rate, frame.pts, frame.time_base = rate, start, Fraction(1, rate)
         for converted in resampler.resample(frame):
             container.mux(stream.encode(converted))
@@ -76,6 +78,7 @@ def _encode_audio(container, stream, audio: np.ndarray, rate: int, layout: str) 
 def bomb_png(path, width: int = 13_000, height: int = 13_000, pixels: bool = True):
     """A valid grayscale PNG of `width` x `height` black pixels, a few hundred KB on disk (compressed row block by
     row block, so the test never holds the picture either); `pixels=False` writes the header alone."""
+
     def chunk(kind: bytes, data: bytes) -> bytes:
         return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
 
@@ -85,6 +88,7 @@ def bomb_png(path, width: int = 13_000, height: int = 13_000, pixels: bool = Tru
         parts.append(compressor.compress(rows))
     parts.append(compressor.compress(bytes(width + 1) * (height % 256 if pixels else 0)) + compressor.flush())
     header = struct.pack(">IIBBBBB", width, height, 8, 0, 0, 0, 0)
-    path.write_bytes(b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", b"".join(parts))
-                     + chunk(b"IEND", b""))
+    path.write_bytes(
+        b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", b"".join(parts)) + chunk(b"IEND", b"")
+    )
     return path

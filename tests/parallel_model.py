@@ -37,5 +37,6 @@ def join_gloo(rank: int, world: int, init_file) -> None:
     """Put this test process in a gloo group of `world` processes met through `init_file`, one CPU thread each (the
     ranks share the machine's cores)."""
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=120))
+    dist.init_process_group(
+        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120)
+    )

@@ -8,8 +8,14 @@ from h3gen.pipelines.h3.transformer import H3TransformerConfig
 
 TURBO_8_768P = "minimax_h3_fl2v_turbo_8step_v1.0_768p_bf16.safetensors"
 FLASHGEN = "minimax_h3_t2va_flashgen_4step_v1.0_768p_bf16.safetensors"
-FLASHGEN_METADATA = {"key_format": "minimax-h3-native", "qkv_layout": "grouped", "lora_rank": "4",
-                     "lora_alpha": "4", "tasks": "t2va", "base_schedule": "1.0,0.7,0.4,0.15,0.0"}
+FLASHGEN_METADATA = {
+    "key_format": "minimax-h3-native",
+    "qkv_layout": "grouped",
+    "lora_rank": "4",
+    "lora_alpha": "4",
+    "tasks": "t2va",
+    "base_schedule": "1.0,0.7,0.4,0.15,0.0",
+}
 
 
 def write_turbo(folder, checkpoint, name: str = TURBO_8_768P, seed: int = 1):

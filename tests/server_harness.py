@@ -30,8 +30,9 @@ def kill_group(process: subprocess.Popen) -> None:
 def run_isolated(args: list[str], *, timeout: float, **kwargs) -> subprocess.CompletedProcess:
     """`subprocess.run(args, capture_output=True, text=True)` in a process group of its own, killed whole when it
     times out or the test is interrupted (a plain `subprocess.run` kills only its child, not torchrun's ranks)."""
-    process = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                               start_new_session=True, **kwargs)
+    process = subprocess.Popen(
+        args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True, **kwargs
+    )
     STARTED.append(process)
     try:
         stdout, stderr = process.communicate(timeout=timeout)
@@ -52,16 +53,43 @@ def free_port() -> int:
 class Server:
     """`h3gen serve` with the tiny model; `.url`, `.client()`, `.stop()`, `.kill()`. Logs go to `log_path`."""
 
-    def __init__(self, model: Path, results_dir: Path, *, max_queue: int = 16, api_key: str | None = None,
-                 cache: Path | None = None, extra: tuple[str, ...] = (), ui: bool = False, port: int | None = None,
-                 env: dict | None = None, ready_timeout: float = 90.0):
+    def __init__(
+        self,
+        model: Path,
+        results_dir: Path,
+        *,
+        max_queue: int = 16,
+        api_key: str | None = None,
+        cache: Path | None = None,
+        extra: tuple[str, ...] = (),
+        ui: bool = False,
+        port: int | None = None,
+        env: dict | None = None,
+        ready_timeout: float = 90.0,
+    ):
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.api_key = api_key
         self.log_path = Path(results_dir).parent / f"server-{self.port}.log"
-        args = [sys.executable, "-m", "h3gen.cli", "serve", "--model", str(model), "--port", str(self.port),
-                "--results-dir", str(results_dir), "--max-queue", str(max_queue), "--device", "cpu",
-                "--log-level", "warning", *extra]
+        args = [
+            sys.executable,
+            "-m",
+            "h3gen.cli",
+            "serve",
+            "--model",
+            str(model),
+            "--port",
+            str(self.port),
+            "--results-dir",
+            str(results_dir),
+            "--max-queue",
+            str(max_queue),
+            "--device",
+            "cpu",
+            "--log-level",
+            "warning",
+            *extra,
+        ]
         if api_key:
             args += ["--api-key", api_key]
         if not ui:
@@ -71,8 +99,9 @@ class Server:
             env["H3GEN_CACHE"] = str(cache)
         self._log = open(self.log_path, "w")
         # Its own process group, so stopping it also reaches any ranks it started under torchrun.
-        self.process = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT, env=env,
-                                        start_new_session=True)
+        self.process = subprocess.Popen(
+            args, stdout=self._log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
         STARTED.append(self.process)
         try:
             self._wait_ready(ready_timeout)
@@ -100,8 +129,9 @@ class Server:
             if health.get("ready"):
                 return
             if health.get("load_error"):
-                raise RuntimeError(f"server could not load its model ({health['load_error']}):\n"
-                                   f"{self.log_path.read_text()[-3000:]}")
+                raise RuntimeError(
+                    f"server could not load its model ({health['load_error']}):\n{self.log_path.read_text()[-3000:]}"
+                )
             time.sleep(0.2)
         raise RuntimeError(f"server not ready in {timeout} s:\n{self.log_path.read_text()[-3000:]}")
 
@@ -135,8 +165,9 @@ def cancelled(view: dict) -> bool:
     return view["status"] == "failed" and (view.get("error") or {}).get("code") == "cancelled"
 
 
-def wait_for(client: httpx.Client, job_id: str, statuses=("completed", "failed"), timeout=120.0,
-             predicate=None) -> dict:
+def wait_for(
+    client: httpx.Client, job_id: str, statuses=("completed", "failed"), timeout=120.0, predicate=None
+) -> dict:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         view = client.get(f"/v1/videos/{job_id}").json()

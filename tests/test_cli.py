@@ -25,8 +25,10 @@ def _h3gen(args, cache, timeout=120):
 
 def test_generate_with_the_tiny_default_writes_a_verified_mp4(cache, tmp_path):
     out = tmp_path / "demo.mp4"
-    result = _h3gen(["generate", "a cat playing piano", "--seed", "3", "--steps", "6", "--audio-rate", "48000",
-                     "--out", str(out)], cache)
+    result = _h3gen(
+        ["generate", "a cat playing piano", "--seed", "3", "--steps", "6", "--audio-rate", "48000", "--out", str(out)],
+        cache,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "random" in result.stderr and "noise" in result.stderr  # says plainly the demo weights are random
     assert "denoise" in result.stderr and "100%" in result.stderr  # the progress bar ran to the end
@@ -40,8 +42,27 @@ def test_generate_fl2va_from_a_keyframe_file(cache, tmp_path):
     image = tmp_path / "key.png"
     Image.new("RGB", (90, 50), (200, 30, 30)).save(image)
     out = tmp_path / "fl.mp4"
-    result = _h3gen(["generate", "a sunset", "--image", str(image), "--steps", "3", "--seconds", "6",
-                     "--dtype", "fp32", "--device", "cpu", "--quality", "exact", "--out", str(out)], cache)
+    result = _h3gen(
+        [
+            "generate",
+            "a sunset",
+            "--image",
+            str(image),
+            "--steps",
+            "3",
+            "--seconds",
+            "6",
+            "--dtype",
+            "fp32",
+            "--device",
+            "cpu",
+            "--quality",
+            "exact",
+            "--out",
+            str(out),
+        ],
+        cache,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     info = probe_mp4(out)
     assert info.num_frames == 158 and (info.width, info.height) == (128, 64)
@@ -63,12 +84,18 @@ def _bad_inputs(tmp_path, cache):
         "2 seconds": (["--seconds", "2"], "seconds must be from 5 to 60"),
         "61 seconds": (["--seconds", "61"], "seconds must be from 5 to 60"),
         "301 max seconds": (["--seconds", "30", "--max-seconds", "301"], "max_seconds must be from 15 to 300"),
-        "prompts per window": (["--seconds", "30", "--prompt-per-window", "a", "--prompt-per-window", "b"],
-                               "this request has 3 windows"),
-        "window off the grid": (["--seconds", "30", "--window-frames", "250"], "window_frames must be a frame count on "
-                                                                              "the 17n+5 grid"),
-        "overlap as long as the window": (["--seconds", "30", "--window-frames", "277", "--overlap-frames", "277"],
-                                          "overlap_frames must be shorter than window_frames"),
+        "prompts per window": (
+            ["--seconds", "30", "--prompt-per-window", "a", "--prompt-per-window", "b"],
+            "this request has 3 windows",
+        ),
+        "window off the grid": (
+            ["--seconds", "30", "--window-frames", "250"],
+            "window_frames must be a frame count on the 17n+5 grid",
+        ),
+        "overlap as long as the window": (
+            ["--seconds", "30", "--window-frames", "277", "--overlap-frames", "277"],
+            "overlap_frames must be shorter than window_frames",
+        ),
         "text file as image": (["--image", str(text)], "is not a readable image"),
         "truncated image": (["--image", str(truncated)], "is not a readable image"),
         "missing image": (["--image", str(tmp_path / "nope.png")], "does not exist"),
@@ -124,12 +151,29 @@ def test_invalid_parallel_degrees_fail_before_starting_processes(cache, tmp_path
 def test_reference_flags_keep_the_command_line_order():
     from h3gen.cli import _references, build_parser
 
-    args = build_parser().parse_args(["generate", "x", "--out", "o.mp4", "--ref-audio", "a.wav", "--ref-image",
-                                      "b.png", "--ref-video", "c.mp4", "--ref-image", "d.png"])
+    args = build_parser().parse_args(
+        [
+            "generate",
+            "x",
+            "--out",
+            "o.mp4",
+            "--ref-audio",
+            "a.wav",
+            "--ref-image",
+            "b.png",
+            "--ref-video",
+            "c.mp4",
+            "--ref-image",
+            "d.png",
+        ]
+    )
     references = _references(args)
     assert [(r.kind, str(getattr(r, r.kind)), r.name) for r in references] == [
-        ("audio", "a.wav", "--ref-audio"), ("image", "b.png", "--ref-image"), ("video", "c.mp4", "--ref-video"),
-        ("image", "d.png", "--ref-image")]
+        ("audio", "a.wav", "--ref-audio"),
+        ("image", "b.png", "--ref-image"),
+        ("video", "c.mp4", "--ref-video"),
+        ("image", "d.png", "--ref-image"),
+    ]
     assert _references(build_parser().parse_args(["generate", "x", "--out", "o.mp4"])) is None
 
 
@@ -141,9 +185,23 @@ def test_generate_ref2va_takes_its_length_from_the_reference_sound(cache, tmp_pa
     write_audio(tmp_path / "voice.m4a", tone(6.1, 48000), 48000)
     write_video(tmp_path / "dance.mp4", moving_frames(30, 48, 64), 24)
     out = tmp_path / "ref.mp4"
-    result = _h3gen(["generate", "she sings", "--ref-image", str(tmp_path / "face.png"), "--ref-audio",
-                     str(tmp_path / "voice.m4a"), "--ref-video", str(tmp_path / "dance.mp4"), "--steps", "2",
-                     "--out", str(out)], cache)
+    result = _h3gen(
+        [
+            "generate",
+            "she sings",
+            "--ref-image",
+            str(tmp_path / "face.png"),
+            "--ref-audio",
+            str(tmp_path / "voice.m4a"),
+            "--ref-video",
+            str(tmp_path / "dance.mp4"),
+            "--steps",
+            "2",
+            "--out",
+            str(out),
+        ],
+        cache,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     info = probe_mp4(out)
     assert info.num_frames == 158 and (info.width, info.height) == (128, 64)  # 6.1 s -> 146 -> 17n+5 = 158
@@ -154,8 +212,10 @@ def test_bad_references_give_one_line_errors(cache, tmp_path):
 
     write_audio(tmp_path / "voice.wav", tone(1.0, 32000), 32000)
     (tmp_path / "notes.txt").write_text("not a video")
-    for extra, message in ((["--ref-audio", str(tmp_path / "voice.wav")], "--ref-audio"),
-                           (["--ref-video", str(tmp_path / "notes.txt")], "--ref-video file")):
+    for extra, message in (
+        (["--ref-audio", str(tmp_path / "voice.wav")], "--ref-audio"),
+        (["--ref-video", str(tmp_path / "notes.txt")], "--ref-video file"),
+    ):
         result = _h3gen(["generate", "x", "--out", str(tmp_path / "x.mp4"), *extra], cache)
         lines = [line for line in result.stderr.splitlines() if line.startswith("h3gen: error:")]
         assert result.returncode != 0 and "Traceback" not in result.stderr, result.stderr

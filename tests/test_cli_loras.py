@@ -5,8 +5,8 @@ import os
 import sys
 
 import pytest
-from server_harness import run_isolated
 from recipe_files import write_turbo
+from server_harness import run_isolated
 
 from h3gen.cli import _lora_argument, build_parser
 from h3gen.media import probe_mp4
@@ -37,8 +37,9 @@ def test_lora_flag_takes_a_path_and_an_optional_scale():
     assert _lora_argument("a.safetensors:0.7") == ("a.safetensors", 0.7)
     assert _lora_argument("dir:with:colons/a.safetensors:-0.5") == ("dir:with:colons/a.safetensors", -0.5)
     assert _lora_argument("c:/x/a.safetensors") == ("c:/x/a.safetensors", 1.0)
-    args = build_parser().parse_args(["generate", "x", "--out", "o.mp4", "--lora", "a.safetensors:0.7",
-                                      "--lora", "b.safetensors", "--forwards", "8"])
+    args = build_parser().parse_args(
+        ["generate", "x", "--out", "o.mp4", "--lora", "a.safetensors:0.7", "--lora", "b.safetensors", "--forwards", "8"]
+    )
     assert args.lora == [("a.safetensors", 0.7), ("b.safetensors", 1.0)] and args.forwards == 8
 
 
@@ -56,12 +57,15 @@ def test_forwards_flag_counts_forwards(cache, tmp_path):
     assert "2 transformer forwards (3 sigma points), shifts 12/3" in result.stderr
 
 
-@pytest.mark.parametrize("flags,words", [
-    (["--steps", "20"], "num_inference_steps=20 (19 forwards)"),
-    (["--forwards", "4"], "forwards=4"),
-    (["--video-shift", "12"], "video_shift 6"),
-    (["--steps", "9", "--forwards", "8"], "not both"),
-])
+@pytest.mark.parametrize(
+    "flags,words",
+    [
+        (["--steps", "20"], "num_inference_steps=20 (19 forwards)"),
+        (["--forwards", "4"], "forwards=4"),
+        (["--video-shift", "12"], "video_shift 6"),
+        (["--steps", "9", "--forwards", "8"], "not both"),
+    ],
+)
 def test_a_contradiction_is_one_line_naming_the_recipe_before_loading(cache, turbo, tmp_path, flags, words):
     result = _h3gen(["generate", "a fox", "--lora", str(turbo), *flags, "--out", str(tmp_path / "x.mp4")], cache)
     assert result.returncode == 2 and "Traceback" not in result.stderr and "loading" not in result.stderr
@@ -71,15 +75,29 @@ def test_a_contradiction_is_one_line_naming_the_recipe_before_loading(cache, tur
 
 
 def test_a_missing_lora_file_is_named(cache, tmp_path):
-    result = _h3gen(["generate", "x", "--lora", str(tmp_path / "nope.safetensors"), "--out", str(tmp_path / "x.mp4")],
-                    cache)
+    result = _h3gen(
+        ["generate", "x", "--lora", str(tmp_path / "nope.safetensors"), "--out", str(tmp_path / "x.mp4")], cache
+    )
     assert result.returncode == 2 and "nope.safetensors does not exist" in result.stderr
 
 
 def test_an_invalid_lora_gpu_memory_stops_serve_at_startup(cache, tmp_path):
-    result = _h3gen(["serve", "--lora-gpu-memory", "lots", "--no-ui", "--device", "cpu", "--results-dir",
-                     str(tmp_path / "results")], cache, timeout=120)
+    result = _h3gen(
+        [
+            "serve",
+            "--lora-gpu-memory",
+            "lots",
+            "--no-ui",
+            "--device",
+            "cpu",
+            "--results-dir",
+            str(tmp_path / "results"),
+        ],
+        cache,
+        timeout=120,
+    )
     lines = [line for line in result.stderr.splitlines() if line.startswith("h3gen: error:")]
     assert result.returncode != 0 and "Traceback" not in result.stderr, result.stderr
-    assert lines == ["h3gen: error: --lora-gpu-memory must be a size like 4GiB, 2GB or 512MiB, 0 or more (got "
-                     "'lots')."], result.stderr
+    assert lines == [
+        "h3gen: error: --lora-gpu-memory must be a size like 4GiB, 2GB or 512MiB, 0 or more (got 'lots')."
+    ], result.stderr

@@ -67,8 +67,17 @@ def test_a_second_manager_on_one_folder_is_refused_naming_the_holder(results):
 def test_cancel_of_a_running_row_this_process_does_not_run_is_answered(results):
     manager = JobManager(ScriptedEngine(), results)
     try:
-        manager.store.insert({"id": "a" * 32, "status": "running", "created_at": time.time(), "request": {},
-                              "uploads": {}, "progress": 40.0, "timings": {}})
+        manager.store.insert(
+            {
+                "id": "a" * 32,
+                "status": "running",
+                "created_at": time.time(),
+                "request": {},
+                "uploads": {},
+                "progress": 40.0,
+                "timings": {},
+            }
+        )
         view = manager.cancel("a" * 32)
         assert view["status"] == "cancelled" and manager.get("a" * 32)["status"] == "cancelled"
     finally:
@@ -265,8 +274,18 @@ class _FullDiskConnection:
 
 def test_close_on_a_full_disk_says_what_it_kept_and_loses_nothing(tmp_path, caplog):
     store = JobStore(tmp_path / "jobs.sqlite3")
-    store.insert({"id": "b" * 32, "status": "succeeded", "created_at": time.time(), "request": {"prompt": "kept"},
-                  "progress": 100.0, "stage": None, "timings": {}, "uploads": {}})
+    store.insert(
+        {
+            "id": "b" * 32,
+            "status": "succeeded",
+            "created_at": time.time(),
+            "request": {"prompt": "kept"},
+            "progress": 100.0,
+            "stage": None,
+            "timings": {},
+            "uploads": {},
+        }
+    )
     store._db = _FullDiskConnection(store._db)
     with caplog.at_level(logging.ERROR, logger="h3gen.server.store"):
         store.close()  # no exception: shutdown goes on

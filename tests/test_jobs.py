@@ -64,8 +64,13 @@ def test_retention_by_size_then_by_age(manager):
 
 
 def test_progress_covers_every_stage_in_order():
-    points = [progress_of("encode_text", 1, 1), progress_of("denoise", 1, 10), progress_of("denoise", 10, 10),
-              progress_of("decode_video", 1, 1), progress_of("write_mp4", 1, 1)]
+    points = [
+        progress_of("encode_text", 1, 1),
+        progress_of("denoise", 1, 10),
+        progress_of("denoise", 10, 10),
+        progress_of("decode_video", 1, 1),
+        progress_of("write_mp4", 1, 1),
+    ]
     assert points == sorted(points) and points[-1] == 99.0 and points[0] > 0
 
 
@@ -104,8 +109,9 @@ def test_a_queued_ref2va_job_keeps_its_references_until_it_runs(manager, tmp_pat
     staging = manager.staging_dir()
     Image.new("RGB", (50, 80), (1, 2, 3)).save(staging / "ref_image_0.png")
     write_audio(staging / "ref_audio_1.wav", tone(1.0, 32000), 32000)
-    job = _submit(manager, {"ref_image_0": staging / "ref_image_0.png", "ref_audio_1": staging / "ref_audio_1.wav"},
-                  task="ref2va")
+    job = _submit(
+        manager, {"ref_image_0": staging / "ref_image_0.png", "ref_audio_1": staging / "ref_audio_1.wav"}, task="ref2va"
+    )
     assert job["status"] == "queued" and job["request"]["references"] == ["image", "audio"]
     kept = manager.uploads_dir / job["id"]
     assert sorted(path.name for path in kept.iterdir()) == ["ref_audio_1.wav", "ref_image_0.png"]

@@ -6,7 +6,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from k3_decode_timeline import marginal_times, step_kernels  # noqa: E402
+from k3_decode_timeline import marginal_times, step_kernels
 
 
 def _event(name, start, end):

@@ -10,9 +10,9 @@ from k3_reference import filter_logits
 
 from h3gen.errors import RequestError
 from h3gen.pipelines.k3.config import K3Config
+from h3gen.pipelines.k3.demo_model import randomize, tiny_config
 from h3gen.pipelines.k3.engine import K3Engine, MemoryPool, RadixCache, SamplingParams
 from h3gen.pipelines.k3.model import K3ForCausalLM, quantize_experts_mxfp4
-from h3gen.pipelines.k3.demo_model import randomize, tiny_config
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 
@@ -28,11 +28,30 @@ def one_thread():
 
 def _small_config(types: list[str]) -> K3Config:
     return K3Config(
-        model_type="kimi_linear", vocab_size=97, hidden_size=32, num_hidden_layers=len(types), rms_norm_eps=1e-5,
-        attention_types=types, ffn_types=["dense"] + ["moe"] * (len(types) - 1), num_attention_heads=2,
-        q_lora_rank=None, kv_lora_rank=12, qk_nope_head_dim=8, qk_rope_head_dim=6, v_head_dim=10,
-        linear_num_heads=2, linear_head_dim=8, conv_kernel_size=3, intermediate_size=40, moe_intermediate_size=16,
-        num_experts=4, num_experts_per_token=2, num_shared_experts=1, routed_scaling_factor=2.0, eos_token_id=1)
+        model_type="kimi_linear",
+        vocab_size=97,
+        hidden_size=32,
+        num_hidden_layers=len(types),
+        rms_norm_eps=1e-5,
+        attention_types=types,
+        ffn_types=["dense"] + ["moe"] * (len(types) - 1),
+        num_attention_heads=2,
+        q_lora_rank=None,
+        kv_lora_rank=12,
+        qk_nope_head_dim=8,
+        qk_rope_head_dim=6,
+        v_head_dim=10,
+        linear_num_heads=2,
+        linear_head_dim=8,
+        conv_kernel_size=3,
+        intermediate_size=40,
+        moe_intermediate_size=16,
+        num_experts=4,
+        num_experts_per_token=2,
+        num_shared_experts=1,
+        routed_scaling_factor=2.0,
+        eos_token_id=1,
+    )
 
 
 FAMILIES = {
@@ -79,7 +98,7 @@ def test_batched_greedy_generation_equals_one_at_a_time_fp32(family, static_deco
     model = _model(family)
     prompts = _prompts(model, [5, 23, 1, 40, 17, 9])
     params = [SamplingParams(max_tokens=n, **GREEDY) for n in (12, 7, 12, 10, 3, 12)]
-    expected = [_reference(model, p, sp.max_tokens) for p, sp in zip(prompts, params)]
+    expected = [_reference(model, p, sp.max_tokens) for p, sp in zip(prompts, params, strict=True)]
     engine = _engine(model, prefix_cache=False, cuda_graphs=static_decode)
     if static_decode:
         graphs = engine.graphs
@@ -89,12 +108,15 @@ def test_batched_greedy_generation_equals_one_at_a_time_fp32(family, static_deco
         from h3gen.pipelines.k3.engine.graphs import DecodeBuffers
 
         stage = DecodeBuffers.stage
-        monkeypatch.setattr(DecodeBuffers, "stage", lambda self, *a, keep_tokens=False: kept.append(keep_tokens)
-                            or stage(self, *a, keep_tokens=keep_tokens))
-    requests = [engine.add_request(p, sp) for p, sp in zip(prompts[:3], params[:3])]
+        monkeypatch.setattr(
+            DecodeBuffers,
+            "stage",
+            lambda self, *a, keep_tokens=False: kept.append(keep_tokens) or stage(self, *a, keep_tokens=keep_tokens),
+        )
+    requests = [engine.add_request(p, sp) for p, sp in zip(prompts[:3], params[:3], strict=True)]
     engine.step()
     engine.step()  # the rest join a batch that is already decoding
-    requests += [engine.add_request(p, sp) for p, sp in zip(prompts[3:], params[3:])]
+    requests += [engine.add_request(p, sp) for p, sp in zip(prompts[3:], params[3:], strict=True)]
     while engine.waiting or engine.running:
         engine.step()
     assert [r.output_ids for r in requests] == expected
@@ -123,8 +145,15 @@ def test_prefix_cache_hit_gives_the_no_cache_output(family):
     base = _prompts(model, [45], seed=1)[0]
     tails = _prompts(model, [6, 9, 3, 11], seed=2)
     # Forks at 13 and 19 (inside an 8-token chunk and a 4-token page), a full repeat, an extension past the end.
-    prompts = [base, base[:13] + tails[0], base[:19] + tails[1], base, base[:13] + tails[0] + tails[2],
-               base + tails[3], base[:13] + tails[1]]
+    prompts = [
+        base,
+        base[:13] + tails[0],
+        base[:19] + tails[1],
+        base,
+        base[:13] + tails[0] + tails[2],
+        base + tails[3],
+        base[:13] + tails[1],
+    ]
     plain = _engine(model, prefix_cache=False)
     expected = [plain.generate([p], SamplingParams(max_tokens=6, **GREEDY))[0].output_ids for p in prompts]
     engine = _engine(model)
@@ -150,23 +179,25 @@ def test_decode_steps_launched_ahead_drop_the_token_after_a_stop(family):
     stops = [[out[5]] for out in free]  # each stops within its first six tokens
     params = [SamplingParams(max_tokens=12, stop_token_ids=stop, **GREEDY) for stop in stops]
     plain = _engine(model, prefix_cache=False)
-    expected = [plain.generate([p], sp)[0].output_ids for p, sp in zip(prompts, params)]
+    expected = [plain.generate([p], sp)[0].output_ids for p, sp in zip(prompts, params, strict=True)]
     assert all(len(e) < 6 for e in expected)
     engine = _engine(model, cuda_graphs=True)
     launches = []
     original = engine.graphs.launch
-    engine.graphs.launch = lambda *args: launches.append((isinstance(args[0], torch.Tensor), len(args[1]))) or \
-        original(*args)
+    engine.graphs.launch = lambda *args: (
+        launches.append((isinstance(args[0], torch.Tensor), len(args[1]))) or original(*args)
+    )
     for _ in range(2):  # the second round hits what the first left in the cache
-        got = [engine.generate([p], sp)[0] for p, sp in zip(prompts, params)]
+        got = [engine.generate([p], sp)[0] for p, sp in zip(prompts, params, strict=True)]
         assert [r.output_ids for r in got] == expected and all(r.finish_reason == "stop" for r in got)
     together = engine.generate(prompts, params)  # and as one batch
     assert [r.output_ids for r in together] == expected
     # Prompts that run through the stopped requests' rows and on: they resume from what the cache holds there.
-    extended = [p + e + t for p, e, t in zip(prompts, expected, _prompts(model, [3, 2, 4, 3], seed=8))]
+    extended = [p + e + t for p, e, t in zip(prompts, expected, _prompts(model, [3, 2, 4, 3], seed=8), strict=True)]
     more = [SamplingParams(max_tokens=5, **GREEDY)] * len(prompts)
-    assert [r.output_ids for r in engine.generate(extended, more)] == \
-        [r.output_ids for r in plain.generate(extended, more)]
+    assert [r.output_ids for r in engine.generate(extended, more)] == [
+        r.output_ids for r in plain.generate(extended, more)
+    ]
     assert sum(ahead for ahead, _ in launches) > 0 and engine.stats["cached_tokens"] > 0
     assert sum(rows for _, rows in launches) > engine.stats["decode_tokens"]  # some rows' tokens were dropped
 
@@ -177,10 +208,21 @@ def test_sampled_requests_draw_the_same_tokens_with_steps_launched_ahead():
     preempted and resumed, then gets what it gets alone without graphs."""
     model = _model("hybrid")
     prompts = _prompts(model, [11, 6, 19, 14, 9, 16], seed=9)
-    params = [SamplingParams(max_tokens=16, temperature=t, top_k=k, top_p=p, seed=seed, ignore_eos=True)
-              for t, k, p, seed in ((0.8, 0, 1.0, 11), (1.3, 20, 0.9, 12), (0.0, 0, 1.0, None), (1.0, 5, 1.0, 13),
-                                    (0.7, 0, 0.8, 14), (1.1, 30, 0.95, 15))]
-    alone = [_engine(model, prefix_cache=False).generate([p], sp)[0].output_ids for p, sp in zip(prompts, params)]
+    params = [
+        SamplingParams(max_tokens=16, temperature=t, top_k=k, top_p=p, seed=seed, ignore_eos=True)
+        for t, k, p, seed in (
+            (0.8, 0, 1.0, 11),
+            (1.3, 20, 0.9, 12),
+            (0.0, 0, 1.0, None),
+            (1.0, 5, 1.0, 13),
+            (0.7, 0, 0.8, 14),
+            (1.1, 30, 0.95, 15),
+        )
+    ]
+    alone = [
+        _engine(model, prefix_cache=False).generate([p], sp)[0].output_ids
+        for p, sp in zip(prompts, params, strict=True)
+    ]
     engine = _engine(model, prefix_cache=False, cuda_graphs=True)
     launches = []
     original = engine.graphs.launch
@@ -189,12 +231,13 @@ def test_sampled_requests_draw_the_same_tokens_with_steps_launched_ahead():
     assert sum(launches) > 0  # steps were launched ahead with sampled rows in the batch
     # A pool for about two of them: the rest wait, running ones are preempted and resume with their sampler state.
     probe = MemoryPool(model.config, torch.float32, "cpu", 0, page_size=4)
-    small = _engine(model, prefix_cache=False, cuda_graphs=True,
-                    pool_bytes=int(2.5 * (10 * probe.page_bytes + probe.slot_bytes)))
+    small = _engine(
+        model, prefix_cache=False, cuda_graphs=True, pool_bytes=int(2.5 * (10 * probe.page_bytes + probe.slot_bytes))
+    )
     assert [r.output_ids for r in small.generate(prompts, params)] == alone
     assert small.stats["preemptions"] > 0
     # Preempted while a step for it is in flight: that step's draw is dropped without touching its generator.
-    requests = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+    requests = [engine.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
     while engine._in_flight is None or len(requests[1].output_ids) < 4:
         engine.step()
     engine._preempt(requests[1])
@@ -208,9 +251,11 @@ def test_requests_sharing_a_prefix_do_not_contaminate_each_others_kda_state(fami
     model = _model(family)
     base = _prompts(model, [30], seed=4)[0]
     tails = _prompts(model, [5, 7, 2, 9, 4], seed=5)
-    prompts = [base[:cut] + tail for cut, tail in zip((30, 11, 21, 30, 5), tails)] + [base]
-    isolated = [_engine(model, prefix_cache=False).generate([p], SamplingParams(max_tokens=8, **GREEDY))[0]
-                .output_ids for p in prompts]
+    prompts = [base[:cut] + tail for cut, tail in zip((30, 11, 21, 30, 5), tails, strict=True)] + [base]
+    isolated = [
+        _engine(model, prefix_cache=False).generate([p], SamplingParams(max_tokens=8, **GREEDY))[0].output_ids
+        for p in prompts
+    ]
     engine = _engine(model)
     engine.generate([base], SamplingParams(max_tokens=4, **GREEDY))  # seed the cache with the shared prefix
     for _ in range(2):  # all at once, then again against the checkpoints the first round left
@@ -310,8 +355,12 @@ def test_sampler_seed_top_k_top_p_and_max_tokens():
     probs = torch.softmax(logits, 0)
     assert kept.tolist() == [True, True, False, False, False] and probs[:1].sum() < 0.8 <= probs[:2].sum()
     assert torch.isfinite(filter_logits(logits, 1.0, 3, 1.0)).tolist() == [True, True, True, False, False]
-    for bad, field in ((dict(max_tokens=0), "max_tokens"), (dict(top_p=0.0), "top_p"),
-                       (dict(temperature=-1.0), "temperature"), (dict(top_k=-2), "top_k")):
+    for bad, field in (
+        (dict(max_tokens=0), "max_tokens"),
+        (dict(top_p=0.0), "top_p"),
+        (dict(temperature=-1.0), "temperature"),
+        (dict(top_k=-2), "top_k"),
+    ):
         with pytest.raises(RequestError) as info:
             engine.add_request(prompt, SamplingParams(**bad))
         assert info.value.field == field
@@ -347,7 +396,7 @@ def test_a_batch_sampling_alike_draws_what_its_rows_draw_alone(temperature, top_
     params = [SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=s) for s in range(4)]
     for _ in range(5):
         together = sample_on_device(logits, params, [p.generator("cpu") for p in params], logits.argmax(-1))
-        alone = torch.cat([draw(row, p, p.generator("cpu")) for row, p in zip(logits, params)])
+        alone = torch.cat([draw(row, p, p.generator("cpu")) for row, p in zip(logits, params, strict=True)])
         assert torch.equal(together, alone)
         logits = logits.roll(7, dims=1)
 
@@ -369,8 +418,11 @@ def test_device_sampling_never_waits_for_the_gpu():
     from h3gen.pipelines.k3.engine.sampling import sample_on_device
 
     logits = torch.randn(3, 1000, device="cuda")
-    params = [SamplingParams(temperature=0.6, top_p=0.95), SamplingParams(temperature=0.0),
-              SamplingParams(temperature=0.9, top_p=0.9, top_k=40)]
+    params = [
+        SamplingParams(temperature=0.6, top_p=0.95),
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=0.9, top_p=0.9, top_k=40),
+    ]
     generators = [p.generator("cuda") for p in params]
     argmax = logits.argmax(dim=-1)
     torch.cuda.synchronize()
@@ -415,8 +467,7 @@ def test_decode_graph_capture_allocates_no_arrival_counters(monkeypatch, max_bat
     monkeypatch.setattr(_arrivals, "_BUFFERS", Recording())
     config = dataclasses.replace(_small_config(["kda", "mla", "kda"]), vocab_size=MIN_WIDTH + 37)
     model = randomize(K3ForCausalLM(config), seed=0).cuda().eval()
-    engine = K3Engine(model, page_size=16, chunk_size=16, max_batch=max_batch, prefix_cache=False,
-                      cuda_graphs=True)
+    engine = K3Engine(model, page_size=16, chunk_size=16, max_batch=max_batch, prefix_cache=False, cuda_graphs=True)
     engine.generate(_prompts(model, [9] * max_batch, seed=2), SamplingParams(max_tokens=4, **GREEDY))
     family = "argmax_keys" if max_batch <= 4 else "argmax"
     assert (family, False) in allocations and not [a for a in allocations if a[1]]
@@ -484,9 +535,8 @@ def test_decode_preparation_keeps_the_model_function(family, monkeypatch):
     add of the routed output) and fusing projections (what the decode graphs do to a model) leaves the state dict
     and the logits of a long prefill (grouped stacked-expert path) and of decode steps (per-pair expert path, fused
     projections) as they were."""
-    from h3gen.pipelines.k3.engine.graphs import prepare_for_decode
-
     import h3gen.pipelines.k3.model as k3_model
+    from h3gen.pipelines.k3.engine.graphs import prepare_for_decode
 
     config = FAMILIES[family.removesuffix("-silu")]()
     if family.endswith("-silu"):  # SwiGLU experts: the shared expert's fused decode tail applies
@@ -496,8 +546,11 @@ def test_decode_preparation_keeps_the_model_function(family, monkeypatch):
         model = quantize_experts_mxfp4(model)
     added = []
     original_tail = k3_model.expert_swiglu_down
-    monkeypatch.setattr(k3_model, "expert_swiglu_down",
-                        lambda *args, add=None: added.append(add is not None) or original_tail(*args, add=add))
+    monkeypatch.setattr(
+        k3_model,
+        "expert_swiglu_down",
+        lambda *args, add=None: added.append(add is not None) or original_tail(*args, add=add),
+    )
     prompt = torch.tensor(_prompts(model, [150], seed=9))  # 150 tokens x top-2 = 300 pairs: the grouped path
 
     def run():

@@ -12,8 +12,8 @@ import torch
 from PIL import Image
 
 from h3gen.errors import RequestError
-from h3gen.pipelines.k3.planner import SYSTEM_PROMPT, LocalPlanner, PlannerError, RemotePlanner
 from h3gen.pipelines.k3.demo_model import build_tiny_checkpoint
+from h3gen.pipelines.k3.planner import SYSTEM_PROMPT, LocalPlanner, PlannerError, RemotePlanner
 
 
 class _Stub(BaseHTTPRequestHandler):
@@ -32,10 +32,23 @@ class _Stub(BaseHTTPRequestHandler):
             self.end_headers()
             self.wfile.write(b"model exploded")
             return
-        payload = b"<html>" if text == "garbage" else json.dumps({
-            "choices": [{"message": {"role": "assistant", "content": "" if text == "empty" else
-                                     f"PLAN({len(self.seen)}): {text}"}}],
-            "usage": {"completion_tokens": 7}}).encode()
+        payload = (
+            b"<html>"
+            if text == "garbage"
+            else json.dumps(
+                {
+                    "choices": [
+                        {
+                            "message": {
+                                "role": "assistant",
+                                "content": "" if text == "empty" else f"PLAN({len(self.seen)}): {text}",
+                            }
+                        }
+                    ],
+                    "usage": {"completion_tokens": 7},
+                }
+            ).encode()
+        )
         self.send_response(200)
         self.send_header("Content-Type", "application/json")
         self.end_headers()
@@ -87,8 +100,11 @@ def test_remote_planner_speaks_openai_chat_completions(stub, tmp_path):
     planner.plan("it starts here", image=image)
     parts = _Stub.seen[-1][2]["messages"][-1]["content"]
     assert parts[0]["image_url"]["url"].startswith("data:image/png;base64,")
-    for text, message in (("fail", "HTTP 500: model exploded"), ("garbage", "did not answer JSON"),
-                          ("empty", "returned no text")):
+    for text, message in (
+        ("fail", "HTTP 500: model exploded"),
+        ("garbage", "did not answer JSON"),
+        ("empty", "returned no text"),
+    ):
         with pytest.raises(PlannerError, match=message):
             planner.plan(text)
     with pytest.raises(PlannerError, match="unreachable"):
@@ -100,8 +116,7 @@ def test_remote_planner_speaks_openai_chat_completions(stub, tmp_path):
 def test_tiny_k3_plans_and_the_plan_drives_the_h3_pipeline(tiny_k3, h3_model):
     from h3gen.pipelines.h3.pipeline import H3Pipeline
 
-    planner = LocalPlanner.from_pretrained(tiny_k3, device="cpu", dtype=torch.float32, max_context=2048,
-                                           chunk_size=128)
+    planner = LocalPlanner.from_pretrained(tiny_k3, device="cpu", dtype=torch.float32, max_context=2048, chunk_size=128)
     alone = planner.plan("a fox runs through snow", max_tokens=24, seed=11)
     assert alone.planned and 0 < alone.tokens <= 24 and alone.backend.startswith("local:")
     # The chat prompt holds the system prompt and the user's idea, in K3's chat format, with no thinking block.
@@ -111,8 +126,12 @@ def test_tiny_k3_plans_and_the_plan_drives_the_h3_pipeline(tiny_k3, h3_model):
     # Two plans at once are batched; the shared system prompt comes from the prefix cache the first plan left.
     cached = planner.engine.stats["cached_tokens"]
     results = [None, None]
-    threads = [threading.Thread(target=lambda i=i: results.__setitem__(i, planner.plan(
-        "a fox runs through snow", max_tokens=24, seed=11))) for i in range(2)]
+    threads = [
+        threading.Thread(
+            target=lambda i=i: results.__setitem__(i, planner.plan("a fox runs through snow", max_tokens=24, seed=11))
+        )
+        for i in range(2)
+    ]
     for thread in threads:
         thread.start()
     for thread in threads:
@@ -127,8 +146,15 @@ def test_tiny_k3_plans_and_the_plan_drives_the_h3_pipeline(tiny_k3, h3_model):
     encode = pipe.text_encoder.encode
     pipe.text_encoder.encode = lambda prompt, *rest: encoded.append(prompt) or encode(prompt, *rest)
     stages = []
-    output = pipe("a fox runs through snow", plan=True, plan_max_tokens=24, seed=11, num_inference_steps=2,
-                  decode=False, callback=lambda stage, step, total: stages.append(stage))
+    output = pipe(
+        "a fox runs through snow",
+        plan=True,
+        plan_max_tokens=24,
+        seed=11,
+        num_inference_steps=2,
+        decode=False,
+        callback=lambda stage, step, total: stages.append(stage),
+    )
     assert output.planned_prompt == alone.planned and encoded == [alone.planned] and stages[0] == "plan"
     plain = H3Pipeline.from_pretrained(h3_model, device="cpu", torch_dtype=torch.float32)
     with pytest.raises(RequestError, match="planner"):
@@ -179,7 +205,9 @@ def test_rest_plan_endpoint_and_plan_true_jobs(stub, h3_model, tmp_path):
         assert "plan" in view["timings"]
         bad = http.post("/v1/videos", json={"prompt": "fail", "plan": True, "num_inference_steps": 2})
         view = _wait(http, bad.json()["id"])
-        assert view["status"] == "failed" and "HTTP 500" in view["error"]["message"]  # the job fails, the server goes on
+        assert (
+            view["status"] == "failed" and "HTTP 500" in view["error"]["message"]
+        )  # the job fails, the server goes on
         assert http.get("/health").json()["ready"]
 
     plain = H3Engine(h3_model, device="cpu")
@@ -217,14 +245,17 @@ def test_local_planner_reads_an_image_through_the_vision_tower(tiny_k3, tmp_path
     params = SamplingParams(max_tokens=6, temperature=0.0)
     (request,) = planner.engine.generate([ids], params, images=[processed])
     with torch.no_grad():
-        expected = planner.engine.model.generate(torch.tensor([ids]), 6, pixel_values=processed.pixel_values,
-                                                 grid_thws=processed.grid_thws)
+        expected = planner.engine.model.generate(
+            torch.tensor([ids]), 6, pixel_values=processed.pixel_values, grid_thws=processed.grid_thws
+        )
     assert request.output_ids == expected[0].tolist()
     with torch.no_grad():
-        other = planner.engine.model(torch.tensor([ids]), pixel_values=torch.rand_like(processed.pixel_values),
-                                     grid_thws=processed.grid_thws)[0, -1]
-        same = planner.engine.model(torch.tensor([ids]), pixel_values=processed.pixel_values,
-                                    grid_thws=processed.grid_thws)[0, -1]
+        other = planner.engine.model(
+            torch.tensor([ids]), pixel_values=torch.rand_like(processed.pixel_values), grid_thws=processed.grid_thws
+        )[0, -1]
+        same = planner.engine.model(
+            torch.tensor([ids]), pixel_values=processed.pixel_values, grid_thws=processed.grid_thws
+        )[0, -1]
     assert not torch.allclose(other, same)
     with pytest.raises(RequestError, match="cannot read the image"):
         planner.plan("x", image=b"not an image")
@@ -259,8 +290,9 @@ def test_planned_text_streams_locally_and_over_rest(tiny_k3, stub, h3_model, tmp
     engine = H3Engine(h3_model, device="cpu", planner=planner)
     with TestClient(create_app(JobManager(engine, tmp_path / "results"))) as http:
         plain = http.post("/v1/prompts/plan", json={"prompt": "waves on rocks", "max_tokens": 24, "seed": 5})
-        streamed = http.post("/v1/prompts/plan", json={"prompt": "waves on rocks", "max_tokens": 24, "seed": 5,
-                                                       "stream": True})
+        streamed = http.post(
+            "/v1/prompts/plan", json={"prompt": "waves on rocks", "max_tokens": 24, "seed": 5, "stream": True}
+        )
         assert streamed.status_code == 200 and streamed.headers["content-type"].startswith("text/event-stream")
         events = _events(streamed.text)
         assert [e for e, _ in events[:-1]] == ["delta"] * (len(events) - 1) and events[-1][0] == "done"

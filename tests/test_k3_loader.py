@@ -5,8 +5,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from h3gen.errors import CheckpointError
-from h3gen.pipelines.k3.model import K3ForCausalLM
 from h3gen.pipelines.k3.demo_model import build_tiny_checkpoint
+from h3gen.pipelines.k3.model import K3ForCausalLM
 
 
 def _fuse_gate_up(folder, out, mangle=None):
@@ -32,7 +32,7 @@ def test_fused_dense_gate_up_proj_loads_as_gate_and_up(tmp_path):
     assert fused == 1 + 4  # layer 0's dense MLP and the four MoE layers' shared experts
     split = K3ForCausalLM.from_pretrained(folder, torch_dtype=torch.float32)
     joined = K3ForCausalLM.from_pretrained(tmp_path / "fused", torch_dtype=torch.float32)
-    for a, b in zip(split.state_dict().values(), joined.state_dict().values()):
+    for a, b in zip(split.state_dict().values(), joined.state_dict().values(), strict=True):
         assert torch.equal(a, b)
     ids = torch.randint(0, 500, (1, 13), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():

@@ -7,26 +7,58 @@ import json
 
 import pytest
 import torch
+from k3_reference import kimi_linear_torch, max_rel_error
 
 from h3gen.errors import CheckpointError
 from h3gen.pipelines.k3.config import K3Config
-from h3gen.pipelines.k3.model import K3ForCausalLM, K3MoE
 from h3gen.pipelines.k3.demo_model import build_tiny_checkpoint, randomize, tiny_config
-from k3_reference import kimi_linear_torch, max_rel_error
+from h3gen.pipelines.k3.model import K3ForCausalLM, K3MoE
 
 KIMI_LINEAR_CONFIGS = [
     # MLA with one q_proj, grouped routing, MLA in the middle
-    dict(hidden_size=40, num_hidden_layers=4, num_attention_heads=3, q_lora_rank=None, kv_lora_rank=12,
-         qk_nope_head_dim=10, qk_rope_head_dim=6, v_head_dim=14, num_local_experts=8, num_experts_per_tok=3,
-         n_group=4, topk_group=2, n_shared_experts=2, moe_intermediate_size=20, intermediate_size=36,
-         linear_attn_config=dict(head_dim=8, num_heads=3, short_conv_kernel_size=4, kda_layers=[1, 3, 4],
-                                 full_attn_layers=[2]), first_k_dense_replace=1),
+    dict(
+        hidden_size=40,
+        num_hidden_layers=4,
+        num_attention_heads=3,
+        q_lora_rank=None,
+        kv_lora_rank=12,
+        qk_nope_head_dim=10,
+        qk_rope_head_dim=6,
+        v_head_dim=14,
+        num_local_experts=8,
+        num_experts_per_tok=3,
+        n_group=4,
+        topk_group=2,
+        n_shared_experts=2,
+        moe_intermediate_size=20,
+        intermediate_size=36,
+        linear_attn_config=dict(
+            head_dim=8, num_heads=3, short_conv_kernel_size=4, kda_layers=[1, 3, 4], full_attn_layers=[2]
+        ),
+        first_k_dense_replace=1,
+    ),
     # q LoRA, two MLA layers, ungrouped routing, no dense layer
-    dict(hidden_size=48, num_hidden_layers=4, num_attention_heads=2, q_lora_rank=20, kv_lora_rank=16,
-         qk_nope_head_dim=12, qk_rope_head_dim=8, v_head_dim=12, num_local_experts=6, num_experts_per_tok=2,
-         n_group=1, topk_group=1, n_shared_experts=1, moe_intermediate_size=24, intermediate_size=64,
-         linear_attn_config=dict(head_dim=16, num_heads=2, short_conv_kernel_size=3, kda_layers=[1, 3],
-                                 full_attn_layers=[2, 4]), first_k_dense_replace=0),
+    dict(
+        hidden_size=48,
+        num_hidden_layers=4,
+        num_attention_heads=2,
+        q_lora_rank=20,
+        kv_lora_rank=16,
+        qk_nope_head_dim=12,
+        qk_rope_head_dim=8,
+        v_head_dim=12,
+        num_local_experts=6,
+        num_experts_per_tok=2,
+        n_group=1,
+        topk_group=1,
+        n_shared_experts=1,
+        moe_intermediate_size=24,
+        intermediate_size=64,
+        linear_attn_config=dict(
+            head_dim=16, num_heads=2, short_conv_kernel_size=3, kda_layers=[1, 3], full_attn_layers=[2, 4]
+        ),
+        first_k_dense_replace=0,
+    ),
 ]
 
 
@@ -52,8 +84,9 @@ def test_kimi_linear_checkpoint_matches_transformers_fp32(tmp_path, index):
     reference_cls = _save_kimi_linear(tmp_path, KIMI_LINEAR_CONFIGS[index], seed=index)
     reference = reference_cls.from_pretrained(tmp_path, dtype=torch.float32).eval()
     ours = K3ForCausalLM.from_pretrained(tmp_path, torch_dtype=torch.float32)
-    assert ours.config.attention_types == ["kda" if t == "linear_attention" else "mla"
-                                           for t in reference.config.layer_types]
+    assert ours.config.attention_types == [
+        "kda" if t == "linear_attention" else "mla" for t in reference.config.layer_types
+    ]
     ids = torch.randint(0, 83, (2, 70), generator=torch.Generator().manual_seed(index))  # crosses a 64-chunk
     with torch.no_grad():
         expected = reference(ids).logits
@@ -63,11 +96,28 @@ def test_kimi_linear_checkpoint_matches_transformers_fp32(tmp_path, index):
 
 def _kimi_linear_style_model(seed=0):
     config = K3Config(
-        model_type="kimi_linear", vocab_size=71, hidden_size=40, num_hidden_layers=4, rms_norm_eps=1e-5,
-        attention_types=["kda", "mla", "kda", "mla"], ffn_types=["dense", "moe", "moe", "moe"],
-        num_attention_heads=3, q_lora_rank=None, kv_lora_rank=12, qk_nope_head_dim=10, qk_rope_head_dim=6,
-        v_head_dim=14, linear_num_heads=3, linear_head_dim=8, intermediate_size=36, moe_intermediate_size=20,
-        num_experts=6, num_experts_per_token=2, num_shared_experts=1, routed_scaling_factor=2.446)
+        model_type="kimi_linear",
+        vocab_size=71,
+        hidden_size=40,
+        num_hidden_layers=4,
+        rms_norm_eps=1e-5,
+        attention_types=["kda", "mla", "kda", "mla"],
+        ffn_types=["dense", "moe", "moe", "moe"],
+        num_attention_heads=3,
+        q_lora_rank=None,
+        kv_lora_rank=12,
+        qk_nope_head_dim=10,
+        qk_rope_head_dim=6,
+        v_head_dim=14,
+        linear_num_heads=3,
+        linear_head_dim=8,
+        intermediate_size=36,
+        moe_intermediate_size=20,
+        num_experts=6,
+        num_experts_per_token=2,
+        num_shared_experts=1,
+        routed_scaling_factor=2.446,
+    )
     return randomize(K3ForCausalLM(config), seed).eval()
 
 
@@ -82,16 +132,17 @@ def _tiny_k3_model(seed=0, **overrides):
 def test_prefill_then_decode_matches_full_prefill(family, prompt, chunk, decode):
     # State handoff: KDA recurrent + conv state, paged MLA latent cache; a prefill chunk continuing from a cache.
     model = _kimi_linear_style_model() if family == "kimi_linear" else _tiny_k3_model()
-    ids = torch.randint(0, model.config.vocab_size, (2, prompt + chunk + decode),
-                        generator=torch.Generator().manual_seed(prompt))
+    ids = torch.randint(
+        0, model.config.vocab_size, (2, prompt + chunk + decode), generator=torch.Generator().manual_seed(prompt)
+    )
     with torch.no_grad():
         full = model(ids)
         cache = model.new_cache(page_size=8)
         parts = [model(ids[:, :prompt], cache)]
         if chunk:
-            parts.append(model(ids[:, prompt:prompt + chunk], cache))
+            parts.append(model(ids[:, prompt : prompt + chunk], cache))
         for i in range(prompt + chunk, ids.shape[1]):
-            parts.append(model(ids[:, i:i + 1], cache))
+            parts.append(model(ids[:, i : i + 1], cache))
     assert cache.seen_tokens == ids.shape[1]
     assert max_rel_error(torch.cat(parts, dim=1), full) <= 1e-4
 
@@ -122,14 +173,18 @@ def test_latent_moe_with_situ_matches_float64_equations():
         weights = scores[t, chosen] / scores[t, chosen].sum() * c.routed_scaling_factor
         h = W["routed_expert_down_proj.weight"] @ x64[t]
         y = torch.zeros(c.routed_expert_hidden_size, dtype=torch.float64)
-        for w, e in zip(weights, chosen.tolist()):
-            act = _situ64(W[f"experts.{e}.w1.weight"] @ h, W[f"experts.{e}.w3.weight"] @ h, c.situ_beta,
-                          c.situ_linear_beta)
+        for w, e in zip(weights, chosen.tolist(), strict=True):
+            act = _situ64(
+                W[f"experts.{e}.w1.weight"] @ h, W[f"experts.{e}.w3.weight"] @ h, c.situ_beta, c.situ_linear_beta
+            )
             y = y + w * (W[f"experts.{e}.w2.weight"] @ act)
         y = _rms64(y, W["routed_expert_norm.weight"], c.rms_norm_eps)
         shared = W["shared_experts.down_proj.weight"] @ _situ64(
-            W["shared_experts.gate_proj.weight"] @ x64[t], W["shared_experts.up_proj.weight"] @ x64[t],
-            c.situ_beta, c.situ_linear_beta)
+            W["shared_experts.gate_proj.weight"] @ x64[t],
+            W["shared_experts.up_proj.weight"] @ x64[t],
+            c.situ_beta,
+            c.situ_linear_beta,
+        )
         expected[t] = W["routed_expert_up_proj.weight"] @ y + shared
     assert max_rel_error(actual, expected) < 1e-5
 
@@ -162,12 +217,12 @@ def test_attn_res_blocks_match_float64_equations(block):
 
     with torch.no_grad():
         bank, partial = [], embeds.double()
-        for l, layer in enumerate(model.model.layers):
+        for number, layer in enumerate(model.model.layers):
             x = mix(bank + [partial], layer.self_attention_res_proj.weight, layer.self_attention_res_norm.weight)
-            if l % block == 0:
+            if number % block == 0:
                 bank.append(partial)
                 partial = torch.zeros_like(x)
-            partial = partial + layer.attention(x.float(), None, l).double()
+            partial = partial + layer.attention(x.float(), None, number).double()
             x = mix(bank + [partial], layer.mlp_res_proj.weight, layer.mlp_res_norm.weight)
             partial = partial + layer.feed_forward(x.float()).double()
         out = mix(bank + [partial], model.model.output_attn_res_proj.weight, model.model.output_attn_res_norm.weight)
@@ -216,7 +271,7 @@ def test_tiny_k3_checkpoint_loads_and_generates_greedy(tiny_k3):
     sequence = torch.cat([prompt, new], dim=1)
     with torch.no_grad():
         logits = model(sequence)  # one full forward: every generated token must be its argmax
-    assert torch.equal(logits[0, prompt.shape[1] - 1:-1].argmax(-1), new[0])
+    assert torch.equal(logits[0, prompt.shape[1] - 1 : -1].argmax(-1), new[0])
 
 
 def test_loader_reports_missing_and_unknown_tensors(tiny_k3, tmp_path):

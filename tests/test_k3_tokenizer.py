@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from h3gen.pipelines.k3.model import K3ForCausalLM
 from h3gen.pipelines.k3.demo_model import BASE_VOCAB, MEDIA_PAD_ID, VOCAB_SIZE, build_tiny_checkpoint
+from h3gen.pipelines.k3.model import K3ForCausalLM
 from h3gen.pipelines.k3.tokenizer import K3Tokenizer
 
 
@@ -50,18 +50,21 @@ def test_special_strings_in_user_text_stay_text(tokenizer):
 
 
 def test_chat_template_renders_xtml(tokenizer):
-    messages = [{"role": "developer", "content": "Be brief."},
-                {"role": "user", "content": [{"type": "text", "text": "What is this?"}, {"type": "image"}]},
-                {"role": "assistant", "content": "A cat.", "reasoning_content": "Looks like a cat."},
-                {"role": "user", "content": "<|open|>ok"}]
+    messages = [
+        {"role": "developer", "content": "Be brief."},
+        {"role": "user", "content": [{"type": "text", "text": "What is this?"}, {"type": "image"}]},
+        {"role": "assistant", "content": "A cat.", "reasoning_content": "Looks like a cat."},
+        {"role": "user", "content": "<|open|>ok"},
+    ]
     text = tokenizer.apply_chat_template(messages, thinking_effort=None, tokenize=False)
     assert text == (
         '<|open|>message role="system"<|sep|>Be brief.<|close|>message<|sep|><|end_of_msg|>'
         '<|open|>message role="user"<|sep|>What is this?<|media_pad|><|close|>message<|sep|><|end_of_msg|>'
         '<|open|>message role="assistant"<|sep|><|open|>think<|sep|>Looks like a cat.<|close|>think<|sep|>'
-        '<|open|>response<|sep|>A cat.<|close|>response<|sep|><|close|>message<|sep|><|end_of_msg|>'
+        "<|open|>response<|sep|>A cat.<|close|>response<|sep|><|close|>message<|sep|><|end_of_msg|>"
         '<|open|>message role="user"<|sep|><|open|>ok<|close|>message<|sep|><|end_of_msg|>'
-        '<|open|>message role="assistant"<|sep|><|open|>think<|sep|>')
+        '<|open|>message role="assistant"<|sep|><|open|>think<|sep|>'
+    )
     ids = tokenizer.apply_chat_template(messages, thinking_effort=None)
     assert ids.count(tokenizer.token_id("<|open|>")) == 8  # the user's literal "<|open|>" is not a control token
     assert ids.count(MEDIA_PAD_ID) == 1 and tokenizer.decode(ids) == text
@@ -77,5 +80,5 @@ def test_chat_prompt_generates_greedy_text(tiny_k3, tokenizer):
     new = model.generate(torch.tensor([ids]), max_new_tokens=6)
     with torch.no_grad():
         logits = model(torch.cat([torch.tensor([ids]), new], dim=1))
-    assert torch.equal(logits[0, len(ids) - 1:-1].argmax(-1), new[0])
+    assert torch.equal(logits[0, len(ids) - 1 : -1].argmax(-1), new[0])
     assert isinstance(tokenizer.decode(new[0].tolist()), str)

@@ -3,7 +3,8 @@ the torch path's logits. Each kernel alone: tests/kernels/."""
 
 import pytest
 import torch
-from kernel_cases import DEVICE, err as _err
+from kernel_cases import DEVICE
+from kernel_cases import err as _err
 
 from h3gen.kernels.gemv import triton as gemv_triton
 
@@ -31,9 +32,9 @@ def test_tiny_decode_through_the_triton_kernels_matches_torch(monkeypatch):
     import dataclasses
 
     from h3gen.pipelines.k3.config import K3Config
+    from h3gen.pipelines.k3.demo_model import randomize, tiny_config
     from h3gen.pipelines.k3.engine.graphs import prepare_for_decode
     from h3gen.pipelines.k3.model import K3ForCausalLM
-    from h3gen.pipelines.k3.demo_model import randomize, tiny_config
 
     config = dataclasses.replace(K3Config.from_dict(tiny_config()), experts_mxfp4=False, attn_res_block_size=0)
     with torch.device("meta"):
@@ -42,8 +43,11 @@ def test_tiny_decode_through_the_triton_kernels_matches_torch(monkeypatch):
     prepare_for_decode(model)
     normed_calls = []
     kernel = gemv_triton.normed_rows_linear
-    monkeypatch.setattr(gemv_triton, "normed_rows_linear",
-                        lambda *args, **kw: normed_calls.append(args[4] is not None) or kernel(*args, **kw))
+    monkeypatch.setattr(
+        gemv_triton,
+        "normed_rows_linear",
+        lambda *args, **kw: normed_calls.append(args[4] is not None) or kernel(*args, **kw),
+    )
 
     with torch.no_grad():
         expected = _prefill_and_decode(model, monkeypatch, "0")
@@ -67,12 +71,18 @@ def test_silu_model_decode_through_the_triton_kernels_matches_torch(monkeypatch)
 
     from h3gen.kernels.embedding import triton as emb_triton
     from h3gen.pipelines.k3.config import K3Config
+    from h3gen.pipelines.k3.demo_model import randomize, tiny_config
     from h3gen.pipelines.k3.engine.graphs import prepare_for_decode
     from h3gen.pipelines.k3.model import K3ForCausalLM
-    from h3gen.pipelines.k3.demo_model import randomize, tiny_config
 
-    config = dataclasses.replace(K3Config.from_dict(tiny_config()), experts_mxfp4=False, attn_res_block_size=0,
-                                 hidden_act="silu", routed_expert_hidden_size=None, latent_moe_use_norm=False)
+    config = dataclasses.replace(
+        K3Config.from_dict(tiny_config()),
+        experts_mxfp4=False,
+        attn_res_block_size=0,
+        hidden_act="silu",
+        routed_expert_hidden_size=None,
+        latent_moe_use_norm=False,
+    )
     with torch.device("meta"):
         model = K3ForCausalLM(config)
     model = randomize(model.to_empty(device=DEVICE), seed=6).float().eval()

@@ -7,19 +7,28 @@ import json
 import numpy as np
 import pytest
 import torch
+from k3_reference import hf_navit_resize, max_rel_error, vision_reference
 from PIL import Image
 
 from h3gen.errors import CheckpointError
+from h3gen.pipelines.k3.demo_model import MEDIA_PAD_ID, build_tiny_checkpoint, randomize
 from h3gen.pipelines.k3.image_processor import K3ImageProcessor, K3MediaConfig, navit_resize
 from h3gen.pipelines.k3.model import K3ForCausalLM
-from h3gen.pipelines.k3.demo_model import MEDIA_PAD_ID, build_tiny_checkpoint, randomize
 from h3gen.pipelines.k3.tokenizer import K3Tokenizer
 from h3gen.pipelines.k3.vision import K3MultiModalProjector, K3VisionConfig, K3VisionTower
-from k3_reference import hf_navit_resize, max_rel_error, vision_reference
 
-VISION = dict(patch_size=6, init_pos_emb_height=5, init_pos_emb_width=7, init_pos_emb_time=3,
-              vt_num_attention_heads=3, vt_num_hidden_layers=2, vt_hidden_size=18, vt_intermediate_size=26,
-              qkv_hidden_size=24, merge_kernel_size=[2, 2])
+VISION = dict(
+    patch_size=6,
+    init_pos_emb_height=5,
+    init_pos_emb_width=7,
+    init_pos_emb_time=3,
+    vt_num_attention_heads=3,
+    vt_num_hidden_layers=2,
+    vt_hidden_size=18,
+    vt_intermediate_size=26,
+    qkv_hidden_size=24,
+    merge_kernel_size=[2, 2],
+)
 
 
 class _Vision(torch.nn.Module):
@@ -29,11 +38,14 @@ class _Vision(torch.nn.Module):
         self.mm_projector = K3MultiModalProjector(config)
 
 
-@pytest.mark.parametrize("grids", [
-    [(1, 4, 6), (1, 2, 2), (1, 6, 4)],  # interpolated tables, odd aspect, the smallest grid
-    [(1, 6, 8), (1, 4, 4)],
-    [(2, 2, 4), (1, 4, 2)],  # a two-frame clip: time embedding and the frame average
-])
+@pytest.mark.parametrize(
+    "grids",
+    [
+        [(1, 4, 6), (1, 2, 2), (1, 6, 4)],  # interpolated tables, odd aspect, the smallest grid
+        [(1, 6, 8), (1, 4, 4)],
+        [(2, 2, 4), (1, 4, 2)],  # a two-frame clip: time embedding and the frame average
+    ],
+)
 def test_vision_tower_and_projector_match_float64_equations(grids):
     config = K3VisionConfig.from_dict(VISION, text_hidden_size=22)
     model = randomize(_Vision(config), seed=len(grids)).float().eval()
@@ -73,8 +85,24 @@ def test_vision_rejects_bad_grids_and_configs():
 
 # --- image processor ---------------------------------------------------------------------------------------------
 
-SIZES = [(1, 1), (13, 13), (14, 14), (27, 29), (28, 28), (29, 57), (640, 480), (1920, 1080), (4032, 3024),
-         (7168, 7168), (7169, 7168), (20000, 10), (10, 20000), (100000, 14), (3, 65000), (12345, 6789)]
+SIZES = [
+    (1, 1),
+    (13, 13),
+    (14, 14),
+    (27, 29),
+    (28, 28),
+    (29, 57),
+    (640, 480),
+    (1920, 1080),
+    (4032, 3024),
+    (7168, 7168),
+    (7169, 7168),
+    (20000, 10),
+    (10, 20000),
+    (100000, 14),
+    (3, 65000),
+    (12345, 6789),
+]
 
 
 @pytest.mark.parametrize("limits", [(16384, 512), (48, 10), (4096, 64)])
@@ -91,13 +119,16 @@ def test_navit_resize_matches_transformers(limits):
         assert ours.new_width <= width and ours.new_height <= height  # never upscaled
 
 
-@pytest.mark.parametrize("size, resized, padded, tokens", [
-    ((1, 1), (1, 1), (28, 28), 1),  # tiny: kept, padded to one merged token
-    ((28, 56), (28, 56), (28, 56), 2),  # already on the grid
-    ((3000, 30), (3000, 30), (3024, 56), 108 * 2),  # extreme aspect inside both limits: kept
-    ((7168, 7168), (1792, 1792), (1792, 1792), 64 * 64),  # 512x512 patches -> budget 16384: scale 1/4
-    ((14336, 28), (7168, 14), (7168, 28), 256),  # the per-side limit (512 patches) halves it
-])
+@pytest.mark.parametrize(
+    "size, resized, padded, tokens",
+    [
+        ((1, 1), (1, 1), (28, 28), 1),  # tiny: kept, padded to one merged token
+        ((28, 56), (28, 56), (28, 56), 2),  # already on the grid
+        ((3000, 30), (3000, 30), (3024, 56), 108 * 2),  # extreme aspect inside both limits: kept
+        ((7168, 7168), (1792, 1792), (1792, 1792), 64 * 64),  # 512x512 patches -> budget 16384: scale 1/4
+        ((14336, 28), (7168, 14), (7168, 28), 256),  # the per-side limit (512 patches) halves it
+    ],
+)
 def test_navit_resize_hand_derived_values(size, resized, padded, tokens):
     resize = navit_resize(*size, K3MediaConfig())
     assert (resize.new_width, resize.new_height) == resized
@@ -114,7 +145,7 @@ def _expected_patches(rgb: np.ndarray, padded, mean, std, p=14):
     out = []
     for r in range(height // p):
         for c in range(width // p):
-            out.append(norm[r * p:(r + 1) * p, c * p:(c + 1) * p].transpose(2, 0, 1))
+            out.append(norm[r * p : (r + 1) * p, c * p : (c + 1) * p].transpose(2, 0, 1))
     return torch.tensor(np.stack(out))
 
 
@@ -123,8 +154,12 @@ def test_processor_pads_normalises_and_patchifies(kind):
     config = K3MediaConfig(image_mean=(0.48, 0.46, 0.41), image_std=(0.27, 0.26, 0.28))
     rng = np.random.default_rng(0)
     rgb = rng.integers(0, 256, (17, 31, 3), dtype=np.uint8)  # 31 wide, 17 high: no resize, padded to 56 x 28
-    image = {"pil": Image.fromarray(rgb), "numpy": rgb, "torch_chw": torch.from_numpy(rgb).permute(2, 0, 1),
-             "gray": rgb[..., 0]}[kind]
+    image = {
+        "pil": Image.fromarray(rgb),
+        "numpy": rgb,
+        "torch_chw": torch.from_numpy(rgb).permute(2, 0, 1),
+        "gray": rgb[..., 0],
+    }[kind]
     if kind == "gray":
         rgb = np.repeat(rgb[..., :1], 3, axis=-1)
     out = K3ImageProcessor(config)([image])
@@ -148,14 +183,16 @@ def test_processor_resizes_with_pil_bicubic_and_fills_transparency():
     pixels = image * torch.tensor(config.image_std).view(3, 1, 1) + torch.tensor(config.image_mean).view(3, 1, 1)
     assert torch.allclose(pixels[:, 0, 0], torch.tensor([1.0, 0.0, 0.0]), atol=1e-6)  # opaque red
     assert torch.allclose(pixels[:, resize.new_height - 1, 0], torch.ones(3), atol=1e-6)  # white background
-    reference = np.asarray(Image.fromarray(rgba, mode="RGBA").resize((resize.new_width, resize.new_height),
-                                                                     Image.Resampling.BICUBIC), dtype=np.float64)
+    reference = np.asarray(
+        Image.fromarray(rgba, mode="RGBA").resize((resize.new_width, resize.new_height), Image.Resampling.BICUBIC),
+        dtype=np.float64,
+    )
     alpha = reference[..., 3:] / 255.0
     expected = np.floor(np.clip(alpha * reference[..., :3] + (1 - alpha) * 255.0, 0, 255)) / 255.0
     actual = pixels[:, : resize.new_height, : resize.new_width].permute(1, 2, 0).double().numpy()
     # the composite is floored: float32 (ours, as sglang) and float64 (here) may land one level apart
     assert np.abs(actual - expected).max() < 1 / 255 + 1e-6 and (np.abs(actual - expected) > 1e-6).mean() < 0.01
-    assert (pixels[:, resize.new_height:, :].abs() < 1e-6).all()  # zero padding (before normalisation)
+    assert (pixels[:, resize.new_height :, :].abs() < 1e-6).all()  # zero padding (before normalisation)
 
 
 def test_processor_errors_are_clear():
@@ -180,6 +217,7 @@ def test_processor_errors_are_clear():
 
 # --- the tiny checkpoint with an image ---------------------------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def tiny_k3(tmp_path_factory):
     return build_tiny_checkpoint(tmp_path_factory.mktemp("tiny-k3-vision"), seed=0)
@@ -192,8 +230,11 @@ def _image(width, height, seed):
 def _prompt(folder, images):
     tokenizer = K3Tokenizer.from_folder(folder)
     processed = K3ImageProcessor.from_folder(folder)(images)
-    parts = [{"type": "text", "text": "what is in"}] + [{"type": "image"} for _ in images] + \
-        [{"type": "text", "text": "the picture?"}]
+    parts = (
+        [{"type": "text", "text": "what is in"}]
+        + [{"type": "image"} for _ in images]
+        + [{"type": "text", "text": "the picture?"}]
+    )
     ids = tokenizer.apply_chat_template([{"role": "user", "content": parts}], thinking=False)
     ids = tokenizer.expand_images(ids, processed.num_tokens, processed.image_sizes)
     return tokenizer, processed, torch.tensor([ids])
@@ -204,10 +245,16 @@ def test_tiny_k3_loads_vision_weights_under_the_checkpoint_keys(tiny_k3):
 
     with safe_open(str(tiny_k3 / "model.safetensors"), "pt") as handle:
         keys = set(handle.keys())
-    for key in ("vision_tower.patch_embed.proj.weight", "vision_tower.patch_embed.pos_emb.weight",
-                "vision_tower.encoder.blocks.1.wqkv.weight", "vision_tower.encoder.blocks.0.mlp.fc1.weight",
-                "vision_tower.encoder.final_layernorm.weight", "mm_projector.proj.0.weight",
-                "mm_projector.proj.2.weight", "mm_projector.post_norm.weight"):
+    for key in (
+        "vision_tower.patch_embed.proj.weight",
+        "vision_tower.patch_embed.pos_emb.weight",
+        "vision_tower.encoder.blocks.1.wqkv.weight",
+        "vision_tower.encoder.blocks.0.mlp.fc1.weight",
+        "vision_tower.encoder.final_layernorm.weight",
+        "mm_projector.proj.0.weight",
+        "mm_projector.proj.2.weight",
+        "mm_projector.post_norm.weight",
+    ):
         assert key in keys
     model = K3ForCausalLM.from_pretrained(tiny_k3, torch_dtype=torch.float32)
     with safe_open(str(tiny_k3 / "model.safetensors"), "pt") as handle:
@@ -234,19 +281,24 @@ def test_tiny_k3_checkpoint_with_mxfp4_experts_and_an_image_generates_greedy(tin
         for step in range(generated.shape[1]):  # each greedy token is the argmax of a full forward with the image
             logits = model(sequence, pixel_values=processed.pixel_values, grid_thws=processed.grid_thws)
             assert generated[0, step] == logits[0, -1].argmax()
-            sequence = torch.cat([sequence, generated[:, step:step + 1]], dim=1)
+            sequence = torch.cat([sequence, generated[:, step : step + 1]], dim=1)
         other = K3ImageProcessor.from_folder(tiny_k3)([_image(61, 45, 7), _image(30, 100, 8)])
         plain = model(ids, pixel_values=other.pixel_values, grid_thws=other.grid_thws)[0, -1]
-        assert not torch.allclose(plain, model(ids, pixel_values=processed.pixel_values,
-                                               grid_thws=processed.grid_thws)[0, -1])  # the image matters
+        assert not torch.allclose(
+            plain, model(ids, pixel_values=processed.pixel_values, grid_thws=processed.grid_thws)[0, -1]
+        )  # the image matters
 
 
 def test_image_placeholder_count_mismatches_are_clear(tiny_k3):
     model = K3ForCausalLM.from_pretrained(tiny_k3, torch_dtype=torch.float32)
     tokenizer, processed, ids = _prompt(tiny_k3, [_image(40, 40, 2)])
     with pytest.raises(ValueError, match="tokens but the images give 4 embeddings"):
-        model(ids[:, :-3].clone().fill_(MEDIA_PAD_ID), pixel_values=processed.pixel_values,
-              grid_thws=processed.grid_thws)
+        model(
+            ids[:, :-3].clone().fill_(MEDIA_PAD_ID), pixel_values=processed.pixel_values, grid_thws=processed.grid_thws
+        )
     with pytest.raises(ValueError, match="1 image placeholders but 2 images"):
-        tokenizer.expand_images(tokenizer.apply_chat_template([{"role": "user", "content": [{"type": "image"}]}]),
-                                [4, 4], [(40, 40), (40, 40)])
+        tokenizer.expand_images(
+            tokenizer.apply_chat_template([{"role": "user", "content": [{"type": "image"}]}]),
+            [4, 4],
+            [(40, 40), (40, 40)],
+        )

@@ -44,8 +44,9 @@ FLOORS = {
     "h3gen.ui": "ui",
 }
 ALL = frozenset(FLOORS.values())
-CORE = frozenset({"errors", "format", "spec", "quant", "parallel", "linear", "lora", "loading", "media", "options",
-                  "device"})
+CORE = frozenset(
+    {"errors", "format", "spec", "quant", "parallel", "linear", "lora", "loading", "media", "options", "device"}
+)
 TOP = frozenset({"server", "cli", "ui", "api"})
 
 
@@ -65,21 +66,42 @@ RULES = (
     _alone("names", "h3gen.checkout_names imports nothing else of h3gen"),
     _alone("format", "the MXFP4 format (h3gen.quant.mxfp4_format) imports nothing else of h3gen"),
     _alone("spec", "h3gen.linear_spec (what a model asks of a linear) imports nothing else of h3gen"),
-    Rule(frozenset({"kernels"}), ALL - {"kernels", "format", "names"},
-         "kernels import no other h3gen package but the MXFP4 format (h3gen.quant.mxfp4_format)"),
-    Rule(CORE, frozenset({"pipelines", "offload"}) | TOP,
-         "the core (errors, linear, lora, loading, quant, parallel, media, options) imports neither pipelines, offload, server, cli, "
-         "ui nor the package root"),
-    Rule(frozenset({"quant"}), frozenset({"parallel", "linear", "loading"}),
-         "quant sits below the tensor-parallel linears and the linear factory (h3gen.linear), which use it"),
-    Rule(frozenset({"parallel"}), frozenset({"linear", "loading"}),
-         "parallel sits below the linear factory (h3gen.linear), which builds its linears"),
-    Rule(frozenset({"quant", "parallel", "linear", "loading"}), frozenset({"lora"}),
-         "h3gen.lora sits above the linears it adapts (quant, parallel, linear)"),
-    Rule(frozenset({"loading"}), frozenset({"quant", "parallel", "linear"}),
-         "loading reads and places tensors; which layers a model has is decided by its loader in pipelines/"),
-    Rule(frozenset({"pipelines", "offload"}), TOP,
-         "pipelines and offload import neither server, cli, ui nor the package root"),
+    Rule(
+        frozenset({"kernels"}),
+        ALL - {"kernels", "format", "names"},
+        "kernels import no other h3gen package but the MXFP4 format (h3gen.quant.mxfp4_format)",
+    ),
+    Rule(
+        CORE,
+        frozenset({"pipelines", "offload"}) | TOP,
+        "the core (errors, linear, lora, loading, quant, parallel, media, options) imports neither pipelines, offload, "
+        "server, cli, ui nor the package root",
+    ),
+    Rule(
+        frozenset({"quant"}),
+        frozenset({"parallel", "linear", "loading"}),
+        "quant sits below the tensor-parallel linears and the linear factory (h3gen.linear), which use it",
+    ),
+    Rule(
+        frozenset({"parallel"}),
+        frozenset({"linear", "loading"}),
+        "parallel sits below the linear factory (h3gen.linear), which builds its linears",
+    ),
+    Rule(
+        frozenset({"quant", "parallel", "linear", "loading"}),
+        frozenset({"lora"}),
+        "h3gen.lora sits above the linears it adapts (quant, parallel, linear)",
+    ),
+    Rule(
+        frozenset({"loading"}),
+        frozenset({"quant", "parallel", "linear"}),
+        "loading reads and places tensors; which layers a model has is decided by its loader in pipelines/",
+    ),
+    Rule(
+        frozenset({"pipelines", "offload"}),
+        TOP,
+        "pipelines and offload import neither server, cli, ui nor the package root",
+    ),
     Rule(frozenset({"server"}), frozenset({"ui", "cli", "api"}), "the server imports neither ui nor cli"),
     Rule(frozenset({"ui"}), frozenset({"cli"}), "the UI may import the server's public pieces, never the CLI"),
 )
@@ -169,8 +191,11 @@ def direction_problems(imports: list[Import]) -> list[Problem]:
         source, target = floor_of(imp.importer), floor_of(imp.target)
         for rule in RULES:
             if source in rule.importers and target in rule.forbidden:
-                problems.append(Problem(imp.path, imp.line, f"{imp.importer} ({source}) imports {imp.target} "
-                                                            f"({target}): {rule.text}"))
+                problems.append(
+                    Problem(
+                        imp.path, imp.line, f"{imp.importer} ({source}) imports {imp.target} ({target}): {rule.text}"
+                    )
+                )
     return problems
 
 
@@ -185,8 +210,10 @@ def cycle_problems(imports: list[Import], modules: set[str]) -> list[Problem]:
         for a in sorted(component):
             for b in sorted(set(edges.get(a, {})) & component):
                 loop = " -> ".join([a, *_path(b, a, edges, component)])
-                problems += [Problem(imp.path, imp.line, f"{a} imports {b}, which leads back to it: {loop}")
-                             for imp in edges[a][b]]
+                problems += [
+                    Problem(imp.path, imp.line, f"{a} imports {b}, which leads back to it: {loop}")
+                    for imp in edges[a][b]
+                ]
     return problems
 
 
@@ -281,15 +308,22 @@ _BACK_TO_PARALLEL = "\n\ndef _factory():\n    from h3gen.parallel.tp_linear impo
 _QUANT_LINEAR = "\nfrom h3gen.quant.mxfp4 import MXFP4Linear\n"
 INJECTED = {  # case -> [(file, source text appended, whether the checker must point at it)]
     "quant imports parallel": [("h3gen/quant/mxfp4.py", _BACK_TO_PARALLEL, True)],
-    "parallel imports quant back": [("h3gen/quant/mxfp4.py", _BACK_TO_PARALLEL, False),
-                                    ("h3gen/parallel/tp_linear.py", _QUANT_LINEAR, True)],
+    "parallel imports quant back": [
+        ("h3gen/quant/mxfp4.py", _BACK_TO_PARALLEL, False),
+        ("h3gen/parallel/tp_linear.py", _QUANT_LINEAR, True),
+    ],
     "mxfp4_gemm init imports quant": [
-        ("kernels/mxfp4_gemm/__init__.py", "\n\ndef _widen():\n    from h3gen.quant.mxfp4 import MXFP4Linear\n", True)],
+        ("kernels/mxfp4_gemm/__init__.py", "\n\ndef _widen():\n    from h3gen.quant.mxfp4 import MXFP4Linear\n", True)
+    ],
     "mxfp4_gemm reference imports quant": [("kernels/mxfp4_gemm/reference.py", _QUANT_LINEAR, True)],
     "moe reference imports quant": [("kernels/moe/reference.py", _QUANT_LINEAR, True)],
-    "parallel model imports the transformer": [(
-        "h3gen/parallel/model.py",
-        "def parallel_transformer(config):\n    from h3gen.pipelines.h3.transformer import H3Transformer\n", True)],
+    "parallel model imports the transformer": [
+        (
+            "h3gen/parallel/model.py",
+            "def parallel_transformer(config):\n    from h3gen.pipelines.h3.transformer import H3Transformer\n",
+            True,
+        )
+    ],
     "server imports ui": [("h3gen/server/app.py", "\n\ndef _ui():\n    from h3gen.ui.blocks import build_ui\n", True)],
 }
 
@@ -318,5 +352,8 @@ def test_relative_and_from_imports_name_the_module():
     found = read_imports("kernels/moe/reference.py", "from ...quant import mxfp4\n", modules)
     assert [i.target for i in found] == ["h3gen.quant.mxfp4"]
     found = read_imports("h3gen/quant/fp8.py", source, modules)
-    assert [(i.line, i.target) for i in found] == [(1, "h3gen.quant.mxfp4"), (2, "h3gen.quant.mxfp4"),
-                                                   (3, "h3gen.quant.mxfp4")]
+    assert [(i.line, i.target) for i in found] == [
+        (1, "h3gen.quant.mxfp4"),
+        (2, "h3gen.quant.mxfp4"),
+        (3, "h3gen.quant.mxfp4"),
+    ]

@@ -27,10 +27,35 @@ def load_test():
 def test_short_run_against_the_real_server(load_test, tmp_path_factory):
     model = tiny_checkpoint(cache_dir=tmp_path_factory.mktemp("cache"))
     # Client 1 cancels its first job and client 0 does not (their random streams are seeded by index).
-    args = load_test.parse_args(["--model", str(model), "--device", "cpu", "--no-ui", "--max-queue", "2",
-                                 "--burst", "5", "--clients", "2", "--sustain-seconds", "3", "--drain-seconds", "300",
-                                 "--steps", "2", "--poll-interval", "0.5", "--cancel-fraction", "0.5",
-                                 "--decode-every", "1", "--hostile", "1"])
+    args = load_test.parse_args(
+        [
+            "--model",
+            str(model),
+            "--device",
+            "cpu",
+            "--no-ui",
+            "--max-queue",
+            "2",
+            "--burst",
+            "5",
+            "--clients",
+            "2",
+            "--sustain-seconds",
+            "3",
+            "--drain-seconds",
+            "300",
+            "--steps",
+            "2",
+            "--poll-interval",
+            "0.5",
+            "--cancel-fraction",
+            "0.5",
+            "--decode-every",
+            "1",
+            "--hostile",
+            "1",
+        ]
+    )
     report = load_test.run(args)
     load_test.print_report(report)
     assert report["failures"] == [], report

@@ -6,7 +6,7 @@ import pytest
 import torch
 from diffusers import MiniMaxH3Transformer3DModel
 from diffusers.loaders.single_file_utils import convert_minimax_h3_transformer_checkpoint_to_diffusers
-from h3_tiny import TINY_CONFIGS, max_rel_err, randomize_, random_inputs
+from h3_tiny import TINY_CONFIGS, max_rel_err, random_inputs, randomize_
 from safetensors.torch import save_file
 
 from h3gen.errors import CheckpointError
@@ -49,7 +49,7 @@ def test_sharded_diffusers_checkpoint_reproduces_diffusers(reference, tmp_path):
     reference.save_pretrained(tmp_path, max_shard_size="40KB")
     assert (tmp_path / "diffusion_pytorch_model.safetensors.index.json").exists()
     ours = H3Transformer.from_pretrained(tmp_path, torch_dtype=torch.float32)
-    for got, expected in zip(_outputs(ours), _outputs(reference)):
+    for got, expected in zip(_outputs(ours), _outputs(reference), strict=True):
         assert max_rel_err(got, expected) <= 1e-6
 
 
@@ -61,7 +61,7 @@ def test_bf16_load_keeps_fp32_islands_and_matches_diffusers(reference, tmp_path)
         assert param.dtype == dict(theirs.named_parameters())[name].dtype, name
     assert ours.proj_in.weight.dtype == torch.float32 and ours.time_embedder.linear_1.weight.dtype == torch.float32
     assert ours.transformer_blocks[0].adaln_proj.linear.weight.dtype == torch.bfloat16
-    for got, expected in zip(_outputs(ours), _outputs(theirs)):
+    for got, expected in zip(_outputs(ours), _outputs(theirs), strict=True):
         assert torch.equal(got, expected)
 
 
@@ -70,7 +70,7 @@ def test_original_layout_loads_and_reproduces(reference, tmp_path, qkv_layout):
     original = _write_original(tmp_path, reference.state_dict(), qkv_layout)
     assert any(".attn.qkv_proj.weight" in k for k in original) and any(".mlp.fc1." in k for k in original)
     ours = H3Transformer.from_pretrained(tmp_path, torch_dtype=torch.float32, qkv_layout=qkv_layout)
-    for got, expected in zip(_outputs(ours), _outputs(reference)):
+    for got, expected in zip(_outputs(ours), _outputs(reference), strict=True):
         assert max_rel_err(got, expected) <= 1e-6
 
 

@@ -2,6 +2,7 @@
 model: windows and their checks, the guide's layout, decoding and writing piece by piece, whole requests (length,
 first window, seams, memory), and every face's errors."""
 
+import itertools
 import json
 import subprocess
 import sys
@@ -15,7 +16,7 @@ from h3gen.errors import RequestError
 from h3gen.media import probe_mp4
 from h3gen.pipelines.h3 import geometry
 from h3gen.pipelines.h3.continuation import audio_boundary, check_windows, long_frames, plan_windows, window_prompts
-from h3gen.pipelines.h3.packing import build_layout, build_ref2va_layout, ReferenceBlock
+from h3gen.pipelines.h3.packing import ReferenceBlock, build_layout, build_ref2va_layout
 from h3gen.pipelines.h3.tiny_checkpoint import tiny_checkpoint
 
 CANVAS = dict(height=64, width=64, num_inference_steps=2)
@@ -51,14 +52,15 @@ def record_windows(pipeline, monkeypatch, requests: list | None = None) -> list:
 def test_windows_cover_the_clip_on_the_grid():
     windows = plan_windows(1450, 277, 22)  # 60 s
     assert windows[0].start == 0 and windows[-1].end == 1450
-    for before, after in zip(windows, windows[1:]):
+    for before, after in itertools.pairwise(windows):
         assert after.start == before.end - 22 and after.overlap == 22
     for window in windows:
         assert window.num_frames % 17 == 5 and window.num_frames <= 277
         assert window.audio_start == round(window.start * 5 / 3)
     # What each window adds after its overlap is discarded sums to the clip's latents, video and audio.
-    assert windows[0].num_latent_frames + sum(w.num_latent_frames - w.overlap_latent_frames for w in windows[1:]) \
-        == geometry.video_latent_frames(1450)
+    assert windows[0].num_latent_frames + sum(
+        w.num_latent_frames - w.overlap_latent_frames for w in windows[1:]
+    ) == geometry.video_latent_frames(1450)
     assert sum(w.num_audio_latents - w.overlap_audio_latents for w in windows) == audio_boundary(1450)
     assert windows[1].temporal_offset == pytest.approx(255 * 40 / 24)
 
@@ -70,10 +72,12 @@ def test_long_lengths_and_window_options_are_checked():
         long_frames(61.0, None, 60)
     assert error.value.field == "seconds"
     assert check_windows() == (277, 22)
-    for window, overlap, field, words in ((278, None, "window_frames", "17n\\+5"),
-                                          (None, 23, "overlap_frames", "17n\\+5"),
-                                          (90, None, "window_frames", "124 to 345"),
-                                          (124, 124, "overlap_frames", "shorter than window_frames")):
+    for window, overlap, field, words in (
+        (278, None, "window_frames", "17n\\+5"),
+        (None, 23, "overlap_frames", "17n\\+5"),
+        (90, None, "window_frames", "124 to 345"),
+        (124, 124, "overlap_frames", "shorter than window_frames"),
+    ):
         with pytest.raises(RequestError, match=words) as error:
             check_windows(window, overlap)
         assert error.value.field == field
@@ -89,21 +93,22 @@ def test_guide_rows_share_the_targets_first_positions_and_media_move_by_the_offs
     rows = 4  # per latent frame (4x4 latents, 2x2 patches)
     assert shifted.num_condition_video_rows == 7 * rows and shifted.num_condition_audio_rows == 18
     pos, video, audio = shifted.position_ids, shifted.video_indices, shifted.audio_indices
-    assert torch.equal(pos[video[: 7 * rows]], pos[video[7 * rows: 14 * rows]])  # guide = targets' first 7 frames
+    assert torch.equal(pos[video[: 7 * rows]], pos[video[7 * rows : 14 * rows]])  # guide = targets' first 7 frames
     guide_audio, target_audio = audio[:18].view(2, 9), audio[18:].view(2, 20)
     assert torch.equal(pos[guide_audio], pos[target_audio[:, :9]])
     assert torch.equal(pos[:5], plain.position_ids[:5])  # text stays
-    target = pos[video[7 * rows:]]
+    target = pos[video[7 * rows :]]
     assert torch.allclose(target[:, 0], plain.position_ids[plain.video_indices][:, 0] + 10.0)
     # ref2va: the references keep their places; the guide follows them on the targets' clock.
     blocks = [ReferenceBlock("image", 1, 4, 4)]
     plain = build_ref2va_layout(torch.ones(5, dtype=torch.long), blocks, 12, 4, 4, 20)
-    shifted = build_ref2va_layout(torch.ones(5, dtype=torch.long), blocks, 12, 4, 4, 20, media_offset=10.0,
-                                  guide_frames=7, guide_audio_latents=9)
+    shifted = build_ref2va_layout(
+        torch.ones(5, dtype=torch.long), blocks, 12, 4, 4, 20, media_offset=10.0, guide_frames=7, guide_audio_latents=9
+    )
     pos = shifted.position_ids
     assert torch.equal(pos[shifted.video_indices[:rows]], plain.position_ids[plain.video_indices[:rows]])
-    guide = shifted.video_indices[rows: 8 * rows]
-    assert torch.equal(pos[guide], pos[shifted.video_indices[8 * rows: 15 * rows]])
+    guide = shifted.video_indices[rows : 8 * rows]
+    assert torch.equal(pos[guide], pos[shifted.video_indices[8 * rows : 15 * rows]])
     assert shifted.num_condition_video_rows == 8 * rows and shifted.num_condition_audio_rows == 18
 
 
@@ -145,14 +150,20 @@ def _seam_steps(path, windows):
     steps = np.abs(np.diff(sound, axis=1)).max(axis=0)
     hop = rate // 40
     seams = [audio_boundary(w.start + w.overlap) * hop for w in windows[1:]]
-    return [steps[s - rate // 100: s + rate // 100].max() for s in seams], np.percentile(steps, 99.9)
+    return [steps[s - rate // 100 : s + rate // 100].max() for s in seams], np.percentile(steps, 99.9)
 
 
 def test_30s_request_streams_an_mp4_whose_first_window_is_the_plain_request(pipe, tmp_path, monkeypatch):
     calls = record_windows(pipe, monkeypatch)
     stages = []
-    out = pipe("a cat walks on a beach", seconds=30, seed=5, output_path=tmp_path / "long.mp4",
-               callback=lambda stage, step, total: stages.append((stage, step, total)), **CANVAS)
+    out = pipe(
+        "a cat walks on a beach",
+        seconds=30,
+        seed=5,
+        output_path=tmp_path / "long.mp4",
+        callback=lambda stage, step, total: stages.append((stage, step, total)),
+        **CANVAS,
+    )
     assert out.video is None and out.path == str(tmp_path / "long.mp4") and out.windows == 3
     info = probe_mp4(out.path)
     assert info == out.media
@@ -161,8 +172,9 @@ def test_30s_request_streams_an_mp4_whose_first_window_is_the_plain_request(pipe
     assert sum(1 for s in stages if s == ("denoise", 0, 1)) == 3  # every window's own steps are reported
 
     windows = plan_windows(736, 277, 22)
-    assert [tuple(c[0].shape[2:3]) + (c[1].shape[-1],) for c in calls] == \
-        [(w.num_latent_frames, w.num_audio_latents) for w in windows]
+    assert [tuple(c[0].shape[2:3]) + (c[1].shape[-1],) for c in calls] == [
+        (w.num_latent_frames, w.num_audio_latents) for w in windows
+    ]
     long_first = calls[0]
     calls.clear()
     plain = pipe("a cat walks on a beach", num_frames=277, seed=5, decode=False, **CANVAS)
@@ -183,8 +195,16 @@ def test_fl2va_keyframes_hold_the_ends_and_ref2va_references_every_window(pipe, 
     Image.new("RGB", (64, 64), (10, 10, 200)).save(last)
     requests = []
     calls = record_windows(pipe, monkeypatch, requests)
-    pipe("a cat", image=first, last_image=last, seconds=25, seed=2, decode=False, prompts=["one", "two", "three"],
-         **CANVAS)
+    pipe(
+        "a cat",
+        image=first,
+        last_image=last,
+        seconds=25,
+        seed=2,
+        decode=False,
+        prompts=["one", "two", "three"],
+        **CANVAS,
+    )
     assert [r.anchors for r in requests] == [("first",), (), ("last",)]
     assert [r.prompt for r in requests] == ["one", "two", "three"]
     long_first = calls[0]
@@ -218,8 +238,12 @@ def test_60s_request_peaks_like_a_15s_one_and_lasts_a_minute(tmp_path):
     script.write_text(MEMORY_SCRIPT)
     found = {}
     for seconds in (15, 60):
-        done = subprocess.run([sys.executable, str(script), str(seconds), str(tmp_path / f"{seconds}.mp4")],
-                              capture_output=True, text=True, timeout=1200)
+        done = subprocess.run(
+            [sys.executable, str(script), str(seconds), str(tmp_path / f"{seconds}.mp4")],
+            capture_output=True,
+            text=True,
+            timeout=1200,
+        )
         assert done.returncode == 0, done.stderr[-2000:]
         found[seconds] = json.loads(done.stdout.strip().splitlines()[-1])
     assert 60.0 <= found[60]["seconds"] <= 60.0 + 17 / 24
@@ -233,13 +257,16 @@ def test_60s_request_peaks_like_a_15s_one_and_lasts_a_minute(tmp_path):
 # ---------------------------------------------------------------------------------------------- faces and errors
 
 
-@pytest.mark.parametrize("kwargs, field, words", [
-    (dict(seconds=61), "seconds", "5 to 60"),
-    (dict(seconds=30, prompts=["a", "b"]), "prompts", "this request has 3 windows"),
-    (dict(seconds=30, window_frames=250), "window_frames", "17n\\+5"),
-    (dict(seconds=30, overlap_frames=277), "overlap_frames", "shorter than window_frames"),
-    (dict(seconds=30), "output_path", "output_path"),
-])
+@pytest.mark.parametrize(
+    "kwargs, field, words",
+    [
+        (dict(seconds=61), "seconds", "5 to 60"),
+        (dict(seconds=30, prompts=["a", "b"]), "prompts", "this request has 3 windows"),
+        (dict(seconds=30, window_frames=250), "window_frames", "17n\\+5"),
+        (dict(seconds=30, overlap_frames=277), "overlap_frames", "shorter than window_frames"),
+        (dict(seconds=30), "output_path", "output_path"),
+    ],
+)
 def test_python_errors_name_the_rule(pipe, kwargs, field, words):
     with pytest.raises(RequestError, match=words) as error:
         pipe("a cat", seed=1, **CANVAS, **kwargs)
@@ -269,8 +296,9 @@ def _parallel_worker(rank, world, init_file, model_dir, result_dir):
     from h3gen.pipelines.h3.pipeline import H3Pipeline
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=300))
+    dist.init_process_group(
+        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=300)
+    )
     try:
         runs = []
         for tp, sp in ((1, world), (world, 1)):  # the tiny model has 2 heads: Ulysses 2, then TP 2
@@ -279,7 +307,7 @@ def _parallel_worker(rank, world, init_file, model_dir, result_dir):
             windows = []
             original = H3Pipeline._denoise
 
-            def denoise(self, *args, **kwargs):
+            def denoise(self, *args, original=original, windows=windows, **kwargs):
                 result = original(self, *args, **kwargs)
                 windows.append((result[0].clone(), result[1].clone()))
                 return result
@@ -311,7 +339,7 @@ def test_long_request_under_tp2_and_ulysses2_equals_one_process(tmp_path, monkey
         assert [(run["tp"], run["sp"]) for run in runs] == [(1, 2), (2, 1)]
         for run in runs:
             assert len(run["windows"]) == 2
-            for (video, audio), (video_1, audio_1) in zip(run["windows"], calls):
+            for (video, audio), (video_1, audio_1) in zip(run["windows"], calls, strict=True):
                 assert (video - video_1).abs().max() <= 1e-4 and (audio - audio_1).abs().max() <= 1e-4
 
 
@@ -321,8 +349,9 @@ def test_server_engine_streams_a_long_job_and_its_limit_is_a_flag(tmp_path):
     from h3gen.server.schemas import GenerationRequest
 
     engine = H3Engine(tiny_checkpoint(), device="cpu", max_seconds=90)
-    request = engine.validate(GenerationRequest(prompt="a cat", seconds=75, num_inference_steps=2, seed=3,
-                                                aspect_ratio="1:1"), {})
+    request = engine.validate(
+        GenerationRequest(prompt="a cat", seconds=75, num_inference_steps=2, seed=3, aspect_ratio="1:1"), {}
+    )
     assert request["windows"] == 7 and request["num_frames"] == 1807  # vLLM-Omni's example: 7 windows
     with pytest.raises(RequestError, match="5 to 90") as error:
         engine.validate(GenerationRequest(prompt="a cat", seconds=91), {})
@@ -331,8 +360,12 @@ def test_server_engine_streams_a_long_job_and_its_limit_is_a_flag(tmp_path):
         engine.validate(GenerationRequest(prompt="a cat", seconds=16, prompts=["a", "b", "c"]), {})
 
     engine.load()
-    request = engine.validate(GenerationRequest(prompt="a cat", seconds=16, num_inference_steps=2, seed=3,
-                                                prompts=["a cat sleeps", "a cat wakes"]), {})
+    request = engine.validate(
+        GenerationRequest(
+            prompt="a cat", seconds=16, num_inference_steps=2, seed=3, prompts=["a cat sleeps", "a cat wakes"]
+        ),
+        {},
+    )
     request |= {"height": 64, "width": 64}  # a small canvas for the CPU
     reports = []
     engine.run(request, {}, tmp_path / "job.mp4", lambda stage, step, total: reports.append((stage, step, total)))
@@ -360,12 +393,14 @@ def test_ui_sends_prompts_per_window_and_shows_the_rule(tmp_path):
 
     manager = SimpleNamespace(engine=engine, staging_dir=staging_dir, list=lambda *args, **kwargs: ([], False))
     actions = _Actions(manager)
-    for lines, window, overlap, words in (("a\nb", 277, 22, "prompts must hold one prompt per window or one for all: "
-                                                             "this request has 3 windows"),
-                                          ("", 250, 22, "window_frames must be a frame count on the 17n+5 grid"),
-                                          ("", 277, 277, "overlap_frames must be shorter than window_frames")):
-        status = next(actions.generate("a cat", "t2va", None, None, None, "auto", 30, 2, 0, True, False, lines,
-                                       window, overlap))[0]
+    for lines, window, overlap, words in (
+        ("a\nb", 277, 22, "prompts must hold one prompt per window or one for all: this request has 3 windows"),
+        ("", 250, 22, "window_frames must be a frame count on the 17n+5 grid"),
+        ("", 277, 277, "overlap_frames must be shorter than window_frames"),
+    ):
+        status = next(
+            actions.generate("a cat", "t2va", None, None, None, "auto", 30, 2, 0, True, False, lines, window, overlap)
+        )[0]
         assert words in status, status
     slider = next(block for block in build_ui(manager).blocks.values() if getattr(block, "elem_id", None) == "seconds")
     assert slider.maximum == 120

@@ -8,17 +8,33 @@ import pytest
 import torch
 from diffusers import MiniMaxH3Transformer3DModel
 from h3_tiny import TINY_CONFIGS, max_rel_err, random_inputs, randomize_
-from lora_files import (TURBO_MODULES, diffusers_holder, diffusers_shapes, native_shapes, random_factors,
-                        write_diffusers, write_native)
+from lora_files import (
+    TURBO_MODULES,
+    diffusers_holder,
+    diffusers_shapes,
+    native_shapes,
+    random_factors,
+    write_diffusers,
+    write_native,
+)
 
 from h3gen.device_memory import available_device_memory
 from h3gen.errors import RequestError
 from h3gen.kernels.fp8_quant import quantize_rows
 from h3gen.lora import LoraFactors, LoraGroup, wide_input
-from h3gen.pipelines.h3.lora_formats import read_lora
 from h3gen.pipelines.h3.adapter_memory import DeviceMemory
-from h3gen.pipelines.h3.lora_registry import (LORA_GPU_RESERVE, LoraRegistry, activate, check_targets, deactivate,
-                                              fp8_layers, lora_budget_bytes, lora_device_bytes, merge_into)
+from h3gen.pipelines.h3.lora_formats import read_lora
+from h3gen.pipelines.h3.lora_registry import (
+    LORA_GPU_RESERVE,
+    LoraRegistry,
+    activate,
+    check_targets,
+    deactivate,
+    fp8_layers,
+    lora_budget_bytes,
+    lora_device_bytes,
+    merge_into,
+)
 from h3gen.pipelines.h3.tiers import set_quality
 from h3gen.pipelines.h3.transformer import H3Transformer, H3TransformerConfig
 from h3gen.quant.fp8 import Fp8Linear
@@ -27,8 +43,19 @@ from h3gen.quant.mxfp4 import MXFP4Linear
 TOLERANCE = 1e-4
 CONFIG = TINY_CONFIGS[0]
 # One 128-wide head: diffusers de-interleaves a DiffSynth QKV by a hard-coded head size of 128.
-HEAD128 = dict(num_attention_heads=1, attention_head_dim=128, hidden_size=48, num_layers=2, num_refiner_layers=1,
-               ffn_dim=80, text_dim=40, freq_dim=16, time_embed_hidden_dim=32, time_embed_dim=24, rope_freq_dim=4)
+HEAD128 = dict(
+    num_attention_heads=1,
+    attention_head_dim=128,
+    hidden_size=48,
+    num_layers=2,
+    num_refiner_layers=1,
+    ffn_dim=80,
+    text_dim=40,
+    freq_dim=16,
+    time_embed_hidden_dim=32,
+    time_embed_dim=24,
+    rope_freq_dim=4,
+)
 INPUTS = dict(num_text=7, latent_frames=3, latent_hw=(4, 6), audio_latents=5, anchors=("first",), distinct_timesteps=3)
 
 
@@ -87,10 +114,16 @@ FORMATS = {
     # format name -> (config, file writer)
     "diffusers": (CONFIG, lambda tmp, m: _diffusers_file(tmp, m, "diffusers")),
     "peft": (CONFIG, lambda tmp, m: _diffusers_file(tmp, m, "peft")),
-    "native": (CONFIG, lambda tmp, m: _native_file(tmp, CONFIG, "native", prefix="diffusion_model.",
-                                                   metadata={"alpha": "2"})),
-    "kohya": (CONFIG, lambda tmp, m: _native_file(
-        tmp, CONFIG, "kohya", alphas={"blocks.0.attn.qkv_proj": 2.0, "blocks.1.mlp.fc1": 8.0, "condition_proj": 1.0})),
+    "native": (
+        CONFIG,
+        lambda tmp, m: _native_file(tmp, CONFIG, "native", prefix="diffusion_model.", metadata={"alpha": "2"}),
+    ),
+    "kohya": (
+        CONFIG,
+        lambda tmp, m: _native_file(
+            tmp, CONFIG, "kohya", alphas={"blocks.0.attn.qkv_proj": 2.0, "blocks.1.mlp.fc1": 8.0, "condition_proj": 1.0}
+        ),
+    ),
     "musubi": (CONFIG, lambda tmp, m: _native_file(tmp, CONFIG, "musubi", alphas={"blocks.1.attn.qkv_proj": 3.0})),
     "diffsynth": (HEAD128, lambda tmp, m: _native_file(tmp, HEAD128, "diffsynth", head_dim=128)),
 }
@@ -124,15 +157,24 @@ def test_every_format_matches_diffusers(fmt, tmp_path):
 
 def test_read_lora_describes_a_file_without_loading_it(tmp_path):
     _, ours = _pair(CONFIG)
-    path = _native_file(tmp_path, CONFIG, "kohya", alphas={"blocks.0.attn.qkv_proj": 2.0},
-                        metadata={"tasks": "t2va"})
+    path = _native_file(tmp_path, CONFIG, "kohya", alphas={"blocks.0.attn.qkv_proj": 2.0}, metadata={"tasks": "t2va"})
     lora = read_lora(path, head_dim=32)
-    assert (lora.name, lora.format, lora.ranks, lora.alpha, lora.alpha_source) == ("kohya", "kohya", [2, 4], None,
-                                                                                   "module")
+    assert (lora.name, lora.format, lora.ranks, lora.alpha, lora.alpha_source) == (
+        "kohya",
+        "kohya",
+        [2, 4],
+        None,
+        "module",
+    )
     assert lora.partitions == ("transformer",) and lora.metadata == {"tasks": "t2va"}
     assert lora.qkv_layout == "grouped"
-    assert {"transformer_blocks.0.attn.to_q", "token_refiner.refiner_blocks.1.ff.net.0.proj", "proj_in",
-            "norm_out.linear", "time_embedder.linear_2"} <= set(lora.modules)
+    assert {
+        "transformer_blocks.0.attn.to_q",
+        "token_refiner.refiner_blocks.1.ff.net.0.proj",
+        "proj_in",
+        "norm_out.linear",
+        "time_embedder.linear_2",
+    } <= set(lora.modules)
     assert len(lora.modules) == len(diffusers_shapes(ours))  # every linear of the model has its update
 
 
@@ -224,8 +266,11 @@ def test_diffsynth_qkv_is_deinterleaved_by_the_models_head_size(tmp_path):
 
 def _factors(out_features, in_features, rank=8, seed=0, scale=0.05):
     generator = torch.Generator().manual_seed(seed)
-    return LoraFactors(torch.randn(rank, in_features, generator=generator) * scale,
-                       torch.randn(out_features, rank, generator=generator) * scale, 0.5)
+    return LoraFactors(
+        torch.randn(rank, in_features, generator=generator) * scale,
+        torch.randn(out_features, rank, generator=generator) * scale,
+        0.5,
+    )
 
 
 @pytest.mark.parametrize("kind", ["fp8", "mxfp4"])
@@ -297,15 +342,23 @@ def test_bad_files_are_refused_naming_the_key_or_module(tmp_path):
     with pytest.raises(RequestError, match=r"`transformer\.transformer_blocks\.0\.attn\.to_z\.lora_A\.weight`"):
         registry.register(unknown)
     leftover = tmp_path / "leftover.safetensors"
-    write_native(leftover, {"blocks.0.attn.qkv_proj": (torch.zeros(4, 64), torch.zeros(192, 4)),
-                            "blocks.0.attn.rope": (torch.zeros(4, 64), torch.zeros(64, 4))})
+    write_native(
+        leftover,
+        {
+            "blocks.0.attn.qkv_proj": (torch.zeros(4, 64), torch.zeros(192, 4)),
+            "blocks.0.attn.rope": (torch.zeros(4, 64), torch.zeros(64, 4)),
+        },
+    )
     with pytest.raises(RequestError, match=r"key `blocks\.0\.attn\.rope\.lora_A\.weight`") as error:
         registry.register(leftover)
     assert str(tmp_path) not in str(error.value) and error.value.field == "loras"
     pruned = tmp_path / "pruned.safetensors"
     write_diffusers(pruned, {"transformer_blocks.1.ff.net.2": (torch.zeros(4, 100), torch.zeros(64, 4))})
-    with pytest.raises(RequestError, match=r"`transformer_blocks\.1\.ff\.net\.2` updates a 64 x 100 weight, but the "
-                                           r"model's is 64 x 128"):
+    with pytest.raises(
+        RequestError,
+        match=r"`transformer_blocks\.1\.ff\.net\.2` updates a 64 x 100 weight, but the "
+        r"model's is 64 x 128",
+    ):
         registry.register(pruned)
     musubi = tmp_path / "musubi.safetensors"
     write_native(musubi, {"blocks.0.attn.norm_q": (torch.zeros(4, 64), torch.zeros(64, 4))}, style="musubi")
@@ -319,9 +372,13 @@ def test_bad_files_are_refused_naming_the_key_or_module(tmp_path):
     good = tmp_path / "good.safetensors"
     write_diffusers(good, factors)
     registry.register(good)
-    for loras, message in (([("good", float("nan"))], "finite"), (["good", "good"], "listed twice"),
-                           (["missing"], "no LoRA named 'missing'"), ("good", "must be a list"),
-                           ([("good", 1.0, 2.0)], "pair")):
+    for loras, message in (
+        ([("good", float("nan"))], "finite"),
+        (["good", "good"], "listed twice"),
+        (["missing"], "no LoRA named 'missing'"),
+        ("good", "must be a list"),
+        ([("good", 1.0, 2.0)], "pair"),
+    ):
         with pytest.raises(RequestError, match=message):
             registry.resolve(loras)
     assert lora_budget_bytes("4GiB") == 4 * 2**30
@@ -353,7 +410,6 @@ def test_merge_equals_unmerged_and_is_refused_where_bf16_rounds_it_away(tmp_path
 
 
 # ---------------------------------------------------------------------- the pipeline
-
 
 
 @pytest.fixture(scope="module")
@@ -405,10 +461,18 @@ def test_pipeline_refuses_adapters_over_the_gpu_budget_before_any_work(tiny_dir,
 
     pipe = H3Pipeline.from_pretrained(tiny_dir, device="cpu", torch_dtype=torch.float32, lora_gpu_memory="64KiB")
     stages = []
-    with pytest.raises(RequestError, match=r"the 2 LoRA adapters \(style, subject\) need [\d.]+ KiB on the device, "
-                                           r"more than the 64.0 KiB they may use \(lora_gpu_memory\)") as error:
-        pipe("a fox", seed=1, num_inference_steps=2, loras=[str(p) for p in adapter_files],
-             callback=lambda *args: stages.append(args))
+    with pytest.raises(
+        RequestError,
+        match=r"the 2 LoRA adapters \(style, subject\) need [\d.]+ KiB on the device, "
+        r"more than the 64.0 KiB they may use \(lora_gpu_memory\)",
+    ) as error:
+        pipe(
+            "a fox",
+            seed=1,
+            num_inference_steps=2,
+            loras=[str(p) for p in adapter_files],
+            callback=lambda *args: stages.append(args),
+        )
     assert error.value.field == "loras" and stages == []
 
 
@@ -450,7 +514,8 @@ def test_free_device_memory_counts_the_allocators_cache_and_a_busy_pipeline_uses
 
 
 def test_pipeline_checks_adapter_files_against_free_memory_live_when_idle_else_from_the_last_call(
-        tiny_dir, adapter_files, fake_cuda):
+    tiny_dir, adapter_files, fake_cuda
+):
     from h3gen.pipelines.h3.pipeline import H3Pipeline
 
     pipe = H3Pipeline.from_pretrained(tiny_dir, device="cpu", torch_dtype=torch.float32)
@@ -459,8 +524,11 @@ def test_pipeline_checks_adapter_files_against_free_memory_live_when_idle_else_f
     pipe.validate("a fox", seed=1, lora_files=[lora])  # on the CPU: no cap
     pipe.device_memory = DeviceMemory("cuda", held=pipe.device_memory.held)  # the CPU model, CUDA's figures
     fake_cuda.update(free=LORA_GPU_RESERVE + need - 1, reserved=0, allocated=0)
-    with pytest.raises(RequestError, match=r"the 1 LoRA adapters \(style\) need [\d.]+ KiB on the device, more than "
-                                           r"the [\d.]+ KiB they may use \(free device memory less 2 GiB\)") as error:
+    with pytest.raises(
+        RequestError,
+        match=r"the 1 LoRA adapters \(style\) need [\d.]+ KiB on the device, more than "
+        r"the [\d.]+ KiB they may use \(free device memory less 2 GiB\)",
+    ) as error:
         pipe.validate("a fox", seed=1, lora_files=[lora])
     assert error.value.field == "loras"
     fake_cuda.update(reserved=GiB, allocated=GiB - 1)  # one byte cached by the allocator is enough
@@ -538,8 +606,11 @@ def test_header_bytes_bound_what_the_fast_tier_holds(tmp_path):
     _run(ours, random_inputs(CONFIG, seed=3, **INPUTS), "fast")  # e4m3 rows: FP8 copies of A, extended weights
     header = lora_device_bytes(lora, "t2va", 4, fp8)
     # Every FP8 group made its copy of A (rank 4 padded to 16 rows) and extended its members by 16 e4m3 columns.
-    assert all(g.wide and all(m.wide_weight is not None for m in g.members)
-               for g in active.groups if g.members[0].layer.weight.dtype == torch.float8_e4m3fn)
+    assert all(
+        g.wide and all(m.wide_weight is not None for m in g.members)
+        for g in active.groups
+        if g.members[0].layer.weight.dtype == torch.float8_e4m3fn
+    )
     assert active.nbytes == header
     deactivate(ours)
 
@@ -575,12 +646,22 @@ def test_pipeline_adapters_under_layerwise_offload_and_merged(tmp_path):
     kwargs = dict(seed=4, num_inference_steps=3, num_frames=130, loras=[(str(path), 0.8)])
     expected = resident("a fox", **kwargs)
     model = resident.transformer
-    other = sum(p.numel() * p.element_size() for n, p in model.named_parameters()
-                if not n.startswith("transformer_blocks."))
-    block = sum(p.numel() * p.element_size() for n, p in model.transformer_blocks[0].named_parameters()
-                if not n.startswith("adaln_proj"))
-    offloaded = H3Pipeline.from_pretrained(folder, device="cpu", torch_dtype=torch.float32, offload="layerwise",
-                                           gpu_memory=int((other + 2 * block) / 0.8) + 1, prefetch=1)
+    other = sum(
+        p.numel() * p.element_size() for n, p in model.named_parameters() if not n.startswith("transformer_blocks.")
+    )
+    block = sum(
+        p.numel() * p.element_size()
+        for n, p in model.transformer_blocks[0].named_parameters()
+        if not n.startswith("adaln_proj")
+    )
+    offloaded = H3Pipeline.from_pretrained(
+        folder,
+        device="cpu",
+        torch_dtype=torch.float32,
+        offload="layerwise",
+        gpu_memory=int((other + 2 * block) / 0.8) + 1,
+        prefetch=1,
+    )
     assert offloaded.transformer.offload_plan.streamed  # the blocks really stream
     clip = offloaded("a fox", **kwargs)
     assert np.abs(clip.video - expected.video).max() <= 1e-5 and np.abs(clip.audio - expected.audio).max() <= 1e-5
@@ -613,14 +694,13 @@ def test_a_shared_a_is_projected_once_and_stacking_stays_exact():
     layers = [torch.nn.Linear(32, 48, bias=False) for _ in range(3)]
     shared = _factors(48, 32, seed=1)
     own = [_factors(48, 32, rank=4, seed=2 + i) for i in range(3)]
-    members = [(layer, [LoraFactors(shared.down, torch.randn(48, 8), 0.3), own[i]])
-               for i, layer in enumerate(layers)]
+    members = [(layer, [LoraFactors(shared.down, torch.randn(48, 8), 0.3), own[i]]) for i, layer in enumerate(layers)]
     x = torch.randn(5, 32)
     with torch.no_grad():
         base = [layer(x) for layer in layers]
         group = LoraGroup.build(members, "cpu").attach()
         assert group.down.shape[0] == 8 + 3 * 4  # the shared A once, then each member's own
-        for layer, (_, factors), plain in zip(layers, members, base):
+        for layer, (_, factors), plain in zip(layers, members, base, strict=True):
             want = plain + sum(f.scale * (x @ f.down.t()) @ f.up.t() for f in factors)
             assert max_rel_err(layer(x), want) <= 1e-6
         group.detach()
@@ -652,10 +732,18 @@ def _three_members(layers, shared_a: bool, size: float = 1.0, ranks=(5, 3)):
     """(layer, adapters) for three linears reading one 48-wide input: one A of rank 6 they share (a fused-QKV file's),
     or two adapters of their own each (of `ranks`); `size` scales the first adapter."""
     shared = _factors(32, 48, rank=6, seed=1)
-    return [(layer, [LoraFactors(shared.down, torch.randn(layer.out_features, 6) * size, 0.5)] if shared_a
-             else [_factors(layer.out_features, 48, rank=ranks[0], seed=2 + i, scale=size),
-                   _factors(layer.out_features, 48, rank=ranks[1], seed=9 + i)])
-            for i, layer in enumerate(layers)]
+    return [
+        (
+            layer,
+            [LoraFactors(shared.down, torch.randn(layer.out_features, 6) * size, 0.5)]
+            if shared_a
+            else [
+                _factors(layer.out_features, 48, rank=ranks[0], seed=2 + i, scale=size),
+                _factors(layer.out_features, 48, rank=ranks[1], seed=9 + i),
+            ],
+        )
+        for i, layer in enumerate(layers)
+    ]
 
 
 def _windows(group) -> list[tuple[int, int]]:
@@ -697,16 +785,17 @@ def test_fp8_members_run_the_update_inside_their_gemm_and_give_their_weights_bac
             assert quantize_rows(x, out=wide) is wide and wide.values.stride(-2) == width
             got = [layer(wide) for layer in layers]
             assert group._wide_x is None and group._input is None
-            for out, plain, update in zip(got, base, delta):
+            for out, plain, update in zip(got, base, delta, strict=True):
                 assert torch.isfinite(out).all() and max_rel_err(out - plain, update) <= 0.1
         grown = (wide.scale / rows.scale).flatten()
         assert (grown > 1).any() == (size > 1)  # the large adapter's projections needed larger row scales
         hooked = layers[1](rows)  # not the wide input: the update added after the GEMM
         assert max_rel_err(hooked - base[1], delta[1]) <= 0.1
         group.detach()
-        for layer, before in zip(layers, saved):
-            assert layer.weight.is_contiguous() and torch.equal(layer.weight.view(torch.uint8),
-                                                                before.view(torch.uint8))
+        for layer, before in zip(layers, saved, strict=True):
+            assert layer.weight.is_contiguous() and torch.equal(
+                layer.weight.view(torch.uint8), before.view(torch.uint8)
+            )
             assert "forward" not in vars(layer)
         assert wide_input(layers[0], x.shape, "cpu") is None
 
@@ -742,13 +831,15 @@ def test_dense_members_run_the_update_inside_their_gemm_and_give_their_weights_b
             wide.copy_(x)
             got = [layer(wide) for layer in layers]
             assert group._wide_x is None and group._input is None
-            for out, plain, update in zip(got, base, delta):
+            for out, plain, update in zip(got, base, delta, strict=True):
                 assert max_rel_err(out - plain, update) <= 1e-5
-        assert all(m.wide_weight is not None and m.layer.weight.data_ptr() == m.wide_weight[:, m.wide_x:].data_ptr()
-                   for m in group.members)
+        assert all(
+            m.wide_weight is not None and m.layer.weight.data_ptr() == m.wide_weight[:, m.wide_x :].data_ptr()
+            for m in group.members
+        )
         assert max_rel_err(layers[1](x) - base[1], delta[1]) <= 1e-5  # not the wide input: the update first
         group.detach()
-        for layer, parameter, before in zip(layers, parameters, saved):
+        for layer, parameter, before in zip(layers, parameters, saved, strict=True):
             assert layer.weight is parameter and layer.weight.is_contiguous() and torch.equal(layer.weight, before)
             assert "forward" not in vars(layer)
         assert wide_input(layers[0], x.shape, "cpu") is None
@@ -759,15 +850,20 @@ def test_a_file_diffusers_saved_with_its_peft_config_is_scaled_as_that_config_sa
     from peft import LoraConfig, get_peft_model_state_dict
 
     trained, ours = _pair(CONFIG)
-    config = LoraConfig(r=4, lora_alpha=8, init_lora_weights=False, rank_pattern={"adaln_proj.linear": 2},
-                        alpha_pattern={"to_out.0": 3.0, "^transformer_blocks.1.ff.net.2": 16.0},
-                        target_modules=["to_q", "to_k", "to_v", "to_out.0", "ff.net.0.proj", "ff.net.2",
-                                        "adaln_proj.linear"])
+    config = LoraConfig(
+        r=4,
+        lora_alpha=8,
+        init_lora_weights=False,
+        rank_pattern={"adaln_proj.linear": 2},
+        alpha_pattern={"to_out.0": 3.0, "^transformer_blocks.1.ff.net.2": 16.0},
+        target_modules=["to_q", "to_k", "to_v", "to_out.0", "ff.net.0.proj", "ff.net.2", "adaln_proj.linear"],
+    )
     trained.add_adapter(config)
     state = get_peft_model_state_dict(trained)
     metadata = trained.peft_config["default"].to_dict()
-    MiniMaxH3LoraLoaderMixin.save_lora_weights(tmp_path, transformer_lora_layers=state,
-                                               transformer_lora_adapter_metadata=metadata)
+    MiniMaxH3LoraLoaderMixin.save_lora_weights(
+        tmp_path, transformer_lora_layers=state, transformer_lora_adapter_metadata=metadata
+    )
     path = tmp_path / "pytorch_lora_weights.safetensors"
     lora = read_lora(path, head_dim=32)
     assert lora.alpha_source == "adapter-config" and lora.ranks == [2, 4]

@@ -5,14 +5,13 @@ the `transformer_ref` partition."""
 import numpy as np
 import pytest
 import torch
-from h3_reference import load_reference, load_ref2va_reference, run_ref2va_reference, run_reference
+from h3_reference import load_ref2va_reference, load_reference, run_ref2va_reference, run_reference
 from lora_files import TURBO_MODULES, diffusers_shapes, native_shapes, random_factors, write_diffusers, write_native
 from PIL import Image
 
 from h3gen.pipelines.h3.pipeline import H3Pipeline
 
 TOLERANCE = 1e-4
-
 
 
 @pytest.fixture(scope="module")
@@ -22,11 +21,18 @@ def files(tiny_dir, tmp_path_factory):
     pipe = H3Pipeline.from_pretrained(tiny_dir, device="cpu", torch_dtype=torch.float32)
     shapes = diffusers_shapes(pipe.transformer)
     turbo = folder / "turbo.safetensors"
-    write_diffusers(turbo, random_factors({k: v for k, v in shapes.items() if k.endswith(TURBO_MODULES)}, 4, 1,
-                                          scale=0.5), peft=True)
+    write_diffusers(
+        turbo,
+        random_factors({k: v for k, v in shapes.items() if k.endswith(TURBO_MODULES)}, 4, 1, scale=0.5),
+        peft=True,
+    )
     kohya = folder / "kohya.safetensors"
-    write_native(kohya, random_factors(native_shapes(pipe.config), 4, 2, scale=0.5), style="kohya",
-                 alphas={"blocks.0.attn.qkv_proj": 2.0, "blocks.1.mlp.fc1": 8.0})
+    write_native(
+        kohya,
+        random_factors(native_shapes(pipe.config), 4, 2, scale=0.5),
+        style="kohya",
+        alphas={"blocks.0.attn.qkv_proj": 2.0, "blocks.1.mlp.fc1": 8.0},
+    )
     return turbo, kohya
 
 

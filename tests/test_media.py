@@ -46,8 +46,16 @@ def test_rejects_bad_rates_and_odd_sizes(tmp_path):
 
 
 def test_check_names_every_mismatch():
-    info = MediaInfo(num_frames=10, width=64, height=32, fps=25.0, video_seconds=0.4, audio_channels=1,
-                     sample_rate=44100, audio_seconds=1.0)
+    info = MediaInfo(
+        num_frames=10,
+        width=64,
+        height=32,
+        fps=25.0,
+        video_seconds=0.4,
+        audio_channels=1,
+        sample_rate=44100,
+        audio_seconds=1.0,
+    )
     with pytest.raises(MediaError) as error:
         check_mp4(info, num_frames=12, width=64, height=64, fps=24, sample_rate=32000)
     for part in ("10 frames instead of 12", "size 64x32", "25 fps", "1 audio channels", "44100 Hz", "audio lasts"):
@@ -69,8 +77,11 @@ def test_read_image_sources_and_errors(tmp_path):
     assert read_image(path).size == (10, 6)
     assert read_image(np.zeros((6, 10, 3), dtype=np.uint8)).size == (10, 6)
     (tmp_path / "t.txt").write_text("hello")
-    for bad, message in ((tmp_path / "t.txt", "not a readable image"), (tmp_path / "missing.png", "does not exist"),
-                         (np.zeros((6, 10), dtype=np.float32), "uint8")):
+    for bad, message in (
+        (tmp_path / "t.txt", "not a readable image"),
+        (tmp_path / "missing.png", "does not exist"),
+        (np.zeros((6, 10), dtype=np.float32), "uint8"),
+    ):
         with pytest.raises(RequestError, match=message) as info:
             read_image(bad, "last_image")
         assert info.value.field == "last_image"

@@ -1,5 +1,6 @@
 """MXFP4: the format against a float64 scalar reading of the OCP MX spec, MXFP4Linear, online quantization at
-load (bounded memory), save/load, and the tiny pipeline's quality. The GEMM kernels: tests/kernels/test_mxfp4_gemm.py."""
+load (bounded memory), save/load, and the tiny pipeline's quality. The GEMM kernels:
+tests/kernels/test_mxfp4_gemm.py."""
 
 import math
 import os
@@ -132,9 +133,19 @@ print(peak[0] - base, kept)
 def test_online_quantization_peak_memory_is_about_one_layer(tmp_path):
     from h3gen.pipelines.h3.transformer import H3Transformer
 
-    config = dict(num_attention_heads=4, attention_head_dim=128, hidden_size=512, num_layers=8, num_refiner_layers=1,
-                  ffn_dim=2048, text_dim=64, freq_dim=32, time_embed_hidden_dim=64, time_embed_dim=64,
-                  rope_freq_dim=16)
+    config = dict(
+        num_attention_heads=4,
+        attention_head_dim=128,
+        hidden_size=512,
+        num_layers=8,
+        num_refiner_layers=1,
+        ffn_dim=2048,
+        text_dim=64,
+        freq_dim=32,
+        time_embed_hidden_dim=64,
+        time_embed_dim=64,
+        rope_freq_dim=16,
+    )
     model = H3Transformer.from_config(config)
     model.save_pretrained(tmp_path, max_shard_bytes=64 * 2**20)
     checkpoint = sum(p.stat().st_size for p in tmp_path.glob("*.safetensors"))
@@ -143,12 +154,15 @@ def test_online_quantization_peak_memory_is_about_one_layer(tmp_path):
     # glibc would otherwise serve these tensors from its heap and keep freed pages, so the resident size would show
     # its high-water mark rather than the memory actually live; with mmap for large blocks, freed means returned.
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", MALLOC_TRIM_THRESHOLD_="0")
-    result = subprocess.run([sys.executable, "-c", ONLINE, str(tmp_path)], capture_output=True, text=True,
-                            timeout=300, env=env)
+    result = subprocess.run(
+        [sys.executable, "-c", ONLINE, str(tmp_path)], capture_output=True, text=True, timeout=300, env=env
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     grown, kept = (int(v) for v in result.stdout.strip().splitlines()[-1].split())
-    print(f"online MXFP4 load: checkpoint {checkpoint / 2**20:.0f} MiB, model kept {kept / 2**20:.0f} MiB, "
-          f"peak private growth {grown / 2**20:.0f} MiB")
+    print(
+        f"online MXFP4 load: checkpoint {checkpoint / 2**20:.0f} MiB, model kept {kept / 2**20:.0f} MiB, "
+        f"peak private growth {grown / 2**20:.0f} MiB"
+    )
     # The packed model plus one tensor in flight (and allocator slack), never the full-precision checkpoint.
     assert kept < checkpoint / 4
     assert grown < kept + 2 * largest + 48 * 2**20 and grown < checkpoint * 0.6
@@ -162,7 +176,8 @@ def test_tiny_pipeline_quality_under_mxfp4(tmp_path):
     kwargs = dict(seed=1, num_inference_steps=4)
     plain = H3Pipeline.from_pretrained(folder, device="cpu", torch_dtype=torch.float32)("a cat", **kwargs)
     quant = H3Pipeline.from_pretrained(folder, device="cpu", torch_dtype=torch.float32, quantization="mxfp4")(
-        "a cat", **kwargs)
+        "a cat", **kwargs
+    )
     video_error = np.linalg.norm(quant.video - plain.video) / np.linalg.norm(plain.video)
     audio_error = np.linalg.norm(quant.audio - plain.audio) / np.linalg.norm(plain.audio)
     print(f"tiny pipeline mxfp4 vs fp32: video rel L2 {video_error:.2e}, audio rel L2 {audio_error:.2e}")

@@ -14,18 +14,21 @@ from h3gen.pipelines.h3.tiers import set_quality
 from h3gen.pipelines.h3.transformer import H3Transformer
 
 CONFIG = dict(TINY_CONFIGS[2], num_layers=6)
-INPUTS = dict(num_text=6, latent_frames=3, latent_hw=(4, 2), audio_latents=7, anchors=("first",),
-              distinct_timesteps=3)
+INPUTS = dict(num_text=6, latent_frames=3, latent_hw=(4, 2), audio_latents=7, anchors=("first",), distinct_timesteps=3)
 
 
 def _block_bytes(model):
-    return sum(p.numel() * p.element_size() for n, p in model.transformer_blocks[0].named_parameters()
-               if not n.startswith("adaln_proj"))
+    return sum(
+        p.numel() * p.element_size()
+        for n, p in model.transformer_blocks[0].named_parameters()
+        if not n.startswith("adaln_proj")
+    )
 
 
 def _other_bytes(model):
-    return sum(p.numel() * p.element_size() for n, p in model.named_parameters()
-               if not n.startswith("transformer_blocks."))
+    return sum(
+        p.numel() * p.element_size() for n, p in model.named_parameters() if not n.startswith("transformer_blocks.")
+    )
 
 
 @pytest.mark.parametrize("tier", ["exact", "lossless"])
@@ -50,7 +53,7 @@ def test_offloaded_transformer_is_bit_identical(tier, resident_blocks, prefetch)
         with torch.no_grad():
             expected = reference(**inputs, return_dict=False)
             got = model(**inputs, return_dict=False, **extra)
-        for a, b in zip(got, expected):
+        for a, b in zip(got, expected, strict=True):
             assert torch.equal(a, b)
     streamed = list(plan.streamed)
     # Copies in forward order, `prefetch` ahead, continuing across steps.
@@ -94,8 +97,9 @@ def test_host_memory_refusal_is_clear(monkeypatch, tmp_path):
 
     monkeypatch.setattr(host_memory, "available_host_bytes", lambda: 1024)
     with pytest.raises(CheckpointError, match="layer-wise offload .* needs .* of host memory"):
-        H3Pipeline.from_pretrained(tiny_checkpoint(cache_dir=tmp_path), device="cpu", offload="layerwise",
-                                   gpu_memory="1GiB")
+        H3Pipeline.from_pretrained(
+            tiny_checkpoint(cache_dir=tmp_path), device="cpu", offload="layerwise", gpu_memory="1GiB"
+        )
 
 
 def test_pipeline_offload_modes_give_the_same_clip(tmp_path):
@@ -125,8 +129,12 @@ def test_streamed_text_encoder_layers_give_the_same_conditioning(tmp_path):
     from h3gen.pipelines.h3.tiny_checkpoint import tiny_checkpoint
 
     folder = tiny_checkpoint(cache_dir=tmp_path)
-    load = lambda: H3TextEncoder.from_pretrained(folder / "text_encoder", folder / "tokenizer", None,  # noqa: E731
-                                                 dtype=torch.float32, device="cpu")
+
+    def load():
+        return H3TextEncoder.from_pretrained(
+            folder / "text_encoder", folder / "tokenizer", None, dtype=torch.float32, device="cpu"
+        )
+
     expected = load().encode("a quiet street at night").embeds
     encoder = load()
     log = []
@@ -157,13 +165,13 @@ def test_mxfp4_blocks_stream_their_packed_bytes_bit_identically():
     reference, model = quantized_copy(), quantized_copy()
     from h3gen.offload.layerwise import _owned_tensors
 
-    block_bytes = sum(t.numel() * t.element_size() for *_, t in _owned_tensors(model.transformer_blocks[0],
-                                                                                ("adaln_proj",)))
+    block_bytes = sum(
+        t.numel() * t.element_size() for *_, t in _owned_tensors(model.transformer_blocks[0], ("adaln_proj",))
+    )
     dense_block_bytes = _block_bytes(dense)
     budget = _other_bytes(model) + 3 * block_bytes  # 2 ring slots and one resident block
     log = []
-    offload = apply_layerwise_offload(model, "cpu", gpu_memory=budget, activation_reserve=0, prefetch=1,
-                                      copy_log=log)
+    offload = apply_layerwise_offload(model, "cpu", gpu_memory=budget, activation_reserve=0, prefetch=1, copy_log=log)
     assert len(model.offload_plan.streamed) == 5
     # Per streamed block, the packed weights (plus float32 norms and biases) instead of the float32 matrices.
     streamed_bytes = sum(packed.nbytes for packed in offload.packed.values())
@@ -171,11 +179,11 @@ def test_mxfp4_blocks_stream_their_packed_bytes_bit_identically():
     for step in range(2):
         inputs = random_inputs(CONFIG, seed=10 + step, **INPUTS)
         with torch.no_grad():
-            expected = reference(**inputs, return_dict=False,
-                                 adaln_tables=reference.precompute_adaln([inputs["timestep"]]), step=0)
-            got = model(**inputs, return_dict=False, adaln_tables=model.precompute_adaln([inputs["timestep"]]),
-                        step=0)
-        for a, b in zip(got, expected):
+            expected = reference(
+                **inputs, return_dict=False, adaln_tables=reference.precompute_adaln([inputs["timestep"]]), step=0
+            )
+            got = model(**inputs, return_dict=False, adaln_tables=model.precompute_adaln([inputs["timestep"]]), step=0)
+        for a, b in zip(got, expected, strict=True):
             assert torch.equal(a, b)
     assert log[:10] == list(model.offload_plan.streamed) * 2
 
@@ -192,17 +200,32 @@ def test_local_ranks_share_one_host_copy_that_only_rank_0_loads(tmp_path):
     randomize_(reference, seed=11)
     reference.save_pretrained(tmp_path / "transformer")
     set_quality(reference, "lossless")
-    block_bytes = sum(t.numel() * t.element_size() for *_, t in _owned_tensors(reference.transformer_blocks[0],
-                                                                                ("adaln_proj",)))
+    block_bytes = sum(
+        t.numel() * t.element_size() for *_, t in _owned_tensors(reference.transformer_blocks[0], ("adaln_proj",))
+    )
     budget = _other_bytes(reference) + 4 * block_bytes  # 2 ring slots, 2 resident blocks
     store = tmp_path / "shm"
     store.mkdir()
     tests = Path(__file__).parent
-    env = dict(os.environ, LOCAL_WORLD_SIZE="2", PYTHONPATH=os.pathsep.join([str(tests), os.environ.get("PYTHONPATH", "")]))
-    ranks = [subprocess.Popen([sys.executable, str(tests / "shared_store_rank.py"), str(tmp_path / "transformer"),
-                               str(store), str(tmp_path / f"rank{rank}.pt"), str(budget)],
-                              env=dict(env, LOCAL_RANK=str(rank)), stderr=subprocess.PIPE, text=True)
-             for rank in (1, 0)]  # the reader starts first and waits for the owner
+    env = dict(
+        os.environ, LOCAL_WORLD_SIZE="2", PYTHONPATH=os.pathsep.join([str(tests), os.environ.get("PYTHONPATH", "")])
+    )
+    ranks = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                str(tests / "shared_store_rank.py"),
+                str(tmp_path / "transformer"),
+                str(store),
+                str(tmp_path / f"rank{rank}.pt"),
+                str(budget),
+            ],
+            env=dict(env, LOCAL_RANK=str(rank)),
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in (1, 0)
+    ]  # the reader starts first and waits for the owner
     for process in ranks:
         _, err = process.communicate(timeout=300)
         assert process.returncode == 0, err[-3000:]
@@ -216,5 +239,5 @@ def test_local_ranks_share_one_host_copy_that_only_rank_0_loads(tmp_path):
         with torch.no_grad():
             expected = reference(**inputs, return_dict=False)
         for rank in (owner, reader):
-            for got, want in zip(rank["outputs"][step], expected):
+            for got, want in zip(rank["outputs"][step], expected, strict=True):
                 assert torch.equal(got, want)

@@ -59,8 +59,9 @@ def _png(width=40, height=24) -> bytes:
 
 
 def test_create_with_model_size_seconds_then_poll_retrieve_and_download(server, client, tmp_path):
-    created = client.videos.create(prompt="a fox in the snow", model="MiniMax-H3", size="1280x720", seconds="5",
-                                   extra_body=FAST)
+    created = client.videos.create(
+        prompt="a fox in the snow", model="MiniMax-H3", size="1280x720", seconds="5", extra_body=FAST
+    )
     assert created.object == "video" and created.status in ("queued", "in_progress")
     assert created.model == "MiniMax-H3" and created.size == "1280x720" and created.seconds == "5"
     Video.model_validate(created.model_dump())
@@ -86,8 +87,13 @@ def test_create_with_model_size_seconds_then_poll_retrieve_and_download(server, 
         sheet_response = http.get(f"/v1/videos/{created.id}/content", params={"variant": "spritesheet"})
     assert sheet_response.status_code == 200 and sheet_response.headers["content-type"] == "image/jpeg"
     sheet = Image.open(io.BytesIO(sheet_response.content))
-    columns, rows = int(sheet_response.headers["x-spritesheet-columns"]), int(sheet_response.headers["x-spritesheet-rows"])
-    tile_width, tile_height = (int(sheet_response.headers[f"x-spritesheet-tile-{side}"]) for side in ("width", "height"))
+    columns, rows = (
+        int(sheet_response.headers["x-spritesheet-columns"]),
+        int(sheet_response.headers["x-spritesheet-rows"]),
+    )
+    tile_width, tile_height = (
+        int(sheet_response.headers[f"x-spritesheet-tile-{side}"]) for side in ("width", "height")
+    )
     assert (columns, rows) == (SPRITESHEET_COLUMNS, SPRITESHEET_ROWS)
     assert sheet.size == (columns * tile_width, rows * tile_height)
     assert tile_width / tile_height == pytest.approx(info.width / info.height, rel=0.05)
@@ -96,8 +102,7 @@ def test_create_with_model_size_seconds_then_poll_retrieve_and_download(server, 
 def test_create_and_poll_waits_for_completion(server, client):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
-        video = client.videos.create_and_poll(prompt="rain on a window", seconds="6", size="1280x720",
-                                              extra_body=FAST)
+        video = client.videos.create_and_poll(prompt="rain on a window", seconds="6", size="1280x720", extra_body=FAST)
     assert video.status == "completed" and video.seconds == "6"
     raw = _raw(server, video.id)
     assert raw.headers.get("openai-poll-after-ms") is not None  # the poll helper reads it while a job runs
@@ -117,8 +122,10 @@ def test_list_pages_with_the_cursor(server, client):
 
 
 def test_remix_keeps_the_settings_with_a_new_prompt(server, client):
-    source = client.videos.poll(client.videos.create(prompt="a boat", size="720x1280", seconds="5",
-                                                     extra_body={**FAST, "seed": 11}).id, poll_interval_ms=100)
+    source = client.videos.poll(
+        client.videos.create(prompt="a boat", size="720x1280", seconds="5", extra_body={**FAST, "seed": 11}).id,
+        poll_interval_ms=100,
+    )
     remix = client.videos.remix(source.id, prompt="a boat at night")
     assert remix.remixed_from_video_id == source.id and remix.prompt == "a boat at night"
     done = client.videos.poll(remix.id, poll_interval_ms=100)
@@ -130,8 +137,9 @@ def test_remix_keeps_the_settings_with_a_new_prompt(server, client):
 
 
 def test_delete_answers_the_sdk_shape_and_cancel_reads_as_failed(server, client):
-    finished = client.videos.poll(client.videos.create(prompt="to delete", size="1024x1792", extra_body=FAST).id,
-                                  poll_interval_ms=100)
+    finished = client.videos.poll(
+        client.videos.create(prompt="to delete", size="1024x1792", extra_body=FAST).id, poll_interval_ms=100
+    )
     deleted = client.videos.delete(finished.id)
     assert deleted.object == "video.deleted" and deleted.deleted and deleted.id == finished.id
     VideoDeleteResponse.model_validate(deleted.model_dump())
@@ -147,13 +155,18 @@ def test_delete_answers_the_sdk_shape_and_cancel_reads_as_failed(server, client)
 
 
 def test_input_reference_as_a_file_and_as_a_data_url(server, client):
-    from_file = client.videos.create(prompt="the picture comes alive", size="720x1280",
-                                     input_reference=("start.png", _png(), "image/png"), extra_body=FAST)
+    from_file = client.videos.create(
+        prompt="the picture comes alive",
+        size="720x1280",
+        input_reference=("start.png", _png(), "image/png"),
+        extra_body=FAST,
+    )
     # The SDK sends files only; an `{image_url}` reference goes as JSON (as OpenAI's HTTP API takes it).
     data_url = "data:image/png;base64," + base64.b64encode(_png(24, 40)).decode()
     with server.client() as http:
-        response = http.post("/v1/videos", json={"prompt": "the picture comes alive", **FAST,
-                                                 "input_reference": {"image_url": data_url}})
+        response = http.post(
+            "/v1/videos", json={"prompt": "the picture comes alive", **FAST, "input_reference": {"image_url": data_url}}
+        )
     assert response.status_code == 202, response.text
     from_url = Video.construct(**response.json())  # no size asked: `size` is the canvas made (not an SDK size)
     _strict(server, from_file.id)
@@ -166,25 +179,31 @@ def test_input_reference_as_a_file_and_as_a_data_url(server, client):
     assert raw["height"] > raw["width"]
 
 
-@pytest.mark.parametrize("fields, exception, words", [
-    ({"seconds": "4"}, openai.UnprocessableEntityError, "from 5"),
-    ({"seconds": "61"}, openai.UnprocessableEntityError, "5 to 60"),  # over the server's --max-seconds
-    ({"size": "5000x100"}, openai.UnprocessableEntityError, "nearest"),
-    ({"size": "big"}, openai.UnprocessableEntityError, "1280x720"),
-    ({"model": "sora-2"}, openai.UnprocessableEntityError, "MiniMax-H3"),
-])
+@pytest.mark.parametrize(
+    "fields, exception, words",
+    [
+        ({"seconds": "4"}, openai.UnprocessableEntityError, "from 5"),
+        ({"seconds": "61"}, openai.UnprocessableEntityError, "5 to 60"),  # over the server's --max-seconds
+        ({"size": "5000x100"}, openai.UnprocessableEntityError, "nearest"),
+        ({"size": "big"}, openai.UnprocessableEntityError, "1280x720"),
+        ({"model": "sora-2"}, openai.UnprocessableEntityError, "MiniMax-H3"),
+    ],
+)
 def test_bad_values_are_the_sdks_4xx_exceptions(client, fields, exception, words):
     with pytest.raises(exception) as caught:
         client.videos.create(prompt="bad", **fields)
     assert caught.value.status_code < 500 and words in str(caught.value)
 
 
-@pytest.mark.parametrize("reference, words", [
-    ({"image_url": "https://example.com/a.png"}, "never fetches"),
-    ({"image_url": "data:text/html;base64,PGgxPg=="}, "base64 image"),
-    ({"image_url": "data:image/png;base64,***"}, "base64"),
-    ({"file_id": "file-123"}, "keeps no files"),
-])
+@pytest.mark.parametrize(
+    "reference, words",
+    [
+        ({"image_url": "https://example.com/a.png"}, "never fetches"),
+        ({"image_url": "data:text/html;base64,PGgxPg=="}, "base64 image"),
+        ({"image_url": "data:image/png;base64,***"}, "base64"),
+        ({"file_id": "file-123"}, "keeps no files"),
+    ],
+)
 def test_input_references_the_server_cannot_resolve(server, reference, words):
     with server.client() as http:
         as_json = http.post("/v1/videos", json={"prompt": "bad", "input_reference": reference})

@@ -10,8 +10,10 @@ from pathlib import Path
 
 import h3gen
 
-IMPORTS = ("import h3gen, h3gen.kernels, h3gen.pipelines, h3gen.offload, h3gen.ui, h3gen.loading, h3gen.pipelines.h3, "
-           "h3gen.pipelines.k3.model, h3gen.kernels.kda, h3gen.kernels.mla_decode, h3gen.kernels.moe")
+IMPORTS = (
+    "import h3gen, h3gen.kernels, h3gen.pipelines, h3gen.offload, h3gen.ui, h3gen.loading, h3gen.pipelines.h3, "
+    "h3gen.pipelines.k3.model, h3gen.kernels.kda, h3gen.kernels.mla_decode, h3gen.kernels.moe"
+)
 
 
 def _python(code: str, cwd) -> subprocess.CompletedProcess:
@@ -20,12 +22,14 @@ def _python(code: str, cwd) -> subprocess.CompletedProcess:
 
 def test_one_namespace_and_no_top_level_packages(tmp_path):
     # Run from an empty folder so the source tree on the current directory cannot satisfy the imports.
-    result = _python(IMPORTS + "; import sys; print(sys.modules[\"h3gen.kernels.attention\"].__name__)", tmp_path)
+    result = _python(IMPORTS + '; import sys; print(sys.modules["h3gen.kernels.attention"].__name__)', tmp_path)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "h3gen.kernels.attention"
     # Top-level names found (other distributions own some: transformers installs `kernels`) are never ours.
-    check = ("import importlib.util as u; specs = [u.find_spec(n) for n in ('kernels','pipelines','offload','ui')]; "
-             "print([s.origin for s in specs if s is not None])")
+    check = (
+        "import importlib.util as u; specs = [u.find_spec(n) for n in ('kernels','pipelines','offload','ui')]; "
+        "print([s.origin for s in specs if s is not None])"
+    )
     result = _python(check, tmp_path)
     assert result.returncode == 0, result.stderr
     assert not any(str(ROOT) in origin or "h3gen" in origin for origin in eval(result.stdout))
@@ -53,8 +57,9 @@ def test_checkout_root_never_shadows_installed_distributions(tmp_path):
         (site / name).mkdir(parents=True)
         (site / name / "__init__.py").write_text(f"WHO = 'installed {name}'\n")
     env = dict(os.environ, PYTHONPATH=str(site))
-    result = subprocess.run([sys.executable, "-c", SHADOW_CHECK], cwd=ROOT, env=env, capture_output=True, text=True,
-                            timeout=300)
+    result = subprocess.run(
+        [sys.executable, "-c", SHADOW_CHECK], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     files = json.loads(result.stdout.strip().splitlines()[-1])
     assert Path(files["kernels"]).parent == Path(kernels.__file__).parent
@@ -67,8 +72,9 @@ def test_checkout_root_never_shadows_installed_distributions(tmp_path):
     result = subprocess.run([sys.executable, "-c", bare], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert result.returncode == 1 and "ModuleNotFoundError: No module named 'ui'" in result.stderr, result.stderr
     assert "h3gen.ui" in result.stderr
-    version = subprocess.run([sys.executable, "-m", "h3gen.cli", "--version"], cwd=ROOT, capture_output=True,
-                             text=True, timeout=120)
+    version = subprocess.run(
+        [sys.executable, "-m", "h3gen.cli", "--version"], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
     assert version.returncode == 0 and version.stdout.strip() == f"h3gen {h3gen.__version__}", version.stderr
 
 
@@ -95,13 +101,25 @@ def test_regular_install_has_the_same_namespace(tmp_path):
     target = tmp_path / "site"
     build = subprocess.run(
         [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target), str(root)],
-        capture_output=True, text=True, timeout=300,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert build.returncode == 0, build.stderr[-2000:]
     top_level = sorted(p.name for p in target.iterdir() if not p.name.endswith(".dist-info") and p.name != "bin")
     assert top_level == ["h3gen"]
-    for sub in ("kernels", "pipelines/h3", "pipelines/k3", "kernels/kda", "kernels/mla_decode", "kernels/moe",
-                "kernels/gemv", "offload", "ui", "loading"):
+    for sub in (
+        "kernels",
+        "pipelines/h3",
+        "pipelines/k3",
+        "kernels/kda",
+        "kernels/mla_decode",
+        "kernels/moe",
+        "kernels/gemv",
+        "offload",
+        "ui",
+        "loading",
+    ):
         assert (target / "h3gen" / sub / "__init__.py").exists(), sub
 
 
@@ -122,8 +140,24 @@ def test_every_environment_variable_read_is_in_the_readme_table():
     assert reads <= documented, f"read but not in the README's table: {sorted(reads - documented)}"
 
 
-FAST_MOVING = ("torch", "triton", "transformers", "huggingface-hub", "accelerate", "pydantic", "fastapi", "starlette",
-               "uvicorn", "gradio", "peft", "schemathesis", "playwright", "openai", "kernels")
+FAST_MOVING = (
+    "torch",
+    "triton",
+    "transformers",
+    "huggingface-hub",
+    "accelerate",
+    "pydantic",
+    "fastapi",
+    "starlette",
+    "uvicorn",
+    "gradio",
+    "peft",
+    "schemathesis",
+    "playwright",
+    "openai",
+    "kernels",
+    "ruff",
+)
 
 
 def test_fast_moving_dependencies_stop_at_a_tested_minor_release():

@@ -42,7 +42,7 @@ def test_layout_equals_diffusers(height, width, num_frames, num_text, anchors):
     )
     assert torch.equal(ours.position_ids, ref[0]) and ours.position_ids.dtype == torch.float64
     for got, expected in zip(
-        (ours.token_tags, ours.video_indices, ours.audio_indices, ours.text_indices), ref[1:5]
+        (ours.token_tags, ours.video_indices, ours.audio_indices, ours.text_indices), ref[1:5], strict=True
     ):
         assert torch.equal(got, expected)
     assert (ours.num_condition_video_rows, ours.num_condition_audio_rows) == (ref[5], ref[6])
@@ -56,8 +56,15 @@ def test_row_timesteps_equal_diffusers(height, width, num_frames, num_text, anch
         cond = max(video_t, 0.999)
         ours = row_timesteps(layout, video_t, audio_t, cond)
         ref = MiniMaxH3SetTimestepsStep.build_row_timesteps(
-            layout.video_indices, layout.audio_indices, layout.num_condition_video_rows, 0, num_text,
-            video_t, audio_t, cond, 1.0,
+            layout.video_indices,
+            layout.audio_indices,
+            layout.num_condition_video_rows,
+            0,
+            num_text,
+            video_t,
+            audio_t,
+            cond,
+            1.0,
         )
         assert torch.equal(ours[0], ref[0]) and torch.equal(ours[1], ref[1])
 

@@ -12,20 +12,20 @@ import torch.multiprocessing as mp
 from h3_tiny import TINY_CONFIGS, max_rel_err, random_inputs, randomize_
 
 from h3gen.errors import RequestError
-from h3gen.pipelines.h3.tiers import set_quality
 from h3gen.parallel.state import check_degrees, valid_degrees
+from h3gen.pipelines.h3.tiers import set_quality
 
 CONFIG = dict(TINY_CONFIGS[2])  # 4 heads: splits as TP2, SP2, SP4 and TP2 x SP2
 CASES = {2: [(2, 1), (1, 2)], 4: [(1, 4), (2, 2)]}
 SECOND_CONFIG = dict(TINY_CONFIGS[0])  # 2 heads x 32, other widths: TP2 and SP2
 # Odd row counts: 6 text + 8 keyframe + 2 * 7 audio + 3 * 8 video = 52 rows... plus one more text row: 53.
-INPUTS = dict(num_text=7, latent_frames=3, latent_hw=(4, 4), audio_latents=7, anchors=("first",),
-              distinct_timesteps=3)
+INPUTS = dict(num_text=7, latent_frames=3, latent_hw=(4, 4), audio_latents=7, anchors=("first",), distinct_timesteps=3)
 
 
 def _worker(rank, world, init_file, payload_path, result_dir, config=CONFIG):
-    from h3gen.parallel import init_parallel
     from parallel_model import join_gloo, load_full_state_dict, parallel_transformer
+
+    from h3gen.parallel import init_parallel
     from h3gen.pipelines.h3.tiers import set_quality
     from h3gen.pipelines.h3.transformer import H3TransformerConfig
 
@@ -45,11 +45,15 @@ def _worker(rank, world, init_file, payload_path, result_dir, config=CONFIG):
                     kwargs.update(adaln_tables=model.precompute_adaln([kwargs["timestep"]]), step=0)
                 with torch.no_grad():
                     outputs[tier] = model(**kwargs, return_dict=False)
-            linear_bytes = sum(p.numel() * p.element_size() for n, p in model.named_parameters()
-                               if n.startswith("transformer_blocks.") and p.ndim == 2)
+            linear_bytes = sum(
+                p.numel() * p.element_size()
+                for n, p in model.named_parameters()
+                if n.startswith("transformer_blocks.") and p.ndim == 2
+            )
             set_quality(model, "fast")  # last: it quantizes each rank's shard to FP8 in place
-            kwargs = dict(payload["inputs"], adaln_tables=model.precompute_adaln([payload["inputs"]["timestep"]]),
-                          step=0)
+            kwargs = dict(
+                payload["inputs"], adaln_tables=model.precompute_adaln([payload["inputs"]["timestep"]]), step=0
+            )
             with torch.no_grad():
                 fast = model(**kwargs, return_dict=False)
             # The same rank loaded from the checkpoint files: each rank reads its own shard.
@@ -61,14 +65,18 @@ def _worker(rank, world, init_file, payload_path, result_dir, config=CONFIG):
                 outputs["loaded from files"] = loaded(**payload["inputs"], return_dict=False)
             # MXFP4: quantized from the bf16 files shard by shard, and cut from a checkpoint saved quantized.
             mxfp4 = {}
-            for name, folder, quantization in (("online", payload["folder"], "mxfp4"),
-                                               ("saved", payload["mxfp4_folder"], None)):
-                quantized = H3Transformer.from_pretrained(folder, torch_dtype=torch.float32, parallel=state,
-                                                          quantization=quantization)
+            for name, folder, quantization in (
+                ("online", payload["folder"], "mxfp4"),
+                ("saved", payload["mxfp4_folder"], None),
+            ):
+                quantized = H3Transformer.from_pretrained(
+                    folder, torch_dtype=torch.float32, parallel=state, quantization=quantization
+                )
                 with torch.no_grad():
                     mxfp4[name] = quantized(**payload["inputs"], return_dict=False)
-            results.append({"tp": tp, "sp": sp, "outputs": outputs, "linear_bytes": linear_bytes, "fast": fast,
-                            "mxfp4": mxfp4})
+            results.append(
+                {"tp": tp, "sp": sp, "outputs": outputs, "linear_bytes": linear_bytes, "fast": fast, "mxfp4": mxfp4}
+            )
     finally:
         torch.save(results, os.path.join(result_dir, f"{rank}.pt"))
         dist.destroy_process_group()
@@ -82,21 +90,32 @@ def _reference(folder, config):
     inputs = random_inputs(config, seed=12, **INPUTS)
     with torch.no_grad():
         expected = model(**inputs, return_dict=False)
-    full_linear_bytes = sum(p.numel() * p.element_size() for n, p in model.named_parameters()
-                            if n.startswith("transformer_blocks.") and p.ndim == 2)
+    full_linear_bytes = sum(
+        p.numel() * p.element_size()
+        for n, p in model.named_parameters()
+        if n.startswith("transformer_blocks.") and p.ndim == 2
+    )
     fast = copy.deepcopy(model)
     set_quality(fast, "fast")
     with torch.no_grad():
-        expected_fast = fast(**inputs, adaln_tables=fast.precompute_adaln([inputs["timestep"]]), step=0,
-                             return_dict=False)
+        expected_fast = fast(
+            **inputs, adaln_tables=fast.precompute_adaln([inputs["timestep"]]), step=0, return_dict=False
+        )
     model.save_pretrained(folder / "checkpoint", max_shard_bytes=200_000)
     quantized = H3Transformer.from_pretrained(folder / "checkpoint", torch_dtype=torch.float32, quantization="mxfp4")
     quantized.save_pretrained(folder / "mxfp4")
     with torch.no_grad():
         expected_mxfp4 = quantized(**inputs, return_dict=False)
     payload = folder / "payload.pt"
-    torch.save({"state_dict": model.state_dict(), "inputs": inputs, "folder": str(folder / "checkpoint"),
-                "mxfp4_folder": str(folder / "mxfp4")}, payload)
+    torch.save(
+        {
+            "state_dict": model.state_dict(),
+            "inputs": inputs,
+            "folder": str(folder / "checkpoint"),
+            "mxfp4_folder": str(folder / "mxfp4"),
+        },
+        payload,
+    )
     return payload, expected, full_linear_bytes, inputs["position_ids"].shape[0], expected_fast, expected_mxfp4
 
 
@@ -105,14 +124,19 @@ def reference(tmp_path_factory):
     return _reference(tmp_path_factory.mktemp("parallel"), CONFIG)
 
 
-@pytest.mark.parametrize("world,config", [(2, CONFIG), (4, CONFIG), (2, SECOND_CONFIG)],
-                         ids=["world2-4heads", "world4-4heads", "world2-2heads"])
+@pytest.mark.parametrize(
+    "world,config",
+    [(2, CONFIG), (4, CONFIG), (2, SECOND_CONFIG)],
+    ids=["world2-4heads", "world4-4heads", "world2-2heads"],
+)
 def test_tp_and_ulysses_match_one_process(world, config, tmp_path):
-    payload, expected, full_linear_bytes, rows, expected_fast, expected_mxfp4 = _reference(tmp_path / "reference",
-                                                                                           config)
+    payload, expected, full_linear_bytes, rows, expected_fast, expected_mxfp4 = _reference(
+        tmp_path / "reference", config
+    )
     assert rows % 4 and rows % 2  # odd: the sequence must be padded for SP2 and SP4
-    mp.spawn(_worker, args=(world, str(tmp_path / "init"), str(payload), str(tmp_path), config), nprocs=world,
-             join=True)
+    mp.spawn(
+        _worker, args=(world, str(tmp_path / "init"), str(payload), str(tmp_path), config), nprocs=world, join=True
+    )
     for rank in range(world):
         results = torch.load(tmp_path / f"{rank}.pt")
         assert [(r["tp"], r["sp"]) for r in results] == CASES[world]
@@ -123,7 +147,7 @@ def test_tp_and_ulysses_match_one_process(world, config, tmp_path):
                 assert max_rel_err(audio, expected[1]) <= 1e-5, (result["tp"], result["sp"], tier)
             # The fast tier under TP quantizes each rank's shard (row-parallel inputs get per-shard row scales):
             # as close to the one-process fast output as FP8 rounding allows, and as close to exact as it is.
-            for got, want, exact in zip(result["fast"], expected_fast, expected):
+            for got, want, exact in zip(result["fast"], expected_fast, expected, strict=True):
                 one_process_error = max_rel_err(want, exact)
                 if result["tp"] == 1:  # Ulysses alone: the same FP8 numbers as one process
                     assert max_rel_err(got, want) <= 1e-5
@@ -131,7 +155,7 @@ def test_tp_and_ulysses_match_one_process(world, config, tmp_path):
             # MXFP4 shards give the one-process MXFP4 output, quantized online or loaded packed (CONFIG's
             # row-parallel cuts fall inside 32-element blocks, SECOND_CONFIG's on block edges).
             for name, outputs in result["mxfp4"].items():
-                for got, want, exact in zip(outputs, expected_mxfp4, expected):
+                for got, want, exact in zip(outputs, expected_mxfp4, expected, strict=True):
                     assert max_rel_err(got, want) <= 1e-5, (result["tp"], result["sp"], name)
                     assert max_rel_err(got, exact) > 1e-4  # MXFP4 really ran
             # Each rank keeps 1/TP of the block linears (all of them sharded here, the AdaLN projection included).
@@ -200,7 +224,8 @@ def test_pipeline_under_ulysses_gives_the_single_process_clip(tmp_path):
 
     model_dir = tiny_checkpoint(cache_dir=tmp_path / "cache")
     single = H3Pipeline.from_pretrained(model_dir, device="cpu", torch_dtype=torch.float32)(
-        "a cat on a piano", seed=4, num_inference_steps=3, num_frames=130)
+        "a cat on a piano", seed=4, num_inference_steps=3, num_frames=130
+    )
     mp.spawn(_pipeline_worker, args=(2, str(tmp_path / "init"), str(model_dir), str(tmp_path)), nprocs=2, join=True)
     clips = torch.load(tmp_path / "0.pt", weights_only=False)
     assert [(c["tp"], c["sp"]) for c in clips] == [(1, 2), (2, 1)]
@@ -216,9 +241,9 @@ def test_original_layout_is_read_shard_by_shard(reference, tmp_path, qkv_layout)
 
     from safetensors.torch import save_file
 
-    from h3gen.pipelines.h3.layouts import to_original_layout
-    from h3gen.parallel.tp_linear import ColumnParallelLinear
     from h3gen.parallel.state import ParallelState
+    from h3gen.parallel.tp_linear import ColumnParallelLinear
+    from h3gen.pipelines.h3.layouts import to_original_layout
     from h3gen.pipelines.h3.transformer import H3Transformer
 
     payload, *_ = reference
@@ -228,7 +253,9 @@ def test_original_layout_is_read_shard_by_shard(reference, tmp_path, qkv_layout)
     (tmp_path / "config.json").write_text(json.dumps(CONFIG))
     for rank in range(2):
         state = ParallelState(tp=2, sp=1, tp_rank=rank, sp_rank=0)
-        model = H3Transformer.from_pretrained(tmp_path, torch_dtype=torch.float32, parallel=state, qkv_layout=qkv_layout)
+        model = H3Transformer.from_pretrained(
+            tmp_path, torch_dtype=torch.float32, parallel=state, qkv_layout=qkv_layout
+        )
         for name, param in model.named_parameters():
             module_name, _, leaf = name.rpartition(".")
             module = model.get_submodule(module_name)
@@ -277,8 +304,9 @@ def test_mxfp4_linears_are_sharded_under_tensor_parallelism(reference, tmp_path)
 def _build_worker(rank, world, init_file, result_dir):
     from h3gen.pipelines.h3.tiny_checkpoint import build_tiny_checkpoint
 
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=120))
+    dist.init_process_group(
+        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120)
+    )
     try:
         build_tiny_checkpoint(os.path.join(result_dir, f"tiny{rank}"))
     finally:

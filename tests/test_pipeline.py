@@ -16,7 +16,6 @@ from h3gen.pipelines.h3.tiny_checkpoint import build_image_processor
 TOLERANCE = 1e-4
 
 
-
 @pytest.fixture(scope="session")
 def diffusers_saved_dir(tiny_dir, tmp_path_factory):
     """The tiny checkpoint loaded by diffusers and written back by diffusers' own `save_pretrained`. The processor
@@ -55,8 +54,9 @@ def _assert_close(output, reference):
 @pytest.mark.parametrize("which", ["ours", "diffusers_saved"])
 def test_t2va_matches_diffusers(which, request):
     folder = request.getfixturevalue("tiny_dir" if which == "ours" else "diffusers_saved_dir")
-    reference = run_reference(load_reference(folder, "t2va"), "a red fox runs through snow", seed=11,
-                              num_frames=130, num_inference_steps=4)
+    reference = run_reference(
+        load_reference(folder, "t2va"), "a red fox runs through snow", seed=11, num_frames=130, num_inference_steps=4
+    )
     pipe = H3Pipeline.from_pretrained(folder, device="cpu", torch_dtype=torch.float32)
     output = pipe("a red fox runs through snow", num_frames=130, num_inference_steps=4, seed=11)
     assert output.video.shape[0] == 141  # 130 snapped up to 17n+5
@@ -74,8 +74,15 @@ def test_fl2va_matches_diffusers(keys, tiny_dir, ours):
 
 def test_fl2va_matches_diffusers_on_diffusers_saved_checkpoint(diffusers_saved_dir):
     first, _ = _keyframes()
-    reference = run_reference(load_reference(diffusers_saved_dir, "fl2va"), "waves", seed=2, height=64, width=96,
-                              num_inference_steps=3, image=first)
+    reference = run_reference(
+        load_reference(diffusers_saved_dir, "fl2va"),
+        "waves",
+        seed=2,
+        height=64,
+        width=96,
+        num_inference_steps=3,
+        image=first,
+    )
     pipe = H3Pipeline.from_pretrained(diffusers_saved_dir, device="cpu", torch_dtype=torch.float32, workflow="fl2va")
     _assert_close(pipe("waves", height=64, width=96, num_inference_steps=3, seed=2, image=first), reference)
 
@@ -113,27 +120,41 @@ def test_mp4_decodes_back(ours, tmp_path, rate):
 def test_callback_reports_every_stage_and_step(ours):
     first, last = _keyframes()
     events = []
-    ours("x", num_inference_steps=5, seed=0, image=first, last_image=last,
-         callback=lambda stage, step, total: events.append((stage, step, total)))
+    ours(
+        "x",
+        num_inference_steps=5,
+        seed=0,
+        image=first,
+        last_image=last,
+        callback=lambda stage, step, total: events.append((stage, step, total)),
+    )
     # Each stage reports its start (step 0, repeated at its cancellation points inside) and each unit of work done.
     assert [e for e in events if e[0] == "denoise"] == [("denoise", i, 4) for i in range(0, 5)]
     done = [e for e in events if e[1] > 0 and e[0] != "denoise"]
-    assert done == [("encode_text", 1, 1), *[("encode_conditions", 1, 2)] * 8, ("encode_conditions", 2, 2),
-                    ("decode_video", 1, 1), ("decode_audio", 1, 1)]
+    assert done == [
+        ("encode_text", 1, 1),
+        *[("encode_conditions", 1, 2)] * 8,
+        ("encode_conditions", 2, 2),
+        ("decode_video", 1, 1),
+        ("decode_audio", 1, 1),
+    ]
     stages = [stage for index, (stage, _, _) in enumerate(events) if index == 0 or events[index - 1][0] != stage]
     assert stages == ["encode_text", "encode_conditions", "denoise", "decode_video", "decode_audio"]
 
 
-@pytest.mark.parametrize("kwargs,field", [
-    (dict(aspect_ratio="1:5"), "aspect_ratio"),
-    (dict(seconds=2.0), "seconds"),
-    (dict(seconds=61), "seconds"),  # over the 60 s limit (16 to 60 s are made in windows)
-    (dict(height=64, width=100), "width"),
-    (dict(num_inference_steps=1), "num_inference_steps"),
-    (dict(seed=-1), "seed"),
-    (dict(latents=torch.zeros(1, 24, 3, 4, 4)), "latents"),
-    (dict(image="/nonexistent.png"), "image"),
-])
+@pytest.mark.parametrize(
+    "kwargs,field",
+    [
+        (dict(aspect_ratio="1:5"), "aspect_ratio"),
+        (dict(seconds=2.0), "seconds"),
+        (dict(seconds=61), "seconds"),  # over the 60 s limit (16 to 60 s are made in windows)
+        (dict(height=64, width=100), "width"),
+        (dict(num_inference_steps=1), "num_inference_steps"),
+        (dict(seed=-1), "seed"),
+        (dict(latents=torch.zeros(1, 24, 3, 4, 4)), "latents"),
+        (dict(image="/nonexistent.png"), "image"),
+    ],
+)
 def test_bad_requests_raise_request_error_naming_the_field(ours, kwargs, field):
     with pytest.raises(RequestError) as info:
         ours("a prompt", **kwargs)
@@ -149,8 +170,9 @@ def test_missing_component_folder_is_named(tiny_dir, tmp_path):
 
 
 def test_t2va_bf16_matches_diffusers_bf16(tiny_dir):
-    reference = run_reference(load_reference(tiny_dir, "t2va", dtype=torch.bfloat16), "a cat", seed=0,
-                              num_inference_steps=4)
+    reference = run_reference(
+        load_reference(tiny_dir, "t2va", dtype=torch.bfloat16), "a cat", seed=0, num_inference_steps=4
+    )
     pipe = H3Pipeline.from_pretrained(tiny_dir, device="cpu", torch_dtype=torch.bfloat16)
     assert pipe.transformer.dtype == torch.bfloat16 and pipe.transformer.proj_out.weight.dtype == torch.float32
     assert pipe.audio_vae.dtype == torch.float32

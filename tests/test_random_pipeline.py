@@ -22,9 +22,12 @@ def test_the_config_folder_holds_no_weights(tmp_path):
 
 def test_random_weights_are_reproducible_and_finite(pipe, tmp_path):
     again = random_pipeline("cpu", sizes="tiny", torch_dtype=torch.float32, folder=tmp_path)
-    for ours, theirs in ((pipe.transformer, again.transformer), (pipe.vae, again.vae),
-                         (pipe.text_encoder.model, again.text_encoder.model)):
-        for (name, a), (_, b) in zip(ours.state_dict().items(), theirs.state_dict().items()):
+    for ours, theirs in (
+        (pipe.transformer, again.transformer),
+        (pipe.vae, again.vae),
+        (pipe.text_encoder.model, again.text_encoder.model),
+    ):
+        for (name, a), (_, b) in zip(ours.state_dict().items(), theirs.state_dict().items(), strict=True):
             assert torch.equal(a, b), name
             assert torch.isfinite(a.float()).all(), name
 
@@ -32,8 +35,15 @@ def test_random_weights_are_reproducible_and_finite(pipe, tmp_path):
 def test_a_request_written_to_an_mp4_as_part_of_the_call(pipe, tmp_path):
     stages = []
     path = tmp_path / "clip.mp4"
-    output = pipe("a cat", seconds=5, num_inference_steps=3, seed=1, output_path=path, audio_sample_rate=48000,
-                  callback=lambda stage, step, total: stages.append((stage, step, total)))
+    output = pipe(
+        "a cat",
+        seconds=5,
+        num_inference_steps=3,
+        seed=1,
+        output_path=path,
+        audio_sample_rate=48000,
+        callback=lambda stage, step, total: stages.append((stage, step, total)),
+    )
     assert output.video is None and output.path == str(path) and output.audio.shape[0] == 2
     info = probe_mp4(path)
     assert info == output.media

@@ -63,12 +63,17 @@ def cache(tmp_path_factory):
 def inputs(tmp_path_factory) -> Path:
     """A folder holding the input files the README's examples name."""
     folder = tmp_path_factory.mktemp("readme-inputs")
-    for name, colour in (("bud.png", (40, 120, 40)), ("bloom.png", (200, 60, 120)), ("singer.png", (90, 90, 200)),
-                         ("start.png", (10, 10, 10))):
+    for name, colour in (
+        ("bud.png", (40, 120, 40)),
+        ("bloom.png", (200, 60, 120)),
+        ("singer.png", (90, 90, 200)),
+        ("start.png", (10, 10, 10)),
+    ):
         Image.new("RGB", (96, 64), colour).save(folder / name)
     write_audio(folder / "voice.m4a", tone(2.0, 44100), 44100)
-    write_video(folder / "dance.mp4", (moving_frames(36, 64, 64) * 255).astype(np.uint8), 24,
-                audio=tone(1.5, 32000), rate=32000)
+    write_video(
+        folder / "dance.mp4", (moving_frames(36, 64, 64) * 255).astype(np.uint8), 24, audio=tone(1.5, 32000), rate=32000
+    )
     return folder
 
 
@@ -123,7 +128,7 @@ def test_long_clip_example_runs_as_written(cache, tmp_path):
 def test_python_quick_start_block_runs_on_the_tiny_model(cache, tmp_path):
     """The first Python block, with `h3gen.tiny_checkpoint()` where it names the released folder (as its comment
     says)."""
-    block = next(b for b in blocks("python") if "H3Pipeline.from_pretrained(\"/models/MiniMax-H3\")" in b)
+    block = next(b for b in blocks("python") if 'H3Pipeline.from_pretrained("/models/MiniMax-H3")' in b)
     code = block.replace(f'"{RELEASED}"', "h3gen.tiny_checkpoint()")
     code += "\nassert out.video.shape[0] == 124 and out.audio.shape[0] == 2\nprint('ok')\n"
     env = dict(os.environ, H3GEN_CACHE=str(cache), HF_HUB_OFFLINE="1")

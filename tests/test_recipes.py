@@ -5,12 +5,25 @@ import pytest
 import torch
 
 from h3gen.errors import RequestError
-from h3gen.pipelines.h3.recipes import (FLASHGEN_NAMES, Recipe, Sampling, parse_base_schedule, parse_turbo_name,
-                                        recipe_for, resolve_sampling)
+from h3gen.pipelines.h3.recipes import (
+    FLASHGEN_NAMES,
+    Recipe,
+    Sampling,
+    parse_base_schedule,
+    parse_turbo_name,
+    recipe_for,
+    resolve_sampling,
+)
 from h3gen.pipelines.h3.schedules import FlowSchedule
 
-FLASHGEN_METADATA = {"key_format": "minimax-h3-native", "qkv_layout": "grouped", "lora_rank": "64",
-                     "lora_alpha": "64", "tasks": "t2va", "base_schedule": "1.0,0.7,0.4,0.15,0.0"}
+FLASHGEN_METADATA = {
+    "key_format": "minimax-h3-native",
+    "qkv_layout": "grouped",
+    "lora_rank": "64",
+    "lora_alpha": "64",
+    "tasks": "t2va",
+    "base_schedule": "1.0,0.7,0.4,0.15,0.0",
+}
 
 
 def _diffusers_scheduler(shift: float):
@@ -73,8 +86,9 @@ def test_base_schedule_grid_and_its_euler_steps_match_diffusers(shift):
         assert torch.allclose(ours_x, theirs_x, rtol=0, atol=1e-6)
 
 
-@pytest.mark.parametrize("base", [[1.0], [0.9, 0.0], [1.0, 0.5, 0.5, 0.0], [1.0, 0.4, 0.7, 0.0], [1.0, 0.3],
-                                  [1.0, float("nan"), 0.0]])
+@pytest.mark.parametrize(
+    "base", [[1.0], [0.9, 0.0], [1.0, 0.5, 0.5, 0.0], [1.0, 0.4, 0.7, 0.0], [1.0, 0.3], [1.0, float("nan"), 0.0]]
+)
 def test_bad_base_schedules_are_refused(base):
     with pytest.raises(ValueError, match="base schedule"):
         FlowSchedule.from_base(base, 12.0)
@@ -110,11 +124,19 @@ def test_turbo_recipe_from_every_file_name_variant(filename, forwards, video_shi
     assert recipe_for(filename, {"key_format": "minimax-h3-diffusers", "alpha": "128"}) == recipe
 
 
-@pytest.mark.parametrize("filename", [
-    "minimax_h3_fl2v_turbo_4step_v0.1.pt", "minimax_h3_t2v_turbo_4step_v0.1.safetensors",
-    "minimax_h3_fl2v_turbo_4step.safetensors", "minimax_h3_fl2v_turbo_4step_v0.1_comfyui_bf16.safetensors",
-    "minimax_h3_fl2v_turbo_4step_v0.1_1080p.safetensors", "xminimax_h3_fl2v_turbo_4step_v0.1.safetensors",
-    "my_style.safetensors", "minimax_h3_fl2v_turbo_0step_v0.1.safetensors"])
+@pytest.mark.parametrize(
+    "filename",
+    [
+        "minimax_h3_fl2v_turbo_4step_v0.1.pt",
+        "minimax_h3_t2v_turbo_4step_v0.1.safetensors",
+        "minimax_h3_fl2v_turbo_4step.safetensors",
+        "minimax_h3_fl2v_turbo_4step_v0.1_comfyui_bf16.safetensors",
+        "minimax_h3_fl2v_turbo_4step_v0.1_1080p.safetensors",
+        "xminimax_h3_fl2v_turbo_4step_v0.1.safetensors",
+        "my_style.safetensors",
+        "minimax_h3_fl2v_turbo_0step_v0.1.safetensors",
+    ],
+)
 def test_other_names_bring_no_recipe(filename):
     assert recipe_for(filename, {}) is None
 
@@ -160,21 +182,26 @@ def test_without_a_recipe_steps_and_shifts_are_the_callers():
 
 def test_a_recipe_adapter_without_steps_runs_the_recipes():
     assert resolve_sampling("t2va", recipes=[TURBO8]) == Sampling(8, 6.0, 3.0, None, TURBO8.name)
-    assert resolve_sampling("t2va", recipes=[FLASHGEN]) == Sampling(4, 12.0, 3.0, FLASHGEN.base_schedule,
-                                                                    "FlashGen 4-step")
+    assert resolve_sampling("t2va", recipes=[FLASHGEN]) == Sampling(
+        4, 12.0, 3.0, FLASHGEN.base_schedule, "FlashGen 4-step"
+    )
     # Agreeing explicit values are fine, in either count.
-    assert resolve_sampling("fl2va", num_inference_steps=9, video_shift=6, audio_shift=3,
-                            recipes=[TURBO8]).forwards == 8
+    assert (
+        resolve_sampling("fl2va", num_inference_steps=9, video_shift=6, audio_shift=3, recipes=[TURBO8]).forwards == 8
+    )
     assert resolve_sampling("fl2va", forwards=8, recipes=[TURBO8]).forwards == 8
 
 
-@pytest.mark.parametrize("arguments,field,words", [
-    (dict(task="t2va", num_inference_steps=8), "num_inference_steps", "num_inference_steps=8 (7 forwards)"),
-    (dict(task="t2va", forwards=4), "forwards", "forwards=4"),
-    (dict(task="t2va", video_shift=12.0), "video_shift", "video_shift 6"),
-    (dict(task="t2va", audio_shift=1.0), "audio_shift", "audio_shift 3"),
-    (dict(task="ref2va"), "task", "serves t2va, fl2va, not ref2va"),
-])
+@pytest.mark.parametrize(
+    "arguments,field,words",
+    [
+        (dict(task="t2va", num_inference_steps=8), "num_inference_steps", "num_inference_steps=8 (7 forwards)"),
+        (dict(task="t2va", forwards=4), "forwards", "forwards=4"),
+        (dict(task="t2va", video_shift=12.0), "video_shift", "video_shift 6"),
+        (dict(task="t2va", audio_shift=1.0), "audio_shift", "audio_shift 3"),
+        (dict(task="ref2va"), "task", "serves t2va, fl2va, not ref2va"),
+    ],
+)
 def test_a_request_that_contradicts_its_recipe_is_refused_naming_it(arguments, field, words):
     task = arguments.pop("task")
     with pytest.raises(RequestError) as caught:
@@ -192,11 +219,20 @@ def test_two_recipes_and_both_counts_are_refused():
     assert caught.value.field == "forwards"
 
 
-@pytest.mark.parametrize("arguments,field", [
-    (dict(num_inference_steps=1), "num_inference_steps"), (dict(num_inference_steps=1001), "num_inference_steps"),
-    (dict(num_inference_steps=True), "num_inference_steps"), (dict(forwards=0), "forwards"),
-    (dict(forwards=1000), "forwards"), (dict(forwards=2.0), "forwards"), (dict(video_shift=0), "video_shift"),
-    (dict(audio_shift=float("inf")), "audio_shift"), (dict(video_shift="12"), "video_shift")])
+@pytest.mark.parametrize(
+    "arguments,field",
+    [
+        (dict(num_inference_steps=1), "num_inference_steps"),
+        (dict(num_inference_steps=1001), "num_inference_steps"),
+        (dict(num_inference_steps=True), "num_inference_steps"),
+        (dict(forwards=0), "forwards"),
+        (dict(forwards=1000), "forwards"),
+        (dict(forwards=2.0), "forwards"),
+        (dict(video_shift=0), "video_shift"),
+        (dict(audio_shift=float("inf")), "audio_shift"),
+        (dict(video_shift="12"), "video_shift"),
+    ],
+)
 def test_out_of_range_counts_and_shifts_name_the_field(arguments, field):
     with pytest.raises(RequestError) as caught:
         resolve_sampling("t2va", **arguments)
@@ -207,4 +243,9 @@ def test_recipe_description_names_both_counts():
     described = Recipe("x", 8, 6.0, 3.0, ("t2va",)).describe()
     assert described["forwards"] == 8 and described["num_inference_steps"] == 9
     assert Sampling(8, 6.0, 3.0, recipe="x").describe() == {
-        "num_inference_steps": 9, "forwards": 8, "video_shift": 6.0, "audio_shift": 3.0, "recipe": "x"}
+        "num_inference_steps": 9,
+        "forwards": 8,
+        "video_shift": 6.0,
+        "audio_shift": 3.0,
+        "recipe": "x",
+    }

@@ -20,10 +20,18 @@ from h3gen.pipelines.h3.video_processor import QwenVideoProcessor
 TOLERANCE = 1e-4
 GOLDEN = Path(__file__).with_name("data") / "golden_ref2va.npz"
 # A second tiny transformer with odd sizes: 3 heads x 16, hidden 40, one layer each.
-ODD_TRANSFORMER = dict(num_attention_heads=3, attention_head_dim=16, hidden_size=40, num_layers=1,
-                       num_refiner_layers=1, ffn_dim=72, freq_dim=18, time_embed_hidden_dim=36, time_embed_dim=20,
-                       rope_freq_dim=2)
-
+ODD_TRANSFORMER = dict(
+    num_attention_heads=3,
+    attention_head_dim=16,
+    hidden_size=40,
+    num_layers=1,
+    num_refiner_layers=1,
+    ffn_dim=72,
+    freq_dim=18,
+    time_embed_hidden_dim=36,
+    time_embed_dim=20,
+    rope_freq_dim=2,
+)
 
 
 @pytest.fixture(scope="module")
@@ -63,35 +71,57 @@ def media(tmp_path_factory):
 # ---------------------------------------------------------------------------------------------- pieces
 
 
-@pytest.mark.parametrize("blocks", [
-    [ReferenceBlock("image", 1, 6, 10)],
-    [ReferenceBlock("audio", audio_latents=5), ReferenceBlock("image", 1, 4, 8), ReferenceBlock("image", 1, 10, 4)],
-    [ReferenceBlock("video", 7, 4, 6, audio_latents=80), ReferenceBlock("audio", audio_latents=3),
-     ReferenceBlock("video", 17, 6, 4), ReferenceBlock("image", 1, 4, 4)],
-])
+@pytest.mark.parametrize(
+    "blocks",
+    [
+        [ReferenceBlock("image", 1, 6, 10)],
+        [ReferenceBlock("audio", audio_latents=5), ReferenceBlock("image", 1, 4, 8), ReferenceBlock("image", 1, 10, 4)],
+        [
+            ReferenceBlock("video", 7, 4, 6, audio_latents=80),
+            ReferenceBlock("audio", audio_latents=3),
+            ReferenceBlock("video", 17, 6, 4),
+            ReferenceBlock("image", 1, 4, 4),
+        ],
+    ],
+)
 def test_ref2va_layout_matches_diffusers(blocks):
     from diffusers.modular_pipelines.minimax_h3.before_denoise import MiniMaxH3Ref2VAPrepareLayoutStep
-    from diffusers.modular_pipelines.minimax_h3.references import (MiniMaxH3AudioReference,
-                                                                    MiniMaxH3ImageReference, MiniMaxH3VideoReference)
+    from diffusers.modular_pipelines.minimax_h3.references import (
+        MiniMaxH3AudioReference,
+        MiniMaxH3ImageReference,
+        MiniMaxH3VideoReference,
+    )
 
     tags = torch.ones(23, dtype=torch.long)
     tags[3:9] = 0
     refs, visual, sound = [], [], []
     for block in blocks:
         audio = torch.zeros(2, 1) if block.audio_latents else None
-        refs.append({"image": lambda: MiniMaxH3ImageReference(image=None),
-                     "video": lambda: MiniMaxH3VideoReference(frames=None, audio=audio),
-                     "audio": lambda: MiniMaxH3AudioReference(audio=audio)}[block.kind]())
+        refs.append(
+            {
+                "image": lambda: MiniMaxH3ImageReference(image=None),
+                "video": lambda audio=audio: MiniMaxH3VideoReference(frames=None, audio=audio),
+                "audio": lambda audio=audio: MiniMaxH3AudioReference(audio=audio),
+            }[block.kind]()
+        )
         if block.kind != "audio":
             visual.append(torch.zeros(1, 24, block.latent_frames, block.latent_height, block.latent_width))
         if block.audio_latents:
             sound.append(torch.zeros(2 * block.audio_latents, 32))
     expected = MiniMaxH3Ref2VAPrepareLayoutStep.build_ref2va_packed_sequence(
-        tags, refs, visual, sound, 17, 4, 6, 83, (1, 2, 2), 2, 2, 0)
+        tags, refs, visual, sound, 17, 4, 6, 83, (1, 2, 2), 2, 2, 0
+    )
     layout = build_ref2va_layout(tags, blocks, 17, 4, 6, 83)
-    got = (layout.position_ids, layout.token_tags, layout.video_indices, layout.audio_indices, layout.text_indices,
-           layout.num_condition_video_rows, layout.num_condition_audio_rows)
-    for ours_part, theirs in zip(got, expected):
+    got = (
+        layout.position_ids,
+        layout.token_tags,
+        layout.video_indices,
+        layout.audio_indices,
+        layout.text_indices,
+        layout.num_condition_video_rows,
+        layout.num_condition_audio_rows,
+    )
+    for ours_part, theirs in zip(got, expected, strict=True):
         if isinstance(theirs, torch.Tensor):
             assert ours_part.dtype == theirs.dtype and torch.equal(ours_part, theirs)
         else:
@@ -142,17 +172,33 @@ def _case(name, media):
     sound = torch.from_numpy(tone(1.2, 32000, seed=8))
     wide = Image.open(media / "wide.png").convert("RGB")
     cases = {
-        "images": ([("image", dict(image=wide)), ("image", media / "tall.png")],
-                   [wide, ImageReference(media / "tall.png")]),
+        "images": (
+            [("image", dict(image=wide)), ("image", media / "tall.png")],
+            [wide, ImageReference(media / "tall.png")],
+        ),
         "video_with_soundtrack": ([("video", media / "sound.mp4")], [media / "sound.mp4"]),
-        "video_without_soundtrack": ([("image", media / "wide.png"), ("video", media / "silent.mp4")],
-                                     [media / "wide.png", VideoReference(media / "silent.mp4")]),
-        "audio": ([("image", media / "tall.png"), ("audio", media / "voice.wav")],
-                  [ImageReference(np.asarray(Image.open(media / "tall.png"))), AudioReference(media / "voice.wav")]),
-        "mixed": ([("audio", media / "music.mp3"), ("video", dict(frames=frames, fps=20.0, audio=sound)),
-                   ("image", media / "wide.png"), ("video", media / "silent.mp4")],
-                  [AudioReference(media / "music.mp3"), VideoReference(frames, fps=20, audio=sound.numpy()),
-                   ImageReference(media / "wide.png"), media / "silent.mp4"]),
+        "video_without_soundtrack": (
+            [("image", media / "wide.png"), ("video", media / "silent.mp4")],
+            [media / "wide.png", VideoReference(media / "silent.mp4")],
+        ),
+        "audio": (
+            [("image", media / "tall.png"), ("audio", media / "voice.wav")],
+            [ImageReference(np.asarray(Image.open(media / "tall.png"))), AudioReference(media / "voice.wav")],
+        ),
+        "mixed": (
+            [
+                ("audio", media / "music.mp3"),
+                ("video", dict(frames=frames, fps=20.0, audio=sound)),
+                ("image", media / "wide.png"),
+                ("video", media / "silent.mp4"),
+            ],
+            [
+                AudioReference(media / "music.mp3"),
+                VideoReference(frames, fps=20, audio=sound.numpy()),
+                ImageReference(media / "wide.png"),
+                media / "silent.mp4",
+            ],
+        ),
     }
     return cases[name]
 
@@ -166,11 +212,15 @@ def _run(pipe, prompt, references, **kwargs):
     caught = {}
 
     def catch(name, decode):
-        return lambda vae, latents, **kwargs: (caught.__setitem__(name, latents.clone()),
-                                               decode(vae, latents, **kwargs))[1]
+        return lambda vae, latents, **kwargs: (
+            caught.__setitem__(name, latents.clone()),
+            decode(vae, latents, **kwargs),
+        )[1]
 
-    with mock.patch.object(module, "decode_video", catch("video", module.decode_video)), \
-            mock.patch.object(module, "decode_audio", catch("audio", module.decode_audio)):
+    with (
+        mock.patch.object(module, "decode_video", catch("video", module.decode_video)),
+        mock.patch.object(module, "decode_audio", catch("audio", module.decode_audio)),
+    ):
         output = pipe(prompt, references=references, **kwargs)
     return output, (caught["video"], caught["audio"])
 
@@ -197,8 +247,9 @@ def test_ref2va_matches_diffusers(case, ours, reference, media):
 
 def test_ref2va_matches_diffusers_with_an_odd_transformer(odd_dir, media):
     theirs, mine = _case("mixed", media)
-    expected = run_ref2va_reference(load_ref2va_reference(odd_dir), "rain", 8, theirs, num_frames=200,
-                                    num_inference_steps=4, height=96, width=64)
+    expected = run_ref2va_reference(
+        load_ref2va_reference(odd_dir), "rain", 8, theirs, num_frames=200, num_inference_steps=4, height=96, width=64
+    )
     pipe = H3Pipeline.from_pretrained(odd_dir, device="cpu", torch_dtype=torch.float32, workflow="ref2va")
     assert pipe.transformer is None and pipe.config.num_attention_heads == 3
     run = _run(pipe, "rain", mine, num_frames=200, num_inference_steps=4, height=96, width=64, seed=8)
@@ -209,9 +260,11 @@ def test_ref2va_matches_diffusers_with_an_odd_transformer(odd_dir, media):
 def test_every_reference_moves_the_result(ours, media):
     kwargs = dict(num_frames=130, num_inference_steps=3, seed=3)
     _, first = _run(ours, "x", [media / "wide.png", AudioReference(media / "voice.wav")], **kwargs)
-    for changed in ([media / "tall.png", AudioReference(media / "voice.wav")],
-                    [media / "wide.png", AudioReference(media / "music.mp3")],
-                    [AudioReference(media / "voice.wav"), media / "wide.png"]):  # order matters too
+    for changed in (
+        [media / "tall.png", AudioReference(media / "voice.wav")],
+        [media / "wide.png", AudioReference(media / "music.mp3")],
+        [AudioReference(media / "voice.wav"), media / "wide.png"],
+    ):  # order matters too
         _, other = _run(ours, "x", changed, **kwargs)
         assert (first[0] - other[0]).abs().max() > 10 * TOLERANCE  # parity holds to 1e-4; these move by more
         assert (first[1] - other[1]).abs().max() > 10 * TOLERANCE
@@ -229,8 +282,13 @@ def test_duration_comes_from_the_first_reference_with_sound(ours, media):
 
 def test_callback_reports_each_reference(ours, media):
     events = []
-    ours("x", references=[media / "wide.png", media / "voice.wav"], num_inference_steps=2, seed=0,
-         callback=lambda stage, step, total: events.append((stage, step, total)))
+    ours(
+        "x",
+        references=[media / "wide.png", media / "voice.wav"],
+        num_inference_steps=2,
+        seed=0,
+        callback=lambda stage, step, total: events.append((stage, step, total)),
+    )
     # Step 0 marks the stage's start; the step then counts the references done (2), repeated at the cancellation
     # points inside each reference's encoding, never going back.
     steps = [step for stage, step, total in events if stage == "encode_conditions" and total == 2]
@@ -244,15 +302,21 @@ def _bad(media):
     return {
         "too_many_images": ([media / "wide.png"] * 10, "references[9]", "at most 9 image"),
         "too_many_videos": ([media / "silent.mp4"] * 4, "references[3]", "at most 3 video"),
-        "too_many_in_all": ([media / "wide.png"] * 9 + [media / "silent.mp4"] * 3 + [media / "voice.wav"],
-                            "references[12]", "at most 12 references"),
+        "too_many_in_all": (
+            [media / "wide.png"] * 9 + [media / "silent.mp4"] * 3 + [media / "voice.wav"],
+            "references[12]",
+            "at most 12 references",
+        ),
         "audio_only": ([media / "voice.wav", media / "music.mp3"], "references[0]", "cannot be the only"),
         "corrupt_video": ([VideoReference(media / "cut.mp4")], "references[0]", "not a readable"),
         "wrong_type": ([media / "notes.txt"], "references[0]", "neither an image, a video nor an audio"),
         "image_as_video": ([VideoReference(media / "wide.png", name="ref_video")], "ref_video", "still image"),
         "text_as_image": ([ImageReference(media / "notes.txt")], "references[0]", "not a readable image"),
-        "video_as_audio": ([media / "wide.png", AudioReference(media / "silent.mp4")], "references[1]",
-                           "no audio stream"),
+        "video_as_audio": (
+            [media / "wide.png", AudioReference(media / "silent.mp4")],
+            "references[1]",
+            "no audio stream",
+        ),
         "too_long": ([media / "wide.png", media / "long.wav"], "references[1]", "at most 60 s"),
         "too_short_video": ([media / "short.mp4"], "references[0]", "too short"),
         "bare_array": ([np.zeros((10, 60, 3), np.uint8)], "references[0]", "must be a file path"),
@@ -260,8 +324,11 @@ def _bad(media):
         "missing_file": ([media / "nowhere.png"], "references[0]", "does not exist"),
         "empty": ([], "references", "at least one reference"),
         "not_a_list": (media / "wide.png", "references", "must be a list"),
-        "bad_audio_array": ([media / "wide.png", AudioReference(np.zeros((3, 100), np.float32))], "references[1]",
-                            "mono or stereo"),
+        "bad_audio_array": (
+            [media / "wide.png", AudioReference(np.zeros((3, 100), np.float32))],
+            "references[1]",
+            "mono or stereo",
+        ),
     }
 
 

@@ -10,19 +10,30 @@ import torch
 from h3gen.errors import CheckpointError, RequestError
 from h3gen.kernels.attention import BACKENDS
 from h3gen.offload import host_memory, plan_placement
-from h3gen.options import (APPROXIMATE_ATTENTION, ATTENTION_BACKENDS, OFFLOAD_MODES, QUALITY_TIERS, QUANTIZATIONS,
-                           TASKS, WORKFLOWS, RunOptions, parse_bytes)
+from h3gen.options import (
+    APPROXIMATE_ATTENTION,
+    ATTENTION_BACKENDS,
+    OFFLOAD_MODES,
+    QUALITY_TIERS,
+    QUANTIZATIONS,
+    TASKS,
+    WORKFLOWS,
+    RunOptions,
+    parse_bytes,
+)
 from h3gen.pipelines.h3.checkpoint import H3Checkpoint, resolve_workflow
 
 
-
-@pytest.mark.parametrize("field, value, allowed", [
-    ("quality", "best", QUALITY_TIERS),
-    ("offload", "disk", OFFLOAD_MODES),
-    ("quantization", "int4", QUANTIZATIONS),
-    ("workflow", "i2v", WORKFLOWS),
-    ("attention", "xformers", ATTENTION_BACKENDS),
-])
+@pytest.mark.parametrize(
+    "field, value, allowed",
+    [
+        ("quality", "best", QUALITY_TIERS),
+        ("offload", "disk", OFFLOAD_MODES),
+        ("quantization", "int4", QUANTIZATIONS),
+        ("workflow", "i2v", WORKFLOWS),
+        ("attention", "xformers", ATTENTION_BACKENDS),
+    ],
+)
 def test_a_value_outside_its_choices_names_the_field_and_every_allowed_value(field, value, allowed):
     with pytest.raises(RequestError) as info:
         RunOptions(**{field: value})
@@ -32,16 +43,19 @@ def test_a_value_outside_its_choices_names_the_field_and_every_allowed_value(fie
     assert all(choice in message for choice in allowed)
 
 
-@pytest.mark.parametrize("keywords, field, words", [
-    (dict(offload="layerwise"), "gpu_memory", "needs gpu_memory"),
-    (dict(offload="layerwise", gpu_memory="lots"), "gpu_memory", "30GiB"),
-    (dict(gpu_memory="0GiB"), "gpu_memory", "more than 0"),
-    (dict(prefetch=0), "prefetch", "at least 1"),
-    (dict(prefetch=True), "prefetch", "at least 1"),
-    (dict(prefetch=1.5), "prefetch", "whole number"),
-    (dict(quality="exact", attention="cudnn"), "attention", "quality exact"),
-    (dict(quality="lossless", attention="fa3-fp8"), "attention", "quality fast only"),
-])
+@pytest.mark.parametrize(
+    "keywords, field, words",
+    [
+        (dict(offload="layerwise"), "gpu_memory", "needs gpu_memory"),
+        (dict(offload="layerwise", gpu_memory="lots"), "gpu_memory", "30GiB"),
+        (dict(gpu_memory="0GiB"), "gpu_memory", "more than 0"),
+        (dict(prefetch=0), "prefetch", "at least 1"),
+        (dict(prefetch=True), "prefetch", "at least 1"),
+        (dict(prefetch=1.5), "prefetch", "whole number"),
+        (dict(quality="exact", attention="cudnn"), "attention", "quality exact"),
+        (dict(quality="lossless", attention="fa3-fp8"), "attention", "quality fast only"),
+    ],
+)
 def test_rules_that_combine_fields_name_the_field(keywords, field, words):
     with pytest.raises(RequestError, match=words) as info:
         RunOptions(**keywords)
@@ -49,8 +63,15 @@ def test_rules_that_combine_fields_name_the_field(keywords, field, words):
 
 
 def test_valid_combinations_and_their_derived_values():
-    options = RunOptions(offload="layerwise", gpu_memory="1.5GB", prefetch=1, quantization="mxfp4",
-                         quality="fast", attention="fa3-fp8", workflow="all")
+    options = RunOptions(
+        offload="layerwise",
+        gpu_memory="1.5GB",
+        prefetch=1,
+        quantization="mxfp4",
+        quality="fast",
+        attention="fa3-fp8",
+        workflow="all",
+    )
     assert options.gpu_memory_bytes == 1_500_000_000 == parse_bytes("1.5GB")
     assert options.attention_for("fast") == "fa3-fp8"
     assert RunOptions(attention="cudnn").attention_for("exact") is None  # exact keeps torch's SDPA choice
@@ -127,10 +148,16 @@ def test_the_server_and_the_pipeline_refuse_a_tier_with_one_message(tiny_dir):
 def test_engine_keywords_and_options_give_the_same_options(tiny_dir):
     from h3gen.server.engine import H3Engine
 
-    old = H3Engine(tiny_dir, device="cpu", quality="exact", workflow="t2va",
-                   offload={"offload": "stage", "gpu_memory": None, "prefetch": 3, "quantization": None})
-    new = H3Engine(tiny_dir, device="cpu", options=RunOptions(quality="exact", workflow="t2va", offload="stage",
-                                                          prefetch=3))
+    old = H3Engine(
+        tiny_dir,
+        device="cpu",
+        quality="exact",
+        workflow="t2va",
+        offload={"offload": "stage", "gpu_memory": None, "prefetch": 3, "quantization": None},
+    )
+    new = H3Engine(
+        tiny_dir, device="cpu", options=RunOptions(quality="exact", workflow="t2va", offload="stage", prefetch=3)
+    )
     assert old.options == new.options == RunOptions(quality="exact", offload="stage", prefetch=3, workflow="t2va")
     assert old.offload == {"offload": "stage", "gpu_memory": None, "prefetch": 3, "quantization": None}
     assert old.quality == "exact" and H3Engine(tiny_dir, device="cpu").workflow == "all"  # default: auto
@@ -183,26 +210,53 @@ def test_bad_run_options_fail_before_the_checkpoint_is_read(tmp_path):
 def test_cli_rejects_bad_run_options_before_loading(capsys, tmp_path):
     from h3gen.cli import main
 
-    code = main(["generate", "a cat", "--model", str(tmp_path / "no-such-model"), "--offload", "layerwise",
-                 "--out", str(tmp_path / "x.mp4")])
+    code = main(
+        [
+            "generate",
+            "a cat",
+            "--model",
+            str(tmp_path / "no-such-model"),
+            "--offload",
+            "layerwise",
+            "--out",
+            str(tmp_path / "x.mp4"),
+        ]
+    )
     assert code == 2
     assert "offload='layerwise' needs gpu_memory" in capsys.readouterr().err
-    code = main(["generate", "a cat", "--model", str(tmp_path / "no-such-model"), "--quality", "exact",
-                 "--attention", "cudnn", "--out", str(tmp_path / "x.mp4")])
+    code = main(
+        [
+            "generate",
+            "a cat",
+            "--model",
+            str(tmp_path / "no-such-model"),
+            "--quality",
+            "exact",
+            "--attention",
+            "cudnn",
+            "--out",
+            str(tmp_path / "x.mp4"),
+        ]
+    )
     assert code == 2 and "attention cudnn cannot be combined with quality exact" in capsys.readouterr().err
 
 
 def test_pipeline_keywords_options_and_attention_reach_the_blocks(tiny_dir):
     from h3gen.pipelines.h3.pipeline import H3Pipeline
 
-    by_keywords = H3Pipeline.from_pretrained(tiny_dir, device="cpu", torch_dtype=torch.float32, offload="stage",
-                                             prefetch=3)
+    by_keywords = H3Pipeline.from_pretrained(
+        tiny_dir, device="cpu", torch_dtype=torch.float32, offload="stage", prefetch=3
+    )
     assert by_keywords.options == RunOptions(offload="stage", prefetch=3)
     assert by_keywords.offload == "stage" and by_keywords.quality == "lossless" and by_keywords.workflow == "t2va"
-    pipe = H3Pipeline.from_pretrained(tiny_dir, device="cpu", torch_dtype=torch.float32,
-                                      options=RunOptions(attention="math"), prefetch=1)
+    pipe = H3Pipeline.from_pretrained(
+        tiny_dir, device="cpu", torch_dtype=torch.float32, options=RunOptions(attention="math"), prefetch=1
+    )
     assert pipe.options == RunOptions(attention="math", prefetch=1)  # a keyword next to options replaces its field
-    backends = lambda: {block.attn.core.backend for block in pipe.transformer.transformer_blocks}  # noqa: E731
+
+    def backends():
+        return {block.attn.core.backend for block in pipe.transformer.transformer_blocks}
+
     assert backends() == {"math"}
     pipe("a cat", seed=1, num_inference_steps=2, num_frames=124, quality="exact", decode=False)
     assert backends() == {"sdpa"}  # the exact tier runs torch's SDPA choice whatever the option

@@ -34,8 +34,9 @@ def _mp4_ok(path, frames=124, rate=32000):
 
 def test_create_poll_download(server, tmp_path):
     with server.client() as http:
-        created = http.post("/v1/videos", json={"prompt": "a cat plays piano", "seed": 5, **FAST,
-                                                "audio_sample_rate": 48000})
+        created = http.post(
+            "/v1/videos", json={"prompt": "a cat plays piano", "seed": 5, **FAST, "audio_sample_rate": 48000}
+        )
         assert created.status_code == 202
         body = created.json()
         assert body["status"] == "queued" and len(body["id"]) == 32
@@ -144,17 +145,25 @@ def test_ref2va_job_with_uploaded_references(server, tmp_path):
     write_video(tmp_path / "walk.mp4", moving_frames(36, 64, 48), 30, tone(1.5, 48000), 48000)
     client = H3Client(server.url)
     # The client keys each file by its suffix; the parts keep this order, which is the references' order.
-    view = client.generate("a man in <Picture 1> walks like <Video 1> to <Audio 1>", out=tmp_path / "out.mp4",
-                           references=[tmp_path / "hat.png", tmp_path / "walk.mp4", tmp_path / "song.mp3"],
-                           num_inference_steps=2, seed=1, timeout=120)
+    view = client.generate(
+        "a man in <Picture 1> walks like <Video 1> to <Audio 1>",
+        out=tmp_path / "out.mp4",
+        references=[tmp_path / "hat.png", tmp_path / "walk.mp4", tmp_path / "song.mp3"],
+        num_inference_steps=2,
+        seed=1,
+        timeout=120,
+    )
     assert view["request"]["task"] == "ref2va" and view["request"]["references"] == ["image", "video", "audio"]
     # No seconds: the length of the first reference with sound (the video's 1.5 s soundtrack, held at 5 s).
     _mp4_ok(tmp_path / "out.mp4", frames=124)
     with server.client() as http:
-        handles = [("ref_image", ("hat.png", open(tmp_path / "hat.png", "rb"))),
-                   ("ref_audio", ("song.mp3", open(tmp_path / "song.mp3", "rb")))]
-        created = http.post("/v1/videos", data={"prompt": "x", "task": "ref2va", "num_inference_steps": "2"},
-                            files=handles)
+        handles = [
+            ("ref_image", ("hat.png", open(tmp_path / "hat.png", "rb"))),
+            ("ref_audio", ("song.mp3", open(tmp_path / "song.mp3", "rb"))),
+        ]
+        created = http.post(
+            "/v1/videos", data={"prompt": "x", "task": "ref2va", "num_inference_steps": "2"}, files=handles
+        )
         for _, (_, handle) in handles:
             handle.close()
         assert created.status_code == 202, created.text

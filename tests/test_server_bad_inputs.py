@@ -14,8 +14,13 @@ KEY = "s3cret-test-key-4711"
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     root = tmp_path_factory.mktemp("bad-inputs")
-    instance = Server(tiny_checkpoint(cache_dir=root / "cache"), root / "results", api_key=KEY, max_queue=2,
-                      extra=("--max-upload-mb", "1"))
+    instance = Server(
+        tiny_checkpoint(cache_dir=root / "cache"),
+        root / "results",
+        api_key=KEY,
+        max_queue=2,
+        extra=("--max-upload-mb", "1"),
+    )
     yield instance
     instance.stop()
     assert KEY not in instance.log_path.read_text()  # the key is never logged
@@ -106,9 +111,17 @@ def _deep(depth: int) -> bytes:
 
 
 @pytest.mark.parametrize("path", ["/v1/videos", "/v1/prompts/plan"])
-@pytest.mark.parametrize("content", [_deep(5_000), _deep(20_000), b"[" * 30_000, b'{"a": ' + b'{"a": ' * 9000 + b"1"
-                                     + b"}" * 9001, b'{"prompt": "x", "seed": ' + b"7" * 5000 + b"}",
-                                     b'{"prompt": "x", "max_tokens": -' + b"9" * 5000 + b"}"])
+@pytest.mark.parametrize(
+    "content",
+    [
+        _deep(5_000),
+        _deep(20_000),
+        b"[" * 30_000,
+        b'{"a": ' + b'{"a": ' * 9000 + b"1" + b"}" * 9001,
+        b'{"prompt": "x", "seed": ' + b"7" * 5000 + b"}",
+        b'{"prompt": "x", "max_tokens": -' + b"9" * 5000 + b"}",
+    ],
+)
 def test_deep_or_huge_json_is_a_422_on_a_live_connection(server, path, content):
     with server.client() as http:
         response = http.post(path, content=content, headers={"content-type": "application/json"})
@@ -118,37 +131,50 @@ def test_deep_or_huge_json_is_a_422_on_a_live_connection(server, path, content):
         assert http.get("/health").json()["status"] == "ok"  # on the same connection
 
 
-@pytest.mark.parametrize("data,field", [
-    ([("prompt", b"\xff\xfe")], "prompt"),  # not UTF-8: JSON refuses the same bytes
-    ([("prompt", b"a cat"), ("prompt", b"a dog")], "prompt"),
-    ([("prompt", b"a cat"), ("seed", b"1"), ("seed", b"2")], "seed"),
-    ([("prompt", b"a cat"), ("seed", b"")] * 2, "prompt"),
-    ([("prompt", b"a cat"), ("seed", b"7" * 5000)], "seed"),
-])
+@pytest.mark.parametrize(
+    "data,field",
+    [
+        ([("prompt", b"\xff\xfe")], "prompt"),  # not UTF-8: JSON refuses the same bytes
+        ([("prompt", b"a cat"), ("prompt", b"a dog")], "prompt"),
+        ([("prompt", b"a cat"), ("seed", b"1"), ("seed", b"2")], "seed"),
+        ([("prompt", b"a cat"), ("seed", b"")] * 2, "prompt"),
+        ([("prompt", b"a cat"), ("seed", b"7" * 5000)], "seed"),
+    ],
+)
 def test_multipart_fields_agree_with_json(server, data, field):
     import uuid
 
     boundary = uuid.uuid4().hex
-    body = b"".join(b"--%s\r\nContent-Disposition: form-data; name=\"%s\"\r\n\r\n%s\r\n" % (boundary.encode(),
-                    name.encode(), value) for name, value in data) + b"--%s--\r\n" % boundary.encode()
+    body = (
+        b"".join(
+            b'--%s\r\nContent-Disposition: form-data; name="%s"\r\n\r\n%s\r\n'
+            % (boundary.encode(), name.encode(), value)
+            for name, value in data
+        )
+        + b"--%s--\r\n" % boundary.encode()
+    )
     with server.client() as http:
-        response = http.post("/v1/videos", content=body,
-                             headers={"content-type": f"multipart/form-data; boundary={boundary}"})
+        response = http.post(
+            "/v1/videos", content=body, headers={"content-type": f"multipart/form-data; boundary={boundary}"}
+        )
         assert response.status_code == 422, response.text
         assert _field(response) == field, response.text
         assert http.get("/health").json()["status"] == "ok"
 
 
-@pytest.mark.parametrize("content,content_type,status", [
-    (b"{not json", "application/json", 422),
-    (b"[1, 2, 3]", "application/json", 422),
-    (b"", "application/json", 422),
-    (b"prompt=hello", "text/plain", 415),
-    # A JSON body holds at most 64 KB besides an input_reference data URL (which may take up to the upload limit):
-    # a 1 MB prompt is a 413 once parsed, a body past the data URL's limit is refused before it is read.
-    pytest.param(json.dumps({"prompt": "x" * (1 << 20)}).encode(), "application/json", 413, id="1MB-prompt"),
-    pytest.param(json.dumps({"prompt": "x" * (30 << 20)}).encode(), "application/json", 413, id="30MB-body"),
-])
+@pytest.mark.parametrize(
+    "content,content_type,status",
+    [
+        (b"{not json", "application/json", 422),
+        (b"[1, 2, 3]", "application/json", 422),
+        (b"", "application/json", 422),
+        (b"prompt=hello", "text/plain", 415),
+        # A JSON body holds at most 64 KB besides an input_reference data URL (which may take up to the upload limit):
+        # a 1 MB prompt is a 413 once parsed, a body past the data URL's limit is refused before it is read.
+        pytest.param(json.dumps({"prompt": "x" * (1 << 20)}).encode(), "application/json", 413, id="1MB-prompt"),
+        pytest.param(json.dumps({"prompt": "x" * (30 << 20)}).encode(), "application/json", 413, id="30MB-body"),
+    ],
+)
 def test_bad_bodies(server, content, content_type, status):
     with server.client() as http:
         response = http.post("/v1/videos", content=content, headers={"content-type": content_type})
@@ -156,12 +182,15 @@ def test_bad_bodies(server, content, content_type, status):
         assert http.get("/health").json()["status"] == "ok"
 
 
-@pytest.mark.parametrize("upload,field,status,message", [
-    ("notes.txt", "image", 422, "not a readable image"),
-    ("cut.png", "image", 422, "not a readable image"),
-    ("cut.png", "last_image", 422, "not a readable image"),
-    ("big.png", "image", 422, "upload limit"),
-])
+@pytest.mark.parametrize(
+    "upload,field,status,message",
+    [
+        ("notes.txt", "image", 422, "not a readable image"),
+        ("cut.png", "image", 422, "not a readable image"),
+        ("cut.png", "last_image", 422, "not a readable image"),
+        ("big.png", "image", 422, "upload limit"),
+    ],
+)
 def test_bad_uploads(server, files, upload, field, status, message):
     with server.client() as http:
         with open(files / upload, "rb") as handle:
@@ -180,14 +209,26 @@ def test_uploads_in_the_wrong_place(server, files):
         with open(files / "ok.png", "rb") as handle:
             other = http.post("/v1/videos", data={"prompt": "x", "task": "fl2va"}, files={"avatar": handle})
         assert other.status_code == 422 and _field(other) == "avatar"
-        accepted = http.post("/v1/videos", data={"prompt": "x", "task": "fl2va", "num_inference_steps": "2"},
-                             files={"image": open(files / "ok.png", "rb")})
+        accepted = http.post(
+            "/v1/videos",
+            data={"prompt": "x", "task": "fl2va", "num_inference_steps": "2"},
+            files={"image": open(files / "ok.png", "rb")},
+        )
         assert accepted.status_code == 202, accepted.text
 
 
-@pytest.mark.parametrize("path", ["/v1/videos/..%2F..%2Fetc%2Fpasswd", "/v1/videos/../../etc/passwd",
-                                  "/v1/videos/abc", "/v1/videos/" + "0" * 32, "/v1/videos/%00",
-                                  "/v1/videos/..%2F..%2Fetc%2Fpasswd/content", "/v1/videos/" + "f" * 32 + "/content"])
+@pytest.mark.parametrize(
+    "path",
+    [
+        "/v1/videos/..%2F..%2Fetc%2Fpasswd",
+        "/v1/videos/../../etc/passwd",
+        "/v1/videos/abc",
+        "/v1/videos/" + "0" * 32,
+        "/v1/videos/%00",
+        "/v1/videos/..%2F..%2Fetc%2Fpasswd/content",
+        "/v1/videos/" + "f" * 32 + "/content",
+    ],
+)
 def test_bad_ids(server, path):
     with server.client() as http:
         for method in ("GET", "DELETE"):
@@ -203,17 +244,31 @@ def test_bad_pagination(server):
             assert 400 <= http.get("/v1/videos", params=params).status_code < 500
 
 
-@pytest.mark.parametrize("client,headers", [(2, {}), (3, {"Authorization": "Bearer wrong"}),
-                                            (4, {"Authorization": KEY}), (5, {"Authorization": "Basic " + KEY})])
+@pytest.mark.parametrize(
+    "client,headers",
+    [
+        (2, {}),
+        (3, {"Authorization": "Bearer wrong"}),
+        (4, {"Authorization": KEY}),
+        (5, {"Authorization": "Basic " + KEY}),
+    ],
+)
 def test_missing_or_wrong_key(server, client, headers):
     import httpx
 
     # Each case from its own loopback address: wrong keys are throttled per client after a few.
     transport = httpx.HTTPTransport(local_address=f"127.0.0.{client}")
     with httpx.Client(base_url=server.url, headers=headers, transport=transport) as http:
-        for method, path in (("POST", "/v1/videos"), ("GET", "/v1/videos"), ("GET", "/metrics"),
-                             ("GET", "/v1/videos/" + "a" * 32), ("DELETE", "/v1/videos/" + "a" * 32),
-                             ("GET", "/docs"), ("GET", "/redoc"), ("GET", "/openapi.json")):
+        for method, path in (
+            ("POST", "/v1/videos"),
+            ("GET", "/v1/videos"),
+            ("GET", "/metrics"),
+            ("GET", "/v1/videos/" + "a" * 32),
+            ("DELETE", "/v1/videos/" + "a" * 32),
+            ("GET", "/docs"),
+            ("GET", "/redoc"),
+            ("GET", "/openapi.json"),
+        ):
             response = http.request(method, path, json={"prompt": "x"} if method == "POST" else None)
             assert response.status_code in ((401, 429) if headers else (401,)), (method, path)
             if response.status_code == 401:
@@ -222,16 +277,19 @@ def test_missing_or_wrong_key(server, client, headers):
         assert health.status_code == 200 and health.json().keys() == {"status", "ready"}  # readiness only
 
 
-@pytest.mark.parametrize("parts,field,message", [
-    ([("ref_audio", "voice.wav")], "ref_audio", "cannot be the only"),
-    ([("ref_video", "cut.mp4")], "ref_video", "not a readable"),
-    ([("ref_video", "notes.txt")], "ref_video", "not a readable"),
-    ([("ref_image", "notes.txt")], "ref_image", "not a readable image"),
-    ([("ref_image", "ok.png"), ("ref_audio", "clip.mp4")], "ref_audio", "no audio stream"),
-    ([("ref_image", "ok.png"), ("ref_audio", "long.wav")], "ref_audio", "at most 60 s"),
-    ([("ref_image", "ok.png")] * 10, "ref_image", "at most 9 image"),
-    ([("ref_image", "big.png")], "ref_image", "upload limit"),
-])
+@pytest.mark.parametrize(
+    "parts,field,message",
+    [
+        ([("ref_audio", "voice.wav")], "ref_audio", "cannot be the only"),
+        ([("ref_video", "cut.mp4")], "ref_video", "not a readable"),
+        ([("ref_video", "notes.txt")], "ref_video", "not a readable"),
+        ([("ref_image", "notes.txt")], "ref_image", "not a readable image"),
+        ([("ref_image", "ok.png"), ("ref_audio", "clip.mp4")], "ref_audio", "no audio stream"),
+        ([("ref_image", "ok.png"), ("ref_audio", "long.wav")], "ref_audio", "at most 60 s"),
+        ([("ref_image", "ok.png")] * 10, "ref_image", "at most 9 image"),
+        ([("ref_image", "big.png")], "ref_image", "upload limit"),
+    ],
+)
 def test_bad_reference_uploads(server, files, parts, field, message):
     with server.client() as http:
         handles = [(name, (upload, open(files / upload, "rb"))) for name, upload in parts]
@@ -255,8 +313,9 @@ def test_references_only_with_ref2va_and_keyframes_not_with_it(server, files):
             mixed = http.post("/v1/videos", data={"prompt": "x", "task": "ref2va"}, files={"image": handle})
         assert mixed.status_code == 422 and _field(mixed) == "image", mixed.text
         with open(files / "voice.wav", "rb") as handle:
-            as_text = http.post("/v1/videos", data={"prompt": "x", "task": "ref2va", "ref_image": "ok.png"},
-                                files={"ref_audio": handle})
+            as_text = http.post(
+                "/v1/videos", data={"prompt": "x", "task": "ref2va", "ref_image": "ok.png"}, files={"ref_audio": handle}
+            )
         assert as_text.status_code == 422 and _field(as_text) == "ref_image", as_text.text
 
 

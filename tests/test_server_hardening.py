@@ -10,8 +10,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-from PIL import Image
 from media_files import bomb_png
+from PIL import Image
 from server_harness import Server, wait_for
 
 from h3gen.pipelines.h3.tiny_checkpoint import tiny_checkpoint
@@ -48,11 +48,14 @@ def _field(response):
     return response.json()["detail"][0]["loc"][-1]
 
 
-@pytest.mark.parametrize("path,field,data", [
-    ("/v1/videos", "image", {"prompt": "x", "task": "fl2va"}),
-    ("/v1/videos", "ref_image", {"prompt": "x", "task": "ref2va"}),
-    ("/v1/prompts/plan", "image", {"prompt": "x"}),
-])
+@pytest.mark.parametrize(
+    "path,field,data",
+    [
+        ("/v1/videos", "image", {"prompt": "x", "task": "fl2va"}),
+        ("/v1/videos", "ref_image", {"prompt": "x", "task": "ref2va"}),
+        ("/v1/prompts/plan", "image", {"prompt": "x"}),
+    ],
+)
 def test_a_small_file_with_a_huge_canvas_is_refused_before_decoding(server, root, path, field, data):
     bomb = root / "bomb.png"
     if not bomb.exists():
@@ -70,14 +73,19 @@ def test_a_small_file_with_a_huge_canvas_is_refused_before_decoding(server, root
 def test_uploads_are_named_by_their_content_and_refused_when_of_the_wrong_kind(server, root):
     html = b"<html><body><script>alert(document.cookie)</script></body></html>"
     with server.client() as http:
-        as_html = http.post("/v1/videos", data={"prompt": "x", "task": "fl2va"},
-                            files={"image": ("x.html", html, "text/html")})
+        as_html = http.post(
+            "/v1/videos", data={"prompt": "x", "task": "fl2va"}, files={"image": ("x.html", html, "text/html")}
+        )
         assert as_html.status_code == 422 and _field(as_html) == "image", as_html.text
-        png_as_video = http.post("/v1/videos", data={"prompt": "x", "task": "ref2va"},
-                                 files={"ref_video": ("clip.mp4", _png(), "video/mp4")})
+        png_as_video = http.post(
+            "/v1/videos", data={"prompt": "x", "task": "ref2va"}, files={"ref_video": ("clip.mp4", _png(), "video/mp4")}
+        )
         assert png_as_video.status_code == 422 and _field(png_as_video) == "ref_video", png_as_video.text
-        accepted = http.post("/v1/videos", data={"prompt": "x", "task": "fl2va", "num_inference_steps": "1000"},
-                             files={"image": ("x.html", _png(), "text/html")})
+        accepted = http.post(
+            "/v1/videos",
+            data={"prompt": "x", "task": "fl2va", "num_inference_steps": "1000"},
+            files={"image": ("x.html", _png(), "text/html")},
+        )
         assert accepted.status_code == 202, accepted.text
         job_id = accepted.json()["id"]
         stored = sorted(path.name for path in (root / "results" / "uploads" / job_id).iterdir())
@@ -88,9 +96,15 @@ def test_uploads_are_named_by_their_content_and_refused_when_of_the_wrong_kind(s
 
 def test_security_headers_on_every_response(server):
     with server.client() as http:
-        responses = [http.get("/health"), http.get("/v1/videos"), http.get("/v1/videos/" + "a" * 32),
-                     http.post("/v1/videos", json={"prompt": ""}), http.get("/nowhere"), http.get("/docs"),
-                     httpx.get(f"{server.url}/v1/videos")]
+        responses = [
+            http.get("/health"),
+            http.get("/v1/videos"),
+            http.get("/v1/videos/" + "a" * 32),
+            http.post("/v1/videos", json={"prompt": ""}),
+            http.get("/nowhere"),
+            http.get("/docs"),
+            httpx.get(f"{server.url}/v1/videos"),
+        ]
     assert [response.status_code for response in responses] == [200, 200, 404, 422, 404, 200, 401]
     for response in responses:
         assert response.headers["x-content-type-options"] == "nosniff"
@@ -132,10 +146,14 @@ def test_the_extreme_aspect_ratios_run(server):
     """4:1 and 1:4 passed validation and then failed every job on the tiny model ("got 160x32"); every ratio in
     between is checked against the model's size rule in test_uploads.py."""
     with server.client() as http:
-        wide = http.post("/v1/videos", json={"prompt": "a wide shot", "aspect_ratio": "4:1",
-                                             "num_inference_steps": 2, "seed": 1})
-        tall = http.post("/v1/videos", data={"prompt": "x", "task": "fl2va", "num_inference_steps": "2"},
-                         files={"image": ("tall.png", _png((40, 160)), "image/png")})
+        wide = http.post(
+            "/v1/videos", json={"prompt": "a wide shot", "aspect_ratio": "4:1", "num_inference_steps": 2, "seed": 1}
+        )
+        tall = http.post(
+            "/v1/videos",
+            data={"prompt": "x", "task": "fl2va", "num_inference_steps": "2"},
+            files={"image": ("tall.png", _png((40, 160)), "image/png")},
+        )
         for created in (wide, tall):
             assert created.status_code == 202, created.text
         for created in (wide, tall):
@@ -156,9 +174,12 @@ def test_a_full_queue_answers_before_reading_the_upload(server):
         try:
             # Announce a 900 KB upload and send only its first bytes: the answer must come without the rest.
             with socket.create_connection(("127.0.0.1", server.port), timeout=5) as sock:
-                sock.sendall(b"POST /v1/videos HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + KEY.encode()
-                             + b"\r\nContent-Type: multipart/form-data; boundary=b\r\nContent-Length: 900000\r\n\r\n"
-                             + b"--b\r\nContent-Disposition: form-data; name=\"image\"; filename=\"a.png\"\r\n\r\n")
+                sock.sendall(
+                    b"POST /v1/videos HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer "
+                    + KEY.encode()
+                    + b"\r\nContent-Type: multipart/form-data; boundary=b\r\nContent-Length: 900000\r\n\r\n"
+                    + b'--b\r\nContent-Disposition: form-data; name="image"; filename="a.png"\r\n\r\n'
+                )
                 answer = sock.recv(4096)
             assert answer.startswith(b"HTTP/1.1 429") and b"retry-after" in answer.lower(), answer[:200]
         finally:
@@ -173,6 +194,7 @@ def test_ui_logins_are_backed_off(root):
     try:
         transport = httpx.HTTPTransport(local_address="127.0.0.11")
         with httpx.Client(base_url=ui_server.url, transport=transport) as http:
+
             def login(password):
                 return http.post("/ui/login", data={"username": "me", "password": password})
 
@@ -180,8 +202,9 @@ def test_ui_logins_are_backed_off(root):
             locked = login("guess")
             assert locked.status_code == 429 and int(locked.headers["retry-after"]) >= 1
             assert login(KEY).status_code == 429
-            forged = http.post("/ui/login", data={"username": "me", "password": "guess"},
-                               headers={"X-Forwarded-For": "198.51.100.7"})
+            forged = http.post(
+                "/ui/login", data={"username": "me", "password": "guess"}, headers={"X-Forwarded-For": "198.51.100.7"}
+            )
             assert forged.status_code == 429
             time.sleep(int(locked.headers["retry-after"]))
             assert login(KEY).status_code == 200
@@ -208,8 +231,9 @@ def test_a_full_disk_is_a_507_and_the_server_stays_up(root):
     engine = H3Engine(tiny_checkpoint(cache_dir=root / "cache"), device="cpu")
     manager = FullDisk(engine, root / "full-results", max_queue=2)
     port = Server.__init__.__globals__["free_port"]()
-    uvicorn_server = uvicorn.Server(uvicorn.Config(create_app(manager), host="127.0.0.1", port=port,
-                                                   log_level="warning"))
+    uvicorn_server = uvicorn.Server(
+        uvicorn.Config(create_app(manager), host="127.0.0.1", port=port, log_level="warning")
+    )
     thread = threading.Thread(target=uvicorn_server.run, daemon=True)
     thread.start()
     try:
@@ -221,8 +245,9 @@ def test_a_full_disk_is_a_507_and_the_server_stays_up(root):
                         break
                 except httpx.HTTPError:
                     time.sleep(0.1)
-            response = http.post("/v1/videos", data={"prompt": "x", "task": "fl2va"},
-                                 files={"image": ("a.png", _png(), "image/png")})
+            response = http.post(
+                "/v1/videos", data={"prompt": "x", "task": "fl2va"}, files={"image": ("a.png", _png(), "image/png")}
+            )
             assert response.status_code == 507 and "disk is full" in response.json()["detail"], response.text
             assert response.headers.get("connection") != "close"
             assert http.get("/health").json()["status"] == "ok"

@@ -73,8 +73,10 @@ def test_a_body_that_streams_past_its_limit_is_stopped_there(server):
     """Chunked, with no Content-Length: the server stops at the route's limit (64 KB for a remix) with a 413."""
     chunk = b"x" * 16384
     body = b"".join(f"{len(chunk):x}\r\n".encode() + chunk + b"\r\n" for _ in range(8)) + b"0\r\n\r\n"
-    head = (f"POST /v1/videos/{'a' * 32}/remix HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-            f"Transfer-Encoding: chunked\r\nAuthorization: Bearer {KEY}\r\n")
+    head = (
+        f"POST /v1/videos/{'a' * 32}/remix HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        f"Transfer-Encoding: chunked\r\nAuthorization: Bearer {KEY}\r\n"
+    )
     status, answer = _raw(server, head, body)
     assert status == 413 and b"65536" in answer
 
@@ -83,13 +85,17 @@ def test_health_answers_in_100_ms_while_large_and_deep_bodies_are_parsed(server)
     """Bodies at the JSON limit (a data URL of 8 MB, four million tiny values, deep nesting) parse off the event
     loop or are refused before parsing, one after another: /health keeps answering."""
     data_url = "data:image/png;base64," + "A" * (8 * 2**20 - 100)
-    bodies = [json.dumps({"prompt": "x", "input_reference": {"image_url": data_url}}).encode(),
-              b'{"prompt": "x", "cache": [' + b"1," * (4 * 2**20) + b"1]}",
-              b'{"prompt": ' + b"[" * 60000 + b"]" * 60000 + b"}"]
+    bodies = [
+        json.dumps({"prompt": "x", "input_reference": {"image_url": data_url}}).encode(),
+        b'{"prompt": "x", "cache": [' + b"1," * (4 * 2**20) + b"1]}",
+        b'{"prompt": ' + b"[" * 60000 + b"]" * 60000 + b"}",
+    ]
     done = threading.Event()
     statuses = []
-    head = (f"POST /v1/videos HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-            f"Authorization: Bearer {KEY}\r\nConnection: close\r\n")
+    head = (
+        f"POST /v1/videos HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        f"Authorization: Bearer {KEY}\r\nConnection: close\r\n"
+    )
 
     def send():  # raw sockets: sendall leaves the GIL to the probe below, so the figure is the server's
         while not done.is_set():
@@ -158,9 +164,14 @@ def _ref2va_with_sound(server, rate: int) -> dict:
     picture = io.BytesIO()
     Image.new("RGB", (64, 64), (1, 2, 3)).save(picture, "PNG")
     with server.client() as http:
-        response = http.post("/v1/videos", data={"prompt": "x", "task": "ref2va", "num_inference_steps": "2"},
-                             files=[("ref_image", ("a.png", picture.getvalue(), "image/png")),
-                                    ("ref_audio", ("a.wav", _wav(rate, 8000), "audio/wav"))])
+        response = http.post(
+            "/v1/videos",
+            data={"prompt": "x", "task": "ref2va", "num_inference_steps": "2"},
+            files=[
+                ("ref_image", ("a.png", picture.getvalue(), "image/png")),
+                ("ref_audio", ("a.wav", _wav(rate, 8000), "audio/wav")),
+            ],
+        )
         assert response.status_code == 202, response.text
         job = response.json()["id"]
         deadline = time.monotonic() + 240
@@ -193,9 +204,14 @@ def test_a_sample_rate_outside_the_range_is_a_422_naming_it(server, rate):
     picture = io.BytesIO()
     Image.new("RGB", (64, 64), (1, 2, 3)).save(picture, "PNG")
     with server.client() as http:
-        response = http.post("/v1/videos", data={"prompt": "x", "task": "ref2va"},
-                             files=[("ref_image", ("a.png", picture.getvalue(), "image/png")),
-                                    ("ref_audio", ("a.wav", _wav(rate, 4000), "audio/wav"))])
+        response = http.post(
+            "/v1/videos",
+            data={"prompt": "x", "task": "ref2va"},
+            files=[
+                ("ref_image", ("a.png", picture.getvalue(), "image/png")),
+                ("ref_audio", ("a.wav", _wav(rate, 4000), "audio/wav")),
+            ],
+        )
         assert response.status_code == 422, response.text
         message = response.json()["detail"][0]["msg"]
         assert f"got {rate}" in message and "1000 to 384000 Hz" in message, message
@@ -206,8 +222,11 @@ class _SlowPlanner:
 
     def plan(self, prompt, **options):
         time.sleep(1.5)
-        return type("Plan", (), {"prompt": prompt, "planned": prompt + " (planned)", "backend": "slow", "tokens": 3,
-                                 "seconds": 1.5})()
+        return type(
+            "Plan",
+            (),
+            {"prompt": prompt, "planned": prompt + " (planned)", "backend": "slow", "tokens": 3, "seconds": 1.5},
+        )()
 
 
 class _PlannerEngine:
@@ -233,6 +252,7 @@ def test_prompt_plans_have_a_bounded_queue(tmp_path):
     app = create_app(manager, max_plan_queue=2)
     answers = []
     with TestClient(app) as client:
+
         def plan(index):
             answers.append(client.post("/v1/prompts/plan", json={"prompt": f"idea {index}"}))
 

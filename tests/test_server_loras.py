@@ -67,14 +67,29 @@ def test_get_loras_lists_the_folder_behind_the_key(setup):
     assert entries["broken"]["error"]
 
 
-@pytest.mark.parametrize("name", ["../outside/secret", "../outside/secret.safetensors", "/etc/hostname",
-                                  "sub/inner", "escape", "escape.safetensors", "nope", ".hidden", "a\\b", "..",
-                                  "style/../style"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "../outside/secret",
+        "../outside/secret.safetensors",
+        "/etc/hostname",
+        "sub/inner",
+        "escape",
+        "escape.safetensors",
+        "nope",
+        ".hidden",
+        "a\\b",
+        "..",
+        "style/../style",
+    ],
+)
 def test_names_outside_the_folder_or_unknown_are_refused_naming_the_name(setup, name):
     server, root = setup
     with server.client() as http:
-        for send in ({"json": {"prompt": "x", "loras": [{"name": name}]}},
-                     {"files": {"prompt": (None, "x"), "loras": (None, json.dumps([{"name": name, "scale": 0.5}]))}}):
+        for send in (
+            {"json": {"prompt": "x", "loras": [{"name": name}]}},
+            {"files": {"prompt": (None, "x"), "loras": (None, json.dumps([{"name": name, "scale": 0.5}]))}},
+        ):
             answer = http.post("/v1/videos", **send)  # JSON, and multipart with the list as a JSON string
             assert answer.status_code == 422, answer.text
             message = answer.json()["detail"][0]["msg"]
@@ -93,8 +108,11 @@ def test_too_many_adapters_and_recipe_contradictions_are_422_before_any_job(setu
         assert many.status_code == 422 and many.json()["detail"][0]["loc"] == ["body", "loras"]
         twice = http.post("/v1/videos", json={"prompt": "x", "loras": [{"name": "style"}, {"name": "style"}]})
         assert twice.status_code == 422 and "twice" in twice.text
-        for body, field in (({"num_inference_steps": 20}, "num_inference_steps"), ({"forwards": 4}, "forwards"),
-                            ({"video_shift": 12}, "video_shift")):
+        for body, field in (
+            ({"num_inference_steps": 20}, "num_inference_steps"),
+            ({"forwards": 4}, "forwards"),
+            ({"video_shift": 12}, "video_shift"),
+        ):
             answer = http.post("/v1/videos", json={"prompt": "x", "loras": [{"name": TURBO}], **body})
             assert answer.status_code == 422, answer.text
             detail = answer.json()["detail"][0]
@@ -102,9 +120,15 @@ def test_too_many_adapters_and_recipe_contradictions_are_422_before_any_job(setu
         # An fl2v Turbo adapter on a ref2va job (a reference image uploaded).
         picture = io.BytesIO()
         Image.new("RGB", (64, 48), (200, 40, 40)).save(picture, format="PNG")
-        answer = http.post("/v1/videos", files={"prompt": (None, "x"), "task": (None, "ref2va"),
-                                                "loras": (None, json.dumps([{"name": TURBO}])),
-                                                "ref_image": ("a.png", picture.getvalue(), "image/png")})
+        answer = http.post(
+            "/v1/videos",
+            files={
+                "prompt": (None, "x"),
+                "task": (None, "ref2va"),
+                "loras": (None, json.dumps([{"name": TURBO}])),
+                "ref_image": ("a.png", picture.getvalue(), "image/png"),
+            },
+        )
         assert answer.status_code == 422 and answer.json()["detail"][0]["loc"] == ["body", "task"]
         assert RECIPE in answer.text and "not ref2va" in answer.text
         both = http.post("/v1/videos", json={"prompt": "x", "num_inference_steps": 9, "forwards": 8})
@@ -114,8 +138,12 @@ def test_too_many_adapters_and_recipe_contradictions_are_422_before_any_job(setu
 
 def test_a_small_lora_gpu_memory_refuses_adapters_at_submission_and_creates_no_job(setup):
     server, root = setup
-    capped = Server(tiny_checkpoint(cache_dir=root / "cache"), root / "capped-results", api_key=KEY,
-                    extra=("--lora-dir", str(root / "loras"), "--lora-gpu-memory", "1KiB"))
+    capped = Server(
+        tiny_checkpoint(cache_dir=root / "cache"),
+        root / "capped-results",
+        api_key=KEY,
+        extra=("--lora-dir", str(root / "loras"), "--lora-gpu-memory", "1KiB"),
+    )
     try:
         with capped.client() as http:
             body = {"prompt": "x", "seed": 1, "loras": [{"name": "style", "scale": 0.5}]}
@@ -143,8 +171,9 @@ def test_the_cap_holds_before_the_model_has_loaded(setup):
     from h3gen.server.schemas import GenerationRequest
 
     _, root = setup
-    engine = H3Engine(tiny_checkpoint(cache_dir=root / "cache"), device="cpu", lora_dir=root / "loras",
-                      lora_gpu_memory="1KiB")
+    engine = H3Engine(
+        tiny_checkpoint(cache_dir=root / "cache"), device="cpu", lora_dir=root / "loras", lora_gpu_memory="1KiB"
+    )
     assert engine.pipeline is None
     with pytest.raises(RequestError, match=r"the 1 LoRA adapters \(style\) need .* \(lora_gpu_memory\)") as error:
         engine.validate(GenerationRequest(prompt="x", loras=[{"name": "style"}]), {})
@@ -155,11 +184,23 @@ def test_the_cap_holds_before_the_model_has_loaded(setup):
 def test_jobs_run_their_adapters_and_report_both_step_counts(setup):
     server, root = setup
     with server.client() as http:
-        created = http.post("/v1/videos", json={"prompt": "a turbo fox", "seed": 1,
-                                                "loras": [{"name": TURBO_8_768P}, {"name": "style", "scale": 0.5}]})
+        created = http.post(
+            "/v1/videos",
+            json={
+                "prompt": "a turbo fox",
+                "seed": 1,
+                "loras": [{"name": TURBO_8_768P}, {"name": "style", "scale": 0.5}],
+            },
+        )
         assert created.status_code == 202, created.text
-        multipart = http.post("/v1/videos", files={"prompt": (None, "a turbo cat"), "seed": (None, "2"),
-                                                   "loras": (None, json.dumps([{"name": TURBO, "scale": 0.7}]))})
+        multipart = http.post(
+            "/v1/videos",
+            files={
+                "prompt": (None, "a turbo cat"),
+                "seed": (None, "2"),
+                "loras": (None, json.dumps([{"name": TURBO, "scale": 0.7}])),
+            },
+        )
         assert multipart.status_code == 202, multipart.text
         plain = http.post("/v1/videos", json={"prompt": "plain", "seed": 3, "forwards": 2})
         assert plain.status_code == 202, plain.text
@@ -189,7 +230,8 @@ def test_the_python_client_sends_loras_with_uploads(setup, tmp_path):
     picture = tmp_path / "first.png"
     Image.new("RGB", (64, 48), (10, 120, 40)).save(picture)
     with H3Client(server.url, api_key=KEY) as client:
-        job = client.create("a keyframe", image=picture, num_inference_steps=2,
-                            loras=[{"name": "style", "scale": 0.3}])  # multipart: the list as a JSON text part
+        job = client.create(
+            "a keyframe", image=picture, num_inference_steps=2, loras=[{"name": "style", "scale": 0.3}]
+        )  # multipart: the list as a JSON text part
         assert job["request"]["loras"] == [{"name": "style", "scale": 0.3}] and job["request"]["task"] == "fl2va"
         client.cancel(job["id"])

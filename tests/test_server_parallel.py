@@ -10,18 +10,25 @@ from server_harness import Server, cancelled, wait_for
 from h3gen.media import probe_mp4
 from h3gen.pipelines.h3.tiny_checkpoint import tiny_checkpoint
 
-
 # Rank 1 fails at denoising step 2 of jobs whose prompt says "boom" (tests/fault_injection/sitecustomize.py).
-FAULT = {"H3GEN_TEST_FAULT": "rank=1,step=2,prompt=boom",
-         "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).parent / "fault_injection"),
-                                                     os.environ.get("PYTHONPATH")]))}
+FAULT = {
+    "H3GEN_TEST_FAULT": "rank=1,step=2,prompt=boom",
+    "PYTHONPATH": os.pathsep.join(
+        filter(None, [str(Path(__file__).parent / "fault_injection"), os.environ.get("PYTHONPATH")])
+    ),
+}
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     root = tmp_path_factory.mktemp("parallel-server")
-    instance = Server(tiny_checkpoint(cache_dir=root / "cache"), root / "results", extra=("--ulysses", "2"),
-                      env=FAULT, ready_timeout=150)
+    instance = Server(
+        tiny_checkpoint(cache_dir=root / "cache"),
+        root / "results",
+        extra=("--ulysses", "2"),
+        env=FAULT,
+        ready_timeout=150,
+    )
     yield instance
     instance.stop()
 

@@ -23,8 +23,11 @@ CANCEL_SECONDS = 0.5
 
 @pytest.fixture(scope="module")
 def manager(tmp_path_factory):
-    instance = JobManager(H3Engine(tiny_checkpoint(cache_dir=tmp_path_factory.mktemp("cache")), device="cpu"),
-                          tmp_path_factory.mktemp("jobs") / "results", max_queue=8)
+    instance = JobManager(
+        H3Engine(tiny_checkpoint(cache_dir=tmp_path_factory.mktemp("cache")), device="cpu"),
+        tmp_path_factory.mktemp("jobs") / "results",
+        max_queue=8,
+    )
     instance.start()
     assert wait_loaded(instance.engine, 300) and instance.engine.ready
     yield instance
@@ -85,8 +88,9 @@ def _slow_stage(stage: str, pipe, monkeypatch):
     return nullcontext()
 
 
-@pytest.mark.parametrize("stage", ["encode_text", "encode_conditions", "denoise", "decode_video", "decode_audio",
-                                   "write_mp4"])
+@pytest.mark.parametrize(
+    "stage", ["encode_text", "encode_conditions", "denoise", "decode_video", "decode_audio", "write_mp4"]
+)
 def test_a_cancel_takes_effect_within_half_a_second_in_every_stage(manager, stage, monkeypatch, tmp_path):
     uploads, fields = None, {}
     if stage == "encode_conditions":
@@ -142,8 +146,9 @@ def _named(bar) -> str:
 
 
 def test_the_cli_bar_names_the_running_stage_and_ends_full():
-    bar, callback = _progress_bar({"encode_text": 1, "encode_conditions": 0, "denoise": 4, "decode_video": 1,
-                                   "decode_audio": 1, "write_mp4": 1})
+    bar, callback = _progress_bar(
+        {"encode_text": 1, "encode_conditions": 0, "denoise": 4, "decode_video": 1, "decode_audio": 1, "write_mp4": 1}
+    )
     try:
         callback("encode_text", 0, 1)
         assert _named(bar) == "encode_text" and bar.n == 0

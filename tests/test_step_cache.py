@@ -69,15 +69,20 @@ BELOW, ABOVE = 25 + 127 / 128, 26 + 1 / 128  # relative to 25: 0.0396875 and 0.0
 
 def test_rule_step_by_step_at_the_anchors_settings():
     # threshold 0.04, 4 warm-up forwards, at most 1 cached in a row; diffs are relative to the last computed forward.
-    scales = [25, 25, 25, 25,  # 0-3 warm-up: computed although nothing changes
-              BELOW,  # 4: 0.0396875 < 0.04 -> cached (its residual is not kept: the reference stays 25)
-              25,  # 5: one cached in a row already -> computed
-              24,  # 6: |24 - 25| / 25 = 0.04 exactly, not below -> computed (the reference becomes 24)
-              24,  # 7: 0 -> cached
-              25,  # 8: cap -> computed (reference 25)
-              ABOVE,  # 9: 0.0403125 -> computed (reference 26.0078125)
-              ABOVE,  # 10: 0 -> cached
-              ABOVE]  # 11: the last forward: always computed
+    scales = [
+        25,
+        25,
+        25,
+        25,  # 0-3 warm-up: computed although nothing changes
+        BELOW,  # 4: 0.0396875 < 0.04 -> cached (its residual is not kept: the reference stays 25)
+        25,  # 5: one cached in a row already -> computed
+        24,  # 6: |24 - 25| / 25 = 0.04 exactly, not below -> computed (the reference becomes 24)
+        24,  # 7: 0 -> cached
+        25,  # 8: cap -> computed (reference 25)
+        ABOVE,  # 9: 0.0403125 -> computed (reference 26.0078125)
+        ABOVE,  # 10: 0 -> cached
+        ABOVE,
+    ]  # 11: the last forward: always computed
     cache, outputs, calls = _drive(StepCacheConfig(), scales)
     assert cache.cached_steps == [4, 7, 10]
     assert cache.computed_steps == [0, 1, 2, 3, 5, 6, 8, 9, 11]
@@ -85,7 +90,7 @@ def test_rule_step_by_step_at_the_anchors_settings():
     assert cache.diffs[4] == pytest.approx(0.0396875, abs=1e-15)
     assert cache.diffs[6] == 0.04 and cache.diffs[7] == 0.0 and cache.diffs[9] == pytest.approx(0.0403125)
     assert cache.diffs[10] == 0.0 and cache.diffs[11] is None
-    for step, (out, blocks) in enumerate(zip(outputs, calls)):
+    for step, (out, blocks) in enumerate(zip(outputs, calls, strict=True)):
         if step in cache.cached_steps:
             assert blocks == [0]
             # block 0's output plus the tail of the last computed forward (blocks 1..3 added 6 x its value)
@@ -134,12 +139,17 @@ def _drive_forced(forced, scales):
 def test_knobs_are_validated_naming_the_field():
     assert StepCacheConfig.from_request(None) == StepCacheConfig(0.04, 4, 1)
     assert StepCacheConfig.from_request({"threshold": 0.1, "warmup": 2.0}) == StepCacheConfig(0.1, 2, 1)
-    cases = [({"threshold": 1.5}, "cache.threshold", "from 0 to 1"), ({"threshold": -0.1}, "cache.threshold", "0 to 1"),
-             ({"threshold": "x"}, "cache.threshold", "a number"), ({"warmup": -1}, "cache.warmup", "0 to 1000"),
-             ({"warmup": 2.5}, "cache.warmup", "whole number"), ({"max_consecutive": 0}, "cache.max_consecutive",
-                                                                 "1 to 1000"),
-             ({"max_consecutive": True}, "cache.max_consecutive", "whole number"),
-             ({"speed": 2}, "cache", "threshold, warmup, max_consecutive only"), ("fast", "cache", "an object")]
+    cases = [
+        ({"threshold": 1.5}, "cache.threshold", "from 0 to 1"),
+        ({"threshold": -0.1}, "cache.threshold", "0 to 1"),
+        ({"threshold": "x"}, "cache.threshold", "a number"),
+        ({"warmup": -1}, "cache.warmup", "0 to 1000"),
+        ({"warmup": 2.5}, "cache.warmup", "whole number"),
+        ({"max_consecutive": 0}, "cache.max_consecutive", "1 to 1000"),
+        ({"max_consecutive": True}, "cache.max_consecutive", "whole number"),
+        ({"speed": 2}, "cache", "threshold, warmup, max_consecutive only"),
+        ("fast", "cache", "an object"),
+    ]
     for value, field, words in cases:
         with pytest.raises(RequestError, match=words) as info:
             StepCacheConfig.from_request(value)
@@ -162,8 +172,7 @@ def test_high_tiers_in_run_options():
 # ------------------------------------------------------------------------------------------------ tiny model
 
 CONFIG = dict(TINY_CONFIGS[2], num_layers=6)
-INPUTS = dict(num_text=6, latent_frames=3, latent_hw=(4, 2), audio_latents=7, anchors=("first",),
-              distinct_timesteps=3)
+INPUTS = dict(num_text=6, latent_frames=3, latent_hw=(4, 2), audio_latents=7, anchors=("first",), distinct_timesteps=3)
 
 
 def _drifting_inputs(config, forwards: int, big: tuple[int, ...] = ()):
@@ -176,8 +185,9 @@ def _drifting_inputs(config, forwards: int, big: tuple[int, ...] = ()):
         size = 0.5 if step in big else 0.01
         video = video + size * torch.randn(video.shape, generator=generator)
         audio = audio + size * torch.randn(audio.shape, generator=generator)
-        steps.append(dict(base, hidden_states=video, audio_hidden_states=audio,
-                          timestep=base["timestep"] * (1 - 0.02 * step)))
+        steps.append(
+            dict(base, hidden_states=video, audio_hidden_states=audio, timestep=base["timestep"] * (1 - 0.02 * step))
+        )
     return steps
 
 
@@ -215,8 +225,8 @@ def test_tiny_transformer_threshold_zero_is_lossless_and_one_caches_what_the_rul
     calls = _count_block_calls(model)
     same, cache = _run(model, steps, StepCacheConfig(threshold=0.0, warmup=2))
     assert cache.cached_steps == [] and len(calls) == 9 * 6
-    for got, want in zip(same, plain):
-        assert all(torch.equal(a, b) for a, b in zip(got, want))
+    for got, want in zip(same, plain, strict=True):
+        assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
 
     calls.clear()
     cached, cache = _run(model, steps, StepCacheConfig(threshold=1.0, warmup=2))
@@ -228,11 +238,11 @@ def test_tiny_transformer_threshold_zero_is_lossless_and_one_caches_what_the_rul
     for step in range(9):
         ran = [index for f, index in per_forward if f == step]
         assert ran == ([0] if step in cache.cached_steps else list(range(6))), step
-    for step, (got, want) in enumerate(zip(cached, plain)):
-        same_output = all(torch.equal(a, b) for a, b in zip(got, want))
+    for step, (got, want) in enumerate(zip(cached, plain, strict=True)):
+        same_output = all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
         # the inputs do not feed back here: a computed forward's output is lossless's, a cached one's is not
         assert same_output == (step not in cache.cached_steps), step
-        assert all(max_rel_err(a, b) < 0.5 for a, b in zip(got, want))  # an approximation, not noise
+        assert all(max_rel_err(a, b) < 0.5 for a, b in zip(got, want, strict=True))  # an approximation, not noise
 
 
 def test_tiny_transformer_mid_threshold_decides_by_the_diff():
@@ -263,8 +273,8 @@ def test_offload_copies_no_block_for_a_cached_forward(resident):
     model.transformer_blocks[0].register_forward_pre_hook(lambda *_: per_forward.append(len(log)), prepend=True)
     got, cache = _run(model, steps, StepCacheConfig(threshold=1.0, warmup=2))
     assert cache.cached_steps == ref_cache.cached_steps == [2, 4, 6]
-    for a, b in zip(got, expected):
-        assert all(torch.equal(x, y) for x, y in zip(a, b))
+    for a, b in zip(got, expected, strict=True):
+        assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
     # The copies issued while each forward ran (from its block 0 to the next forward's block 0).
     bounds = per_forward + [len(log)]
     windows = [log[bounds[i] : bounds[i + 1]] for i in range(9)]
@@ -280,8 +290,9 @@ def test_offload_copies_no_block_for_a_cached_forward(resident):
 # ------------------------------------------------------------------------------------------------ parallel
 
 PARALLEL_CONFIG = dict(TINY_CONFIGS[2])  # 4 heads: TP2 and SP2
-PARALLEL_INPUTS = dict(num_text=7, latent_frames=3, latent_hw=(4, 4), audio_latents=7, anchors=("first",),
-                       distinct_timesteps=3)  # 53 rows: padded for SP2
+PARALLEL_INPUTS = dict(
+    num_text=7, latent_frames=3, latent_hw=(4, 4), audio_latents=7, anchors=("first",), distinct_timesteps=3
+)  # 53 rows: padded for SP2
 
 
 def _parallel_steps():
@@ -310,8 +321,7 @@ def _parallel_worker(rank, world, init_file, payload_path, result_dir):
             load_full_state_dict(model, payload["state_dict"])
             set_quality(model, "lossless")
             outputs, cache = _run(model, payload["steps"], StepCacheConfig(**payload["cache"]))
-            results.append({"tp": tp, "sp": sp, "outputs": outputs, "cached": cache.cached_steps,
-                            "diffs": cache.diffs})
+            results.append({"tp": tp, "sp": sp, "outputs": outputs, "cached": cache.cached_steps, "diffs": cache.diffs})
     finally:
         torch.save(results, os.path.join(result_dir, f"{rank}.pt"))
         dist.destroy_process_group()
@@ -333,10 +343,10 @@ def test_tp2_and_ulysses2_decide_and_compute_as_one_process(tmp_path):
         for result in torch.load(tmp_path / f"{rank}.pt"):
             layout = (result["tp"], result["sp"])
             assert result["cached"] == cache.cached_steps, layout
-            for got, want in zip(result["diffs"], cache.diffs):
+            for got, want in zip(result["diffs"], cache.diffs, strict=True):
                 assert (got is None) == (want is None) and (got is None or abs(got - want) <= 1e-5 * max(want, 1e-3))
-            for got, want in zip(result["outputs"], expected):
-                for a, b in zip(got, want):
+            for got, want in zip(result["outputs"], expected, strict=True):
+                for a, b in zip(got, want, strict=True):
                     assert max_rel_err(a, b) <= 1e-5, layout
 
 
@@ -387,12 +397,14 @@ def test_rest_cache_field_and_job_status(tmp_path):
     try:
         assert wait_loaded(engine, 120)
         http = TestClient(create_app(manager))
-        bad = [({"quality": "high", "cache": {"threshold": 2}}, "cache.threshold", "less than or equal to 1"),
-               ({"quality": "high", "cache": {"warmup": -1}}, "cache.warmup", "greater than or equal to 0"),
-               ({"quality": "high", "cache": {"max_consecutive": 0}}, "cache.max_consecutive", "greater than or equal"),
-               ({"quality": "high", "cache": {"speed": 1}}, "cache.speed", "Extra inputs"),
-               ({"cache": {"threshold": 0.1}}, "cache", "cache applies to quality high or fast+high"),
-               ({"quality": "fast+high"}, "quality", "fast and fast+high need")]
+        bad = [
+            ({"quality": "high", "cache": {"threshold": 2}}, "cache.threshold", "less than or equal to 1"),
+            ({"quality": "high", "cache": {"warmup": -1}}, "cache.warmup", "greater than or equal to 0"),
+            ({"quality": "high", "cache": {"max_consecutive": 0}}, "cache.max_consecutive", "greater than or equal"),
+            ({"quality": "high", "cache": {"speed": 1}}, "cache.speed", "Extra inputs"),
+            ({"cache": {"threshold": 0.1}}, "cache", "cache applies to quality high or fast+high"),
+            ({"quality": "fast+high"}, "quality", "fast and fast+high need"),
+        ]
         for fields, field, words in bad:
             response = http.post("/v1/videos", json={"prompt": "x", **fields})
             assert response.status_code == 422, response.text
@@ -400,14 +412,24 @@ def test_rest_cache_field_and_job_status(tmp_path):
             where = ".".join(str(p) for p in detail[0]["loc"][1:]) if isinstance(detail, list) else None
             message = detail[0]["msg"] if isinstance(detail, list) else str(detail)
             assert (where or response.json()["error"]["param"]) == field and words in message, response.text
-        made = http.post("/v1/videos", json={"prompt": "a fox", "quality": "high", "num_inference_steps": 6,
-                                             "cache": {"threshold": 1, "warmup": 1}})
+        made = http.post(
+            "/v1/videos",
+            json={
+                "prompt": "a fox",
+                "quality": "high",
+                "num_inference_steps": 6,
+                "cache": {"threshold": 1, "warmup": 1},
+            },
+        )
+
         def form(**fields):  # multipart text parts
             return {name: (None, value) for name, value in fields.items()}
 
         plain = http.post("/v1/videos", files=form(prompt="a fox", num_inference_steps="4"))  # lossless
-        text = http.post("/v1/videos", files=form(prompt="a fox", quality="high", num_inference_steps="4",
-                                                  cache='{"threshold": 1, "warmup": 0}'))
+        text = http.post(
+            "/v1/videos",
+            files=form(prompt="a fox", quality="high", num_inference_steps="4", cache='{"threshold": 1, "warmup": 0}'),
+        )
         assert made.status_code == plain.status_code == text.status_code == 202, (made.text, text.text)
         views = {}
         for name, job in (("made", made), ("plain", plain), ("text", text)):
@@ -436,8 +458,13 @@ def test_cli_flags_and_ui_choices(tmp_path, capsys):
     assert "apply to --quality high or fast+high (this run is lossless)" in capsys.readouterr().err
     assert main(base + ["--quality", "high", "--cache-threshold", "1.5", "--out", str(tmp_path / "a.mp4")]) == 2
     assert "cache.threshold must be a number from 0 to 1 (got 1.5)" in capsys.readouterr().err
-    assert main(base + ["--quality", "high", "--cache-threshold", "1", "--cache-warmup", "1",
-                        "--out", str(tmp_path / "b.mp4")]) == 0
+    assert (
+        main(
+            base
+            + ["--quality", "high", "--cache-threshold", "1", "--cache-warmup", "1", "--out", str(tmp_path / "b.mp4")]
+        )
+        == 0
+    )
     # 4 forwards, 1 warm-up: 1 cached, 2 follows it, 3 is the last
     assert capsys.readouterr().err.rstrip().endswith("shifts 12/3, 1 of 4 forwards cached (steps 1)")
 
@@ -449,16 +476,22 @@ def test_cli_flags_and_ui_choices(tmp_path, capsys):
     assert choices[2][0].startswith("high: lossless plus a first-block step cache")
 
 
-@pytest.mark.parametrize("loaded,tier,base", [(dict(quantization="mxfp4"), "high", "lossless"),
-                                              (dict(quality="fast"), "fast+high", "fast"),
-                                              (dict(quality="fast+high", quantization="mxfp4"), None, "fast")],
-                         ids=["mxfp4-high", "fast+high", "mxfp4-fast+high-default"])
+@pytest.mark.parametrize(
+    "loaded,tier,base",
+    [
+        (dict(quantization="mxfp4"), "high", "lossless"),
+        (dict(quality="fast"), "fast+high", "fast"),
+        (dict(quality="fast+high", quantization="mxfp4"), None, "fast"),
+    ],
+    ids=["mxfp4-high", "fast+high", "mxfp4-fast+high-default"],
+)
 def test_high_stacks_on_mxfp4_and_fast(tmp_path, loaded, tier, base):
     from h3gen.pipelines.h3.pipeline import H3Pipeline
     from h3gen.pipelines.h3.tiny_checkpoint import tiny_checkpoint
 
-    pipe = H3Pipeline.from_pretrained(tiny_checkpoint(cache_dir=tmp_path), device="cpu", torch_dtype=torch.float32,
-                                      **loaded)
+    pipe = H3Pipeline.from_pretrained(
+        tiny_checkpoint(cache_dir=tmp_path), device="cpu", torch_dtype=torch.float32, **loaded
+    )
     kwargs = dict(seed=3, num_inference_steps=9, num_frames=130)
     plain = pipe("a fox", quality=base, **kwargs)
     zero = pipe("a fox", quality=tier, cache={"threshold": 0}, **kwargs)
@@ -482,6 +515,7 @@ def test_the_gpu_budget_counts_the_cache_residuals(tmp_path, monkeypatch):
     monkeypatch.setattr(pipe.transformer, "activation_budget_bytes", plain, raising=False)
     pipe.validate("a cat", seconds=5)  # fits without the cache
     with pytest.raises(RequestError, match="activations need about") as error:
-        pipe("a cat", seconds=5, num_inference_steps=2, quality="high",
-             callback=lambda *a: pytest.fail("the model ran"))
+        pipe(
+            "a cat", seconds=5, num_inference_steps=2, quality="high", callback=lambda *a: pytest.fail("the model ran")
+        )
     assert error.value.field == "seconds"

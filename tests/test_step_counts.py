@@ -10,7 +10,6 @@ from h3gen.errors import RequestError
 from h3gen.pipelines.h3.pipeline import H3Pipeline
 
 
-
 @pytest.fixture(scope="module")
 def pipe(tiny_dir):
     return H3Pipeline.from_pretrained(tiny_dir, device="cpu", torch_dtype=torch.float32)
@@ -26,14 +25,21 @@ def _count_forwards(pipe, **kwargs):
     return len(calls), output
 
 
-@pytest.mark.parametrize("kwargs,forwards", [
-    (dict(forwards=8), 8), (dict(num_inference_steps=8), 7), (dict(forwards=1), 1), (dict(num_inference_steps=2), 1)])
+@pytest.mark.parametrize(
+    "kwargs,forwards",
+    [(dict(forwards=8), 8), (dict(num_inference_steps=8), 7), (dict(forwards=1), 1), (dict(num_inference_steps=2), 1)],
+)
 def test_forwards_and_sigma_points(pipe, kwargs, forwards):
     calls, output = _count_forwards(pipe, **kwargs)
     assert calls == forwards == output.forwards
     assert output.num_inference_steps == forwards + 1
-    assert output.sampling == {"num_inference_steps": forwards + 1, "forwards": forwards, "video_shift": 12.0,
-                               "audio_shift": 3.0, "recipe": None}
+    assert output.sampling == {
+        "num_inference_steps": forwards + 1,
+        "forwards": forwards,
+        "video_shift": 12.0,
+        "audio_shift": 3.0,
+        "recipe": None,
+    }
 
 
 def test_default_is_fifty_sigma_points(pipe):
@@ -53,9 +59,14 @@ def test_forwards_and_shifts_match_diffusers(tiny_dir, pipe):
     assert np.abs(pipe("a red fox", forwards=3, seed=11).video - video).max() > 1e-3
 
 
-@pytest.mark.parametrize("kwargs,field", [
-    (dict(num_inference_steps=5, forwards=4), "forwards"), (dict(forwards=0), "forwards"),
-    (dict(video_shift=-1.0), "video_shift")])
+@pytest.mark.parametrize(
+    "kwargs,field",
+    [
+        (dict(num_inference_steps=5, forwards=4), "forwards"),
+        (dict(forwards=0), "forwards"),
+        (dict(video_shift=-1.0), "video_shift"),
+    ],
+)
 def test_bad_step_arguments_name_the_field(pipe, kwargs, field):
     with pytest.raises(RequestError) as caught:
         pipe("x", **kwargs)
@@ -77,8 +88,13 @@ def test_a_turbo_adapter_runs_its_recipe(pipe, recipe_files):
     turbo, _ = recipe_files
     calls, output = _count_forwards(pipe, loras=[turbo])
     assert calls == 8 == output.forwards and output.num_inference_steps == 9
-    assert output.sampling == {"num_inference_steps": 9, "forwards": 8, "video_shift": 6.0, "audio_shift": 3.0,
-                               "recipe": "LightX2V Turbo fl2v 8-step v1.0 768p"}
+    assert output.sampling == {
+        "num_inference_steps": 9,
+        "forwards": 8,
+        "video_shift": 6.0,
+        "audio_shift": 3.0,
+        "recipe": "LightX2V Turbo fl2v 8-step v1.0 768p",
+    }
     assert output.loras == [(turbo.stem, 1.0)]
     # Explicit agreeing counts run the same; the next call without the adapter is back to the caller's steps.
     assert _count_forwards(pipe, loras=[(turbo, 0.5)], num_inference_steps=9)[0] == 8
@@ -89,7 +105,8 @@ def test_a_flashgen_adapter_runs_four_forwards_on_its_base_schedule(pipe, recipe
     _, flashgen = recipe_files
     seen = []
     handle = pipe.transformer.register_forward_pre_hook(
-        lambda module, args, kwargs: seen.append(kwargs["timestep"].flatten()[0].item()), with_kwargs=True)
+        lambda module, args, kwargs: seen.append(kwargs["timestep"].flatten()[0].item()), with_kwargs=True
+    )
     try:
         output = pipe("x", seed=1, decode=False, loras=[flashgen])
     finally:
@@ -100,11 +117,14 @@ def test_a_flashgen_adapter_runs_four_forwards_on_its_base_schedule(pipe, recipe
     assert seen == pytest.approx(video_t, abs=1e-6)
 
 
-@pytest.mark.parametrize("kwargs,field,words", [
-    (dict(num_inference_steps=8), "num_inference_steps", "num_inference_steps=8 (7 forwards)"),
-    (dict(forwards=4), "forwards", "forwards=4"),
-    (dict(video_shift=12.0), "video_shift", "video_shift 6"),
-])
+@pytest.mark.parametrize(
+    "kwargs,field,words",
+    [
+        (dict(num_inference_steps=8), "num_inference_steps", "num_inference_steps=8 (7 forwards)"),
+        (dict(forwards=4), "forwards", "forwards=4"),
+        (dict(video_shift=12.0), "video_shift", "video_shift 6"),
+    ],
+)
 def test_a_call_that_contradicts_its_recipe_is_refused_before_any_work(pipe, recipe_files, kwargs, field, words):
     turbo, _ = recipe_files
     calls = []

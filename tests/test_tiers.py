@@ -11,20 +11,19 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # the Triton kernels run in the interpreter on the CPU
 
-from h3_tiny import TINY_CONFIGS, cast_with_islands_, max_rel_err, random_inputs, randomize_  # noqa: E402
+from h3_tiny import TINY_CONFIGS, cast_with_islands_, max_rel_err, random_inputs, randomize_
 
-from h3gen.errors import RequestError  # noqa: E402
-from h3gen.pipelines.h3.pipeline import H3Pipeline  # noqa: E402
-from h3gen.pipelines.h3.tiers import set_quality  # noqa: E402
-from h3gen.pipelines.h3.transformer import H3Transformer  # noqa: E402
+from h3gen.errors import RequestError
+from h3gen.pipelines.h3.pipeline import H3Pipeline
+from h3gen.pipelines.h3.tiers import set_quality
+from h3gen.pipelines.h3.transformer import H3Transformer
 
 # The tests that run the fused Triton kernels: on a GPU natively, with the model in bf16 (the served dtype); on a CPU
 # in Triton's interpreter, in float32 (the interpreter gets bf16 wrong). Each kernel alone: tests/kernels/.
 ON_GPU = torch.cuda.is_available()
 DEVICE = "cuda" if ON_GPU else "cpu"
 
-INPUTS = dict(num_text=6, latent_frames=3, latent_hw=(4, 2), audio_latents=7, anchors=("first",),
-              distinct_timesteps=3)
+INPUTS = dict(num_text=6, latent_frames=3, latent_hw=(4, 2), audio_latents=7, anchors=("first",), distinct_timesteps=3)
 
 
 def _model(config_index=2, seed=3):
@@ -36,8 +35,11 @@ def _model(config_index=2, seed=3):
 def _run(model, inputs, **kwargs):
     device = next(model.parameters()).device
     with torch.no_grad():
-        return model(**{k: v.to(device, copy=True) if torch.is_tensor(v) else v for k, v in inputs.items()},
-                     return_dict=False, **kwargs)
+        return model(
+            **{k: v.to(device, copy=True) if torch.is_tensor(v) else v for k, v in inputs.items()},
+            return_dict=False,
+            **kwargs,
+        )
 
 
 @pytest.mark.gpu
@@ -53,7 +55,7 @@ def test_lossless_with_triton_kernels_matches_exact(config_index, monkeypatch):
     monkeypatch.setenv("H3GEN_TRITON", "1")  # the fused path through the Triton kernels, not the references
     set_quality(model, "lossless")
     lossless = _run(model, inputs)
-    for index, (got, expected) in enumerate(zip(lossless, exact)):
+    for index, (got, expected) in enumerate(zip(lossless, exact, strict=True)):
         if ON_GPU:
             # the kernels round differently from the reference op order, never by more than bf16 does itself
             bf16_error = max_rel_err(exact_bf16[index], expected)
@@ -70,7 +72,7 @@ def test_precomputed_adaln_tables_match_per_step_projection():
     tables = model.precompute_adaln([inputs["timestep"] for inputs in steps])
     assert tables.counts == [3, 3, 3] and tables.offsets == [0, 3, 6]
     for i, inputs in enumerate(steps):
-        for got, expected in zip(_run(model, inputs, adaln_tables=tables, step=i), _run(model, inputs)):
+        for got, expected in zip(_run(model, inputs, adaln_tables=tables, step=i), _run(model, inputs), strict=True):
             assert max_rel_err(got, expected) <= 1e-6
 
 
@@ -84,7 +86,7 @@ def test_fast_tier_is_close_and_irreversible():
     approx = _run(fast, inputs)
     # measured 0.125 (video) and 0.067 (audio): random tiny weights amplify FP8's error (4e-3 at released dims);
     # bounds half and twice that, so FP8 really ran and nothing else moved the output
-    for got, expected, measured in zip(approx, exact, (0.125, 0.067)):
+    for got, expected, measured in zip(approx, exact, (0.125, 0.067), strict=True):
         assert measured / 2 < max_rel_err(got, expected) < 2 * measured
     with pytest.raises(ValueError, match="quantized"):
         set_quality(fast, "exact")
@@ -110,11 +112,10 @@ def test_fast_tier_hands_fp8_rows_and_heads_to_gemms_and_attention(triton, monke
     for block in model.transformer_blocks:  # set_quality's choice where FlashAttention-3 is installed; without it
         block.attn.core.backend = "fa3-fp8"  # the torch reference (dequantized inputs) runs the same path
     fp8_attention = _run(model, inputs)
-    for got, other, expected in zip(fp8_attention, bf16_attention, exact):
+    for got, other, expected in zip(fp8_attention, bf16_attention, exact, strict=True):
         assert 0.05 < max_rel_err(got, expected) < FP8_HANDOFF_BOUND[triton]  # measured 0.095 to 0.226
         # the FP8 attention path really ran: measured 0.068 to 0.21
         assert 0.03 < max_rel_err(got, other) < FP8_HANDOFF_BOUND[triton]
-
 
 
 def _psnr(a: np.ndarray, b: np.ndarray) -> float:
@@ -159,6 +160,6 @@ def test_fast_tier_keeps_mxfp4_gemms_and_their_bf16_rows():
     assert block.fused_forward is fused_block_forward is not fast_block_forward
     fp8_attention = fa3_available()  # the tier's attention: FA3's FP8 kernel where installed, else as lossless
     assert block.attn.core.backend == ("fa3-fp8" if fp8_attention else "auto")
-    for got, expected in zip(_run(model, inputs), lossless):
+    for got, expected in zip(_run(model, inputs), lossless, strict=True):
         error = max_rel_err(got, expected)
         assert 1e-4 < error < 0.3 if fp8_attention else error <= 1e-6

@@ -12,7 +12,8 @@ from h3gen.pipelines.h3.text_encoder import H3TextEncoder
 def _digests(folder):
     return {
         str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
-        for p in sorted(folder.rglob("*")) if p.is_file() and p.name != "modular_model_index.json"
+        for p in sorted(folder.rglob("*"))
+        if p.is_file() and p.name != "modular_model_index.json"
     }
 
 
@@ -21,7 +22,10 @@ def test_same_seed_same_bytes_and_every_component(tmp_path):
     second = _digests(tiny.build_tiny_checkpoint(tmp_path / "b", seed=3))
     other = _digests(tiny.build_tiny_checkpoint(tmp_path / "c", seed=4))
     assert first == second
-    assert first["transformer/diffusion_pytorch_model.safetensors"] != other["transformer/diffusion_pytorch_model.safetensors"]
+    assert (
+        first["transformer/diffusion_pytorch_model.safetensors"]
+        != other["transformer/diffusion_pytorch_model.safetensors"]
+    )
     checkpoint = H3Checkpoint.open(tmp_path / "a")
     assert set(tiny.COMPONENTS) <= set(checkpoint.components)
     checkpoint.require("fl2va")
@@ -44,8 +48,13 @@ def test_text_encoder_skips_layers_after_51_with_identical_conditioning(tmp_path
     tokenizer.save_pretrained(tmp_path / "tok")
     ids = torch.tensor([tokenizer("a quiet street at night", add_special_tokens=False)["input_ids"]])
     with torch.no_grad():
-        expected = full.model(input_ids=ids, attention_mask=torch.ones_like(ids), mm_token_type_ids=torch.zeros_like(ids),
-                              use_cache=False, output_hidden_states=True).hidden_states[50]
+        expected = full.model(
+            input_ids=ids,
+            attention_mask=torch.ones_like(ids),
+            mm_token_type_ids=torch.zeros_like(ids),
+            use_cache=False,
+            output_hidden_states=True,
+        ).hidden_states[50]
     encoder = H3TextEncoder.from_pretrained(tmp_path / "te", tmp_path / "tok", None, dtype=torch.float32, device="cpu")
     assert len(encoder.model.model.language_model.layers) == 51
     got = encoder.encode("a quiet street at night")

@@ -3,17 +3,33 @@
 import pytest
 import torch
 from diffusers import MiniMaxH3Transformer3DModel
-from h3_tiny import TINY_CONFIGS, cast_with_islands_, max_rel_err, randomize_, random_inputs
+from h3_tiny import TINY_CONFIGS, cast_with_islands_, max_rel_err, random_inputs, randomize_
 
 from h3gen.pipelines.h3.transformer import H3Transformer
 
 # Odd row counts, 1-3 distinct timesteps, keyframe conditioning rows, vision-tagged text rows, batch 2.
 CASES = [
     dict(config=0, num_text=7, latent_frames=3, latent_hw=(4, 6), audio_latents=5, distinct_timesteps=1),
-    dict(config=1, num_text=11, latent_frames=2, latent_hw=(6, 2), audio_latents=9, anchors=("first",),
-         vision_rows=3, distinct_timesteps=3),
-    dict(config=2, num_text=5, latent_frames=7, latent_hw=(2, 4), audio_latents=13, anchors=("first", "last"),
-         distinct_timesteps=2, batch=2),
+    dict(
+        config=1,
+        num_text=11,
+        latent_frames=2,
+        latent_hw=(6, 2),
+        audio_latents=9,
+        anchors=("first",),
+        vision_rows=3,
+        distinct_timesteps=3,
+    ),
+    dict(
+        config=2,
+        num_text=5,
+        latent_frames=7,
+        latent_hw=(2, 4),
+        audio_latents=13,
+        anchors=("first", "last"),
+        distinct_timesteps=2,
+        batch=2,
+    ),
 ]
 
 

@@ -12,8 +12,16 @@ from server_harness import Server
 from h3gen.pipelines.h3.tiny_checkpoint import tiny_checkpoint
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
-OFFLINE_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-                 "--disable-component-update", "--disable-sync", "--no-first-run", "--disable-quic"]
+OFFLINE_FLAGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+    "--disable-quic",
+]
 ARTIFACTS = Path(__file__).resolve().parents[1] / "artifacts"
 
 
@@ -30,18 +38,27 @@ def ui_page(server, height: int = 1000):
         yield page
         browser.close()
 
+
 def wait_for_video(page, server, seconds: float) -> None:
     """Wait for the result player; past `seconds`, fail with what the page and the server say about the jobs."""
     deadline = time.monotonic() + seconds
     while not page.locator("#result-video video").is_visible():
         if time.monotonic() > deadline:
             with server.client() as rest:
-                jobs = [(job["request"]["prompt"], job["request"].get("num_inference_steps"), job["job_status"],
-                         job.get("error"))
-                        for job in rest.get("/v1/videos").json()["data"]]
+                jobs = [
+                    (
+                        job["request"]["prompt"],
+                        job["request"].get("num_inference_steps"),
+                        job["job_status"],
+                        job.get("error"),
+                    )
+                    for job in rest.get("/v1/videos").json()["data"]
+                ]
             log = server.log_path.read_text()[-2000:]
-            raise AssertionError(f"no video in {seconds} s; status {page.input_value('#status textarea')!r}; "
-                                 f"jobs {jobs}; server log:\n{log}")
+            raise AssertionError(
+                f"no video in {seconds} s; status {page.input_value('#status textarea')!r}; "
+                f"jobs {jobs}; server log:\n{log}"
+            )
         time.sleep(0.2)
 
 
@@ -84,7 +101,8 @@ def test_type_prompt_generate_see_progress_and_play_video(server):
             time.sleep(0.05)
         page.wait_for_function(
             "() => { const v = document.querySelector('#result-video video'); return v && v.readyState >= 2 }",
-            timeout=30000)
+            timeout=30000,
+        )
         bars.add(float(page.get_attribute("#progress progress", "value")))  # the bar once the video is there
         video = page.evaluate("""() => { const v = document.querySelector('#result-video video');
             return {duration: v.duration, width: v.videoWidth, height: v.videoHeight,
@@ -150,8 +168,9 @@ def visible_error_badges(page) -> list[str]:
 def test_empty_prompt_is_one_message_in_status(server):
     with ui_page(server) as page:
         page.click("#generate-btn")
-        page.wait_for_function("() => document.querySelector('#status textarea').value.includes('prompt')",
-                               timeout=30000)
+        page.wait_for_function(
+            "() => document.querySelector('#status textarea').value.includes('prompt')", timeout=30000
+        )
         status = page.input_value("#status textarea")
         time.sleep(0.5)
         badges = visible_error_badges(page)
@@ -167,27 +186,31 @@ def test_cancel_running_then_delete_finished(server):
         page.fill("#steps input[type=number]", "100")
         page.press("#steps input[type=number]", "Enter")
         page.click("#generate-btn")
-        page.wait_for_function("() => document.querySelector('#status textarea').value.includes('in_progress')",
-                               timeout=60000)
+        page.wait_for_function(
+            "() => document.querySelector('#status textarea').value.includes('in_progress')", timeout=60000
+        )
         page.fill("#steps input[type=number]", "2")  # the next job's settings: the running one keeps its own
         page.press("#steps input[type=number]", "Enter")
         page.fill("#prompt textarea", "a short one")
         page.click("#cancel-btn")
-        page.wait_for_function("() => document.querySelector('#status textarea').value.includes('cancelled')",
-                               timeout=30000)
+        page.wait_for_function(
+            "() => document.querySelector('#status textarea').value.includes('cancelled')", timeout=30000
+        )
         # Generate right after Cancel starts the next job: the cancelled job's generate event no longer holds the
         # button (a click while an event is pending would be dropped).
         page.click("#generate-btn")
         wait_for_video(page, server, 240)  # on a busy CPU
-        page.wait_for_function("() => document.querySelector('#history').innerText.includes('cancelled')",
-                               timeout=30000)
+        page.wait_for_function(
+            "() => document.querySelector('#history').innerText.includes('cancelled')", timeout=30000
+        )
         history = page.inner_text("#history")
         badges = visible_error_badges(page)
         src = page.get_attribute("#result-video video", "src")  # a finished job: Cancel deletes it and its video
         before = page.request.get(f"{server.url}/ui/{src}").status
         page.click("#cancel-btn")
-        page.wait_for_function("() => document.querySelector('#status textarea').value.includes('deleted')",
-                               timeout=30000)
+        page.wait_for_function(
+            "() => document.querySelector('#status textarea').value.includes('deleted')", timeout=30000
+        )
         after = page.request.get(f"{server.url}/ui/{src}").status
     with server.client() as rest:
         jobs = rest.get("/v1/videos").json()["data"]

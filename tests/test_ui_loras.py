@@ -19,8 +19,14 @@ def server(tmp_path_factory):
     folder = root / "loras"
     folder.mkdir()
     turbo = write_turbo(folder, model)
-    instance = Server(model, root / "results", ui=True, api_key=KEY, extra=("--lora-dir", str(folder)),
-                      env={"GRADIO_TEMP_DIR": str(root / "gradio-tmp")})
+    instance = Server(
+        model,
+        root / "results",
+        ui=True,
+        api_key=KEY,
+        extra=("--lora-dir", str(folder)),
+        env={"GRADIO_TEMP_DIR": str(root / "gradio-tmp")},
+    )
     instance.turbo = turbo.name.removesuffix(".safetensors")
     yield instance
     instance.stop()
@@ -36,8 +42,13 @@ def test_the_picker_lists_the_folder_and_runs_the_chosen_adapter(server):
         picker = _picker(config)["props"]
         assert picker["visible"] is not False and picker["headers"] == ["LoRA", "recipe", "scale"]
         assert picker["value"]["data"] == [[server.turbo, f"{RECIPE}: 8 forwards", 0]]
-        kind, payload = call(client, "generate", generate_inputs(
-            steps=0, loras={"headers": ["LoRA", "recipe", "scale"], "data": [[server.turbo, RECIPE, 0.6]]}))
+        kind, payload = call(
+            client,
+            "generate",
+            generate_inputs(
+                steps=0, loras={"headers": ["LoRA", "recipe", "scale"], "data": [[server.turbo, RECIPE, 0.6]]}
+            ),
+        )
         assert kind == "complete", payload
         status = payload[0]
         assert "8 forwards" in status and f"LoRA {server.turbo} x0.6" in status, status
@@ -48,8 +59,10 @@ def test_the_picker_lists_the_folder_and_runs_the_chosen_adapter(server):
 
 
 def test_rows_with_scale_zero_are_left_out_and_a_bad_scale_is_named():
-    assert chosen_loras([["a", "", 0], ["b", "", 0.5], ["c", "", "1"]]) == [{"name": "b", "scale": 0.5},
-                                                                           {"name": "c", "scale": 1.0}]
+    assert chosen_loras([["a", "", 0], ["b", "", 0.5], ["c", "", "1"]]) == [
+        {"name": "b", "scale": 0.5},
+        {"name": "c", "scale": 1.0},
+    ]
     assert chosen_loras(None) == []
     with pytest.raises(ValueError, match="scale of LoRA a"):
         chosen_loras([["a", "", "lots"]])

@@ -12,16 +12,38 @@ from server_harness import Server, wait_for
 from h3gen.pipelines.h3.tiny_checkpoint import tiny_checkpoint
 
 KEY = "ui-security-key"
-INPUTS = ["prompt", "task", "image", "last_image", "references", "aspect", "seconds", "steps", "seed", "randomize",
-          "plan", "window_prompts", "window_frames", "overlap_frames", "quality", "loras"]
+INPUTS = [
+    "prompt",
+    "task",
+    "image",
+    "last_image",
+    "references",
+    "aspect",
+    "seconds",
+    "steps",
+    "seed",
+    "randomize",
+    "plan",
+    "window_prompts",
+    "window_frames",
+    "overlap_frames",
+    "quality",
+    "loras",
+]
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     root = tmp_path_factory.mktemp("ui-security")
     gradio_tmp = root / "gradio-tmp"
-    instance = Server(tiny_checkpoint(cache_dir=root / "cache"), root / "results", ui=True, api_key=KEY,
-                      env={"GRADIO_TEMP_DIR": str(gradio_tmp)}, extra=("--max-upload-mb", "1"))
+    instance = Server(
+        tiny_checkpoint(cache_dir=root / "cache"),
+        root / "results",
+        ui=True,
+        api_key=KEY,
+        env={"GRADIO_TEMP_DIR": str(gradio_tmp)},
+        extra=("--max-upload-mb", "1"),
+    )
     instance.gradio_tmp = gradio_tmp
     instance.results_dir = root / "results"
     yield instance
@@ -53,10 +75,24 @@ def call(client: httpx.Client, endpoint: str, data: list) -> tuple[str, object]:
 
 
 def generate_inputs(**overrides) -> list:
-    values = dict(prompt="a cat", task="t2va", image=None, last_image=None, references=None, aspect="auto",
-                  seconds=5, steps=2, seed=1, randomize=False, plan=False, window_prompts="", window_frames=None,
-                  overlap_frames=None, quality="lossless",
-                  loras={"headers": ["LoRA", "recipe", "scale"], "data": []})  # the picker, empty
+    values = dict(
+        prompt="a cat",
+        task="t2va",
+        image=None,
+        last_image=None,
+        references=None,
+        aspect="auto",
+        seconds=5,
+        steps=2,
+        seed=1,
+        randomize=False,
+        plan=False,
+        window_prompts="",
+        window_frames=None,
+        overlap_frames=None,
+        quality="lossless",
+        loras={"headers": ["LoRA", "recipe", "scale"], "data": []},
+    )  # the picker, empty
     values.update(overrides)
     return [values[name] for name in INPUTS]
 
@@ -148,10 +184,18 @@ def test_an_upload_is_staged_under_its_decoded_type_not_its_name(tmp_path):
     Image.new("RGB", (64, 32), (200, 30, 30)).save(uploads / "abc" / "evil.html", format="PNG")
     Image.new("RGB", (64, 32), (20, 30, 200)).save(uploads / "abc" / "face.svg", format="JPEG")
     write_audio(tmp_path / "voice.m4a", tone(1.0, 48000), 48000).rename(uploads / "abc" / "voice.html")
-    staged = stage_uploads(str(uploads / "abc" / "evil.html"), None,
-                           [str(uploads / "abc" / "face.svg"), str(uploads / "abc" / "voice.html")], staging, uploads)
+    staged = stage_uploads(
+        str(uploads / "abc" / "evil.html"),
+        None,
+        [str(uploads / "abc" / "face.svg"), str(uploads / "abc" / "voice.html")],
+        staging,
+        uploads,
+    )
     assert {name: path.name for name, path in staged.items()} == {
-        "image": "image.png", "ref_image_0": "ref_image_0.jpg", "ref_audio_1": "ref_audio_1.m4a"}
+        "image": "image.png",
+        "ref_image_0": "ref_image_0.jpg",
+        "ref_audio_1": "ref_audio_1.m4a",
+    }
     assert sorted(p.name for p in staging.iterdir()) == ["image.png", "ref_audio_1.m4a", "ref_image_0.jpg"]
 
     (uploads / "abc" / "page.png").write_text("<script>alert(1)</script>")

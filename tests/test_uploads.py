@@ -28,22 +28,37 @@ def media(tmp_path_factory):
     return folder
 
 
-@pytest.mark.parametrize("name,kind,suffix", [
-    ("p.upload", "image", ".png"), ("j.upload", "image", ".jpg"), ("w.upload", "image", ".webp"),
-    ("g.upload", "image", ".gif"), ("v.upload", "video", ".mp4"), ("va.upload", "video", ".mp4"),
-    ("awav.upload", "audio", ".wav"), ("amp3.upload", "audio", ".mp3"), ("am4a.upload", "audio", ".m4a"),
-    ("va.upload", "audio", ".mp4"),  # a video given for its soundtrack
-])
+@pytest.mark.parametrize(
+    "name,kind,suffix",
+    [
+        ("p.upload", "image", ".png"),
+        ("j.upload", "image", ".jpg"),
+        ("w.upload", "image", ".webp"),
+        ("g.upload", "image", ".gif"),
+        ("v.upload", "video", ".mp4"),
+        ("va.upload", "video", ".mp4"),
+        ("awav.upload", "audio", ".wav"),
+        ("amp3.upload", "audio", ".mp3"),
+        ("am4a.upload", "audio", ".m4a"),
+        ("va.upload", "audio", ".mp4"),  # a video given for its soundtrack
+    ],
+)
 def test_upload_named_by_content(media, name, kind, suffix):
     assert upload_suffix(media / name, kind, "field") == suffix
 
 
-@pytest.mark.parametrize("name,kind,message", [
-    ("page.upload", "image", "not a readable image"), ("page.upload", "video", "not a readable video"),
-    ("page.upload", "audio", "not a readable audio"), ("p.upload", "video", "not a readable video"),
-    ("awav.upload", "video", "not a readable video"), ("v.upload", "audio", "no audio stream"),
-    ("v.upload", "image", "not a readable image"),
-])
+@pytest.mark.parametrize(
+    "name,kind,message",
+    [
+        ("page.upload", "image", "not a readable image"),
+        ("page.upload", "video", "not a readable video"),
+        ("page.upload", "audio", "not a readable audio"),
+        ("p.upload", "video", "not a readable video"),
+        ("awav.upload", "video", "not a readable video"),
+        ("v.upload", "audio", "no audio stream"),
+        ("v.upload", "image", "not a readable image"),
+    ],
+)
 def test_upload_of_the_wrong_kind_is_refused_naming_the_field(media, name, kind, message):
     with pytest.raises(RequestError, match=message) as error:
         upload_suffix(media / name, kind, "ref_thing")
@@ -59,7 +74,10 @@ def test_pixel_cap_is_read_from_the_header(tmp_path):
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     started = time.perf_counter()
     for source in (path, huge):
-        for call in (lambda: read_image(source, "image"), lambda: upload_suffix(source, "image", "image")):
+        for call in (
+            lambda source=source: read_image(source, "image"),
+            lambda source=source: upload_suffix(source, "image", "image"),
+        ):
             with pytest.raises(RequestError, match="at most 40 MP") as error:
                 call()
             assert error.value.field == "image" and str(tmp_path) not in str(error.value)
@@ -79,18 +97,24 @@ UI_ASPECTS = ["16:9", "9:16", "1:1", "4:3", "3:4", "21:9", "4:1", "1:4"]
 EXTREMES = ["4:1", "1:4", "3.999:1", "1:3.999", "4000:1000", "1000:4000", "3.5:1", "1:3.5", "2.39:1"]
 
 
-@pytest.mark.parametrize("short_edge,max_pixels,multiple", [
-    (64, 7168, 32),  # the tiny demo model
-    (geometry.CANVAS_SHORT_EDGE, geometry.CANVAS_MAX_PIXELS, 32),  # the released model
-    (32, 32 * 32 * 4, 32), (96, 96 * 200, 32), (48, 48 * 48 * 3, 16),
-])
+@pytest.mark.parametrize(
+    "short_edge,max_pixels,multiple",
+    [
+        (64, 7168, 32),  # the tiny demo model
+        (geometry.CANVAS_SHORT_EDGE, geometry.CANVAS_MAX_PIXELS, 32),  # the released model
+        (32, 32 * 32 * 4, 32),
+        (96, 96 * 200, 32),
+        (48, 48 * 48 * 3, 16),
+    ],
+)
 def test_every_accepted_aspect_ratio_resolves_to_a_canvas_the_model_accepts(short_edge, max_pixels, multiple):
     """What validation resolves (from an aspect ratio) must pass the check the pipeline runs on explicit sizes:
     the 4:1 canvas of the tiny model once rounded to 160x32 (5:1), which every job then failed on."""
     ratios = UI_ASPECTS + EXTREMES + [f"{w:.3f}:1" for w in np.linspace(0.25, 4.0, 301)]
     for ratio in ratios:
-        canvas = geometry.resolve_geometry(aspect_ratio=ratio, multiple=multiple, short_edge=short_edge,
-                                           max_pixels=max_pixels)
+        canvas = geometry.resolve_geometry(
+            aspect_ratio=ratio, multiple=multiple, short_edge=short_edge, max_pixels=max_pixels
+        )
         again = geometry.resolve_geometry(height=canvas.height, width=canvas.width, multiple=multiple)
         assert (again.height, again.width) == (canvas.height, canvas.width), ratio
     # the released model's canvases are unchanged by the bound

@@ -35,10 +35,12 @@ AT_BOUNDS = {
     "longest single request": dict(seconds=15, **FAST),
     "just over one request": dict(seconds=15.01, window_frames=124, overlap_frames=5, **FAST),
     "longest clip, longest windows": dict(seconds=60, window_frames=345, overlap_frames=328, **FAST),
-    "step cache at its bounds": dict(quality="high", cache={"threshold": 1.0, "warmup": 0, "max_consecutive": 1000},
-                                     num_inference_steps=6),
-    "step cache at its other bounds": dict(quality="high", cache={"threshold": 0.0, "warmup": 1000,
-                                                                  "max_consecutive": 1}, num_inference_steps=6),
+    "step cache at its bounds": dict(
+        quality="high", cache={"threshold": 1.0, "warmup": 0, "max_consecutive": 1000}, num_inference_steps=6
+    ),
+    "step cache at its other bounds": dict(
+        quality="high", cache={"threshold": 0.0, "warmup": 1000, "max_consecutive": 1}, num_inference_steps=6
+    ),
     "narrowest and widest canvas": dict(aspect_ratio="1:4", audio_sample_rate=48000, **FAST),
 }
 SLOW = {"low shifts at the most forwards", "longest clip, longest windows"}
@@ -61,8 +63,9 @@ def engine(tmp_path_factory):
     return engine
 
 
-@pytest.mark.parametrize("name", [pytest.param(name, marks=pytest.mark.slow) if name in SLOW else name
-                                  for name in AT_BOUNDS])
+@pytest.mark.parametrize(
+    "name", [pytest.param(name, marks=pytest.mark.slow) if name in SLOW else name for name in AT_BOUNDS]
+)
 def test_values_at_and_near_every_bound_run_to_an_mp4(engine, tmp_path, name):
     fields = AT_BOUNDS[name]
     request = engine.validate(GenerationRequest(prompt="a cat", **fields), {})

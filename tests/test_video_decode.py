@@ -25,7 +25,9 @@ def _rel(actual, expected):
     return ((actual - expected).norm() / expected.norm()).item()
 
 
-@pytest.mark.parametrize("latent_shape,batch", [((37, 4, 6), 3), ((12, 20, 24), 5), ((7, 17, 33), 1), ((17, 18, 16), 64)])
+@pytest.mark.parametrize(
+    "latent_shape,batch", [((37, 4, 6), 3), ((12, 20, 24), 5), ((7, 17, 33), 1), ((17, 18, 16), 64)]
+)
 def test_lossless_decode_equals_diffusers(vae, latent_shape, batch):
     z = torch.randn(1, 24, *latent_shape, generator=torch.Generator().manual_seed(sum(latent_shape)))
     expected = vae.decode(z).sample

@@ -40,15 +40,19 @@ def video_html(job_id: str | None) -> str:
     if not job_id:
         return ""
     url = html.escape(media_url(job_id))
-    return (f'<video src="{url}" controls playsinline preload="metadata" style="width:100%;max-height:480px">'
-            f'</video><a href="{url}" download="{html.escape(job_id)}.mp4">Download MP4</a>')
+    return (
+        f'<video src="{url}" controls playsinline preload="metadata" style="width:100%;max-height:480px">'
+        f'</video><a href="{url}" download="{html.escape(job_id)}.mp4">Download MP4</a>'
+    )
 
 
 def progress_html(percent: float, label: str) -> str:
     """A progress bar (0-100) with its label."""
     percent = max(0.0, min(100.0, float(percent)))
-    return (f'<div class="h3-progress"><progress value="{percent:.0f}" max="100" style="width:100%"></progress>'
-            f"<span>{html.escape(label)}</span></div>")
+    return (
+        f'<div class="h3-progress"><progress value="{percent:.0f}" max="100" style="width:100%"></progress>'
+        f"<span>{html.escape(label)}</span></div>"
+    )
 
 
 def serves_demo_model(engine) -> bool:
@@ -81,8 +85,15 @@ def _history(manager) -> list[list]:
     for job in jobs:
         request = job["request"] or {}
         seconds = request.get("duration") or request.get("seconds")
-        rows.append([job["id"][:8], status_label(job["status"]), (request.get("prompt") or "")[:80],
-                     f"{seconds:.1f}" if seconds else "", str(request.get("seed", ""))])
+        rows.append(
+            [
+                job["id"][:8],
+                status_label(job["status"]),
+                (request.get("prompt") or "")[:80],
+                f"{seconds:.1f}" if seconds else "",
+                str(request.get("seed", "")),
+            ]
+        )
     return rows
 
 
@@ -102,8 +113,9 @@ def lora_rows(engine) -> list[list]:
     rows = []
     for entry in folder.listing():
         recipe = entry.get("recipe") or {}
-        what = f"{recipe['name']}: {recipe['forwards']} forwards" if recipe else ("unusable" if entry.get("error")
-                                                                                else "")
+        what = (
+            f"{recipe['name']}: {recipe['forwards']} forwards" if recipe else ("unusable" if entry.get("error") else "")
+        )
         rows.append([entry["name"], what, 0.0])
     return rows
 
@@ -142,8 +154,25 @@ class _Actions:
         self.manager = manager
         self.upload_folder = Path(get_upload_folder())
 
-    def generate(self, prompt, task, image, last_image, references, aspect, seconds, steps, seed, randomize, plan,
-                 window_prompts="", window_frames=None, overlap_frames=None, quality=None, loras=None):
+    def generate(
+        self,
+        prompt,
+        task,
+        image,
+        last_image,
+        references,
+        aspect,
+        seconds,
+        steps,
+        seed,
+        randomize,
+        plan,
+        window_prompts="",
+        window_frames=None,
+        overlap_frames=None,
+        quality=None,
+        loras=None,
+    ):
         idle = (gr.update(),) * 5  # video, job, seed, history, planned prompt stay as they are
 
         def problem(message):
@@ -155,11 +184,18 @@ class _Actions:
             yield problem(str(error))
             return
         # Steps 0 is "auto": 50 sigma points, or the recipe of a few-step adapter.
-        fields = dict(prompt=prompt or "", task=task, seconds=float(seconds),
-                      num_inference_steps=int(steps) if steps else None,
-                      aspect_ratio=None if aspect in (None, "auto") else aspect,
-                      seed=None if randomize or seed is None else int(seed), plan=bool(plan), quality=quality or None,
-                      loras=chosen or None, **long_clip_fields(window_prompts, window_frames, overlap_frames))
+        fields = dict(
+            prompt=prompt or "",
+            task=task,
+            seconds=float(seconds),
+            num_inference_steps=int(steps) if steps else None,
+            aspect_ratio=None if aspect in (None, "auto") else aspect,
+            seed=None if randomize or seed is None else int(seed),
+            plan=bool(plan),
+            quality=quality or None,
+            loras=chosen or None,
+            **long_clip_fields(window_prompts, window_frames, overlap_frames),
+        )
         try:
             request = GenerationRequest.model_validate(fields)
         except ValidationError as error:
@@ -172,8 +208,9 @@ class _Actions:
             job = self.manager.submit(normalized, uploads)
         except RequestError as error:
             message = str(error).replace(f"{staging}/", "")  # name the field's file, never a server folder
-            yield problem(message if not error.field or message.startswith(error.field) else
-                          f"{error.field}: {message}")
+            yield problem(
+                message if not error.field or message.startswith(error.field) else f"{error.field}: {message}"
+            )
             return
         except QueueFull as error:
             yield problem(str(error))
@@ -196,25 +233,49 @@ class _Actions:
             status = f"Job {job_id[:8]}: {status_label(view['status'])}{where} — {stage_name}, {percent}"
             if view["status"] in FINISHED:
                 break
-            yield (status, progress_html(view["progress"], f"{stage_name} {view['progress']:.0f}%"), gr.update(),
-                   job_id, seed_used, gr.update(), view.get("planned_prompt") or "")
+            yield (
+                status,
+                progress_html(view["progress"], f"{stage_name} {view['progress']:.0f}%"),
+                gr.update(),
+                job_id,
+                seed_used,
+                gr.update(),
+                view.get("planned_prompt") or "",
+            )
             time.sleep(POLL_SECONDS)
         planned_prompt = view.get("planned_prompt") or ""
         if view["status"] != "succeeded":
-            message = (f"Job {job_id[:8]}: cancelled." if view["status"] == "cancelled" else
-                       f"Job {job_id[:8]} failed: {view['error']}")
-            yield (message, progress_html(0, status_label(view["status"])), gr.update(), job_id, seed_used,
-                   _history(self.manager), planned_prompt)
+            message = (
+                f"Job {job_id[:8]}: cancelled."
+                if view["status"] == "cancelled"
+                else f"Job {job_id[:8]} failed: {view['error']}"
+            )
+            yield (
+                message,
+                progress_html(0, status_label(view["status"])),
+                gr.update(),
+                job_id,
+                seed_used,
+                _history(self.manager),
+                planned_prompt,
+            )
             return
         total = sum(view["timings"].values())
         done = view["request"]
         applied = ", ".join(f"{lora['name']} x{lora['scale']:g}" for lora in done.get("loras") or [])
         cached = view.get("cached_steps")
         cached = "" if cached is None else f", {len(cached)} forwards cached"
-        yield (f"Job {job_id[:8]}: done in {total:.1f} s — {done['width']}x{done['height']}, "
-               f"{done['num_frames']} frames, seed {seed_used}, {done.get('forwards')} forwards{cached}"
-               + (f", LoRA {applied}" if applied else ""), progress_html(100, "done"),
-               video_html(job_id), job_id, seed_used, _history(self.manager), planned_prompt)
+        yield (
+            f"Job {job_id[:8]}: done in {total:.1f} s — {done['width']}x{done['height']}, "
+            f"{done['num_frames']} frames, seed {seed_used}, {done.get('forwards')} forwards{cached}"
+            + (f", LoRA {applied}" if applied else ""),
+            progress_html(100, "done"),
+            video_html(job_id),
+            job_id,
+            seed_used,
+            _history(self.manager),
+            planned_prompt,
+        )
 
     def cancel(self, job_id):
         if not job_id:
@@ -250,72 +311,150 @@ def build_ui(manager) -> gr.Blocks:
     actions = _Actions(manager)
 
     with gr.Blocks(title="h3gen — MiniMax-H3", analytics_enabled=False, delete_cache=UPLOAD_CACHE) as demo:
-        gr.Markdown("## h3gen — MiniMax-H3 video + stereo audio\nDescribe a clip; optionally give the first and/or "
-                    "last frame (task fl2va), or reference images, videos and sounds (task ref2va).")
-        gr.Markdown("**Demo model:** this server runs the tiny built-in model with random weights, so every picture "
-                    "and sound it makes is noise. Start `h3gen serve --model <checkpoint folder>` for real clips.",
-                    visible=serves_demo_model(manager.engine), elem_id="demo-model-note")
+        gr.Markdown(
+            "## h3gen — MiniMax-H3 video + stereo audio\nDescribe a clip; optionally give the first and/or "
+            "last frame (task fl2va), or reference images, videos and sounds (task ref2va)."
+        )
+        gr.Markdown(
+            "**Demo model:** this server runs the tiny built-in model with random weights, so every picture "
+            "and sound it makes is noise. Start `h3gen serve --model <checkpoint folder>` for real clips.",
+            visible=serves_demo_model(manager.engine),
+            elem_id="demo-model-note",
+        )
         job_state = gr.State(None)
         with gr.Row():
             with gr.Column(scale=1):
-                prompt = gr.Textbox(label="Prompt", lines=3, elem_id="prompt",
-                                    placeholder="a red fox runs through fresh snow, wind howling")
+                prompt = gr.Textbox(
+                    label="Prompt",
+                    lines=3,
+                    elem_id="prompt",
+                    placeholder="a red fox runs through fresh snow, wind howling",
+                )
                 task = gr.Radio(list(TASKS), value=TASKS[0], label="Task", elem_id="task")
                 with gr.Row():
                     # image_mode=None: Gradio hands the file over as uploaded instead of decoding it to convert
                     # its mode, so the pixel count is checked from the header before anything decodes it.
                     image = gr.Image(type="filepath", image_mode=None, label="First frame (fl2va)", elem_id="image")
-                    last_image = gr.Image(type="filepath", image_mode=None, label="Last frame (fl2va)",
-                                          elem_id="last-image")
-                references = gr.File(file_count="multiple", type="filepath", elem_id="references",
-                                     file_types=["image", "video", "audio"],
-                                     label="References (ref2va): up to 9 images, 3 videos, 3 sounds, in this order")
+                    last_image = gr.Image(
+                        type="filepath", image_mode=None, label="Last frame (fl2va)", elem_id="last-image"
+                    )
+                references = gr.File(
+                    file_count="multiple",
+                    type="filepath",
+                    elem_id="references",
+                    file_types=["image", "video", "audio"],
+                    label="References (ref2va): up to 9 images, 3 videos, 3 sounds, in this order",
+                )
                 with gr.Row():
                     aspect = gr.Dropdown(ASPECTS, value="auto", label="Aspect ratio", elem_id="aspect")
-                    seconds = gr.Slider(5, max_seconds, value=5, step=0.5, elem_id="seconds",
-                                        label=f"Seconds (over 15: made in overlapping windows; up to {max_seconds:g})")
-                window_prompts = gr.Textbox(label="Prompts per window (clips over 15 s): one line per window, or one "
-                                                  "line for all; empty: the prompt above", lines=2,
-                                            elem_id="window-prompts")
+                    seconds = gr.Slider(
+                        5,
+                        max_seconds,
+                        value=5,
+                        step=0.5,
+                        elem_id="seconds",
+                        label=f"Seconds (over 15: made in overlapping windows; up to {max_seconds:g})",
+                    )
+                window_prompts = gr.Textbox(
+                    label="Prompts per window (clips over 15 s): one line per window, or one "
+                    "line for all; empty: the prompt above",
+                    lines=2,
+                    elem_id="window-prompts",
+                )
                 with gr.Accordion("Windows (clips over 15 s)", open=False):
                     with gr.Row():
-                        window_frames = gr.Number(value=DEFAULT_WINDOW_FRAMES, precision=0, elem_id="window-frames",
-                                                  label="Frames per window (17n+5, 124 to 345)")
-                        overlap_frames = gr.Number(value=DEFAULT_OVERLAP_FRAMES, precision=0, elem_id="overlap-frames",
-                                                   label="Overlap frames (17n+5, shorter than the window)")
+                        window_frames = gr.Number(
+                            value=DEFAULT_WINDOW_FRAMES,
+                            precision=0,
+                            elem_id="window-frames",
+                            label="Frames per window (17n+5, 124 to 345)",
+                        )
+                        overlap_frames = gr.Number(
+                            value=DEFAULT_OVERLAP_FRAMES,
+                            precision=0,
+                            elem_id="overlap-frames",
+                            label="Overlap frames (17n+5, shorter than the window)",
+                        )
                 with gr.Row():
-                    steps = gr.Slider(0, 100, value=0, step=1, elem_id="steps",
-                                      label="Steps: N sigma points = N − 1 forwards (0: 50, or the LoRA recipe's)")
+                    steps = gr.Slider(
+                        0,
+                        100,
+                        value=0,
+                        step=1,
+                        elem_id="steps",
+                        label="Steps: N sigma points = N − 1 forwards (0: 50, or the LoRA recipe's)",
+                    )
                     seed = gr.Number(value=0, precision=0, minimum=0, label="Seed", elem_id="seed")
                     randomize = gr.Checkbox(value=True, label="Random seed", elem_id="randomize")
                 qualities, default_quality = quality_choices(manager.engine)
                 quality = gr.Dropdown(qualities, value=default_quality, label="Quality", elem_id="quality")
-                loras = gr.Dataframe(value=lambda: lora_rows(manager.engine), headers=LORA_COLUMNS,
-                                     datatype=["str", "str", "number"], type="array", interactive=True,
-                                     static_columns=[0, 1], visible=has_loras, elem_id="loras",
-                                     label="LoRA adapters (--lora-dir): set a scale to apply one; 0 leaves it out")
-                plan = gr.Checkbox(value=False, visible=has_planner, elem_id="plan",
-                                   label="Plan the prompt with K3 first (picture, motion, camera, sound, music, "
-                                         "dialogue)")
+                loras = gr.Dataframe(
+                    value=lambda: lora_rows(manager.engine),
+                    headers=LORA_COLUMNS,
+                    datatype=["str", "str", "number"],
+                    type="array",
+                    interactive=True,
+                    static_columns=[0, 1],
+                    visible=has_loras,
+                    elem_id="loras",
+                    label="LoRA adapters (--lora-dir): set a scale to apply one; 0 leaves it out",
+                )
+                plan = gr.Checkbox(
+                    value=False,
+                    visible=has_planner,
+                    elem_id="plan",
+                    label="Plan the prompt with K3 first (picture, motion, camera, sound, music, dialogue)",
+                )
                 with gr.Row():
                     run = gr.Button("Generate", variant="primary", elem_id="generate-btn")
                     stop = gr.Button("Cancel", elem_id="cancel-btn")
             with gr.Column(scale=1):
                 status = gr.Textbox(label="Status", interactive=False, elem_id="status")
                 progress = gr.HTML(progress_html(0, "idle"), elem_id="progress")
-                planned = gr.Textbox(label="Planned prompt (what the clip is made from)", interactive=False, lines=4,
-                                     visible=has_planner, elem_id="planned-prompt")
+                planned = gr.Textbox(
+                    label="Planned prompt (what the clip is made from)",
+                    interactive=False,
+                    lines=4,
+                    visible=has_planner,
+                    elem_id="planned-prompt",
+                )
                 video = gr.HTML("", label="Result", elem_id="result-video")
-                history = gr.Dataframe(headers=HISTORY_COLUMNS, value=lambda: _history(manager), interactive=False,
-                                       column_widths=HISTORY_WIDTHS, wrap=True,
-                                       label="History (click a row to play it)", elem_id="history")
+                history = gr.Dataframe(
+                    headers=HISTORY_COLUMNS,
+                    value=lambda: _history(manager),
+                    interactive=False,
+                    column_widths=HISTORY_WIDTHS,
+                    wrap=True,
+                    label="History (click a row to play it)",
+                    elem_id="history",
+                )
         # A click while the last Generate still follows its job (a cancelled job's, until its next poll) runs once
         # that one ends, never dropped.
-        run.click(actions.generate,
-                  [prompt, task, image, last_image, references, aspect, seconds, steps, seed, randomize, plan,
-                   window_prompts, window_frames, overlap_frames, quality, loras],
-                  [status, progress, video, job_state, seed, history, planned], concurrency_limit=None,
-                  show_progress="hidden", trigger_mode="always_last")
+        run.click(
+            actions.generate,
+            [
+                prompt,
+                task,
+                image,
+                last_image,
+                references,
+                aspect,
+                seconds,
+                steps,
+                seed,
+                randomize,
+                plan,
+                window_prompts,
+                window_frames,
+                overlap_frames,
+                quality,
+                loras,
+            ],
+            [status, progress, video, job_state, seed, history, planned],
+            concurrency_limit=None,
+            show_progress="hidden",
+            trigger_mode="always_last",
+        )
         stop.click(actions.cancel, [job_state], [status, video, history], show_progress="hidden")
         history.select(actions.show, None, [video, status, job_state], show_progress="hidden")
     return demo

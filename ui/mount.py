@@ -9,9 +9,9 @@ import secrets
 import tempfile
 
 import gradio as gr
-from gradio.utils import get_upload_folder
 from fastapi import FastAPI, HTTPException, Request
 from fastapi.responses import FileResponse
+from gradio.utils import get_upload_folder
 from starlette.routing import Mount
 
 from h3gen.server.app import JOB_ID
@@ -21,10 +21,12 @@ UI_PATH = "/ui"
 # The UI's pages: Gradio's own scripts and styles (it writes inline ones, and gradio 6's HTML component compiles its
 # template with Function(), hence 'unsafe-eval'), media, uploads and API calls to this origin only, and never inside
 # another site's frame.
-PAGE_POLICY = ("default-src 'self'; script-src 'self' 'unsafe-inline' 'unsafe-eval'; style-src 'self' 'unsafe-inline'; "
-               "img-src 'self' data: blob:; media-src 'self' data: blob:; font-src 'self' data:; connect-src 'self'; "
-               "worker-src 'self' blob:; object-src 'none'; base-uri 'self'; form-action 'self'; "
-               "frame-ancestors 'none'")
+PAGE_POLICY = (
+    "default-src 'self'; script-src 'self' 'unsafe-inline' 'unsafe-eval'; style-src 'self' 'unsafe-inline'; "
+    "img-src 'self' data: blob:; media-src 'self' data: blob:; font-src 'self' data:; connect-src 'self'; "
+    "worker-src 'self' blob:; object-src 'none'; base-uri 'self'; form-action 'self'; "
+    "frame-ancestors 'none'"
+)
 # Files (uploads, job videos): never a page that runs scripts, even if a browser were to render one.
 FILE_POLICY = "default-src 'none'; media-src 'self'; sandbox; frame-ancestors 'none'"
 FILE_PREFIXES = ("/gradio_api/file=", "/gradio_api/file/", "/file=", "/file/", MEDIA_ROUTE.split("{")[0])
@@ -43,16 +45,21 @@ class SecurityHeaders:
         path = scope["path"]
         root = scope.get("root_path", "")
         if root and path.startswith(root):
-            path = path[len(root):]
+            path = path[len(root) :]
         policy = FILE_POLICY if path.startswith(FILE_PREFIXES) else PAGE_POLICY
 
         async def send_with_headers(message):
             if message["type"] == "http.response.start":
-                headers = [(name, value) for name, value in message.get("headers", [])
-                           if name.lower() not in (b"content-security-policy", b"x-content-type-options",
-                                                   b"x-frame-options")]
-                headers += [(b"x-content-type-options", b"nosniff"), (b"x-frame-options", b"DENY"),
-                            (b"content-security-policy", policy.encode())]
+                headers = [
+                    (name, value)
+                    for name, value in message.get("headers", [])
+                    if name.lower() not in (b"content-security-policy", b"x-content-type-options", b"x-frame-options")
+                ]
+                headers += [
+                    (b"x-content-type-options", b"nosniff"),
+                    (b"x-frame-options", b"DENY"),
+                    (b"content-security-policy", policy.encode()),
+                ]
                 message = {**message, "headers": headers}
             await send(message)
 
@@ -79,8 +86,12 @@ class UploadPaths:
         real, alias = self.real, self.alias
         if alias.decode() in scope["path"] or alias in scope.get("query_string", b""):
             path = scope["path"].replace(alias.decode(), real.decode())
-            scope = {**scope, "path": path, "raw_path": path.encode(),
-                     "query_string": scope.get("query_string", b"").replace(alias, real)}
+            scope = {
+                **scope,
+                "path": path,
+                "raw_path": path.encode(),
+                "query_string": scope.get("query_string", b"").replace(alias, real),
+            }
         is_file = "/file=" in scope["path"] or "/file/" in scope["path"]
         is_upload = scope["path"].endswith("/upload")
         read = False
@@ -122,8 +133,9 @@ def _logged_in(gradio_app, request: Request) -> bool:
     token cookie Gradio's /login sets, looked up in the app's tokens)."""
     if gradio_app.auth is None:
         return True
-    token = (request.cookies.get(f"access-token-{gradio_app.cookie_id}")
-             or request.cookies.get(f"access-token-unsecure-{gradio_app.cookie_id}"))
+    token = request.cookies.get(f"access-token-{gradio_app.cookie_id}") or request.cookies.get(
+        f"access-token-unsecure-{gradio_app.cookie_id}"
+    )
     return token is not None and gradio_app.tokens.get(token) is not None
 
 
@@ -139,10 +151,17 @@ def mount_ui(app: FastAPI, manager, *, api_key: str | None = None, max_upload_by
         os.environ["GRADIO_TEMP_DIR"] = tempfile.mkdtemp(prefix="h3gen-ui-")
     demo = build_ui(manager)
     login = (lambda _user, password: secrets.compare_digest(password.encode(), api_key.encode())) if api_key else None
-    app = gr.mount_gradio_app(app, demo, path=UI_PATH, auth=login, allowed_paths=[],
-                              blocked_paths=[str(manager.results_dir.resolve())], run_history=False,
-                              auth_message="Enter any user name and the server's API key." if api_key else None,
-                              max_file_size=max_upload_bytes)
+    app = gr.mount_gradio_app(
+        app,
+        demo,
+        path=UI_PATH,
+        auth=login,
+        allowed_paths=[],
+        blocked_paths=[str(manager.results_dir.resolve())],
+        run_history=False,
+        auth_message="Enter any user name and the server's API key." if api_key else None,
+        max_file_size=max_upload_bytes,
+    )
     # gradio's processing_utils._check_allowed, which keeps a request from naming a server file as an upload, only
     # runs once the Blocks "has launched"; `launch()` sets that, `mount_gradio_app` does not (gradio 6).
     demo.has_launched = True

@@ -12,8 +12,17 @@ from h3gen.server.engine import upload_name
 # PIL's format names and FFmpeg's container names -> the suffix a stored file gets.
 IMAGE_SUFFIXES = {"PNG": ".png", "JPEG": ".jpg", "WEBP": ".webp", "GIF": ".gif", "BMP": ".bmp", "TIFF": ".tiff"}
 VIDEO_SUFFIXES = {"mov": ".mp4", "mp4": ".mp4", "matroska": ".mkv", "webm": ".webm", "avi": ".avi"}
-AUDIO_SUFFIXES = {"mov": ".m4a", "mp4": ".m4a", "mp3": ".mp3", "wav": ".wav", "ogg": ".ogg", "flac": ".flac",
-                  "aac": ".aac", "matroska": ".mka", "webm": ".mka"}
+AUDIO_SUFFIXES = {
+    "mov": ".m4a",
+    "mp4": ".m4a",
+    "mp3": ".mp3",
+    "wav": ".wav",
+    "ogg": ".ogg",
+    "flac": ".flac",
+    "aac": ".aac",
+    "matroska": ".mka",
+    "webm": ".mka",
+}
 
 
 def decoded_type(path: Path, field: str) -> tuple[str, str]:
@@ -24,7 +33,7 @@ def decoded_type(path: Path, field: str) -> tuple[str, str]:
             image.verify()
             if image.format in IMAGE_SUFFIXES:
                 return "image", IMAGE_SUFFIXES[image.format]
-    except Exception:  # noqa: BLE001 - not an image PIL knows: ask FFmpeg
+    except Exception:  # not an image PIL knows: ask FFmpeg
         pass
     try:
         with av.open(str(path)) as container:
@@ -64,8 +73,11 @@ def stage(path: Path, folder: Path, name: str, suffix: str) -> Path:
 def stage_uploads(image, last_image, references, staging: Path, upload_folder: Path) -> dict[str, Path]:
     """A UI request's files copied into `staging` under their decoded type: fl2va keyframes as `image` /
     `last_image`, ref2va references keyed as the REST API keys them (`ref_<kind>_<position>`, the kind decoded)."""
-    checked = [(name, checked_upload(path, name, upload_folder))
-               for name, path in (("image", image), ("last_image", last_image)) if path]
+    checked = [
+        (name, checked_upload(path, name, upload_folder))
+        for name, path in (("image", image), ("last_image", last_image))
+        if path
+    ]
     for position, path in enumerate(references or []):
         path = getattr(path, "name", path)  # Gradio hands file paths (or objects with .name)
         found = checked_upload(path, "references", upload_folder)

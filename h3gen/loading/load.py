@@ -113,8 +113,13 @@ def assign_tensors(
             module._buffers[leaf] = value
         loaded.add(target_key)
     missing = [name for name, param in model.named_parameters() if name not in loaded]
-    missing += [name for name, buffer in model.named_buffers() if buffer.device.type == "meta" and name not in loaded
-                and not any(f"{name.rpartition('.')[0]}.weight" == key for key in loaded)]
+    missing += [
+        name
+        for name, buffer in model.named_buffers()
+        if buffer.device.type == "meta"
+        and name not in loaded
+        and not any(f"{name.rpartition('.')[0]}.weight" == key for key in loaded)
+    ]
     problems = []
     if missing:
         problems.append(f"missing keys: {_listing(missing)}")

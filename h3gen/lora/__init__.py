@@ -6,8 +6,28 @@ tensor-parallel shards of `h3gen.parallel.tp_linear`. Which file keys name which
 (`h3gen.pipelines.h3.lora_formats` for MiniMax-H3).
 """
 
-from h3gen.lora.layers import (AUTO_MERGE_MAX_ROUNDING_LOSS, LoraFactors, LoraGroup, attach_group, detach_all,
-                               merge_delta, merge_factors, rounding_loss, shard_factors, wide_input)
+from h3gen.lora.layers import (
+    AUTO_MERGE_MAX_ROUNDING_LOSS,
+    LoraFactors,
+    LoraGroup,
+    attach_group,
+    detach_all,
+    merge_delta,
+    merge_factors,
+    rounding_loss,
+    shard_factors,
+    wide_input,
+)
 
-__all__ = ["AUTO_MERGE_MAX_ROUNDING_LOSS", "LoraFactors", "LoraGroup", "attach_group", "detach_all", "merge_delta",
-           "merge_factors", "rounding_loss", "shard_factors", "wide_input"]
+__all__ = [
+    "AUTO_MERGE_MAX_ROUNDING_LOSS",
+    "LoraFactors",
+    "LoraGroup",
+    "attach_group",
+    "detach_all",
+    "merge_delta",
+    "merge_factors",
+    "rounding_loss",
+    "shard_factors",
+    "wide_input",
+]

@@ -130,8 +130,10 @@ class LoraGroup:
         for layer, factors in members:
             layer_dtype = compute_dtype(layer)
             if dtype is not None and layer_dtype != dtype:
-                raise ValueError(f"LoRA group members compute in {dtype} and {layer_dtype}; group only layers "
-                                 "that read the same input.")
+                raise ValueError(
+                    f"LoRA group members compute in {dtype} and {layer_dtype}; group only layers "
+                    "that read the same input."
+                )
             dtype = layer_dtype
             segments, ups, column = [], [], 0
             for f in factors:
@@ -155,10 +157,15 @@ class LoraGroup:
         group = cls(torch.cat(downs).to(dtype).contiguous(), built)
         layers = [layer for layer, _ in members]
         fp8 = all(type(layer) is Fp8Linear for layer in layers)
-        dense = all(type(layer) is nn.Linear and layer.weight.dtype.is_floating_point
-                    and layer.weight.dtype.itemsize >= 2 for layer in layers)
-        if wide and (fp8 or dense) and all(layer.weight.device == group.down.device and not _tensor_parallel(layer)
-                                           for layer in layers):
+        dense = all(
+            type(layer) is nn.Linear and layer.weight.dtype.is_floating_point and layer.weight.dtype.itemsize >= 2
+            for layer in layers
+        )
+        if (
+            wide
+            and (fp8 or dense)
+            and all(layer.weight.device == group.down.device and not _tensor_parallel(layer) for layer in layers)
+        ):
             group._lay_out_wide(16 if fp8 else 8)  # FP8 GEMMs take K in multiples of 16; 16-byte rows for the others
         return group
 
@@ -190,8 +197,11 @@ class LoraGroup:
     @property
     def nbytes(self) -> int:
         tensors = [self.down] + [m.up for m in self.members] + list(self._down_fp8 or ())
-        extended = sum((m.wide_weight.shape[1] - m.layer.in_features) * m.wide_weight.shape[0]
-                       * m.wide_weight.element_size() for m in self.members if m.wide_weight is not None)
+        extended = sum(
+            (m.wide_weight.shape[1] - m.layer.in_features) * m.wide_weight.shape[0] * m.wide_weight.element_size()
+            for m in self.members
+            if m.wide_weight is not None
+        )
         return sum(t.numel() * t.element_size() for t in tensors) + extended
 
     # ------------------------------------------------------------------ K-extended input
@@ -226,11 +236,14 @@ class LoraGroup:
             self._extend_all()
         in_features, extra, rows = shape[-1], self._wide_down().shape[0], math.prod(shape[:-1])
         left = self._left_width
-        buffer = torch.empty(rows, left + in_features + extra, dtype=FP8 if self._fp8 else self.down.dtype,
-                             device=device)
+        buffer = torch.empty(
+            rows, left + in_features + extra, dtype=FP8 if self._fp8 else self.down.dtype, device=device
+        )
         if self._fp8:
-            x = Fp8Rows(buffer[:, left : left + in_features].view(*shape),
-                        torch.empty(rows, 1, dtype=torch.float32, device=device))
+            x = Fp8Rows(
+                buffer[:, left : left + in_features].view(*shape),
+                torch.empty(rows, 1, dtype=torch.float32, device=device),
+            )
         else:
             x = buffer[:, left : left + in_features].view(*shape)
         self._wide_x, self._wide_buffer = x, buffer
@@ -250,10 +263,13 @@ class LoraGroup:
         if not self._fp8:
             for member in self.members:
                 layer = member.layer
-                blocks = [(member.up[:, up_start : up_start + width], self._window_column(member, start))
-                          for start, up_start, width in member.segments]
-                member.wide_weight = extended_weight(layer.weight.detach(), blocks, member.wide_x,
-                                                     member.wide_span[1] - member.wide_span[0])
+                blocks = [
+                    (member.up[:, up_start : up_start + width], self._window_column(member, start))
+                    for start, up_start, width in member.segments
+                ]
+                member.wide_weight = extended_weight(
+                    layer.weight.detach(), blocks, member.wide_x, member.wide_span[1] - member.wide_span[0]
+                )
                 # the parameter keeps its identity
                 layer.weight.data = member.wide_weight[:, member.wide_x : member.wide_x + layer.in_features]
             return
@@ -267,11 +283,20 @@ class LoraGroup:
         self._factors = column_factors(peaks, norms)
         for member in self.members:
             layer = member.layer
-            blocks = [(up_columns(member.up[:, up_start : up_start + width], layer.weight_scale,
-                                  self._factors[start : start + width]), self._window_column(member, start))
-                      for start, up_start, width in member.segments]
-            member.wide_weight = extended_weight(layer.weight, blocks, member.wide_x,
-                                                 member.wide_span[1] - member.wide_span[0])
+            blocks = [
+                (
+                    up_columns(
+                        member.up[:, up_start : up_start + width],
+                        layer.weight_scale,
+                        self._factors[start : start + width],
+                    ),
+                    self._window_column(member, start),
+                )
+                for start, up_start, width in member.segments
+            ]
+            member.wide_weight = extended_weight(
+                layer.weight, blocks, member.wide_x, member.wide_span[1] - member.wide_span[0]
+            )
             layer._buffers["weight"] = member.wide_weight[:, member.wide_x : member.wide_x + layer.in_features]
 
     def _fill_wide(self, x) -> torch.Tensor:
@@ -284,8 +309,7 @@ class LoraGroup:
             torch.mm(buffer[:, left:end], down.t(), out=buffer[:, end:])
         else:
             unit = torch.ones(buffer.shape[0], 1, dtype=torch.float32, device=buffer.device)
-            projected = fp8_matmul(Fp8Rows(buffer[:, left:end], unit), down, self._e4m3_down()[1], None,
-                                   torch.float32)
+            projected = fp8_matmul(Fp8Rows(buffer[:, left:end], unit), down, self._e4m3_down()[1], None, torch.float32)
             append_scaled_columns(buffer[:, left:], x.scale, projected, self._factors)
         if left:
             rows = self.down.shape[0]
@@ -381,7 +405,8 @@ class LoraGroup:
                 # Ahead of other forward hooks: the update belongs to the layer's own output (Ulysses gathers the
                 # rows of the output heads in a hook of its own).
                 member.handle = layer.register_forward_hook(
-                    lambda module, args, out, member=member: self.apply(member, args[0], out), prepend=True)
+                    lambda module, args, out, member=member: self.apply(member, args[0], out), prepend=True
+                )
         self.attached = True
         return self
 
@@ -435,10 +460,16 @@ def detach_all(groups: list[LoraGroup]) -> None:
 
 def _dense_weight(layer: nn.Module) -> torch.Tensor:
     weight = getattr(layer, "weight", None)
-    if (not isinstance(weight, torch.Tensor) or not weight.is_floating_point() or weight.dtype.itemsize < 2
-            or getattr(layer, "fp8", False) or hasattr(layer, "weight_packed")):
-        raise ValueError(f"cannot merge a LoRA into a {type(layer).__name__} (its weights are not dense floats); "
-                         "apply it unmerged.")
+    if (
+        not isinstance(weight, torch.Tensor)
+        or not weight.is_floating_point()
+        or weight.dtype.itemsize < 2
+        or getattr(layer, "fp8", False)
+        or hasattr(layer, "weight_packed")
+    ):
+        raise ValueError(
+            f"cannot merge a LoRA into a {type(layer).__name__} (its weights are not dense floats); apply it unmerged."
+        )
     return weight
 
 

@@ -44,8 +44,7 @@ def up_columns(up: torch.Tensor, weight_scale: torch.Tensor, factors: torch.Tens
     return values.clamp(-FP8_MAX, FP8_MAX).to(FP8)
 
 
-def extended_weight(weight: torch.Tensor, columns: list[tuple[torch.Tensor, int]], at: int,
-                    width: int) -> torch.Tensor:
+def extended_weight(weight: torch.Tensor, columns: list[tuple[torch.Tensor, int]], at: int, width: int) -> torch.Tensor:
     """`(out, width)` in `weight`'s dtype and device: `weight` `(out, in)` in columns `[at, at + in)`, each
     `(block (out, w), column)` of `columns` in `[column, column + w)`, zeros elsewhere."""
     out_features, in_features = weight.shape

@@ -21,8 +21,16 @@ def launched_by_torchrun() -> bool:
 
 def relaunch_with_torchrun(processes: int, cli_args: list[str]) -> int:
     """Run `h3gen <cli_args>` in `processes` processes on this host with torchrun; returns its exit code."""
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={processes}",
-               "-m", "h3gen.cli", *cli_args]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={processes}",
+        "-m",
+        "h3gen.cli",
+        *cli_args,
+    ]
     process = subprocess.Popen(command)
     try:
         return process.wait()

@@ -26,8 +26,11 @@ class ParallelState:
 
 def valid_degrees(heads: int, world: int) -> list[tuple[int, int]]:
     """Every (tp, sp) with tp * sp = world, heads % tp == 0 and (heads / tp) % sp == 0."""
-    return [(tp, world // tp) for tp in range(1, world + 1)
-            if world % tp == 0 and heads % tp == 0 and (heads // tp) % (world // tp) == 0]
+    return [
+        (tp, world // tp)
+        for tp in range(1, world + 1)
+        if world % tp == 0 and heads % tp == 0 and (heads // tp) % (world // tp) == 0
+    ]
 
 
 def check_degrees(heads: int, tp: int, sp: int, world: int | None = None) -> None:
@@ -37,11 +40,14 @@ def check_degrees(heads: int, tp: int, sp: int, world: int | None = None) -> Non
     if tp < 1 or sp < 1 or (tp, sp) not in valid:
         listed = ", ".join(f"--tp {t} --ulysses {s}" for t, s in valid) or (
             "none for this process count; use one that divides the heads: "
-            + ", ".join(str(n) for n in range(1, 65) if heads % n == 0))
+            + ", ".join(str(n) for n in range(1, 65) if heads % n == 0)
+        )
         raise RequestError(
             f"cannot run {heads} attention heads with --tp {tp} --ulysses {sp} on {world} processes: the heads must "
             f"divide by tp and the heads per TP rank by ulysses, and tp x ulysses must equal the process count. "
-            f"Valid here: {listed}.", "parallel")
+            f"Valid here: {listed}.",
+            "parallel",
+        )
 
 
 def init_parallel(tp: int, sp: int, heads: int) -> ParallelState:

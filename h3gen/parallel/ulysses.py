@@ -48,8 +48,11 @@ class UlyssesAttention(nn.Module):
         received = _all_to_all(packed, group)  # (source rank = row block, 3, B, S_l, H/sp, D)
         q, k, v = received.permute(1, 2, 0, 3, 4, 5).reshape(3, batch, sp * rows, heads // sp, dim)
         valid = self.shard.valid  # pad rows are trailing: no query attends to them
-        out = attention(q, k[:, :valid], v[:, :valid], backend=self.backend) if valid < sp * rows else \
-            attention(q, k, v, backend=self.backend)
+        out = (
+            attention(q, k[:, :valid], v[:, :valid], backend=self.backend)
+            if valid < sp * rows
+            else attention(q, k, v, backend=self.backend)
+        )
         # (B, sp * S_l, H/sp, D) -> (sp, B, S_l, H/sp, D) -> exchange back -> (B, S_l, H, D).
         out = _all_to_all(out.view(batch, sp, rows, heads // sp, dim).permute(1, 0, 2, 3, 4), group)
         return out.permute(1, 2, 0, 3, 4).reshape(batch, rows, heads, dim)

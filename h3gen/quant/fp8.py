@@ -15,8 +15,13 @@ def fp8_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return values, scale.reshape(1, -1).contiguous()
 
 
-def fp8_matmul(x: torch.Tensor | Fp8Rows, weight: torch.Tensor, weight_scale: torch.Tensor,
-               bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
+def fp8_matmul(
+    x: torch.Tensor | Fp8Rows,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
     """`x @ W.T (+ bias)` for an e4m3 `weight` `[out, in]` with `weight_scale` `[1, out]`: x `(..., in)` (quantized
     here per row) or `Fp8Rows` (from a fused kernel) -> `(..., out)` in `out_dtype`. One `torch._scaled_mm` on a
     GPU; elsewhere the same quantized numbers multiplied after dequantizing."""

@@ -31,8 +31,9 @@ class MXFP4Linear(torch.nn.Module):
 
     def set_weight(self, weight: torch.Tensor) -> None:
         packed, scales = quantize(weight)
-        self.weight_packed = packed.to(self.weight_packed.device if self.weight_packed.device.type != "meta"
-                                       else weight.device)
+        self.weight_packed = packed.to(
+            self.weight_packed.device if self.weight_packed.device.type != "meta" else weight.device
+        )
         self.weight_scale = scales.to(self.weight_packed.device)
 
     def load_checkpoint_tensor(self, name: str, tensor: torch.Tensor, device, dtype) -> bool:

@@ -49,8 +49,9 @@ def _quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     blocks = w.view(n, -1, BLOCK)
     finite = torch.isfinite(blocks).all(dim=-1)
     amax = torch.where(torch.isfinite(blocks), blocks.abs(), torch.zeros_like(blocks)).amax(dim=-1)
-    exponent = torch.where(amax > 0, torch.floor(torch.log2(amax.clamp_min(1e-300))) - 2,
-                           torch.full_like(amax, -SCALE_BIAS))
+    exponent = torch.where(
+        amax > 0, torch.floor(torch.log2(amax.clamp_min(1e-300))) - 2, torch.full_like(amax, -SCALE_BIAS)
+    )
     exponent = exponent.clamp(-SCALE_BIAS, SCALE_BIAS)
     scaled = blocks / torch.exp2(exponent)[..., None]
     magnitude = scaled.abs().clamp(max=E2M1_MAX)
@@ -71,8 +72,9 @@ def e2m1_lut(dtype: torch.dtype, device) -> torch.Tensor:
     return torch.cat([values, -values]).to(dtype)
 
 
-def dequantize(packed: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32,
-               in_features: int | None = None) -> torch.Tensor:
+def dequantize(
+    packed: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32, in_features: int | None = None
+) -> torch.Tensor:
     """(`[N, Kp / 2]` packed, `[N, Kp / 32]` scales) -> `[N, in_features or Kp]` in `dtype` (exact in float32)."""
     n = packed.shape[0]
     codes = torch.stack([packed & 0xF, packed >> 4], dim=-1).view(n, -1).long()

@@ -22,8 +22,15 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from h3gen.errors import RequestError
 from h3gen.server import openai_video
-from h3gen.server.bodies import (MAX_JSON_BYTES, disk_full, field_error, insufficient_storage, invalid, json_body_limit,
-                                 public_text)
+from h3gen.server.bodies import (
+    MAX_JSON_BYTES,
+    disk_full,
+    field_error,
+    insufficient_storage,
+    invalid,
+    json_body_limit,
+    public_text,
+)
 from h3gen.server.gate import RequestGate
 from h3gen.server.jobs import JobManager, QueueFull
 from h3gen.server.lora_routes import add_lora_routes
@@ -51,20 +58,28 @@ class ServerContext:
 
 async def _internal_error(request: Request, error: Exception):  # never a traceback to the client
     logger.exception("unhandled error on %s %s", request.method, request.url.path)
-    return JSONResponse({"detail": "internal server error",
-                         "error": openai_video.error_body("internal server error", kind="server_error")},
-                        status_code=500)
+    return JSONResponse(
+        {
+            "detail": "internal server error",
+            "error": openai_video.error_body("internal server error", kind="server_error"),
+        },
+        status_code=500,
+    )
 
 
 async def _http_error(request: Request, error: StarletteHTTPException):
-    return JSONResponse({"detail": error.detail, "error": openai_video.error_body(str(error.detail))},
-                        status_code=error.status_code, headers=error.headers)
+    return JSONResponse(
+        {"detail": error.detail, "error": openai_video.error_body(str(error.detail))},
+        status_code=error.status_code,
+        headers=error.headers,
+    )
 
 
 async def _query_error(request: Request, error: RequestValidationError):
     # Never the client's input back (it may be megabytes): the field and what was wrong with it.
-    details = [{key: value for key, value in detail.items() if key in ("loc", "msg", "type")}
-               for detail in error.errors()]
+    details = [
+        {key: value for key, value in detail.items() if key in ("loc", "msg", "type")} for detail in error.errors()
+    ]
     return invalid(jsonable_encoder(details, custom_encoder={Exception: str}))
 
 
@@ -82,8 +97,11 @@ async def _request_error(request: Request, error: RequestError):
 
 async def _queue_full(request: Request, error: QueueFull):
     message = f"{error} (the queue holds as many jobs as the server takes)"
-    return JSONResponse({"detail": message, "error": openai_video.error_body(message, kind="rate_limit_error")},
-                        status_code=429, headers={"Retry-After": str(error.retry_after)})
+    return JSONResponse(
+        {"detail": message, "error": openai_video.error_body(message, kind="rate_limit_error")},
+        status_code=429,
+        headers={"Retry-After": str(error.retry_after)},
+    )
 
 
 def _add_error_handlers(app: FastAPI) -> None:
@@ -109,9 +127,13 @@ def _add_service_routes(app: FastAPI, server: ServerContext, key_state, model_na
         readiness = {"status": "ok", "ready": manager.engine.ready}
         if key_state(request) not in ("open", "valid"):
             return readiness
-        return readiness | {"model": Path(model_name or manager.engine.model_path).name,
-                            "devices": manager.engine.devices(), "queue_depth": manager.queue_depth(),
-                            "running": manager.running, "load_error": public_text(manager.engine.load_error)}
+        return readiness | {
+            "model": Path(model_name or manager.engine.model_path).name,
+            "devices": manager.engine.devices(),
+            "queue_depth": manager.queue_depth(),
+            "running": manager.running,
+            "load_error": public_text(manager.engine.load_error),
+        }
 
     @app.get("/openapi.json", include_in_schema=False)
     def openapi_schema():
@@ -128,8 +150,11 @@ def _add_service_routes(app: FastAPI, server: ServerContext, key_state, model_na
     @app.get("/metrics", response_class=PlainTextResponse)
     def metrics():
         """Prometheus metrics: queue depth, jobs by status, step and stage durations."""
-        text = manager.metrics.render(queue_depth=manager.queue_depth(),
-                                      jobs_by_status=manager.store.count_by_status(), ready=manager.engine.ready)
+        text = manager.metrics.render(
+            queue_depth=manager.queue_depth(),
+            jobs_by_status=manager.store.count_by_status(),
+            ready=manager.engine.ready,
+        )
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
 
@@ -140,8 +165,10 @@ def body_limits(max_upload_bytes: int):
     """`(method, path, content_type) -> bytes` a request's body may hold: uploads by the upload limit, the UI's
     file uploads likewise, a JSON video request 64 KB besides its data URL (`json_body_limit`), every other body
     64 KB."""
-    multipart = {"/v1/videos": max_upload_bytes * MAX_FILES + MAX_JSON_BYTES,
-                 "/v1/prompts/plan": max_upload_bytes + MAX_JSON_BYTES}
+    multipart = {
+        "/v1/videos": max_upload_bytes * MAX_FILES + MAX_JSON_BYTES,
+        "/v1/prompts/plan": max_upload_bytes + MAX_JSON_BYTES,
+    }
     data_url = json_body_limit(max_upload_bytes)
 
     def limit(method: str, path: str, content_type: str) -> int:
@@ -154,9 +181,16 @@ def body_limits(max_upload_bytes: int):
     return limit
 
 
-def create_app(manager: JobManager, *, api_key: str | None = None, max_upload_bytes: int = 20 * 2**20,
-               model_name: str = "", throttle: FailureThrottle | None = None,
-               model_id: str = openai_video.DEFAULT_MODEL_ID, max_plan_queue: int = 4) -> FastAPI:
+def create_app(
+    manager: JobManager,
+    *,
+    api_key: str | None = None,
+    max_upload_bytes: int = 20 * 2**20,
+    model_name: str = "",
+    throttle: FailureThrottle | None = None,
+    model_id: str = openai_video.DEFAULT_MODEL_ID,
+    max_plan_queue: int = 4,
+) -> FastAPI:
     """The service around `manager`. With `api_key`, every route but `/health` needs `Authorization: Bearer`
     (`/docs`, `/redoc` and `/openapi.json` too), and wrong keys and wrong UI logins (the web UI is mounted on top by
     `h3gen.ui.mount_ui`) are backed off per client by `throttle`. `/health` shows readiness to anyone, the rest
@@ -173,12 +207,18 @@ def create_app(manager: JobManager, *, api_key: str | None = None, max_upload_by
         manager.stop()
 
     # The documentation routes are added below, behind the key like every other route.
-    app = FastAPI(title="h3gen", version=__import__("h3gen").__version__, lifespan=lifespan, docs_url=None,
-                  redoc_url=None, openapi_url=None,
-                  description="MiniMax-H3 video + stereo audio generation. Jobs return MP4 (H.264 + AAC).")
+    app = FastAPI(
+        title="h3gen",
+        version=__import__("h3gen").__version__,
+        lifespan=lifespan,
+        docs_url=None,
+        redoc_url=None,
+        openapi_url=None,
+        description="MiniMax-H3 video + stereo audio generation. Jobs return MP4 (H.264 + AAC).",
+    )
 
     def key_state(request: Request) -> str:
-        """"open" (no key configured), "valid", "missing", "wrong" (counted) or "locked" (backing off)."""
+        """ "open" (no key configured), "valid", "missing", "wrong" (counted) or "locked" (backing off)."""
         if api_key is None:
             return "open"
         header = request.headers.get("authorization")

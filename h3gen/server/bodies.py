@@ -34,6 +34,8 @@ def json_body_limit(max_upload_bytes: int) -> int:
     """The most bytes a JSON body may hold: 64 KB besides a data URL of at most `MAX_DATA_URL_BYTES` (and of no
     more than the upload limit allows, at base64's 4/3)."""
     return MAX_JSON_BYTES + min(MAX_DATA_URL_BYTES, max_upload_bytes * 4 // 3)
+
+
 # The directories of an absolute path (kept: its last part), not when part of a URL or a word like "processor/".
 _SERVER_PATH = re.compile(r"(?<![\w.:/~-])(?:/[^/\s'\"()<>,;]+)+/")
 DISK_FULL = "the server's disk is full, so the request could not be stored; try again later"
@@ -51,15 +53,14 @@ def public_view(job: dict) -> dict:
     return {**job, "error": public_text(job.get("error"))}
 
 
-
 def insufficient_storage() -> JSONResponse:
     return JSONResponse({"detail": DISK_FULL, "error": error_body(DISK_FULL, kind="server_error")}, status_code=507)
 
 
 def disk_full(error: BaseException) -> bool:
     return (isinstance(error, OSError) and error.errno == errno.ENOSPC) or (
-        isinstance(error, sqlite3.OperationalError) and "full" in str(error))
-
+        isinstance(error, sqlite3.OperationalError) and "full" in str(error)
+    )
 
 
 class _StrictMultiPartParser(MultiPartParser):
@@ -79,7 +80,6 @@ class _StrictMultiPartParser(MultiPartParser):
         super().on_part_end()
 
 
-
 async def json_object(request: Request, limit: int = MAX_JSON_BYTES, allowance=None) -> dict | JSONResponse:
     """The JSON object of a request body of at most `limit` bytes, or the 422 that says why there is none. With
     `allowance(data) -> bytes`, the body may exceed `MAX_JSON_BYTES` by those bytes only (an upload carried as a data
@@ -96,8 +96,9 @@ async def json_object(request: Request, limit: int = MAX_JSON_BYTES, allowance=N
     return data
 
 
-async def multipart_form(request: Request, limit: int, *, max_files: int, max_fields: int,
-                         text_limit: int = MAX_JSON_BYTES):
+async def multipart_form(
+    request: Request, limit: int, *, max_files: int, max_fields: int, text_limit: int = MAX_JSON_BYTES
+):
     """The form of a multipart body no larger than `limit` bytes (411 without a Content-Length, 413 above it),
     each text part at most `text_limit` bytes."""
     declared = request.headers.get("content-length")
@@ -106,8 +107,9 @@ async def multipart_form(request: Request, limit: int, *, max_files: int, max_fi
     if not declared.isdigit() or int(declared) > limit:
         raise HTTPException(413, f"request body larger than {limit} bytes")
     async with aclosing(request.stream()) as stream:
-        parser = _StrictMultiPartParser(request.headers, stream, max_files=max_files, max_fields=max_fields,
-                                        max_part_size=text_limit)
+        parser = _StrictMultiPartParser(
+            request.headers, stream, max_files=max_files, max_fields=max_fields, max_part_size=text_limit
+        )
         try:
             form = await parser.parse()
         except MultiPartException as error:
@@ -119,9 +121,17 @@ async def multipart_form(request: Request, limit: int, *, max_files: int, max_fi
     return form
 
 
-async def body_fields(request: Request, limit: int, *, max_files: int, max_fields: int, on_file,
-                      file_fields: tuple[str, ...] = (), text_limit: int = MAX_JSON_BYTES,
-                      json_allowance=None) -> dict | JSONResponse:
+async def body_fields(
+    request: Request,
+    limit: int,
+    *,
+    max_files: int,
+    max_fields: int,
+    on_file,
+    file_fields: tuple[str, ...] = (),
+    text_limit: int = MAX_JSON_BYTES,
+    json_allowance=None,
+) -> dict | JSONResponse:
     """The fields of a JSON object body (at most `text_limit` bytes), or of a multipart body no larger than `limit`
     bytes whose files go to `await on_file(key, upload)` (which returns a 422 to stop, or None); a text value under
     one of `file_fields` is refused; OpenAI's `input_reference[...]` text parts become an `input_reference` object. A
@@ -180,7 +190,6 @@ def invalid(details: list[dict]) -> JSONResponse:
     return JSONResponse({"detail": details, "error": error_body(f"{field}: {message}", field)}, status_code=422)
 
 
-
 async def read_limited(request: Request, limit: int) -> bytes:
     declared = request.headers.get("content-length")
     if declared is not None and (not declared.isdigit() or int(declared) > limit):
@@ -211,5 +220,3 @@ def save_upload(upload: UploadFile, folder: Path, name: str, limit: int, field: 
     target = folder / f"{name}{upload_suffix(received, UPLOAD_KINDS[field], field)}"
     received.replace(target)
     return target
-
-

@@ -74,15 +74,16 @@ class DistributedEngine(H3Engine):
         self.agree = StepAgreement(None)
 
     def devices(self) -> list[str]:
-        return [f"{dist.get_world_size()} ranks (tp {self.parallel.tp} x ulysses {self.parallel.sp}) on "
-                f"{self.device}"]
+        return [f"{dist.get_world_size()} ranks (tp {self.parallel.tp} x ulysses {self.parallel.sp}) on {self.device}"]
 
     def load(self) -> None:
         _load(self)
 
     def run(self, request: dict, images: dict[str, Path], out_path: Path, callback) -> dict:
-        payload = {"request": request, "images": {name: (path.suffix, path.read_bytes()) for name, path in
-                                                  images.items()}}
+        payload = {
+            "request": request,
+            "images": {name: (path.suffix, path.read_bytes()) for name, path in images.items()},
+        }
         dist.broadcast_object_list([("job", payload)], src=0, group=self.control)
 
         def agreed(stage: str, step: int, total: int) -> None:
@@ -101,21 +102,48 @@ def _load(engine) -> None:
     from h3gen.pipelines.h3.pipeline import H3Pipeline
 
     try:
-        engine.pipeline = H3Pipeline.from_pretrained(engine.model_path, device=engine.device, torch_dtype=engine.dtype,
-                                                     parallel=engine.parallel, options=engine.options,
-                                                     lora_gpu_memory=engine.lora_gpu_memory)
+        engine.pipeline = H3Pipeline.from_pretrained(
+            engine.model_path,
+            device=engine.device,
+            torch_dtype=engine.dtype,
+            parallel=engine.parallel,
+            options=engine.options,
+            lora_gpu_memory=engine.lora_gpu_memory,
+        )
         engine.pipeline.max_seconds = engine.max_seconds
     except Exception as error:
         logger.exception("model failed to load")
         engine.load_error = f"{type(error).__name__}: {error}"
 
 
-def follow(model_path, *, parallel, device, dtype, quality=None, offload=None, workflow=None, options=None,
-           max_seconds: float = DEFAULT_MAX_SECONDS, lora_dir=None, lora_gpu_memory=None) -> None:
+def follow(
+    model_path,
+    *,
+    parallel,
+    device,
+    dtype,
+    quality=None,
+    offload=None,
+    workflow=None,
+    options=None,
+    max_seconds: float = DEFAULT_MAX_SECONDS,
+    lora_dir=None,
+    lora_gpu_memory=None,
+) -> None:
     """The loop of every rank but 0: load the same model (the same run options, length limit, LoRA folder and budget as
     rank 0's engine: `options` or the `H3Engine` keywords), then run each broadcast job until told to stop."""
-    engine = H3Engine(model_path, device=device, dtype=dtype, quality=quality, offload=offload, workflow=workflow,
-                      options=options, max_seconds=max_seconds, lora_dir=lora_dir, lora_gpu_memory=lora_gpu_memory)
+    engine = H3Engine(
+        model_path,
+        device=device,
+        dtype=dtype,
+        quality=quality,
+        offload=offload,
+        workflow=workflow,
+        options=options,
+        max_seconds=max_seconds,
+        lora_dir=lora_dir,
+        lora_gpu_memory=lora_gpu_memory,
+    )
     engine.parallel = parallel
     control = dist.new_group(list(range(dist.get_world_size())), timeout=CONTROL_TIMEOUT)
     agree = StepAgreement(None)
@@ -133,13 +161,17 @@ def follow(model_path, *, parallel, device, dtype, quality=None, offload=None, w
                 images[name] = Path(folder) / f"{name}{suffix}"
                 images[name].write_bytes(data)
 
-            def agreed(stage: str, step: int, total: int) -> None:
+            def agreed(stage: str, step: int, total: int, request: dict = request) -> None:
                 if stage not in RANK0_STAGES:
                     agree(lambda: None, request["prompt"], stage, step)
 
             try:
-                engine.pipeline(request["prompt"], callback=agreed, decode=False,
-                                **pipeline_arguments(request, images, engine.lora_folder))
+                engine.pipeline(
+                    request["prompt"],
+                    callback=agreed,
+                    decode=False,
+                    **pipeline_arguments(request, images, engine.lora_folder),
+                )
             except (JobCancelled, RankFailure):
                 continue
             except Exception:  # this rank's own failure outside an agreement point: logged; rank 0 times out

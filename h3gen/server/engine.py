@@ -49,22 +49,44 @@ def pipeline_arguments(request: dict, uploads: dict[str, Path], lora_folder: Lor
         if lora_folder is None:
             raise RequestError("this server serves no LoRA adapters (start it with --lora-dir DIR).", "loras")
         loras = [(str(choice.path), choice.scale) for choice in lora_folder.resolve(request["loras"])]
-    return dict(image=uploads.get("image"), last_image=uploads.get("last_image"),
-                references=references or None, height=request["height"], width=request["width"],
-                num_frames=request["num_frames"], num_inference_steps=request["num_inference_steps"],
-                video_shift=request.get("video_shift"), audio_shift=request.get("audio_shift"),
-                seed=request["seed"], quality=request.get("quality"), cache=request.get("cache"),
-                prompts=request.get("prompts"), window_frames=request.get("window_frames"),
-                overlap_frames=request.get("overlap_frames"), loras=loras)
+    return dict(
+        image=uploads.get("image"),
+        last_image=uploads.get("last_image"),
+        references=references or None,
+        height=request["height"],
+        width=request["width"],
+        num_frames=request["num_frames"],
+        num_inference_steps=request["num_inference_steps"],
+        video_shift=request.get("video_shift"),
+        audio_shift=request.get("audio_shift"),
+        seed=request["seed"],
+        quality=request.get("quality"),
+        cache=request.get("cache"),
+        prompts=request.get("prompts"),
+        window_frames=request.get("window_frames"),
+        overlap_frames=request.get("overlap_frames"),
+        loras=loras,
+    )
 
 
 class H3Engine:
     """One model on one device. `validate` runs in request handlers; `load` and `run` on the engine worker."""
 
-    def __init__(self, model_path, *, device: str | None = None, dtype: torch.dtype | None = None,
-                 quality: str | None = None, offload: dict | None = None, workflow: str | None = None, planner=None,
-                 options: RunOptions | None = None, max_seconds: float = DEFAULT_MAX_SECONDS, lora_dir=None,
-                 lora_gpu_memory=None):
+    def __init__(
+        self,
+        model_path,
+        *,
+        device: str | None = None,
+        dtype: torch.dtype | None = None,
+        quality: str | None = None,
+        offload: dict | None = None,
+        workflow: str | None = None,
+        planner=None,
+        options: RunOptions | None = None,
+        max_seconds: float = DEFAULT_MAX_SECONDS,
+        lora_dir=None,
+        lora_gpu_memory=None,
+    ):
         """How the model loads and runs is one `RunOptions`: `options`, or its fields as `quality`, `workflow`
         (default "auto") and the `offload` dict (`offload`, `gpu_memory`, `prefetch`, `quantization`); keywords
         given next to `options` replace its fields. `max_seconds` (15 to 300): the longest clip a job may ask
@@ -114,8 +136,13 @@ class H3Engine:
         from h3gen.pipelines.h3.pipeline import H3Pipeline
 
         try:
-            self.pipeline = H3Pipeline.from_pretrained(self.model_path, device=self.device, torch_dtype=self.dtype,
-                                                       options=self.options, lora_gpu_memory=self.lora_gpu_memory)
+            self.pipeline = H3Pipeline.from_pretrained(
+                self.model_path,
+                device=self.device,
+                torch_dtype=self.dtype,
+                options=self.options,
+                lora_gpu_memory=self.lora_gpu_memory,
+            )
             self.pipeline.max_seconds = self.max_seconds
         except Exception as error:  # reported on /health and by every job
             logger.exception("model failed to load")
@@ -129,8 +156,13 @@ class H3Engine:
 
     def canvas(self, aspect_width: float, aspect_height: float) -> tuple[int, int]:
         """(height, width) of this model's canvas for an aspect ratio within 1:4 .. 4:1."""
-        return resolve_canvas(aspect_width, aspect_height, multiple=SPATIAL_COMPRESSION * self.config.patch_size[2],
-                              short_edge=self.checkpoint.canvas_short_edge, max_pixels=self.checkpoint.canvas_max_pixels)
+        return resolve_canvas(
+            aspect_width,
+            aspect_height,
+            multiple=SPATIAL_COMPRESSION * self.config.patch_size[2],
+            short_edge=self.checkpoint.canvas_short_edge,
+            max_pixels=self.checkpoint.canvas_max_pixels,
+        )
 
     def validate(self, request: GenerationRequest, images: dict[str, Path]) -> dict:
         """Check a request fully (task, keyframes or references, geometry, seed) and return it normalized, with the
@@ -140,34 +172,54 @@ class H3Engine:
         if request.cache is not None and not uses_step_cache(quality):
             raise RequestError(f"cache applies to quality high or fast+high (this request runs {quality}).", "cache")
         if request.plan and self.planner is None:
-            raise RequestError("this server has no prompt planner; start it with --planner tiny|<K3 folder>|<OpenAI-"
-                               "compatible base URL>, or send plan: false.", "plan")
+            raise RequestError(
+                "this server has no prompt planner; start it with --planner tiny|<K3 folder>|<OpenAI-"
+                "compatible base URL>, or send plan: false.",
+                "plan",
+            )
         references = references_of(images)
         keyframes = {name: path for name, path in images.items() if name in ("image", "last_image")}
         if request.task not in self.tasks:
-            raise RequestError(f"this server does not serve task {request.task} (it serves "
-                               f"{', '.join(self.tasks) or 'nothing'}; ref2va needs a model with transformer_ref/ and a "
-                               "server started with --workflow all or ref2va).",
-                               "task")
+            raise RequestError(
+                f"this server does not serve task {request.task} (it serves "
+                f"{', '.join(self.tasks) or 'nothing'}; ref2va needs a model with transformer_ref/ and a "
+                "server started with --workflow all or ref2va).",
+                "task",
+            )
         if request.task != "fl2va" and keyframes:
-            raise RequestError(f"task {request.task} takes no keyframes; use task fl2va for them.",
-                               next(iter(keyframes)))
+            raise RequestError(
+                f"task {request.task} takes no keyframes; use task fl2va for them.", next(iter(keyframes))
+            )
         if request.task != "ref2va" and references:
-            raise RequestError(f"task {request.task} takes no references; use task ref2va for them.",
-                               references[0].name)
+            raise RequestError(
+                f"task {request.task} takes no references; use task ref2va for them.", references[0].name
+            )
         if request.task == "fl2va" and not keyframes:
             raise RequestError("task fl2va needs an image and/or a last_image upload.", "image")
         if request.task == "ref2va" and not references:
-            raise RequestError("task ref2va needs at least one reference upload: ref_image, ref_video or ref_audio "
-                               "(multipart, repeatable, in order).", "references")
+            raise RequestError(
+                "task ref2va needs at least one reference upload: ref_image, ref_video or ref_audio "
+                "(multipart, repeatable, in order).",
+                "references",
+            )
         choices = self._lora_choices(request.loras)
-        arguments = dict(image=keyframes.get("image"), last_image=keyframes.get("last_image"),
-                         references=references or None, aspect_ratio=request.aspect_ratio, seconds=request.seconds,
-                         num_inference_steps=request.num_inference_steps, forwards=request.forwards,
-                         video_shift=request.video_shift, audio_shift=request.audio_shift, seed=request.seed,
-                         recipes=self.lora_folder.recipes(choices) if choices else [], prompts=request.prompts,
-                         window_frames=request.window_frames, overlap_frames=request.overlap_frames,
-                         max_seconds=self.max_seconds)
+        arguments = dict(
+            image=keyframes.get("image"),
+            last_image=keyframes.get("last_image"),
+            references=references or None,
+            aspect_ratio=request.aspect_ratio,
+            seconds=request.seconds,
+            num_inference_steps=request.num_inference_steps,
+            forwards=request.forwards,
+            video_shift=request.video_shift,
+            audio_shift=request.audio_shift,
+            seed=request.seed,
+            recipes=self.lora_folder.recipes(choices) if choices else [],
+            prompts=request.prompts,
+            window_frames=request.window_frames,
+            overlap_frames=request.overlap_frames,
+            max_seconds=self.max_seconds,
+        )
         lora_files = [self.lora_folder.lora_file(choice) for choice in choices]
         if self.pipeline is not None:  # loaded: its GPU budgets (activations, adapters) are known too
             prepared = self.pipeline.validate(request.prompt, **arguments, lora_files=lora_files)
@@ -178,12 +230,22 @@ class H3Engine:
                 check_device_budget(need, [lora.name for lora in lora_files], self.lora_gpu_memory, None)
         shape = prepared.shape
         windows = {"windows": prepared.continuation.num_windows} if prepared.continuation else {}
-        return request.model_dump() | {
-            "seed": prepared.seed, "height": shape.height, "width": shape.width, "num_frames": shape.num_frames,
-            "duration": round(shape.seconds, 4), "fps": 24, "quality": quality,
-            "loras": [{"name": choice.name, "scale": choice.scale} for choice in choices],
-        } | prepared.sampling.describe() | windows | (
-            {"references": [reference.kind for reference in references]} if references else {})
+        return (
+            request.model_dump()
+            | {
+                "seed": prepared.seed,
+                "height": shape.height,
+                "width": shape.width,
+                "num_frames": shape.num_frames,
+                "duration": round(shape.seconds, 4),
+                "fps": 24,
+                "quality": quality,
+                "loras": [{"name": choice.name, "scale": choice.scale} for choice in choices],
+            }
+            | prepared.sampling.describe()
+            | windows
+            | ({"references": [reference.kind for reference in references]} if references else {})
+        )
 
     def _lora_choices(self, loras) -> list[LoraChoice]:
         """A request's adapters resolved in the LoRA folder (4xx naming the first bad name)."""
@@ -201,14 +263,19 @@ class H3Engine:
         image = images.get("image") if getattr(self.planner, "accepts_images", False) else None
         return self.planner.plan(request["prompt"], image=image, seed=request.get("seed")).planned
 
-    def run(self, request: dict, images: dict[str, Path], out_path: Path,
-            callback: Callable[[str, int, int], None]) -> dict:
+    def run(
+        self, request: dict, images: dict[str, Path], out_path: Path, callback: Callable[[str, int, int], None]
+    ) -> dict:
         """Generate one normalized request into `out_path` (MP4, verified), reporting through `callback` (each stage
         when it starts, inside it and when it ends; an exception the callback raises stops the job there). Returns
         what the job's status reports of the run: `cached_steps` for quality high / fast+high, else nothing."""
         if self.pipeline is None:
             raise RuntimeError(f"the model is not loaded ({self.load_error or 'still loading'}).")
-        output = self.pipeline(request["prompt"], callback=callback, output_path=out_path,
-                               audio_sample_rate=request["audio_sample_rate"],
-                               **pipeline_arguments(request, images, self.lora_folder))
+        output = self.pipeline(
+            request["prompt"],
+            callback=callback,
+            output_path=out_path,
+            audio_sample_rate=request["audio_sample_rate"],
+            **pipeline_arguments(request, images, self.lora_folder),
+        )
         return {"cached_steps": output.cached_steps} if uses_step_cache(request.get("quality")) else {}

@@ -41,8 +41,15 @@ class RequestGate:
 
     `authorize` returns None to let the request in, or `(status, message, headers)` to refuse it."""
 
-    def __init__(self, app, *, authorize: Callable, body_limit: Callable[[str, str, str], int],
-                 open_paths: tuple[str, ...] = ("/health",), ui_path: str = "/ui"):
+    def __init__(
+        self,
+        app,
+        *,
+        authorize: Callable,
+        body_limit: Callable[[str, str, str], int],
+        open_paths: tuple[str, ...] = ("/health",),
+        ui_path: str = "/ui",
+    ):
         self.app = app
         self.authorize = authorize
         self.body_limit = body_limit

@@ -38,8 +38,15 @@ from h3gen.server.store import JobStore
 logger = logging.getLogger(__name__)
 
 # Share of the progress bar each stage owns (sums to 100).
-STAGE_WEIGHTS = {"plan": 0, "encode_text": 4, "encode_conditions": 3, "denoise": 84, "decode_video": 4, "decode_audio": 3,
-                 "write_mp4": 2}
+STAGE_WEIGHTS = {
+    "plan": 0,
+    "encode_text": 4,
+    "encode_conditions": 3,
+    "denoise": 84,
+    "decode_video": 4,
+    "decode_audio": 3,
+    "write_mp4": 2,
+}
 STAGE_ORDER = tuple(STAGE_WEIGHTS)
 FINISHED = ("succeeded", "failed", "cancelled")
 INTERRUPTED = "interrupted: the server stopped while this job was running; submit it again"
@@ -104,8 +111,17 @@ class JobManager:
     this server is (e.g. its URL) to whoever finds the folder taken. `sweep_seconds` is the retention timer's period.
     """
 
-    def __init__(self, engine, results_dir, *, max_queue: int = 16, retention_seconds: float = 7 * 86400,
-                 max_results_bytes: int = 50 * 2**30, sweep_seconds: float = 60.0, owner: str = ""):
+    def __init__(
+        self,
+        engine,
+        results_dir,
+        *,
+        max_queue: int = 16,
+        retention_seconds: float = 7 * 86400,
+        max_results_bytes: int = 50 * 2**30,
+        sweep_seconds: float = 60.0,
+        owner: str = "",
+    ):
         self.engine = engine
         self.results_dir = Path(results_dir)
         self.uploads_dir = self.results_dir / "uploads"
@@ -207,14 +223,34 @@ class JobManager:
                 path.unlink(missing_ok=True)
                 continue
             when = path.stat().st_mtime
-            request = {"adopted": True, "width": info.width, "height": info.height, "num_frames": info.num_frames,
-                       "fps": info.fps, "duration": round(info.video_seconds, 4),
-                       "audio_sample_rate": info.sample_rate}
-            self.store.insert({"id": job_id, "status": "succeeded", "created_at": when, "finished_at": when,
-                               "request": request, "progress": 100.0, "timings": {}, "uploads": {},
-                               "result_path": str(path), "result_bytes": path.stat().st_size})
-            logger.warning("adopted %s: no job named it (the job database was lost or damaged); it is served as a "
-                           "succeeded job whose request is unknown", path.name)
+            request = {
+                "adopted": True,
+                "width": info.width,
+                "height": info.height,
+                "num_frames": info.num_frames,
+                "fps": info.fps,
+                "duration": round(info.video_seconds, 4),
+                "audio_sample_rate": info.sample_rate,
+            }
+            self.store.insert(
+                {
+                    "id": job_id,
+                    "status": "succeeded",
+                    "created_at": when,
+                    "finished_at": when,
+                    "request": request,
+                    "progress": 100.0,
+                    "timings": {},
+                    "uploads": {},
+                    "result_path": str(path),
+                    "result_bytes": path.stat().st_size,
+                }
+            )
+            logger.warning(
+                "adopted %s: no job named it (the job database was lost or damaged); it is served as a "
+                "succeeded job whose request is unknown",
+                path.name,
+            )
 
     # ------------------------------------------------------------------ requests
 
@@ -243,8 +279,15 @@ class JobManager:
                 for staging in {Path(path).parent for path in uploads.values()}:
                     if staging.parent == self.uploads_dir and staging.name.startswith("staging-"):
                         shutil.rmtree(staging, ignore_errors=True)
-            job = {"id": job_id, "status": "queued", "created_at": time.time(), "request": request,
-                   "uploads": kept, "progress": 0.0, "timings": {}}
+            job = {
+                "id": job_id,
+                "status": "queued",
+                "created_at": time.time(),
+                "request": request,
+                "uploads": kept,
+                "progress": 0.0,
+                "timings": {},
+            }
             self.store.insert(job)
             self._queue.append(job_id)
             self._cond.notify_all()
@@ -323,8 +366,21 @@ class JobManager:
     def view(self, job: dict) -> dict:
         """The public view of a stored job, with live progress for the running one."""
         live = self._live.get(job["id"])
-        view = {key: job[key] for key in ("id", "status", "progress", "stage", "timings", "error", "request",
-                                          "created_at", "started_at", "finished_at")}
+        view = {
+            key: job[key]
+            for key in (
+                "id",
+                "status",
+                "progress",
+                "stage",
+                "timings",
+                "error",
+                "request",
+                "created_at",
+                "started_at",
+                "finished_at",
+            )
+        }
         view["planned_prompt"] = (job["request"] or {}).get("planned_prompt")
         view["cached_steps"] = (job["request"] or {}).get("cached_steps")
         if live is not None and job["status"] == "running":

@@ -35,12 +35,17 @@ class FolderLock:
             handle.seek(0)
             who = handle.read().strip() or "an unknown process"
             handle.close()
-            raise FolderBusy(f"the results folder {self.path.parent} is in use by {who}; stop that server or give "
-                             "this one another --results-dir.") from None
+            raise FolderBusy(
+                f"the results folder {self.path.parent} is in use by {who}; stop that server or give "
+                "this one another --results-dir."
+            ) from None
         handle.seek(0)
         handle.truncate()
-        handle.write(f"pid {os.getpid()} on {socket.gethostname()}" + (f" ({self.holder})" if self.holder else "")
-                     + f", since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
+        handle.write(
+            f"pid {os.getpid()} on {socket.gethostname()}"
+            + (f" ({self.holder})" if self.holder else "")
+            + f", since {time.strftime('%Y-%m-%d %H:%M:%S')}\n"
+        )
         handle.flush()
         self._file = handle
 

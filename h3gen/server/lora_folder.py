@@ -51,8 +51,12 @@ class LoraFolder:
         real location is inside it."""
         found = []
         for path in self.root.iterdir():
-            if path.name.endswith(SUFFIX) and not path.name.startswith(".") and self._inside(path) \
-                    and path.resolve().is_file():
+            if (
+                path.name.endswith(SUFFIX)
+                and not path.name.startswith(".")
+                and self._inside(path)
+                and path.resolve().is_file()
+            ):
                 found.append(path.name[: -len(SUFFIX)])
         return sorted(found)
 
@@ -60,17 +64,24 @@ class LoraFolder:
         """The file of adapter `name`, or a `RequestError` (field "loras") naming it when the name is not a plain
         file name in the folder or no such adapter exists there."""
         if not isinstance(name, str) or not name.strip():
-            raise RequestError("each LoRA needs a name: the file name of an adapter in the server's LoRA folder "
-                               "(GET v1/loras lists them).", "loras")
+            raise RequestError(
+                "each LoRA needs a name: the file name of an adapter in the server's LoRA folder "
+                "(GET v1/loras lists them).",
+                "loras",
+            )
         shown = name[:MAX_NAME_CHARS]
         if len(name) > MAX_NAME_CHARS or not _NAME.match(name) or name.startswith(".") or ".." in name:
-            raise RequestError(f"LoRA name {shown!r} is not an adapter name: give the file name of an adapter in the "
-                               "server's LoRA folder, without any folder part (GET v1/loras lists them).", "loras")
+            raise RequestError(
+                f"LoRA name {shown!r} is not an adapter name: give the file name of an adapter in the "
+                "server's LoRA folder, without any folder part (GET v1/loras lists them).",
+                "loras",
+            )
         stem = name[: -len(SUFFIX)] if name.endswith(SUFFIX) else name
         path = self.root / f"{stem}{SUFFIX}"
         if not self._inside(path) or not path.resolve().is_file():
-            raise RequestError(f"no LoRA named {shown!r} in the server's LoRA folder (GET v1/loras lists them).",
-                               "loras")
+            raise RequestError(
+                f"no LoRA named {shown!r} in the server's LoRA folder (GET v1/loras lists them).", "loras"
+            )
         return path
 
     def resolve(self, loras) -> list[LoraChoice]:
@@ -82,8 +93,7 @@ class LoraFolder:
             scale = item.get("scale", 1.0) if isinstance(item, dict) else item.scale
             path = self.path(name)
             if path.name in seen:
-                raise RequestError(f"LoRA {name!r} is listed twice; give it once with the sum of its scales.",
-                                   "loras")
+                raise RequestError(f"LoRA {name!r} is listed twice; give it once with the sum of its scales.", "loras")
             seen.add(path.name)
             choices.append(LoraChoice(path.name[: -len(SUFFIX)], path, float(scale)))
         return choices
@@ -120,9 +130,14 @@ class LoraFolder:
             try:
                 lora = self._read(name, path)
                 recipe = recipe_for(path.name, lora.metadata)
-                entry |= {"format": lora.format, "rank": lora.ranks[0] if len(lora.ranks) == 1 else lora.ranks,
-                          "alpha": lora.alpha, "alpha_source": lora.alpha_source,
-                          "partition": list(lora.partitions), "recipe": recipe.describe() if recipe else None}
+                entry |= {
+                    "format": lora.format,
+                    "rank": lora.ranks[0] if len(lora.ranks) == 1 else lora.ranks,
+                    "alpha": lora.alpha,
+                    "alpha_source": lora.alpha_source,
+                    "partition": list(lora.partitions),
+                    "recipe": recipe.describe() if recipe else None,
+                }
             except RequestError as error:
                 entry["error"] = str(error)
             self._described = {k: v for k, v in self._described.items() if k[0] != name} | {key: entry}

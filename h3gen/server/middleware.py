@@ -8,10 +8,12 @@ from h3gen.server.throttle import FailureThrottle
 # plays in the browser's own media page, which needs media-src).
 API_CSP = "default-src 'none'; media-src 'self'; frame-ancestors 'none'; base-uri 'none'; form-action 'none'"
 # /docs and /redoc are FastAPI's HTML pages, which load Swagger UI / ReDoc from their CDN with an inline script.
-DOCS_CSP = ("default-src 'self'; script-src 'self' 'unsafe-inline' https://cdn.jsdelivr.net; style-src 'self' "
-            "'unsafe-inline' https://cdn.jsdelivr.net https://fonts.googleapis.com; font-src https://fonts.gstatic.com; "
-            "img-src 'self' data: https://fastapi.tiangolo.com https://cdn.redoc.ly; worker-src blob:; "
-            "frame-ancestors 'none'; base-uri 'none'")
+DOCS_CSP = (
+    "default-src 'self'; script-src 'self' 'unsafe-inline' https://cdn.jsdelivr.net; style-src 'self' "
+    "'unsafe-inline' https://cdn.jsdelivr.net https://fonts.googleapis.com; font-src https://fonts.gstatic.com; "
+    "img-src 'self' data: https://fastapi.tiangolo.com https://cdn.redoc.ly; worker-src blob:; "
+    "frame-ancestors 'none'; base-uri 'none'"
+)
 DOCS_PATHS = ("/docs", "/redoc")
 
 
@@ -66,9 +68,17 @@ class LoginThrottle:
         wait = self.throttle.retry_after(client)
         if wait is not None:
             body = json.dumps({"detail": f"too many wrong logins; try again in {wait} s"}).encode()
-            await send({"type": "http.response.start", "status": 429,
-                        "headers": [(b"content-type", b"application/json"), (b"retry-after", str(wait).encode()),
-                                    (b"content-length", str(len(body)).encode())]})
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": 429,
+                    "headers": [
+                        (b"content-type", b"application/json"),
+                        (b"retry-after", str(wait).encode()),
+                        (b"content-length", str(len(body)).encode()),
+                    ],
+                }
+            )
             await send({"type": "http.response.body", "body": body})
             return
 

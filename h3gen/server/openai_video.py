@@ -16,13 +16,28 @@ from h3gen.pipelines.h3.geometry import MAX_ASPECT, MIN_ASPECT
 DEFAULT_MODEL_ID = "MiniMax-H3"
 
 # A job's status in the store -> the SDK's four. A cancelled job is a failed video whose error code says so.
-OPENAI_STATUS = {"queued": "queued", "running": "in_progress", "succeeded": "completed", "failed": "failed",
-                 "cancelled": "failed"}
+OPENAI_STATUS = {
+    "queued": "queued",
+    "running": "in_progress",
+    "succeeded": "completed",
+    "failed": "failed",
+    "cancelled": "failed",
+}
 VARIANTS = ("video", "thumbnail", "spritesheet")
 SIZE_PATTERN = re.compile(r"^([0-9]{1,5})x([0-9]{1,5})$")
 # The H3 job fields a `Video` carries besides OpenAI's own (what GET /v1/videos/{id} showed before, minus status).
-EXTENSION_FIELDS = ("stage", "window", "timings", "request", "planned_prompt", "cached_steps", "queue_position",
-                    "content_url", "started_at", "finished_at")
+EXTENSION_FIELDS = (
+    "stage",
+    "window",
+    "timings",
+    "request",
+    "planned_prompt",
+    "cached_steps",
+    "queue_position",
+    "content_url",
+    "started_at",
+    "finished_at",
+)
 
 # How often a polling client should ask again: one denoising step's measured time, within these bounds.
 POLL_AFTER_MS_MIN, POLL_AFTER_MS_MAX = 250, 5000
@@ -39,18 +54,22 @@ def parse_size(size: str) -> tuple[int, int]:
 def image_from_data_url(url: str) -> bytes:
     """The bytes of a `data:image/...;base64,...` URL. The server never fetches a URL: anything else is refused."""
     if not isinstance(url, str) or not url.startswith("data:"):
-        raise RequestError("input_reference.image_url must be a data: URL (data:image/png;base64,...); this server "
-                           "never fetches URLs. Upload the image as the input_reference file instead.",
-                           "input_reference")
+        raise RequestError(
+            "input_reference.image_url must be a data: URL (data:image/png;base64,...); this server "
+            "never fetches URLs. Upload the image as the input_reference file instead.",
+            "input_reference",
+        )
     header, _, payload = url.partition(",")
     if not header.startswith("data:image/") or not header.endswith(";base64"):
-        raise RequestError("input_reference.image_url must be a base64 image data URL (data:image/png;base64,...).",
-                           "input_reference")
+        raise RequestError(
+            "input_reference.image_url must be a base64 image data URL (data:image/png;base64,...).", "input_reference"
+        )
     try:
         # A megabyte at a time: one call over a 27 MB payload would hold the GIL for about 0.1 s.
         step = 1 << 20  # a multiple of 4, so each slice decodes on its own
-        return b"".join(base64.b64decode(payload[start:start + step], validate=True)
-                        for start in range(0, len(payload), step))
+        return b"".join(
+            base64.b64decode(payload[start : start + step], validate=True) for start in range(0, len(payload), step)
+        )
     except (binascii.Error, ValueError):
         raise RequestError("input_reference.image_url is not valid base64.", "input_reference") from None
 
@@ -118,8 +137,10 @@ def poll_after_ms(step_seconds: float | None) -> int:
 
 def model_list(model: str, tasks: tuple[str, ...], created: int) -> dict:
     """`GET /v1/models`: the one model this server serves, with the tasks it answers."""
-    return {"object": "list",
-            "data": [{"id": model, "object": "model", "created": created, "owned_by": "h3gen", "tasks": list(tasks)}]}
+    return {
+        "object": "list",
+        "data": [{"id": model, "object": "model", "created": created, "owned_by": "h3gen", "tasks": list(tasks)}],
+    }
 
 
 def nearest_size_error(width: int, height: int, canvas) -> RequestError:
@@ -127,8 +148,11 @@ def nearest_size_error(width: int, height: int, canvas) -> RequestError:
     `canvas(aspect_width, aspect_height) -> (height, width)` is the model's canvas for an allowed aspect ratio."""
     ratio = min(max(width / height, MIN_ASPECT), MAX_ASPECT)
     near_height, near_width = canvas(ratio, 1.0)
-    return RequestError(f"size {width}x{height} is outside MiniMax-H3's aspect ratios (1:4 to 4:1); the nearest size "
-                        f"it can make is {near_width}x{near_height}.", "size")
+    return RequestError(
+        f"size {width}x{height} is outside MiniMax-H3's aspect ratios (1:4 to 4:1); the nearest size "
+        f"it can make is {near_width}x{near_height}.",
+        "size",
+    )
 
 
 def openai_fields(request, uploads: dict, *, model_id: str, canvas, save_image) -> object:
@@ -138,8 +162,9 @@ def openai_fields(request, uploads: dict, *, model_id: str, canvas, save_image) 
     field."""
     update = {}
     if request.model is not None and request.model != model_id:
-        raise RequestError(f"model must be {model_id} (the model this server serves; got {request.model[:64]!r}).",
-                           "model")
+        raise RequestError(
+            f"model must be {model_id} (the model this server serves; got {request.model[:64]!r}).", "model"
+        )
     if request.size is not None:
         if request.aspect_ratio is not None:
             raise RequestError("give size or aspect_ratio, not both.", "size")
@@ -150,8 +175,11 @@ def openai_fields(request, uploads: dict, *, model_id: str, canvas, save_image) 
     reference = request.input_reference
     if reference is not None:
         if reference.file_id is not None:
-            raise RequestError("input_reference.file_id cannot be resolved: this server keeps no files; upload the "
-                               "image as the input_reference file or send it as a data: URL.", "input_reference")
+            raise RequestError(
+                "input_reference.file_id cannot be resolved: this server keeps no files; upload the "
+                "image as the input_reference file or send it as a data: URL.",
+                "input_reference",
+            )
         if not reference.image_url:
             raise RequestError("input_reference needs image_url (a data: URL) or a file upload.", "input_reference")
         if "image" in uploads:

@@ -15,8 +15,7 @@ from starlette.datastructures import UploadFile
 
 from h3gen.errors import RequestError
 from h3gen.pipelines.k3.planner import PlannerError
-from h3gen.server.bodies import (MAX_JSON_BYTES, body_fields, field_error, public_text, save_upload,
-                                 validated)
+from h3gen.server.bodies import MAX_JSON_BYTES, body_fields, field_error, public_text, save_upload, validated
 from h3gen.server.schemas import PlanRequest, PlanResponse
 
 
@@ -39,8 +38,12 @@ class PlanAdmission:
                 typical = sorted(self.recent)[len(self.recent) // 2] if self.recent else 10.0
                 # The plans ahead finish in turns of `concurrency`; the first place opens after the first turn.
                 wait = max(1, math.ceil(typical * (self.admitted - self.capacity + 1) / self.concurrency))
-                raise HTTPException(429, f"{self.admitted} prompt plans are running or waiting, as many as this "
-                                         f"server takes; try again in {wait} s", headers={"Retry-After": str(wait)})
+                raise HTTPException(
+                    429,
+                    f"{self.admitted} prompt plans are running or waiting, as many as this "
+                    f"server takes; try again in {wait} s",
+                    headers={"Retry-After": str(wait)},
+                )
             self.admitted += 1
 
     def release(self) -> None:
@@ -59,8 +62,13 @@ class PlanAdmission:
 
 
 def _plan_body(result) -> dict:
-    return {"prompt": result.prompt, "planned_prompt": result.planned, "backend": result.backend,
-            "tokens": result.tokens, "seconds": result.seconds}
+    return {
+        "prompt": result.prompt,
+        "planned_prompt": result.planned,
+        "backend": result.backend,
+        "tokens": result.tokens,
+        "seconds": result.seconds,
+    }
 
 
 def _sse(event: str, data: dict) -> str:
@@ -81,8 +89,14 @@ async def _plan_events(planner, prompt: str, options: dict, staging, admission: 
 
     def work():
         try:
-            put(("done", admission.run(planner.plan, prompt, on_text=lambda text: put(("delta", text)), cancel=cancel,
-                                       **options)))
+            put(
+                (
+                    "done",
+                    admission.run(
+                        planner.plan, prompt, on_text=lambda text: put(("delta", text)), cancel=cancel, **options
+                    ),
+                )
+            )
         except Exception as error:  # every failure becomes an answer, never a dead stream
             put(("error", error))
         finally:
@@ -127,13 +141,22 @@ def add_plan_route(app: FastAPI, server, admission: PlanAdmission | None = None)
     running and waiting (default: one running, four waiting)."""
     admission = admission or PlanAdmission()
 
-    @app.post("/v1/prompts/plan", response_model=PlanResponse,
-              responses={200: {"description": "the planned prompt; with `stream: true` server-sent events",
-                               "content": {"text/event-stream": {"schema": {"type": "string"}}}},
-                         409: {"description": "the server has no planner"}, 413: {"description": "too large"},
-                         415: {"description": "unsupported body"}, 422: {"description": "invalid field"},
-                         424: {"description": "the planner backend failed"},
-                         429: {"description": "as many plans running and waiting as the server takes"}})
+    @app.post(
+        "/v1/prompts/plan",
+        response_model=PlanResponse,
+        responses={
+            200: {
+                "description": "the planned prompt; with `stream: true` server-sent events",
+                "content": {"text/event-stream": {"schema": {"type": "string"}}},
+            },
+            409: {"description": "the server has no planner"},
+            413: {"description": "too large"},
+            415: {"description": "unsupported body"},
+            422: {"description": "invalid field"},
+            424: {"description": "the planner backend failed"},
+            429: {"description": "as many plans running and waiting as the server takes"},
+        },
+    )
     async def plan_prompt(request: Request):
         """Turn a short idea into an H3 prompt (picture, motion, camera, sound, music, dialogue) with the server's
         planner. JSON `PlanRequest`, or multipart with its fields and an optional `image` file for a planner that
@@ -151,8 +174,13 @@ def add_plan_route(app: FastAPI, server, admission: PlanAdmission | None = None)
         try:
             admission.admit()  # before the body is read: a refused plan costs nothing
             admitted = True
-            data = await body_fields(request, server.max_upload_bytes + MAX_JSON_BYTES, max_files=1,
-                                      max_fields=len(PlanRequest.model_fields) + 1, on_file=save)
+            data = await body_fields(
+                request,
+                server.max_upload_bytes + MAX_JSON_BYTES,
+                max_files=1,
+                max_fields=len(PlanRequest.model_fields) + 1,
+                on_file=save,
+            )
             if isinstance(data, JSONResponse):
                 return data
             plan = await run_in_threadpool(validated, PlanRequest, data)
@@ -160,8 +188,11 @@ def add_plan_route(app: FastAPI, server, admission: PlanAdmission | None = None)
                 return plan
             planner = getattr(server.manager.engine, "planner", None)
             if planner is None:
-                raise HTTPException(409, "this server has no prompt planner; start it with --planner tiny|<K3 "
-                                         "folder>|<OpenAI-compatible base URL>")
+                raise HTTPException(
+                    409,
+                    "this server has no prompt planner; start it with --planner tiny|<K3 "
+                    "folder>|<OpenAI-compatible base URL>",
+                )
             options = dict(image=image, max_tokens=plan.max_tokens, seed=plan.seed, temperature=plan.temperature)
             if plan.stream:
                 response = await _plan_events(planner, plan.prompt, options, staging, admission)

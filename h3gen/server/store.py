@@ -15,8 +15,21 @@ from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
-_COLUMNS = ("id", "status", "created_at", "started_at", "finished_at", "request", "progress", "stage", "timings",
-            "error", "result_path", "result_bytes", "uploads")
+_COLUMNS = (
+    "id",
+    "status",
+    "created_at",
+    "started_at",
+    "finished_at",
+    "request",
+    "progress",
+    "stage",
+    "timings",
+    "error",
+    "result_path",
+    "result_bytes",
+    "uploads",
+)
 _JSON = ("request", "timings", "uploads")
 
 
@@ -56,9 +69,13 @@ class JobStore:
             source = self.path.with_name(self.path.name + suffix)
             if source.exists():
                 source.replace(aside.with_name(aside.name + suffix))
-        logger.error("THE JOB DATABASE %s IS DAMAGED (%s): moved it aside to %s and started an empty one; the jobs "
-                     "it held are no longer listed (their MP4s are adopted back where they decode).",
-                     self.path, error, aside.name)
+        logger.error(
+            "THE JOB DATABASE %s IS DAMAGED (%s): moved it aside to %s and started an empty one; the jobs "
+            "it held are no longer listed (their MP4s are adopted back where they decode).",
+            self.path,
+            error,
+            aside.name,
+        )
         return aside
 
     @staticmethod
@@ -73,7 +90,7 @@ class JobStore:
         db.execute("CREATE INDEX IF NOT EXISTS jobs_status ON jobs(status)")
 
     def _row(self, values) -> dict:
-        row = dict(zip(_COLUMNS, values))
+        row = dict(zip(_COLUMNS, values, strict=True))
         for key in _JSON:
             row[key] = json.loads(row[key]) if row[key] else {}
         return row
@@ -82,8 +99,10 @@ class JobStore:
         values = [json.dumps(job.get(c, {})) if c in _JSON else job.get(c) for c in _COLUMNS]
         with self._lock:
             seq = self._db.execute("SELECT COALESCE(MAX(seq), 0) + 1 FROM jobs").fetchone()[0]
-            self._db.execute(f"INSERT INTO jobs ({', '.join(_COLUMNS)}, seq) VALUES ({', '.join('?' * len(_COLUMNS))}, ?)",
-                             [*values, seq])
+            self._db.execute(
+                f"INSERT INTO jobs ({', '.join(_COLUMNS)}, seq) VALUES ({', '.join('?' * len(_COLUMNS))}, ?)",
+                [*values, seq],
+            )
 
     def update(self, job_id: str, **fields) -> None:
         if not fields:
@@ -102,8 +121,14 @@ class JobStore:
         with self._lock:
             self._db.execute("DELETE FROM jobs WHERE id = ?", [job_id])
 
-    def list(self, *, limit: int, after: str | None = None, newest_first: bool = True,
-             statuses: tuple[str, ...] | None = None) -> list[dict]:
+    def list(
+        self,
+        *,
+        limit: int,
+        after: str | None = None,
+        newest_first: bool = True,
+        statuses: tuple[str, ...] | None = None,
+    ) -> list[dict]:
         """Jobs in submission order (or reverse), starting after job `after`, at most `limit`."""
         order = "DESC" if newest_first else "ASC"
         clauses, params = [], []
@@ -135,6 +160,11 @@ class JobStore:
             except sqlite3.ProgrammingError:  # closed already
                 return
             except sqlite3.Error as error:
-                logger.error("could not fold the job database's WAL into %s (%s); the jobs are kept in %s-wal, "
-                             "which the next start reads", self.path.name, error, self.path.name)
+                logger.error(
+                    "could not fold the job database's WAL into %s (%s); the jobs are kept in %s-wal, "
+                    "which the next start reads",
+                    self.path.name,
+                    error,
+                    self.path.name,
+                )
             self._db.close()

@@ -21,8 +21,16 @@ class _Record:
 class FailureThrottle:
     """Counts failed logins / API keys per client (an IP address) and says how long a client must wait."""
 
-    def __init__(self, *, free_failures: int = 5, base_delay: float = 1.0, max_delay: float = 300.0,
-                 forget_after: float = 3600.0, max_clients: int = 10_000, clock=time.monotonic):
+    def __init__(
+        self,
+        *,
+        free_failures: int = 5,
+        base_delay: float = 1.0,
+        max_delay: float = 300.0,
+        forget_after: float = 3600.0,
+        max_clients: int = 10_000,
+        clock=time.monotonic,
+    ):
         self.free_failures = free_failures
         self.base_delay = base_delay
         self.max_delay = max_delay

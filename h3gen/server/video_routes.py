@@ -13,13 +13,29 @@ from starlette.datastructures import UploadFile
 from h3gen.media import MediaError, mp4_spritesheet, mp4_thumbnail
 from h3gen.pipelines.h3.references import MAX_REFERENCES
 from h3gen.server import openai_video
-from h3gen.server.bodies import (MAX_JSON_BYTES, body_fields, field_error, json_body_limit, json_object,
-                                 public_text, public_view, save_upload, validated)
+from h3gen.server.bodies import (
+    MAX_JSON_BYTES,
+    body_fields,
+    field_error,
+    json_body_limit,
+    json_object,
+    public_text,
+    public_view,
+    save_upload,
+    validated,
+)
 from h3gen.server.engine import upload_name
 from h3gen.server.jobs import QueueFull
-from h3gen.server.schemas import (IMAGE_FIELDS, REFERENCE_FIELDS, GenerationRequest, RemixRequest, VideoDeleted,
-                                  VideoList, VideoObject, request_body_schema)
-
+from h3gen.server.schemas import (
+    IMAGE_FIELDS,
+    REFERENCE_FIELDS,
+    GenerationRequest,
+    RemixRequest,
+    VideoDeleted,
+    VideoList,
+    VideoObject,
+    request_body_schema,
+)
 
 _MULTIPART_FIELDS = tuple(GenerationRequest.model_fields)
 _FILE_FIELDS = IMAGE_FIELDS + REFERENCE_FIELDS + ("input_reference",)
@@ -38,8 +54,9 @@ def add_video_routes(app: FastAPI, server) -> None:
     manager = server.manager
 
     def as_video(view: dict) -> dict:
-        return openai_video.video_object(public_view(view), model=server.model_id,
-                                         retention_seconds=manager.retention_seconds)
+        return openai_video.video_object(
+            public_view(view), model=server.model_id, retention_seconds=manager.retention_seconds
+        )
 
     def job_or_404(job_id: str) -> dict:
         job = manager.get(job_id) if server.job_id_pattern.match(job_id) else None
@@ -55,15 +72,24 @@ def add_video_routes(app: FastAPI, server) -> None:
             path.write_bytes(data)
             return path
 
-        generation = openai_video.openai_fields(generation, uploads, model_id=server.model_id,
-                                                canvas=manager.engine.canvas, save_image=save_image)
+        generation = openai_video.openai_fields(
+            generation, uploads, model_id=server.model_id, canvas=manager.engine.canvas, save_image=save_image
+        )
         normalized = manager.engine.validate(generation, uploads) | (extra or {})
         return as_video(manager.submit(normalized, uploads))
 
-    @app.post("/v1/videos", status_code=202, response_model=VideoObject,
-              openapi_extra=request_body_schema(),
-              responses={413: {"description": "body or upload too large"}, 415: {"description": "unsupported body"},
-                         422: {"description": "invalid field"}, 429: {"description": "queue full"}})
+    @app.post(
+        "/v1/videos",
+        status_code=202,
+        response_model=VideoObject,
+        openapi_extra=request_body_schema(),
+        responses={
+            413: {"description": "body or upload too large"},
+            415: {"description": "unsupported body"},
+            422: {"description": "invalid field"},
+            429: {"description": "queue full"},
+        },
+    )
     async def create_video(request: Request):
         """Validate a generation request and queue it; answers the job's `Video` object. JSON, or multipart (as
         OpenAI's SDK sends it) with an `input_reference` or `image` / `last_image` files (fl2va), or `ref_image` /
@@ -86,20 +112,28 @@ def add_video_routes(app: FastAPI, server) -> None:
                 return field_error(key, f"unexpected file field; files go in {', '.join(_FILE_FIELDS)}")
             name = "image" if key == "input_reference" else key
             if name in uploads:
-                return field_error(key, "give one first frame: image or input_reference, once" if name == "image"
-                                   else f"give {key} once")
+                return field_error(
+                    key,
+                    "give one first frame: image or input_reference, once" if name == "image" else f"give {key} once",
+                )
             if key in REFERENCE_FIELDS:
                 name, references = upload_name(key, references), references + 1
-            uploads[name] = await run_in_threadpool(save_upload, upload, staging_dir(), name,
-                                                    server.max_upload_bytes, key)
+            uploads[name] = await run_in_threadpool(
+                save_upload, upload, staging_dir(), name, server.max_upload_bytes, key
+            )
             return None
 
         try:
-            data = await body_fields(request, server.max_upload_bytes * MAX_FILES + MAX_JSON_BYTES,
-                                     max_files=MAX_FILES, max_fields=len(_MULTIPART_FIELDS) + 4, on_file=save,
-                                     file_fields=_FILE_FIELDS,
-                                     text_limit=json_body_limit(server.max_upload_bytes),
-                                     json_allowance=_data_url_bytes)
+            data = await body_fields(
+                request,
+                server.max_upload_bytes * MAX_FILES + MAX_JSON_BYTES,
+                max_files=MAX_FILES,
+                max_fields=len(_MULTIPART_FIELDS) + 4,
+                on_file=save,
+                file_fields=_FILE_FIELDS,
+                text_limit=json_body_limit(server.max_upload_bytes),
+                json_allowance=_data_url_bytes,
+            )
             if isinstance(data, JSONResponse):
                 return data
             generation = await run_in_threadpool(validated, GenerationRequest, data)  # JSON fields parse off the loop
@@ -112,11 +146,23 @@ def add_video_routes(app: FastAPI, server) -> None:
             if staging is not None:
                 shutil.rmtree(staging, ignore_errors=True)
 
-    @app.post("/v1/videos/{job_id}/remix", status_code=202, response_model=VideoObject,
-              openapi_extra={"requestBody": {"required": True, "content": {"application/json": {
-                  "schema": RemixRequest.model_json_schema()}}}},
-              responses={404: {"description": "unknown video"}, 409: {"description": "its files are gone"},
-                         422: {"description": "invalid field"}, 429: {"description": "queue full"}})
+    @app.post(
+        "/v1/videos/{job_id}/remix",
+        status_code=202,
+        response_model=VideoObject,
+        openapi_extra={
+            "requestBody": {
+                "required": True,
+                "content": {"application/json": {"schema": RemixRequest.model_json_schema()}},
+            }
+        },
+        responses={
+            404: {"description": "unknown video"},
+            409: {"description": "its files are gone"},
+            422: {"description": "invalid field"},
+            429: {"description": "queue full"},
+        },
+    )
     async def remix_video(job_id: str, request: Request):
         """A new job with the source video's settings (task, canvas, length, seed, steps, keyframes and references)
         and a new prompt (JSON `RemixRequest`); `remixed_from_video_id` names the source."""
@@ -132,9 +178,11 @@ def add_video_routes(app: FastAPI, server) -> None:
         job_or_404(job_id)
         source = manager.store.get(job_id)
         # The normalized request holds both step counts resolved; num_inference_steps alone carries them over.
-        settings = {name: value for name, value in source["request"].items()
-                    if name in GenerationRequest.model_fields
-                    and name not in ("prompt", "plan", "input_reference", "forwards")}
+        settings = {
+            name: value
+            for name, value in source["request"].items()
+            if name in GenerationRequest.model_fields and name not in ("prompt", "plan", "input_reference", "forwards")
+        }
         if settings.get("size"):  # the normalized request holds the aspect ratio the size was mapped to
             settings.pop("aspect_ratio", None)
         staging = manager.staging_dir()
@@ -152,14 +200,22 @@ def add_video_routes(app: FastAPI, server) -> None:
             shutil.rmtree(staging, ignore_errors=True)
 
     @app.get("/v1/videos", response_model=VideoList)
-    def list_videos(limit: int = Query(20, ge=1, le=100), after: str | None = Query(None, max_length=64),
-                    order: str = Query("desc", pattern="^(asc|desc)$")):
+    def list_videos(
+        limit: int = Query(20, ge=1, le=100),
+        after: str | None = Query(None, max_length=64),
+        order: str = Query("desc", pattern="^(asc|desc)$"),
+    ):
         """Videos, newest first by default; page with `after` = `last_id` of the previous page."""
         if after is not None and not server.job_id_pattern.match(after):
             raise HTTPException(404, f"no video {after!r}")
         jobs, has_more = manager.list(limit=limit, after=after, newest_first=order == "desc")
-        return {"object": "list", "data": [as_video(job) for job in jobs], "has_more": has_more,
-                "first_id": jobs[0]["id"] if jobs else None, "last_id": jobs[-1]["id"] if jobs else None}
+        return {
+            "object": "list",
+            "data": [as_video(job) for job in jobs],
+            "has_more": has_more,
+            "first_id": jobs[0]["id"] if jobs else None,
+            "last_id": jobs[-1]["id"] if jobs else None,
+        }
 
     @app.get("/v1/videos/{job_id}", response_model=VideoObject)
     def get_video(job_id: str):
@@ -169,14 +225,29 @@ def add_video_routes(app: FastAPI, server) -> None:
         delay = openai_video.poll_after_ms(manager.metrics.mean_step_seconds())
         return JSONResponse(jsonable_encoder(video), headers={"openai-poll-after-ms": str(delay)})
 
-    @app.get("/v1/videos/{job_id}/content", response_class=FileResponse,
-             responses={200: {"content": {"video/mp4": {}, "image/jpeg": {}}},
-                        206: {"description": "partial content (Range)"}, 404: {"description": "unknown job"},
-                        409: {"description": "not ready or failed"}, 410: {"description": "cancelled"},
-                        422: {"description": "unknown variant"}})
-    async def get_content(job_id: str, variant: str = Query("video", max_length=16, description=(
-            "video: the MP4 (H.264 + AAC stereo; Range requests supported); thumbnail: a JPEG of the middle frame; "
-            "spritesheet: a JPEG grid of frames (x-spritesheet-* headers give its layout)"))):
+    @app.get(
+        "/v1/videos/{job_id}/content",
+        response_class=FileResponse,
+        responses={
+            200: {"content": {"video/mp4": {}, "image/jpeg": {}}},
+            206: {"description": "partial content (Range)"},
+            404: {"description": "unknown job"},
+            409: {"description": "not ready or failed"},
+            410: {"description": "cancelled"},
+            422: {"description": "unknown variant"},
+        },
+    )
+    async def get_content(
+        job_id: str,
+        variant: str = Query(
+            "video",
+            max_length=16,
+            description=(
+                "video: the MP4 (H.264 + AAC stereo; Range requests supported); thumbnail: a JPEG of the middle frame; "
+                "spritesheet: a JPEG grid of frames (x-spritesheet-* headers give its layout)"
+            ),
+        ),
+    ):
         """The MP4, or a preview image of it."""
         if variant not in openai_video.VARIANTS:
             return field_error("variant", f"variant must be one of {', '.join(openai_video.VARIANTS)}", "enum")
@@ -186,8 +257,9 @@ def add_video_routes(app: FastAPI, server) -> None:
         if job["status"] == "failed":
             raise HTTPException(409, f"the job failed: {public_text(job['error'])}")
         if job["status"] != "succeeded":
-            raise HTTPException(409, f"the job is {openai_video.OPENAI_STATUS[job['status']]} "
-                                     f"({job['progress']:.0f}%); try again later")
+            raise HTTPException(
+                409, f"the job is {openai_video.OPENAI_STATUS[job['status']]} ({job['progress']:.0f}%); try again later"
+            )
         path = manager.result_path(job_id)
         if path is None or not path.exists():
             raise HTTPException(404, "the video file is gone (removed by retention)")
@@ -212,8 +284,7 @@ def add_video_routes(app: FastAPI, server) -> None:
         view = manager.cancel(job_id)
         if view is None:
             raise HTTPException(404, f"no video {job_id!r}")
-        return {"id": job_id, "object": "video.deleted", "deleted": bool(view.get("deleted")),
-                "video": as_video(view)}
+        return {"id": job_id, "object": "video.deleted", "deleted": bool(view.get("deleted")), "video": as_video(view)}
 
     @app.get("/v1/models")
     def list_models():

@@ -26,8 +26,19 @@ def _first_max(values, index, limit):
 
 
 @triton.jit
-def _argmax_kernel(x_ptr, value_ptr, index_ptr, count_ptr, out_ptr, V, stride_x, chunks, BLOCK: tl.constexpr,
-                   CHUNKS: tl.constexpr, PDL: tl.constexpr):
+def _argmax_kernel(
+    x_ptr,
+    value_ptr,
+    index_ptr,
+    count_ptr,
+    out_ptr,
+    V,
+    stride_x,
+    chunks,
+    BLOCK: tl.constexpr,
+    CHUNKS: tl.constexpr,
+    PDL: tl.constexpr,
+):
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     cols = chunk * BLOCK + tl.arange(0, BLOCK)
@@ -100,12 +111,12 @@ def argmax_from_keys(keys: torch.Tensor, rows: int, out: torch.Tensor | None = N
     if out is None:
         out = torch.empty(rows, dtype=torch.int64, device=keys.device)
     elif out.shape != (rows,) or out.dtype != torch.int64 or not out.is_contiguous():
-        raise ValueError(f"argmax_from_keys writes a contiguous [{rows}] int64 tensor (got {tuple(out.shape)} "
-                         f"{out.dtype}).")
+        raise ValueError(
+            f"argmax_from_keys writes a contiguous [{rows}] int64 tensor (got {tuple(out.shape)} {out.dtype})."
+        )
     if rows:
         pdl = pdl_launch(keys)
-        _keys_argmax_kernel[(1,)](keys, out, rows, ROWS=next_power_of_2(rows), PDL=pdl_flag(pdl), num_warps=1,
-                                  **pdl)
+        _keys_argmax_kernel[(1,)](keys, out, rows, ROWS=next_power_of_2(rows), PDL=pdl_flag(pdl), num_warps=1, **pdl)
     return out
 
 
@@ -126,6 +137,19 @@ def argmax_rows(x: torch.Tensor, block: int = 4096, num_warps: int = 4) -> torch
     indices = torch.empty(rows * slots, dtype=torch.int32, device=x.device)
     counts = arrival_counters(x.device, "argmax", rows) if chunks > 1 else out
     pdl = pdl_launch(x)
-    _argmax_kernel[(rows, chunks)](x, values, indices, counts, out, width, x.stride(0), chunks, BLOCK=block,
-                                   CHUNKS=slots, PDL=pdl_flag(pdl), num_warps=num_warps, **pdl)
+    _argmax_kernel[(rows, chunks)](
+        x,
+        values,
+        indices,
+        counts,
+        out,
+        width,
+        x.stride(0),
+        chunks,
+        BLOCK=block,
+        CHUNKS=slots,
+        PDL=pdl_flag(pdl),
+        num_warps=num_warps,
+        **pdl,
+    )
     return out

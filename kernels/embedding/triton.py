@@ -37,5 +37,15 @@ def embedding_rows(ids: torch.Tensor, weight: torch.Tensor, block: int = 1024, n
         block = min(block, next_power_of_2(d))
         pdl = pdl_launch(weight)
         _embedding_rows_kernel[(flat.numel(), triton.cdiv(d, block))](
-            flat, weight, out, weight.shape[0], d, weight.stride(0), BLOCK=block, PDL=pdl_flag(pdl), num_warps=num_warps, **pdl)
+            flat,
+            weight,
+            out,
+            weight.shape[0],
+            d,
+            weight.stride(0),
+            BLOCK=block,
+            PDL=pdl_flag(pdl),
+            num_warps=num_warps,
+            **pdl,
+        )
     return out.view(*ids.shape, d)

@@ -47,8 +47,9 @@ def quantize_heads(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return to_fp8(x, scale[:, None, :, None]), scale
 
 
-def append_scaled_columns(values: torch.Tensor, scale: torch.Tensor, projected: torch.Tensor,
-                          factors: torch.Tensor) -> None:
+def append_scaled_columns(
+    values: torch.Tensor, scale: torch.Tensor, projected: torch.Tensor, factors: torch.Tensor
+) -> None:
     """Fill the last `R` columns of e4m3 rows `values` `(M, K + R)` (their first `K` columns quantized with `scale`
     `(M, 1)` float32) with `projected / factors` (`projected` `(M, R)` float, already divided by the row scale;
     `factors` `(R,)` float32), in place. A row whose new columns would pass 448 takes the power of two `t` that

@@ -32,8 +32,17 @@ def _quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, width, out_stride, BLOCK: tl.
 
 
 @triton.jit
-def _append_scaled_columns_kernel(values_ptr, scale_ptr, projected_ptr, factors_ptr, width, extra, row_stride,
-                                  BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+def _append_scaled_columns_kernel(
+    values_ptr,
+    scale_ptr,
+    projected_ptr,
+    factors_ptr,
+    width,
+    extra,
+    row_stride,
+    BLOCK_R: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_R)
     mask = cols < extra
@@ -41,8 +50,11 @@ def _append_scaled_columns_kernel(values_ptr, scale_ptr, projected_ptr, factors_
     part = tl.load(projected_ptr + row * extra + cols, mask=mask, other=0.0).to(tl.float32) / factors
     peak = tl.max(tl.abs(part), axis=0)
     t = tl.exp2(tl.ceil(tl.log2(tl.maximum(peak, 448.0) / 448.0)))  # 1, or the power of two that fits
-    tl.store(values_ptr + row * row_stride + width + cols,
-             tl.clamp(part / t, -448.0, 448.0).to(values_ptr.dtype.element_ty), mask=mask)
+    tl.store(
+        values_ptr + row * row_stride + width + cols,
+        tl.clamp(part / t, -448.0, 448.0).to(values_ptr.dtype.element_ty),
+        mask=mask,
+    )
     if t > 1.0:  # rare: this row's scale grows by t, its first `width` values shrink by t
         tl.store(scale_ptr + row, tl.load(scale_ptr + row) * t)
         for start in range(0, width, BLOCK_K):
@@ -58,9 +70,18 @@ def append_scaled_columns(values, scale, projected, factors):
     rows, extra = projected.shape
     if values.stride(-1) != 1 or projected.stride(-1) != 1 or projected.stride(0) != extra:
         raise ValueError("append_scaled_columns takes rows with contiguous columns and a contiguous projection")
-    _append_scaled_columns_kernel[(rows,)](values, scale, projected, factors.contiguous(),
-                                           values.shape[1] - extra, extra, values.stride(0),
-                                           BLOCK_R=next_power_of_2(extra), BLOCK_K=1024, num_warps=4)
+    _append_scaled_columns_kernel[(rows,)](
+        values,
+        scale,
+        projected,
+        factors.contiguous(),
+        values.shape[1] - extra,
+        extra,
+        values.stride(0),
+        BLOCK_R=next_power_of_2(extra),
+        BLOCK_K=1024,
+        num_warps=4,
+    )
 
 
 def row_fp8_warps(block: int) -> int:
@@ -70,8 +91,9 @@ def row_fp8_warps(block: int) -> int:
 
 def empty_rows(shape, rows: int, device) -> Fp8Rows:
     """Uninitialised `Fp8Rows` for `rows` rows of the given shape."""
-    return Fp8Rows(torch.empty(shape, dtype=FP8, device=device),
-                   torch.empty((rows, 1), dtype=torch.float32, device=device))
+    return Fp8Rows(
+        torch.empty(shape, dtype=FP8, device=device), torch.empty((rows, 1), dtype=torch.float32, device=device)
+    )
 
 
 def output_rows(shape, dtype, device, fp8: bool, out=None):
@@ -79,8 +101,9 @@ def output_rows(shape, dtype, device, fp8: bool, out=None):
     `Fp8Rows` when `fp8`, whose rows may be strided: a column slice of a wider buffer), else a new tensor in `dtype`
     or new `Fp8Rows`. Its columns must be contiguous and its rows evenly spaced."""
     if out is None:
-        out = empty_rows(shape, math.prod(shape[:-1]), device) if fp8 else torch.empty(shape, dtype=dtype,
-                                                                                       device=device)
+        out = (
+            empty_rows(shape, math.prod(shape[:-1]), device) if fp8 else torch.empty(shape, dtype=dtype, device=device)
+        )
     values = out.values if fp8 else out
     if tuple(values.shape) != tuple(shape):
         raise ValueError(f"a row kernel's output has shape {tuple(values.shape)}, not {tuple(shape)}")
@@ -97,8 +120,7 @@ def quantize_rows(x, out=None):
     rows = x.numel() // width
     out, stride = output_rows(x.shape, None, x.device, True, out)
     block = next_power_of_2(width)
-    _quantize_rows_kernel[(rows,)](x, out.values, out.scale, width, stride, BLOCK=block,
-                                   num_warps=row_fp8_warps(block))
+    _quantize_rows_kernel[(rows,)](x, out.values, out.scale, width, stride, BLOCK=block, num_warps=row_fp8_warps(block))
     return out
 
 
@@ -113,8 +135,18 @@ def _head_tile(seq_len, head_dim, stride_b, stride_s, stride_h, BLOCK_S: tl.cons
 
 
 @triton.jit
-def _head_amax_kernel(x_ptr, partial_ptr, seq_len, heads, head_dim, stride_b, stride_s, stride_h,
-                      BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+def _head_amax_kernel(
+    x_ptr,
+    partial_ptr,
+    seq_len,
+    heads,
+    head_dim,
+    stride_b,
+    stride_s,
+    stride_h,
+    BLOCK_S: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
     offsets, mask = _head_tile(seq_len, head_dim, stride_b, stride_s, stride_h, BLOCK_S, BLOCK_D)
     x = tl.load(x_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
     b, block, h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -122,13 +154,25 @@ def _head_amax_kernel(x_ptr, partial_ptr, seq_len, heads, head_dim, stride_b, st
 
 
 @triton.jit
-def _head_quantize_kernel(x_ptr, scale_ptr, q_ptr, seq_len, heads, head_dim, stride_b, stride_s, stride_h,
-                          BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+def _head_quantize_kernel(
+    x_ptr,
+    scale_ptr,
+    q_ptr,
+    seq_len,
+    heads,
+    head_dim,
+    stride_b,
+    stride_s,
+    stride_h,
+    BLOCK_S: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
     offsets, mask = _head_tile(seq_len, head_dim, stride_b, stride_s, stride_h, BLOCK_S, BLOCK_D)
     x = tl.load(x_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
     scale = tl.load(scale_ptr + tl.program_id(0) * heads + tl.program_id(2))
-    out_offsets, _ = _head_tile(seq_len, head_dim, seq_len * heads * head_dim, heads * head_dim, head_dim,
-                                BLOCK_S, BLOCK_D)
+    out_offsets, _ = _head_tile(
+        seq_len, head_dim, seq_len * heads * head_dim, heads * head_dim, head_dim, BLOCK_S, BLOCK_D
+    )
     tl.store(q_ptr + out_offsets, tl.clamp(x / scale, -448.0, 448.0).to(q_ptr.dtype.element_ty), mask=mask)
 
 
@@ -142,10 +186,12 @@ def quantize_heads(x, block_s: int = 64):
     strides = (x.stride(0), x.stride(1), x.stride(2))
     dim_block = next_power_of_2(head_dim)
     partial = torch.empty((batch, grid[1], heads), dtype=torch.float32, device=x.device)
-    _head_amax_kernel[grid](x, partial, seq_len, heads, head_dim, *strides, BLOCK_S=block_s, BLOCK_D=dim_block,
-                            num_warps=4)
+    _head_amax_kernel[grid](
+        x, partial, seq_len, heads, head_dim, *strides, BLOCK_S=block_s, BLOCK_D=dim_block, num_warps=4
+    )
     scale = (partial.amax(dim=1).clamp_min(1e-12) / FP8_MAX).contiguous()
     q = torch.empty(x.shape, dtype=FP8, device=x.device)
-    _head_quantize_kernel[grid](x, scale, q, seq_len, heads, head_dim, *strides, BLOCK_S=block_s,
-                                BLOCK_D=dim_block, num_warps=4)
+    _head_quantize_kernel[grid](
+        x, scale, q, seq_len, heads, head_dim, *strides, BLOCK_S=block_s, BLOCK_D=dim_block, num_warps=4
+    )
     return q, scale

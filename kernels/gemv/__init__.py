@@ -68,9 +68,13 @@ def grouped_rows_linear(x, weight):
 
 def _normed_fast(x, norm_weight, weight, residual) -> bool:
     rows = x.numel() // max(1, x.shape[-1])
-    return (0 < rows <= MAX_ROWS and x.shape[-1] <= NORMED_MAX_K and _fast(x, weight)
-            and torch.promote_types(norm_weight.dtype, x.dtype) == x.dtype
-            and (residual is None or (x.is_contiguous() and residual.dtype == x.dtype and residual.shape == x.shape)))
+    return (
+        0 < rows <= MAX_ROWS
+        and x.shape[-1] <= NORMED_MAX_K
+        and _fast(x, weight)
+        and torch.promote_types(norm_weight.dtype, x.dtype) == x.dtype
+        and (residual is None or (x.is_contiguous() and residual.dtype == x.dtype and residual.shape == x.shape))
+    )
 
 
 def _normed_kernel(x, norm_weight, eps, weight, residual, keys=None):
@@ -110,5 +114,12 @@ def normed_rows_linear_argmax(x, norm_weight, eps, weight, residual=None, into=N
     return total, out, _argmax_of(out, into)
 
 
-__all__ = ["MAX_ROWS", "NORMED_MAX_K", "grouped_rows_linear", "normed_rows_linear", "normed_rows_linear_argmax",
-           "rows_linear", "rows_linear_argmax"]
+__all__ = [
+    "MAX_ROWS",
+    "NORMED_MAX_K",
+    "grouped_rows_linear",
+    "normed_rows_linear",
+    "normed_rows_linear_argmax",
+    "rows_linear",
+    "rows_linear_argmax",
+]

@@ -16,8 +16,9 @@ def grouped_rows_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return torch.bmm(x, weight.transpose(1, 2))
 
 
-def normed_rows_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
-                       residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def normed_rows_linear(
+    x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor, residual: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """A residual update, the norm after it and the linear that reads the norm: `s = x + residual` (or `x`), then
     `(s, rows_linear(rms_norm(s, norm_weight, eps), weight))`; `x` `[..., K]`, `weight` `[N, K]`."""
     if residual is None:

@@ -42,10 +42,32 @@ def _normed_rows(x_rows, res_rows, norm_ptr, sum_rows, ks, row_ok, sum_ok, K, ep
 
 
 @triton.jit
-def _rows_linear_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xg, stride_x, stride_wg, stride_w, stride_og, stride_o,
-                        res_ptr, norm_ptr, sum_ptr, eps, keys_ptr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
-                        BLOCK_K: tl.constexpr, NORM: tl.constexpr, ADD: tl.constexpr, ARGMAX: tl.constexpr,
-                        PDL: tl.constexpr):
+def _rows_linear_kernel(
+    x_ptr,
+    w_ptr,
+    out_ptr,
+    M,
+    N,
+    K,
+    stride_xg,
+    stride_x,
+    stride_wg,
+    stride_w,
+    stride_og,
+    stride_o,
+    res_ptr,
+    norm_ptr,
+    sum_ptr,
+    eps,
+    keys_ptr,
+    ROWS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    NORM: tl.constexpr,
+    ADD: tl.constexpr,
+    ARGMAX: tl.constexpr,
+    PDL: tl.constexpr,
+):
     group = tl.program_id(1).to(tl.int64)
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.arange(0, ROWS)
@@ -58,8 +80,9 @@ def _rows_linear_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xg, stride_x, str
     wait_for_inputs(PDL)  # the first K step's weights are in flight while the previous kernel drains
     if NORM:  # one K step (BLOCK_K >= K): the norm needs whole rows
         sum_ok = rows < tl.where(tl.program_id(0) == 0, M, 0)  # the first program stores the sum
-        v = _normed_rows(x_rows, res_ptr + rows[:, None] * K, norm_ptr, sum_ptr + rows[:, None] * K, ks, row_ok,
-                         sum_ok, K, eps, ADD)
+        v = _normed_rows(
+            x_rows, res_ptr + rows[:, None] * K, norm_ptr, sum_ptr + rows[:, None] * K, ks, row_ok, sum_ok, K, eps, ADD
+        )
         acc = tl.sum(w.to(tl.float32)[None, :, :] * v[:, None, :], axis=2)
     else:
         acc = _rows_step(x_rows, w, ks, row_ok, K)
@@ -74,8 +97,7 @@ def _rows_linear_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xg, stride_x, str
         max_keys_into(keys_ptr, rows, row_ok, tl.max(tl.where(col_ok[None, :], keys, 0), axis=1), tl.program_id(0))
 
 
-def _tiles(rows: int, k: int, block_n: int | None, block_k: int | None,
-           num_warps: int | None) -> tuple[int, int, int]:
+def _tiles(rows: int, k: int, block_n: int | None, block_k: int | None, num_warps: int | None) -> tuple[int, int, int]:
     """Default tiles and warps: up to 2048 of K per step; at one or two rows 4 weight rows per program (8 below K =
     2048) and one warp: many small programs keep the most bytes in flight (H200, the few-row GEMV tile sweep in
     benchmarks/history.md, 2026-11-29 at 5aa255e: the best or within 10 % of it at every decode shape of the K3 mid
@@ -87,31 +109,73 @@ def _tiles(rows: int, k: int, block_n: int | None, block_k: int | None,
     return block_n or max(1, 8192 // (block_k * next_power_of_2(rows))), block_k, num_warps or 4
 
 
-def grouped_rows_linear(x: torch.Tensor, weight: torch.Tensor, block_n: int | None = None,
-                        block_k: int | None = None, num_warps: int | None = None,
-                        keys: torch.Tensor | None = None) -> torch.Tensor:
+def grouped_rows_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    block_n: int | None = None,
+    block_k: int | None = None,
+    num_warps: int | None = None,
+    keys: torch.Tensor | None = None,
+) -> torch.Tensor:
     """See `reference.grouped_rows_linear`: `x` `[G, M <= 4, K]` and `weight` `[G, N, K]` with unit inner strides
     (any other strides) -> `[G, M, N]` in x.dtype. With `keys` (one group; `kernels.argmax.triton.key_slots`),
     the kernel also leaves each row's argmax there for `argmax_from_keys`."""
     groups, m, k = x.shape
     n = weight.shape[1]
-    if m > MAX_ROWS or weight.shape[2] != k or weight.shape[0] != groups or weight.stride(2) != 1 or \
-            x.stride(2) != 1 or (keys is not None and groups != 1):
-        raise ValueError(f"rows_linear takes up to {MAX_ROWS} rows with unit inner strides and matching widths "
-                         f"(got x {tuple(x.shape)}, weight {tuple(weight.shape)}).")
+    if (
+        m > MAX_ROWS
+        or weight.shape[2] != k
+        or weight.shape[0] != groups
+        or weight.stride(2) != 1
+        or x.stride(2) != 1
+        or (keys is not None and groups != 1)
+    ):
+        raise ValueError(
+            f"rows_linear takes up to {MAX_ROWS} rows with unit inner strides and matching widths "
+            f"(got x {tuple(x.shape)}, weight {tuple(weight.shape)})."
+        )
     out = torch.empty(groups, m, n, dtype=x.dtype, device=x.device)
     block_n, block_k, num_warps = _tiles(m, k, block_n, block_k, num_warps)
     pdl = pdl_launch(x)
     _rows_linear_kernel[(triton.cdiv(n, block_n), groups)](
-        x, weight, out, m, n, k, x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), out.stride(0),
-        out.stride(1), x, x, x, 0.0, out if keys is None else keys, ROWS=next_power_of_2(m), BLOCK_N=block_n,
-        BLOCK_K=block_k, NORM=False, ADD=False, ARGMAX=keys is not None, PDL=pdl_flag(pdl), num_warps=num_warps,
-        **pdl)
+        x,
+        weight,
+        out,
+        m,
+        n,
+        k,
+        x.stride(0),
+        x.stride(1),
+        weight.stride(0),
+        weight.stride(1),
+        out.stride(0),
+        out.stride(1),
+        x,
+        x,
+        x,
+        0.0,
+        out if keys is None else keys,
+        ROWS=next_power_of_2(m),
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        NORM=False,
+        ADD=False,
+        ARGMAX=keys is not None,
+        PDL=pdl_flag(pdl),
+        num_warps=num_warps,
+        **pdl,
+    )
     return out
 
 
-def rows_linear(x: torch.Tensor, weight: torch.Tensor, block_n: int | None = None, block_k: int | None = None,
-                num_warps: int | None = None, keys: torch.Tensor | None = None) -> torch.Tensor:
+def rows_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    block_n: int | None = None,
+    block_k: int | None = None,
+    num_warps: int | None = None,
+    keys: torch.Tensor | None = None,
+) -> torch.Tensor:
     """See `reference.rows_linear` for `x` `[M <= 4, K]` and `weight` `[N, K]`, both with unit inner stride
     (`keys`: see `grouped_rows_linear`)."""
     return grouped_rows_linear(x[None], weight[None], block_n, block_k, num_warps, keys)[0]
@@ -121,10 +185,16 @@ def rows_linear(x: torch.Tensor, weight: torch.Tensor, block_n: int | None = Non
 NORMED_MAX_K = 2048
 
 
-def normed_rows_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
-                       residual: torch.Tensor | None = None, block_n: int | None = None,
-                       num_warps: int | None = None,
-                       keys: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def normed_rows_linear(
+    x: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    weight: torch.Tensor,
+    residual: torch.Tensor | None = None,
+    block_n: int | None = None,
+    num_warps: int | None = None,
+    keys: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """See `reference.normed_rows_linear`: `x` `[M <= 4, K <= NORMED_MAX_K]` with unit inner stride (contiguous
     with a `residual`, which is too), one dtype with `weight` `[N, K]` (unit inner stride) and `norm_weight` `[K]` ->
     (`x + residual` `[M, K]`, or `x` itself without a residual; the output `[M, N]`). Every program normalises the
@@ -132,12 +202,22 @@ def normed_rows_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, w
     m, k = x.shape
     n = weight.shape[0]
     if residual is not None and (residual.shape != x.shape or not residual.is_contiguous() or not x.is_contiguous()):
-        raise ValueError(f"normed_rows_linear adds a contiguous residual of x's shape to contiguous x "
-                         f"(got x {tuple(x.shape)}, residual {tuple(residual.shape)}).")
-    if (m > MAX_ROWS or k > NORMED_MAX_K or weight.shape[1] != k or weight.stride(1) != 1 or x.stride(1) != 1
-            or norm_weight.shape != (k,)):
-        raise ValueError(f"normed_rows_linear takes up to {MAX_ROWS} contiguous rows of up to {NORMED_MAX_K} "
-                         f"(got x {tuple(x.shape)}, weight {tuple(weight.shape)}, norm {tuple(norm_weight.shape)}).")
+        raise ValueError(
+            f"normed_rows_linear adds a contiguous residual of x's shape to contiguous x "
+            f"(got x {tuple(x.shape)}, residual {tuple(residual.shape)})."
+        )
+    if (
+        m > MAX_ROWS
+        or k > NORMED_MAX_K
+        or weight.shape[1] != k
+        or weight.stride(1) != 1
+        or x.stride(1) != 1
+        or norm_weight.shape != (k,)
+    ):
+        raise ValueError(
+            f"normed_rows_linear takes up to {MAX_ROWS} contiguous rows of up to {NORMED_MAX_K} "
+            f"(got x {tuple(x.shape)}, weight {tuple(weight.shape)}, norm {tuple(norm_weight.shape)})."
+        )
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     total = x if residual is None else torch.empty_like(x)
     # Two warps at one or two rows: the norm's rows fit in registers beside the weight tile (no spills in sm_90
@@ -145,8 +225,31 @@ def normed_rows_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, w
     block_n, block_k, num_warps = _tiles(m, k, block_n, None, num_warps or (2 if m <= 2 else None))
     pdl = pdl_launch(x)
     _rows_linear_kernel[(triton.cdiv(n, block_n), 1)](
-        x, weight, out, m, n, k, 0, x.stride(0), 0, weight.stride(0), 0, out.stride(0),
-        x if residual is None else residual, norm_weight, total, eps, out if keys is None else keys,
-        ROWS=next_power_of_2(m), BLOCK_N=block_n, BLOCK_K=block_k, NORM=True, ADD=residual is not None,
-        ARGMAX=keys is not None, PDL=pdl_flag(pdl), num_warps=num_warps, **pdl)
+        x,
+        weight,
+        out,
+        m,
+        n,
+        k,
+        0,
+        x.stride(0),
+        0,
+        weight.stride(0),
+        0,
+        out.stride(0),
+        x if residual is None else residual,
+        norm_weight,
+        total,
+        eps,
+        out if keys is None else keys,
+        ROWS=next_power_of_2(m),
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        NORM=True,
+        ADD=residual is not None,
+        ARGMAX=keys is not None,
+        PDL=pdl_flag(pdl),
+        num_warps=num_warps,
+        **pdl,
+    )
     return total, out

@@ -20,7 +20,7 @@ def _fla_chunk_kda():
     if _FLA_CHUNK is None:
         try:
             from fla.ops.kda import chunk_kda
-        except Exception:  # noqa: BLE001 - not installed, or not importable with this torch / triton
+        except Exception:  # not installed, or not importable with this torch / triton
             chunk_kda = False
         _FLA_CHUNK = chunk_kda
     return _FLA_CHUNK or None
@@ -40,19 +40,75 @@ def kda_chunked(q, k, v, g, beta, scale, initial_state=None, chunk_size: int = 6
     return reference.kda_chunked(q, k, v, g, beta, scale, initial_state, chunk_size)
 
 
-def kda_decode(q, k, v, conv_weights, conv_state, f, a_log, dt_bias, lower_bound, b, gate, norm_weight, norm_eps,
-               state, scale, rows=None, gate_up=None):
+def kda_decode(
+    q,
+    k,
+    v,
+    conv_weights,
+    conv_state,
+    f,
+    a_log,
+    dt_bias,
+    lower_bound,
+    b,
+    gate,
+    norm_weight,
+    norm_eps,
+    state,
+    scale,
+    rows=None,
+    gate_up=None,
+):
     """One decode token of a KDA layer (see `reference.kda_decode`); `conv_state` and `state` change in place (with
     `rows`, the rows of them the sequences own). With `gate_up` (`[2, H * D, R]`), `f` and `gate` are the low-rank
     gate inputs, projected up inside the op."""
-    if (use_triton(q) and state.stride(3) == 1 and state.stride(2) == state.shape[3] and conv_state.stride(2) == 1
-            and conv_weights[0].shape[-1] <= 4):
+    if (
+        use_triton(q)
+        and state.stride(3) == 1
+        and state.stride(2) == state.shape[3]
+        and conv_state.stride(2) == 1
+        and conv_weights[0].shape[-1] <= 4
+    ):
         from h3gen.kernels.kda import triton as fast  # on first use: see _dispatch
 
-        return fast.kda_decode(q, k, v, conv_weights, conv_state, f, a_log, dt_bias, lower_bound, b, gate,
-                               norm_weight, norm_eps, state, scale, rows=rows, gate_up=gate_up)
-    return reference.kda_decode(q, k, v, conv_weights, conv_state, f, a_log, dt_bias, lower_bound, b, gate,
-                                norm_weight, norm_eps, state, scale, rows, gate_up)
+        return fast.kda_decode(
+            q,
+            k,
+            v,
+            conv_weights,
+            conv_state,
+            f,
+            a_log,
+            dt_bias,
+            lower_bound,
+            b,
+            gate,
+            norm_weight,
+            norm_eps,
+            state,
+            scale,
+            rows=rows,
+            gate_up=gate_up,
+        )
+    return reference.kda_decode(
+        q,
+        k,
+        v,
+        conv_weights,
+        conv_state,
+        f,
+        a_log,
+        dt_bias,
+        lower_bound,
+        b,
+        gate,
+        norm_weight,
+        norm_eps,
+        state,
+        scale,
+        rows,
+        gate_up,
+    )
 
 
 __all__ = ["kda_chunked", "kda_decode", "kda_gate", "kda_recurrent", "l2_normalize", "short_conv"]

@@ -22,7 +22,7 @@ def short_conv(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor | None
         state = x.new_zeros(b, width - 1, c, dtype=torch.float32)
     window = torch.cat([state.float(), x.float()], dim=1)  # [B, W - 1 + T, C]
     y = F.conv1d(window.transpose(1, 2), weight.float().unsqueeze(1), groups=c).transpose(1, 2)
-    return F.silu(y).to(x.dtype), window[:, window.shape[1] - (width - 1):].contiguous()
+    return F.silu(y).to(x.dtype), window[:, window.shape[1] - (width - 1) :].contiguous()
 
 
 def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -111,11 +111,25 @@ def kda_chunked(q, k, v, g, beta, scale: float, initial_state: torch.Tensor | No
     return out.to(dtype), state
 
 
-def kda_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, conv_weights, conv_state: torch.Tensor,
-               f: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor, lower_bound: float | None,
-               b: torch.Tensor, gate: torch.Tensor, norm_weight: torch.Tensor, norm_eps: float,
-               state: torch.Tensor, scale: float, rows: torch.Tensor | None = None,
-               gate_up: torch.Tensor | None = None) -> torch.Tensor:
+def kda_decode(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    conv_weights,
+    conv_state: torch.Tensor,
+    f: torch.Tensor,
+    a_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    lower_bound: float | None,
+    b: torch.Tensor,
+    gate: torch.Tensor,
+    norm_weight: torch.Tensor,
+    norm_eps: float,
+    state: torch.Tensor,
+    scale: float,
+    rows: torch.Tensor | None = None,
+    gate_up: torch.Tensor | None = None,
+) -> torch.Tensor:
     """One decode token of a KDA layer after its projections, updating `conv_state` and `state` in place.
 
     Args:
@@ -136,8 +150,23 @@ def kda_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, conv_weights, 
         f, gate = F.linear(f, gate_up[0]), F.linear(gate, gate_up[1])
     if rows is not None:
         conv_rows, state_rows = conv_state[rows], state[rows]
-        out = kda_decode(q, k, v, conv_weights, conv_rows, f, a_log, dt_bias, lower_bound, b, gate, norm_weight,
-                         norm_eps, state_rows, scale)
+        out = kda_decode(
+            q,
+            k,
+            v,
+            conv_weights,
+            conv_rows,
+            f,
+            a_log,
+            dt_bias,
+            lower_bound,
+            b,
+            gate,
+            norm_weight,
+            norm_eps,
+            state_rows,
+            scale,
+        )
         conv_state.index_copy_(0, rows, conv_rows)
         state.index_copy_(0, rows, state_rows)
         return out
@@ -149,8 +178,15 @@ def kda_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, conv_weights, 
     qc, kc, vc = qkv.split(heads * dim, dim=-1)
     g = kda_gate(f.view(shape), a_log, dt_bias, lower_bound)
     beta = torch.sigmoid(b.float())[:, None]
-    o, new_state = kda_recurrent(l2_normalize(qc.reshape(shape)), l2_normalize(kc.reshape(shape)),
-                                 vc.reshape(shape).float(), g, beta, scale, state)
+    o, new_state = kda_recurrent(
+        l2_normalize(qc.reshape(shape)),
+        l2_normalize(kc.reshape(shape)),
+        vc.reshape(shape).float(),
+        g,
+        beta,
+        scale,
+        state,
+    )
     state.copy_(new_state)
     of = o.float()
     of = of * torch.rsqrt(of.pow(2).mean(-1, keepdim=True) + norm_eps) * norm_weight.float()

@@ -87,12 +87,50 @@ def _up_project(w, x, dtype):
 
 
 @triton.jit
-def _kda_decode_kernel(q_ptr, k_ptr, v_ptr, wq_ptr, wk_ptr, wv_ptr, conv_ptr, f_ptr, alog_ptr, dtb_ptr, b_ptr,
-                       gate_ptr, up_ptr, normw_ptr, state_ptr, rows_ptr, out_ptr, raw_ptr, count_ptr, heads, dim,
-                       rank, stride_row, stride_f, stride_gate, stride_up_g, stride_up_n, stride_conv_b,
-                       stride_conv_tap, stride_sb, stride_sh, scale, lower_bound, norm_eps, BLOCK: tl.constexpr,
-                       PARTS: tl.constexpr, WIDTH: tl.constexpr, SAFE_GATE: tl.constexpr,
-                       ROWS: tl.constexpr, LOWRANK: tl.constexpr, BLOCK_R: tl.constexpr, PDL: tl.constexpr):
+def _kda_decode_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    wq_ptr,
+    wk_ptr,
+    wv_ptr,
+    conv_ptr,
+    f_ptr,
+    alog_ptr,
+    dtb_ptr,
+    b_ptr,
+    gate_ptr,
+    up_ptr,
+    normw_ptr,
+    state_ptr,
+    rows_ptr,
+    out_ptr,
+    raw_ptr,
+    count_ptr,
+    heads,
+    dim,
+    rank,
+    stride_row,
+    stride_f,
+    stride_gate,
+    stride_up_g,
+    stride_up_n,
+    stride_conv_b,
+    stride_conv_tap,
+    stride_sb,
+    stride_sh,
+    scale,
+    lower_bound,
+    norm_eps,
+    BLOCK: tl.constexpr,
+    PARTS: tl.constexpr,
+    WIDTH: tl.constexpr,
+    SAFE_GATE: tl.constexpr,
+    ROWS: tl.constexpr,
+    LOWRANK: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    PDL: tl.constexpr,
+):
     seq = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     part = tl.program_id(2)
@@ -107,10 +145,14 @@ def _kda_decode_kernel(q_ptr, k_ptr, v_ptr, wq_ptr, wk_ptr, wv_ptr, conv_ptr, f_
     if LOWRANK:  # the gates' up-projection weights (the head's decay rows, the part's output-gate rows)
         ranks = tl.arange(0, BLOCK_R)
         rank_ok = ranks < rank
-        w_decay = tl.load(up_ptr + local[:, None] * stride_up_n + ranks[None, :],
-                          mask=mask[:, None] & rank_ok[None, :], other=0.0)
-        w_gate = tl.load(up_ptr + stride_up_g + part_local[:, None] * stride_up_n + ranks[None, :],
-                         mask=part_mask[:, None] & rank_ok[None, :], other=0.0)
+        w_decay = tl.load(
+            up_ptr + local[:, None] * stride_up_n + ranks[None, :], mask=mask[:, None] & rank_ok[None, :], other=0.0
+        )
+        w_gate = tl.load(
+            up_ptr + stride_up_g + part_local[:, None] * stride_up_n + ranks[None, :],
+            mask=part_mask[:, None] & rank_ok[None, :],
+            other=0.0,
+        )
     qw0, qw1, qw2, qw3 = _conv_weights(wq_ptr, local, mask, WIDTH)
     kw0, kw1, kw2, kw3 = _conv_weights(wk_ptr, local, mask, WIDTH)
     vw0, vw1, vw2, vw3 = _conv_weights(wv_ptr, part_local, part_mask, WIDTH)
@@ -207,8 +249,9 @@ def _kda_decode_kernel(q_ptr, k_ptr, v_ptr, wq_ptr, wk_ptr, wv_ptr, conv_ptr, f_
             _conv_shift(k_raw, k1, k2, conv, width + local, mask, stride_conv_tap, WIDTH)
             o_all = tl.load(raw_ptr + seq * 2 * width + local, mask=mask, other=0.0, cache_modifier=".cg")
             if LOWRANK:
-                gate_all = tl.load(raw_ptr + seq * 2 * width + width + local, mask=mask, other=0.0,
-                                   cache_modifier=".cg")
+                gate_all = tl.load(
+                    raw_ptr + seq * 2 * width + width + local, mask=mask, other=0.0, cache_modifier=".cg"
+                )
             else:
                 gate_all = tl.load(gate_ptr + seq * stride_gate + local, mask=mask, other=0.0).to(tl.float32)
             _norm_gate_store(o_all, gate_all, norm_w, mask, dim, out_ptr + seq * width + local, norm_eps, out_dtype)
@@ -227,8 +270,27 @@ def default_parts(batch: int, heads: int, dim: int) -> int:
     return parts
 
 
-def kda_decode(q, k, v, conv_weights, conv_state, f, a_log, dt_bias, lower_bound, b, gate, norm_weight, norm_eps,
-               state, scale, rows=None, gate_up=None, num_warps=None, parts=None):
+def kda_decode(
+    q,
+    k,
+    v,
+    conv_weights,
+    conv_state,
+    f,
+    a_log,
+    dt_bias,
+    lower_bound,
+    b,
+    gate,
+    norm_weight,
+    norm_eps,
+    state,
+    scale,
+    rows=None,
+    gate_up=None,
+    num_warps=None,
+    parts=None,
+):
     """See `reference.kda_decode` (same arguments; `conv_state` and `state` are updated in place). `q`, `k`, `v`
     may be column slices of one tensor (the fused projection); `state`'s `[D, D]` and `conv_state`'s channel axis
     must be contiguous; with `rows` `[B]` they hold more rows and sequence b's is `rows[b]`. With `gate_up`
@@ -248,11 +310,17 @@ def kda_decode(q, k, v, conv_weights, conv_state, f, a_log, dt_bias, lower_bound
     rank = 1
     if gate_up is not None:
         rank = gate_up.shape[2]
-        if (gate_up.shape[:2] != (2, heads * dim) or gate_up.stride(2) != 1 or f.shape != (batch, rank)
-                or gate.shape != (batch, rank)):
-            raise ValueError(f"kda_decode's gate_up must be [2, {heads * dim}, R] with unit inner stride and f, gate "
-                             f"the [B, R] low-rank inputs (got {tuple(gate_up.shape)}, {tuple(f.shape)}, "
-                             f"{tuple(gate.shape)}).")
+        if (
+            gate_up.shape[:2] != (2, heads * dim)
+            or gate_up.stride(2) != 1
+            or f.shape != (batch, rank)
+            or gate.shape != (batch, rank)
+        ):
+            raise ValueError(
+                f"kda_decode's gate_up must be [2, {heads * dim}, R] with unit inner stride and f, gate "
+                f"the [B, R] low-rank inputs (got {tuple(gate_up.shape)}, {tuple(f.shape)}, "
+                f"{tuple(gate.shape)})."
+            )
     block = next_power_of_2(dim)
     parts = parts or default_parts(batch, heads, dim)
     if parts & (parts - 1) or not 1 <= parts <= block:
@@ -263,13 +331,47 @@ def kda_decode(q, k, v, conv_weights, conv_state, f, a_log, dt_bias, lower_bound
     pdl = pdl_launch(q)
     up = gate_up if gate_up is not None else f
     _kda_decode_kernel[(batch, heads, parts)](
-        q, k, v, *(w.reshape(heads * dim, width) for w in conv_weights), conv_state, f, a_log, dt_bias,
-        b.contiguous(), gate, up, norm_weight, state, rows if rows is not None else b, out, raw, counts, heads, dim,
-        rank, q.stride(0), f.stride(0), gate.stride(0), up.stride(0), up.stride(1) if up.dim() > 2 else 0,
-        conv_state.stride(0), conv_state.stride(1), state.stride(0), state.stride(1), scale,
-        0.0 if lower_bound is None else float(lower_bound), norm_eps,
-        BLOCK=block, PARTS=parts, WIDTH=width,
-        SAFE_GATE=lower_bound is not None, ROWS=rows is not None, LOWRANK=gate_up is not None,
-        BLOCK_R=next_power_of_2(rank), PDL=pdl_flag(pdl),
-        num_warps=num_warps or 4, **pdl)  # 4 warps: 5.9 us at 16 heads x 128 on the H200, 8 warps 13.7 us (history.md)
+        q,
+        k,
+        v,
+        *(w.reshape(heads * dim, width) for w in conv_weights),
+        conv_state,
+        f,
+        a_log,
+        dt_bias,
+        b.contiguous(),
+        gate,
+        up,
+        norm_weight,
+        state,
+        rows if rows is not None else b,
+        out,
+        raw,
+        counts,
+        heads,
+        dim,
+        rank,
+        q.stride(0),
+        f.stride(0),
+        gate.stride(0),
+        up.stride(0),
+        up.stride(1) if up.dim() > 2 else 0,
+        conv_state.stride(0),
+        conv_state.stride(1),
+        state.stride(0),
+        state.stride(1),
+        scale,
+        0.0 if lower_bound is None else float(lower_bound),
+        norm_eps,
+        BLOCK=block,
+        PARTS=parts,
+        WIDTH=width,
+        SAFE_GATE=lower_bound is not None,
+        ROWS=rows is not None,
+        LOWRANK=gate_up is not None,
+        BLOCK_R=next_power_of_2(rank),
+        PDL=pdl_flag(pdl),
+        num_warps=num_warps or 4,
+        **pdl,
+    )  # 4 warps: 5.9 us at 16 heads x 128 on the H200, 8 warps 13.7 us (history.md)
     return out

@@ -77,5 +77,12 @@ def absorb_output(latent, w_vc, dtype, gate=None, lse=None):
     return reference.absorb_output(latent, w_vc, dtype, gate, lse)
 
 
-__all__ = ["absorb_output", "absorb_query", "mla_decode", "mla_decode_masked", "mla_decode_partials",
-           "mla_decode_splits", "write_latent_rows"]
+__all__ = [
+    "absorb_output",
+    "absorb_query",
+    "mla_decode",
+    "mla_decode_masked",
+    "mla_decode_partials",
+    "mla_decode_splits",
+    "write_latent_rows",
+]

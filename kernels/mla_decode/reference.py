@@ -10,8 +10,9 @@ import torch
 from h3gen.kernels.rmsnorm.reference import rms_norm
 
 
-def mla_decode(q: torch.Tensor, kv_pages: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
-               scale: float, v_dim: int) -> torch.Tensor:
+def mla_decode(
+    q: torch.Tensor, kv_pages: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor, scale: float, v_dim: int
+) -> torch.Tensor:
     """`q` `[B, H, D]`, `kv_pages` `[P, page_size, D]`, `block_table` `[B, max_pages]` (int), `seq_lens` `[B]` ->
     `[B, H, v_dim]` in q.dtype: `softmax(scale · q kv^T) kv[:, :v_dim]` over each sequence's first seq_lens rows,
     float32 math."""
@@ -26,8 +27,9 @@ def mla_decode(q: torch.Tensor, kv_pages: torch.Tensor, block_table: torch.Tenso
     return out
 
 
-def mla_decode_masked(q: torch.Tensor, kv_pages: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
-                      scale: float, v_dim: int) -> torch.Tensor:
+def mla_decode_masked(
+    q: torch.Tensor, kv_pages: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor, scale: float, v_dim: int
+) -> torch.Tensor:
     """`mla_decode` without host synchronisation (CUDA-graph safe): every sequence reads all `max_pages` pages of
     its table row and masks the rows past its length. Same arguments and result."""
     batch, heads, dim = q.shape
@@ -38,8 +40,15 @@ def mla_decode_masked(q: torch.Tensor, kv_pages: torch.Tensor, block_table: torc
     return torch.einsum("bhs,bsv->bhv", probs, rows[..., :v_dim]).to(q.dtype)
 
 
-def write_latent_rows(latent: torch.Tensor, k_pe: torch.Tensor, norm_weight: torch.Tensor, eps: float,
-                      pages: torch.Tensor, block_table: torch.Tensor, lens: torch.Tensor) -> None:
+def write_latent_rows(
+    latent: torch.Tensor,
+    k_pe: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    pages: torch.Tensor,
+    block_table: torch.Tensor,
+    lens: torch.Tensor,
+) -> None:
     """One decode step's MLA cache rows: `latent` `[B, r]` RMS-normalised (`rms_norm` rounding), then `k_pe`
     `[B, d_r]`, written as row `lens[b]` of sequence b into `pages` `[P, page_size, r + d_r]` through
     `block_table` `[B, W]` (int32 page ids; `lens` `[B]` int32)."""
@@ -50,8 +59,15 @@ def write_latent_rows(latent: torch.Tensor, k_pe: torch.Tensor, norm_weight: tor
     pages[page, position % page_size] = row.to(pages.dtype)
 
 
-def mla_decode_partials(q: torch.Tensor, kv_pages: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
-                        scale: float, v_dim: int, splits: int) -> tuple[torch.Tensor, torch.Tensor]:
+def mla_decode_partials(
+    q: torch.Tensor,
+    kv_pages: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    v_dim: int,
+    splits: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """`mla_decode` over `splits` consecutive runs of each sequence's rows (here of `ceil(len / splits)` rows; the
     kernel rounds runs to its row block): float32 `[B, H, splits, v_dim]` softmax averages per run and
     `[B, H, splits]` their log-sum-exps (-inf, with zeros, for an empty run). `combine_partials` gives
@@ -91,8 +107,13 @@ def absorb_query(q: torch.Tensor, w_kc: torch.Tensor, nope: int, new_rows: tuple
     return torch.cat([torch.einsum("bnd,ndr->bnr", q_nope.float(), w_kc.float()), q_pe.float()], dim=-1)
 
 
-def absorb_output(latent: torch.Tensor, w_vc: torch.Tensor, dtype: torch.dtype,
-                  gate: torch.Tensor | None = None, lse: torch.Tensor | None = None) -> torch.Tensor:
+def absorb_output(
+    latent: torch.Tensor,
+    w_vc: torch.Tensor,
+    dtype: torch.dtype,
+    gate: torch.Tensor | None = None,
+    lse: torch.Tensor | None = None,
+) -> torch.Tensor:
     """The decode output from the attended latents: `latent` `[B, n, r]` float32 times `w_vc` `[n, v, r]` (any
     float dtype, products in float32) -> `[B, n, v]` in `dtype`; with `gate` `[B, n * v]` (in `dtype`), times its
     sigmoid, each op rounded to `dtype` as torch's separate ops would be. With `lse`, `latent` holds

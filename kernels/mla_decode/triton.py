@@ -11,10 +11,34 @@ from h3gen.kernels._pdl import pdl_flag, pdl_launch, wait_for_inputs
 
 
 @triton.jit
-def _mla_decode_kernel(q_ptr, kv_ptr, table_ptr, lens_ptr, out_ptr, lse_ptr, heads, rank, rope, scale,
-                       stride_qb, stride_qh, stride_kp, stride_ks, stride_tb, stride_ob, stride_oh, stride_os,
-                       PAGE: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr,
-                       BLOCK_P: tl.constexpr, SPLITS: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):
+def _mla_decode_kernel(
+    q_ptr,
+    kv_ptr,
+    table_ptr,
+    lens_ptr,
+    out_ptr,
+    lse_ptr,
+    heads,
+    rank,
+    rope,
+    scale,
+    stride_qb,
+    stride_qh,
+    stride_kp,
+    stride_ks,
+    stride_tb,
+    stride_ob,
+    stride_oh,
+    stride_os,
+    PAGE: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    SPLITS: tl.constexpr,
+    IEEE: tl.constexpr,
+    PDL: tl.constexpr,
+):
     seq = tl.program_id(0).to(tl.int64)
     hs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     split = tl.program_id(2)
@@ -45,8 +69,9 @@ def _mla_decode_kernel(q_ptr, kv_ptr, table_ptr, lens_ptr, out_ptr, lse_ptr, hea
         k_latent = tl.load(rows + rs[None, :], mask=row_ok[:, None] & (rs[None, :] < rank), other=0.0)
         k_pe = tl.load(rows + rank + ps[None, :], mask=row_ok[:, None] & (ps[None, :] < rope), other=0.0)
         if IEEE:
-            scores = tl.dot(q_latent, tl.trans(k_latent), input_precision="ieee") + \
-                tl.dot(q_pe, tl.trans(k_pe), input_precision="ieee")  # [BLOCK_H, BLOCK_S]
+            scores = tl.dot(q_latent, tl.trans(k_latent), input_precision="ieee") + tl.dot(
+                q_pe, tl.trans(k_pe), input_precision="ieee"
+            )  # [BLOCK_H, BLOCK_S]
         else:
             scores = tl.dot(q_latent, tl.trans(k_latent)) + tl.dot(q_pe, tl.trans(k_pe))
         scores = tl.where(row_ok[None, :], scores * scale, float("-inf"))
@@ -77,23 +102,55 @@ def _check_pages(q: torch.Tensor, kv_pages: torch.Tensor) -> None:
         raise ValueError("the Triton MLA decode kernel needs rows contiguous in their last axis.")
 
 
-def _launch_mla_decode(q, kv_pages, block_table, seq_lens, scale, v_dim, out, lse, splits, block_h, block_s,
-                       num_warps):
+def _launch_mla_decode(q, kv_pages, block_table, seq_lens, scale, v_dim, out, lse, splits, block_h, block_s, num_warps):
     batch, heads, dim = q.shape
     page, rope = kv_pages.shape[1], dim - v_dim
     table = block_table.to(torch.int32)
     grid = (batch, triton.cdiv(heads, block_h), splits)
     pdl = pdl_launch(q)
     _mla_decode_kernel[grid](
-        q, kv_pages, table, seq_lens.to(torch.int32), out, lse if lse is not None else out, heads, v_dim, rope,
-        scale, q.stride(0), q.stride(1), kv_pages.stride(0), kv_pages.stride(1), table.stride(0), out.stride(0),
-        out.stride(1), out.stride(2) if splits > 1 else 0, PAGE=page, BLOCK_S=min(block_s, page), BLOCK_H=block_h,
-        BLOCK_R=max(16, next_power_of_2(v_dim)), BLOCK_P=max(16, next_power_of_2(max(rope, 1))), SPLITS=splits,
-        IEEE=kv_pages.dtype == torch.float32, PDL=pdl_flag(pdl), num_warps=num_warps, **pdl)
+        q,
+        kv_pages,
+        table,
+        seq_lens.to(torch.int32),
+        out,
+        lse if lse is not None else out,
+        heads,
+        v_dim,
+        rope,
+        scale,
+        q.stride(0),
+        q.stride(1),
+        kv_pages.stride(0),
+        kv_pages.stride(1),
+        table.stride(0),
+        out.stride(0),
+        out.stride(1),
+        out.stride(2) if splits > 1 else 0,
+        PAGE=page,
+        BLOCK_S=min(block_s, page),
+        BLOCK_H=block_h,
+        BLOCK_R=max(16, next_power_of_2(v_dim)),
+        BLOCK_P=max(16, next_power_of_2(max(rope, 1))),
+        SPLITS=splits,
+        IEEE=kv_pages.dtype == torch.float32,
+        PDL=pdl_flag(pdl),
+        num_warps=num_warps,
+        **pdl,
+    )
 
 
-def mla_decode(q: torch.Tensor, kv_pages: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
-               scale: float, v_dim: int, block_h: int = 16, block_s: int = 32, num_warps: int = 8) -> torch.Tensor:
+def mla_decode(
+    q: torch.Tensor,
+    kv_pages: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    v_dim: int,
+    block_h: int = 16,
+    block_s: int = 32,
+    num_warps: int = 8,
+) -> torch.Tensor:
     """See `reference.mla_decode`. The value is the latent part of the row: `v_dim` must be the latent rank
     (the first `v_dim` entries; the rest of the row is the rotary key). With a bf16 / fp16 cache the query is
     rounded to that dtype for the products (float32 accumulation and softmax). One program per sequence and block
@@ -104,9 +161,18 @@ def mla_decode(q: torch.Tensor, kv_pages: torch.Tensor, block_table: torch.Tenso
     return out
 
 
-def mla_decode_partials(q: torch.Tensor, kv_pages: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
-                        scale: float, v_dim: int, splits: int, block_h: int = 16, block_s: int = 32,
-                        num_warps: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
+def mla_decode_partials(
+    q: torch.Tensor,
+    kv_pages: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    v_dim: int,
+    splits: int,
+    block_h: int = 16,
+    block_s: int = 32,
+    num_warps: int = 4,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """`mla_decode` with each sequence's rows split into `splits` runs attended by separate programs (flash
     decoding: a short sequence's few rows no longer walk through one program): float32 `[B, H, splits, v_dim]`
     per-run softmax averages and `[B, H, splits]` their log-sum-exps (-inf for a run past the length), for
@@ -118,15 +184,33 @@ def mla_decode_partials(q: torch.Tensor, kv_pages: torch.Tensor, block_table: to
     lse = torch.empty(batch, heads, splits, dtype=torch.float32, device=q.device)
     if splits == 1:
         lse.fill_(0.0)  # one run: its average is the answer, whatever its log-sum-exp
-    _launch_mla_decode(q, kv_pages, block_table, seq_lens, scale, v_dim, out, lse, splits, block_h, block_s,
-                       num_warps)
+    _launch_mla_decode(q, kv_pages, block_table, seq_lens, scale, v_dim, out, lse, splits, block_h, block_s, num_warps)
     return out, lse
 
 
 @triton.jit
-def _write_latent_row(b, latent_ptr, pe_ptr, weight_ptr, pages_ptr, table_ptr, lens_ptr, rank, rope, eps,
-                      stride_latent, stride_pe, stride_table, stride_page, stride_row, page_size,
-                      ROUND: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, PDL: tl.constexpr):
+def _write_latent_row(
+    b,
+    latent_ptr,
+    pe_ptr,
+    weight_ptr,
+    pages_ptr,
+    table_ptr,
+    lens_ptr,
+    rank,
+    rope,
+    eps,
+    stride_latent,
+    stride_pe,
+    stride_table,
+    stride_page,
+    stride_row,
+    page_size,
+    ROUND: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    PDL: tl.constexpr,
+):
     """Sequence `b`'s new cache row: its latent normalised (`rms_norm` rounding) and times the norm weight, then
     k_pe, written at row `lens[b]` through the block table."""
     offs = tl.arange(0, BLOCK_R)
@@ -149,30 +233,97 @@ def _write_latent_row(b, latent_ptr, pe_ptr, weight_ptr, pages_ptr, table_ptr, l
 
 
 @triton.jit
-def _write_latent_rows_kernel(latent_ptr, pe_ptr, weight_ptr, pages_ptr, table_ptr, lens_ptr, rank, rope, eps,
-                              stride_latent, stride_pe, stride_table, stride_page, stride_row, page_size,
-                              ROUND: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr,
-                              PDL: tl.constexpr):
-    _write_latent_row(tl.program_id(0).to(tl.int64), latent_ptr, pe_ptr, weight_ptr, pages_ptr, table_ptr, lens_ptr,
-                      rank, rope, eps, stride_latent, stride_pe, stride_table, stride_page, stride_row, page_size,
-                      ROUND, BLOCK_R, BLOCK_P, PDL)
+def _write_latent_rows_kernel(
+    latent_ptr,
+    pe_ptr,
+    weight_ptr,
+    pages_ptr,
+    table_ptr,
+    lens_ptr,
+    rank,
+    rope,
+    eps,
+    stride_latent,
+    stride_pe,
+    stride_table,
+    stride_page,
+    stride_row,
+    page_size,
+    ROUND: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    _write_latent_row(
+        tl.program_id(0).to(tl.int64),
+        latent_ptr,
+        pe_ptr,
+        weight_ptr,
+        pages_ptr,
+        table_ptr,
+        lens_ptr,
+        rank,
+        rope,
+        eps,
+        stride_latent,
+        stride_pe,
+        stride_table,
+        stride_page,
+        stride_row,
+        page_size,
+        ROUND,
+        BLOCK_R,
+        BLOCK_P,
+        PDL,
+    )
 
 
-def _write_arguments(latent: torch.Tensor, k_pe: torch.Tensor, norm_weight: torch.Tensor, eps: float,
-                     pages: torch.Tensor, block_table: torch.Tensor, lens: torch.Tensor) -> tuple[tuple, dict]:
+def _write_arguments(
+    latent: torch.Tensor,
+    k_pe: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    pages: torch.Tensor,
+    block_table: torch.Tensor,
+    lens: torch.Tensor,
+) -> tuple[tuple, dict]:
     """`_write_latent_row`'s runtime arguments and constexprs for `write_latent_rows`' arguments."""
     rank, rope = latent.shape[1], k_pe.shape[1]
     if latent.stride(1) != 1 or k_pe.stride(1) != 1 or pages.stride(2) != 1 or block_table.stride(1) != 1:
         raise ValueError("write_latent_rows needs rows, pages and the block table with unit inner stride.")
     promoted = torch.promote_types(norm_weight.dtype, latent.dtype)
     rounds = promoted == latent.dtype and latent.dtype != torch.float32
-    return ((latent, k_pe, norm_weight, pages, block_table, lens, rank, rope, eps, latent.stride(0), k_pe.stride(0),
-             block_table.stride(0), pages.stride(0), pages.stride(1), pages.shape[1]),
-            dict(ROUND=rounds, BLOCK_R=next_power_of_2(rank), BLOCK_P=next_power_of_2(max(rope, 1))))
+    return (
+        (
+            latent,
+            k_pe,
+            norm_weight,
+            pages,
+            block_table,
+            lens,
+            rank,
+            rope,
+            eps,
+            latent.stride(0),
+            k_pe.stride(0),
+            block_table.stride(0),
+            pages.stride(0),
+            pages.stride(1),
+            pages.shape[1],
+        ),
+        dict(ROUND=rounds, BLOCK_R=next_power_of_2(rank), BLOCK_P=next_power_of_2(max(rope, 1))),
+    )
 
 
-def write_latent_rows(latent: torch.Tensor, k_pe: torch.Tensor, norm_weight: torch.Tensor, eps: float,
-                      pages: torch.Tensor, block_table: torch.Tensor, lens: torch.Tensor) -> None:
+def write_latent_rows(
+    latent: torch.Tensor,
+    k_pe: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    pages: torch.Tensor,
+    block_table: torch.Tensor,
+    lens: torch.Tensor,
+) -> None:
     """See `reference.write_latent_rows`: norm, concatenation and the paged write in one kernel (one program per
     sequence)."""
     arguments, constants = _write_arguments(latent, k_pe, norm_weight, eps, pages, block_table, lens)
@@ -181,12 +332,43 @@ def write_latent_rows(latent: torch.Tensor, k_pe: torch.Tensor, norm_weight: tor
 
 
 @triton.jit
-def _absorb_query_kernel(q_ptr, w_ptr, out_ptr, heads, nope, rope, rank, stride_qb, stride_qn, stride_wn, stride_wd,
-                         latent_ptr, pe_ptr, weight_ptr, pages_ptr, table_ptr, lens_ptr, latent_rank, pe_width, eps,
-                         stride_latent, stride_pe, stride_table, stride_page, stride_row, page_size,
-                         BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, PARTS: tl.constexpr,
-                         WRITE: tl.constexpr, ROUND: tl.constexpr, WRITE_R: tl.constexpr, WRITE_P: tl.constexpr,
-                         PDL: tl.constexpr):
+def _absorb_query_kernel(
+    q_ptr,
+    w_ptr,
+    out_ptr,
+    heads,
+    nope,
+    rope,
+    rank,
+    stride_qb,
+    stride_qn,
+    stride_wn,
+    stride_wd,
+    latent_ptr,
+    pe_ptr,
+    weight_ptr,
+    pages_ptr,
+    table_ptr,
+    lens_ptr,
+    latent_rank,
+    pe_width,
+    eps,
+    stride_latent,
+    stride_pe,
+    stride_table,
+    stride_page,
+    stride_row,
+    page_size,
+    BLOCK_D: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    PARTS: tl.constexpr,
+    WRITE: tl.constexpr,
+    ROUND: tl.constexpr,
+    WRITE_R: tl.constexpr,
+    WRITE_P: tl.constexpr,
+    PDL: tl.constexpr,
+):
     b, task = tl.program_id(0).to(tl.int64), tl.program_id(1)
     if task < heads * PARTS:
         head, part = (task // PARTS).to(tl.int64), task % PARTS
@@ -194,8 +376,11 @@ def _absorb_query_kernel(q_ptr, w_ptr, out_ptr, heads, nope, rope, rank, stride_
         out_row = out_ptr + (b * heads + head) * (rank + rope)
         offs_d = tl.arange(0, BLOCK_D)
         offs_r = part * BLOCK_R + tl.arange(0, BLOCK_R)
-        w = tl.load(w_ptr + head * stride_wn + offs_d[:, None] * stride_wd + offs_r[None, :],
-                    mask=(offs_d[:, None] < nope) & (offs_r[None, :] < rank), other=0.0).to(tl.float32)
+        w = tl.load(
+            w_ptr + head * stride_wn + offs_d[:, None] * stride_wd + offs_r[None, :],
+            mask=(offs_d[:, None] < nope) & (offs_r[None, :] < rank),
+            other=0.0,
+        ).to(tl.float32)
         wait_for_inputs(PDL)
         q = tl.load(q_row + offs_d, mask=offs_d < nope, other=0.0).to(tl.float32)
         tl.store(out_row + offs_r, tl.sum(q[:, None] * w, axis=0), mask=offs_r < rank)
@@ -204,13 +389,33 @@ def _absorb_query_kernel(q_ptr, w_ptr, out_ptr, heads, nope, rope, rank, stride_
             pe = tl.load(q_row + nope + offs_p, mask=offs_p < rope, other=0.0).to(tl.float32)
             tl.store(out_row + rank + offs_p, pe, mask=offs_p < rope)
     elif WRITE:  # one more program per sequence writes its new cache row
-        _write_latent_row(b, latent_ptr, pe_ptr, weight_ptr, pages_ptr, table_ptr, lens_ptr, latent_rank, pe_width,
-                          eps, stride_latent, stride_pe, stride_table, stride_page, stride_row, page_size, ROUND,
-                          WRITE_R, WRITE_P, PDL)
+        _write_latent_row(
+            b,
+            latent_ptr,
+            pe_ptr,
+            weight_ptr,
+            pages_ptr,
+            table_ptr,
+            lens_ptr,
+            latent_rank,
+            pe_width,
+            eps,
+            stride_latent,
+            stride_pe,
+            stride_table,
+            stride_page,
+            stride_row,
+            page_size,
+            ROUND,
+            WRITE_R,
+            WRITE_P,
+            PDL,
+        )
 
 
-def absorb_query(q: torch.Tensor, w_kc: torch.Tensor, nope: int, block_r: int = 32,
-                 new_rows: tuple | None = None) -> torch.Tensor:
+def absorb_query(
+    q: torch.Tensor, w_kc: torch.Tensor, nope: int, block_r: int = 32, new_rows: tuple | None = None
+) -> torch.Tensor:
     """See `reference.absorb_query`: one kernel (programs per sequence, head and block of `block_r` latent columns)
     instead of two casts, a batched GEMV and a concatenation. `w_kc` `[n, nope, r]` in any float dtype (products
     in float32) with unit inner stride: a view of `kv_b_proj`'s weight serves. With `new_rows` (the arguments of
@@ -232,21 +437,58 @@ def absorb_query(q: torch.Tensor, w_kc: torch.Tensor, nope: int, block_r: int = 
         write, constants = (q,) * 6 + (0, 0, 0.0) + (0,) * 6, dict(ROUND=False, WRITE_R=1, WRITE_P=1)
     pdl = pdl_launch(q)
     _absorb_query_kernel[(batch, heads * parts + (new_rows is not None))](
-        q, w_kc, out, heads, nope, rope, rank, q.stride(0), q.stride(1), w_kc.stride(0), w_kc.stride(1), *write,
-        BLOCK_D=next_power_of_2(nope), BLOCK_R=block_r, BLOCK_P=next_power_of_2(max(rope, 1)), PARTS=parts,
-        WRITE=new_rows is not None, **constants, PDL=pdl_flag(pdl), num_warps=4, **pdl)
+        q,
+        w_kc,
+        out,
+        heads,
+        nope,
+        rope,
+        rank,
+        q.stride(0),
+        q.stride(1),
+        w_kc.stride(0),
+        w_kc.stride(1),
+        *write,
+        BLOCK_D=next_power_of_2(nope),
+        BLOCK_R=block_r,
+        BLOCK_P=next_power_of_2(max(rope, 1)),
+        PARTS=parts,
+        WRITE=new_rows is not None,
+        **constants,
+        PDL=pdl_flag(pdl),
+        num_warps=4,
+        **pdl,
+    )
     return out
 
 
 @triton.jit
-def _absorb_output_kernel(latent_ptr, lse_ptr, w_ptr, gate_ptr, out_ptr, heads, rank, v_dim, stride_wn, stride_wv,
-                          stride_gate, SPLITS: tl.constexpr, HAS_GATE: tl.constexpr, BLOCK_V: tl.constexpr,
-                          BLOCK_R: tl.constexpr, PDL: tl.constexpr):
+def _absorb_output_kernel(
+    latent_ptr,
+    lse_ptr,
+    w_ptr,
+    gate_ptr,
+    out_ptr,
+    heads,
+    rank,
+    v_dim,
+    stride_wn,
+    stride_wv,
+    stride_gate,
+    SPLITS: tl.constexpr,
+    HAS_GATE: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    PDL: tl.constexpr,
+):
     b, head, part = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64), tl.program_id(2)
     offs_v = part * BLOCK_V + tl.arange(0, BLOCK_V)
     offs_r = tl.arange(0, BLOCK_R)
-    w = tl.load(w_ptr + head * stride_wn + offs_v[:, None] * stride_wv + offs_r[None, :],
-                mask=(offs_v[:, None] < v_dim) & (offs_r[None, :] < rank), other=0.0).to(tl.float32)
+    w = tl.load(
+        w_ptr + head * stride_wn + offs_v[:, None] * stride_wv + offs_r[None, :],
+        mask=(offs_v[:, None] < v_dim) & (offs_r[None, :] < rank),
+        other=0.0,
+    ).to(tl.float32)
     wait_for_inputs(PDL)
     if HAS_GATE:  # loaded with the latents: issued at the end it costs the program one more round trip
         g = tl.load(gate_ptr + b * stride_gate + head * v_dim + offs_v, mask=offs_v < v_dim, other=0.0)
@@ -255,8 +497,9 @@ def _absorb_output_kernel(latent_ptr, lse_ptr, w_ptr, gate_ptr, out_ptr, heads, 
         offs_s = tl.arange(0, SPLITS)
         lse = tl.load(lse_ptr + row + offs_s)
         weight = tl.exp(lse - tl.max(lse, axis=0))
-        parts = tl.load(latent_ptr + (row + offs_s[:, None]) * rank + offs_r[None, :], mask=offs_r[None, :] < rank,
-                        other=0.0)
+        parts = tl.load(
+            latent_ptr + (row + offs_s[:, None]) * rank + offs_r[None, :], mask=offs_r[None, :] < rank, other=0.0
+        )
         latent = tl.sum(weight[:, None] * parts, axis=0) / tl.sum(weight, axis=0)
     else:
         latent = tl.load(latent_ptr + row * rank + offs_r, mask=offs_r < rank, other=0.0)
@@ -267,8 +510,14 @@ def _absorb_output_kernel(latent_ptr, lse_ptr, w_ptr, gate_ptr, out_ptr, heads, 
     tl.store(out_ptr + (b * heads + head) * v_dim + offs_v, out, mask=offs_v < v_dim)
 
 
-def absorb_output(latent: torch.Tensor, w_vc: torch.Tensor, dtype: torch.dtype, gate: torch.Tensor | None = None,
-                  lse: torch.Tensor | None = None, block_v: int | None = None) -> torch.Tensor:
+def absorb_output(
+    latent: torch.Tensor,
+    w_vc: torch.Tensor,
+    dtype: torch.dtype,
+    gate: torch.Tensor | None = None,
+    lse: torch.Tensor | None = None,
+    block_v: int | None = None,
+) -> torch.Tensor:
     """See `reference.absorb_output`: one kernel instead of a batched GEMV, a cast and, with the gate, a sigmoid
     and a multiply. With `lse` `[B, n, S]`, `latent` is `mla_decode_partials`' `[B, n, S, r]` and is combined
     first (`reference.combine_partials`). `w_vc` `[n, v, r]` in any float dtype with unit inner stride."""
@@ -277,17 +526,38 @@ def absorb_output(latent: torch.Tensor, w_vc: torch.Tensor, dtype: torch.dtype, 
     splits = 1 if lse is None else lse.shape[2]
     if splits & (splits - 1):
         raise ValueError(f"absorb_output combines a power-of-two number of runs (got {splits}).")
-    if not latent.is_contiguous() or w_vc.stride(2) != 1 or (gate is not None and gate.stride(-1) != 1) or \
-            (lse is not None and not lse.is_contiguous()):
-        raise ValueError("absorb_output needs contiguous latents (and lse), and W_vc and a gate with unit inner "
-                         "stride.")
+    if (
+        not latent.is_contiguous()
+        or w_vc.stride(2) != 1
+        or (gate is not None and gate.stride(-1) != 1)
+        or (lse is not None and not lse.is_contiguous())
+    ):
+        raise ValueError(
+            "absorb_output needs contiguous latents (and lse), and W_vc and a gate with unit inner stride."
+        )
     out = torch.empty(batch, heads, v_dim, dtype=dtype, device=latent.device)
     # Narrow blocks give a batch of one enough programs; wider ones re-read the latents less at larger batches.
     block_v = min(block_v or (8 if batch <= 4 else 32), next_power_of_2(v_dim))
     gate_rows = gate.reshape(batch, heads * v_dim) if gate is not None else latent
     pdl = pdl_launch(latent)
     _absorb_output_kernel[(batch, heads, triton.cdiv(v_dim, block_v))](
-        latent, lse if lse is not None else latent, w_vc, gate_rows, out, heads, rank, v_dim, w_vc.stride(0),
-        w_vc.stride(1), gate_rows.stride(0), SPLITS=splits, HAS_GATE=gate is not None, BLOCK_V=block_v,
-        BLOCK_R=next_power_of_2(rank), PDL=pdl_flag(pdl), num_warps=4, **pdl)
+        latent,
+        lse if lse is not None else latent,
+        w_vc,
+        gate_rows,
+        out,
+        heads,
+        rank,
+        v_dim,
+        w_vc.stride(0),
+        w_vc.stride(1),
+        gate_rows.stride(0),
+        SPLITS=splits,
+        HAS_GATE=gate is not None,
+        BLOCK_V=block_v,
+        BLOCK_R=next_power_of_2(rank),
+        PDL=pdl_flag(pdl),
+        num_warps=4,
+        **pdl,
+    )
     return out

@@ -28,8 +28,18 @@ def route_topk(logits, correction_bias, top_k, num_groups=1, topk_groups=1, reno
 ROUTER_TOPK_MAX_TOKENS = 16  # one program per token and expert, each norming the row: for decode batches
 
 
-def router_topk(x, weight, correction_bias, top_k, num_groups=1, topk_groups=1, renormalize=True, scaling=1.0,
-                always=0, residual=None):
+def router_topk(
+    x,
+    weight,
+    correction_bias,
+    top_k,
+    num_groups=1,
+    topk_groups=1,
+    renormalize=True,
+    scaling=1.0,
+    always=0,
+    residual=None,
+):
     """`route_topk(router_logits(x, weight), ...)`: `x` `[T, D]` -> (weights `[T, top_k + always]` float32, ids
     `[T, top_k + always]` int64). With `residual` = (delta, norm weight, eps) the router reads
     `rms_norm(x + delta)` and the call returns (total, normed, weights, ids) as `add_rms_norm` then the router
@@ -43,8 +53,9 @@ def router_topk(x, weight, correction_bias, top_k, num_groups=1, topk_groups=1, 
         delta, norm_weight, eps = residual
         total, normed = add_rms_norm(x, delta, norm_weight, eps)
         x = normed
-    weights, ids = route_topk(router_logits(x, weight), correction_bias, top_k, num_groups, topk_groups,
-                              renormalize, scaling, always)
+    weights, ids = route_topk(
+        router_logits(x, weight), correction_bias, top_k, num_groups, topk_groups, renormalize, scaling, always
+    )
     return (total, normed, weights, ids) if residual is not None else (weights, ids)
 
 
@@ -113,5 +124,16 @@ def stacked_experts(h, up_gate, down, ids, activation, swiglu: bool):
     return reference.stacked_experts(h, up_gate, down, ids, activation)
 
 
-__all__ = ["expert_gemv", "expert_gemv_mxfp4", "expert_swiglu_down", "expert_swiglu_down_mxfp4", "grouped_gemm", "grouped_mxfp4_gemm",
-           "route_topk", "router_logits", "router_topk", "sort_by_expert", "stacked_experts"]
+__all__ = [
+    "expert_gemv",
+    "expert_gemv_mxfp4",
+    "expert_swiglu_down",
+    "expert_swiglu_down_mxfp4",
+    "grouped_gemm",
+    "grouped_mxfp4_gemm",
+    "route_topk",
+    "router_logits",
+    "router_topk",
+    "sort_by_expert",
+    "stacked_experts",
+]

@@ -11,8 +11,16 @@ from h3gen.kernels.swiglu.reference import swiglu
 from h3gen.quant.mxfp4_format import dequantize
 
 
-def route_topk(logits: torch.Tensor, correction_bias: torch.Tensor | None, top_k: int, num_groups: int = 1,
-               topk_groups: int = 1, renormalize: bool = True, scaling: float = 1.0, always: int = 0):
+def route_topk(
+    logits: torch.Tensor,
+    correction_bias: torch.Tensor | None,
+    top_k: int,
+    num_groups: int = 1,
+    topk_groups: int = 1,
+    renormalize: bool = True,
+    scaling: float = 1.0,
+    always: int = 0,
+):
     """`logits` `[T, E]` -> (weights `[T, top_k + always]` float32, expert ids `[T, top_k + always]` int64).
 
     Groups are ranked by the sum of their two best biased scores; only the `topk_groups` best take part. `always`
@@ -80,8 +88,9 @@ def expert_gemv(x: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor, top_k:
     return (weight[ids].float() @ x.float()[:, :, None]).squeeze(-1).to(x.dtype)
 
 
-def expert_swiglu_down(both: torch.Tensor, down: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
-                       add: torch.Tensor | None = None) -> torch.Tensor:
+def expert_swiglu_down(
+    both: torch.Tensor, down: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, add: torch.Tensor | None = None
+) -> torch.Tensor:
     """The end of a decode step's routed experts: `both` `[T * k, 2I]` ([up; gate] per (token, slot) pair, from
     `expert_gemv`), SwiGLU rounded to `both.dtype` as the separate op would, through the pair's `down` expert
     (`down` `[E, W, I]`, `ids` `[T, k]`), weighted by `weights` `[T, k]` and summed over the k slots in float32
@@ -98,8 +107,9 @@ def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return x.float() @ weight.float().t()
 
 
-def stacked_experts(h: torch.Tensor, up_gate: torch.Tensor, down: torch.Tensor, ids: torch.Tensor,
-                    activation) -> torch.Tensor:
+def stacked_experts(
+    h: torch.Tensor, up_gate: torch.Tensor, down: torch.Tensor, ids: torch.Tensor, activation
+) -> torch.Tensor:
     """Every (token, slot) pair through its expert: `h` `[T, W]`, `up_gate` `[E, 2I, W]` ([up; gate] rows), `down`
     `[E, W, I]`, `ids` `[T, k]`, `activation(gate, up)` -> `[T * k, W]` in pair order (token-major), tokens grouped
     by expert for the GEMMs."""
@@ -110,8 +120,9 @@ def stacked_experts(h: torch.Tensor, up_gate: torch.Tensor, down: torch.Tensor, 
     return torch.empty_like(out).index_copy_(0, order, out)
 
 
-def expert_gemv_mxfp4(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, ids: torch.Tensor,
-                      top_k: int = 1) -> torch.Tensor:
+def expert_gemv_mxfp4(
+    x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, ids: torch.Tensor, top_k: int = 1
+) -> torch.Tensor:
     """`expert_gemv` with MXFP4 experts: pair p (row `p // top_k` of `x` `[P / top_k, K]`) times expert `ids[p]`
     (`packed` `[E, N, Kp / 2]` uint8, `scales` `[E, N, Kp / 32]` uint8, `Kp` the input width padded to 32, K <= Kp)
     -> `[P, N]` in x.dtype, float32 math."""
@@ -123,8 +134,9 @@ def expert_gemv_mxfp4(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tenso
     return out
 
 
-def expert_swiglu_down_mxfp4(both: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, ids: torch.Tensor,
-                             weights: torch.Tensor) -> torch.Tensor:
+def expert_swiglu_down_mxfp4(
+    both: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
+) -> torch.Tensor:
     """`expert_swiglu_down` with MXFP4 down experts (`packed` `[E, W, Ip / 2]`, `scales` `[E, W, Ip / 32]`)."""
     tokens, top_k = ids.shape
     act = swiglu(both).float()

@@ -6,5 +6,14 @@ from h3gen.kernels.moe.triton_experts import expert_gemv, expert_swiglu_down, gr
 from h3gen.kernels.moe.triton_mxfp4 import expert_gemv_mxfp4, expert_swiglu_down_mxfp4
 from h3gen.kernels.moe.triton_routing import route_topk, router_logits, router_topk
 
-__all__ = ["expert_gemv", "expert_gemv_mxfp4", "expert_swiglu_down", "expert_swiglu_down_mxfp4",
-           "grouped_expert_gemm", "moe_blocks", "route_topk", "router_logits", "router_topk"]
+__all__ = [
+    "expert_gemv",
+    "expert_gemv_mxfp4",
+    "expert_swiglu_down",
+    "expert_swiglu_down_mxfp4",
+    "grouped_expert_gemm",
+    "moe_blocks",
+    "route_topk",
+    "router_logits",
+    "router_topk",
+]

@@ -12,8 +12,22 @@ from h3gen.kernels._pdl import pdl_flag, pdl_launch, wait_for_inputs
 
 
 @triton.jit
-def _expert_gemv_kernel(x_ptr, w_ptr, ids_ptr, out_ptr, N, K, top_k, first_always, stride_we, stride_wn,
-                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ALWAYS: tl.constexpr, PDL: tl.constexpr):
+def _expert_gemv_kernel(
+    x_ptr,
+    w_ptr,
+    ids_ptr,
+    out_ptr,
+    N,
+    K,
+    top_k,
+    first_always,
+    stride_we,
+    stride_wn,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    ALWAYS: tl.constexpr,
+    PDL: tl.constexpr,
+):
     """One (token, slot) pair and block of N outputs per program. The last `ALWAYS` slots of each token hold the
     always-on experts `first_always`, `first_always + 1`, ...: their programs know their expert without the
     routing, so their first K step's weights load while the kernel before drains (the routed ones wait for it)."""
@@ -59,9 +73,25 @@ def _swiglu_down_step(both_ptr, pairs, slot_ok, ks, inter, w):
 
 
 @triton.jit
-def _expert_swiglu_down_kernel(both_ptr, w_ptr, ids_ptr, weights_ptr, add_ptr, out_ptr, N, inter, top_k, stride_we,
-                               stride_wn, SLOTS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                               PDL: tl.constexpr, AHEAD: tl.constexpr, ADD: tl.constexpr):
+def _expert_swiglu_down_kernel(
+    both_ptr,
+    w_ptr,
+    ids_ptr,
+    weights_ptr,
+    add_ptr,
+    out_ptr,
+    N,
+    inter,
+    top_k,
+    stride_we,
+    stride_wn,
+    SLOTS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr,
+    AHEAD: tl.constexpr,
+    ADD: tl.constexpr,
+):
     """All k slots of one token at once (`SLOTS` >= top_k, a power of two): the slots' weight tiles are independent
     loads, so a program has k times the bytes in flight that a loop over slots would. With `AHEAD` > 0 (up to 4,
     and PDL) the routing (written two kernels back) and the first `AHEAD` K steps' weights load while the gate/up
@@ -111,8 +141,9 @@ def _expert_swiglu_down_kernel(both_ptr, w_ptr, ids_ptr, weights_ptr, add_ptr, o
     tl.store(out_ptr + token * N + cols, total.to(out_ptr.dtype.element_ty), mask=cols < N)
 
 
-def _gemv_tiles(k: int, pairs: int, block_n: int | None, block_k: int | None,
-                num_warps: int | None) -> tuple[int, int, int]:
+def _gemv_tiles(
+    k: int, pairs: int, block_n: int | None, block_k: int | None, num_warps: int | None
+) -> tuple[int, int, int]:
     """Default tiles and warps of the expert GEMVs: the whole K (up to 2048) in one step; for up to 16 (token, expert)
     pairs (decode at one or two tokens) 4 K of weights per program and 2 warps, else 8 K and 4 warps (H200 sweeps in
     benchmarks/history.md: in a graphed chain of 15 MoE layers, 2 x 2048 with 2 warps took 25.4 us per layer at one
@@ -122,9 +153,17 @@ def _gemv_tiles(k: int, pairs: int, block_n: int | None, block_k: int | None,
     return block_n or max(2 if few else 4, (4096 if few else 8192) // block_k), block_k, num_warps or (2 if few else 4)
 
 
-def expert_gemv(x: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor, top_k: int = 1, block_n: int | None = None,
-                block_k: int | None = None, num_warps: int | None = None, always: int = 0,
-                early: bool | None = None) -> torch.Tensor:
+def expert_gemv(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    ids: torch.Tensor,
+    top_k: int = 1,
+    block_n: int | None = None,
+    block_k: int | None = None,
+    num_warps: int | None = None,
+    always: int = 0,
+    early: bool | None = None,
+) -> torch.Tensor:
     """See `reference.expert_gemv`: `x` `[P / top_k, K]`, `weight` `[E, N, K]` (inner axis contiguous), `ids` `[P]`.
     `always`: the last that many of each token's `top_k` slots are the always-on experts E - always, ..., E - 1 (stacked
     after the routed ones, as `route_topk(..., always=)` routes them); with `early` their weights load before the
@@ -145,14 +184,37 @@ def expert_gemv(x: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor, top_k:
         early = pairs > 16
     pdl = pdl_launch(x)
     _expert_gemv_kernel[(pairs, triton.cdiv(n, block_n))](
-        x, weight, ids.contiguous(), out, n, k, top_k, weight.shape[0] - always, weight.stride(0), weight.stride(1),
-        BLOCK_N=block_n, BLOCK_K=block_k, ALWAYS=always if early else 0, PDL=pdl_flag(pdl), num_warps=num_warps, **pdl)
+        x,
+        weight,
+        ids.contiguous(),
+        out,
+        n,
+        k,
+        top_k,
+        weight.shape[0] - always,
+        weight.stride(0),
+        weight.stride(1),
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        ALWAYS=always if early else 0,
+        PDL=pdl_flag(pdl),
+        num_warps=num_warps,
+        **pdl,
+    )
     return out
 
 
-def expert_swiglu_down(both: torch.Tensor, down: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
-                       block_n: int = 8, block_k: int | None = None, num_warps: int | None = None,
-                       ahead: int | None = None, add: torch.Tensor | None = None) -> torch.Tensor:
+def expert_swiglu_down(
+    both: torch.Tensor,
+    down: torch.Tensor,
+    ids: torch.Tensor,
+    weights: torch.Tensor,
+    block_n: int = 8,
+    block_k: int | None = None,
+    num_warps: int | None = None,
+    ahead: int | None = None,
+    add: torch.Tensor | None = None,
+) -> torch.Tensor:
     """See `reference.expert_swiglu_down`: SwiGLU, the down GEMV and the weighted sum over the k slots in one kernel
     (one program per token and block of outputs, all slots at once). Default tile from the H200 sweeps
     (benchmarks/history.md: 64 experts, 2048 x 768, top 6 + the shared expert): K steps narrow as top-k grows (256 at
@@ -173,11 +235,26 @@ def expert_swiglu_down(both: torch.Tensor, down: torch.Tensor, ids: torch.Tensor
     block_k = block_k or max(32, 2048 // next_power_of_2(top_k) // (2 if tokens == 2 else 1))
     pdl = pdl_launch(both)
     _expert_swiglu_down_kernel[(tokens, triton.cdiv(n, block_n))](
-        both, down, ids.contiguous(), weights.contiguous(), add.contiguous() if add is not None else out, out, n,
-        inter, top_k, down.stride(0), down.stride(1), SLOTS=next_power_of_2(top_k), BLOCK_N=block_n,
-        BLOCK_K=block_k, PDL=pdl_flag(pdl), AHEAD=(1 if tokens <= 2 else 0) if ahead is None else ahead,
+        both,
+        down,
+        ids.contiguous(),
+        weights.contiguous(),
+        add.contiguous() if add is not None else out,
+        out,
+        n,
+        inter,
+        top_k,
+        down.stride(0),
+        down.stride(1),
+        SLOTS=next_power_of_2(top_k),
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        PDL=pdl_flag(pdl),
+        AHEAD=(1 if tokens <= 2 else 0) if ahead is None else ahead,
         ADD=add is not None,
-        num_warps=num_warps or (8 if tokens == 1 else 4), **pdl)
+        num_warps=num_warps or (8 if tokens == 1 else 4),
+        **pdl,
+    )
     return out
 
 
@@ -205,9 +282,25 @@ def moe_blocks(pairs: torch.Tensor, num_experts: int, block_m: int):
 
 
 @triton.jit
-def _grouped_gemm_kernel(x_ptr, w_ptr, rows_ptr, block_expert_ptr, out_ptr, N, K, stride_x, stride_we, stride_wn,
-                         stride_out, row_divisor, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                         BLOCK_K: tl.constexpr, SWIGLU: tl.constexpr, IEEE: tl.constexpr):
+def _grouped_gemm_kernel(
+    x_ptr,
+    w_ptr,
+    rows_ptr,
+    block_expert_ptr,
+    out_ptr,
+    N,
+    K,
+    stride_x,
+    stride_we,
+    stride_wn,
+    stride_out,
+    row_divisor,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SWIGLU: tl.constexpr,
+    IEEE: tl.constexpr,
+):
     block = tl.program_id(0)
     expert = tl.load(block_expert_ptr + block)
     if expert < 0:
@@ -222,8 +315,11 @@ def _grouped_gemm_kernel(x_ptr, w_ptr, rows_ptr, block_expert_ptr, out_ptr, N, K
         acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for start in range(0, K, BLOCK_K):
         ks = start + tl.arange(0, BLOCK_K)
-        a = tl.load(x_ptr + source[:, None].to(tl.int64) * stride_x + ks[None, :],
-                    mask=valid[:, None] & (ks[None, :] < K), other=0.0)
+        a = tl.load(
+            x_ptr + source[:, None].to(tl.int64) * stride_x + ks[None, :],
+            mask=valid[:, None] & (ks[None, :] < K),
+            other=0.0,
+        )
         w_mask = (cols[None, :] < N) & (ks[:, None] < K)
         b = tl.load(w_cols + ks[:, None], mask=w_mask, other=0.0)  # [BLOCK_K, BLOCK_N]
         if IEEE:
@@ -242,10 +338,20 @@ def _grouped_gemm_kernel(x_ptr, w_ptr, rows_ptr, block_expert_ptr, out_ptr, N, K
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=valid[:, None] & (cols[None, :] < N))
 
 
-def grouped_expert_gemm(x: torch.Tensor, weight: torch.Tensor, rows: torch.Tensor, block_expert: torch.Tensor,
-                        num_pairs: int, row_divisor: int, swiglu: bool = False, block_m: int = 64,
-                        block_n: int | None = None, block_k: int = 64, num_warps: int = 4,
-                        num_stages: int = 3) -> torch.Tensor:
+def grouped_expert_gemm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    rows: torch.Tensor,
+    block_expert: torch.Tensor,
+    num_pairs: int,
+    row_divisor: int,
+    swiglu: bool = False,
+    block_m: int = 64,
+    block_n: int | None = None,
+    block_k: int = 64,
+    num_warps: int = 4,
+    num_stages: int = 3,
+) -> torch.Tensor:
     """Pair p (grouped by `moe_blocks`) times its expert's matrix: input row `p // row_divisor` of `x` `[R, K]`,
     `weight` `[E, N_w, K]`. Returns `[num_pairs, N_w]`, or with `swiglu` (`weight` = [up; gate] rows)
     `[num_pairs, N_w / 2]` = up * silu(gate); float32 accumulation, output in x.dtype."""
@@ -257,8 +363,25 @@ def grouped_expert_gemm(x: torch.Tensor, weight: torch.Tensor, rows: torch.Tenso
     out = torch.empty(num_pairs, n, dtype=x.dtype, device=x.device)
     block_n = block_n or (64 if swiglu else 128)
     grid = (block_expert.numel(), triton.cdiv(n, block_n))
-    _grouped_gemm_kernel[grid](x, weight, rows, block_expert, out, n, k, x.stride(0), weight.stride(0),
-                               weight.stride(1), out.stride(0), row_divisor, BLOCK_M=block_m, BLOCK_N=block_n,
-                               BLOCK_K=block_k, SWIGLU=swiglu, IEEE=x.dtype == torch.float32,
-                               num_warps=num_warps, num_stages=num_stages)
+    _grouped_gemm_kernel[grid](
+        x,
+        weight,
+        rows,
+        block_expert,
+        out,
+        n,
+        k,
+        x.stride(0),
+        weight.stride(0),
+        weight.stride(1),
+        out.stride(0),
+        row_divisor,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        SWIGLU=swiglu,
+        IEEE=x.dtype == torch.float32,
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
     return out

@@ -11,8 +11,23 @@ from h3gen.kernels.mxfp4_gemm.triton import _word_rows_dot, _word_x, word_rows
 
 
 @triton.jit
-def _expert_gemv_mxfp4_kernel(x_ptr, packed_ptr, scale_ptr, ids_ptr, out_ptr, N, K, top_k, stride_pe, stride_pn,
-                              stride_se, stride_sn, BLOCK_N: tl.constexpr, WORDS: tl.constexpr, PDL: tl.constexpr):
+def _expert_gemv_mxfp4_kernel(
+    x_ptr,
+    packed_ptr,
+    scale_ptr,
+    ids_ptr,
+    out_ptr,
+    N,
+    K,
+    top_k,
+    stride_pe,
+    stride_pn,
+    stride_se,
+    stride_sn,
+    BLOCK_N: tl.constexpr,
+    WORDS: tl.constexpr,
+    PDL: tl.constexpr,
+):
     pair = tl.program_id(0).to(tl.int64)  # a (token, slot) pair; its input is the token's row
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
@@ -29,8 +44,9 @@ def _expert_gemv_mxfp4_kernel(x_ptr, packed_ptr, scale_ptr, ids_ptr, out_ptr, N,
 
 
 @triton.jit
-def _mxfp4_tail_step(both_ptr, packed, scales, pair, offs_n, n_ok, k0, stride_pn, stride_sn, INTER: tl.constexpr,
-                     WORDS: tl.constexpr):
+def _mxfp4_tail_step(
+    both_ptr, packed, scales, pair, offs_n, n_ok, k0, stride_pn, stride_sn, INTER: tl.constexpr, WORDS: tl.constexpr
+):
     """One K step of one slot of the MXFP4 decode tail: SwiGLU of the pair's activations times its down expert's
     rows -> `(BLOCK_N, WORDS / 4)` float32 group sums."""
     ks = k0 + tl.arange(0, WORDS)[:, None] * 8 + tl.arange(0, 8)[None, :]
@@ -38,15 +54,31 @@ def _mxfp4_tail_step(both_ptr, packed, scales, pair, offs_n, n_ok, k0, stride_pn
     gate = tl.load(both_ptr + pair * 2 * INTER + INTER + ks, mask=ks < INTER, other=0.0).to(tl.float32)
     # rounded as the separate SwiGLU kernel's output would be, then carrying 2^64 (see WORD_X_SCALE)
     act = (up * gate * tl.sigmoid(gate)).to(both_ptr.dtype.element_ty).to(tl.float32)
-    return _word_rows_dot(packed, scales, offs_n, n_ok, k0, INTER, stride_pn, stride_sn, act * 18446744073709551616.0,
-                          WORDS)
+    return _word_rows_dot(
+        packed, scales, offs_n, n_ok, k0, INTER, stride_pn, stride_sn, act * 18446744073709551616.0, WORDS
+    )
 
 
 @triton.jit
-def _expert_swiglu_down_mxfp4_kernel(both_ptr, packed_ptr, scale_ptr, ids_ptr, weights_ptr, out_ptr, N,
-                                     stride_pe, stride_pn, stride_se, stride_sn, TOP_K: tl.constexpr,
-                                     INTER: tl.constexpr, BLOCK_N: tl.constexpr, WORDS: tl.constexpr,
-                                     UNROLL: tl.constexpr, PDL: tl.constexpr):
+def _expert_swiglu_down_mxfp4_kernel(
+    both_ptr,
+    packed_ptr,
+    scale_ptr,
+    ids_ptr,
+    weights_ptr,
+    out_ptr,
+    N,
+    stride_pe,
+    stride_pn,
+    stride_se,
+    stride_sn,
+    TOP_K: tl.constexpr,
+    INTER: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    WORDS: tl.constexpr,
+    UNROLL: tl.constexpr,
+    PDL: tl.constexpr,
+):
     """With `UNROLL` the slots and K steps are straight-line code, so all slots' word loads are in flight together
     (a few tokens: few programs, each must keep many bytes in flight); without, a loop over slots (many tokens)."""
     token = tl.program_id(0).to(tl.int64)
@@ -60,9 +92,19 @@ def _expert_swiglu_down_mxfp4_kernel(both_ptr, packed_ptr, scale_ptr, ids_ptr, w
             expert = tl.load(ids_ptr + pair).to(tl.int64)
             acc = tl.zeros((BLOCK_N, WORDS // 4), dtype=tl.float32)
             for step in tl.static_range(0, INTER, 8 * WORDS):
-                acc += _mxfp4_tail_step(both_ptr, packed_ptr + expert * stride_pe, scale_ptr + expert * stride_se,
-                                        pair, offs_n, n_ok, tl.full((), step, tl.int32), stride_pn, stride_sn, INTER,
-                                        WORDS)
+                acc += _mxfp4_tail_step(
+                    both_ptr,
+                    packed_ptr + expert * stride_pe,
+                    scale_ptr + expert * stride_se,
+                    pair,
+                    offs_n,
+                    n_ok,
+                    tl.full((), step, tl.int32),
+                    stride_pn,
+                    stride_sn,
+                    INTER,
+                    WORDS,
+                )
             total += tl.load(weights_ptr + pair).to(tl.float32) * tl.sum(acc, axis=1)
     else:
         for slot in range(0, TOP_K):
@@ -70,8 +112,19 @@ def _expert_swiglu_down_mxfp4_kernel(both_ptr, packed_ptr, scale_ptr, ids_ptr, w
             expert = tl.load(ids_ptr + pair).to(tl.int64)
             acc = tl.zeros((BLOCK_N, WORDS // 4), dtype=tl.float32)
             for k0 in range(0, INTER, 8 * WORDS):
-                acc += _mxfp4_tail_step(both_ptr, packed_ptr + expert * stride_pe, scale_ptr + expert * stride_se,
-                                        pair, offs_n, n_ok, k0, stride_pn, stride_sn, INTER, WORDS)
+                acc += _mxfp4_tail_step(
+                    both_ptr,
+                    packed_ptr + expert * stride_pe,
+                    scale_ptr + expert * stride_se,
+                    pair,
+                    offs_n,
+                    n_ok,
+                    k0,
+                    stride_pn,
+                    stride_sn,
+                    INTER,
+                    WORDS,
+                )
             total += tl.load(weights_ptr + pair).to(tl.float32) * tl.sum(acc, axis=1)
     tl.store(out_ptr + token * N + offs_n, total.to(out_ptr.dtype.element_ty), mask=n_ok)
 
@@ -86,9 +139,16 @@ def _word_tiles(k: int, block_n: int, block_k: int | None) -> tuple[int, int]:
     return block_n, block_k
 
 
-def expert_gemv_mxfp4(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, ids: torch.Tensor,
-                      top_k: int = 1, block_n: int = 16, block_k: int | None = None,
-                      num_warps: int | None = None) -> torch.Tensor:
+def expert_gemv_mxfp4(
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    scales: torch.Tensor,
+    ids: torch.Tensor,
+    top_k: int = 1,
+    block_n: int = 16,
+    block_k: int | None = None,
+    num_warps: int | None = None,
+) -> torch.Tensor:
     """See `reference.expert_gemv_mxfp4`: pair p (row `p // top_k` of `x`) through its expert, decoded from the packed
     words inside the kernel (`_word_rows_dot`). Default tiles from the H200 sweep (benchmarks/history.md; 64 experts,
     2048 -> 1536, top 6): 16 rows x 512 K per program, 4 warps for one token's pairs (7.4 us), 2 for more (38.4 us at 8
@@ -103,8 +163,24 @@ def expert_gemv_mxfp4(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tenso
     num_warps = num_warps or (4 if pairs <= 12 else 2)
     pdl = pdl_launch(x)
     _expert_gemv_mxfp4_kernel[(pairs, triton.cdiv(n, block_n))](
-        x, packed, scales, ids.contiguous(), out, n, k, top_k, packed.stride(0), packed.stride(1), scales.stride(0),
-        scales.stride(1), BLOCK_N=block_n, WORDS=block_k // 8, PDL=pdl_flag(pdl), num_warps=num_warps, **pdl)
+        x,
+        packed,
+        scales,
+        ids.contiguous(),
+        out,
+        n,
+        k,
+        top_k,
+        packed.stride(0),
+        packed.stride(1),
+        scales.stride(0),
+        scales.stride(1),
+        BLOCK_N=block_n,
+        WORDS=block_k // 8,
+        PDL=pdl_flag(pdl),
+        num_warps=num_warps,
+        **pdl,
+    )
     return out
 
 
@@ -114,9 +190,16 @@ MXFP4_TAIL_UNROLL_TOKENS = 8
 MXFP4_TAIL_UNROLL_BODIES = 24  # the measured mid config unrolls 6 slots x 3 steps at 3-8 tokens
 
 
-def expert_swiglu_down_mxfp4(both: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, ids: torch.Tensor,
-                             weights: torch.Tensor, block_n: int | None = None, block_k: int | None = None,
-                             num_warps: int | None = None) -> torch.Tensor:
+def expert_swiglu_down_mxfp4(
+    both: torch.Tensor,
+    packed: torch.Tensor,
+    scales: torch.Tensor,
+    ids: torch.Tensor,
+    weights: torch.Tensor,
+    block_n: int | None = None,
+    block_k: int | None = None,
+    num_warps: int | None = None,
+) -> torch.Tensor:
     """See `reference.expert_swiglu_down_mxfp4`: SwiGLU, each pair's MXFP4 down expert and the weighted slot sum in one
     kernel (one program per token and block of outputs). Defaults from the H200 sweep (benchmarks/history.md; 64
     experts, 768 -> 2048, top 6): up to `MXFP4_TAIL_UNROLL_TOKENS` tokens the slots unrolled, 4 warps, 8 x 1024 for one
@@ -134,7 +217,24 @@ def expert_swiglu_down_mxfp4(both: torch.Tensor, packed: torch.Tensor, scales: t
     unroll = tokens <= MXFP4_TAIL_UNROLL_TOKENS and top_k * triton.cdiv(inter, block_k) <= MXFP4_TAIL_UNROLL_BODIES
     pdl = pdl_launch(both)
     _expert_swiglu_down_mxfp4_kernel[(tokens, triton.cdiv(n, block_n))](
-        both, packed, scales, ids.contiguous(), weights.contiguous(), out, n, packed.stride(0), packed.stride(1),
-        scales.stride(0), scales.stride(1), TOP_K=top_k, INTER=inter, BLOCK_N=block_n, WORDS=block_k // 8,
-        UNROLL=unroll, PDL=pdl_flag(pdl), num_warps=num_warps or (4 if unroll else 2), **pdl)
+        both,
+        packed,
+        scales,
+        ids.contiguous(),
+        weights.contiguous(),
+        out,
+        n,
+        packed.stride(0),
+        packed.stride(1),
+        scales.stride(0),
+        scales.stride(1),
+        TOP_K=top_k,
+        INTER=inter,
+        BLOCK_N=block_n,
+        WORDS=block_k // 8,
+        UNROLL=unroll,
+        PDL=pdl_flag(pdl),
+        num_warps=num_warps or (4 if unroll else 2),
+        **pdl,
+    )
     return out

@@ -57,21 +57,29 @@ RING_STAGES = 2  # K steps of weights in shared memory on Hopper (deeper rings m
 
 # Four bytes (eight codes) in $4 -> $0 $1: the low codes of bytes (0, 1) and (2, 3) as bf16 pairs (element order
 # low half first), $2 $3: their high codes (`ptx.WIDEN_CODES`).
-DECODE = "{" + WIDEN_CODES + """mov.b32 $0, a;
+DECODE = (
+    "{"
+    + WIDEN_CODES
+    + """mov.b32 $0, a;
 mov.b32 $1, b;
 mov.b32 $2, c;
 mov.b32 $3, d;
 }
 """
+)
 
 # As DECODE, with the group scale folded in: $5 holds the bf16 pair (2^(e-1), 2^(e-1)) for the word's E8M0 byte e,
 # so one multiply gives E2M1 * 2^-126 * 2^(e-1) = E2M1 * 2^(e-127), exact in bf16 while e <= 128 (`foldable`).
-DECODE_SCALED = "{" + PLACE_CODES + """mul.rn.bf16x2 $0, a, $5;
+DECODE_SCALED = (
+    "{"
+    + PLACE_CODES
+    + """mul.rn.bf16x2 $0, a, $5;
 mul.rn.bf16x2 $1, b, $5;
 mul.rn.bf16x2 $2, c, $5;
 mul.rn.bf16x2 $3, d, $5;
 }
 """
+)
 
 
 if AVAILABLE:
@@ -98,8 +106,13 @@ if AVAILABLE:
         while n < block_n:
             registers.append([n, 0])
             n *= 2
-        return gl.DistributedLinearLayout(reg_bases=registers, lane_bases=[[0, 2], [0, 4], [1, 0], [2, 0], [4, 0]],
-                                          warp_bases=warp_bases, block_bases=[], shape=[block_n, block_k // 8])
+        return gl.DistributedLinearLayout(
+            reg_bases=registers,
+            lane_bases=[[0, 2], [0, 4], [1, 0], [2, 0], [4, 0]],
+            warp_bases=warp_bases,
+            block_bases=[],
+            shape=[block_n, block_k // 8],
+        )
 
     @gluon.constexpr_function
     def mma_layout(warps):
@@ -115,10 +128,12 @@ if AVAILABLE:
     def _pairs_to_bf16(o0, o1, BN: gl.constexpr, BK: gl.constexpr):
         """Two int32 tensors of bf16 pairs `[BN, BK/8]` (o0: elements 4w, 4w+1; o1: 4w+2, 4w+3) -> bf16
         `[BN, BK/2]` (each pair stays in its register)."""
-        p0 = gl.join(o0.to(gl.int16).to(gl.bfloat16, bitcast=True),
-                     (o0 >> 16).to(gl.int16).to(gl.bfloat16, bitcast=True))
-        p1 = gl.join(o1.to(gl.int16).to(gl.bfloat16, bitcast=True),
-                     (o1 >> 16).to(gl.int16).to(gl.bfloat16, bitcast=True))
+        p0 = gl.join(
+            o0.to(gl.int16).to(gl.bfloat16, bitcast=True), (o0 >> 16).to(gl.int16).to(gl.bfloat16, bitcast=True)
+        )
+        p1 = gl.join(
+            o1.to(gl.int16).to(gl.bfloat16, bitcast=True), (o1 >> 16).to(gl.int16).to(gl.bfloat16, bitcast=True)
+        )
         return gl.reshape(gl.permute(gl.join(p0, p1), [0, 1, 3, 2]), [BN, BK // 2])
 
     @gluon.jit
@@ -126,9 +141,9 @@ if AVAILABLE:
         """One K step: decode `words` `[BN, BK/8]` int32, scale by `scale_bytes` `[BN, BK/32]`, and add
         w_low @ x_even + w_high @ x_odd into `acc` `[BN, MN]` float32 (`pairs` `[BK/2, MN]` int32 = x's
         (even, odd) bf16 pairs, transposed)."""
-        o0, o1, o2, o3 = gl.inline_asm_elementwise(_DECODE, "=r,=r,=r,=r,r", [words],
-                                                   dtype=(gl.int32, gl.int32, gl.int32, gl.int32), is_pure=True,
-                                                   pack=1)
+        o0, o1, o2, o3 = gl.inline_asm_elementwise(
+            _DECODE, "=r,=r,=r,=r,r", [words], dtype=(gl.int32, gl.int32, gl.int32, gl.int32), is_pure=True, pack=1
+        )
         low = gl.reshape(_pairs_to_bf16(o0, o1, BN, BK), [BN, BK // 32, 16])
         high = gl.reshape(_pairs_to_bf16(o2, o3, BN, BK), [BN, BK // 32, 16])
         sb = gl.convert_layout(scale_bytes, gl.SliceLayout(2, low.type.layout), assert_trivial=True).to(gl.int16)
@@ -160,13 +175,24 @@ if AVAILABLE:
         e = scale_bytes.to(gl.int32)
         pair = gl.where(e == 255, 0x7FC07FC0, e * 0x00800080 + 0x3F003F00)  # ((e + 126) << 7) in both halves
         words3, pair3 = gl.broadcast(gl.reshape(words, [BN, BK // 32, 4]), gl.expand_dims(pair, 2))
-        o0, o1, o2, o3 = gl.inline_asm_elementwise(_DECODE_SCALED, "=r,=r,=r,=r,r,r", [words3, pair3],
-                                                   dtype=(gl.int32, gl.int32, gl.int32, gl.int32), is_pure=True,
-                                                   pack=1)
-        a_low = gl.convert_layout(_pairs_to_bf16(gl.reshape(o0, [BN, BK // 8]), gl.reshape(o1, [BN, BK // 8]),
-                                                 BN, BK), a_l, assert_trivial=True)
-        a_high = gl.convert_layout(_pairs_to_bf16(gl.reshape(o2, [BN, BK // 8]), gl.reshape(o3, [BN, BK // 8]),
-                                                  BN, BK), a_l, assert_trivial=True)
+        o0, o1, o2, o3 = gl.inline_asm_elementwise(
+            _DECODE_SCALED,
+            "=r,=r,=r,=r,r,r",
+            [words3, pair3],
+            dtype=(gl.int32, gl.int32, gl.int32, gl.int32),
+            is_pure=True,
+            pack=1,
+        )
+        a_low = gl.convert_layout(
+            _pairs_to_bf16(gl.reshape(o0, [BN, BK // 8]), gl.reshape(o1, [BN, BK // 8]), BN, BK),
+            a_l,
+            assert_trivial=True,
+        )
+        a_high = gl.convert_layout(
+            _pairs_to_bf16(gl.reshape(o2, [BN, BK // 8]), gl.reshape(o3, [BN, BK // 8]), BN, BK),
+            a_l,
+            assert_trivial=True,
+        )
         x_even = pairs.to(gl.int16).to(gl.bfloat16, bitcast=True)
         x_odd = (pairs >> 16).to(gl.int16).to(gl.bfloat16, bitcast=True)
         acc = mma_v2(a_low, x_even, acc)
@@ -180,8 +206,9 @@ if AVAILABLE:
         return gl.program_id(0), k_start, k_start + k_per_split - BK
 
     @gluon.jit
-    def _finish(acc, ws_ptr, count_ptr, out_ptr, pid_n, N, M, splits, BN: gl.constexpr, MN: gl.constexpr,
-                mma: gl.constexpr):
+    def _finish(
+        acc, ws_ptr, count_ptr, out_ptr, pid_n, N, M, splits, BN: gl.constexpr, MN: gl.constexpr, mma: gl.constexpr
+    ):
         """Write the program's `acc` `[BN, MN]` float32 as out^T rows, or add it into the workspace, the K slice
         that arrives last writing the sum and clearing its part (`h3gen.kernels._arrivals`)."""
         out_rows = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, mma))
@@ -200,10 +227,26 @@ if AVAILABLE:
                 gl.store(count_ptr + pid_n, 0)
 
     @gluon.jit
-    def _few_rows_kernel(w32_ptr, s_ptr, x32_ptr, ws_ptr, count_ptr, out_ptr, N, M, k_per_split, splits,
-                         stride_w32, stride_s, stride_x32,
-                         BN: gl.constexpr, BK: gl.constexpr, MN: gl.constexpr, WARPS: gl.constexpr,
-                         FOLD: gl.constexpr):
+    def _few_rows_kernel(
+        w32_ptr,
+        s_ptr,
+        x32_ptr,
+        ws_ptr,
+        count_ptr,
+        out_ptr,
+        N,
+        M,
+        k_per_split,
+        splits,
+        stride_w32,
+        stride_s,
+        stride_x32,
+        BN: gl.constexpr,
+        BK: gl.constexpr,
+        MN: gl.constexpr,
+        WARPS: gl.constexpr,
+        FOLD: gl.constexpr,
+    ):
         """out `[M, N]` bf16 = x `[M, K]` @ dequantized W `[N, K]`^T for the program's rows of W (axis 0) and K
         slice (axis 1). `w32_ptr`: the packed codes as int32 words `[N, K/8]`; `s_ptr`: E8M0 bytes `[N, K/32]`;
         `x32_ptr`: x as int32 pairs `[M, K/2]`; `ws_ptr`/`count_ptr`: float32 zeros `[M, N]` and int32 zeros
@@ -220,7 +263,11 @@ if AVAILABLE:
         s_at = s_ptr + s_rows[:, None] * stride_s + gl.arange(0, BK // 32, layout=gl.SliceLayout(0, s_l))[None, :]
         s_ok = s_rows[:, None] < N
         x_cols = gl.arange(0, MN, layout=gl.SliceLayout(0, x_layout(WARPS)))
-        x_at = x32_ptr + x_cols[None, :] * stride_x32 + gl.arange(0, BK // 2, layout=gl.SliceLayout(1, x_layout(WARPS)))[:, None]
+        x_at = (
+            x32_ptr
+            + x_cols[None, :] * stride_x32
+            + gl.arange(0, BK // 2, layout=gl.SliceLayout(1, x_layout(WARPS)))[:, None]
+        )
         x_ok = x_cols[None, :] < M
         acc = gl.zeros([BN, MN], gl.float32, layout=mma)
         words = gl.load(w_at + gl.multiple_of(k_start // 8, 16), mask=w_ok, other=0)
@@ -240,12 +287,31 @@ if AVAILABLE:
             pairs = next_pairs
         _finish(acc, ws_ptr, count_ptr, out_ptr, pid_n, N, M, splits, BN, MN, mma)
 
+
 if HAS_TMA:
 
     @gluon.jit
-    def _ring_step(i, acc, scale_bytes, pairs, ring, arrived, w_desc, s_at, x_at, pid_n, k_start, k_last,
-                   steps, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr, FOLD: gl.constexpr,
-                   w_l: gl.constexpr, a_l: gl.constexpr):
+    def _ring_step(
+        i,
+        acc,
+        scale_bytes,
+        pairs,
+        ring,
+        arrived,
+        w_desc,
+        s_at,
+        x_at,
+        pid_n,
+        k_start,
+        k_last,
+        steps,
+        BN: gl.constexpr,
+        BK: gl.constexpr,
+        STAGES: gl.constexpr,
+        FOLD: gl.constexpr,
+        w_l: gl.constexpr,
+        a_l: gl.constexpr,
+    ):
         """Step `i` of `_few_rows_tma_kernel`: load the next step's scales and x pairs, wait for this step's words,
         take them from the ring, refill the slot with step `i + STAGES`, decode and multiply. Returns the new
         accumulator and the next step's scales and pairs."""
@@ -258,8 +324,9 @@ if HAS_TMA:
         _barrier()  # every warp holds this step's words: the slot can take the step STAGES ahead
         refill = i + STAGES < steps
         mbarrier.expect(arrived.index(slot), BN * BK // 2, pred=refill)
-        tma.async_copy_global_to_shared(w_desc, [pid_n * BN, (k_start + (i + STAGES) * BK) // 8],
-                                        arrived.index(slot), ring.index(slot), pred=refill)
+        tma.async_copy_global_to_shared(
+            w_desc, [pid_n * BN, (k_start + (i + STAGES) * BK) // 8], arrived.index(slot), ring.index(slot), pred=refill
+        )
         if FOLD:
             acc = _step_folded(words, scale_bytes, pairs, acc, BN, BK, a_l)
         else:
@@ -267,10 +334,26 @@ if HAS_TMA:
         return acc, next_scales, next_pairs
 
     @gluon.jit
-    def _few_rows_tma_kernel(w_desc, s_ptr, x32_ptr, ws_ptr, count_ptr, out_ptr, N, M, k_per_split, splits,
-                             stride_s, stride_x32,
-                             BN: gl.constexpr, BK: gl.constexpr, MN: gl.constexpr, WARPS: gl.constexpr,
-                             STAGES: gl.constexpr, FOLD: gl.constexpr):
+    def _few_rows_tma_kernel(
+        w_desc,
+        s_ptr,
+        x32_ptr,
+        ws_ptr,
+        count_ptr,
+        out_ptr,
+        N,
+        M,
+        k_per_split,
+        splits,
+        stride_s,
+        stride_x32,
+        BN: gl.constexpr,
+        BK: gl.constexpr,
+        MN: gl.constexpr,
+        WARPS: gl.constexpr,
+        STAGES: gl.constexpr,
+        FOLD: gl.constexpr,
+    ):
         """`_few_rows_kernel` for Hopper: the weight words `[BN, BK/8]` of each K step arrive by TMA (`w_desc`,
         over the int32 words `[N, K/8]`, rows past N read as zeros) in a ring of `STAGES` shared-memory slots;
         each warp loads its words from the slot in `word_layout`, and once every warp has, the slot is refilled
@@ -287,20 +370,44 @@ if HAS_TMA:
             mbarrier.init(arrived.index(i), count=1)
         for i in gl.static_range(STAGES):
             mbarrier.expect(arrived.index(i), BN * BK // 2, pred=i < steps)
-            tma.async_copy_global_to_shared(w_desc, [pid_n * BN, (k_start + i * BK) // 8], arrived.index(i),
-                                            ring.index(i), pred=i < steps)
+            tma.async_copy_global_to_shared(
+                w_desc, [pid_n * BN, (k_start + i * BK) // 8], arrived.index(i), ring.index(i), pred=i < steps
+            )
         # rows of W past N and columns of x past M read the last real one instead of being masked (no zeroing or
         # predicates per step); the results they feed are not stored
         s_rows = gl.minimum(pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, s_l)), N - 1)
         s_at = s_ptr + s_rows[:, None] * stride_s + gl.arange(0, BK // 32, layout=gl.SliceLayout(0, s_l))[None, :]
         x_cols = gl.minimum(gl.arange(0, MN, layout=gl.SliceLayout(0, x_layout(WARPS))), M - 1)
-        x_at = x32_ptr + x_cols[None, :] * stride_x32 + gl.arange(0, BK // 2, layout=gl.SliceLayout(1, x_layout(WARPS)))[:, None]
+        x_at = (
+            x32_ptr
+            + x_cols[None, :] * stride_x32
+            + gl.arange(0, BK // 2, layout=gl.SliceLayout(1, x_layout(WARPS)))[:, None]
+        )
         acc = gl.zeros([BN, MN], gl.float32, layout=mma)
         scale_bytes = gl.load(s_at + gl.multiple_of(k_start // 32, 4))
         pairs = gl.load(x_at + gl.multiple_of(k_start // 2, 64))
         for i in range(steps):
-            acc, scale_bytes, pairs = _ring_step(i, acc, scale_bytes, pairs, ring, arrived, w_desc, s_at, x_at, pid_n,
-                                                 k_start, k_last, steps, BN, BK, STAGES, FOLD, w_l, a_l)
+            acc, scale_bytes, pairs = _ring_step(
+                i,
+                acc,
+                scale_bytes,
+                pairs,
+                ring,
+                arrived,
+                w_desc,
+                s_at,
+                x_at,
+                pid_n,
+                k_start,
+                k_last,
+                steps,
+                BN,
+                BK,
+                STAGES,
+                FOLD,
+                w_l,
+                a_l,
+            )
         for i in gl.static_range(STAGES):
             mbarrier.invalidate(arrived.index(i))
         _finish(acc, ws_ptr, count_ptr, out_ptr, pid_n, N, M, splits, BN, MN, mma)
@@ -394,20 +501,31 @@ def plan(m: int, n: int, k: int, sms: int, ring: bool = False) -> tuple[int, int
     return block_n, warps, splits
 
 
-def few_rows_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, *, block_n: int | None = None,
-                    warps: int | None = None, splits: int | None = None, ring: bool | None = None,
-                    fold: bool | None = None) -> torch.Tensor:
+def few_rows_matmul(
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    scales: torch.Tensor,
+    *,
+    block_n: int | None = None,
+    warps: int | None = None,
+    splits: int | None = None,
+    ring: bool | None = None,
+    fold: bool | None = None,
+) -> torch.Tensor:
     """`x` `[M, K]` bf16 (M <= 16) times the dequantized weight (`packed` `[N, K/2]` uint8, `scales` `[N, K/32]`
     uint8) transposed -> `[M, N]` bf16, float32 accumulation. `block_n`, `warps`, `splits` override `plan`;
     `ring` (weights through the TMA ring, default `uses_ring`) and `fold` (scales folded into the decode, default
     `foldable`) override the automatic choices; `fold=True` on scales that do not fold is refused."""
     if not supports(x, packed, scales):
-        raise ValueError("the Gluon few-row path takes 1-16 rows of bf16 activations on a CUDA GPU (compute "
-                         f"capability 8.0+) with K a multiple of {BLOCK_K}; got {tuple(x.shape)} {x.dtype} on "
-                         f"{x.device}.")
+        raise ValueError(
+            "the Gluon few-row path takes 1-16 rows of bf16 activations on a CUDA GPU (compute "
+            f"capability 8.0+) with K a multiple of {BLOCK_K}; got {tuple(x.shape)} {x.dtype} on "
+            f"{x.device}."
+        )
     if ring and not uses_ring(packed):
-        raise ValueError("the TMA ring needs a Hopper GPU, Triton with Gluon's TMA and packed rows a multiple of 16 "
-                         "bytes apart.")
+        raise ValueError(
+            "the TMA ring needs a Hopper GPU, Triton with Gluon's TMA and packed rows a multiple of 16 bytes apart."
+        )
     ring = uses_ring(packed) if ring is None else ring
     if fold and not foldable(scales):
         raise ValueError("these scales do not fold (an E8M0 byte above 128 other than 255).")
@@ -428,13 +546,39 @@ def few_rows_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
     shape = dict(BN=block_n, BK=BLOCK_K, MN=8 if m <= 8 else 16, WARPS=warps, FOLD=fold, num_warps=warps)
     if ring:
         words = _words_descriptor(packed, block_n)
-        _few_rows_tma_kernel[(tiles, splits)](words, scales, x.view(torch.int32), workspace, counts, out, n, m,
-                                              k // splits, splits, scales.stride(0), x.stride(0) // 2,
-                                              STAGES=RING_STAGES, **shape)
+        _few_rows_tma_kernel[(tiles, splits)](
+            words,
+            scales,
+            x.view(torch.int32),
+            workspace,
+            counts,
+            out,
+            n,
+            m,
+            k // splits,
+            splits,
+            scales.stride(0),
+            x.stride(0) // 2,
+            STAGES=RING_STAGES,
+            **shape,
+        )
     else:
-        _few_rows_kernel[(tiles, splits)](packed.view(torch.int32), scales, x.view(torch.int32), workspace, counts,
-                                          out, n, m, k // splits, splits, packed.stride(0) // 4, scales.stride(0),
-                                          x.stride(0) // 2, **shape)
+        _few_rows_kernel[(tiles, splits)](
+            packed.view(torch.int32),
+            scales,
+            x.view(torch.int32),
+            workspace,
+            counts,
+            out,
+            n,
+            m,
+            k // splits,
+            splits,
+            packed.stride(0) // 4,
+            scales.stride(0),
+            x.stride(0) // 2,
+            **shape,
+        )
     return out
 
 
@@ -450,10 +594,14 @@ def _words_descriptor(packed: torch.Tensor, block_n: int) -> "TensorDescriptor":
     if key not in per_tensor:
         per_tensor.clear()
         words = torch.empty(0, dtype=torch.int32, device=packed.device).set_(
-            packed.untyped_storage(), packed.storage_offset() // 4, (packed.shape[0], packed.shape[1] // 4),
-            (packed.stride(0) // 4, 1))
-        per_tensor[key] = TensorDescriptor(words, list(words.shape), list(words.stride()), [block_n, BLOCK_K // 8],
-                                           _ring_layout())
+            packed.untyped_storage(),
+            packed.storage_offset() // 4,
+            (packed.shape[0], packed.shape[1] // 4),
+            (packed.stride(0) // 4, 1),
+        )
+        per_tensor[key] = TensorDescriptor(
+            words, list(words.shape), list(words.stride()), [block_n, BLOCK_K // 8], _ring_layout()
+        )
     return per_tensor[key]
 
 

@@ -29,10 +29,13 @@ and.b32 c, c, 0x81C081C0;
 and.b32 d, d, 0x81C081C0;
 """
 
-WIDEN_CODES = PLACE_CODES + """.reg .b32 k;
+WIDEN_CODES = (
+    PLACE_CODES
+    + """.reg .b32 k;
 mov.b32 k, 0x7E807E80;
 mul.rn.bf16x2 a, a, k;
 mul.rn.bf16x2 b, b, k;
 mul.rn.bf16x2 c, c, k;
 mul.rn.bf16x2 d, d, k;
 """
+)

@@ -55,8 +55,19 @@ def _e8m0_to_f32(bits):
 
 
 @triton.jit
-def _weight_tile(packed_ptr, scale_ptr, offs_n, n_ok, k0, k_stop, stride_pn, stride_sn, dtype: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _weight_tile(
+    packed_ptr,
+    scale_ptr,
+    offs_n,
+    n_ok,
+    k0,
+    k_stop,
+    stride_pn,
+    stride_sn,
+    dtype: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
     """Dequantized weight tile for elements k0 .. k0 + BLOCK_K of rows `offs_n`, as its even and odd elements:
     two `(BLOCK_N, BLOCK_K / 2)` tensors. Bytes and scales are read as `(rows, groups of 32, ...)` tiles so that
     one scale broadcasts over its 16 bytes in registers (no per-element scale loads)."""
@@ -69,10 +80,17 @@ def _weight_tile(packed_ptr, scale_ptr, offs_n, n_ok, k0, k_stop, stride_pn, str
     # Masked per group, not per element, so the 16 bytes of a group load as one vector: a group straddling the
     # input width reads the zero padding of the stored width, and the activations beyond it are masked to zero.
     group_ok = n_ok[:, None, None] & (first < k_stop)[None, :, None]
-    byte = tl.load(packed_ptr + offs_n[:, None, None] * stride_pn + tl.multiple_of(first // 2, 16)[None, :, None]
-                   + offs_byte[None, None, :], mask=group_ok, other=0).to(tl.uint32)
-    scale_bits = tl.load(scale_ptr + offs_n[:, None, None] * stride_sn + (first // 32)[None, :, None],
-                         mask=group_ok, other=127).to(tl.uint32)
+    byte = tl.load(
+        packed_ptr
+        + offs_n[:, None, None] * stride_pn
+        + tl.multiple_of(first // 2, 16)[None, :, None]
+        + offs_byte[None, None, :],
+        mask=group_ok,
+        other=0,
+    ).to(tl.uint32)
+    scale_bits = tl.load(
+        scale_ptr + offs_n[:, None, None] * stride_sn + (first // 32)[None, :, None], mask=group_ok, other=127
+    ).to(tl.uint32)
     scale = _e8m0_to_f32(scale_bits)
     low = tl.reshape((_e2m1_to_f32(byte & 15) * scale).to(dtype), (BLOCK_N, BLOCK_K // 2))
     high = tl.reshape((_e2m1_to_f32(byte >> 4) * scale).to(dtype), (BLOCK_N, BLOCK_K // 2))
@@ -107,8 +125,7 @@ def _x_column(x8, i: tl.constexpr, WORDS: tl.constexpr):
 
 
 @triton.jit
-def _word_rows_dot(packed_ptr, scale_ptr, offs_n, n_ok, k0, k_stop, stride_pn, stride_sn, x8,
-                   WORDS: tl.constexpr):
+def _word_rows_dot(packed_ptr, scale_ptr, offs_n, n_ok, k0, k_stop, stride_pn, stride_sn, x8, WORDS: tl.constexpr):
     """Partial products of rows `offs_n` with elements k0 .. k0 + 8 WORDS: `x8` `(WORDS, 8)` float32 activations
     times `WORD_X_SCALE` (zero beyond `k_stop`) -> `(BLOCK_N, WORDS / 4)` float32, one sum per group of 32.
     `packed_ptr` rows are read as 16-byte vectors of uint32 words (`stride_pn` bytes, a multiple of 16)."""
@@ -129,8 +146,13 @@ def _word_rows_dot(packed_ptr, scale_ptr, offs_n, n_ok, k0, k_stop, stride_pn, s
     part += _word_code(words, words_high, 6) * _x_column(x8, 6, WORDS)[None, :]
     part += _word_code(words, words_high, 7) * _x_column(x8, 7, WORDS)[None, :]
     offs_g = k0 // 32 + tl.arange(0, GROUPS)
-    scale = _e8m0_to_f32(tl.load(scale_ptr + offs_n[:, None] * stride_sn + offs_g[None, :],
-                                 mask=n_ok[:, None] & (offs_g * 32 < k_stop)[None, :], other=127).to(tl.uint32))
+    scale = _e8m0_to_f32(
+        tl.load(
+            scale_ptr + offs_n[:, None] * stride_sn + offs_g[None, :],
+            mask=n_ok[:, None] & (offs_g * 32 < k_stop)[None, :],
+            other=127,
+        ).to(tl.uint32)
+    )
     return tl.sum(tl.reshape(part, (part.shape[0], GROUPS, 4)), axis=2) * 4611686018427387904.0 * scale  # 2^62
 
 
@@ -168,19 +190,49 @@ def _store_tile(out_ptr, acc, offs_m, offs_n, m_ok, n_ok, stride_om, TRANSPOSED:
 
 
 @triton.jit
-def _fused_kernel(x_ptr, packed_ptr, scale_ptr, out_ptr, M, N, K, k_per_split, stride_xm, stride_pn, stride_sn,
-                  stride_om, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                  PRECISION: tl.constexpr, ATOMIC: tl.constexpr):
+def _fused_kernel(
+    x_ptr,
+    packed_ptr,
+    scale_ptr,
+    out_ptr,
+    M,
+    N,
+    K,
+    k_per_split,
+    stride_xm,
+    stride_pn,
+    stride_sn,
+    stride_om,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    PRECISION: tl.constexpr,
+    ATOMIC: tl.constexpr,
+):
     """out[m, n] = sum_k x[m, k] w[n, k], computed transposed (weight tile as the left operand, straight from
     registers), which suits a handful of rows: the rows become the MMA's narrow dimension."""
     offs_m, offs_n, m_ok, n_ok, k_start, k_stop = _program_tile(M, N, K, k_per_split, BLOCK_M, BLOCK_N)
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for k0 in range(k_start, k_stop, BLOCK_K):
-        low, high = _weight_tile(packed_ptr, scale_ptr, offs_n, n_ok, k0, k_stop, stride_pn, stride_sn,
-                                 x_ptr.dtype.element_ty, BLOCK_N, BLOCK_K)
+        low, high = _weight_tile(
+            packed_ptr,
+            scale_ptr,
+            offs_n,
+            n_ok,
+            k0,
+            k_stop,
+            stride_pn,
+            stride_sn,
+            x_ptr.dtype.element_ty,
+            BLOCK_N,
+            BLOCK_K,
+        )
         offs_k = tl.multiple_of(k0, 32) + tl.arange(0, BLOCK_K)
-        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
-                    mask=m_ok[:, None] & (offs_k < k_stop)[None, :], other=0.0)  # contiguous, vectorized
+        x = tl.load(
+            x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
+            mask=m_ok[:, None] & (offs_k < k_stop)[None, :],
+            other=0.0,
+        )  # contiguous, vectorized
         x_even, x_odd = tl.split(tl.reshape(x, (BLOCK_M, BLOCK_K // 2, 2)))
         acc = tl.dot(low, tl.trans(x_even), acc, input_precision=PRECISION)
         acc = tl.dot(high, tl.trans(x_odd), acc, input_precision=PRECISION)
@@ -188,8 +240,20 @@ def _fused_kernel(x_ptr, packed_ptr, scale_ptr, out_ptr, M, N, K, k_per_split, s
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, packed_ptr, scale_ptr, out_ptr, N, K, k_per_split, stride_pn, stride_sn,
-                 BLOCK_N: tl.constexpr, WORDS: tl.constexpr, ATOMIC: tl.constexpr):
+def _gemv_kernel(
+    x_ptr,
+    packed_ptr,
+    scale_ptr,
+    out_ptr,
+    N,
+    K,
+    k_per_split,
+    stride_pn,
+    stride_sn,
+    BLOCK_N: tl.constexpr,
+    WORDS: tl.constexpr,
+    ATOMIC: tl.constexpr,
+):
     """One row of activations: out[n] = sum_k x[k] w[n, k] with CUDA-core FMAs (no MMA, no operand shuffles), the
     weight decoded from 32-bit words (`_word_rows_dot`)."""
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
@@ -209,9 +273,26 @@ def _gemv_kernel(x_ptr, packed_ptr, scale_ptr, out_ptr, N, K, k_per_split, strid
 
 
 @triton.jit
-def _scaled_dot_kernel(x_ptr, packed_ptr, scale_ptr, out_ptr, M, N, K, packed_width, k_per_split, stride_xm,
-                       stride_pn, stride_sn, stride_om, X_FORMAT: tl.constexpr, BLOCK_M: tl.constexpr,
-                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ATOMIC: tl.constexpr):
+def _scaled_dot_kernel(
+    x_ptr,
+    packed_ptr,
+    scale_ptr,
+    out_ptr,
+    M,
+    N,
+    K,
+    packed_width,
+    k_per_split,
+    stride_xm,
+    stride_pn,
+    stride_sn,
+    stride_om,
+    X_FORMAT: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    ATOMIC: tl.constexpr,
+):
     """out[m, n] = sum_k x[m, k] w[n, k] through Triton's microscaling dot (`tl.dot_scaled`: the E2M1 codes and
     E8M0 scales go in as stored and are widened on the way into the tensor cores), computed transposed: the
     weight is the left operand and the few rows of x the narrow right one."""
@@ -221,14 +302,23 @@ def _scaled_dot_kernel(x_ptr, packed_ptr, scale_ptr, out_ptr, M, N, K, packed_wi
         # Bytes beyond the input width are the stored zero padding (and x is zero there): the byte mask only
         # guards the stored width, which is a multiple of 16, so the loads stay 16-byte vectors.
         offs_b = tl.multiple_of(k0 // 2, 16) + tl.arange(0, BLOCK_K // 2)
-        weight = tl.load(packed_ptr + offs_n[:, None] * stride_pn + offs_b[None, :],
-                         mask=n_ok[:, None] & (offs_b < packed_width)[None, :], other=0)
+        weight = tl.load(
+            packed_ptr + offs_n[:, None] * stride_pn + offs_b[None, :],
+            mask=n_ok[:, None] & (offs_b < packed_width)[None, :],
+            other=0,
+        )
         offs_g = k0 // 32 + tl.arange(0, BLOCK_K // 32)
-        scale = tl.load(scale_ptr + offs_n[:, None] * stride_sn + offs_g[None, :],
-                        mask=n_ok[:, None] & (offs_g < packed_width // 16)[None, :], other=127)
+        scale = tl.load(
+            scale_ptr + offs_n[:, None] * stride_sn + offs_g[None, :],
+            mask=n_ok[:, None] & (offs_g < packed_width // 16)[None, :],
+            other=127,
+        )
         offs_k = k0 + tl.arange(0, BLOCK_K)
-        x_t = tl.load(x_ptr + offs_m[None, :] * stride_xm + offs_k[:, None],
-                      mask=m_ok[None, :] & (offs_k < k_stop)[:, None], other=0.0)
+        x_t = tl.load(
+            x_ptr + offs_m[None, :] * stride_xm + offs_k[:, None],
+            mask=m_ok[None, :] & (offs_k < k_stop)[:, None],
+            other=0.0,
+        )
         acc = tl.dot_scaled(weight, scale, "e2m1", x_t, None, X_FORMAT, acc)
     _store_tile(out_ptr, acc, offs_m, offs_n, m_ok, n_ok, stride_om, True, ATOMIC)
 
@@ -237,7 +327,8 @@ def _scaled_dot_kernel(x_ptr, packed_ptr, scale_ptr, out_ptr, M, N, K, packed_wi
 # registers with about two integer operations per weight, straight in the MMA's operand registers (`ptx.WIDEN_CODES`),
 # then * the group scale 2^(s - 127) as bf16 (s = 0: the subnormal 2^-127, s = 255: NaN). Registers: $0 $1 = low
 # codes of bytes (0, 1), (2, 3); $2 $3 = their high codes; $4 = the four bytes; $5 = the scale byte.
-PAIR_DECODE_ASM = tl.constexpr("""
+PAIR_DECODE_ASM = tl.constexpr(
+    """
 {
 .reg .b32 m, f;
 .reg .pred p;
@@ -246,19 +337,34 @@ add.u32 f, $5, 1;
 and.b32 f, f, 0xFE;
 setp.eq.u32 p, f, 0;
 @p or.b32 m, m, 0x00400040;
-{""" + WIDEN_CODES + """
+{"""
+    + WIDEN_CODES
+    + """
 mul.rn.bf16x2 $0, a, m;
 mul.rn.bf16x2 $1, b, m;
 mul.rn.bf16x2 $2, c, m;
 mul.rn.bf16x2 $3, d, m;
 }
 }
-""")
+"""
+)
 
 
 @triton.jit
-def _pair_weight_tile(packed_ptr, scale_ptr, offs_n, n_ok, k0, packed_width, stride_pn, stride_sn,
-                      dtype: tl.constexpr, ASM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _pair_weight_tile(
+    packed_ptr,
+    scale_ptr,
+    offs_n,
+    n_ok,
+    k0,
+    packed_width,
+    stride_pn,
+    stride_sn,
+    dtype: tl.constexpr,
+    ASM: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
     """Dequantized weight tile `(BLOCK_N, BLOCK_K)` for elements k0 .. k0 + BLOCK_K, its K order permuted within
     each 8 as [0, 2, 4, 6, 1, 3, 5, 7] (the low codes of a word's four bytes, then the high codes: the order
     `PAIR_DECODE_ASM` produces them in). `ASM` decodes by the inline PTX (bf16 only); otherwise by plain Triton
@@ -266,15 +372,25 @@ def _pair_weight_tile(packed_ptr, scale_ptr, offs_n, n_ok, k0, packed_width, str
     GROUPS: tl.constexpr = BLOCK_K // 32
     first_byte = tl.multiple_of(k0 // 2, 16) + 16 * tl.arange(0, GROUPS)
     group_ok = n_ok[:, None] & (first_byte < packed_width)[None, :]  # whole 16-byte groups: vector loads
-    byte = tl.load(packed_ptr + offs_n[:, None, None] * stride_pn + first_byte[None, :, None]
-                   + tl.arange(0, 16)[None, None, :], mask=group_ok[:, :, None], other=0)
-    scale = tl.load(scale_ptr + offs_n[:, None] * stride_sn + (k0 // 32 + tl.arange(0, GROUPS))[None, :],
-                    mask=group_ok, other=127).to(tl.int32)
+    byte = tl.load(
+        packed_ptr + offs_n[:, None, None] * stride_pn + first_byte[None, :, None] + tl.arange(0, 16)[None, None, :],
+        mask=group_ok[:, :, None],
+        other=0,
+    )
+    scale = tl.load(
+        scale_ptr + offs_n[:, None] * stride_sn + (k0 // 32 + tl.arange(0, GROUPS))[None, :], mask=group_ok, other=127
+    ).to(tl.int32)
     byte = tl.reshape(byte, (BLOCK_N, BLOCK_K // 8, 4))
     scale = tl.reshape(tl.broadcast_to(scale[:, :, None], (BLOCK_N, GROUPS, 16)), (BLOCK_N, BLOCK_K // 8, 4))
     if ASM:
-        low, high = tl.inline_asm_elementwise(PAIR_DECODE_ASM, "=r,=r,=r,=r,r,r,r,r,r", [byte, scale],
-                                              dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
+        low, high = tl.inline_asm_elementwise(
+            PAIR_DECODE_ASM,
+            "=r,=r,=r,=r,r,r,r,r,r",
+            [byte, scale],
+            dtype=(tl.bfloat16, tl.bfloat16),
+            is_pure=True,
+            pack=4,
+        )
     else:
         value = _e8m0_to_f32(scale.to(tl.uint32))
         codes = byte.to(tl.uint32)
@@ -284,20 +400,53 @@ def _pair_weight_tile(packed_ptr, scale_ptr, offs_n, n_ok, k0, packed_width, str
 
 
 @triton.jit
-def _pair_kernel(x_ptr, packed_ptr, scale_ptr, out_ptr, M, N, K, packed_width, k_per_split, stride_xm, stride_pn,
-                 stride_sn, stride_om, ASM: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ATOMIC: tl.constexpr):
+def _pair_kernel(
+    x_ptr,
+    packed_ptr,
+    scale_ptr,
+    out_ptr,
+    M,
+    N,
+    K,
+    packed_width,
+    k_per_split,
+    stride_xm,
+    stride_pn,
+    stride_sn,
+    stride_om,
+    ASM: tl.constexpr,
+    PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    ATOMIC: tl.constexpr,
+):
     """out[m, n] = sum_k x[m, k] w[n, k] for a few rows: x `(BLOCK_M, BLOCK_K)` tiles as the MMA's left operand, the
     weight tile decoded straight into the right operand's registers; K % 8 == 0 (x's masks are per 8 elements)."""
     offs_m, offs_n, m_ok, n_ok, k_start, k_stop = _program_tile(M, N, K, k_per_split, BLOCK_M, BLOCK_N)
     k_stop = tl.multiple_of(k_stop, 8)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(k_start, k_stop, BLOCK_K):
-        w = _pair_weight_tile(packed_ptr, scale_ptr, offs_n, n_ok, k0, packed_width, stride_pn, stride_sn,
-                              x_ptr.dtype.element_ty, ASM, BLOCK_N, BLOCK_K)
+        w = _pair_weight_tile(
+            packed_ptr,
+            scale_ptr,
+            offs_n,
+            n_ok,
+            k0,
+            packed_width,
+            stride_pn,
+            stride_sn,
+            x_ptr.dtype.element_ty,
+            ASM,
+            BLOCK_N,
+            BLOCK_K,
+        )
         offs_k = tl.multiple_of(k0, 32) + tl.arange(0, BLOCK_K)
-        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
-                    mask=m_ok[:, None] & (offs_k < k_stop)[None, :], other=0.0)
+        x = tl.load(
+            x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
+            mask=m_ok[:, None] & (offs_k < k_stop)[None, :],
+            other=0.0,
+        )
         # the weight tile's K order: [0, 2, 4, 6, 1, 3, 5, 7] within each 8
         x = tl.reshape(tl.permute(tl.reshape(x, (BLOCK_M, BLOCK_K // 8, 4, 2)), (0, 1, 3, 2)), (BLOCK_M, BLOCK_K))
         acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
@@ -305,28 +454,58 @@ def _pair_kernel(x_ptr, packed_ptr, scale_ptr, out_ptr, M, N, K, packed_width, k
 
 
 @triton.jit
-def _dequantize_kernel(packed_ptr, scale_ptr, out_ptr, N, K, stride_pn, stride_sn, stride_on,
-                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _dequantize_kernel(
+    packed_ptr, scale_ptr, out_ptr, N, K, stride_pn, stride_sn, stride_on, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr
+):
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
-    low, high = _weight_tile(packed_ptr, scale_ptr, offs_n, n_ok, pid_k * BLOCK_K, K, stride_pn, stride_sn,
-                             out_ptr.dtype.element_ty, BLOCK_N, BLOCK_K)
+    low, high = _weight_tile(
+        packed_ptr,
+        scale_ptr,
+        offs_n,
+        n_ok,
+        pid_k * BLOCK_K,
+        K,
+        stride_pn,
+        stride_sn,
+        out_ptr.dtype.element_ty,
+        BLOCK_N,
+        BLOCK_K,
+    )
     out = tl.reshape(tl.join(low, high), (BLOCK_N, BLOCK_K))  # even elements first, as stored
     offs_k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
-    tl.store(out_ptr + offs_n[:, None] * stride_on + offs_k[None, :], out,
-             mask=n_ok[:, None] & (offs_k < K)[None, :])
+    tl.store(out_ptr + offs_n[:, None] * stride_on + offs_k[None, :], out, mask=n_ok[:, None] & (offs_k < K)[None, :])
 
 
-def dequantize(packed: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype, in_features: int, *,
-               block_n: int = 16, block_k: int = 512, num_warps: int = 4) -> torch.Tensor:
+def dequantize(
+    packed: torch.Tensor,
+    scales: torch.Tensor,
+    dtype: torch.dtype,
+    in_features: int,
+    *,
+    block_n: int = 16,
+    block_k: int = 512,
+    num_warps: int = 4,
+) -> torch.Tensor:
     """(`[N, Kp / 2]` uint8, `[N, Kp / 32]` uint8) -> `[N, in_features]` in `dtype`; same values as
     `h3gen.quant.mxfp4_format.dequantize`."""
     n = packed.shape[0]
     out = torch.empty((n, in_features), dtype=dtype, device=packed.device)
     grid = (triton.cdiv(n, block_n), triton.cdiv(in_features, block_k))
-    _dequantize_kernel[grid](packed, scales, out, n, in_features, packed.stride(0), scales.stride(0), out.stride(0),
-                             BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps)
+    _dequantize_kernel[grid](
+        packed,
+        scales,
+        out,
+        n,
+        in_features,
+        packed.stride(0),
+        scales.stride(0),
+        out.stride(0),
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        num_warps=num_warps,
+    )
     return out
 
 
@@ -346,8 +525,14 @@ def default_config(m: int, n: int, k: int) -> dict:
     """Fused-kernel tile sizes for an `[m, k] x [k, n]` product of up to `DEQUANT_MIN_ROWS` - 1 rows (swept on the
     H200, benchmarks/history.md): K split until enough weight bytes are in flight."""
     block_n, block_k = 64, 256
-    return dict(block_m=16, block_n=block_n, block_k=block_k, split_k=auto_split(n, k, block_n, block_k),
-                num_warps=4, num_stages=3)
+    return dict(
+        block_m=16,
+        block_n=block_n,
+        block_k=block_k,
+        split_k=auto_split(n, k, block_n, block_k),
+        num_warps=4,
+        num_stages=3,
+    )
 
 
 def _k_slices(x, n: int, split_k: int, block_k: int) -> tuple[int, int, torch.Tensor]:
@@ -356,30 +541,70 @@ def _k_slices(x, n: int, split_k: int, block_k: int) -> tuple[int, int, torch.Te
     m, k = x.shape
     k_per_split = triton.cdiv(triton.cdiv(k, split_k), block_k) * block_k
     slices = triton.cdiv(k, k_per_split)
-    out = torch.zeros((m, n), dtype=torch.float32, device=x.device) if slices > 1 else \
-        torch.empty((m, n), dtype=x.dtype, device=x.device)
+    out = (
+        torch.zeros((m, n), dtype=torch.float32, device=x.device)
+        if slices > 1
+        else torch.empty((m, n), dtype=x.dtype, device=x.device)
+    )
     return k_per_split, slices, out
 
 
-def fused_matmul(x, packed, scales, *, block_m: int, block_n: int, block_k: int, split_k: int = 1,
-                 num_warps: int = 4, num_stages: int = 3):
+def fused_matmul(
+    x,
+    packed,
+    scales,
+    *,
+    block_m: int,
+    block_n: int,
+    block_k: int,
+    split_k: int = 1,
+    num_warps: int = 4,
+    num_stages: int = 3,
+):
     """The in-kernel dequantizing GEMM with explicit tiles; `split_k` > 1 sums K slices with float32 atomics."""
     m, k = x.shape
     n = packed.shape[0]
     k_per_split, split_k, out = _k_slices(x, n, split_k, block_k)
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n), split_k)
-    _fused_kernel[grid](x, packed, scales, out, m, n, k, k_per_split, x.stride(0), packed.stride(0),
-                        scales.stride(0), out.stride(0), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-                        PRECISION="ieee" if x.dtype == torch.float32 else "tf32", ATOMIC=split_k > 1,
-                        num_warps=num_warps, num_stages=num_stages)
+    _fused_kernel[grid](
+        x,
+        packed,
+        scales,
+        out,
+        m,
+        n,
+        k,
+        k_per_split,
+        x.stride(0),
+        packed.stride(0),
+        scales.stride(0),
+        out.stride(0),
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        ATOMIC=split_k > 1,
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
     return out.to(x.dtype)
 
 
 SCALED_DOT_FORMATS = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
-def scaled_matmul(x, packed, scales, *, block_m: int = 16, block_n: int = 64, block_k: int = 256,
-                  split_k: int | None = None, num_warps: int = 4, num_stages: int = 3):
+def scaled_matmul(
+    x,
+    packed,
+    scales,
+    *,
+    block_m: int = 16,
+    block_n: int = 64,
+    block_k: int = 256,
+    split_k: int | None = None,
+    num_warps: int = 4,
+    num_stages: int = 3,
+):
     """The product through `tl.dot_scaled` (bf16 or fp16 activations); `split_k` > 1 (default: enough K slices to
     keep weight bytes in flight, see `auto_split`) sums K slices with float32 atomics."""
     if x.dtype not in SCALED_DOT_FORMATS:
@@ -388,15 +613,42 @@ def scaled_matmul(x, packed, scales, *, block_m: int = 16, block_n: int = 64, bl
     n = packed.shape[0]
     k_per_split, split_k, out = _k_slices(x, n, split_k or auto_split(n, k, block_n, block_k), block_k)
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n), split_k)
-    _scaled_dot_kernel[grid](x, packed, scales, out, m, n, k, packed.shape[1], k_per_split, x.stride(0),
-                             packed.stride(0), scales.stride(0), out.stride(0), X_FORMAT=SCALED_DOT_FORMATS[x.dtype],
-                             BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, ATOMIC=split_k > 1,
-                             num_warps=num_warps, num_stages=num_stages)
+    _scaled_dot_kernel[grid](
+        x,
+        packed,
+        scales,
+        out,
+        m,
+        n,
+        k,
+        packed.shape[1],
+        k_per_split,
+        x.stride(0),
+        packed.stride(0),
+        scales.stride(0),
+        out.stride(0),
+        X_FORMAT=SCALED_DOT_FORMATS[x.dtype],
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        ATOMIC=split_k > 1,
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
     return out.to(x.dtype)
 
 
-def pair_matmul(x, packed, scales, *, block_n: int = 64, block_k: int = 128, split_k: int = 4, num_warps: int = 4,
-                num_stages: int = 3):
+def pair_matmul(
+    x,
+    packed,
+    scales,
+    *,
+    block_n: int = 64,
+    block_k: int = 128,
+    split_k: int = 4,
+    num_warps: int = 4,
+    num_stages: int = 3,
+):
     """The product for a few rows on the tensor cores, the weights decoded by `PAIR_DECODE_ASM` (bf16 activations;
     other dtypes decode by plain Triton arithmetic, which is how the interpreter runs it). K must be a multiple of 8.
     The default tile was within 7 % of the best of a sweep at every H3 shape for 8 and 16 rows on the H200
@@ -412,10 +664,29 @@ def pair_matmul(x, packed, scales, *, block_n: int = 64, block_k: int = 128, spl
     k_per_split, split_k, out = _k_slices(x, n, split_k, block_k)
     asm = x.dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") != "1"
     grid = (1, triton.cdiv(n, block_n), split_k)
-    _pair_kernel[grid](x, packed, scales, out, m, n, k, packed.shape[1], k_per_split, x.stride(0), packed.stride(0),
-                       scales.stride(0), out.stride(0), ASM=asm, PRECISION="ieee" if x.dtype == torch.float32 else
-                       "tf32", BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k, ATOMIC=split_k > 1,
-                       num_warps=num_warps, num_stages=num_stages)
+    _pair_kernel[grid](
+        x,
+        packed,
+        scales,
+        out,
+        m,
+        n,
+        k,
+        packed.shape[1],
+        k_per_split,
+        x.stride(0),
+        packed.stride(0),
+        scales.stride(0),
+        out.stride(0),
+        ASM=asm,
+        PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        BLOCK_M=16,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        ATOMIC=split_k > 1,
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
     return out.to(x.dtype)
 
 
@@ -425,13 +696,24 @@ def word_rows(packed: torch.Tensor) -> torch.Tensor:
     if packed.stride(-1) != 1 or any(s % 16 for s in packed.stride()[:-1]) or packed.data_ptr() % 16:
         packed = packed.contiguous()
     if packed.shape[-1] % 16:
-        raise ValueError(f"MXFP4 rows of {packed.shape[-1]} bytes are not whole 16-byte vectors (the format pads "
-                         "rows to 16 bytes, K to a multiple of 32).")
+        raise ValueError(
+            f"MXFP4 rows of {packed.shape[-1]} bytes are not whole 16-byte vectors (the format pads "
+            "rows to 16 bytes, K to a multiple of 32)."
+        )
     return packed
 
 
-def gemv(x, packed, scales, *, block_n: int = 16, block_k: int = 512, split_k: int | None = None,
-         num_warps: int = 4, num_stages: int = 3):
+def gemv(
+    x,
+    packed,
+    scales,
+    *,
+    block_n: int = 16,
+    block_k: int = 512,
+    split_k: int | None = None,
+    num_warps: int = 4,
+    num_stages: int = 3,
+):
     """`x` `[1, K]` times the dequantized weight transposed -> `[1, N]` without tensor cores; `block_k` (a multiple
     of 32) elements per step. The default tile was within 4 % of the best of a sweep at every H3 shape on the H200
     (benchmarks/history.md: 1.37-1.64x bf16 cuBLAS, graphed)."""
@@ -440,9 +722,22 @@ def gemv(x, packed, scales, *, block_n: int = 16, block_k: int = 512, split_k: i
     packed = word_rows(packed)
     k, n = x.shape[1], packed.shape[0]
     k_per_split, split_k, out = _k_slices(x, n, split_k or auto_split(n, k, block_n, block_k), block_k)
-    _gemv_kernel[(triton.cdiv(n, block_n), split_k)](x, packed, scales, out, n, k, k_per_split, packed.stride(0),
-                                                      scales.stride(0), BLOCK_N=block_n, WORDS=block_k // 8,
-                                                      ATOMIC=split_k > 1, num_warps=num_warps, num_stages=num_stages)
+    _gemv_kernel[(triton.cdiv(n, block_n), split_k)](
+        x,
+        packed,
+        scales,
+        out,
+        n,
+        k,
+        k_per_split,
+        packed.stride(0),
+        scales.stride(0),
+        BLOCK_N=block_n,
+        WORDS=block_k // 8,
+        ATOMIC=split_k > 1,
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
     return out.to(x.dtype)
 
 
@@ -459,15 +754,17 @@ def mxfp4_matmul(x, packed, scales, *, path: str = "auto", **config):
     x = x.contiguous()
     m, k = x.shape
     n = packed.shape[0]
-    if path == "few_rows" or (path == "auto" and m <= gluon.MAX_ROWS and not config
-                              and gluon.supports(x, packed, scales)):
+    if path == "few_rows" or (
+        path == "auto" and m <= gluon.MAX_ROWS and not config and gluon.supports(x, packed, scales)
+    ):
         return gluon.few_rows_matmul(x, packed, scales, **config)
     if path == "gemv" or (path == "auto" and m == 1):
         if m != 1:
             raise ValueError(f"the gemv path takes one row of activations, got {m}.")
         return gemv(x, packed, scales, **config)
-    if path == "pairs" or (path == "auto" and 1 < m < DEQUANT_MIN_ROWS and x.dtype == torch.bfloat16 and k % 8 == 0
-                           and not config):
+    if path == "pairs" or (
+        path == "auto" and 1 < m < DEQUANT_MIN_ROWS and x.dtype == torch.bfloat16 and k % 8 == 0 and not config
+    ):
         return pair_matmul(x, packed, scales, **config)
     if path == "scaled":
         return scaled_matmul(x, packed, scales, **config)

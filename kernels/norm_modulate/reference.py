@@ -6,8 +6,15 @@ import torch.nn.functional as F
 from h3gen.kernels.fp8_quant.reference import Fp8Rows, quantize_rows
 
 
-def rmsnorm_modulate(x: torch.Tensor, weight: torch.Tensor | None, shift: torch.Tensor, scale: torch.Tensor,
-                     index: torch.Tensor, eps: float, fp8: bool = False) -> torch.Tensor | Fp8Rows:
+def rmsnorm_modulate(
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    shift: torch.Tensor,
+    scale: torch.Tensor,
+    index: torch.Tensor,
+    eps: float,
+    fp8: bool = False,
+) -> torch.Tensor | Fp8Rows:
     """`rms_norm(x) * weight * (1 + scale[index]) + shift[index]`.
 
     Args:
@@ -17,7 +24,10 @@ def rmsnorm_modulate(x: torch.Tensor, weight: torch.Tensor | None, shift: torch.
         `(B, S, H)` in `x.dtype`, or `Fp8Rows` with `(B * S, 1)` scales.
     """
     if fp8:
-        return quantize_rows(rmsnorm_modulate(x.float(), None if weight is None else weight.float(), shift.float(),
-                                              scale.float(), index, eps))
+        return quantize_rows(
+            rmsnorm_modulate(
+                x.float(), None if weight is None else weight.float(), shift.float(), scale.float(), index, eps
+            )
+        )
     normed = F.rms_norm(x, (x.shape[-1],), weight, eps)
     return normed * (1.0 + scale.index_select(0, index)) + shift.index_select(0, index)

@@ -13,8 +13,9 @@ def row_warps(block: int) -> int:
 
 
 @triton.jit
-def modulated_rms_row(x, w_ptr, shift_ptr, scale_ptr, table_row, table_stride, cols, mask, hidden, eps,
-                      HAS_WEIGHT: tl.constexpr):
+def modulated_rms_row(
+    x, w_ptr, shift_ptr, scale_ptr, table_row, table_stride, cols, mask, hidden, eps, HAS_WEIGHT: tl.constexpr
+):
     """One float32 row `x` -> `rms_norm(x) * w * (1 + scale[table_row]) + shift[table_row]` (float32)."""
     y = x * tl.rsqrt(tl.sum(x * x, axis=0) / hidden + eps)
     if HAS_WEIGHT:
@@ -35,16 +36,31 @@ def store_row(out_ptr, out_scale_ptr, row, out_stride, cols, mask, y, FP8_OUT: t
 
 
 @triton.jit
-def _rmsnorm_modulate_kernel(x_ptr, w_ptr, shift_ptr, scale_ptr, index_ptr, out_ptr, out_scale_ptr, seq_len, hidden,
-                             out_stride, table_stride, eps, HAS_WEIGHT: tl.constexpr, FP8_OUT: tl.constexpr,
-                             BLOCK: tl.constexpr):
+def _rmsnorm_modulate_kernel(
+    x_ptr,
+    w_ptr,
+    shift_ptr,
+    scale_ptr,
+    index_ptr,
+    out_ptr,
+    out_scale_ptr,
+    seq_len,
+    hidden,
+    out_stride,
+    table_stride,
+    eps,
+    HAS_WEIGHT: tl.constexpr,
+    FP8_OUT: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     row = tl.program_id(0).to(tl.int64)  # over batch * seq_len
     table_row = tl.load(index_ptr + row % seq_len).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < hidden
     x = tl.load(x_ptr + row * hidden + cols, mask=mask, other=0.0).to(tl.float32)
-    out = modulated_rms_row(x, w_ptr, shift_ptr, scale_ptr, table_row, table_stride, cols, mask, hidden, eps,
-                            HAS_WEIGHT)
+    out = modulated_rms_row(
+        x, w_ptr, shift_ptr, scale_ptr, table_row, table_stride, cols, mask, hidden, eps, HAS_WEIGHT
+    )
     store_row(out_ptr, out_scale_ptr, row, out_stride, cols, mask, out, FP8_OUT)
 
 
@@ -65,8 +81,21 @@ def rmsnorm_modulate(x, weight, shift, scale, index, eps, fp8=False, num_warps=N
         shift, scale = shift.contiguous(), scale.contiguous()
     block = next_power_of_2(hidden)
     _rmsnorm_modulate_kernel[(batch * seq_len,)](
-        x, weight if weight is not None else x, shift, scale, index, out, out_scale, seq_len, hidden, stride,
-        shift.stride(0), eps, HAS_WEIGHT=weight is not None, FP8_OUT=fp8, BLOCK=block,
+        x,
+        weight if weight is not None else x,
+        shift,
+        scale,
+        index,
+        out,
+        out_scale,
+        seq_len,
+        hidden,
+        stride,
+        shift.stride(0),
+        eps,
+        HAS_WEIGHT=weight is not None,
+        FP8_OUT=fp8,
+        BLOCK=block,
         num_warps=num_warps or (row_fp8_warps(block) if fp8 else 4),  # 4 measured best in bf16 (benchmarks/history.md)
     )
     return result

@@ -31,8 +31,17 @@ def _norm_rope(x, weight, cos, sin, eps, heads_first):
     return (x.transpose(1, 2) if heads_first else x).contiguous()
 
 
-def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, weight_q: torch.Tensor, weight_k: torch.Tensor,
-                 cos: torch.Tensor, sin: torch.Tensor, eps: float, heads_first: bool = False, fp8: bool = False):
+def qk_norm_rope(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    weight_q: torch.Tensor,
+    weight_k: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    eps: float,
+    heads_first: bool = False,
+    fp8: bool = False,
+):
     """Args:
         q, k: `(B, S, heads, D)`. weight_q, weight_k: `(D,)`. cos, sin: `(S, R)` float32, R <= D, R even.
         heads_first: return `(B, heads, S, D)` contiguous (the layout attention kernels read) instead.

@@ -10,9 +10,26 @@ from h3gen.kernels.qk_norm_rope.reference import fp8_scale
 
 
 @triton.jit
-def _qk_norm_rope_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, fp8_scale_ptr, seq_len, heads, head_dim, rotary,
-                         x_row_stride, out_s_stride, out_h_stride, out_b_stride, eps, FP8_OUT: tl.constexpr,
-                         HEADS: tl.constexpr, DIM: tl.constexpr):
+def _qk_norm_rope_kernel(
+    x_ptr,
+    w_ptr,
+    cos_ptr,
+    sin_ptr,
+    out_ptr,
+    fp8_scale_ptr,
+    seq_len,
+    heads,
+    head_dim,
+    rotary,
+    x_row_stride,
+    out_s_stride,
+    out_h_stride,
+    out_b_stride,
+    eps,
+    FP8_OUT: tl.constexpr,
+    HEADS: tl.constexpr,
+    DIM: tl.constexpr,
+):
     row = tl.program_id(0).to(tl.int64)  # over batch * seq_len
     b, s = row // seq_len, row % seq_len
     h = tl.program_id(1) * HEADS + tl.arange(0, HEADS)[:, None]  # this program's group of heads
@@ -54,16 +71,35 @@ def _one(x, weight, cos, sin, eps, heads_first, heads_per_program, num_warps, fp
     heads_block = min(next_power_of_2(heads), heads_per_program)
     dim_block = next_power_of_2(head_dim)
     _qk_norm_rope_kernel[(batch * seq_len, triton.cdiv(heads, heads_block))](
-        x, weight, cos, sin, out, scale, seq_len, heads, head_dim, cos.shape[-1], x.stride(1), s_stride, h_stride,
-        heads * seq_len * head_dim, eps, FP8_OUT=fp8, HEADS=heads_block, DIM=dim_block,
+        x,
+        weight,
+        cos,
+        sin,
+        out,
+        scale,
+        seq_len,
+        heads,
+        head_dim,
+        cos.shape[-1],
+        x.stride(1),
+        s_stride,
+        h_stride,
+        heads * seq_len * head_dim,
+        eps,
+        FP8_OUT=fp8,
+        HEADS=heads_block,
+        DIM=dim_block,
         num_warps=num_warps or (8 if heads_block * dim_block >= 4096 else 4),
     )
     return (out, scale.expand(batch, heads).contiguous()) if fp8 else out
 
 
-def qk_norm_rope(q, k, weight_q, weight_k, cos, sin, eps, heads_first=False, fp8=False, heads_per_program=16,
-                 num_warps=4):
+def qk_norm_rope(
+    q, k, weight_q, weight_k, cos, sin, eps, heads_first=False, fp8=False, heads_per_program=16, num_warps=4
+):
     """Same contract as `reference.qk_norm_rope`; `heads_per_program` and `num_warps` tune the launch."""
     cos, sin = cos.float().contiguous(), sin.float().contiguous()
-    return (_one(q, weight_q, cos, sin, eps, heads_first, heads_per_program, num_warps, fp8),
-            _one(k, weight_k, cos, sin, eps, heads_first, heads_per_program, num_warps, fp8))
+    return (
+        _one(q, weight_q, cos, sin, eps, heads_first, heads_per_program, num_warps, fp8),
+        _one(k, weight_k, cos, sin, eps, heads_first, heads_per_program, num_warps, fp8),
+    )

@@ -12,8 +12,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out_dtype: torch
     return out if out_dtype is None else out.to(out_dtype)
 
 
-def add_rms_norm(x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor,
-                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def add_rms_norm(
+    x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """A residual update and the next sub-layer's norm: `(s, rms_norm(s, weight, eps))` with `s = x + y` (rounded
     to its dtype first, as the separate add would be)."""
     total = x + y

@@ -10,8 +10,9 @@ from h3gen.kernels._pdl import pdl_flag, pdl_launch, wait_for_inputs
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, y_ptr, sum_ptr, w_ptr, out_ptr, stride_x, dim, eps, ADD: tl.constexpr,
-                     BLOCK: tl.constexpr, PDL: tl.constexpr):
+def _rms_norm_kernel(
+    x_ptr, y_ptr, sum_ptr, w_ptr, out_ptr, stride_x, dim, eps, ADD: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr
+):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < dim
@@ -40,9 +41,21 @@ def _launch(x: torch.Tensor, y: torch.Tensor | None, weight: torch.Tensor, eps: 
         block = next_power_of_2(dim)
         extra = (rows, rows) if y is None else (y.reshape(-1, dim).contiguous(), total)
         pdl = pdl_launch(rows)
-        _rms_norm_kernel[(rows.shape[0],)](rows, *extra, weight, out, rows.stride(0), dim, eps, ADD=y is not None,
-                                           BLOCK=block, PDL=pdl_flag(pdl), num_warps=8 if block >= 4096 else 4, **pdl)
-    return (out.view(shape) if total is None else (total.view(shape), out.view(shape)))
+        _rms_norm_kernel[(rows.shape[0],)](
+            rows,
+            *extra,
+            weight,
+            out,
+            rows.stride(0),
+            dim,
+            eps,
+            ADD=y is not None,
+            BLOCK=block,
+            PDL=pdl_flag(pdl),
+            num_warps=8 if block >= 4096 else 4,
+            **pdl,
+        )
+    return out.view(shape) if total is None else (total.view(shape), out.view(shape))
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out_dtype: torch.dtype | None = None) -> torch.Tensor:

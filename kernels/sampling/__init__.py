@@ -1,5 +1,5 @@
-"""`draw_token` (and `draw_tokens` for rows sharing their parameters): one token from a row of logits with temperature, top-k and top-p, given the row's Exp(1) noise
-(see `reference`): one Triton program on CUDA, torch elsewhere."""
+"""`draw_token` (and `draw_tokens` for rows sharing their parameters): one token from a row of logits with temperature,
+top-k and top-p, given the row's Exp(1) noise (see `reference`): one Triton program on CUDA, torch elsewhere."""
 
 from h3gen.kernels._dispatch import use_triton
 from h3gen.kernels.sampling import reference

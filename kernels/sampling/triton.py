@@ -11,9 +11,23 @@ from h3gen.kernels._dispatch import next_power_of_2
 
 
 @triton.jit
-def _draw_kernel(values_ptr, order_ptr, noise_ptr, out_ptr, V, temperature, top_k, top_p, stride_values,
-                 stride_order, stride_noise, SORTED: tl.constexpr, TOP_K: tl.constexpr, TOP_P: tl.constexpr,
-                 BLOCK: tl.constexpr):
+def _draw_kernel(
+    values_ptr,
+    order_ptr,
+    noise_ptr,
+    out_ptr,
+    V,
+    temperature,
+    top_k,
+    top_p,
+    stride_values,
+    stride_order,
+    stride_noise,
+    SORTED: tl.constexpr,
+    TOP_K: tl.constexpr,
+    TOP_P: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     row = tl.program_id(0).to(tl.int64)  # one program per row, every row by the same parameters
     values_ptr += row * stride_values
     order_ptr += row * stride_order
@@ -26,8 +40,9 @@ def _draw_kernel(values_ptr, order_ptr, noise_ptr, out_ptr, V, temperature, top_
         running = tl.full((BLOCK,), float("-inf"), tl.float32)
         for start in range(0, V, BLOCK):
             cols = start + offs
-            running = tl.maximum(running, tl.load(values_ptr + cols, mask=cols < V, other=float("-inf")).to(
-                tl.float32) / temperature)
+            running = tl.maximum(
+                running, tl.load(values_ptr + cols, mask=cols < V, other=float("-inf")).to(tl.float32) / temperature
+            )
         top = tl.max(running, axis=0)
     kth = float("-inf")
     if TOP_K:
@@ -72,8 +87,16 @@ def _draw_kernel(values_ptr, order_ptr, noise_ptr, out_ptr, V, temperature, top_
         tl.store(out_ptr, index.to(tl.int64))
 
 
-def draw_tokens(values: torch.Tensor, order: torch.Tensor | None, noise: torch.Tensor, temperature: float,
-                top_k: int, top_p: float, block: int = 4096, num_warps: int = 8) -> torch.Tensor:
+def draw_tokens(
+    values: torch.Tensor,
+    order: torch.Tensor | None,
+    noise: torch.Tensor,
+    temperature: float,
+    top_k: int,
+    top_p: float,
+    block: int = 4096,
+    num_warps: int = 8,
+) -> torch.Tensor:
     """See `reference.draw_tokens`: `values`, `order`, `noise` `[B, V]` with unit inner strides -> `[B]` int64, one
     program per row."""
     rows, width = values.shape
@@ -87,15 +110,45 @@ def draw_tokens(values: torch.Tensor, order: torch.Tensor | None, noise: torch.T
         return out
     use_k = sorted_ and 0 < top_k < width
     source = order if sorted_ else values
-    _draw_kernel[(rows,)](values, source, noise, out, width, float(temperature), int(top_k) if use_k else 1,
-                          float(top_p), values.stride(0), source.stride(0), noise.stride(0), SORTED=sorted_,
-                          TOP_K=use_k, TOP_P=sorted_ and top_p < 1.0, BLOCK=min(block, next_power_of_2(width)),
-                          num_warps=num_warps)
+    _draw_kernel[(rows,)](
+        values,
+        source,
+        noise,
+        out,
+        width,
+        float(temperature),
+        int(top_k) if use_k else 1,
+        float(top_p),
+        values.stride(0),
+        source.stride(0),
+        noise.stride(0),
+        SORTED=sorted_,
+        TOP_K=use_k,
+        TOP_P=sorted_ and top_p < 1.0,
+        BLOCK=min(block, next_power_of_2(width)),
+        num_warps=num_warps,
+    )
     return out
 
 
-def draw_token(values: torch.Tensor, order: torch.Tensor | None, noise: torch.Tensor, temperature: float,
-               top_k: int, top_p: float, block: int = 4096, num_warps: int = 8) -> torch.Tensor:
+def draw_token(
+    values: torch.Tensor,
+    order: torch.Tensor | None,
+    noise: torch.Tensor,
+    temperature: float,
+    top_k: int,
+    top_p: float,
+    block: int = 4096,
+    num_warps: int = 8,
+) -> torch.Tensor:
     """See `reference.draw_token`: one row `[V]` -> `[1]` int64."""
-    return draw_tokens(values.contiguous()[None], None if order is None else order.contiguous()[None],
-                       noise.contiguous()[None], temperature, top_k, top_p, block, num_warps)
+    return draw_tokens(
+        values.contiguous()[None],
+        None if order is None else order.contiguous()[None],
+        noise.contiguous()[None],
+        temperature,
+        top_k,
+        top_p,
+        block,
+        num_warps,
+    )

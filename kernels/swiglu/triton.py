@@ -43,8 +43,9 @@ def swiglu(x, fp8=False, block=1024, num_warps=4, out=None):
     out, stride = output_rows((*x.shape[:-1], width), x.dtype, x.device, fp8, out)
     if fp8:
         row_block = next_power_of_2(width)
-        _swiglu_fp8_kernel[(rows,)](x, out.values, out.scale, width, stride, BLOCK=row_block,
-                                    num_warps=row_fp8_warps(row_block))
+        _swiglu_fp8_kernel[(rows,)](
+            x, out.values, out.scale, width, stride, BLOCK=row_block, num_warps=row_fp8_warps(row_block)
+        )
         return out
     _swiglu_kernel[(rows, triton.cdiv(width, block))](x, out, width, stride, BLOCK=block, num_warps=num_warps)
     return out

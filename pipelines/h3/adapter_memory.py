@@ -2,9 +2,9 @@
 
 The figure is `h3gen.device_memory.available_device_memory` (the driver's free memory plus what PyTorch's
 allocator caches unused). A REST server validates a request while another may be running, whose activations fill the
-device for the duration of that call only. `DeviceMemory` therefore measures live while no call runs and otherwise answers with the figure
-taken when the last call ended (or when the idle pipeline was entered or built). Each figure includes what the
-adapters of each transformer partition held at that instant (`held`), since a new set replaces them.
+device for the duration of that call only. `DeviceMemory` therefore measures live while no call runs and otherwise
+answers with the figure taken when the last call ended (or when the idle pipeline was entered or built). Each figure
+includes what the adapters of each transformer partition held at that instant (`held`), since a new set replaces them.
 """
 
 import functools

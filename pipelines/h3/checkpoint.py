@@ -24,12 +24,28 @@ AUTO_ALL_SHARE = 0.25
 # What each workflow needs; the first missing one is reported by name.
 REQUIRED = {
     "t2va": ("transformer", "vae", "audio_vae", "text_encoder", "tokenizer", "scheduler", "audio_scheduler"),
-    "fl2va": ("transformer", "vae", "audio_vae", "text_encoder", "tokenizer", "processor", "scheduler",
-              "audio_scheduler"),
+    "fl2va": (
+        "transformer",
+        "vae",
+        "audio_vae",
+        "text_encoder",
+        "tokenizer",
+        "processor",
+        "scheduler",
+        "audio_scheduler",
+    ),
     # ref2va runs on its own partition of the transformer weights (diffusers 0.42.1
     # modular_pipelines/minimax_h3/denoise.py:136-140, `MiniMaxH3Ref2VALoopDenoiser`).
-    "ref2va": ("transformer_ref", "vae", "audio_vae", "text_encoder", "tokenizer", "processor", "scheduler",
-               "audio_scheduler"),
+    "ref2va": (
+        "transformer_ref",
+        "vae",
+        "audio_vae",
+        "text_encoder",
+        "tokenizer",
+        "processor",
+        "scheduler",
+        "audio_scheduler",
+    ),
 }
 # Which transformer partition serves each task.
 TRANSFORMER_OF = {"t2va": "transformer", "fl2va": "transformer", "ref2va": "transformer_ref"}
@@ -109,6 +125,9 @@ def resolve_workflow(checkpoint: H3Checkpoint, workflow: str, device) -> str:
         memory = host_memory.available_host_bytes() or 0
     if partitions <= AUTO_ALL_SHARE * memory:
         return "all"
-    logger.info("serving t2va and fl2va only: ref2va needs the transformer_ref/ partition as well (%.0f GB for "
-                "both); start with --workflow all (or ref2va) to serve it.", partitions / 1e9)
+    logger.info(
+        "serving t2va and fl2va only: ref2va needs the transformer_ref/ partition as well (%.0f GB for "
+        "both); start with --workflow all (or ref2va) to serve it.",
+        partitions / 1e9,
+    )
     return "fl2va" if "fl2va" in available else "t2va"

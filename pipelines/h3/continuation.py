@@ -79,10 +79,15 @@ class Window:
 
 
 def _on_grid(value, name: str, field: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < geometry.LATENTS_PER_CHUNK \
-            or value % geometry.FRAMES_PER_CHUNK != geometry.LATENTS_PER_CHUNK:
-        raise RequestError(f"{name} must be a frame count on the 17n+5 grid (5, 22, 39, ..., 277, ...; got "
-                           f"{value!r}).", field)
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int)
+        or value < geometry.LATENTS_PER_CHUNK
+        or value % geometry.FRAMES_PER_CHUNK != geometry.LATENTS_PER_CHUNK
+    ):
+        raise RequestError(
+            f"{name} must be a frame count on the 17n+5 grid (5, 22, 39, ..., 277, ...; got {value!r}).", field
+        )
     return value
 
 
@@ -90,25 +95,39 @@ def check_windows(window_frames=None, overlap_frames=None) -> tuple[int, int]:
     """The (window, overlap) of a request, defaults filled in. Both on the 17n+5 grid, the window 124 to 345 frames
     (4.5 to 14.4 s, what one request makes) and the overlap shorter than the window; else `RequestError` naming the
     field and the rule."""
-    window = DEFAULT_WINDOW_FRAMES if window_frames is None else _on_grid(window_frames, "window_frames",
-                                                                          "window_frames")
-    overlap = DEFAULT_OVERLAP_FRAMES if overlap_frames is None else _on_grid(overlap_frames, "overlap_frames",
-                                                                             "overlap_frames")
+    window = (
+        DEFAULT_WINDOW_FRAMES if window_frames is None else _on_grid(window_frames, "window_frames", "window_frames")
+    )
+    overlap = (
+        DEFAULT_OVERLAP_FRAMES
+        if overlap_frames is None
+        else _on_grid(overlap_frames, "overlap_frames", "overlap_frames")
+    )
     if not MIN_WINDOW_FRAMES <= window <= geometry.MAX_FRAMES:
-        raise RequestError(f"window_frames must be from {MIN_WINDOW_FRAMES} to {geometry.MAX_FRAMES} frames on the "
-                           f"17n+5 grid (got {window}).", "window_frames")
+        raise RequestError(
+            f"window_frames must be from {MIN_WINDOW_FRAMES} to {geometry.MAX_FRAMES} frames on the "
+            f"17n+5 grid (got {window}).",
+            "window_frames",
+        )
     if overlap >= window:
-        raise RequestError(f"overlap_frames must be shorter than window_frames (got overlap {overlap} >= window "
-                           f"{window}).", "overlap_frames")
+        raise RequestError(
+            f"overlap_frames must be shorter than window_frames (got overlap {overlap} >= window {window}).",
+            "overlap_frames",
+        )
     return window, overlap
 
 
 def check_max_seconds(max_seconds) -> float:
     """A server's (or pipeline's) length limit: 15 to 300 s."""
-    if isinstance(max_seconds, bool) or not isinstance(max_seconds, (int, float)) \
-            or not geometry.MAX_SECONDS <= max_seconds <= MAX_SECONDS_LIMIT:
-        raise RequestError(f"max_seconds must be from {geometry.MAX_SECONDS:g} to {MAX_SECONDS_LIMIT:g} (got "
-                           f"{max_seconds!r}).", "max_seconds")
+    if (
+        isinstance(max_seconds, bool)
+        or not isinstance(max_seconds, (int, float))
+        or not geometry.MAX_SECONDS <= max_seconds <= MAX_SECONDS_LIMIT
+    ):
+        raise RequestError(
+            f"max_seconds must be from {geometry.MAX_SECONDS:g} to {MAX_SECONDS_LIMIT:g} (got {max_seconds!r}).",
+            "max_seconds",
+        )
     return float(max_seconds)
 
 
@@ -120,8 +139,11 @@ def long_frames(seconds, num_frames, max_seconds: float) -> int | None:
         if isinstance(num_frames, bool) or not isinstance(num_frames, int) or num_frames <= geometry.MAX_FRAMES:
             return None
         if geometry.align_num_frames(num_frames) > geometry.align_num_frames(int(round(max_seconds * geometry.FPS))):
-            raise RequestError(f"num_frames must last at most {max_seconds:g} s at {geometry.FPS} fps, this server's "
-                               f"limit (got {num_frames} frames = {num_frames / geometry.FPS:.3g} s).", "num_frames")
+            raise RequestError(
+                f"num_frames must last at most {max_seconds:g} s at {geometry.FPS} fps, this server's "
+                f"limit (got {num_frames} frames = {num_frames / geometry.FPS:.3g} s).",
+                "num_frames",
+            )
         return geometry.align_num_frames(num_frames)
     if seconds is None:
         return None
@@ -134,11 +156,16 @@ def long_frames(seconds, num_frames, max_seconds: float) -> int | None:
 def check_seconds(seconds, max_seconds: float) -> float:
     """A requested length in seconds: a finite number from 5 to `max_seconds` (the limit in force: a server's
     --max-seconds, a pipeline's `max_seconds`). Every face words the refusal the same way."""
-    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not math.isfinite(seconds) \
-            or not geometry.MIN_SECONDS <= seconds <= max_seconds:
+    if (
+        isinstance(seconds, bool)
+        or not isinstance(seconds, (int, float))
+        or not math.isfinite(seconds)
+        or not geometry.MIN_SECONDS <= seconds <= max_seconds
+    ):
         shown = f"{seconds:g}" if isinstance(seconds, (int, float)) and not isinstance(seconds, bool) else repr(seconds)
-        raise RequestError(f"seconds must be from {geometry.MIN_SECONDS:g} to {max_seconds:g} (got {shown}).",
-                           "seconds")
+        raise RequestError(
+            f"seconds must be from {geometry.MIN_SECONDS:g} to {max_seconds:g} (got {shown}).", "seconds"
+        )
     return float(seconds)
 
 
@@ -162,8 +189,11 @@ def window_prompts(prompt: str, prompts, num_windows: int) -> list[str]:
     if isinstance(prompts, str) or not isinstance(prompts, (list, tuple)):
         raise RequestError("prompts must be a list of strings, one per window (or one for all).", "prompts")
     if len(prompts) not in (1, num_windows):
-        raise RequestError(f"prompts must hold one prompt per window or one for all: this request has {num_windows} "
-                           f"window{'s' if num_windows != 1 else ''} (got {len(prompts)} prompts).", "prompts")
+        raise RequestError(
+            f"prompts must hold one prompt per window or one for all: this request has {num_windows} "
+            f"window{'s' if num_windows != 1 else ''} (got {len(prompts)} prompts).",
+            "prompts",
+        )
     for index, text in enumerate(prompts):
         if not isinstance(text, str) or not text.strip():
             raise RequestError(f"prompts[{index}] must be a non-empty string.", "prompts")
@@ -186,14 +216,25 @@ class ContinuationPlan:
 
 def window_geometry(shape: geometry.Geometry, window: Window) -> geometry.Geometry:
     """A window's own geometry (the clip's canvas, the window's frames and its audio on the clip's timeline)."""
-    return geometry.Geometry(height=shape.height, width=shape.width, num_frames=window.num_frames,
-                             num_latent_frames=window.num_latent_frames, latent_height=shape.latent_height,
-                             latent_width=shape.latent_width, num_audio_latents=window.num_audio_latents)
+    return geometry.Geometry(
+        height=shape.height,
+        width=shape.width,
+        num_frames=window.num_frames,
+        num_latent_frames=window.num_latent_frames,
+        latent_height=shape.latent_height,
+        latent_width=shape.latent_width,
+        num_audio_latents=window.num_audio_latents,
+    )
 
 
 def clip_geometry(shape: geometry.Geometry, total_frames: int) -> geometry.Geometry:
     """The whole clip's geometry on a window's canvas."""
-    return geometry.Geometry(height=shape.height, width=shape.width, num_frames=total_frames,
-                             num_latent_frames=geometry.video_latent_frames(total_frames),
-                             latent_height=shape.latent_height, latent_width=shape.latent_width,
-                             num_audio_latents=audio_boundary(total_frames))
+    return geometry.Geometry(
+        height=shape.height,
+        width=shape.width,
+        num_frames=total_frames,
+        num_latent_frames=geometry.video_latent_frames(total_frames),
+        latent_height=shape.latent_height,
+        latent_width=shape.latent_width,
+        num_audio_latents=audio_boundary(total_frames),
+    )

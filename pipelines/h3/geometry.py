@@ -22,7 +22,7 @@ MAX_FRAMES = 345  # longest 17n + 5 count within 15 s
 
 
 def parse_aspect_ratio(aspect: str) -> tuple[float, float]:
-    """"16:9" -> (16.0, 9.0). Raises `RequestError` for anything else."""
+    """ "16:9" -> (16.0, 9.0). Raises `RequestError` for anything else."""
     try:
         width, height = (float(part) for part in str(aspect).split(":"))
     except ValueError:
@@ -56,7 +56,10 @@ def resolve_canvas(
     if width * height > max_pixels:
         scale = (max_pixels / (width * height)) ** 0.5
         width, height = width * scale, height * scale
-    height, width = max(multiple, round(height / multiple) * multiple), max(multiple, round(width / multiple) * multiple)
+    height, width = (
+        max(multiple, round(height / multiple) * multiple),
+        max(multiple, round(width / multiple) * multiple),
+    )
     # Rounding a small canvas can push it past the ratio bounds (4:1 at a 32-pixel short edge rounds to 160x32 = 5:1),
     # which the model's explicit-size check refuses: bring the long side back within 4x the short one.
     longest = int(MAX_ASPECT * min(height, width)) // multiple * multiple

@@ -48,7 +48,7 @@ def _strip_prefix(key: str) -> str:
 
 
 def detect_layout(keys: list[str]) -> str:
-    """"original" if the keys use the original release's names (`blocks.N.attn.qkv_proj`, `final_layer.*`),
+    """ "original" if the keys use the original release's names (`blocks.N.attn.qkv_proj`, `final_layer.*`),
     "diffusers" otherwise."""
     stripped = [_strip_prefix(k) for k in keys]
     if any(k.startswith(("blocks.", "final_layer.")) or ".qkv_proj." in k for k in stripped):

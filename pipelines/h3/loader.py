@@ -63,8 +63,14 @@ def load_transformer(
 
     if tensors is not None:
         source = ((key, key, tensor) for key, tensor in tensors)
-        assign_tensors(model, source, dtype=torch_dtype, device=device, keep_fp32_modules=cls.keep_fp32_modules,
-                       source=f"{folder} (generated weights)")
+        assign_tensors(
+            model,
+            source,
+            dtype=torch_dtype,
+            device=device,
+            keep_fp32_modules=cls.keep_fp32_modules,
+            source=f"{folder} (generated weights)",
+        )
         return _finish(model, torch_dtype, device, skip_prefixes)
     files = safetensors_files(folder)
     keys = []

@@ -43,11 +43,21 @@ def window_request(request: H3Request, window: Window, last: bool) -> H3Request:
     """The plain request one window is: its prompt, its keyframes (fl2va: the first on the first window, the last on
     the last one), the references (every window), its own geometry, the request's generator."""
     plan = request.continuation
-    keep = [i for i, anchor in enumerate(request.anchors)
-            if (anchor == "first" and window.index == 0) or (anchor == "last" and last)]
-    return replace(request, prompt=plan.prompts[window.index], keyframes=[request.keyframes[i] for i in keep],
-                   anchors=tuple(request.anchors[i] for i in keep), shape=window_geometry(request.shape, window),
-                   latents=None, audio_latents=None, continuation=None)
+    keep = [
+        i
+        for i, anchor in enumerate(request.anchors)
+        if (anchor == "first" and window.index == 0) or (anchor == "last" and last)
+    ]
+    return replace(
+        request,
+        prompt=plan.prompts[window.index],
+        keyframes=[request.keyframes[i] for i in keep],
+        anchors=tuple(request.anchors[i] for i in keep),
+        shape=window_geometry(request.shape, window),
+        latents=None,
+        audio_latents=None,
+        continuation=None,
+    )
 
 
 def largest_window(request: H3Request) -> H3Request:
@@ -56,8 +66,11 @@ def largest_window(request: H3Request) -> H3Request:
     windows = request.continuation.windows
     sub = window_request(request, windows[0], last=len(windows) == 1)
     guide = windows[1] if len(windows) > 1 else windows[0]
-    shape = replace(sub.shape, num_latent_frames=sub.shape.num_latent_frames + guide.overlap_latent_frames,
-                    num_audio_latents=sub.shape.num_audio_latents + guide.overlap_audio_latents)
+    shape = replace(
+        sub.shape,
+        num_latent_frames=sub.shape.num_latent_frames + guide.overlap_latent_frames,
+        num_audio_latents=sub.shape.num_audio_latents + guide.overlap_audio_latents,
+    )
     return replace(sub, shape=shape)
 
 
@@ -65,13 +78,31 @@ def window_layout(request: H3Request, window: Window, text, blocks, patch_size):
     """The packed layout of one window: the plain layout of its length, its media shifted to the window's start, and
     the guide's rows (the previous window's tail) on the window's first positions."""
     shape = request.shape
-    extra = dict(patch_size=patch_size, media_offset=window.temporal_offset, guide_frames=window.overlap_latent_frames,
-                 guide_audio_latents=window.overlap_audio_latents)
+    extra = dict(
+        patch_size=patch_size,
+        media_offset=window.temporal_offset,
+        guide_frames=window.overlap_latent_frames,
+        guide_audio_latents=window.overlap_audio_latents,
+    )
     if request.task == "ref2va":
-        return build_ref2va_layout(text.token_tags, blocks, shape.num_latent_frames, shape.latent_height,
-                                   shape.latent_width, shape.num_audio_latents, **extra)
-    return build_layout(text.token_tags, shape.num_latent_frames, shape.latent_height, shape.latent_width,
-                        shape.num_audio_latents, keyframe_anchors=request.anchors, **extra)
+        return build_ref2va_layout(
+            text.token_tags,
+            blocks,
+            shape.num_latent_frames,
+            shape.latent_height,
+            shape.latent_width,
+            shape.num_audio_latents,
+            **extra,
+        )
+    return build_layout(
+        text.token_tags,
+        shape.num_latent_frames,
+        shape.latent_height,
+        shape.latent_width,
+        shape.num_audio_latents,
+        keyframe_anchors=request.anchors,
+        **extra,
+    )
 
 
 def _with_guide(rows: torch.Tensor, num_targets: int, guide: torch.Tensor) -> torch.Tensor:
@@ -96,23 +127,38 @@ class _Timings:
         self.started = now
 
 
-def run_continuation(pipe, request: H3Request, *, report, tier: str, decode: bool, output_path,
-                     audio_sample_rate: int | None = None, adapters: list | None = None):
+def run_continuation(
+    pipe,
+    request: H3Request,
+    *,
+    report,
+    tier: str,
+    decode: bool,
+    output_path,
+    audio_sample_rate: int | None = None,
+    adapters: list | None = None,
+):
     """Make a continuation request with `pipe` (an `H3Pipeline`): returns `(MediaInfo of the written MP4 or None,
     timings)`. With `decode` the clip is streamed to `output_path`; without it (the other ranks of a parallel run)
     nothing is decoded or written."""
     plan = request.continuation
     if decode and output_path is None:
-        raise RequestError("a clip longer than 15 s is written to a file as it is made: pass output_path.",
-                           "output_path")
+        raise RequestError(
+            "a clip longer than 15 s is written to a file as it is made: pass output_path.", "output_path"
+        )
     cfg, timings = pipe.config, _Timings()
     windows, total = plan.windows, plan.num_windows
     texts = {}
     writer = video_stream = audio_stream = None
     if decode:
         shape = request.shape
-        writer = Mp4Writer(Path(output_path), width=shape.width, height=shape.height,
-                           sample_rate=int(pipe.audio_vae.config.sampling_rate), audio_sample_rate=audio_sample_rate)
+        writer = Mp4Writer(
+            Path(output_path),
+            width=shape.width,
+            height=shape.height,
+            sample_rate=int(pipe.audio_vae.config.sampling_rate),
+            audio_sample_rate=audio_sample_rate,
+        )
         video_stream = VideoDecodeStream(pipe.vae, tier=tier, check=lambda: report("decode_video", 0, 1))
         audio_stream = AudioDecodeStream(pipe.audio_vae)
     sounds = []
@@ -129,26 +175,40 @@ def run_continuation(pipe, request: H3Request, *, report, tier: str, decode: boo
             noise = pipe.draw_noise(sub)
             video_rows, audio_rows, blocks = pipe._initial_rows(sub, noise, report)
             if window.overlap:
-                guide = noise_to(tail_video, KEYFRAME_NOISE_AUG,
-                                 pipe._draw(tuple(tail_video.shape), request.generator))
-                targets = sub.shape.num_latent_frames * (sub.shape.latent_height // cfg.patch_size[1]) * \
-                    (sub.shape.latent_width // cfg.patch_size[2])
+                guide = noise_to(tail_video, KEYFRAME_NOISE_AUG, pipe._draw(tuple(tail_video.shape), request.generator))
+                targets = (
+                    sub.shape.num_latent_frames
+                    * (sub.shape.latent_height // cfg.patch_size[1])
+                    * (sub.shape.latent_width // cfg.patch_size[2])
+                )
                 video_rows = _with_guide(video_rows, targets, patchify_video(guide, cfg.patch_size))
                 guide_audio = tail_audio.permute(0, 2, 1).reshape(-1, cfg.audio_in_channels)  # (2A, C) channel-major
                 audio_rows = _with_guide(audio_rows, 2 * sub.shape.num_audio_latents, guide_audio)
             timings.lap("encode_conditions")
             layout = window_layout(sub, window, text, blocks, cfg.patch_size)
-            video, audio, _, _ = pipe._denoise(sub, text, video_rows, audio_rows, report, tier, blocks, layout=layout,
-                                              adapters=adapters)
+            video, audio, _, _ = pipe._denoise(
+                sub, text, video_rows, audio_rows, report, tier, blocks, layout=layout, adapters=adapters
+            )
             timings.lap("denoise")
             if window.index + 1 < total:
                 following = windows[window.index + 1]
-                tail_video = video[:, :, video.shape[2] - following.overlap_latent_frames:].clone()
-                tail_audio = audio[..., audio.shape[-1] - following.overlap_audio_latents:].clone()
-            video, audio = video[:, :, window.overlap_latent_frames:], audio[..., window.overlap_audio_latents:]
+                tail_video = video[:, :, video.shape[2] - following.overlap_latent_frames :].clone()
+                tail_audio = audio[..., audio.shape[-1] - following.overlap_audio_latents :].clone()
+            video, audio = video[:, :, window.overlap_latent_frames :], audio[..., window.overlap_audio_latents :]
             if decode:
-                sounds.append(_decode_window(pipe, video_stream, audio_stream, writer, video, audio,
-                                             last=window.index == total - 1, report=report, timings=timings))
+                sounds.append(
+                    _decode_window(
+                        pipe,
+                        video_stream,
+                        audio_stream,
+                        writer,
+                        video,
+                        audio,
+                        last=window.index == total - 1,
+                        report=report,
+                        timings=timings,
+                    )
+                )
             del video, audio, video_rows, audio_rows
         report("window", total, total)
         info = None
@@ -168,7 +228,7 @@ def run_continuation(pipe, request: H3Request, *, report, tier: str, decode: boo
 def _write_frames(writer, frames: torch.Tensor) -> None:
     """Frames `(F, H, W, 3)` in [0, 1] where they were decoded -> the MP4, 17 at a time as yuv420p planes."""
     for start in range(0, frames.shape[0], 17):
-        writer.add_frames(rgb_to_yuv420(frames[start: start + 17]).cpu().numpy())
+        writer.add_frames(rgb_to_yuv420(frames[start : start + 17]).cpu().numpy())
 
 
 def _decode_window(pipe, video_stream, audio_stream, writer, video, audio, *, last: bool, report, timings):
@@ -184,8 +244,10 @@ def _decode_window(pipe, video_stream, audio_stream, writer, video, audio, *, la
     report("decode_video", 1, 1)
     timings.lap("decode_video")
     report("decode_audio", 0, 1)
-    with pipe._stage(pipe.audio_vae), checkpoints(audio_decoder_units(pipe.audio_vae),
-                                                  lambda: report("decode_audio", 0, 1)):
+    with (
+        pipe._stage(pipe.audio_vae),
+        checkpoints(audio_decoder_units(pipe.audio_vae), lambda: report("decode_audio", 0, 1)),
+    ):
         sound = audio_stream.push(audio)
         if last:
             sound = np.concatenate([sound, audio_stream.finish()], axis=1)

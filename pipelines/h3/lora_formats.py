@@ -71,10 +71,15 @@ STANDALONE_RENAMES = {
     "final_layer.video_out": "proj_out",
     "final_layer.audio_out": "audio_proj_out",
 }
-BLOCK_MODULES = (("attn.out_proj", "attn.to_out.0"), ("mlp.fc2", "ff.net.2"),
-                 ("adaln_proj.linear", "adaln_proj.linear"))
-BLOCK_STACKS = ((r"blocks\.(\d+)\.", "blocks", "transformer_blocks"),
-                (r"token_refiner\.blocks\.(\d+)\.", "token_refiner.blocks", "token_refiner.refiner_blocks"))
+BLOCK_MODULES = (
+    ("attn.out_proj", "attn.to_out.0"),
+    ("mlp.fc2", "ff.net.2"),
+    ("adaln_proj.linear", "adaln_proj.linear"),
+)
+BLOCK_STACKS = (
+    (r"blocks\.(\d+)\.", "blocks", "transformer_blocks"),
+    (r"token_refiner\.blocks\.(\d+)\.", "token_refiner.blocks", "token_refiner.refiner_blocks"),
+)
 
 
 @dataclass(frozen=True)
@@ -101,9 +106,9 @@ class LoraFile:
     `name`: the file's stem; `format`: see the module docstring; `targets`: every module update (`LoraTarget`);
     `ranks`: the distinct ranks; `alpha`: the uniform network alpha every module is scaled with (alpha / its rank),
     or None where the modules' own `.alpha` tensors, the adapter config or alpha = rank apply; `alpha_source`:
-    "override", "module", "adapter-config", "metadata", "turbo-v0.1" or "rank"; `metadata`: the safetensors `__metadata__`; `partitions`: the transformer
-    partitions its keys name ("transformer" for every unprefixed format); `qkv_layout`: "grouped" or "interleaved"
-    for a fused-QKV file, else None.
+    "override", "module", "adapter-config", "metadata", "turbo-v0.1" or "rank"; `metadata`: the safetensors
+    `__metadata__`; `partitions`: the transformer partitions its keys name ("transformer" for every unprefixed format);
+    `qkv_layout`: "grouped" or "interleaved" for a fused-QKV file, else None.
     """
 
     path: Path
@@ -185,8 +190,7 @@ def _native_targets(header: _Header, head_dim: int, qkv_layout: str | None) -> t
     if musubi:
         header.rename(lambda k: _unflatten(k, name) if k.startswith("lora_unet_") else k)
     kohya = any(".lora_down.weight" in k for k in header.shapes)
-    down_suffix, up_suffix = (".lora_down.weight", ".lora_up.weight") if kohya else (".lora_A.weight",
-                                                                                  ".lora_B.weight")
+    down_suffix, up_suffix = (".lora_down.weight", ".lora_up.weight") if kohya else (".lora_A.weight", ".lora_B.weight")
     layout = qkv_layout or ("interleaved" if diffsynth else "grouped")
     targets: list[LoraTarget] = []
 
@@ -203,10 +207,24 @@ def _native_targets(header: _Header, head_dim: int, qkv_layout: str | None) -> t
     def add(module: str, pair, transform: str = "plain", out_features: int | None = None):
         (down_key, down_shape), (up_key, up_shape), alpha_key = pair
         if len(down_shape) != 2 or len(up_shape) != 2 or up_shape[1] != down_shape[0]:
-            raise _bad(name, f"`{down_key}` {down_shape} and `{up_key}` {up_shape} are not a LoRA pair "
-                             "(A (rank, in), B (out, rank)).")
-        targets.append(LoraTarget("transformer", module, down_key, up_key, alpha_key, transform, down_shape[0],
-                                  down_shape[1], out_features if out_features is not None else up_shape[0]))
+            raise _bad(
+                name,
+                f"`{down_key}` {down_shape} and `{up_key}` {up_shape} are not a LoRA pair "
+                "(A (rank, in), B (out, rank)).",
+            )
+        targets.append(
+            LoraTarget(
+                "transformer",
+                module,
+                down_key,
+                up_key,
+                alpha_key,
+                transform,
+                down_shape[0],
+                down_shape[1],
+                out_features if out_features is not None else up_shape[0],
+            )
+        )
 
     for source, target in STANDALONE_RENAMES.items():
         pair = pull(source)
@@ -220,18 +238,27 @@ def _native_targets(header: _Header, head_dim: int, qkv_layout: str | None) -> t
             if qkv is not None:
                 rows = qkv[1][1][0]
                 if rows % 3:
-                    raise _bad(name, f"`{source}.attn.qkv_proj` has {rows} output rows, which is not divisible by "
-                                     "3: not a fused MiniMax-H3 QKV projection.")
+                    raise _bad(
+                        name,
+                        f"`{source}.attn.qkv_proj` has {rows} output rows, which is not divisible by "
+                        "3: not a fused MiniMax-H3 QKV projection.",
+                    )
                 if layout == "interleaved" and rows % (3 * head_dim):
-                    raise _bad(name, f"`{source}.attn.qkv_proj` has {rows} output rows, not a multiple of 3 x the "
-                                     f"model's head size {head_dim}: not a per-head-interleaved QKV projection.")
+                    raise _bad(
+                        name,
+                        f"`{source}.attn.qkv_proj` has {rows} output rows, not a multiple of 3 x the "
+                        f"model's head size {head_dim}: not a per-head-interleaved QKV projection.",
+                    )
                 for part in ("q", "k", "v"):
                     add(f"{target}.attn.to_{part}", qkv, part, rows // 3)
             fc1 = pull(f"{source}.mlp.fc1")
             if fc1 is not None:
                 if fc1[1][1][0] % 2:
-                    raise _bad(name, f"`{source}.mlp.fc1` has {fc1[1][1][0]} output rows, which is not even: not "
-                                     "a fused MiniMax-H3 SwiGLU projection.")
+                    raise _bad(
+                        name,
+                        f"`{source}.mlp.fc1` has {fc1[1][1][0]} output rows, which is not even: not "
+                        "a fused MiniMax-H3 SwiGLU projection.",
+                    )
                 add(f"{target}.ff.net.0.proj", fc1, "fc1")
             for source_module, target_module in BLOCK_MODULES:
                 pair = pull(f"{source}.{source_module}")
@@ -260,10 +287,23 @@ def _diffusers_targets(header: _Header, unprefixed: bool) -> list[LoraTarget]:
             raise _bad(header.name, f"`{down[0]}` has no matching lora_B.")
         alpha = header.pop(f"{partition}.{module}.alpha")
         if len(down[1]) != 2 or len(up[1]) != 2 or up[1][1] != down[1][0]:
-            raise _bad(header.name, f"`{down[0]}` {down[1]} and `{up[0]}` {up[1]} are not a LoRA pair "
-                                    "(A (rank, in), B (out, rank)).")
-        targets.append(LoraTarget(partition, module, down[0], up[0], alpha[0] if alpha else None, "plain",
-                                  down[1][0], down[1][1], up[1][0]))
+            raise _bad(
+                header.name,
+                f"`{down[0]}` {down[1]} and `{up[0]}` {up[1]} are not a LoRA pair (A (rank, in), B (out, rank)).",
+            )
+        targets.append(
+            LoraTarget(
+                partition,
+                module,
+                down[0],
+                up[0],
+                alpha[0] if alpha else None,
+                "plain",
+                down[1][0],
+                down[1][1],
+                up[1][0],
+            )
+        )
     return targets
 
 
@@ -294,8 +334,10 @@ def _adapter_config_scales(metadata: dict[str, str], targets: list[LoraTarget]) 
         return {}
     scales = {}
     for target in targets:
-        def get(key, default=None):
+
+        def get(key, default=None, target=target):
             return config.get(f"{target.partition}.{key}", default)
+
         if get("r") is None:
             continue
         rank = _pattern_value(get("rank_pattern") or {}, target.module, get("r"))
@@ -340,13 +382,17 @@ def read_lora(path, *, head_dim: int = 128, alpha: float | None = None, name: st
         targets, fmt, qkv_layout = _native_targets(header, head_dim, qkv_layout)
     else:
         unprefixed = any(".default.weight" in k for k in shapes) and not any(
-            k.startswith(tuple(f"{p}." for p in PARTITIONS)) for k in shapes)
+            k.startswith(tuple(f"{p}." for p in PARTITIONS)) for k in shapes
+        )
         targets = _diffusers_targets(header, unprefixed)
         fmt, qkv_layout = ("peft" if unprefixed else "diffusers"), None
     if header.shapes:
         first = min(header.shapes)
-        raise _bad(name, f"key `{header.source[first]}` is not part of any MiniMax-H3 LoRA layout this loader "
-                         "knows (diffusers / peft, native, kohya / musubi, DiffSynth).")
+        raise _bad(
+            name,
+            f"key `{header.source[first]}` is not part of any MiniMax-H3 LoRA layout this loader "
+            "knows (diffusers / peft, native, kohya / musubi, DiffSynth).",
+        )
     if not targets:
         raise _bad(name, "the file holds no LoRA factors.")
     config_scales = _adapter_config_scales(metadata, targets)
@@ -363,8 +409,11 @@ def read_lora(path, *, head_dim: int = 128, alpha: float | None = None, name: st
     else:
         network_alpha, source = None, "rank"
     if "alpha" in metadata and source == "rank":
-        logger.warning("LoRA %s records alpha %r in its metadata, which is not a number: loading it with alpha = "
-                       "rank.", name, metadata["alpha"])
+        logger.warning(
+            "LoRA %s records alpha %r in its metadata, which is not a number: loading it with alpha = rank.",
+            name,
+            metadata["alpha"],
+        )
     # What is accepted must run: a non-finite alpha would fill every output with NaN at the end of a job.
     if network_alpha is not None and not math.isfinite(network_alpha):
         given = "the alpha given" if source == "override" else f"its {source} alpha {metadata.get('alpha')!r}"
@@ -383,13 +432,15 @@ def _deinterleave(up: torch.Tensor, head_dim: int) -> torch.Tensor:
     return torch.cat([part.reshape(heads * head_dim, up.shape[1]) for part in grouped.split(head_dim, dim=1)])
 
 
-def load_lora_factors(lora: LoraFile, *, head_dim: int = 128,
-                      partitions: tuple[str, ...] = PARTITIONS) -> dict[str, dict[str, LoraFactors]]:
+def load_lora_factors(
+    lora: LoraFile, *, head_dim: int = 128, partitions: tuple[str, ...] = PARTITIONS
+) -> dict[str, dict[str, LoraFactors]]:
     """The tensors of `lora`, converted: `{partition: {module: LoraFactors}}` (host tensors in the file's dtype;
     `scale` = the module's alpha / its rank)."""
     out: dict[str, dict[str, LoraFactors]] = {}
     cache: dict[str, torch.Tensor] = {}
     with safe_open(str(lora.path), framework="pt") as handle:
+
         def get(key: str) -> torch.Tensor:
             if key not in cache:
                 cache[key] = handle.get_tensor(key)
@@ -413,4 +464,3 @@ def load_lora_factors(lora: LoraFile, *, head_dim: int = 128,
             scale = lora.module_scale(target, alpha)
             out.setdefault(target.partition, {})[target.module] = LoraFactors(down, up, scale)
     return out
-

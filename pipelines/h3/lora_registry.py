@@ -21,9 +21,8 @@ import torch
 import torch.nn as nn
 
 from h3gen.errors import RequestError
+from h3gen.lora import AUTO_MERGE_MAX_ROUNDING_LOSS, LoraFactors, LoraGroup, merge_delta, merge_factors, rounding_loss
 from h3gen.options import parse_bytes
-from h3gen.lora import (AUTO_MERGE_MAX_ROUNDING_LOSS, LoraFactors, LoraGroup, merge_delta, merge_factors,
-                        rounding_loss)
 from h3gen.pipelines.h3.lora_formats import LoraFile, load_lora_factors, read_lora
 
 logger = logging.getLogger(__name__)
@@ -58,8 +57,11 @@ def route_partition(task: str, partitions, name: str) -> str:
         return "transformer_ref"
     if "transformer" in partitions:
         return "transformer"
-    raise RequestError(f"LoRA {name} holds transformer_ref (ref2va) layers only; use it with a ref2va request "
-                       f"(references), not {task}.", "loras")
+    raise RequestError(
+        f"LoRA {name} holds transformer_ref (ref2va) layers only; use it with a ref2va request "
+        f"(references), not {task}.",
+        "loras",
+    )
 
 
 # The block linears whose input a tier's fused block forward writes into a K-extended LoRA's wide buffer
@@ -68,8 +70,7 @@ def route_partition(task: str, partitions, name: str) -> str:
 _DENSE_EXTENDED = re.compile(r"transformer_blocks\.\d+\.(attn\.to_[qkv]|ff\.net\.0\.proj|ff\.net\.2)$")
 
 
-def lora_device_bytes(lora: LoraFile, task: str, itemsize: int, fp8_modules=frozenset(),
-                      extended: bool = True) -> int:
+def lora_device_bytes(lora: LoraFile, task: str, itemsize: int, fp8_modules=frozenset(), extended: bool = True) -> int:
     """The device bytes `activate` holds for the `task` part of `lora`, from its header alone, at `itemsize` bytes
     per element: every module's B (out_features x rank) and every distinct A (rank x in_features; the A a fused-QKV
     file shares between q, k and v is held once, as `LoraGroup` holds it). A group with a layer among
@@ -108,8 +109,11 @@ def lora_device_bytes(lora: LoraFile, task: str, itemsize: int, fp8_modules=froz
 
 def fp8_layers(model: nn.Module) -> set[str]:
     """The names of `model`'s linears that hold e4m3 weights (the fast tier's `Fp8Linear`s and FP8 TP shards)."""
-    return {name for name, module in model.named_modules()
-            if getattr(getattr(module, "weight", None), "dtype", None) == torch.float8_e4m3fn}
+    return {
+        name
+        for name, module in model.named_modules()
+        if getattr(getattr(module, "weight", None), "dtype", None) == torch.float8_e4m3fn
+    }
 
 
 def check_targets(model: nn.Module, lora: LoraFile) -> None:
@@ -121,13 +125,18 @@ def check_targets(model: nn.Module, lora: LoraFile) -> None:
         except AttributeError:
             layer = None
         if layer is None or not hasattr(layer, "in_features") or not hasattr(layer, "out_features"):
-            raise RequestError(f"LoRA {lora.name}: key `{target.down_key}` names `{target.module}`, which is not a "
-                               "linear layer of the MiniMax-H3 transformer.", "loras")
+            raise RequestError(
+                f"LoRA {lora.name}: key `{target.down_key}` names `{target.module}`, which is not a "
+                "linear layer of the MiniMax-H3 transformer.",
+                "loras",
+            )
         want, have = (target.out_features, target.in_features), (layer.out_features, layer.in_features)
         if want != have:
             raise RequestError(
                 f"LoRA {lora.name}: `{target.module}` updates a {want[0]} x {want[1]} weight, but the model's is "
-                f"{have[0]} x {have[1]} (an adapter trained on another, e.g. pruned, checkpoint).", "loras")
+                f"{have[0]} x {have[1]} (an adapter trained on another, e.g. pruned, checkpoint).",
+                "loras",
+            )
 
 
 class LoraRegistry:
@@ -136,8 +145,9 @@ class LoraRegistry:
     `check(lora_file)` validates a file against the model before its tensors are read (raising `RequestError`);
     `head_dim` is the model's attention head size; `pin` pins the host copies (for fast copies to a GPU)."""
 
-    def __init__(self, max_cpu_loras: int = DEFAULT_MAX_CPU_LORAS, *, head_dim: int = 128, check=None,
-                 pin: bool = False):
+    def __init__(
+        self, max_cpu_loras: int = DEFAULT_MAX_CPU_LORAS, *, head_dim: int = 128, check=None, pin: bool = False
+    ):
         if not isinstance(max_cpu_loras, int) or max_cpu_loras < 1:
             raise RequestError(f"max_cpu_loras must be an integer >= 1 (got {max_cpu_loras!r}).", "max_cpu_loras")
         self.max_cpu_loras, self.head_dim, self.check, self.pin = max_cpu_loras, head_dim, check, pin
@@ -175,8 +185,9 @@ class LoraRegistry:
             self._cache.move_to_end(name)
             return self._cache[name]
         if name not in self._sources:
-            raise RequestError(f"no LoRA named {name!r} is loaded (known: {', '.join(self._sources) or 'none'}).",
-                               "loras")
+            raise RequestError(
+                f"no LoRA named {name!r} is loaded (known: {', '.join(self._sources) or 'none'}).", "loras"
+            )
         path, alpha = self._sources[name]
         lora = read_lora(path, head_dim=self.head_dim, alpha=alpha, name=name)
         if self.check is not None:
@@ -212,8 +223,9 @@ class LoraRegistry:
             scale = 1.0
             if isinstance(item, (list, tuple)):
                 if len(item) != 2:
-                    raise RequestError(f"each LoRA is a name or path, or a (name or path, scale) pair (got {item!r}).",
-                                       "loras")
+                    raise RequestError(
+                        f"each LoRA is a name or path, or a (name or path, scale) pair (got {item!r}).", "loras"
+                    )
                 item, scale = item
             if not isinstance(item, (str, Path)):
                 raise RequestError(f"a LoRA is named by a string or a path (got {type(item).__name__}).", "loras")
@@ -288,8 +300,9 @@ def deactivate(transformer) -> None:
     transformer.active_loras = None
 
 
-def activate(transformer, adapters: list[tuple[Adapter, float]], task: str, device,
-             inside_gemm: bool = True) -> ActiveLoras | None:
+def activate(
+    transformer, adapters: list[tuple[Adapter, float]], task: str, device, inside_gemm: bool = True
+) -> ActiveLoras | None:
     """Make `transformer` apply exactly `adapters` (`[(adapter, scale), ...]`, their `task` parts) from its next
     forward on; an empty list removes every adapter. The same set as now is left as it is. `inside_gemm=False` keeps
     the updates out of the GEMMs (`h3gen.lora.wide`): written before the lossless tier's, added after the fast
@@ -329,8 +342,9 @@ def lora_budget_bytes(value) -> int | None:
     try:
         budget = parse_bytes(value)
     except RequestError:
-        raise RequestError(f"lora_gpu_memory must look like 4GiB, 2GB or 512MiB (got {value!r}).",
-                           "lora_gpu_memory") from None
+        raise RequestError(
+            f"lora_gpu_memory must look like 4GiB, 2GB or 512MiB (got {value!r}).", "lora_gpu_memory"
+        ) from None
     if budget is not None and budget < 0:
         raise RequestError(f"lora_gpu_memory must be 0 bytes or more (got {value!r}).", "lora_gpu_memory")
     return budget
@@ -348,8 +362,11 @@ def check_device_budget(need: int, names: list[str], limit: int | None, availabl
     else:
         return
     if need > budget:
-        raise RequestError(f"the {len(names)} LoRA adapters ({', '.join(names)}) need {_size(need)} on the device, "
-                           f"more than the {_size(budget)} they may use ({what}); use fewer.", "loras")
+        raise RequestError(
+            f"the {len(names)} LoRA adapters ({', '.join(names)}) need {_size(need)} on the device, "
+            f"more than the {_size(budget)} they may use ({what}); use fewer.",
+            "loras",
+        )
 
 
 def _size(nbytes: int) -> str:
@@ -365,6 +382,7 @@ def merge_into(model: nn.Module, name: str, factors: dict[str, LoraFactors], sca
     """Add an adapter's update into `model`'s dense weights for good, refused (`RequestError`, nothing changed) when
     rounding to the weights' dtype would lose more than `AUTO_MERGE_MAX_ROUNDING_LOSS` of the update on any module
     (measured per module by norm, as SGLang's `auto` merge mode does) or when a base layer is not dense."""
+
     def delta(module: str, f: LoraFactors):
         layer = model.get_submodule(module)
         try:
@@ -380,6 +398,8 @@ def merge_into(model: nn.Module, name: str, factors: dict[str, LoraFactors], sca
             raise RequestError(
                 f"LoRA {name} cannot be merged: rounding to {layer.weight.dtype} would lose {loss:.0%} of its update "
                 f"on `{module}` (more than {AUTO_MERGE_MAX_ROUNDING_LOSS:.0%}); load it without merge=True to apply "
-                "it unmerged.", "merge")
+                "it unmerged.",
+                "merge",
+            )
     for module, f in factors.items():
         merge_factors(*delta(module, f))

@@ -47,7 +47,10 @@ class PackedLayout:
 
     def to(self, device: torch.device | str) -> "PackedLayout":
         """The index tensors and tags on `device` (positions stay float64 wherever they go)."""
-        move = lambda t: t.to(device)  # noqa: E731
+
+        def move(tensor: torch.Tensor) -> torch.Tensor:
+            return tensor.to(device)
+
         return PackedLayout(
             move(self.position_ids),
             move(self.token_tags),
@@ -102,7 +105,10 @@ def frame_grid(latent_height: int, latent_width: int, patch_h: int, patch_w: int
 def frame_times(num_latent_frames: int, origin: float) -> torch.Tensor:
     """Rotary time of every latent frame from `origin`: origin + cumulative spans (sequential float64 sum)."""
     spans = torch.tensor(
-        [ROPE_FRAME_RESCALE * ROPE_FRAMES_PER_LATENT[i % len(ROPE_FRAMES_PER_LATENT)] for i in range(num_latent_frames)],
+        [
+            ROPE_FRAME_RESCALE * ROPE_FRAMES_PER_LATENT[i % len(ROPE_FRAMES_PER_LATENT)]
+            for i in range(num_latent_frames)
+        ],
         dtype=torch.float64,
     )
     return origin + torch.cat([torch.zeros(1, dtype=torch.float64), spans[:-1].cumsum(0)])
@@ -198,8 +204,9 @@ def build_layout(
     tags[text_indices] = text_token_tags.to(torch.long)
     tags[audio_indices] = AUDIO_TAG
     tags[video_indices] = VIDEO_TAG
-    return PackedLayout(positions, tags, video_indices, audio_indices, text_indices, num_condition, num_guide_audio,
-                        rows_per_frame)
+    return PackedLayout(
+        positions, tags, video_indices, audio_indices, text_indices, num_condition, num_guide_audio, rows_per_frame
+    )
 
 
 def row_timesteps(
@@ -230,16 +237,19 @@ class ReferenceBlock:
     audio_latents: int = 0
 
 
-def _fill_audio(positions: torch.Tensor, start: int, num_latents: int, origin: float, widths: torch.Tensor,
-                channels: int) -> None:
+def _fill_audio(
+    positions: torch.Tensor, start: int, num_latents: int, origin: float, widths: torch.Tensor, channels: int
+) -> None:
     """One channel-major audio block: time origin + j, no height, pinned to the ends of `widths` (left channel on
     the first coordinate, the other on the last)."""
     stop = start + num_latents * channels
     positions[start:stop, 0] = (origin + torch.arange(num_latents, dtype=torch.float64)).repeat(channels)
-    positions[start:stop, 2] = torch.cat([
-        torch.full((num_latents,), float(widths[0]), dtype=torch.float64),
-        torch.full((num_latents * (channels - 1),), float(widths[-1]), dtype=torch.float64),
-    ])
+    positions[start:stop, 2] = torch.cat(
+        [
+            torch.full((num_latents,), float(widths[0]), dtype=torch.float64),
+            torch.full((num_latents * (channels - 1),), float(widths[-1]), dtype=torch.float64),
+        ]
+    )
 
 
 def _fill_video(positions: torch.Tensor, start: int, num_frames: int, origin: float, grid: torch.Tensor) -> int:
@@ -285,14 +295,20 @@ def build_ref2va_layout(
     def rows_per_frame(height: int, width: int) -> int:
         return (height // patch_h) * (width // patch_w)
 
-    reference_video = sum(r.latent_frames * rows_per_frame(r.latent_height, r.latent_width)
-                          for r in references if r.kind != "audio")
+    reference_video = sum(
+        r.latent_frames * rows_per_frame(r.latent_height, r.latent_width) for r in references if r.kind != "audio"
+    )
     reference_audio = sum(r.audio_latents * audio_channels for r in references)
     target_rows = rows_per_frame(latent_height, latent_width)
     reference_video += guide_frames * target_rows
     reference_audio += guide_audio_latents * audio_channels
-    seq_len = (num_text + reference_video + reference_audio + num_audio_latents * audio_channels
-               + num_latent_frames * target_rows)
+    seq_len = (
+        num_text
+        + reference_video
+        + reference_audio
+        + num_audio_latents * audio_channels
+        + num_latent_frames * target_rows
+    )
 
     positions = torch.zeros(seq_len, 3, dtype=torch.float64)
     positions[:num_text, 0] = torch.arange(num_text, dtype=torch.float64)
@@ -321,8 +337,10 @@ def build_ref2va_layout(
         else:
             # Summed one span at a time in float64, as the reference does here (not the pairwise sum of
             # `last_keyframe_time`): the two differ in the last ulp from 16 latent frames on.
-            span = sum(ROPE_FRAME_RESCALE * ROPE_FRAMES_PER_LATENT[i % len(ROPE_FRAMES_PER_LATENT)]
-                       for i in range(reference.latent_frames))
+            span = sum(
+                ROPE_FRAME_RESCALE * ROPE_FRAMES_PER_LATENT[i % len(ROPE_FRAMES_PER_LATENT)]
+                for i in range(reference.latent_frames)
+            )
             clock += max(float(reference.audio_latents), span)
 
     clock += media_offset
@@ -346,5 +364,6 @@ def build_ref2va_layout(
     tags[text_indices] = text_token_tags.to(torch.long)
     tags[audio_indices] = AUDIO_TAG
     tags[video_indices] = VIDEO_TAG
-    return PackedLayout(positions, tags, video_indices, audio_indices, text_indices, reference_video, reference_audio,
-                        target_rows)
+    return PackedLayout(
+        positions, tags, video_indices, audio_indices, text_indices, reference_video, reference_audio, target_rows
+    )

@@ -14,8 +14,8 @@ there, which is how a job is cancelled within a fraction of a second in any stag
 
 import logging
 import math
-import time
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from contextlib import contextmanager, nullcontext
@@ -35,26 +35,56 @@ from h3gen.pipelines.h3.adapter_memory import DeviceMemory, tracks_device_memory
 from h3gen.pipelines.h3.checkpoint import REQUIRED, H3Checkpoint, resolve_workflow
 from h3gen.pipelines.h3.continuation import DEFAULT_MAX_SECONDS
 from h3gen.pipelines.h3.long_video import largest_window, run_continuation
-from h3gen.pipelines.h3.lora_registry import (DEFAULT_MAX_CPU_LORAS, LoraRegistry, activate, active_loras,
-                                              check_device_budget, check_targets, fp8_layers, lora_budget_bytes,
-                                              lora_device_bytes, merge_into)
-from h3gen.pipelines.h3.packing import (ReferenceBlock, build_layout, build_ref2va_layout, patchify_video,
-                                        row_timesteps, unpatchify_video)
+from h3gen.pipelines.h3.lora_registry import (
+    DEFAULT_MAX_CPU_LORAS,
+    LoraRegistry,
+    activate,
+    active_loras,
+    check_device_budget,
+    check_targets,
+    fp8_layers,
+    lora_budget_bytes,
+    lora_device_bytes,
+    merge_into,
+)
+from h3gen.pipelines.h3.packing import (
+    ReferenceBlock,
+    build_layout,
+    build_ref2va_layout,
+    patchify_video,
+    row_timesteps,
+    unpatchify_video,
+)
 from h3gen.pipelines.h3.progress import checkpoints as _checkpoints
 from h3gen.pipelines.h3.recipes import recipe_for
 from h3gen.pipelines.h3.references import AudioReference, ImageReference, VideoReference
-from h3gen.pipelines.h3.request import (KEYFRAME_NOISE_AUG, H3Request, check_activation_budget, prepare_request,
-                                        read_transformer_config)
+from h3gen.pipelines.h3.request import (
+    KEYFRAME_NOISE_AUG,
+    H3Request,
+    check_activation_budget,
+    prepare_request,
+    read_transformer_config,
+)
 from h3gen.pipelines.h3.schedules import AUDIO_SHIFT, VIDEO_SHIFT, noise_to, read_shift
 from h3gen.pipelines.h3.step_cache import step_cache
 from h3gen.pipelines.h3.step_cache_config import StepCacheConfig
 from h3gen.pipelines.h3.text_encoder import H3TextEncoder, TextConditioning
 from h3gen.pipelines.h3.tiers import set_quality
 from h3gen.pipelines.h3.transformer import H3Transformer
+from h3gen.pipelines.h3.vae import (
+    audio_decoder_units,
+    audio_encoder_units,
+    decode_audio,
+    decode_video,
+    encode_frames,
+    encode_keyframe,
+    encode_sound,
+    load_audio_vae,
+    load_video_vae,
+    video_decoder_units,
+    video_encoder_units,
+)
 from h3gen.pipelines.h3.video_decode import to_fp8_decoder
-from h3gen.pipelines.h3.vae import (audio_decoder_units, audio_encoder_units, decode_audio, decode_video,
-                                    encode_frames, encode_keyframe, encode_sound, load_audio_vae, load_video_vae,
-                                    video_decoder_units, video_encoder_units)
 
 logger = logging.getLogger(__name__)
 
@@ -117,11 +147,17 @@ class H3Output:
         `progress(done, total)` runs per frame written and read back (see `write_mp4`). Returns the decoded file's
         `MediaInfo`."""
         if self.video is None:
-            raise ValueError("this output holds no frames: it was generated with decode=False or written to "
-                             "output_path already.")
+            raise ValueError(
+                "this output holds no frames: it was generated with decode=False or written to output_path already."
+            )
         return write_mp4(
-            path, self.video, self.audio, fps=self.fps, sample_rate=self.sample_rate,
-            audio_sample_rate=audio_sample_rate, progress=progress,
+            path,
+            self.video,
+            self.audio,
+            fps=self.fps,
+            sample_rate=self.sample_rate,
+            audio_sample_rate=audio_sample_rate,
+            progress=progress,
         )
 
 
@@ -146,7 +182,8 @@ class _BackgroundEncode:
         self.frames, self.done = len(frames), 0
         self._stopping = threading.Event()
         self._future = ThreadPoolExecutor(1, thread_name_prefix="h3gen-mp4").submit(
-            writer.add_frames, frames, self._progress)
+            writer.add_frames, frames, self._progress
+        )
 
     def _progress(self, done: int) -> None:
         self.done = done
@@ -178,11 +215,26 @@ class H3Pipeline:
     for the other task only.
     """
 
-    def __init__(self, transformer, text_encoder, vae, audio_vae, *, checkpoint: H3Checkpoint, device,
-                 video_shift: float = VIDEO_SHIFT, audio_shift: float = AUDIO_SHIFT, workflow: str | None = None,
-                 quality: str | None = None, offload: str | None = None, transformer_ref=None, planner=None,
-                 options: RunOptions | None = None, max_cpu_loras: int = DEFAULT_MAX_CPU_LORAS,
-                 lora_gpu_memory=None):
+    def __init__(
+        self,
+        transformer,
+        text_encoder,
+        vae,
+        audio_vae,
+        *,
+        checkpoint: H3Checkpoint,
+        device,
+        video_shift: float = VIDEO_SHIFT,
+        audio_shift: float = AUDIO_SHIFT,
+        workflow: str | None = None,
+        quality: str | None = None,
+        offload: str | None = None,
+        transformer_ref=None,
+        planner=None,
+        options: RunOptions | None = None,
+        max_cpu_loras: int = DEFAULT_MAX_CPU_LORAS,
+        lora_gpu_memory=None,
+    ):
         if transformer is None and transformer_ref is None:
             raise ValueError("H3Pipeline needs a transformer, a transformer_ref, or both.")
         self.options = RunOptions.merged(options, workflow=workflow, quality=quality, offload=offload)
@@ -208,13 +260,21 @@ class H3Pipeline:
             to_fp8_decoder(vae)
         # Adapters (`load_lora`, `loras=`): a host LRU of `max_cpu_loras`; `lora_gpu_memory` caps what a request's
         # adapters may take on the device (default: what the device has free, less a margin).
-        self.loras = LoraRegistry(max_cpu_loras, head_dim=self.config.attention_head_dim,
-                                  check=lambda lora: check_targets(self._transformers()[0], lora),
-                                  pin=self.device.type == "cuda")
+        self.loras = LoraRegistry(
+            max_cpu_loras,
+            head_dim=self.config.attention_head_dim,
+            check=lambda lora: check_targets(self._transformers()[0], lora),
+            pin=self.device.type == "cuda",
+        )
         self.lora_gpu_memory = lora_budget_bytes(lora_gpu_memory)
-        self.device_memory = DeviceMemory(self.device, held=lambda: {
-            self._partition_of(model): active.nbytes for model in self._transformers()
-            if (active := active_loras(model)) is not None})
+        self.device_memory = DeviceMemory(
+            self.device,
+            held=lambda: {
+                self._partition_of(model): active.nbytes
+                for model in self._transformers()
+                if (active := active_loras(model)) is not None
+            },
+        )
         self.merged_loras: dict[str, list[tuple[str, float]]] = {}  # partition -> adapters merged into it
 
     def _transformers(self) -> list:
@@ -231,17 +291,31 @@ class H3Pipeline:
         if model is None:
             need = "workflow='ref2va' or 'all'" if task == "ref2va" else "workflow='t2va', 'fl2va' or 'all'"
             part = "transformer_ref" if task == "ref2va" else "transformer"
-            raise RequestError(f"this pipeline was loaded without its {part}/ partition, which {task} needs; load it "
-                               f"with {need}.", "references" if task == "ref2va" else "task")
+            raise RequestError(
+                f"this pipeline was loaded without its {part}/ partition, which {task} needs; load it with {need}.",
+                "references" if task == "ref2va" else "task",
+            )
         return model
 
     @classmethod
-    def from_pretrained(cls, path, device=None, torch_dtype: torch.dtype = torch.bfloat16,
-                        workflow: str | None = None, quality: str | None = None, parallel=None,
-                        offload: str | None = None, gpu_memory=None, prefetch: int | None = None,
-                        quantization: str | None = None, planner=None, attention: str | None = None,
-                        options: RunOptions | None = None, max_cpu_loras: int = DEFAULT_MAX_CPU_LORAS,
-                        lora_gpu_memory=None) -> "H3Pipeline":
+    def from_pretrained(
+        cls,
+        path,
+        device=None,
+        torch_dtype: torch.dtype = torch.bfloat16,
+        workflow: str | None = None,
+        quality: str | None = None,
+        parallel=None,
+        offload: str | None = None,
+        gpu_memory=None,
+        prefetch: int | None = None,
+        quantization: str | None = None,
+        planner=None,
+        attention: str | None = None,
+        options: RunOptions | None = None,
+        max_cpu_loras: int = DEFAULT_MAX_CPU_LORAS,
+        lora_gpu_memory=None,
+    ) -> "H3Pipeline":
         """Load every component of a local checkpoint folder in diffusers' layout.
 
         How it loads and runs is one `RunOptions` (`h3gen.options`): pass `options`, or its fields as keywords
@@ -268,42 +342,67 @@ class H3Pipeline:
         `max_cpu_loras` adapters stay converted in host memory (see `load_lora`); `lora_gpu_memory` ("4GiB") caps
         the device memory a request's adapters may take.
         """
-        options = RunOptions.merged(options, workflow=workflow, quality=quality, offload=offload,
-                                    gpu_memory=gpu_memory, prefetch=prefetch, quantization=quantization,
-                                    attention=attention)
+        options = RunOptions.merged(
+            options,
+            workflow=workflow,
+            quality=quality,
+            offload=offload,
+            gpu_memory=gpu_memory,
+            prefetch=prefetch,
+            quantization=quantization,
+            attention=attention,
+        )
         device = _resolve_device(device)
         checkpoint = H3Checkpoint.open(path)
         options = replace(options, workflow=resolve_workflow(checkpoint, options.workflow, device))
         tasks = checkpoint.tasks() if options.workflow == "all" else (options.workflow,)
         for task in tasks or ("t2va",):  # an empty "all" reports what t2va misses
             checkpoint.require(task)
-        partitions = [name for name in ("transformer", "transformer_ref")
-                      if any(name in REQUIRED[task] for task in tasks)]
+        partitions = [
+            name for name in ("transformer", "transformer_ref") if any(name in REQUIRED[task] for task in tasks)
+        ]
         if options.attention is not None:
-            _check_attention(options.attention, device, torch_dtype,
-                             read_transformer_config(checkpoint).attention_head_dim)
+            _check_attention(
+                options.attention, device, torch_dtype, read_transformer_config(checkpoint).attention_head_dim
+            )
         folders = {name: checkpoint.folder(name) for name in (*partitions, "text_encoder", "vae", "audio_vae")}
         placement = plan_placement(options, device, folders, partitions=len(partitions), parallel=parallel)
         loaded = {}
         for name in partitions:
             store = placement.host_store(name)
             loaded[name] = H3Transformer.from_pretrained(
-                folders[name], torch_dtype=torch_dtype, device=placement.transformer_device, parallel=parallel,
-                quantization=options.quantization, skip_prefixes=placement.skip_prefixes(store))
+                folders[name],
+                torch_dtype=torch_dtype,
+                device=placement.transformer_device,
+                parallel=parallel,
+                quantization=options.quantization,
+                skip_prefixes=placement.skip_prefixes(store),
+            )
             placement.offload_transformer(loaded[name], store)
         text_encoder = H3TextEncoder.from_pretrained(
-            folders["text_encoder"], checkpoint.folder("tokenizer"), checkpoint.components.get("processor"),
-            dtype=torch_dtype, device=placement.stage_device,
+            folders["text_encoder"],
+            checkpoint.folder("tokenizer"),
+            checkpoint.components.get("processor"),
+            dtype=torch_dtype,
+            device=placement.stage_device,
         )
         placement.offload_text_encoder(text_encoder.model.model.language_model.layers)
         vae = load_video_vae(folders["vae"], dtype=torch_dtype, device=placement.stage_device)
         audio_vae = load_audio_vae(folders["audio_vae"], device=placement.stage_device)
         return cls(
-            loaded.get("transformer"), text_encoder, vae, audio_vae, checkpoint=checkpoint, device=device,
+            loaded.get("transformer"),
+            text_encoder,
+            vae,
+            audio_vae,
+            checkpoint=checkpoint,
+            device=device,
             video_shift=read_shift(checkpoint.folder("scheduler"), VIDEO_SHIFT),
             audio_shift=read_shift(checkpoint.folder("audio_scheduler"), AUDIO_SHIFT),
-            transformer_ref=loaded.get("transformer_ref"), planner=planner, options=options,
-            max_cpu_loras=max_cpu_loras, lora_gpu_memory=lora_gpu_memory,
+            transformer_ref=loaded.get("transformer_ref"),
+            planner=planner,
+            options=options,
+            max_cpu_loras=max_cpu_loras,
+            lora_gpu_memory=lora_gpu_memory,
         )
 
     def validate(self, prompt, *, step_cache: bool = False, lora_files: list | None = None, **kwargs) -> H3Request:
@@ -312,21 +411,24 @@ class H3Pipeline:
         budget and, under layer-wise offload, its activations (with `step_cache`, the step cache's too) against the
         GPU budget (a clip over 15 s: its largest window's), before any model work."""
         kwargs.setdefault("max_seconds", self.max_seconds)
-        request = prepare_request(self.checkpoint, self.config, prompt,
-                                  default_shifts=(self.video_shift, self.audio_shift), **kwargs)
+        request = prepare_request(
+            self.checkpoint, self.config, prompt, default_shifts=(self.video_shift, self.audio_shift), **kwargs
+        )
         if lora_files:
             self._check_lora_budget(lora_files, request.task)
         budget = getattr(self._transformer_for(request.task), "activation_budget_bytes", None)
         if budget is not None:
             sized = request if request.continuation is None else largest_window(request)
-            check_activation_budget(sized, len(self.text_encoder.tokenize(sized.prompt)), self.config, budget,
-                                    step_cache=step_cache)
+            check_activation_budget(
+                sized, len(self.text_encoder.tokenize(sized.prompt)), self.config, budget, step_cache=step_cache
+            )
         return request
 
     # ------------------------------------------------------------------ adapters
 
-    def load_lora(self, path, name: str | None = None, alpha: float | None = None, *, merge: bool = False,
-                  scale: float = 1.0) -> str:
+    def load_lora(
+        self, path, name: str | None = None, alpha: float | None = None, *, merge: bool = False, scale: float = 1.0
+    ) -> str:
         """Register the LoRA file at `path` (a `.safetensors` file in any format `lora_formats` reads) under `name`
         (default: the file's stem) and return the name, which requests then give in `loras=`. The file is checked
         against the transformer (every key converted, every shape fitting) and held converted in host memory while
@@ -342,11 +444,15 @@ class H3Pipeline:
         if merge:
             adapter = self.loras.adapter(name)
             for partition, factors in adapter.factors.items():
-                model = self.transformer_ref if partition == "transformer_ref" else (
-                    self.transformer if self.transformer is not None else self.transformer_ref)
+                model = (
+                    self.transformer_ref
+                    if partition == "transformer_ref"
+                    else (self.transformer if self.transformer is not None else self.transformer_ref)
+                )
                 if model is None:
-                    raise RequestError(f"LoRA {name} holds {partition} layers, which this pipeline did not load.",
-                                       "merge")
+                    raise RequestError(
+                        f"LoRA {name} holds {partition} layers, which this pipeline did not load.", "merge"
+                    )
                 merge_into(model, name, factors, scale)
                 self.merged_loras.setdefault(self._partition_of(model), []).append((name, float(scale)))
         return name
@@ -381,8 +487,12 @@ class H3Pipeline:
         fp8 = fp8_layers(model)
         extended = getattr(model, "offload", None) is None  # `activate` extends no weight under layer-wise offload
         need = sum(lora_device_bytes(lora, task, model.dtype.itemsize, fp8, extended) for lora in files)
-        check_device_budget(need, [lora.name for lora in files], self.lora_gpu_memory,
-                            self.device_memory.available(self._partition_of(model)))
+        check_device_budget(
+            need,
+            [lora.name for lora in files],
+            self.lora_gpu_memory,
+            self.device_memory.available(self._partition_of(model)),
+        )
 
     # ------------------------------------------------------------------ stages
 
@@ -400,13 +510,20 @@ class H3Pipeline:
         for reference in request.references:
             if reference.kind != "audio":
                 height, width = reference.visual_size
-                latent = (1, cfg.in_channels, reference.num_latent_frames, height // geometry.SPATIAL_COMPRESSION,
-                          width // geometry.SPATIAL_COMPRESSION)
+                latent = (
+                    1,
+                    cfg.in_channels,
+                    reference.num_latent_frames,
+                    height // geometry.SPATIAL_COMPRESSION,
+                    width // geometry.SPATIAL_COMPRESSION,
+                )
                 condition.append(self._draw(latent, request.generator))
         video = request.latents
         if video is None:
-            video = self._draw((1, cfg.in_channels, shape.num_latent_frames, shape.latent_height, shape.latent_width),
-                               request.generator)
+            video = self._draw(
+                (1, cfg.in_channels, shape.num_latent_frames, shape.latent_height, shape.latent_width),
+                request.generator,
+            )
         if request.audio_latents is None:
             audio_rows = self._draw((shape.num_audio_latents * 2, cfg.audio_in_channels), request.generator)
         else:
@@ -425,9 +542,11 @@ class H3Pipeline:
         if not request.keyframes:
             return None
         rows, total = [], len(request.keyframes)
-        for index, (keyframe, draw) in enumerate(zip(request.keyframes, noise.condition)):
+        for index, (keyframe, draw) in enumerate(zip(request.keyframes, noise.condition, strict=True)):
             report("encode_conditions", index, total)
-            with _checkpoints(video_encoder_units(self.vae), lambda: report("encode_conditions", index, total)):
+            with _checkpoints(
+                video_encoder_units(self.vae), lambda index=index: report("encode_conditions", index, total)
+            ):
                 latents = encode_keyframe(self.vae, keyframe).to(self.device)
             rows.append(patchify_video(noise_to(latents, KEYFRAME_NOISE_AUG, draw), self.config.patch_size))
             report("encode_conditions", index + 1, len(request.keyframes))
@@ -443,7 +562,7 @@ class H3Pipeline:
         for index, reference in enumerate(request.references):
             report("encode_conditions", index, total)
 
-            def check():
+            def check(index=index):
                 report("encode_conditions", index, total)
 
             grid = (0, 0, 0)
@@ -452,8 +571,9 @@ class H3Pipeline:
                 with self._stage(self.vae), _checkpoints(video_encoder_units(self.vae), check):
                     latents = encode_frames(self.vae, pixels[: reference.num_encoded_frames]).to(self.device)
                 grid = tuple(latents.shape[2:5])
-                video_rows.append(patchify_video(noise_to(latents, KEYFRAME_NOISE_AUG, next(draws)),
-                                                 self.config.patch_size))
+                video_rows.append(
+                    patchify_video(noise_to(latents, KEYFRAME_NOISE_AUG, next(draws)), self.config.patch_size)
+                )
             sound = 0
             if reference.has_audio:
                 with self._stage(self.audio_vae), _checkpoints(audio_encoder_units(self.audio_vae), check):
@@ -464,9 +584,19 @@ class H3Pipeline:
         return (torch.cat(video_rows) if video_rows else None, torch.cat(audio_rows) if audio_rows else None, blocks)
 
     @torch.no_grad()
-    def _denoise(self, request: H3Request, text, video_rows, audio_rows, report: ProgressCallback, tier: str,
-                 blocks: list[ReferenceBlock] | None = None, cache: StepCacheConfig | None = None, layout=None,
-                 adapters: list | None = None):
+    def _denoise(
+        self,
+        request: H3Request,
+        text,
+        video_rows,
+        audio_rows,
+        report: ProgressCallback,
+        tier: str,
+        blocks: list[ReferenceBlock] | None = None,
+        cache: StepCacheConfig | None = None,
+        layout=None,
+        adapters: list | None = None,
+    ):
         """The loop: one transformer forward per step; video and audio rows step their own schedules; conditioning
         rows (keyframes, references) are never written. With `cache`, the first-block step cache decides per
         forward whether blocks 1..N-1 run. `layout`: a window's own (`long_video.window_layout`). `adapters`
@@ -479,43 +609,89 @@ class H3Pipeline:
         total = len(video_schedule)
         report("denoise", 0, total)
         if layout is None and request.task == "ref2va":
-            layout = build_ref2va_layout(text.token_tags, blocks, shape.num_latent_frames, shape.latent_height,
-                                         shape.latent_width, shape.num_audio_latents,
-                                         patch_size=self.config.patch_size)
+            layout = build_ref2va_layout(
+                text.token_tags,
+                blocks,
+                shape.num_latent_frames,
+                shape.latent_height,
+                shape.latent_width,
+                shape.num_audio_latents,
+                patch_size=self.config.patch_size,
+            )
         elif layout is None:
-            layout = build_layout(text.token_tags, shape.num_latent_frames, shape.latent_height, shape.latent_width,
-                                  shape.num_audio_latents, patch_size=self.config.patch_size,
-                                  keyframe_anchors=request.anchors)
+            layout = build_layout(
+                text.token_tags,
+                shape.num_latent_frames,
+                shape.latent_height,
+                shape.latent_width,
+                shape.num_audio_latents,
+                patch_size=self.config.patch_size,
+                keyframe_anchors=request.anchors,
+            )
         on_device = layout.to(self.device)
         cond, cond_audio = layout.num_condition_video_rows, layout.num_condition_audio_rows
         plan = []  # per step: the distinct timesteps and every row's index into them
         for i in range(total):
             video_t = float(video_schedule.timesteps[i])
-            timestep, indices = row_timesteps(layout, video_t, float(audio_schedule.timesteps[i]),
-                                              max(video_t, KEYFRAME_NOISE_AUG))
+            timestep, indices = row_timesteps(
+                layout, video_t, float(audio_schedule.timesteps[i]), max(video_t, KEYFRAME_NOISE_AUG)
+            )
             plan.append((timestep.to(self.device), indices.to(self.device)))
         # Outside the exact tier every block's AdaLN table for the whole request is computed up front.
         tables = transformer.precompute_adaln([t for t, _ in plan]) if tier != "exact" else None
         with step_cache(transformer, cache, total) if cache is not None else nullcontext() as cached:
-            self._steps(transformer, plan, tables, text, on_device, video_rows, audio_rows, video_schedule,
-                        audio_schedule, cond, cond_audio, report)
-        latents = unpatchify_video(video_rows[cond:], shape.num_latent_frames, shape.latent_height,
-                                   shape.latent_width, self.config.patch_size)
+            self._steps(
+                transformer,
+                plan,
+                tables,
+                text,
+                on_device,
+                video_rows,
+                audio_rows,
+                video_schedule,
+                audio_schedule,
+                cond,
+                cond_audio,
+                report,
+            )
+        latents = unpatchify_video(
+            video_rows[cond:], shape.num_latent_frames, shape.latent_height, shape.latent_width, self.config.patch_size
+        )
         audio = audio_rows[cond_audio:].reshape(2, shape.num_audio_latents, -1).permute(0, 2, 1).contiguous()
         return latents, audio, (cached.cached_steps if cached is not None else []), total
 
     @staticmethod
-    def _steps(transformer, plan, tables, text, on_device, video_rows, audio_rows, video_schedule, audio_schedule,
-               cond: int, cond_audio: int, report: ProgressCallback) -> None:
+    def _steps(
+        transformer,
+        plan,
+        tables,
+        text,
+        on_device,
+        video_rows,
+        audio_rows,
+        video_schedule,
+        audio_schedule,
+        cond: int,
+        cond_audio: int,
+        report: ProgressCallback,
+    ) -> None:
         """The denoising steps, updating `video_rows` / `audio_rows` in place."""
         total = len(plan)
         for i, (timestep, timestep_indices) in enumerate(plan):
             video_v, audio_v = transformer(
-                hidden_states=video_rows[None], audio_hidden_states=audio_rows[None],
-                encoder_hidden_states=text.embeds, timestep=timestep, timestep_indices=timestep_indices,
-                token_tags=on_device.token_tags, position_ids=on_device.position_ids,
-                video_indices=on_device.video_indices, audio_indices=on_device.audio_indices,
-                text_indices=on_device.text_indices, return_dict=False, adaln_tables=tables, step=i,
+                hidden_states=video_rows[None],
+                audio_hidden_states=audio_rows[None],
+                encoder_hidden_states=text.embeds,
+                timestep=timestep,
+                timestep_indices=timestep_indices,
+                token_tags=on_device.token_tags,
+                position_ids=on_device.position_ids,
+                video_indices=on_device.video_indices,
+                audio_indices=on_device.audio_indices,
+                text_indices=on_device.text_indices,
+                return_dict=False,
+                adaln_tables=tables,
+                step=i,
             )
             video_rows[cond:] = video_schedule.step(i, video_v[0, cond:].float(), video_rows[cond:])
             audio_rows[cond_audio:] = audio_schedule.step(i, audio_v[0, cond_audio:].float(), audio_rows[cond_audio:])
@@ -560,8 +736,9 @@ class H3Pipeline:
         """The planner's rewrite of `prompt` (the request is validated first, so a bad one fails before planning;
         the first keyframe goes along when the planner reads images)."""
         if self.planner is None:
-            raise RequestError("plan=True needs a pipeline built with a planner (H3Pipeline(..., planner=...)).",
-                               "plan")
+            raise RequestError(
+                "plan=True needs a pipeline built with a planner (H3Pipeline(..., planner=...)).", "plan"
+            )
         self.validate(prompt, **fields)
         keyframe = fields["image"] if getattr(self.planner, "accepts_images", False) else None
         report("plan", 0, 1)
@@ -596,8 +773,17 @@ class H3Pipeline:
             audio_rows = torch.cat([audio_condition, audio_rows])
         return video_rows, audio_rows, blocks
 
-    def _decode(self, video_latents: torch.Tensor, audio_latents: torch.Tensor, decode: bool,
-                report: ProgressCallback, lap, tier: str, output_path=None, audio_sample_rate: int | None = None):
+    def _decode(
+        self,
+        video_latents: torch.Tensor,
+        audio_latents: torch.Tensor,
+        decode: bool,
+        report: ProgressCallback,
+        lap,
+        tier: str,
+        output_path=None,
+        audio_sample_rate: int | None = None,
+    ):
         """Stages `decode_video`, `decode_audio` and, with `output_path`, `write_mp4`: (frames `(F, H, W, 3)`
         float32 in [0, 1], stereo `(2, S)` float32, the written file's `MediaInfo` or None). Without `decode` both
         are None (the stages are still reported). With `output_path` the frames go to the file instead of being
@@ -606,24 +792,36 @@ class H3Pipeline:
         video = audio = media = None
         report("decode_video", 0, 1)
         if decode:
-            check = lambda: report("decode_video", 0, 1)  # noqa: E731
+
+            def check():
+                report("decode_video", 0, 1)
+
             with self._stage(self.vae), _checkpoints(video_decoder_units(self.vae), check):
-                video = decode_video(self.vae, video_latents, tier=base_tier(tier), check=check,
-                                     on_device=output_path is not None)
+                video = decode_video(
+                    self.vae, video_latents, tier=base_tier(tier), check=check, on_device=output_path is not None
+                )
         report("decode_video", 1, 1)
         lap("decode_video")
         writer = encoding = None
         if decode and output_path is not None:
             num_frames, height, width, _ = video.shape
-            writer = Mp4Writer(output_path, width=width, height=height, fps=geometry.FPS,
-                               sample_rate=int(self.audio_vae.config.sampling_rate),
-                               audio_sample_rate=audio_sample_rate)
+            writer = Mp4Writer(
+                output_path,
+                width=width,
+                height=height,
+                fps=geometry.FPS,
+                sample_rate=int(self.audio_vae.config.sampling_rate),
+                audio_sample_rate=audio_sample_rate,
+            )
             encoding = _BackgroundEncode(writer, rgb_to_yuv420(video).cpu().numpy())
             video = None
         try:
             report("decode_audio", 0, 1)
             if decode:
-                check = lambda: report("decode_audio", 0, 1)  # noqa: E731
+
+                def check():
+                    report("decode_audio", 0, 1)
+
                 with self._stage(self.audio_vae), _checkpoints(audio_decoder_units(self.audio_vae), check):
                     audio = decode_audio(self.audio_vae, audio_latents)
             report("decode_audio", 1, 1)
@@ -644,18 +842,39 @@ class H3Pipeline:
         return video, audio, media
 
     @tracks_device_memory
-    def __call__(self, prompt: str, *, image=None, last_image=None, references: list | None = None,
-                 aspect_ratio: str | None = None,
-                 seconds: float | None = None, num_frames: int | None = None, height: int | None = None,
-                 width: int | None = None, num_inference_steps: int | None = None, forwards: int | None = None,
-                 video_shift: float | None = None, audio_shift: float | None = None, seed: int | None = None,
-                 generator: torch.Generator | None = None, latents: torch.Tensor | None = None,
-                 audio_latents: torch.Tensor | None = None, callback: ProgressCallback | None = None,
-                 quality: str | None = None, decode: bool = True, plan: bool = False,
-                 plan_max_tokens: int | None = None, prompts: list[str] | None = None,
-                 window_frames: int | None = None, overlap_frames: int | None = None, output_path=None,
-                 audio_sample_rate: int | None = None, cache: dict | StepCacheConfig | None = None,
-                 loras: list | None = None) -> H3Output:
+    def __call__(
+        self,
+        prompt: str,
+        *,
+        image=None,
+        last_image=None,
+        references: list | None = None,
+        aspect_ratio: str | None = None,
+        seconds: float | None = None,
+        num_frames: int | None = None,
+        height: int | None = None,
+        width: int | None = None,
+        num_inference_steps: int | None = None,
+        forwards: int | None = None,
+        video_shift: float | None = None,
+        audio_shift: float | None = None,
+        seed: int | None = None,
+        generator: torch.Generator | None = None,
+        latents: torch.Tensor | None = None,
+        audio_latents: torch.Tensor | None = None,
+        callback: ProgressCallback | None = None,
+        quality: str | None = None,
+        decode: bool = True,
+        plan: bool = False,
+        plan_max_tokens: int | None = None,
+        prompts: list[str] | None = None,
+        window_frames: int | None = None,
+        overlap_frames: int | None = None,
+        output_path=None,
+        audio_sample_rate: int | None = None,
+        cache: dict | StepCacheConfig | None = None,
+        loras: list | None = None,
+    ) -> H3Output:
         """Generate a clip.
 
         Args:
@@ -710,18 +929,34 @@ class H3Pipeline:
             `H3Output`.
         """
         report = callback or (lambda stage, step, total: None)
-        fields = dict(image=image, last_image=last_image, references=references, aspect_ratio=aspect_ratio,
-                      seconds=seconds, num_frames=num_frames, height=height, width=width,
-                      num_inference_steps=num_inference_steps, forwards=forwards, video_shift=video_shift,
-                      audio_shift=audio_shift, seed=seed, generator=generator, latents=latents,
-                      audio_latents=audio_latents, prompts=prompts, window_frames=window_frames,
-                      overlap_frames=overlap_frames)
+        fields = dict(
+            image=image,
+            last_image=last_image,
+            references=references,
+            aspect_ratio=aspect_ratio,
+            seconds=seconds,
+            num_frames=num_frames,
+            height=height,
+            width=width,
+            num_inference_steps=num_inference_steps,
+            forwards=forwards,
+            video_shift=video_shift,
+            audio_shift=audio_shift,
+            seed=seed,
+            generator=generator,
+            latents=latents,
+            audio_latents=audio_latents,
+            prompts=prompts,
+            window_frames=window_frames,
+            overlap_frames=overlap_frames,
+        )
         planned = self._planned_prompt(prompt, fields, plan_max_tokens, report) if plan else None
         if references is not None:
             self._transformer_for("ref2va")  # before decoding any media
         cache_config = self._cache_config(self.options.request_quality(quality), cache)
-        request = self.validate(planned or prompt, step_cache=cache_config is not None,
-                                recipes=self._recipes(loras, references), **fields)
+        request = self.validate(
+            planned or prompt, step_cache=cache_config is not None, recipes=self._recipes(loras, references), **fields
+        )
         model = self._transformer_for(request.task)
         adapters = self._request_loras(loras, request.task)
         tier = self._tier(quality)
@@ -736,28 +971,59 @@ class H3Pipeline:
 
         if request.continuation is not None:
             if cache_config is not None:
-                raise RequestError("quality high (the step cache) is not available for clips over 15 s: each window "
-                                   "is denoised on its own; use lossless or fast for them.", "quality")
-            info, timings = run_continuation(self, request, report=report, tier=tier, decode=decode,
-                                             output_path=output_path, audio_sample_rate=audio_sample_rate,
-                                             adapters=adapters)
-            return H3Output(video=None, audio=None, fps=geometry.FPS,
-                            sample_rate=int(self.audio_vae.config.sampling_rate), seed=request.seed, timings=timings,
-                            planned_prompt=planned, path=None if info is None else str(output_path), media=info,
-                            windows=request.continuation.num_windows, sampling=request.sampling.describe(),
-                            loras=self._applied_loras(model, adapters))
+                raise RequestError(
+                    "quality high (the step cache) is not available for clips over 15 s: each window "
+                    "is denoised on its own; use lossless or fast for them.",
+                    "quality",
+                )
+            info, timings = run_continuation(
+                self,
+                request,
+                report=report,
+                tier=tier,
+                decode=decode,
+                output_path=output_path,
+                audio_sample_rate=audio_sample_rate,
+                adapters=adapters,
+            )
+            return H3Output(
+                video=None,
+                audio=None,
+                fps=geometry.FPS,
+                sample_rate=int(self.audio_vae.config.sampling_rate),
+                seed=request.seed,
+                timings=timings,
+                planned_prompt=planned,
+                path=None if info is None else str(output_path),
+                media=info,
+                windows=request.continuation.num_windows,
+                sampling=request.sampling.describe(),
+                loras=self._applied_loras(model, adapters),
+            )
         text = self._encode_text(request, report)
         lap("encode_text")
         noise = self.draw_noise(request)
         video_rows, audio_rows, blocks = self._initial_rows(request, noise, report)
         lap("encode_conditions")
         video_latents, audio_latents, cached_steps, forwards = self._denoise(
-            request, text, video_rows, audio_rows, report, tier, blocks, cache_config, adapters=adapters)
+            request, text, video_rows, audio_rows, report, tier, blocks, cache_config, adapters=adapters
+        )
         lap("denoise")
-        video, audio, media = self._decode(video_latents, audio_latents, decode, report, lap, tier, output_path,
-                                           audio_sample_rate)
-        return H3Output(video=video, audio=audio, fps=geometry.FPS,
-                        sample_rate=int(self.audio_vae.config.sampling_rate), seed=request.seed, timings=timings,
-                        planned_prompt=planned, path=str(output_path) if media is not None else None, media=media,
-                        cached_steps=cached_steps, num_forwards=forwards, sampling=request.sampling.describe(),
-                        loras=self._applied_loras(model, adapters))
+        video, audio, media = self._decode(
+            video_latents, audio_latents, decode, report, lap, tier, output_path, audio_sample_rate
+        )
+        return H3Output(
+            video=video,
+            audio=audio,
+            fps=geometry.FPS,
+            sample_rate=int(self.audio_vae.config.sampling_rate),
+            seed=request.seed,
+            timings=timings,
+            planned_prompt=planned,
+            path=str(output_path) if media is not None else None,
+            media=media,
+            cached_steps=cached_steps,
+            num_forwards=forwards,
+            sampling=request.sampling.describe(),
+            loras=self._applied_loras(model, adapters),
+        )

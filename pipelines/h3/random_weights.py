@@ -32,14 +32,30 @@ SIZES = ("released", "tiny")
 # Qwen3-VL-32B, the text encoder MiniMax-H3 was released with: 64 layers of width 5120 (only the first 51 are built,
 # as `H3TextEncoder` loads them), 64 query / 8 key-value heads of 128, interleaved M-RoPE (24, 20, 20).
 RELEASED_TEXT = dict(
-    vocab_size=151936, hidden_size=5120, intermediate_size=25600, num_hidden_layers=64, num_attention_heads=64,
-    num_key_value_heads=8, head_dim=128, max_position_embeddings=262144,
-    rope_parameters=dict(rope_type="default", rope_theta=5_000_000.0, mrope_section=[24, 20, 20],
-                         mrope_interleaved=True),
+    vocab_size=151936,
+    hidden_size=5120,
+    intermediate_size=25600,
+    num_hidden_layers=64,
+    num_attention_heads=64,
+    num_key_value_heads=8,
+    head_dim=128,
+    max_position_embeddings=262144,
+    rope_parameters=dict(
+        rope_type="default", rope_theta=5_000_000.0, mrope_section=[24, 20, 20], mrope_interleaved=True
+    ),
 )
-RELEASED_VISION = dict(depth=27, hidden_size=1152, intermediate_size=4304, num_heads=16, patch_size=16,
-                       spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=5120, num_position_embeddings=2304,
-                       deepstack_visual_indexes=[8, 16, 24])
+RELEASED_VISION = dict(
+    depth=27,
+    hidden_size=1152,
+    intermediate_size=4304,
+    num_heads=16,
+    patch_size=16,
+    spatial_merge_size=2,
+    temporal_patch_size=2,
+    out_hidden_size=5120,
+    num_position_embeddings=2304,
+    deepstack_visual_indexes=[8, 16, 24],
+)
 RELEASED_CANVAS = (768, 768 * 1344)  # short edge, most pixels
 
 
@@ -57,7 +73,7 @@ def random_value(name: str, shape, dtype: torch.dtype, device, generator: torch.
     leaf = name.rsplit(".", 1)[-1]
     if len(shape) >= 2:
         fan_in = max(1, math.prod(shape[1:]))
-        value = torch.empty(shape, dtype=dtype, device=draw).normal_(0.0, fan_in ** -0.5, generator=generator)
+        value = torch.empty(shape, dtype=dtype, device=draw).normal_(0.0, fan_in**-0.5, generator=generator)
     elif leaf == "bias":
         value = torch.zeros(shape, dtype=dtype, device=draw)
     elif leaf in ("scale1", "scale2"):
@@ -88,8 +104,9 @@ def materialize(module: torch.nn.Module, *, device, dtype: torch.dtype, keep_fp3
         owner_name, _, leaf = name.rpartition(".")
         owner = module.get_submodule(owner_name) if owner_name else module
         wanted = torch.float32 if keeps_fp32(name, keep_fp32) else dtype
-        owner._parameters[leaf] = torch.nn.Parameter(random_value(name, param.shape, wanted, device, generator),
-                                                     requires_grad=False)
+        owner._parameters[leaf] = torch.nn.Parameter(
+            random_value(name, param.shape, wanted, device, generator), requires_grad=False
+        )
     for name, buffer in list(module.named_buffers()):
         owner_name, _, leaf = name.rpartition(".")
         owner = module.get_submodule(owner_name) if owner_name else module
@@ -100,10 +117,17 @@ def _configs(sizes: str) -> dict:
     if sizes == "tiny":
         text = dict(tiny.TEXT_CONFIG, vocab_size=263)  # the byte-level tokenizer's 257 symbols and 6 special tokens
         vision = tiny.VISION_CONFIG
-        return dict(transformer=tiny.TRANSFORMER, vae=tiny.VIDEO_VAE, audio_vae=tiny.AUDIO_VAE, text=text,
-                    vision=vision, canvas=(tiny.TINY_CANVAS_SHORT_EDGE, tiny.TINY_CANVAS_MAX_PIXELS))
-    return dict(transformer={}, vae={}, audio_vae={}, text=RELEASED_TEXT, vision=RELEASED_VISION,
-                canvas=RELEASED_CANVAS)
+        return dict(
+            transformer=tiny.TRANSFORMER,
+            vae=tiny.VIDEO_VAE,
+            audio_vae=tiny.AUDIO_VAE,
+            text=text,
+            vision=vision,
+            canvas=(tiny.TINY_CANVAS_SHORT_EDGE, tiny.TINY_CANVAS_MAX_PIXELS),
+        )
+    return dict(
+        transformer={}, vae={}, audio_vae={}, text=RELEASED_TEXT, vision=RELEASED_VISION, canvas=RELEASED_CANVAS
+    )
 
 
 def write_config_folder(folder, sizes: str = "released", seed: int = 0) -> Path:
@@ -120,10 +144,14 @@ def write_config_folder(folder, sizes: str = "released", seed: int = 0) -> Path:
     config = H3TransformerConfig(**configs["transformer"]).to_dict()
     (folder / "transformer" / "config.json").write_text(json.dumps(config, indent=2))
     generator = torch.Generator().manual_seed(seed + 1)
-    vae_stats = dict(latents_mean=(torch.randn(24, generator=generator) * 0.1).tolist(),
-                     latents_std=(0.5 + torch.rand(24, generator=generator)).tolist())
-    audio_stats = dict(latents_mean=(torch.randn(32, generator=generator) * 0.1).tolist(),
-                       latents_std=(0.5 + torch.rand(32, generator=generator)).tolist())
+    vae_stats = dict(
+        latents_mean=(torch.randn(24, generator=generator) * 0.1).tolist(),
+        latents_std=(0.5 + torch.rand(24, generator=generator)).tolist(),
+    )
+    audio_stats = dict(
+        latents_mean=(torch.randn(32, generator=generator) * 0.1).tolist(),
+        latents_std=(0.5 + torch.rand(32, generator=generator)).tolist(),
+    )
     with meta_parameters():
         AutoencoderKLMiniMaxH3(**configs["vae"], **vae_stats).save_config(folder / "vae")
         AutoencoderKLMiniMaxH3Audio(**configs["audio_vae"], **audio_stats).save_config(folder / "audio_vae")
@@ -131,18 +159,27 @@ def write_config_folder(folder, sizes: str = "released", seed: int = 0) -> Path:
     tokenizer.save_pretrained(folder / "tokenizer")
     tokenizer.save_pretrained(folder / "processor")
     ids = {name: tokenizer.convert_tokens_to_ids(name) for name in tiny.SPECIAL_TOKENS}
-    Qwen3VLConfig(text_config=configs["text"], vision_config=configs["vision"],
-                  image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
-                  vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
-                  ).save_pretrained(folder / "text_encoder")
+    Qwen3VLConfig(
+        text_config=configs["text"],
+        vision_config=configs["vision"],
+        image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
+    ).save_pretrained(folder / "text_encoder")
     tiny.build_image_processor().save_pretrained(folder / "processor")
     (folder / "processor" / "video_preprocessor_config.json").write_text(
-        json.dumps(tiny.video_processor_config(), indent=2))
+        json.dumps(tiny.video_processor_config(), indent=2)
+    )
     write_scheduler_config(folder / "scheduler", shift=12.0)
     write_scheduler_config(folder / "audio_scheduler", shift=3.0)
     short_edge, max_pixels = configs["canvas"]
-    index = {"_class_name": "MiniMaxH3ModularPipeline", "_diffusers_version": "0.42.1",
-             "canvas_short_edge": short_edge, "canvas_max_pixels": max_pixels}
+    index = {
+        "_class_name": "MiniMaxH3ModularPipeline",
+        "_diffusers_version": "0.42.1",
+        "canvas_short_edge": short_edge,
+        "canvas_max_pixels": max_pixels,
+    }
     (folder / "modular_model_index.json").write_text(json.dumps(index, indent=2))
     return folder
 
@@ -164,8 +201,12 @@ def _text_encoder(folder: Path, *, dtype, device, seed: int):
     materialize(model, device=device, dtype=dtype, seed=seed)
     model = model.eval().requires_grad_(False)
     tokenizer = AutoTokenizer.from_pretrained(str(folder / "tokenizer"))
-    return H3TextEncoder(model, tokenizer, load_image_processor(folder / "processor"),
-                         video_processor=QwenVideoProcessor.from_folder(folder / "processor"))
+    return H3TextEncoder(
+        model,
+        tokenizer,
+        load_image_processor(folder / "processor"),
+        video_processor=QwenVideoProcessor.from_folder(folder / "processor"),
+    )
 
 
 def _vaes(folder: Path, *, dtype, device, seed: int):
@@ -175,14 +216,23 @@ def _vaes(folder: Path, *, dtype, device, seed: int):
     with init_empty_weights():
         vae = AutoencoderKLMiniMaxH3.from_config(AutoencoderKLMiniMaxH3.load_config(str(folder / "vae")))
         audio_vae = AutoencoderKLMiniMaxH3Audio.from_config(
-            AutoencoderKLMiniMaxH3Audio.load_config(str(folder / "audio_vae")))
+            AutoencoderKLMiniMaxH3Audio.load_config(str(folder / "audio_vae"))
+        )
     materialize(vae, device=device, dtype=dtype, keep_fp32=vae._keep_in_fp32_modules, seed=seed)
     materialize(audio_vae, device=device, dtype=torch.float32, seed=seed + 1)
     return vae.eval().requires_grad_(False), audio_vae.eval().requires_grad_(False)
 
 
-def random_pipeline(device=None, *, sizes: str = "released", seed: int = 0, torch_dtype: torch.dtype = torch.bfloat16,
-                    folder=None, options: RunOptions | None = None, **option_keywords):
+def random_pipeline(
+    device=None,
+    *,
+    sizes: str = "released",
+    seed: int = 0,
+    torch_dtype: torch.dtype = torch.bfloat16,
+    folder=None,
+    options: RunOptions | None = None,
+    **option_keywords,
+):
     """An `H3Pipeline` (t2va and fl2va) with random weights at `sizes` ("released" or "tiny"), built without any
     weight file.
 
@@ -203,8 +253,12 @@ def random_pipeline(device=None, *, sizes: str = "released", seed: int = 0, torc
     # Quantizing on the host would take minutes at full size: blocks are made on the device even when they stream.
     build_device = device if options.quantization else placement.transformer_device
     transformer = H3Transformer.from_pretrained(
-        folder / "transformer", torch_dtype=torch_dtype, device=build_device, quantization=options.quantization,
-        tensors=random_tensors(config, dtype=torch_dtype, seed=seed))
+        folder / "transformer",
+        torch_dtype=torch_dtype,
+        device=build_device,
+        quantization=options.quantization,
+        tensors=random_tensors(config, dtype=torch_dtype, seed=seed),
+    )
     if build_device != placement.transformer_device:
         transformer = transformer.to(placement.transformer_device)
         if device.type == "cuda":
@@ -213,5 +267,14 @@ def random_pipeline(device=None, *, sizes: str = "released", seed: int = 0, torc
     text_encoder = _text_encoder(folder, dtype=torch_dtype, device=placement.stage_device, seed=seed + 10)
     placement.offload_text_encoder(text_encoder.model.model.language_model.layers)
     vae, audio_vae = _vaes(folder, dtype=torch_dtype, device=placement.stage_device, seed=seed + 20)
-    return H3Pipeline(transformer, text_encoder, vae, audio_vae, checkpoint=checkpoint, device=device,
-                      video_shift=VIDEO_SHIFT, audio_shift=AUDIO_SHIFT, options=options)
+    return H3Pipeline(
+        transformer,
+        text_encoder,
+        vae,
+        audio_vae,
+        checkpoint=checkpoint,
+        device=device,
+        video_shift=VIDEO_SHIFT,
+        audio_shift=AUDIO_SHIFT,
+        options=options,
+    )

@@ -28,14 +28,18 @@ MAX_SIGMA_POINTS = 1000
 # (`resolve_sampling` checks the grid it built all the same); far below, sigmas underflow to 0 and steps vanish.
 MIN_SHIFT, MAX_SHIFT = 0.01, 100.0
 
-TURBO_NAME = re.compile(r"^minimax_h3_(?P<task>fl2v|ref2v)_turbo_(?P<steps>\d+)step_v(?P<version>\d+\.\d+)"
-                        r"(?P<res>_768p)?(?P<bf16>_bf16)?\.safetensors$")
+TURBO_NAME = re.compile(
+    r"^minimax_h3_(?P<task>fl2v|ref2v)_turbo_(?P<steps>\d+)step_v(?P<version>\d+\.\d+)"
+    r"(?P<res>_768p)?(?P<bf16>_bf16)?\.safetensors$"
+)
 TURBO_TASKS = {"fl2v": ("t2va", "fl2va"), "ref2v": ("ref2va",)}
 TURBO_VIDEO_SHIFT = {"544p": 12.0, "768p": 6.0}
 TURBO_AUDIO_SHIFT = 3.0
 # The two names the FlashGen v1.0 file is published under (its model card's, and the one vLLM-Omni requires).
-FLASHGEN_NAMES = ("minimax_h3_4step_lora_flashgen_v1.0_768p_bf16.safetensors",
-                  "minimax_h3_t2va_flashgen_4step_v1.0_768p_bf16.safetensors")
+FLASHGEN_NAMES = (
+    "minimax_h3_4step_lora_flashgen_v1.0_768p_bf16.safetensors",
+    "minimax_h3_t2va_flashgen_4step_v1.0_768p_bf16.safetensors",
+)
 NATIVE_KEY_FORMAT = "minimax-h3-native"
 
 
@@ -64,9 +68,15 @@ class Recipe:
 
     def describe(self) -> dict:
         """A JSON-able summary (GET /v1/loras, job status)."""
-        return {"name": self.name, "forwards": self.forwards, "num_inference_steps": self.num_inference_steps,
-                "video_shift": self.video_shift, "audio_shift": self.audio_shift, "tasks": list(self.tasks),
-                "base_schedule": list(self.base_schedule) if self.base_schedule else None}
+        return {
+            "name": self.name,
+            "forwards": self.forwards,
+            "num_inference_steps": self.num_inference_steps,
+            "video_shift": self.video_shift,
+            "audio_shift": self.audio_shift,
+            "tasks": list(self.tasks),
+            "base_schedule": list(self.base_schedule) if self.base_schedule else None,
+        }
 
 
 def parse_turbo_name(filename: str) -> Recipe | None:
@@ -76,9 +86,11 @@ def parse_turbo_name(filename: str) -> Recipe | None:
         return None
     resolution = "768p" if match["res"] else "544p"
     name = f"LightX2V Turbo {match['task']} {int(match['steps'])}-step v{match['version']}" + (
-        " 768p" if match["res"] else "")
-    return Recipe(name, int(match["steps"]), TURBO_VIDEO_SHIFT[resolution], TURBO_AUDIO_SHIFT,
-                  TURBO_TASKS[match["task"]])
+        " 768p" if match["res"] else ""
+    )
+    return Recipe(
+        name, int(match["steps"]), TURBO_VIDEO_SHIFT[resolution], TURBO_AUDIO_SHIFT, TURBO_TASKS[match["task"]]
+    )
 
 
 def parse_base_schedule(raw) -> tuple[float, ...]:
@@ -135,15 +147,24 @@ class Sampling:
     def schedules(self) -> tuple[FlowSchedule, FlowSchedule]:
         """The (video, audio) schedules, each float32 on the CPU."""
         if self.base_schedule is not None:
-            return (FlowSchedule.from_base(self.base_schedule, self.video_shift),
-                    FlowSchedule.from_base(self.base_schedule, self.audio_shift))
-        return (FlowSchedule.from_forwards(self.forwards, self.video_shift),
-                FlowSchedule.from_forwards(self.forwards, self.audio_shift))
+            return (
+                FlowSchedule.from_base(self.base_schedule, self.video_shift),
+                FlowSchedule.from_base(self.base_schedule, self.audio_shift),
+            )
+        return (
+            FlowSchedule.from_forwards(self.forwards, self.video_shift),
+            FlowSchedule.from_forwards(self.forwards, self.audio_shift),
+        )
 
     def describe(self) -> dict:
         """Both step counts, the shifts and the recipe, as the job status and `H3Output` report them."""
-        return {"num_inference_steps": self.num_inference_steps, "forwards": self.forwards,
-                "video_shift": self.video_shift, "audio_shift": self.audio_shift, "recipe": self.recipe}
+        return {
+            "num_inference_steps": self.num_inference_steps,
+            "forwards": self.forwards,
+            "video_shift": self.video_shift,
+            "audio_shift": self.audio_shift,
+            "recipe": self.recipe,
+        }
 
 
 def _check_int(value, name: str, low: int, high: int) -> None:
@@ -152,32 +173,49 @@ def _check_int(value, name: str, low: int, high: int) -> None:
 
 
 def _check_shift(value, name: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
-            or not MIN_SHIFT <= value <= MAX_SHIFT:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not math.isfinite(value)
+        or not MIN_SHIFT <= value <= MAX_SHIFT
+    ):
         raise RequestError(f"{name} must be a number from {MIN_SHIFT:g} to {MAX_SHIFT:g} (got {value!r}).", name)
 
 
 def _check_grid(sampling: "Sampling") -> "Sampling":
     """`sampling` when both of its schedules hold `forwards` distinct steps, else a `RequestError` naming the
     shift that collapsed them (what validation accepts must run)."""
-    for schedule, name in zip(sampling.schedules(), ("video_shift", "audio_shift")):
+    for schedule, name in zip(sampling.schedules(), ("video_shift", "audio_shift"), strict=True):
         if len(schedule) != sampling.forwards or not bool(schedule.sigmas[-2] > 0):
             shift = sampling.video_shift if name == "video_shift" else sampling.audio_shift
-            raise RequestError(f"{name} {shift:g} collapses the {sampling.forwards}-forward grid in float32; pick a "
-                               f"shift from {MIN_SHIFT:g} to {MAX_SHIFT:g} nearer 1.", name)
+            raise RequestError(
+                f"{name} {shift:g} collapses the {sampling.forwards}-forward grid in float32; pick a "
+                f"shift from {MIN_SHIFT:g} to {MAX_SHIFT:g} nearer 1.",
+                name,
+            )
     return sampling
 
 
-def resolve_sampling(task: str, *, num_inference_steps=None, forwards=None, video_shift=None, audio_shift=None,
-                     recipes: list[Recipe] = (), default_shifts: tuple[float, float] = (VIDEO_SHIFT, AUDIO_SHIFT)
-                     ) -> Sampling:
+def resolve_sampling(
+    task: str,
+    *,
+    num_inference_steps=None,
+    forwards=None,
+    video_shift=None,
+    audio_shift=None,
+    recipes: list[Recipe] = (),
+    default_shifts: tuple[float, float] = (VIDEO_SHIFT, AUDIO_SHIFT),
+) -> Sampling:
     """One request's `Sampling`. `num_inference_steps` (sigma points, 2 to 1000) and `forwards` (1 to 999) are
     mutually exclusive; neither means the recipe's count, else 50 points. Shifts left None take the recipe's,
     else `default_shifts` (the pipeline's). Raises `RequestError` naming the field, and the recipe, when the
     request contradicts its adapter's recipe (another step count, shift or task, or two recipes at once)."""
     if num_inference_steps is not None and forwards is not None:
-        raise RequestError("give num_inference_steps (sigma grid points, diffusers' count: N points = N - 1 "
-                           "transformer forwards) or forwards (transformer forwards), not both.", "forwards")
+        raise RequestError(
+            "give num_inference_steps (sigma grid points, diffusers' count: N points = N - 1 "
+            "transformer forwards) or forwards (transformer forwards), not both.",
+            "forwards",
+        )
     if num_inference_steps is not None:
         _check_int(num_inference_steps, "num_inference_steps", 2, MAX_SIGMA_POINTS)
     if forwards is not None:
@@ -185,32 +223,48 @@ def resolve_sampling(task: str, *, num_inference_steps=None, forwards=None, vide
     for value, name in ((video_shift, "video_shift"), (audio_shift, "audio_shift")):
         if value is not None:
             _check_shift(value, name)
-    asked = forwards if forwards is not None else (
-        num_inference_steps - 1 if num_inference_steps is not None else None)
+    asked = forwards if forwards is not None else (num_inference_steps - 1 if num_inference_steps is not None else None)
     recipes = list(recipes)
     if len(recipes) > 1:
         names = ", ".join(recipe.name for recipe in recipes)
-        raise RequestError(f"the adapters bring {len(recipes)} few-step recipes ({names}); a request follows at most "
-                           "one: stack one recipe adapter with ordinary adapters only.",
-                           "loras")
+        raise RequestError(
+            f"the adapters bring {len(recipes)} few-step recipes ({names}); a request follows at most "
+            "one: stack one recipe adapter with ordinary adapters only.",
+            "loras",
+        )
     if not recipes:
-        return _check_grid(Sampling(asked if asked is not None else DEFAULT_SIGMA_POINTS - 1,
-                                    float(video_shift if video_shift is not None else default_shifts[0]),
-                                    float(audio_shift if audio_shift is not None else default_shifts[1])))
+        return _check_grid(
+            Sampling(
+                asked if asked is not None else DEFAULT_SIGMA_POINTS - 1,
+                float(video_shift if video_shift is not None else default_shifts[0]),
+                float(audio_shift if audio_shift is not None else default_shifts[1]),
+            )
+        )
     recipe = recipes[0]
     if task not in recipe.tasks:
         raise RequestError(f"the {recipe.name} recipe serves {', '.join(recipe.tasks)}, not {task}.", "task")
     if asked is not None and asked != recipe.forwards:
         field = "forwards" if forwards is not None else "num_inference_steps"
-        given = f"forwards={forwards}" if forwards is not None else \
-            f"num_inference_steps={num_inference_steps} ({asked} forwards)"
-        raise RequestError(f"the {recipe.name} recipe runs {recipe.forwards} transformer forwards "
-                           f"(num_inference_steps={recipe.num_inference_steps} sigma points or forwards="
-                           f"{recipe.forwards}); the request asks {given}. Leave the step count out to run the "
-                           "recipe's.", field)
-    for value, own, name in ((video_shift, recipe.video_shift, "video_shift"),
-                             (audio_shift, recipe.audio_shift, "audio_shift")):
+        given = (
+            f"forwards={forwards}"
+            if forwards is not None
+            else f"num_inference_steps={num_inference_steps} ({asked} forwards)"
+        )
+        raise RequestError(
+            f"the {recipe.name} recipe runs {recipe.forwards} transformer forwards "
+            f"(num_inference_steps={recipe.num_inference_steps} sigma points or forwards="
+            f"{recipe.forwards}); the request asks {given}. Leave the step count out to run the "
+            "recipe's.",
+            field,
+        )
+    for value, own, name in (
+        (video_shift, recipe.video_shift, "video_shift"),
+        (audio_shift, recipe.audio_shift, "audio_shift"),
+    ):
         if value is not None and float(value) != own:
-            raise RequestError(f"the {recipe.name} recipe samples with {name} {own:g}; the request asks "
-                               f"{float(value):g}. Leave it out to run the recipe's.", name)
+            raise RequestError(
+                f"the {recipe.name} recipe samples with {name} {own:g}; the request asks "
+                f"{float(value):g}. Leave it out to run the recipe's.",
+                name,
+            )
     return Sampling(recipe.forwards, recipe.video_shift, recipe.audio_shift, recipe.base_schedule, recipe.name)

@@ -27,8 +27,7 @@ import torch
 from PIL import Image
 
 from h3gen.errors import RequestError
-from h3gen.media import (check_audio_rate, iter_video_frames, probe_video, read_audio, read_image,
-                         resample_stream)
+from h3gen.media import check_audio_rate, iter_video_frames, probe_video, read_audio, read_image, resample_stream
 from h3gen.pipelines.h3 import geometry
 
 MAX_IMAGES, MAX_VIDEOS, MAX_AUDIOS, MAX_REFERENCES = 9, 3, 3, 12
@@ -151,7 +150,7 @@ def _is_path(value) -> bool:
 
 
 def reference_kind(path, name: str = "references") -> str:
-    """"image", "video" or "audio" for a media file: by its suffix, else by what it decodes as."""
+    """ "image", "video" or "audio" for a media file: by its suffix, else by what it decodes as."""
     import av  # PyAV loads FFmpeg's libraries: imported where a file is probed, as in h3gen.media
 
     path = Path(path)
@@ -190,7 +189,9 @@ def as_reference(item, name: str) -> Reference:
         return {"image": ImageReference, "video": VideoReference, "audio": AudioReference}[kind](item, name=name)
     raise RequestError(
         f"{name} must be a file path, a PIL image, or an ImageReference / VideoReference / AudioReference (got "
-        f"{type(item).__name__}; arrays need one of those types, which say what they hold).", name)
+        f"{type(item).__name__}; arrays need one of those types, which say what they hold).",
+        name,
+    )
 
 
 def as_references(references) -> list[Reference]:
@@ -209,8 +210,11 @@ def as_references(references) -> list[Reference]:
             name = of_kind[limit].name
             raise RequestError(f"{name}: at most {limit} {kind} references (got {len(of_kind)}).", name)
     if all(item.kind == "audio" for item in items):
-        raise RequestError(f"{items[0].name}: an audio reference needs at least one image or video reference beside "
-                           "it; audio cannot be the only reference.", items[0].name)
+        raise RequestError(
+            f"{items[0].name}: an audio reference needs at least one image or video reference beside "
+            "it; audio cannot be the only reference.",
+            items[0].name,
+        )
     return items
 
 
@@ -263,8 +267,10 @@ def _as_waveform(audio, name: str) -> torch.Tensor:
     if waveform.ndim == 1:
         waveform = waveform[None]
     if waveform.ndim != 2 or waveform.shape[0] not in (1, 2) or waveform.shape[1] == 0:
-        raise RequestError(f"{name} audio must be a mono or stereo (channels, samples) waveform (got shape "
-                           f"{tuple(waveform.shape)}).", name)
+        raise RequestError(
+            f"{name} audio must be a mono or stereo (channels, samples) waveform (got shape {tuple(waveform.shape)}).",
+            name,
+        )
     if not waveform.is_floating_point():
         raise RequestError(f"{name} audio must be float samples in [-1, 1] (got {waveform.dtype}).", name)
     return waveform.to(torch.float32)
@@ -298,8 +304,9 @@ def sound_of(reference: Reference, num_frames: int | None = None) -> tuple[torch
         if reference.sample_rate is not None:  # the caller corrects a file whose metadata is wrong
             rate = check_audio_rate(reference.sample_rate, reference.name)
         return torch.from_numpy(waveform), rate
-    rate = AUDIO_SAMPLE_RATE if reference.sample_rate is None else check_audio_rate(reference.sample_rate,
-                                                                                      reference.name)
+    rate = (
+        AUDIO_SAMPLE_RATE if reference.sample_rate is None else check_audio_rate(reference.sample_rate, reference.name)
+    )
     return _as_waveform(source, reference.name), rate
 
 
@@ -351,8 +358,10 @@ def normalize_image(image: Image.Image, *, short_edge: int, multiple: int, name:
     width, height = image.size
     _check_aspect(width, height, name)
     scale = short_edge / min(width, height)
-    size = (max(multiple, round(width * scale / multiple) * multiple),
-            max(multiple, round(height * scale / multiple) * multiple))
+    size = (
+        max(multiple, round(width * scale / multiple) * multiple),
+        max(multiple, round(height * scale / multiple) * multiple),
+    )
     return image if image.size == size else image.resize(size, Image.Resampling.LANCZOS)
 
 
@@ -363,8 +372,9 @@ def _frames_of(video, name: str) -> Iterable[np.ndarray]:
             raise RequestError(f"{name} tensor must be (frames, 3, height, width) (got {tuple(video.shape)}).", name)
         video = video.movedim(1, -1).cpu().numpy()
     if isinstance(video, (list, tuple)):
-        frames = [np.asarray(frame.convert("RGB")) if isinstance(frame, Image.Image) else np.asarray(frame)
-                  for frame in video]
+        frames = [
+            np.asarray(frame.convert("RGB")) if isinstance(frame, Image.Image) else np.asarray(frame) for frame in video
+        ]
     else:
         frames = np.asarray(video)
         if frames.ndim != 4:
@@ -378,8 +388,16 @@ def _frames_of(video, name: str) -> Iterable[np.ndarray]:
             raise RequestError(f"{name}: {error}.", name) from None
 
 
-def normalize_video(frames: Iterable[np.ndarray], fps: float, num_frames: int, *, multiple: int, short_edge: int,
-                    max_pixels: int, name: str) -> np.ndarray:
+def normalize_video(
+    frames: Iterable[np.ndarray],
+    fps: float,
+    num_frames: int,
+    *,
+    multiple: int,
+    short_edge: int,
+    max_pixels: int,
+    name: str,
+) -> np.ndarray:
     """Put frames on 24 fps (each held until the slot of the next: floor(i * 24 / fps + 0.5)), keep the first
     `num_frames`, and resize them (LANCZOS) onto the canvas of their own aspect ratio. Stops reading `frames` as soon
     as it has enough, which is what keeps a long file cheap."""
@@ -390,8 +408,9 @@ def normalize_video(frames: Iterable[np.ndarray], fps: float, num_frames: int, *
     for index, frame in enumerate(frames):
         if size is None:
             _check_aspect(frame.shape[1], frame.shape[0], name)
-            height, width = geometry.resolve_canvas(frame.shape[1], frame.shape[0], multiple=multiple,
-                                                    short_edge=short_edge, max_pixels=max_pixels)
+            height, width = geometry.resolve_canvas(
+                frame.shape[1], frame.shape[0], multiple=multiple, short_edge=short_edge, max_pixels=max_pixels
+            )
             size = (frame.shape[0], frame.shape[1])
         elif frame.shape[:2] != size:
             raise RequestError(f"{name} frames must all have one size (got {frame.shape[:2]} after {size}).", name)
@@ -406,15 +425,24 @@ def normalize_video(frames: Iterable[np.ndarray], fps: float, num_frames: int, *
         raise RequestError(
             f"{name} is too short: the model reads a reference video at {VIDEO_SAMPLE_FPS:g} fps in pairs of frames, "
             f"so it needs at least {MIN_VIDEO_FRAMES} frames at 24 fps ({MIN_VIDEO_FRAMES / geometry.FPS:.2f} s; "
-            f"got {len(out)}).", name)
+            f"got {len(out)}).",
+            name,
+        )
     return np.stack(out)
 
 
 # ---------------------------------------------------------------------------------------------- the whole list
 
 
-def prepare_references(references: list[Reference], num_frames: int, *, multiple: int, short_edge: int,
-                       max_pixels: int, image_short_edge: int = REFERENCE_IMAGE_SHORT_EDGE) -> list[PreparedReference]:
+def prepare_references(
+    references: list[Reference],
+    num_frames: int,
+    *,
+    multiple: int,
+    short_edge: int,
+    max_pixels: int,
+    image_short_edge: int = REFERENCE_IMAGE_SHORT_EDGE,
+) -> list[PreparedReference]:
     """Decode and normalize every reference for a request of `num_frames` frames (17n + 5), in order."""
     prepared = []
     for reference in references:
@@ -422,8 +450,9 @@ def prepare_references(references: list[Reference], num_frames: int, *, multiple
         sound = sound_of(reference, num_frames)
         audio = normalize_audio(*sound, num_frames) if sound is not None else None
         if reference.kind == "image":
-            image = normalize_image(load_image(reference.image, name), short_edge=image_short_edge,
-                                    multiple=multiple, name=name)
+            image = normalize_image(
+                load_image(reference.image, name), short_edge=image_short_edge, multiple=multiple, name=name
+            )
             prepared.append(PreparedReference("image", name, image=image))
         elif reference.kind == "video":
             if _is_path(reference.video):
@@ -434,8 +463,9 @@ def prepare_references(references: list[Reference], num_frames: int, *, multiple
             else:
                 fps = reference.fps or geometry.FPS
                 frames = _frames_of(reference.video, name)
-            frames = normalize_video(frames, fps, num_frames, multiple=multiple, short_edge=short_edge,
-                                     max_pixels=max_pixels, name=name)
+            frames = normalize_video(
+                frames, fps, num_frames, multiple=multiple, short_edge=short_edge, max_pixels=max_pixels, name=name
+            )
             prepared.append(PreparedReference("video", name, frames=frames, audio=audio))
         else:
             prepared.append(PreparedReference("audio", name, audio=audio))

@@ -15,8 +15,15 @@ from h3gen.loading.files import read_json
 from h3gen.media import read_image
 from h3gen.pipelines.h3 import geometry
 from h3gen.pipelines.h3.checkpoint import H3Checkpoint
-from h3gen.pipelines.h3.continuation import (DEFAULT_MAX_SECONDS, ContinuationPlan, check_windows, clip_geometry,
-                                             long_frames, plan_windows, window_prompts)
+from h3gen.pipelines.h3.continuation import (
+    DEFAULT_MAX_SECONDS,
+    ContinuationPlan,
+    check_windows,
+    clip_geometry,
+    long_frames,
+    plan_windows,
+    window_prompts,
+)
 from h3gen.pipelines.h3.recipes import Recipe, Sampling, resolve_sampling
 from h3gen.pipelines.h3.references import PreparedReference, as_references, prepare_references, sound_seconds
 from h3gen.pipelines.h3.schedules import AUDIO_SHIFT, VIDEO_SHIFT, read_shift
@@ -104,9 +111,15 @@ def prepare_request(
     if not isinstance(prompt, str) or not prompt.strip():
         raise RequestError("prompt must be a non-empty string.", "prompt")
     task = "ref2va" if references is not None else "fl2va" if image is not None or last_image is not None else "t2va"
-    sampling = resolve_sampling(task, num_inference_steps=num_inference_steps, forwards=forwards,
-                                video_shift=video_shift, audio_shift=audio_shift, recipes=recipes,
-                                default_shifts=default_shifts or checkpoint_shifts(checkpoint))
+    sampling = resolve_sampling(
+        task,
+        num_inference_steps=num_inference_steps,
+        forwards=forwards,
+        video_shift=video_shift,
+        audio_shift=audio_shift,
+        recipes=recipes,
+        default_shifts=default_shifts or checkpoint_shifts(checkpoint),
+    )
     if seed is not None:
         _check_int(seed, "seed", 0, MAX_SEED, "2**63-1")
         if generator is not None:
@@ -121,12 +134,12 @@ def prepare_request(
         raise RequestError("this model has no processor/ folder, so it cannot take keyframes.", "image")
     if references is not None:
         if keyframes:
-            raise RequestError("give keyframes (image / last_image, fl2va) or references (ref2va), not both.",
-                               "references")
+            raise RequestError(
+                "give keyframes (image / last_image, fl2va) or references (ref2va), not both.", "references"
+            )
         references = as_references(references)
         if "processor" not in checkpoint.components:
-            raise RequestError("this model has no processor/ folder, so it cannot take references.",
-                               "references")
+            raise RequestError("this model has no processor/ folder, so it cannot take references.", "references")
         if seconds is None and num_frames is None:
             found = sound_seconds(references)
             if found is not None:  # as long as the sound, within what the model generates
@@ -137,8 +150,11 @@ def prepare_request(
     total_frames = long_frames(seconds, num_frames, max_seconds)
     if total_frames is not None:
         if latents is not None or audio_latents is not None:
-            raise RequestError("latents / audio_latents are for requests of at most 15 s; a longer clip draws its "
-                               "noise per window from the seed.", "latents")
+            raise RequestError(
+                "latents / audio_latents are for requests of at most 15 s; a longer clip draws its "
+                "noise per window from the seed.",
+                "latents",
+            )
         seconds, num_frames = None, window  # the canvas and the references are resolved for one window
     elif prompts is not None:
         prompt = window_prompts(prompt, prompts, 1)[0]
@@ -148,23 +164,32 @@ def prepare_request(
         # aspect ratio, as the reference does.
         aspect_ratio = keyframes[0].size if keyframes else "16:9"
     shape = geometry.resolve_geometry(
-        aspect_ratio=aspect_ratio, seconds=seconds, num_frames=num_frames, height=height, width=width,
-        multiple=geometry.SPATIAL_COMPRESSION * config.patch_size[2], short_edge=checkpoint.canvas_short_edge,
+        aspect_ratio=aspect_ratio,
+        seconds=seconds,
+        num_frames=num_frames,
+        height=height,
+        width=width,
+        multiple=geometry.SPATIAL_COMPRESSION * config.patch_size[2],
+        short_edge=checkpoint.canvas_short_edge,
         max_pixels=checkpoint.canvas_max_pixels,
     )
     keyframes = place_keyframes(keyframes, shape.height, shape.width)
     prepared = []
     if references is not None:
         prepared = prepare_references(
-            references, shape.num_frames, multiple=geometry.SPATIAL_COMPRESSION * config.patch_size[2],
-            short_edge=checkpoint.canvas_short_edge, max_pixels=checkpoint.canvas_max_pixels,
+            references,
+            shape.num_frames,
+            multiple=geometry.SPATIAL_COMPRESSION * config.patch_size[2],
+            short_edge=checkpoint.canvas_short_edge,
+            max_pixels=checkpoint.canvas_max_pixels,
             image_short_edge=checkpoint.reference_image_short_edge,
         )
 
     expected = (1, config.in_channels, shape.num_latent_frames, shape.latent_height, shape.latent_width)
     if latents is not None and tuple(latents.shape) != expected:
-        raise RequestError(f"latents must have shape {expected} for this request (got {tuple(latents.shape)}).",
-                           "latents")
+        raise RequestError(
+            f"latents must have shape {expected} for this request (got {tuple(latents.shape)}).", "latents"
+        )
     expected = (2, config.audio_in_channels, shape.num_audio_latents)
     if audio_latents is not None and tuple(audio_latents.shape) != expected:
         raise RequestError(
@@ -174,14 +199,26 @@ def prepare_request(
     continuation = None
     if total_frames is not None:
         windows = plan_windows(total_frames, window, overlap)
-        continuation = ContinuationPlan(tuple(windows), tuple(window_prompts(prompt, prompts, len(windows))), window,
-                                        overlap)
+        continuation = ContinuationPlan(
+            tuple(windows), tuple(window_prompts(prompt, prompts, len(windows))), window, overlap
+        )
         shape = clip_geometry(shape, total_frames)
     if generator is None:
         seed = secrets.randbelow(2**31) if seed is None else seed
         generator = torch.Generator().manual_seed(seed)
-    return H3Request(prompt, keyframes, tuple(anchors), shape, sampling, generator, seed, latents,
-                     audio_latents, prepared, continuation)
+    return H3Request(
+        prompt,
+        keyframes,
+        tuple(anchors),
+        shape,
+        sampling,
+        generator,
+        seed,
+        latents,
+        audio_latents,
+        prepared,
+        continuation,
+    )
 
 
 def checkpoint_shifts(checkpoint: H3Checkpoint) -> tuple[float, float]:
@@ -197,8 +234,11 @@ def checkpoint_shifts(checkpoint: H3Checkpoint) -> tuple[float, float]:
 def read_transformer_config(checkpoint: H3Checkpoint) -> H3TransformerConfig:
     """The transformer's config from `transformer/config.json` (or `transformer_ref/`'s, same architecture), without
     loading any weights."""
-    name = "transformer" if "transformer" in checkpoint.components or "transformer_ref" not in checkpoint.components \
+    name = (
+        "transformer"
+        if "transformer" in checkpoint.components or "transformer_ref" not in checkpoint.components
         else "transformer_ref"
+    )
     return H3TransformerConfig.from_dict(read_json(checkpoint.folder(name) / "config.json"))
 
 
@@ -233,8 +273,9 @@ def activation_bytes(rows: int, config: H3TransformerConfig, step_cache: bool = 
     return rows * per_row
 
 
-def check_activation_budget(request: H3Request, text_rows: int, config: H3TransformerConfig,
-                            budget_bytes: int | None, step_cache: bool = False) -> None:
+def check_activation_budget(
+    request: H3Request, text_rows: int, config: H3TransformerConfig, budget_bytes: int | None, step_cache: bool = False
+) -> None:
     """Refuse, before any model work, a request whose activations would not fit what the GPU budget leaves them
     (`budget_bytes`, layer-wise offload's activation share; None: no declared budget)."""
     if budget_bytes is None:
@@ -245,4 +286,6 @@ def check_activation_budget(request: H3Request, text_rows: int, config: H3Transf
         raise RequestError(
             f"this request packs {rows:,} rows, whose activations need about {needed / 2**30:.1f} GiB of GPU memory, "
             f"more than the {budget_bytes / 2**30:.1f} GiB the GPU budget (gpu_memory) leaves them: ask for fewer "
-            "seconds or a smaller canvas, or raise gpu_memory.", "seconds")
+            "seconds or a smaller canvas, or raise gpu_memory.",
+            "seconds",
+        )

@@ -9,6 +9,7 @@ N points drive N - 1 transformer forwards (`make`); SGLang and vLLM-Omni count f
 Distilled few-step adapters pin their own base positions instead of a uniform grid (`from_base`).
 """
 
+import itertools
 import json
 import math
 from dataclasses import dataclass
@@ -81,7 +82,7 @@ def check_base_schedule(base: list[float]) -> None:
     decreasing."""
     if len(base) < 2 or any(not math.isfinite(value) for value in base):
         raise ValueError(f"a base schedule needs at least two finite positions (got {base}).")
-    if base[0] != 1.0 or base[-1] != 0.0 or any(a <= b for a, b in zip(base, base[1:])):
+    if base[0] != 1.0 or base[-1] != 0.0 or any(a <= b for a, b in itertools.pairwise(base)):
         raise ValueError(f"a base schedule must run from 1.0 down to 0.0, strictly decreasing (got {base}).")
 
 

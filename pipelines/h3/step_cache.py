@@ -37,6 +37,7 @@ import torch.distributed as dist
 
 from h3gen.pipelines.h3.step_cache_config import StepCacheConfig
 
+
 class StepCache:
     """The decision state of one request: which forwards are cached, the stored residuals, the diffs measured.
 
@@ -50,8 +51,16 @@ class StepCache:
             is still measured and recorded. Forcing a cache before any forward was computed is an error.
     """
 
-    def __init__(self, config: StepCacheConfig, num_forwards: int, *, parallel=None, shard=None, stream=None,
-                 forced: Sequence[bool] | None = None):
+    def __init__(
+        self,
+        config: StepCacheConfig,
+        num_forwards: int,
+        *,
+        parallel=None,
+        shard=None,
+        stream=None,
+        forced: Sequence[bool] | None = None,
+    ):
         if forced is not None and len(forced) != num_forwards:
             raise ValueError(f"forced holds {len(forced)} decisions for {num_forwards} forwards.")
         self.config = config
@@ -73,8 +82,13 @@ class StepCache:
         """Whether forward `step` can be cached at all (the diff aside), given the forwards before it."""
         if self.forced is not None:
             return bool(self.forced[step])
-        return (self.config.threshold > 0 and step >= self.config.warmup and step < self.num_forwards - 1
-                and self.consecutive < self.config.max_consecutive and self.residual is not None)
+        return (
+            self.config.threshold > 0
+            and step >= self.config.warmup
+            and step < self.num_forwards - 1
+            and self.consecutive < self.config.max_consecutive
+            and self.residual is not None
+        )
 
     def decide(self, step: int, diff: float | None) -> bool:
         """Whether forward `step` is cached, given its measured diff (None when not measured)."""
@@ -92,8 +106,12 @@ class StepCache:
         if self.shard is not None and self.parallel is not None:  # trailing pad rows on the last ranks
             rows = max(0, min(rows, self.shard.valid - self.parallel.sp_rank * self.shard.local))
         current, previous = residual[:, :rows], self.residual[:, :rows]
-        sums = torch.stack([(current - previous).abs().sum(dtype=torch.float32).double(),
-                            previous.abs().sum(dtype=torch.float32).double()])
+        sums = torch.stack(
+            [
+                (current - previous).abs().sum(dtype=torch.float32).double(),
+                previous.abs().sum(dtype=torch.float32).double(),
+            ]
+        )
         if self.parallel is not None and self.parallel.sp_group is not None:
             dist.all_reduce(sums, group=self.parallel.sp_group)
         numerator, denominator = sums.tolist()
@@ -109,15 +127,21 @@ class StepCache:
 
     # ------------------------------------------------------------------ the forward
 
-    def run_blocks(self, num_blocks: int, x: torch.Tensor, run_block: Callable[[int, torch.Tensor], torch.Tensor],
-                   first_block: torch.nn.Module) -> torch.Tensor:
+    def run_blocks(
+        self,
+        num_blocks: int,
+        x: torch.Tensor,
+        run_block: Callable[[int, torch.Tensor], torch.Tensor],
+        first_block: torch.nn.Module,
+    ) -> torch.Tensor:
         """One forward's block stack: `run_block(i, x)` runs block i (which may update `x` in place, as the fused
         tiers do) and `first_block` is block 0's module (its input is read as block 0 receives it: after the
         sequence-parallel cut). Returns the stack's output `(B, S_local, hidden)`."""
         step = self.step
         if step >= self.num_forwards:
-            raise RuntimeError(f"the step cache was set up for {self.num_forwards} forwards; this is forward "
-                               f"{step + 1}.")
+            raise RuntimeError(
+                f"the step cache was set up for {self.num_forwards} forwards; this is forward {step + 1}."
+            )
         if num_blocks == 0:
             self.step += 1
             return x
@@ -179,9 +203,14 @@ class StepCache:
 def step_cache(transformer, config: StepCacheConfig, num_forwards: int, *, forced: Sequence[bool] | None = None):
     """Attach a fresh `StepCache` to `transformer` (an `H3Transformer`) for one request's `num_forwards` forwards;
     yields it. Detached afterwards, and layer-wise offload released, however the request ends."""
-    cache = StepCache(config, num_forwards, parallel=getattr(transformer, "parallel_state", None),
-                      shard=getattr(transformer, "sequence_shard", None), stream=getattr(transformer, "offload", None),
-                      forced=forced)
+    cache = StepCache(
+        config,
+        num_forwards,
+        parallel=getattr(transformer, "parallel_state", None),
+        shard=getattr(transformer, "sequence_shard", None),
+        stream=getattr(transformer, "offload", None),
+        forced=forced,
+    )
     transformer.step_cache = cache
     try:
         yield cache

@@ -116,7 +116,9 @@ class H3TextEncoder:
         return [start] + [pad_id] * count + [end]
 
     @staticmethod
-    def sample_video(num_frames: int, fps: float, sample_fps: float, temporal_patch: int) -> tuple[list[int], list[float]]:
+    def sample_video(
+        num_frames: int, fps: float, sample_fps: float, temporal_patch: int
+    ) -> tuple[list[int], list[float]]:
         """The frames the encoder reads of a 24 fps reference video (every `fps / sample_fps`-th,
         encoders.py:448-490) and the timestamp of each merged group of `temporal_patch` (the mean of its first and
         last sampled frame; the last group is padded by repeating the last timestamp)."""
@@ -127,8 +129,11 @@ class H3TextEncoder:
                 indices.append(round(cursor))
             cursor += stride
         if len(indices) < temporal_patch:
-            raise RequestError(f"a reference video needs at least {round((temporal_patch - 1) * stride) + 1} frames "
-                               f"at {fps:g} fps (got {num_frames}).", "references")
+            raise RequestError(
+                f"a reference video needs at least {round((temporal_patch - 1) * stride) + 1} frames "
+                f"at {fps:g} fps (got {num_frames}).",
+                "references",
+            )
         times = [index / sample_fps for index in range(len(indices))]
         times += [times[-1]] * (-len(times) % temporal_patch)
         return indices, [(times[i] + times[i + temporal_patch - 1]) / 2 for i in range(0, len(times), temporal_patch)]
@@ -149,16 +154,19 @@ class H3TextEncoder:
         if videos:
             sampled = []
             for reference in videos:
-                indices, times = self.sample_video(reference.frames.shape[0], 24.0, VIDEO_SAMPLE_FPS,
-                                                   self.video_processor.temporal_patch_size)
+                indices, times = self.sample_video(
+                    reference.frames.shape[0], 24.0, VIDEO_SAMPLE_FPS, self.video_processor.temporal_patch_size
+                )
                 sampled.append(reference.frames[indices])
                 video_times.append(times)
             vision = self.video_processor(sampled)
             vision_inputs.update(vision)
-            for grid, times in zip(vision["video_grid_thw"], video_times):
+            for grid, times in zip(vision["video_grid_thw"], video_times, strict=True):
                 if int(grid[0]) != len(times):
-                    raise RuntimeError(f"the video processor merged {int(grid[0])} frame groups for {len(times)} "
-                                       "timestamps; its temporal patch disagrees with the sampling.")
+                    raise RuntimeError(
+                        f"the video processor merged {int(grid[0])} frame groups for {len(times)} "
+                        "timestamps; its temporal patch disagrees with the sampling."
+                    )
                 video_tokens.append(int(grid[1]) * int(grid[2]) // merge)
 
         token_ids, tags = [], []

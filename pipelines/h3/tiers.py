@@ -28,31 +28,57 @@ from h3gen.options import QUALITY_TIERS, base_tier, check_choice
 from h3gen.pipelines.h3.transformer import AttentionCore
 
 
-def fused_block_forward(block, hidden_states: torch.Tensor, table: torch.Tensor, adaln_indices: torch.Tensor,
-                        rotary_emb: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+def fused_block_forward(
+    block,
+    hidden_states: torch.Tensor,
+    table: torch.Tensor,
+    adaln_indices: torch.Tensor,
+    rotary_emb: tuple[torch.Tensor, torch.Tensor],
+) -> torch.Tensor:
     """`H3TransformerBlock.forward` through fused kernels, given the block's `(K * 3, 6 * hidden)` AdaLN table:
     5 passes over the rows besides GEMMs and attention. Where a linear carries a K-extended LoRA
     (`h3gen.lora.wide`), the kernel producing its input writes it where the LoRA's GEMM reads it (`wide_input`).
     The residual stream is updated in place."""
     shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = table.chunk(6, dim=-1)
     attn, rows, device = block.attn, hidden_states.shape, hidden_states.device
-    normed = rmsnorm_modulate(hidden_states, block.norm1.weight, shift_msa, scale_msa, adaln_indices,
-                              block.norm1.eps, out=wide_input(attn.to_q, rows, device))
+    normed = rmsnorm_modulate(
+        hidden_states,
+        block.norm1.weight,
+        shift_msa,
+        scale_msa,
+        adaln_indices,
+        block.norm1.eps,
+        out=wide_input(attn.to_q, rows, device),
+    )
     query = attn.to_q(normed).unflatten(-1, (-1, attn.head_dim))
     key = attn.to_k(normed).unflatten(-1, (-1, attn.head_dim))
     value = attn.to_v(normed).unflatten(-1, (-1, attn.head_dim))
     query, key = qk_norm_rope(query, key, attn.norm_q.weight, attn.norm_k.weight, *rotary_emb, attn.norm_q.eps)
     out = attn.to_out[0](attn.core(query, key, value).flatten(2, 3))
     hidden_states, normed = gated_residual_norm_modulate(
-        hidden_states, out, gate_msa, adaln_indices, block.norm2.weight, shift_mlp, scale_mlp, block.norm2.eps,
-        out=hidden_states, normed_out=wide_input(block.ff.net[0].proj, rows, device))
+        hidden_states,
+        out,
+        gate_msa,
+        adaln_indices,
+        block.norm2.weight,
+        shift_mlp,
+        scale_mlp,
+        block.norm2.eps,
+        out=hidden_states,
+        normed_out=wide_input(block.ff.net[0].proj, rows, device),
+    )
     up = block.ff.net[0].proj(normed)
     ff = block.ff.net[2](swiglu(up, out=wide_input(block.ff.net[2], (*up.shape[:-1], up.shape[-1] // 2), device)))
     return gated_residual(hidden_states, ff, gate_mlp, adaln_indices, out=hidden_states)
 
 
-def fast_block_forward(block, hidden_states: torch.Tensor, table: torch.Tensor, adaln_indices: torch.Tensor,
-                       rotary_emb: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+def fast_block_forward(
+    block,
+    hidden_states: torch.Tensor,
+    table: torch.Tensor,
+    adaln_indices: torch.Tensor,
+    rotary_emb: tuple[torch.Tensor, torch.Tensor],
+) -> torch.Tensor:
     """`fused_block_forward` for a block whose GEMMs are `Fp8Linear`s: the norms and SwiGLU hand e4m3 rows with
     their scales straight to the GEMMs and, when the attention backend takes FP8 inputs (FlashAttention-3's),
     q/k norm + RoPE hands e4m3 heads straight to attention. Where a GEMM carries a K-extended LoRA
@@ -60,8 +86,16 @@ def fast_block_forward(block, hidden_states: torch.Tensor, table: torch.Tensor, 
     (`wide_input`). The residual stream is updated in place."""
     shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = table.chunk(6, dim=-1)
     attn, rows, device = block.attn, hidden_states.shape, hidden_states.device
-    normed = rmsnorm_modulate(hidden_states, block.norm1.weight, shift_msa, scale_msa, adaln_indices,
-                              block.norm1.eps, fp8=True, out=wide_input(attn.to_q, rows, device))
+    normed = rmsnorm_modulate(
+        hidden_states,
+        block.norm1.weight,
+        shift_msa,
+        scale_msa,
+        adaln_indices,
+        block.norm1.eps,
+        fp8=True,
+        out=wide_input(attn.to_q, rows, device),
+    )
     query = attn.to_q(normed).unflatten(-1, (-1, attn.head_dim))
     key = attn.to_k(normed).unflatten(-1, (-1, attn.head_dim))
     value = attn.to_v(normed).unflatten(-1, (-1, attn.head_dim))
@@ -76,11 +110,22 @@ def fast_block_forward(block, hidden_states: torch.Tensor, table: torch.Tensor, 
     wide = wide_input(attn.to_out[0], out.shape, device)
     out = attn.to_out[0](out if wide is None else quantize_rows(out, out=wide))
     hidden_states, normed = gated_residual_norm_modulate(
-        hidden_states, out, gate_msa, adaln_indices, block.norm2.weight, shift_mlp, scale_mlp, block.norm2.eps,
-        out=hidden_states, fp8=True, normed_out=wide_input(block.ff.net[0].proj, rows, device))
+        hidden_states,
+        out,
+        gate_msa,
+        adaln_indices,
+        block.norm2.weight,
+        shift_mlp,
+        scale_mlp,
+        block.norm2.eps,
+        out=hidden_states,
+        fp8=True,
+        normed_out=wide_input(block.ff.net[0].proj, rows, device),
+    )
     up = block.ff.net[0].proj(normed)
-    ff = block.ff.net[2](swiglu(up, fp8=True, out=wide_input(block.ff.net[2], (*up.shape[:-1], up.shape[-1] // 2),
-                                                             device)))
+    ff = block.ff.net[2](
+        swiglu(up, fp8=True, out=wide_input(block.ff.net[2], (*up.shape[:-1], up.shape[-1] // 2), device))
+    )
     return gated_residual(hidden_states, ff, gate_mlp, adaln_indices, out=hidden_states)
 
 
@@ -89,8 +134,7 @@ def quantize_block_linears(block) -> bool:
     parallel) linears; AdaLN stays as it is (it runs on 2-4 rows and is 0 % of the FLOPs). Returns whether every
     one of them now takes e4m3 rows (`Fp8Rows`); MXFP4 projections stay MXFP4 and take bf16 rows."""
     attn, ff = block.attn, block.ff
-    slots = [(attn, name) for name in ("to_q", "to_k", "to_v")] + [(attn.to_out, 0), (ff.net[0], "proj"),
-                                                                   (ff.net, 2)]
+    slots = [(attn, name) for name in ("to_q", "to_k", "to_v")] + [(attn.to_out, 0), (ff.net[0], "proj"), (ff.net, 2)]
     all_fp8 = True
     for owner, key in slots:
         layer = owner[key] if isinstance(key, int) else getattr(owner, key)

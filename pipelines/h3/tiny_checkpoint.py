@@ -22,31 +22,68 @@ from h3gen.pipelines.h3.transformer import H3Transformer, H3TransformerConfig
 TINY_FORMAT = 3  # 3: the three-stage audio VAE; 2: transformer_ref/, the video processor config
 
 TRANSFORMER = dict(
-    num_attention_heads=2, attention_head_dim=32, hidden_size=64, num_layers=2, num_refiner_layers=2, ffn_dim=128,
-    in_channels=24, audio_in_channels=32, patch_size=[1, 2, 2], text_dim=64, freq_dim=32, time_embed_hidden_dim=64,
-    time_embed_dim=32, rope_freq_dim=4,
+    num_attention_heads=2,
+    attention_head_dim=32,
+    hidden_size=64,
+    num_layers=2,
+    num_refiner_layers=2,
+    ffn_dim=128,
+    in_channels=24,
+    audio_in_channels=32,
+    patch_size=[1, 2, 2],
+    text_dim=64,
+    freq_dim=32,
+    time_embed_hidden_dim=64,
+    time_embed_dim=32,
+    rope_freq_dim=4,
 )
 VIDEO_VAE = dict(
-    block_out_channels=[8] * 6, layers_per_block=1, norm_num_groups=4, decoder_num_layers=1,
-    decoder_num_attention_heads=2, decoder_attention_head_dim=16, decoder_num_register_tokens=4, decoder_ffn_mult=2,
+    block_out_channels=[8] * 6,
+    layers_per_block=1,
+    norm_num_groups=4,
+    decoder_num_layers=1,
+    decoder_num_attention_heads=2,
+    decoder_attention_head_dim=16,
+    decoder_num_register_tokens=4,
+    decoder_ffn_mult=2,
 )
 # The released hop (800 samples per latent) in three stages instead of five and seven, one resblock kernel per stage:
 # the released layout's stages and kernels made its decoder cost several times the tiny model's whole denoise.
 AUDIO_VAE = dict(
-    encoder_dim=4, encoder_rates=(8, 10, 10), latent_dim=64, num_attention_heads=2, decoder_dim=32,
-    decoder_rates=(8, 10, 10), decoder_kernel_sizes=(16, 20, 20), resblock_kernel_sizes=(3,),
+    encoder_dim=4,
+    encoder_rates=(8, 10, 10),
+    latent_dim=64,
+    num_attention_heads=2,
+    decoder_dim=32,
+    decoder_rates=(8, 10, 10),
+    decoder_kernel_sizes=(16, 20, 20),
+    resblock_kernel_sizes=(3,),
     resblock_dilation_sizes=((1,),),
 )
 TEXT_HIDDEN, TEXT_LAYERS = 64, 51
 # Qwen3-VL's text model and vision tower, thin (the vocabulary is the tokenizer's).
 TEXT_CONFIG = dict(
-    hidden_size=TEXT_HIDDEN, intermediate_size=128, num_hidden_layers=TEXT_LAYERS, num_attention_heads=4,
-    num_key_value_heads=2, head_dim=16, max_position_embeddings=4096,
+    hidden_size=TEXT_HIDDEN,
+    intermediate_size=128,
+    num_hidden_layers=TEXT_LAYERS,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=4096,
     rope_parameters=dict(rope_type="default", rope_theta=5_000_000.0, mrope_section=[4, 2, 2], mrope_interleaved=True),
 )
-VISION_CONFIG = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=16, spatial_merge_size=2,
-                     temporal_patch_size=2, out_hidden_size=TEXT_HIDDEN, num_position_embeddings=256,
-                     deepstack_visual_indexes=[0, 1])
+VISION_CONFIG = dict(
+    depth=2,
+    hidden_size=32,
+    intermediate_size=64,
+    num_heads=2,
+    patch_size=16,
+    spatial_merge_size=2,
+    temporal_patch_size=2,
+    out_hidden_size=TEXT_HIDDEN,
+    num_position_embeddings=256,
+    deepstack_visual_indexes=[0, 1],
+)
 TINY_CANVAS_SHORT_EDGE, TINY_CANVAS_MAX_PIXELS = 64, 64 * 112
 TINY_REFERENCE_IMAGE_SHORT_EDGE = 96  # the released checkpoint encodes image references at 2048
 SPECIAL_TOKENS = ["<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
@@ -100,7 +137,11 @@ def build_image_processor():
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     return Qwen2VLImageProcessorPil(
-        patch_size=16, temporal_patch_size=2, merge_size=2, image_mean=[0.5] * 3, image_std=[0.5] * 3,
+        patch_size=16,
+        temporal_patch_size=2,
+        merge_size=2,
+        image_mean=[0.5] * 3,
+        image_std=[0.5] * 3,
         size={"shortest_edge": 64 * 64, "longest_edge": 1024 * 1024},
     )
 
@@ -109,10 +150,20 @@ def video_processor_config() -> dict:
     """Qwen3-VL's video processing for the tiny encoder (patch 16, merge 2, pairs of frames), as
     `video_preprocessor_config.json` holds it."""
     return {
-        "video_processor_type": "Qwen3VLVideoProcessor", "processor_class": "Qwen3VLProcessor", "patch_size": 16,
-        "temporal_patch_size": 2, "merge_size": 2, "image_mean": [0.5] * 3, "image_std": [0.5] * 3,
-        "rescale_factor": 1 / 255, "do_resize": True, "do_rescale": True, "do_normalize": True,
-        "do_convert_rgb": True, "resample": 3, "size": {"shortest_edge": 64 * 64, "longest_edge": 1024 * 1024},
+        "video_processor_type": "Qwen3VLVideoProcessor",
+        "processor_class": "Qwen3VLProcessor",
+        "patch_size": 16,
+        "temporal_patch_size": 2,
+        "merge_size": 2,
+        "image_mean": [0.5] * 3,
+        "image_std": [0.5] * 3,
+        "rescale_factor": 1 / 255,
+        "do_resize": True,
+        "do_rescale": True,
+        "do_normalize": True,
+        "do_convert_rgb": True,
+        "resample": 3,
+        "size": {"shortest_edge": 64 * 64, "longest_edge": 1024 * 1024},
     }
 
 
@@ -127,8 +178,13 @@ def _write_index(folder: Path) -> None:
         "reference_image_short_edge": TINY_REFERENCE_IMAGE_SHORT_EDGE,
     }
     for name, (library, class_name) in COMPONENTS.items():
-        spec = dict(pretrained_model_name_or_path=str(folder), subfolder=name, type_hint=[library, class_name],
-                    revision=None, variant=None)
+        spec = dict(
+            pretrained_model_name_or_path=str(folder),
+            subfolder=name,
+            type_hint=[library, class_name],
+            revision=None,
+            variant=None,
+        )
         index[name] = [library, class_name, spec]
     (folder / "modular_model_index.json").write_text(json.dumps(index, indent=2))
 
@@ -186,7 +242,8 @@ def tiny_checkpoint(seed: int = 0, cache_dir=None) -> Path:
     import transformers
 
     cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    tag = f"tiny-h3-f{TINY_FORMAT}-s{seed}-t{torch.__version__.split('+')[0]}-d{diffusers.__version__}-tf{transformers.__version__}"
+    versions = f"t{torch.__version__.split('+')[0]}-d{diffusers.__version__}-tf{transformers.__version__}"
+    tag = f"tiny-h3-f{TINY_FORMAT}-s{seed}-{versions}"
     target = cache_dir / tag
 
     def build(staging: Path, final: Path) -> None:

@@ -255,8 +255,9 @@ class SwiGLUIn(nn.Module):
 
     def __init__(self, hidden_size: int, ffn_dim: int, make_linear: LinearFactory):
         super().__init__()
-        self.proj = make_linear(LinearSpec(hidden_size, 2 * ffn_dim, False, role="column", kind="ffn.up",
-                                           splits=(ffn_dim, ffn_dim)))
+        self.proj = make_linear(
+            LinearSpec(hidden_size, 2 * ffn_dim, False, role="column", kind="ffn.up", splits=(ffn_dim, ffn_dim))
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         value, gate = self.proj(x).chunk(2, dim=-1)
@@ -317,8 +318,9 @@ class H3AdaLNModulation(nn.Module):
         super().__init__()
         self.hidden_size = hidden_size
         out = 6 * hidden_size * NUM_MODALITIES
-        self.linear = make_linear(LinearSpec(time_embed_dim, out, True, role="column", kind="adaln",
-                                             gather_output=True))
+        self.linear = make_linear(
+            LinearSpec(time_embed_dim, out, True, role="column", kind="adaln", gather_output=True)
+        )
 
     def table(self, temb: torch.Tensor) -> torch.Tensor:
         """`(K, time_embed_dim)` -> the `(K * 3, 6 * hidden)` table, row `k * 3 + modality`."""
@@ -392,8 +394,9 @@ class H3AdaLNOut(nn.Module):
         """`(K, time_embed_dim)` -> `(K, 2 * hidden)`: shift then scale, one row per timestep."""
         return self.linear(F.silu(temb).to(compute_dtype(self.linear)))
 
-    def forward(self, x: torch.Tensor, temb: torch.Tensor, timestep_indices: torch.Tensor,
-                table: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, temb: torch.Tensor, timestep_indices: torch.Tensor, table: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """`x` `(B, S, hidden)`, `temb` `(K, time_embed_dim)`, `timestep_indices` `(S,)` -> `(B, S, hidden)`;
         a precomputed `table` replaces the projection of `temb`."""
         shift, scale = (table if table is not None else self.table(temb)).chunk(2, dim=-1)
@@ -418,7 +421,9 @@ class H3Transformer(nn.Module):
         self.audio_proj_in = make_linear(LinearSpec(cfg.audio_in_channels, hidden, True, kind="embed", fp32=True))
         self.context_embedder = make_linear(LinearSpec(cfg.text_dim, hidden, True, kind="embed"))
         # 2. Timestep MLP, shared by every AdaLN projection.
-        self.time_embedder = H3TimestepEmbedding(cfg.freq_dim, cfg.time_embed_hidden_dim, cfg.time_embed_dim, make_linear)
+        self.time_embedder = H3TimestepEmbedding(
+            cfg.freq_dim, cfg.time_embed_hidden_dim, cfg.time_embed_dim, make_linear
+        )
         # 3. Rotary angles over the packed (t, h, w) grid.
         self.rope = H3RotaryPosEmbed(cfg.rope_freq_dim, cfg.rope_theta)
         # 4. Text refiner, then the block stack.
@@ -465,8 +470,16 @@ class H3Transformer(nn.Module):
         diffusers layout) replaces the folder's weight files (random weights at released dims).
         """
         return load_transformer(
-            cls, folder, torch_dtype=torch_dtype, device=device, linear_factory=linear_factory, qkv_layout=qkv_layout,
-            parallel=parallel, quantization=quantization, skip_prefixes=skip_prefixes, tensors=tensors,
+            cls,
+            folder,
+            torch_dtype=torch_dtype,
+            device=device,
+            linear_factory=linear_factory,
+            qkv_layout=qkv_layout,
+            parallel=parallel,
+            quantization=quantization,
+            skip_prefixes=skip_prefixes,
+            tensors=tensors,
         )
 
     @torch.no_grad()
@@ -476,8 +489,9 @@ class H3Transformer(nn.Module):
         counts = [t.numel() for t in step_timesteps]
         offsets = [sum(counts[:i]) for i in range(len(counts))]
         timesteps = torch.cat([t.to(self.device) for t in step_timesteps])
-        temb = self.time_embedder(timestep_sinusoids(timesteps, self.config.freq_dim).to(
-            compute_dtype(self.time_embedder.linear_1)))
+        temb = self.time_embedder(
+            timestep_sinusoids(timesteps, self.config.freq_dim).to(compute_dtype(self.time_embedder.linear_1))
+        )
         blocks = [block.adaln_proj.table(temb) for block in self.transformer_blocks]
         return AdaLNTables(blocks=blocks, final=self.norm_out.table(temb), offsets=offsets, counts=counts)
 

@@ -21,7 +21,9 @@ def load_video_vae(folder: Path, *, dtype: torch.dtype, device):
     """`AutoencoderKLMiniMaxH3` in `dtype` (its encoder and norms stay float32, as the class pins them)."""
     from diffusers import AutoencoderKLMiniMaxH3  # heavy (seconds to import): imported where it is used
 
-    return AutoencoderKLMiniMaxH3.from_pretrained(str(folder), torch_dtype=dtype).to(device).eval().requires_grad_(False)
+    return (
+        AutoencoderKLMiniMaxH3.from_pretrained(str(folder), torch_dtype=dtype).to(device).eval().requires_grad_(False)
+    )
 
 
 def load_audio_vae(folder: Path, *, device):

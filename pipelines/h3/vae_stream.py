@@ -22,6 +22,7 @@ import torch
 from h3gen.pipelines.h3 import video_decode
 from h3gen.pipelines.h3.vae import PIXEL_MEAN, PIXEL_STD, decode_audio
 
+
 def _stat(values, device) -> torch.Tensor:
     return torch.tensor(values, device=device).view(1, -1, 1, 1, 1)
 
@@ -40,7 +41,7 @@ def audio_decoder_reach(config) -> int:
     # One resblock stack at one rate, in output samples: each dilation's conv pair and its two activations.
     stack = sum((widest - 1) * d // 2 + (widest - 1) // 2 + 2 * _ACTIVATION_TAPS for d in dilations)
     reach, scale = 3.0 + 1.0, 1  # conv_pre (kernel 7) and the 1x1 input projection, at the latent rate
-    for rate, kernel in zip(rates, kernels):
+    for rate, kernel in zip(rates, kernels, strict=True):
         reach += math.ceil(kernel / rate) / scale  # the transposed conv, in its input samples
         scale *= rate
         reach += stack / scale
@@ -79,7 +80,7 @@ class VideoDecodeStream:
                 decoded = vae._blend(self.tail, decoded, vae.frame_overlap, dim=-3)
             own = decoded.shape[2] - vae.frame_overlap
             self.tail = decoded[:, :, own:]
-            self.pending = self.pending[:, :, count * self.chunk:]
+            self.pending = self.pending[:, :, count * self.chunk :]
             yield self._pixels(decoded[:, :, :own])
 
     def push(self, latents: torch.Tensor) -> np.ndarray:
@@ -118,11 +119,11 @@ class AudioDecodeStream:
             return np.zeros((2, 0), dtype=np.float32)
         end = self.offset + self.buffer.shape[-1]
         lo, hi = max(self.offset, self.done - self.context), min(end, stop + self.context)
-        wave = decode_audio(self.vae, self.buffer[..., lo - self.offset: hi - self.offset])
-        out = wave[:, (self.done - lo) * self.hop: (stop - lo) * self.hop]
+        wave = decode_audio(self.vae, self.buffer[..., lo - self.offset : hi - self.offset])
+        out = wave[:, (self.done - lo) * self.hop : (stop - lo) * self.hop]
         self.done = stop
         keep = max(self.offset, self.done - self.context)
-        self.buffer, self.offset = self.buffer[..., keep - self.offset:], keep
+        self.buffer, self.offset = self.buffer[..., keep - self.offset :], keep
         return np.ascontiguousarray(out)
 
     def _end(self) -> int:

@@ -60,8 +60,9 @@ def _norm(hidden: torch.Tensor, norm, dtype: torch.dtype, fp8: bool):
     return rmsnorm_modulate(hidden, norm.weight, zeros, zeros, index, norm.eps, fp8=True)
 
 
-def _block(block, hidden: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], dtype: torch.dtype, backend: str,
-           fp8: bool) -> torch.Tensor:
+def _block(
+    block, hidden: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], dtype: torch.dtype, backend: str, fp8: bool
+) -> torch.Tensor:
     """`MiniMaxH3VideoTransformerBlock.forward` on the float32 residual `(B, N, D)`, updated in place: the norms in
     float32 (as the class pins them), q/k RMSNorm + partial RoPE in one pass, bf16 (or FP8) GEMMs."""
     attn = block.attn
@@ -78,8 +79,9 @@ def _block(block, hidden: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
     return hidden.addcmul_(ff, block.scale2)
 
 
-def _decoder_forward(decoder, latents: torch.Tensor, backend: str, fp8: bool,
-                     check: Callable[[], None]) -> torch.Tensor:
+def _decoder_forward(
+    decoder, latents: torch.Tensor, backend: str, fp8: bool, check: Callable[[], None]
+) -> torch.Tensor:
     """`MiniMaxH3VideoViTDecoder3d.forward` for a batch `(B, C, t, h, w)` -> pixels `(B, 3, t * 4, h * 16, w * 16)`."""
     batch, channels, frames, height, width = latents.shape
     tokens = latents.permute(0, 2, 3, 4, 1).reshape(batch, frames * height * width, channels)
@@ -87,8 +89,10 @@ def _decoder_forward(decoder, latents: torch.Tensor, backend: str, fp8: bool,
     patches = hidden.shape[1]
     registers = decoder.register_tokens.expand(batch, -1, -1).to(hidden.dtype)
     hidden = torch.cat([hidden, registers, torch.zeros_like(hidden[:, :1])], dim=1).float()
-    grids = [2.0 * (torch.arange(0.5, size, dtype=torch.float32, device=latents.device) / size) - 1.0
-             for size in (frames, height, width)]
+    grids = [
+        2.0 * (torch.arange(0.5, size, dtype=torch.float32, device=latents.device) / size) - 1.0
+        for size in (frames, height, width)
+    ]
     positions = torch.stack(torch.meshgrid(*grids, indexing="ij"), dim=-1).flatten(0, 2)
     positions = torch.cat([positions, positions.new_zeros(decoder.num_register_tokens + 1, 3)])[None]
     cos, sin = decoder.rope(positions)  # (1, N, 1, rotary) float32
@@ -100,8 +104,9 @@ def _decoder_forward(decoder, latents: torch.Tensor, backend: str, fp8: bool,
     hidden = decoder.proj_out(hidden)[:, :patches]
     p, pt = decoder.patch_size, decoder.patch_size_t
     hidden = hidden.view(batch, frames, height, width, decoder.out_channels, pt, p, p)
-    return hidden.permute(0, 4, 1, 5, 2, 6, 3, 7).reshape(batch, decoder.out_channels, frames * pt, height * p,
-                                                          width * p)
+    return hidden.permute(0, 4, 1, 5, 2, 6, 3, 7).reshape(
+        batch, decoder.out_channels, frames * pt, height * p, width * p
+    )
 
 
 def _clip_starts(vae, num_latent_frames: int) -> tuple[list[int], int]:
@@ -119,12 +124,19 @@ def _tiles(vae, height: int, width: int):
     ratio = vae.spatial_compression_ratio
     if not vae.use_tiling:
         return [[(slice(None), slice(None))]], [], []
-    ys, y_lengths, y_overlaps = vae._split_tiles(height * ratio, vae.tile_sample_min_height,
-                                                 vae.tile_sample_min_overlap_height)
-    xs, x_lengths, x_overlaps = vae._split_tiles(width * ratio, vae.tile_sample_min_width,
-                                                 vae.tile_sample_min_overlap_width)
-    rows = [[(slice(y // ratio, (y + h) // ratio), slice(x // ratio, (x + w) // ratio))
-             for x, w in zip(xs, x_lengths)] for y, h in zip(ys, y_lengths)]
+    ys, y_lengths, y_overlaps = vae._split_tiles(
+        height * ratio, vae.tile_sample_min_height, vae.tile_sample_min_overlap_height
+    )
+    xs, x_lengths, x_overlaps = vae._split_tiles(
+        width * ratio, vae.tile_sample_min_width, vae.tile_sample_min_overlap_width
+    )
+    rows = [
+        [
+            (slice(y // ratio, (y + h) // ratio), slice(x // ratio, (x + w) // ratio))
+            for x, w in zip(xs, x_lengths, strict=True)
+        ]
+        for y, h in zip(ys, y_lengths, strict=True)
+    ]
     return rows, y_overlaps, x_overlaps
 
 
@@ -143,8 +155,15 @@ def _batch_size(device: torch.device, tokens_per_piece: int, batch: int | None) 
 
 
 @torch.no_grad()
-def decode(vae, z: torch.Tensor, *, tier: str = "lossless", attention_backend: str | None = "auto",
-           batch: int | None = None, check: Callable[[], None] | None = None) -> torch.Tensor:
+def decode(
+    vae,
+    z: torch.Tensor,
+    *,
+    tier: str = "lossless",
+    attention_backend: str | None = "auto",
+    batch: int | None = None,
+    check: Callable[[], None] | None = None,
+) -> torch.Tensor:
     """Denormalised latents `(1, C, F, h, w)` -> pixels `(1, 3, frames, H, W)` in the decoder's dtype, ImageNet
     normalised, as `vae.decode(z).sample`.
 
@@ -163,18 +182,18 @@ def decode(vae, z: torch.Tensor, *, tier: str = "lossless", attention_backend: s
         z = torch.cat([z, z[:, :, -1:].repeat(1, 1, pad_tokens, 1, 1)], dim=2)
     rows, y_overlaps, x_overlaps = _tiles(vae, z.shape[-2], z.shape[-1])
     window = vae.tokens_chunk_size + vae.token_overlap
-    pieces = [z[:, :, start:start + window, ys, xs] for start in starts for row in rows for ys, xs in row]
+    pieces = [z[:, :, start : start + window, ys, xs] for start in starts for row in rows for ys, xs in row]
     piece_tokens = math.prod(pieces[0].shape[2:]) + vae.decoder.num_register_tokens + 1
     size = _batch_size(z.device, piece_tokens, batch)
     backend = attention_backend if z.is_cuda else "sdpa"
     decoded = []
     for first in range(0, len(pieces), size):
-        group = vae.post_quant_conv(torch.cat(pieces[first:first + size]))
+        group = vae.post_quant_conv(torch.cat(pieces[first : first + size]))
         decoded.extend(_decoder_forward(vae.decoder, group, backend, tier == "fast", check).split(1))
     tiles_per_clip = sum(len(row) for row in rows)
     clips = []
     for index in range(len(starts)):
-        flat = iter(decoded[index * tiles_per_clip:(index + 1) * tiles_per_clip])
+        flat = iter(decoded[index * tiles_per_clip : (index + 1) * tiles_per_clip])
         grid = [[next(flat) for _ in row] for row in rows]
         clips.append(vae._stitch_tiles(grid, y_overlaps, x_overlaps) if vae.use_tiling else grid[0][0])
     return _join_clips(vae, clips, z.shape[2], pad_tokens)
@@ -188,7 +207,7 @@ def _join_clips(vae, clips: list[torch.Tensor], padded_frames: int, pad_tokens: 
     decoded, overlap = [], None
     for clip in clips:
         for j in range(int(token_drop > 0) + 1):
-            chunk = clip[:, :, j * chunk_num_frames:(j + 1) * chunk_num_frames][:, :, vae.frame_pre_padding:]
+            chunk = clip[:, :, j * chunk_num_frames : (j + 1) * chunk_num_frames][:, :, vae.frame_pre_padding :]
             if j == 0:
                 if overlap is not None:
                     chunk = vae._blend(overlap, chunk, vae.frame_overlap, dim=-3)
@@ -201,7 +220,8 @@ def _join_clips(vae, clips: list[torch.Tensor], padded_frames: int, pad_tokens: 
     if pad_tokens > 0:
         intra_tail = vae.config.clip_length % ratio
         before = padded_frames - pad_tokens
-        pad_frames = sum(intra_tail if intra_tail and (before + k) % vae.tokens_chunk_size == 0 else ratio
-                         for k in range(pad_tokens))
+        pad_frames = sum(
+            intra_tail if intra_tail and (before + k) % vae.tokens_chunk_size == 0 else ratio for k in range(pad_tokens)
+        )
         video = video[:, :, :-pad_frames]
     return video

@@ -43,8 +43,18 @@ class QwenVideoProcessor:
             path = folder / "preprocessor_config.json"
         config = json.loads(path.read_text()) if path.exists() else {}
         size = {**DEFAULT_SIZE, **(config.get("size") or {})}
-        fields = {name: config[name] for name in ("patch_size", "temporal_patch_size", "merge_size", "rescale_factor",
-                                                  "cap_pixels_per_frame", "max_video_tokens") if config.get(name) is not None}
+        fields = {
+            name: config[name]
+            for name in (
+                "patch_size",
+                "temporal_patch_size",
+                "merge_size",
+                "rescale_factor",
+                "cap_pixels_per_frame",
+                "max_video_tokens",
+            )
+            if config.get(name) is not None
+        }
         for name in ("image_mean", "image_std"):
             if config.get(name) is not None:
                 fields[name] = tuple(config[name])
@@ -58,11 +68,19 @@ class QwenVideoProcessor:
         factor = self.patch_size * self.merge_size
         max_pixels = self.max_pixels
         if self.cap_pixels_per_frame:
-            per_frame = max(min(self.max_video_tokens * factor * factor, self.max_pixels // num_frames),
-                            int(self.min_pixels * 1.05))
+            per_frame = max(
+                min(self.max_video_tokens * factor * factor, self.max_pixels // num_frames), int(self.min_pixels * 1.05)
+            )
             max_pixels = per_frame * num_frames
-        return smart_resize(num_frames=num_frames, height=height, width=width, temporal_factor=self.temporal_patch_size,
-                            factor=factor, min_pixels=self.min_pixels, max_pixels=max_pixels)
+        return smart_resize(
+            num_frames=num_frames,
+            height=height,
+            width=width,
+            temporal_factor=self.temporal_patch_size,
+            factor=factor,
+            min_pixels=self.min_pixels,
+            max_pixels=max_pixels,
+        )
 
     def __call__(self, videos: list[np.ndarray]) -> dict[str, torch.Tensor]:
         """`videos`: `(F, H, W, 3)` uint8 each. Returns `pixel_values_videos` `(sum of patches, 3 * t * p * p)`
@@ -73,8 +91,9 @@ class QwenVideoProcessor:
             num_frames, channels, height, width = pixels.shape
             size = self.grid_size(num_frames, height, width)
             if size != (height, width):
-                pixels = torch.nn.functional.interpolate(pixels.contiguous(), size=size, mode="bicubic",
-                                                         align_corners=False, antialias=True)
+                pixels = torch.nn.functional.interpolate(
+                    pixels.contiguous(), size=size, mode="bicubic", align_corners=False, antialias=True
+                )
             # Rescale folded into the normalization: (x - mean / r) / (std / r), in float32.
             mean = torch.tensor(self.image_mean) * (1.0 / self.rescale_factor)
             std = torch.tensor(self.image_std) * (1.0 / self.rescale_factor)

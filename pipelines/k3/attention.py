@@ -8,8 +8,7 @@ import torch.nn.functional as F
 
 from h3gen.kernels.gemv import MAX_ROWS, grouped_rows_linear
 from h3gen.kernels.kda import kda_chunked, kda_decode, kda_gate, l2_normalize, short_conv
-from h3gen.kernels.mla_decode import (absorb_output, absorb_query, mla_decode, mla_decode_partials,
-                                      mla_decode_splits)
+from h3gen.kernels.mla_decode import absorb_output, absorb_query, mla_decode, mla_decode_partials, mla_decode_splits
 from h3gen.linear import LinearFactory, LinearSpec
 from h3gen.pipelines.k3.cache import KDAState, PagedLatentCache
 from h3gen.pipelines.k3.config import K3Config
@@ -63,8 +62,7 @@ class K3DeltaAttention(nn.Module):
             self.fused_up_gates = stack_linears([self.f_b_proj, self.g_b_proj])
         return self.fused_in is not None
 
-    def forward(self, x: torch.Tensor | PendingNorm,
-                state: KDAState | None = None) -> tuple[torch.Tensor, KDAState]:
+    def forward(self, x: torch.Tensor | PendingNorm, state: KDAState | None = None) -> tuple[torch.Tensor, KDAState]:
         """`x` `[B, T, D]` (after the pre-norm, or a `PendingNorm`), `state` from the previous call or None ->
         (`[B, T, D]`, new state).
 
@@ -81,11 +79,12 @@ class K3DeltaAttention(nn.Module):
         q, k, v = qkv.split(qkv.shape[-1] // 3, dim=-1)
         q, k = l2_normalize(q.reshape(shape)), l2_normalize(k.reshape(shape))
         v = v.reshape(shape)
-        g = kda_gate(self.f_b_proj(self.f_a_proj(x)).view(shape), self.A_log, self.dt_bias,
-                     self.config.gate_lower_bound)
+        g = kda_gate(
+            self.f_b_proj(self.f_a_proj(x)).view(shape), self.A_log, self.dt_bias, self.config.gate_lower_bound
+        )
         beta = torch.sigmoid(self.b_proj(x).float())
         initial = None if state is None else state.recurrent
-        o, recurrent = kda_chunked(q, k, v.float(), g, beta, self.head_dim ** -0.5, initial)
+        o, recurrent = kda_chunked(q, k, v.float(), g, beta, self.head_dim**-0.5, initial)
         gate = self.g_proj(x) if self.config.use_full_rank_gate else self.g_b_proj(self.g_a_proj(x))
         # Output norm and gate in float32, as fla's FusedRMSNormGated.
         of = o.float()
@@ -115,10 +114,25 @@ class K3DeltaAttention(nn.Module):
             f = self.f_b_proj(f_a)
             if not self.config.use_full_rank_gate:
                 gate = self.g_b_proj(gate)
-        o = kda_decode(q, k, v, (self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight), state.conv,
-                       f, self.A_log, self.dt_bias, self.config.gate_lower_bound, b, gate,
-                       self.o_norm.weight, self.o_norm.eps, state.recurrent, self.head_dim ** -0.5, rows=state.rows,
-                       gate_up=gate_up)
+        o = kda_decode(
+            q,
+            k,
+            v,
+            (self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight),
+            state.conv,
+            f,
+            self.A_log,
+            self.dt_bias,
+            self.config.gate_lower_bound,
+            b,
+            gate,
+            self.o_norm.weight,
+            self.o_norm.eps,
+            state.recurrent,
+            self.head_dim**-0.5,
+            rows=state.rows,
+            gate_up=gate_up,
+        )
         return project(self.o_proj, o)[:, None]
 
 
@@ -131,8 +145,12 @@ class K3MLAttention(nn.Module):
         super().__init__()
         d, n = config.hidden_size, config.num_attention_heads
         self.config, self.num_heads = config, n
-        self.nope, self.rope, self.v_dim, self.rank = (config.qk_nope_head_dim, config.qk_rope_head_dim,
-                                                       config.v_head_dim, config.kv_lora_rank)
+        self.nope, self.rope, self.v_dim, self.rank = (
+            config.qk_nope_head_dim,
+            config.qk_rope_head_dim,
+            config.v_head_dim,
+            config.kv_lora_rank,
+        )
         qk = config.mla_head_dim
         if config.q_lora_rank is None:
             self.q_proj = linear(LinearSpec(d, n * qk, False, "column", "attn.qkv"))
@@ -146,7 +164,7 @@ class K3MLAttention(nn.Module):
         if config.mla_use_output_gate:
             self.g_proj = linear(LinearSpec(d, n * self.v_dim, False, "column", "attn.gate"))
         self.o_proj = linear(LinearSpec(n * self.v_dim, d, False, "row", "attn.out"))
-        self.scale = qk ** -0.5
+        self.scale = qk**-0.5
         self.fused_in: torch.Tensor | None = None  # see `fuse_projections`
 
     def _input_layers(self) -> list[nn.Module]:
@@ -172,8 +190,9 @@ class K3MLAttention(nn.Module):
             kv = self.kv_a_proj_with_mqa(x)
             gate = [self.g_proj(x)] if self.config.mla_use_output_gate else []
         if self.config.q_lora_rank is not None:  # a decode step's q_b kernel normalises q itself
-            q = project(self.q_b_proj, PendingNorm(q, None, self.q_a_layernorm) if b * t <= MAX_ROWS
-                        else self.q_a_layernorm(q))
+            q = project(
+                self.q_b_proj, PendingNorm(q, None, self.q_a_layernorm) if b * t <= MAX_ROWS else self.q_a_layernorm(q)
+            )
         q = q.view(b, t, -1, self.nope + self.rope)
         heads = q.shape[2]
         latent, k_pe = kv.split([self.rank, self.rope], dim=-1)
@@ -206,12 +225,14 @@ class K3MLAttention(nn.Module):
         k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
         k = torch.cat([k_nope, k_pe[:, :, None, :].expand(b, length, n, self.rope)], dim=-1)
         causal = torch.ones(t, length, dtype=torch.bool, device=q.device).tril(diagonal=past)
-        o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                           attn_mask=causal, scale=self.scale)
+        o = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=causal, scale=self.scale
+        )
         return o.transpose(1, 2)
 
-    def _decode_absorbed(self, q: torch.Tensor, cache: PagedLatentCache, gate: torch.Tensor | None = None,
-                         new_rows: tuple | None = None) -> torch.Tensor:
+    def _decode_absorbed(
+        self, q: torch.Tensor, cache: PagedLatentCache, gate: torch.Tensor | None = None, new_rows: tuple | None = None
+    ) -> torch.Tensor:
         """Decode: fold `kv_b_proj` into the query and the output, so attention runs over the cached latent rows
         directly (one KV head of width r + d_r). `q` `[B, n, qk]` -> `[B, n, v]`, times sigmoid(`gate` `[B, n v]`)
         when given. `new_rows`: the step's cache rows (`write_latent_rows`' arguments) when not yet written; the
@@ -223,12 +244,13 @@ class K3MLAttention(nn.Module):
         if splits == 1:
             latent = mla_decode(query, cache.pages, cache.block_table(), cache.seq_lens(), self.scale, self.rank)
             return absorb_output(latent, w_vc, q.dtype, gate)
-        runs, lse = mla_decode_partials(query, cache.pages, cache.block_table(), cache.seq_lens(), self.scale,
-                                        self.rank, splits)
+        runs, lse = mla_decode_partials(
+            query, cache.pages, cache.block_table(), cache.seq_lens(), self.scale, self.rank, splits
+        )
         return absorb_output(runs, w_vc, q.dtype, gate, lse)
 
     def _absorbed_weights(self, heads: int) -> tuple[torch.Tensor, torch.Tensor]:
         """`kv_b_proj`'s weight seen per head as `W_kc` `[n, d_n, r]` and `W_vc` `[n, d_v, r]` (views, no copy;
         the decode ops multiply in float32)."""
         w = self.kv_b_proj.weight.detach().view(heads, self.nope + self.v_dim, self.rank)
-        return w[:, : self.nope], w[:, self.nope:]
+        return w[:, : self.nope], w[:, self.nope :]

@@ -116,8 +116,9 @@ class K3Config:
             mla_norm_eps=float(_pick(data, ("rms_norm_eps",), 1e-6)) if outer else 1e-6,
             linear_num_heads=int(_pick(linear, ("num_heads",), None) or _pick(data, ("linear_num_heads",), 32)),
             linear_head_dim=int(_pick(linear, ("head_dim",), None) or _pick(data, ("linear_head_dim",), 128)),
-            conv_kernel_size=int(_pick(linear, ("short_conv_kernel_size",), None)
-                                 or _pick(data, ("linear_conv_kernel_dim",), 4)),
+            conv_kernel_size=int(
+                _pick(linear, ("short_conv_kernel_size",), None) or _pick(data, ("linear_conv_kernel_dim",), 4)
+            ),
             use_full_rank_gate=bool(linear.get("use_full_rank_gate", False)),
             gate_lower_bound=linear.get("gate_lower_bound", data.get("gate_lower_bound")),
             # transformers builds the KDA output norm with rms_norm_eps; sglang builds K3's with its 1e-5 default.
@@ -151,11 +152,13 @@ class K3Config:
         if "moe" in self.ffn_types and (self.num_experts <= 0 or self.moe_intermediate_size <= 0):
             raise CheckpointError("MoE layers need num_experts > 0 and moe_intermediate_size > 0.")
         if self.num_experts and not 0 < self.num_experts_per_token <= self.num_experts:
-            raise CheckpointError(f"num_experts_per_token must be in [1, {self.num_experts}] "
-                                  f"(got {self.num_experts_per_token}).")
+            raise CheckpointError(
+                f"num_experts_per_token must be in [1, {self.num_experts}] (got {self.num_experts_per_token})."
+            )
         if self.num_experts and self.num_experts % self.num_expert_group:
-            raise CheckpointError(f"num_experts {self.num_experts} is not a multiple of num_expert_group "
-                                  f"{self.num_expert_group}.")
+            raise CheckpointError(
+                f"num_experts {self.num_experts} is not a multiple of num_expert_group {self.num_expert_group}."
+            )
         if self.attn_res_block_size is not None and self.attn_res_block_size < 1:
             raise CheckpointError(f"attn_res_block_size must be >= 1 (got {self.attn_res_block_size}).")
 
@@ -167,7 +170,8 @@ def _attention_types(data: dict, linear: dict, layers: int) -> list[str]:
         if bad or kda & mla or len(kda | mla) != layers:
             raise CheckpointError(
                 f"linear_attn_config kda_layers / full_attn_layers must split layers 1..{layers} (1-indexed) between "
-                f"them, each layer once (out of range: {bad}, in both: {sorted(kda & mla)}).")
+                f"them, each layer once (out of range: {bad}, in both: {sorted(kda & mla)})."
+            )
         return ["kda" if i + 1 in kda else "mla" for i in range(layers)]
     if data.get("layer_types"):
         names = {"linear_attention": "kda", "full_attention": "mla"}
@@ -195,5 +199,7 @@ def _is_mxfp4(quant: dict) -> bool:
     if quant.get("quant_method") == "mxfp4":
         return True
     groups = quant.get("config_groups") or {}
-    return any("mxfp4" in str((group or {}).get("format", "")).lower() for group in groups.values()) or \
-        "mxfp4" in str(quant.get("format", "")).lower()
+    return (
+        any("mxfp4" in str((group or {}).get("format", "")).lower() for group in groups.values())
+        or "mxfp4" in str(quant.get("format", "")).lower()
+    )

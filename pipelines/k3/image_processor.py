@@ -95,8 +95,12 @@ class ImageResize:
 def navit_resize(width: int, height: int, config: K3MediaConfig) -> ImageResize:
     """The resize rule (pure arithmetic on the original size)."""
     p, limit_side = config.patch_size, config.patch_limit_on_one_side
-    scale = min(1.0, math.sqrt(config.in_patch_limit / (max(1.0, width // p) * max(1.0, height // p))),
-                limit_side * p / width, limit_side * p / height)
+    scale = min(
+        1.0,
+        math.sqrt(config.in_patch_limit / (max(1.0, width // p) * max(1.0, height // p))),
+        limit_side * p / width,
+        limit_side * p / height,
+    )
     new_w = min(max(1, int(width * scale)), limit_side * p)
     new_h = min(max(1, int(height * scale)), limit_side * p)
     factor = config.merge_kernel_size * p
@@ -141,8 +145,9 @@ def to_pil(image, index: int = 0) -> Image.Image:
     if array.ndim == 2:
         array = array[..., None]
     if array.ndim != 3 or array.shape[-1] not in (1, 3, 4):
-        raise ValueError(f"{where} has shape {list(array.shape)}; expected HxW, HxWxC or (tensors) CxHxW with "
-                         "C in 1, 3, 4.")
+        raise ValueError(
+            f"{where} has shape {list(array.shape)}; expected HxW, HxWxC or (tensors) CxHxW with C in 1, 3, 4."
+        )
     if array.shape[0] < 1 or array.shape[1] < 1:
         raise ValueError(f"{where} is empty ({array.shape[1]}x{array.shape[0]}).")
     if array.shape[-1] == 1:
@@ -207,11 +212,10 @@ class K3ImageProcessor:
             x = torch.from_numpy(np.ascontiguousarray(pixels, dtype=np.float32)).permute(2, 0, 1)
             x = torch.nn.functional.pad(x, (0, resize.pad_width, 0, resize.pad_height), value=0.0)
             scale = torch.tensor([1.0 / (255.0 * s) for s in c.image_std]).view(3, 1, 1)
-            bias = torch.tensor([-m / s for m, s in zip(c.image_mean, c.image_std)]).view(3, 1, 1)
+            bias = torch.tensor([-m / s for m, s in zip(c.image_mean, c.image_std, strict=True)]).view(3, 1, 1)
             x = torch.addcmul(bias, x, scale)
             h, w = x.shape[1] // p, x.shape[2] // p
             patches.append(x.view(3, h, p, w, p).permute(1, 3, 0, 2, 4).reshape(h * w, 3, p, p))
             grids.append((1, h, w))
             tokens.append(resize.num_tokens)
         return ProcessedImages(torch.cat(patches), torch.tensor(grids, dtype=torch.int64), tokens, sizes)
-

@@ -54,8 +54,12 @@ def fuse_linears(layers: list[nn.Module]) -> torch.Tensor | None:
     if not layers or any(type(layer) is not nn.Linear or layer.bias is not None for layer in layers):
         return None
     first = layers[0].weight
-    if any(layer.weight.shape[1] != first.shape[1] or layer.weight.dtype != first.dtype
-           or layer.weight.device != first.device for layer in layers):
+    if any(
+        layer.weight.shape[1] != first.shape[1]
+        or layer.weight.dtype != first.dtype
+        or layer.weight.device != first.device
+        for layer in layers
+    ):
         return None
     fused = first.new_empty(sum(layer.weight.shape[0] for layer in layers), first.shape[1])
     start = 0
@@ -75,11 +79,13 @@ def stack_linears(layers: list[nn.Module]) -> torch.Tensor | None:
     if not layers or any(type(layer) is not nn.Linear or layer.bias is not None for layer in layers):
         return None
     first = layers[0].weight
-    if any(layer.weight.shape != first.shape or layer.weight.dtype != first.dtype
-           or layer.weight.device != first.device for layer in layers):
+    if any(
+        layer.weight.shape != first.shape or layer.weight.dtype != first.dtype or layer.weight.device != first.device
+        for layer in layers
+    ):
         return None
     stacked = torch.stack([layer.weight for layer in layers])
-    for layer, weight in zip(layers, stacked):
+    for layer, weight in zip(layers, stacked, strict=True):
         layer.weight.data = weight
     return stacked
 
@@ -99,8 +105,9 @@ def project(layer: nn.Module, x: torch.Tensor | PendingNorm) -> torch.Tensor:
     return layer(resolved(x))
 
 
-def project_argmax(layer: nn.Module, x: torch.Tensor | PendingNorm,
-                   into: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def project_argmax(
+    layer: nn.Module, x: torch.Tensor | PendingNorm, into: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(`project(layer, x)` `[..., N]`, its argmax over N `[...]` int64, written into `into` (contiguous, one per
     row) when given); for a decode step's few rows through a plain linear, the GEMV kernel finds the argmax as it
     writes the output (`rows_linear_argmax`)."""

@@ -28,7 +28,7 @@ EXPERT_KIND = "moe.expert"
 def rename_key(key: str) -> str | None:
     """A checkpoint key -> the model's key (None: a tensor the text model does not hold)."""
     if key.startswith("language_model."):
-        key = key[len("language_model."):]
+        key = key[len("language_model.") :]
         if key.startswith(("layers.", "embed_tokens.", "norm.", "output_attn_res_")):
             key = "model." + key
     if key.startswith(("vision_tower.", "mm_projector.")):
@@ -60,8 +60,9 @@ def split_gate_up(key: str, target: str, tensor: torch.Tensor):
 def expert_linear_factory(base, config: K3Config):
     """Routed experts as `MXFP4Linear` when the checkpoint stores them MXFP4, `base` (dense when None) for everything
     else."""
-    return make_linear_factory(quantization="mxfp4" if config.experts_mxfp4 else None, quantized_kinds=(EXPERT_KIND,),
-                               base=base)
+    return make_linear_factory(
+        quantization="mxfp4" if config.experts_mxfp4 else None, quantized_kinds=(EXPERT_KIND,), base=base
+    )
 
 
 def load_k3(cls, folder, *, torch_dtype: torch.dtype = torch.bfloat16, device=None, linear_factory=None):
@@ -84,8 +85,9 @@ def load_k3(cls, folder, *, torch_dtype: torch.dtype = torch.bfloat16, device=No
                 continue
             yield key, target, convert_tensor(target, tensor, config)
 
-    assign_tensors(model, tensors(), dtype=torch_dtype, device=device, keep_fp32_modules=cls.keep_fp32_modules,
-                   source=str(folder))
+    assign_tensors(
+        model, tensors(), dtype=torch_dtype, device=device, keep_fp32_modules=cls.keep_fp32_modules, source=str(folder)
+    )
     if config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     for module in model.modules():  # quantized experts compute in the model's working dtype

@@ -80,10 +80,12 @@ class K3MoE(nn.Module):
                 self.routed_expert_norm = K3RMSNorm(width, config.rms_norm_eps)
             self.routed_expert_up_proj = linear(LinearSpec(width, d, False, "replicated", "moe.latent"))
         self.experts = nn.ModuleList(
-            K3Expert(width, config.moe_intermediate_size, linear) for _ in range(config.num_experts))
+            K3Expert(width, config.moe_intermediate_size, linear) for _ in range(config.num_experts)
+        )
         if config.num_shared_experts:
-            self.shared_experts = K3MLP(config, d, config.moe_intermediate_size * config.num_shared_experts, linear,
-                                        "ffn")
+            self.shared_experts = K3MLP(
+                config, d, config.moe_intermediate_size * config.num_shared_experts, linear, "ffn"
+            )
         self.stacked: tuple[torch.Tensor, torch.Tensor] | None = None  # (up_gate [E, 2I, W], down [E, W, I])
         # MXFP4 experts stacked: ((packed, scales) of up_gate, (packed, scales) of down)
         self.stacked_mxfp4: tuple | None = None
@@ -107,8 +109,10 @@ class K3MoE(nn.Module):
             packed = stack_weights(list(self.experts), "weight_packed")
             scales = stack_weights(list(self.experts), "weight_scale")
             self.stacked_mxfp4 = ((packed[0], scales[0]), (packed[1], scales[1]))
-        elif all(isinstance(getattr(layer, "weight", None), torch.Tensor) and not hasattr(layer, "weight_packed")
-                 for layer in layers):
+        elif all(
+            isinstance(getattr(layer, "weight", None), torch.Tensor) and not hasattr(layer, "weight_packed")
+            for layer in layers
+        ):
             shared = self._mergeable_shared_expert()
             self.stacked = stack_weights(list(self.experts), "weight", shared)
             self.shared_in_stack = shared is not None
@@ -116,8 +120,10 @@ class K3MoE(nn.Module):
             return False
         down = getattr(getattr(self, "shared_experts", None), "down_proj", None)
         if not self.shared_in_stack and type(down) is nn.Linear and down.bias is None:
-            self.one_slot = (torch.zeros(MAX_ROWS, 1, dtype=torch.long, device=down.weight.device),
-                             torch.ones(MAX_ROWS, 1, dtype=torch.float32, device=down.weight.device))
+            self.one_slot = (
+                torch.zeros(MAX_ROWS, 1, dtype=torch.long, device=down.weight.device),
+                torch.ones(MAX_ROWS, 1, dtype=torch.float32, device=down.weight.device),
+            )
         return True
 
     def _mergeable_shared_expert(self) -> "K3MLP | None":
@@ -132,9 +138,14 @@ class K3MoE(nn.Module):
         first = self.experts[0]
         if any(type(layer) is not nn.Linear or layer.bias is not None for layer in layers):
             return None
-        if (shared.up_proj.weight.shape != first.w3.weight.shape or shared.down_proj.weight.shape != first.w2.weight.shape
-                or any(layer.weight.dtype != first.w1.weight.dtype or layer.weight.device != first.w1.weight.device
-                       for layer in layers)):
+        if (
+            shared.up_proj.weight.shape != first.w3.weight.shape
+            or shared.down_proj.weight.shape != first.w2.weight.shape
+            or any(
+                layer.weight.dtype != first.w1.weight.dtype or layer.weight.device != first.w1.weight.device
+                for layer in layers
+            )
+        ):
             return None
         return shared
 
@@ -146,8 +157,9 @@ class K3MoE(nn.Module):
         swiglu = self.config.hidden_act != "situ"
         if self.stacked_mxfp4 is not None:
             if ids.numel() <= moe.MXFP4_DEVICE_ROUTING_MAX_PAIRS:
-                return moe.per_pair_mxfp4(h, weights, ids, self.stacked_mxfp4, self.experts[0].w1.compute_dtype,
-                                          self._activation, swiglu)
+                return moe.per_pair_mxfp4(
+                    h, weights, ids, self.stacked_mxfp4, self.experts[0].w1.compute_dtype, self._activation, swiglu
+                )
             # a prefill: every expert is likely picked, widen them all once
             up_gate, down = moe.widened_mxfp4(self.stacked_mxfp4, self.experts[0].w1.compute_dtype, h.shape[-1])
             return moe.stacked_blocks(h.to(up_gate.dtype), weights, ids, up_gate, down, self._activation, swiglu)
@@ -169,13 +181,15 @@ class K3MoE(nn.Module):
         weights, ids = self.gate(x, always=self._always(x.shape[0]))
         return self.from_routing(x, weights, ids).view(shape)
 
-    def after_residual(self, h: torch.Tensor, delta: torch.Tensor,
-                       norm: K3RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+    def after_residual(
+        self, h: torch.Tensor, delta: torch.Tensor, norm: K3RMSNorm
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """`(h + delta, self(norm(h + delta)))` with the residual update, the norm and the router as one op
         (`K3Router.after_residual`): a decode step's MoE layer starts with one kernel instead of three."""
         shape, width = h.shape, h.shape[-1]
-        total, normed, weights, ids = self.gate.after_residual(h.reshape(-1, width), delta.reshape(-1, width), norm,
-                                                               always=self._always(h.numel() // width))
+        total, normed, weights, ids = self.gate.after_residual(
+            h.reshape(-1, width), delta.reshape(-1, width), norm, always=self._always(h.numel() // width)
+        )
         return total.view(shape), self.from_routing(normed, weights, ids).view(shape)
 
     def from_routing(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -203,8 +217,13 @@ class K3MoE(nn.Module):
         experts; see `stack_experts`): its fused [up; gate] projection `[T, 2I]`, computed before the routed
         experts (its weights need no routing, so they load while the router runs); else None."""
         shared = getattr(self, "shared_experts", None)
-        if (self.one_slot is None or shared is None or shared.fused_in is None or x.shape[0] > MAX_ROWS
-                or self.config.hidden_act == "situ"):
+        if (
+            self.one_slot is None
+            or shared is None
+            or shared.fused_in is None
+            or x.shape[0] > MAX_ROWS
+            or self.config.hidden_act == "situ"
+        ):
             return None
         return rows_linear(x, shared.fused_in)
 
@@ -267,8 +286,9 @@ class K3DecoderLayer(nn.Module):
             out, cache.layers[index] = self.self_attn(h, cache.layers[index])
             return out
         if cache.layers[index] is None:
-            cache.layers[index] = PagedLatentCache(h.shape[0], self.self_attn.rank + self.self_attn.rope,
-                                                   h.dtype, h.device, cache.page_size)
+            cache.layers[index] = PagedLatentCache(
+                h.shape[0], self.self_attn.rank + self.self_attn.rope, h.dtype, h.device, cache.page_size
+            )
         return self.self_attn(h, cache.layers[index])
 
     def feed_forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -288,8 +308,9 @@ class K3Model(nn.Module):
             self.output_attn_res_proj = K3ResidualQuery(config.hidden_size)
             self.output_attn_res_norm = K3RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, inputs_embeds: torch.Tensor, cache: K3Cache | None = None,
-                pending: bool = False) -> torch.Tensor | PendingNorm:
+    def forward(
+        self, inputs_embeds: torch.Tensor, cache: K3Cache | None = None, pending: bool = False
+    ) -> torch.Tensor | PendingNorm:
         """`inputs_embeds` `[B, T, D]` -> the final hidden states `[B, T, D]`; with `pending`, for a few tokens,
         the final norm may come back as a `PendingNorm` for the head's kernel to compute."""
         if not self.config.attn_res_block_size:
@@ -332,8 +353,9 @@ class K3Model(nn.Module):
         eps, block = self.config.rms_norm_eps, self.config.attn_res_block_size
         bank, prefix = [], embeds
         for index, layer in enumerate(self.layers):
-            x = attn_res_mix(bank + [prefix], layer.self_attention_res_proj.weight,
-                             layer.self_attention_res_norm.weight, eps)
+            x = attn_res_mix(
+                bank + [prefix], layer.self_attention_res_proj.weight, layer.self_attention_res_norm.weight, eps
+            )
             if index % block == 0:
                 bank, prefix = bank + [prefix], None
             out = layer.attention(x, cache, index)
@@ -363,8 +385,9 @@ class K3ForCausalLM(nn.Module):
             self.mm_projector = K3MultiModalProjector(vision, linear)
 
     @classmethod
-    def from_pretrained(cls, folder, torch_dtype: torch.dtype = torch.bfloat16, device=None,
-                        linear_factory: LinearFactory | None = None) -> "K3ForCausalLM":
+    def from_pretrained(
+        cls, folder, torch_dtype: torch.dtype = torch.bfloat16, device=None, linear_factory: LinearFactory | None = None
+    ) -> "K3ForCausalLM":
         """Load a K3 or Kimi-Linear checkpoint folder (see `h3gen.pipelines.k3.loader`)."""
         return load_k3(cls, folder, torch_dtype=torch_dtype, device=device, linear_factory=linear_factory)
 
@@ -383,8 +406,13 @@ class K3ForCausalLM(nn.Module):
             raise ValueError("this checkpoint has no vision tower (no vision_config); images cannot be used.")
         return self.mm_projector(self.vision_tower(pixel_values, grid_thws))
 
-    def embed_multimodal(self, input_ids: torch.Tensor, pixel_values: torch.Tensor | None = None, grid_thws=None,
-                         image_embeds: torch.Tensor | None = None) -> torch.Tensor:
+    def embed_multimodal(
+        self,
+        input_ids: torch.Tensor,
+        pixel_values: torch.Tensor | None = None,
+        grid_thws=None,
+        image_embeds: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Token embeddings `[B, T, D]` with the image embeddings (given, or encoded from `pixel_values`) written
         over the `<|media_pad|>` positions, in order (row-major over the batch)."""
         embeds = self.embed(input_ids)
@@ -395,16 +423,24 @@ class K3ForCausalLM(nn.Module):
         mask = input_ids == self.config.media_placeholder_token_id
         count = int(mask.sum())
         if count != image_embeds.shape[0]:
-            raise ValueError(f"the prompt has {count} <|media_pad|> tokens but the images give {image_embeds.shape[0]} "
-                             "embeddings (expand each image's placeholder to its token count).")
+            raise ValueError(
+                f"the prompt has {count} <|media_pad|> tokens but the images give {image_embeds.shape[0]} "
+                "embeddings (expand each image's placeholder to its token count)."
+            )
         embeds = embeds.clone()
         embeds[mask] = image_embeds.to(embeds.dtype)
         return embeds
 
-    def forward(self, input_ids: torch.Tensor | None = None, cache: K3Cache | None = None,
-                inputs_embeds: torch.Tensor | None = None, pixel_values: torch.Tensor | None = None,
-                grid_thws=None, with_argmax: bool = False,
-                argmax_into: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self,
+        input_ids: torch.Tensor | None = None,
+        cache: K3Cache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        pixel_values: torch.Tensor | None = None,
+        grid_thws=None,
+        with_argmax: bool = False,
+        argmax_into: torch.Tensor | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """`input_ids` `[B, T]` (or `inputs_embeds` `[B, T, D]`) -> logits `[B, T, vocab]`. With `cache`, continues
         from the state it holds (prefill chunk or one-token decode) and leaves it updated. With `pixel_values` /
         `grid_thws` (see `encode_images`), the image embeddings replace the `<|media_pad|>` embeddings. With
@@ -424,14 +460,21 @@ class K3ForCausalLM(nn.Module):
         return K3Cache(self.config.num_hidden_layers, page_size)
 
     @torch.no_grad()
-    def generate(self, input_ids: torch.Tensor, max_new_tokens: int, inputs_embeds: torch.Tensor | None = None,
-                 eos_token_id: int | None = None, pixel_values: torch.Tensor | None = None,
-                 grid_thws=None) -> torch.Tensor:
+    def generate(
+        self,
+        input_ids: torch.Tensor,
+        max_new_tokens: int,
+        inputs_embeds: torch.Tensor | None = None,
+        eos_token_id: int | None = None,
+        pixel_values: torch.Tensor | None = None,
+        grid_thws=None,
+    ) -> torch.Tensor:
         """Greedy decoding: one prefill (images spliced in when given), then one token per step with the cache.
         Returns `[B, new]` token ids."""
         cache = self.new_cache()
-        logits = self(input_ids, cache, inputs_embeds=inputs_embeds, pixel_values=pixel_values,
-                      grid_thws=grid_thws)[:, -1]
+        logits = self(input_ids, cache, inputs_embeds=inputs_embeds, pixel_values=pixel_values, grid_thws=grid_thws)[
+            :, -1
+        ]
         tokens = []
         for _ in range(max_new_tokens):
             token = logits.argmax(-1)

@@ -15,9 +15,18 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
+from h3gen.kernels.moe import (
+    expert_gemv,
+    expert_gemv_mxfp4,
+    expert_swiglu_down,
+    expert_swiglu_down_mxfp4,
+    grouped_gemm,
+    grouped_mxfp4_gemm,
+    router_topk,
+    sort_by_expert,
+    stacked_experts,
+)
 from h3gen.kernels.mxfp4_gemm import dequantize_weight
-from h3gen.kernels.moe import (expert_gemv, expert_gemv_mxfp4, expert_swiglu_down, expert_swiglu_down_mxfp4,
-                               grouped_gemm, grouped_mxfp4_gemm, router_topk, sort_by_expert, stacked_experts)
 from h3gen.linear import LinearFactory, LinearSpec
 from h3gen.pipelines.k3.config import K3Config
 
@@ -65,12 +74,20 @@ class K3Router(nn.Module):
 
     def _routing(self, always: int) -> tuple:
         c = self.config
-        return (self.e_score_correction_bias, c.num_experts_per_token, c.num_expert_group, c.topk_group,
-                c.moe_renormalize, c.routed_scaling_factor, always)
+        return (
+            self.e_score_correction_bias,
+            c.num_experts_per_token,
+            c.num_expert_group,
+            c.topk_group,
+            c.moe_renormalize,
+            c.routed_scaling_factor,
+            always,
+        )
 
 
-def stack_weights(experts: list[K3Expert], name: str, shared: nn.Module | None = None
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
+def stack_weights(
+    experts: list[K3Expert], name: str, shared: nn.Module | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Copy each expert's tensor `name` (`"weight"`, or an MXFP4 layer's `"weight_packed"` / `"weight_scale"`) into
     stacked `up_gate` `[E, 2I, W]` (w3 over w1) and `down` `[E, W, I]`, and point the experts' tensors at their
     views (state-dict keys and values do not change). `shared` (an MLP with `up_proj`, `gate_proj`, `down_proj`)
@@ -89,8 +106,11 @@ def stack_weights(experts: list[K3Expert], name: str, shared: nn.Module | None =
                 setattr(layer, name, view)  # a buffer: re-registered as the view
     if shared is not None:
         e = len(experts)
-        for layer, view in ((shared.up_proj, up_gate[e, :inter]), (shared.gate_proj, up_gate[e, inter:]),
-                            (shared.down_proj, down[e])):
+        for layer, view in (
+            (shared.up_proj, up_gate[e, :inter]),
+            (shared.gate_proj, up_gate[e, inter:]),
+            (shared.down_proj, down[e]),
+        ):
             view.copy_(layer.weight)
             layer.weight.data = view
         shared.fused_in = up_gate[e]
@@ -100,14 +120,19 @@ def stack_weights(experts: list[K3Expert], name: str, shared: nn.Module | None =
 def _grouped(x: torch.Tensor, offsets: torch.Tensor, layers: list[nn.Module]) -> torch.Tensor:
     """The grouped GEMM kernel matching how the experts store their weights (MXFP4 or dense)."""
     if all(hasattr(layer, "weight_packed") for layer in layers):
-        out = grouped_mxfp4_gemm(x.to(layers[0].compute_dtype), offsets, [layer.weight_packed for layer in layers],
-                                 [layer.weight_scale for layer in layers])
+        out = grouped_mxfp4_gemm(
+            x.to(layers[0].compute_dtype),
+            offsets,
+            [layer.weight_packed for layer in layers],
+            [layer.weight_scale for layer in layers],
+        )
         return out.to(x.dtype)
     return grouped_gemm(x, offsets, [layer.weight for layer in layers])
 
 
-def grouped_by_expert(h: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts: list[K3Expert],
-                      activation: Activation) -> torch.Tensor:
+def grouped_by_expert(
+    h: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts: list[K3Expert], activation: Activation
+) -> torch.Tensor:
     """Tokens sorted by expert, then one grouped GEMM per projection over the experts' own weights."""
     top_k = ids.shape[1]
     order, offsets = sort_by_expert(ids, len(experts))
@@ -120,8 +145,15 @@ def grouped_by_expert(h: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
     return torch.zeros_like(h).index_add_(0, tokens, scaled)
 
 
-def stacked_blocks(h: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, up_gate: torch.Tensor,
-                   down: torch.Tensor, activation: Activation, swiglu: bool) -> torch.Tensor:
+def stacked_blocks(
+    h: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    up_gate: torch.Tensor,
+    down: torch.Tensor,
+    activation: Activation,
+    swiglu: bool,
+) -> torch.Tensor:
     """Pairs grouped into blocks per expert over stacked `up_gate` `[E, 2I, W]` and `down` `[E, W, I]`, on the
     device (no host synchronisation); `swiglu` says the activation is SiLU's."""
     out = stacked_experts(h, up_gate, down, ids, activation, swiglu=swiglu)
@@ -133,15 +165,25 @@ def widened_mxfp4(stacked_mxfp4: tuple, dtype: torch.dtype, width: int) -> tuple
     `[E, 2I, W]` and `down` `[E, W, I]`, a temporary copy for one call (one dequantizing pass)."""
     (packed_up_gate, scales_up_gate), (packed_down, scales_down) = stacked_mxfp4
     experts, inter2, _ = packed_up_gate.shape
-    up_gate = dequantize_weight(packed_up_gate.reshape(experts * inter2, -1),
-                                scales_up_gate.reshape(experts * inter2, -1), dtype, width)
-    down = dequantize_weight(packed_down.reshape(experts * width, -1), scales_down.reshape(experts * width, -1),
-                             dtype, inter2 // 2)
+    up_gate = dequantize_weight(
+        packed_up_gate.reshape(experts * inter2, -1), scales_up_gate.reshape(experts * inter2, -1), dtype, width
+    )
+    down = dequantize_weight(
+        packed_down.reshape(experts * width, -1), scales_down.reshape(experts * width, -1), dtype, inter2 // 2
+    )
     return up_gate.view(experts, inter2, width), down.view(experts, width, inter2 // 2)
 
 
-def per_pair(h: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, up_gate: torch.Tensor, down: torch.Tensor,
-             activation: Activation, swiglu: bool, always: int = 0) -> torch.Tensor:
+def per_pair(
+    h: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    up_gate: torch.Tensor,
+    down: torch.Tensor,
+    activation: Activation,
+    swiglu: bool,
+    always: int = 0,
+) -> torch.Tensor:
     """Each (token, slot) pair through its stacked dense expert by GEMVs (the last `always` slots are always-on
     experts whose weights load before the routing is known); with SwiGLU experts the activation, the down experts
     and the weighted slot sum are one kernel."""
@@ -155,8 +197,15 @@ def per_pair(h: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, up_gate:
     return (out.to(h.dtype).view(tokens, top_k, -1) * weights[..., None].to(h.dtype)).sum(dim=1)
 
 
-def per_pair_mxfp4(h: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, stacked_mxfp4: tuple,
-                   compute_dtype: torch.dtype, activation: Activation, swiglu: bool) -> torch.Tensor:
+def per_pair_mxfp4(
+    h: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    stacked_mxfp4: tuple,
+    compute_dtype: torch.dtype,
+    activation: Activation,
+    swiglu: bool,
+) -> torch.Tensor:
     """`per_pair` over stacked MXFP4 experts, decoding the packed bytes inside the GEMVs (`h` runs in
     `compute_dtype`)."""
     tokens, top_k = ids.shape

@@ -27,7 +27,9 @@ class PendingNorm:
         self._total, out = normed_rows_linear(self.h, self.weight, self.eps, weight, self.delta)
         return out
 
-    def linear_argmax(self, weight: torch.Tensor, into: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def linear_argmax(
+        self, weight: torch.Tensor, into: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(`self.linear(weight)` `[..., N]`, its argmax over N `[...]` int64, written into `into` when given), the
         argmax found by the linear's kernel where it can (`normed_rows_linear_argmax`)."""
         if self._value is not None or (self._total is not None and self.delta is not None):
@@ -62,7 +64,8 @@ def linear_rows(x: torch.Tensor | PendingNorm, weight: torch.Tensor) -> torch.Te
     return x.linear(weight) if isinstance(x, PendingNorm) else rows_linear(x, weight)
 
 
-def linear_rows_argmax(x: torch.Tensor | PendingNorm, weight: torch.Tensor,
-                       into: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def linear_rows_argmax(
+    x: torch.Tensor | PendingNorm, weight: torch.Tensor, into: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """`rows_linear_argmax(x, weight, into)` for a tensor or a pending norm: (`[..., N]`, argmax `[...]` int64)."""
     return x.linear_argmax(weight, into) if isinstance(x, PendingNorm) else rows_linear_argmax(x, weight, into)

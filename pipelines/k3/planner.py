@@ -27,11 +27,11 @@ from PIL import Image, UnidentifiedImageError
 
 from h3gen.errors import RequestError
 from h3gen.media import check_pixels
+from h3gen.pipelines.k3.demo_model import tiny_checkpoint
 from h3gen.pipelines.k3.engine import K3Engine, SamplingParams
 from h3gen.pipelines.k3.engine.scheduler import FINISHED
 from h3gen.pipelines.k3.image_processor import K3ImageProcessor
 from h3gen.pipelines.k3.model import K3ForCausalLM
-from h3gen.pipelines.k3.demo_model import tiny_checkpoint
 from h3gen.pipelines.k3.tokenizer import K3Tokenizer
 
 SYSTEM_PROMPT = """\
@@ -83,8 +83,9 @@ def _finish(prompt: str, text: str, backend: str, tokens, started: float) -> Pla
 class LocalPlanner:
     """Plans with a K3 model in this process. Thread safe: concurrent `plan` calls are batched by the engine."""
 
-    def __init__(self, engine, tokenizer, name: str = "k3", temperature: float = 0.6, top_p: float = 0.95,
-                 image_processor=None):
+    def __init__(
+        self, engine, tokenizer, name: str = "k3", temperature: float = 0.6, top_p: float = 0.95, image_processor=None
+    ):
         self.engine, self.tokenizer, self.name = engine, tokenizer, name
         self.image_processor = image_processor
         self.temperature, self.top_p = temperature, top_p
@@ -99,8 +100,11 @@ class LocalPlanner:
             folder = tiny_checkpoint()
         folder = Path(folder)
         if not (folder / "config.json").exists():
-            raise RequestError(f"{folder} is not a K3 checkpoint folder (no config.json); give a folder, 'tiny' or "
-                               "an http(s):// base URL.", "planner")
+            raise RequestError(
+                f"{folder} is not a K3 checkpoint folder (no config.json); give a folder, 'tiny' or "
+                "an http(s):// base URL.",
+                "planner",
+            )
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
         model = K3ForCausalLM.from_pretrained(folder, torch_dtype=dtype, device=device)
@@ -110,8 +114,7 @@ class LocalPlanner:
         image_processor = None
         if getattr(model, "vision_tower", None) is not None:
             image_processor = K3ImageProcessor.from_folder(folder)
-        return cls(K3Engine(model, tokenizer, **engine_options), tokenizer, name=name,
-                   image_processor=image_processor)
+        return cls(K3Engine(model, tokenizer, **engine_options), tokenizer, name=name, image_processor=image_processor)
 
     @property
     def backend(self) -> str:
@@ -150,18 +153,33 @@ class LocalPlanner:
         except (OSError, UnidentifiedImageError, ValueError, TypeError) as error:
             raise RequestError(f"cannot read the image: {error}", "image") from None
 
-    def plan(self, prompt: str, image=None, max_tokens: int | None = None, seed: int | None = None,
-             temperature: float | None = None, on_text=None, cancel: threading.Event | None = None) -> PlannedPrompt:
+    def plan(
+        self,
+        prompt: str,
+        image=None,
+        max_tokens: int | None = None,
+        seed: int | None = None,
+        temperature: float | None = None,
+        on_text=None,
+        cancel: threading.Event | None = None,
+    ) -> PlannedPrompt:
         """Plan `prompt` (and `image`). `on_text(delta)` is called with each new piece of text as the engine writes
         it (the pieces add up to the raw text; the result's `planned` is it stripped). Setting `cancel` aborts the
         request and raises `PlannerError`."""
         max_tokens = _check(prompt, max_tokens)
         if image is not None and (not self.accepts_images or self.image_processor is None):
-            raise RequestError(f"the planner model ({self.name}) has no vision tower, so it cannot read an image; "
-                               "plan without one.", "image")
+            raise RequestError(
+                f"the planner model ({self.name}) has no vision tower, so it cannot read an image; plan without one.",
+                "image",
+            )
         started = time.perf_counter()
-        params = SamplingParams(max_tokens=max_tokens, seed=seed, top_p=self.top_p, stop_token_ids=self._stops,
-                                temperature=self.temperature if temperature is None else temperature)
+        params = SamplingParams(
+            max_tokens=max_tokens,
+            seed=seed,
+            top_p=self.top_p,
+            stop_token_ids=self._stops,
+            temperature=self.temperature if temperature is None else temperature,
+        )
         with self._lock:
             images = self.process_image(image) if image is not None else None
             request = self.engine.add_request(self.prompt_ids(prompt, images), params, images=images)
@@ -188,11 +206,20 @@ class LocalPlanner:
 class RemotePlanner:
     """Plans through an OpenAI-compatible chat completions endpoint. `base_url` ends before `/chat/completions`."""
 
-    def __init__(self, base_url: str, model: str = "k3", api_key: str | None = None, timeout: float = 120.0,
-                 temperature: float = 0.6, top_p: float = 0.95, accepts_images: bool = True):
+    def __init__(
+        self,
+        base_url: str,
+        model: str = "k3",
+        api_key: str | None = None,
+        timeout: float = 120.0,
+        temperature: float = 0.6,
+        top_p: float = 0.95,
+        accepts_images: bool = True,
+    ):
         if not base_url.startswith(("http://", "https://")):
-            raise RequestError(f"the planner base URL must start with http:// or https:// (got {base_url!r}).",
-                               "planner")
+            raise RequestError(
+                f"the planner base URL must start with http:// or https:// (got {base_url!r}).", "planner"
+            )
         self.base_url, self.model, self.api_key, self.timeout = base_url.rstrip("/"), model, api_key, timeout
         self.temperature, self.top_p = temperature, top_p
         self.accepts_images = accepts_images
@@ -205,15 +232,27 @@ class RemotePlanner:
         content = prompt
         if image is not None:
             content = [{"type": "image_url", "image_url": {"url": _data_url(image)}}, {"type": "text", "text": prompt}]
-        body = {"model": self.model, "max_tokens": max_tokens, "top_p": self.top_p,
-                "temperature": self.temperature if temperature is None else temperature,
-                "messages": [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": content}]}
+        body = {
+            "model": self.model,
+            "max_tokens": max_tokens,
+            "top_p": self.top_p,
+            "temperature": self.temperature if temperature is None else temperature,
+            "messages": [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": content}],
+        }
         if seed is not None:
             body["seed"] = seed
         return body
 
-    def plan(self, prompt: str, image=None, max_tokens: int | None = None, seed: int | None = None,
-             temperature: float | None = None, on_text=None, cancel: threading.Event | None = None) -> PlannedPrompt:
+    def plan(
+        self,
+        prompt: str,
+        image=None,
+        max_tokens: int | None = None,
+        seed: int | None = None,
+        temperature: float | None = None,
+        on_text=None,
+        cancel: threading.Event | None = None,
+    ) -> PlannedPrompt:
         """Plan through the remote endpoint (one request, not streamed: `on_text` receives the whole text at once;
         `cancel` is checked before the request is sent)."""
         max_tokens = _check(prompt, max_tokens)
@@ -266,7 +305,7 @@ def _data_url(image) -> str:
 
 
 def make_planner(spec: str, device=None, dtype=None, api_key: str | None = None, model: str = "k3"):
-    """"tiny" (the random demo K3), a K3 checkpoint folder, or an OpenAI-compatible base URL."""
+    """ "tiny" (the random demo K3), a K3 checkpoint folder, or an OpenAI-compatible base URL."""
     if spec.startswith(("http://", "https://")):
         return RemotePlanner(spec, model=model, api_key=api_key)
     return LocalPlanner.from_pretrained(spec, device=device, dtype=dtype)

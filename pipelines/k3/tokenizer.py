@@ -20,18 +20,20 @@ import regex
 from h3gen.errors import CheckpointError
 
 NUM_SPECIAL = 256
-PATTERN = "|".join([
-    r"""[\p{Han}]+""",
-    r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+"""
-    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
-    r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*"""
-    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
-    r"""\p{N}{1,3}""",
-    r""" ?[^\s\p{L}\p{N}]+[\r\n]*""",
-    r"""\s*[\r\n]+""",
-    r"""\s+(?!\S)""",
-    r"""\s+""",
-])
+PATTERN = "|".join(
+    [
+        r"""[\p{Han}]+""",
+        r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+"""
+        r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
+        r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*"""
+        r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
+        r"""\p{N}{1,3}""",
+        r""" ?[^\s\p{L}\p{N}]+[\r\n]*""",
+        r"""\s*[\r\n]+""",
+        r"""\s+(?!\S)""",
+        r"""\s+""",
+    ]
+)
 OPEN, CLOSE, SEP, END_OF_MSG = "<|open|>", "<|close|>", "<|sep|>", "<|end_of_msg|>"
 IMAGE_PLACEHOLDER = "<|kimi_image_placeholder|>"
 MEDIA_PAD = "<|media_pad|>"
@@ -57,8 +59,9 @@ def read_tiktoken_ranks(path: Path) -> dict[bytes, int]:
 
 
 class K3Tokenizer:
-    def __init__(self, ranks: dict[bytes, int], special_names: dict[int, str], bos_token: str = "[BOS]",
-                 eos_token: str = "[EOS]"):
+    def __init__(
+        self, ranks: dict[bytes, int], special_names: dict[int, str], bos_token: str = "[BOS]", eos_token: str = "[EOS]"
+    ):
         self.ranks = ranks
         self.decoder = {rank: token for token, rank in ranks.items()}
         base = len(ranks)
@@ -78,10 +81,16 @@ class K3Tokenizer:
         config_path = folder / "tokenizer_config.json"
         config = json.loads(config_path.read_text()) if config_path.exists() else {}
         names = {int(i): entry["content"] for i, entry in (config.get("added_tokens_decoder") or {}).items()}
+
         def token(value, default):
             return (value.get("content") if isinstance(value, dict) else value) or default
-        return cls(read_tiktoken_ranks(folder / "tiktoken.model"), names, token(config.get("bos_token"), "[BOS]"),
-                   token(config.get("eos_token"), "[EOS]"))
+
+        return cls(
+            read_tiktoken_ranks(folder / "tiktoken.model"),
+            names,
+            token(config.get("bos_token"), "[BOS]"),
+            token(config.get("eos_token"), "[EOS]"),
+        )
 
     def token_id(self, name: str) -> int:
         if name not in self.special:
@@ -91,7 +100,7 @@ class K3Tokenizer:
     def _bpe(self, piece: bytes) -> list[int]:
         if piece in self.ranks:
             return [self.ranks[piece]]
-        parts = [piece[i:i + 1] for i in range(len(piece))]
+        parts = [piece[i : i + 1] for i in range(len(piece))]
         while len(parts) > 1:
             best, where = None, -1
             for i in range(len(parts) - 1):
@@ -100,7 +109,7 @@ class K3Tokenizer:
                     best, where = rank, i
             if best is None:
                 break
-            parts[where:where + 2] = [parts[where] + parts[where + 1]]
+            parts[where : where + 2] = [parts[where] + parts[where + 1]]
         return [self.ranks[part] for part in parts]
 
     def encode(self, text: str, allow_special: bool = True) -> list[int]:
@@ -125,9 +134,15 @@ class K3Tokenizer:
     def decode(self, ids, skip_special: bool = False) -> str:
         return b"".join(self.token_bytes(i, skip_special) for i in ids).decode("utf-8", errors="replace")
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, thinking: bool = True,
-                            thinking_effort: str | None = "max", image_prompts: list[str] | None = None,
-                            tokenize: bool = True):
+    def apply_chat_template(
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool = True,
+        thinking: bool = True,
+        thinking_effort: str | None = "max",
+        image_prompts: list[str] | None = None,
+        tokenize: bool = True,
+    ):
         """Render `messages` (roles system/developer/user/assistant; string content or parts with `type` "text" /
         "image") as K3's XTML and return token ids (or the text with `tokenize=False`). Each image becomes the next
         of `image_prompts` (default `<|media_pad|>`). Tool declarations and tool calls are not rendered yet."""
@@ -146,8 +161,10 @@ class K3Tokenizer:
         pad = self.token_id(MEDIA_PAD)
         found = sum(1 for i in ids if i == pad)
         if found != len(num_tokens) or len(image_sizes) != len(num_tokens):
-            raise ValueError(f"the prompt has {found} image placeholders but {len(num_tokens)} images were given "
-                             f"({len(image_sizes)} sizes).")
+            raise ValueError(
+                f"the prompt has {found} image placeholders but {len(num_tokens)} images were given "
+                f"({len(image_sizes)} sizes)."
+            )
         out, image = [], 0
         for i in ids:
             if i != pad:
@@ -175,8 +192,10 @@ def render_chat(messages, add_generation_prompt=True, thinking=True, thinking_ef
 
     def open_tag(tag, attrs=()):
         control(OPEN)
-        text(tag + "".join(f' {key}="{str(value).replace("&", "&amp;").replace(chr(34), "&quot;")}"'
-                           for key, value in attrs))
+        text(
+            tag
+            + "".join(f' {key}="{str(value).replace("&", "&amp;").replace(chr(34), "&quot;")}"' for key, value in attrs)
+        )
         control(SEP)
 
     def close_tag(tag):
@@ -215,10 +234,12 @@ def render_chat(messages, add_generation_prompt=True, thinking=True, thinking_ef
     if thinking and thinking_effort is not None:
         if thinking_effort not in THINKING_EFFORTS:
             raise ValueError(f"thinking_effort must be one of {', '.join(THINKING_EFFORTS)} (got {thinking_effort!r}).")
-        system_note("thinking-effort",
-                    "`thinking_effort` guides on how much to think in your thinking channel (not including the "
-                    "response channel), supported values include `low`, `medium`, `high`, and `max`.\n"
-                    f"Now the system is invoked with `thinking_effort={thinking_effort}`.")
+        system_note(
+            "thinking-effort",
+            "`thinking_effort` guides on how much to think in your thinking channel (not including the "
+            "response channel), supported values include `low`, `medium`, `high`, and `max`.\n"
+            f"Now the system is invoked with `thinking_effort={thinking_effort}`.",
+        )
     for message in messages:
         role = "system" if message["role"] == "developer" else message["role"]
         if role in ("user", "system"):
@@ -237,8 +258,7 @@ def render_chat(messages, add_generation_prompt=True, thinking=True, thinking_ef
             content(message.get("content"))
             close_tag("response")
         else:
-            raise ValueError(f"message role {message['role']!r} is not supported (system, developer, user, "
-                             "assistant).")
+            raise ValueError(f"message role {message['role']!r} is not supported (system, developer, user, assistant).")
         close_tag("message")
         control(END_OF_MSG)
     if add_generation_prompt:

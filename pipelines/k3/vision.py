@@ -73,20 +73,30 @@ class K3VisionConfig:
         return config
 
     def validate(self) -> None:
-        supported = dict(pos_emb_type=("divided_fixed",), merge_type=("sd2_tpool",),
-                         mm_projector_type=("patchmergerv2",), norm_type=("rmsnorm", "layernorm"),
-                         activation_func=("gelu_pytorch_tanh", "gelu"), projector_hidden_act=("gelu",),
-                         pos_emb_interpolation_mode=("bilinear", "bicubic", "nearest"))
+        supported = dict(
+            pos_emb_type=("divided_fixed",),
+            merge_type=("sd2_tpool",),
+            mm_projector_type=("patchmergerv2",),
+            norm_type=("rmsnorm", "layernorm"),
+            activation_func=("gelu_pytorch_tanh", "gelu"),
+            projector_hidden_act=("gelu",),
+            pos_emb_interpolation_mode=("bilinear", "bicubic", "nearest"),
+        )
         for name, allowed in supported.items():
             if getattr(self, name) not in allowed:
-                raise CheckpointError(f"vision_config.{name} {getattr(self, name)!r} is not supported "
-                                      f"(supported: {', '.join(allowed)}).")
+                raise CheckpointError(
+                    f"vision_config.{name} {getattr(self, name)!r} is not supported (supported: {', '.join(allowed)})."
+                )
         if self.qkv_hidden_size % self.vt_num_attention_heads or self.head_dim % 4:
-            raise CheckpointError(f"vision_config.qkv_hidden_size {self.qkv_hidden_size} must split into "
-                                  f"{self.vt_num_attention_heads} heads of a multiple of 4 (2-D RoPE).")
+            raise CheckpointError(
+                f"vision_config.qkv_hidden_size {self.qkv_hidden_size} must split into "
+                f"{self.vt_num_attention_heads} heads of a multiple of 4 (2-D RoPE)."
+            )
         if self.mm_hidden_size != self.vt_hidden_size:
-            raise CheckpointError(f"vision_config.mm_hidden_size {self.mm_hidden_size} must equal vt_hidden_size "
-                                  f"{self.vt_hidden_size} (the projector reads the tower's output).")
+            raise CheckpointError(
+                f"vision_config.mm_hidden_size {self.mm_hidden_size} must equal vt_hidden_size "
+                f"{self.vt_hidden_size} (the projector reads the tower's output)."
+            )
 
 
 class K3VisionRMSNorm(nn.Module):
@@ -122,21 +132,30 @@ class K3VisionPositionTable(nn.Module):
     def __init__(self, config: K3VisionConfig):
         super().__init__()
         self.config = config
-        self.weight = nn.Parameter(torch.zeros(config.init_pos_emb_height, config.init_pos_emb_width,
-                                               config.vt_hidden_size))
+        self.weight = nn.Parameter(
+            torch.zeros(config.init_pos_emb_height, config.init_pos_emb_width, config.vt_hidden_size)
+        )
 
     def forward(self, grids: list[tuple[int, int, int]]) -> torch.Tensor:
         """-> `[sum t*h*w, D]` in the order of the patches."""
         out = []
         for t, h, w in grids:
             if t > self.config.init_pos_emb_time:
-                raise ValueError(f"{t} frames; the vision tower's time embedding covers "
-                                 f"{self.config.init_pos_emb_time}.")
+                raise ValueError(
+                    f"{t} frames; the vision tower's time embedding covers {self.config.init_pos_emb_time}."
+                )
             if (h, w) == tuple(self.weight.shape[:2]):
                 table = self.weight.flatten(0, 1)
             else:
-                table = F.interpolate(self.weight.permute(2, 0, 1).unsqueeze(0), size=(h, w),
-                                      mode=self.config.pos_emb_interpolation_mode)[0].permute(1, 2, 0).flatten(0, 1)
+                table = (
+                    F.interpolate(
+                        self.weight.permute(2, 0, 1).unsqueeze(0),
+                        size=(h, w),
+                        mode=self.config.pos_emb_interpolation_mode,
+                    )[0]
+                    .permute(1, 2, 0)
+                    .flatten(0, 1)
+                )
             if t > 1:
                 time = sincos_time_embedding(table.shape[-1], t).to(table)
                 table = (table[None] + time[:, None]).flatten(0, 1)
@@ -166,8 +185,9 @@ def rope_2d(grids: list[tuple[int, int, int]], head_dim: int, device, theta: flo
     for t, h, w in grids:
         if not (1 <= h <= ROPE_MAX_SIDE and 1 <= w <= ROPE_MAX_SIDE):
             raise ValueError(f"a {h}x{w} patch grid exceeds the vision RoPE's {ROPE_MAX_SIDE}x{ROPE_MAX_SIDE}.")
-        ys, xs = torch.meshgrid(torch.arange(h, device=device).float(), torch.arange(w, device=device).float(),
-                                indexing="ij")
+        ys, xs = torch.meshgrid(
+            torch.arange(h, device=device).float(), torch.arange(w, device=device).float(), indexing="ij"
+        )
         x_angles = xs.reshape(-1, 1) * freqs
         y_angles = ys.reshape(-1, 1) * freqs
         angles = torch.stack([x_angles, y_angles], dim=-1).reshape(h * w, head_dim // 2)
@@ -210,8 +230,9 @@ class K3VisionBlock(nn.Module):
         q, k = apply_rope_2d(q, rotations), apply_rope_2d(k, rotations)
         out = []
         for start, end in bounds:
-            o = F.scaled_dot_product_attention(q[start:end].transpose(0, 1), k[start:end].transpose(0, 1),
-                                               v[start:end].transpose(0, 1))
+            o = F.scaled_dot_product_attention(
+                q[start:end].transpose(0, 1), k[start:end].transpose(0, 1), v[start:end].transpose(0, 1)
+            )
             out.append(o.transpose(0, 1))
         return self.wo(torch.cat(out).flatten(1))
 
@@ -243,7 +264,7 @@ class K3VisionTower(nn.Module):
         x = self.patch_embed(pixel_values.to(self.patch_embed.proj.weight.dtype), grids)
         rotations = rope_2d(grids, self.config.head_dim, x.device)
         ends = torch.tensor([t * h * w for t, h, w in grids]).cumsum(0).tolist()
-        bounds = list(zip([0] + ends[:-1], ends))
+        bounds = list(zip([0] + ends[:-1], ends, strict=True))
         for block in self.encoder.blocks:
             x = block(x, rotations, bounds)
         x = self.encoder.final_layernorm(x)
@@ -256,12 +277,15 @@ def check_grids(grid_thws, pixel_values: torch.Tensor, config: K3VisionConfig) -
     p = config.patch_size
     for t, h, w in grids:
         if t < 1 or h < kh or w < kw or h % kh or w % kw:
-            raise ValueError(f"grid (t={t}, h={h}, w={w}) must have t >= 1 and h, w positive multiples of the merge "
-                             f"kernel {kh}x{kw}.")
+            raise ValueError(
+                f"grid (t={t}, h={h}, w={w}) must have t >= 1 and h, w positive multiples of the merge "
+                f"kernel {kh}x{kw}."
+            )
     expected = sum(t * h * w for t, h, w in grids)
     if pixel_values.ndim != 4 or tuple(pixel_values.shape[1:]) != (3, p, p) or pixel_values.shape[0] != expected:
-        raise ValueError(f"pixel_values must be [{expected}, 3, {p}, {p}] for grids {grids} "
-                         f"(got {list(pixel_values.shape)}).")
+        raise ValueError(
+            f"pixel_values must be [{expected}, 3, {p}, {p}] for grids {grids} (got {list(pixel_values.shape)})."
+        )
     return grids
 
 
@@ -271,7 +295,7 @@ def merge_patches(x: torch.Tensor, grids: list[tuple[int, int, int]], kernel: tu
     kh, kw = kernel
     out, start = [], 0
     for t, h, w in grids:
-        seq = x[start: start + t * h * w].view(t, h // kh, kh, w // kw, kw, -1).permute(0, 1, 3, 2, 4, 5)
+        seq = x[start : start + t * h * w].view(t, h // kh, kh, w // kw, kw, -1).permute(0, 1, 3, 2, 4, 5)
         seq = seq[0] if t == 1 else seq.mean(0)
         out.append(seq.reshape((h // kh) * (w // kw), kh * kw, -1))
         start += t * h * w

@@ -30,8 +30,14 @@ def _torchaudio_resampling():
     tree = ast.parse(path.read_text())
     wanted = {"_get_sinc_resample_kernel", "_apply_sinc_resample_kernel"}
     module = ast.Module([node for node in tree.body if isinstance(node, ast.FunctionDef) and node.name in wanted], [])
-    namespace = {"math": math, "torch": torch, "Tensor": torch.Tensor, "Optional": Optional, "warnings": warnings,
-                 "_CPU": torch.device("cpu")}
+    namespace = {
+        "math": math,
+        "torch": torch,
+        "Tensor": torch.Tensor,
+        "Optional": Optional,
+        "warnings": warnings,
+        "_CPU": torch.device("cpu"),
+    }
     exec(compile(module, str(path), "exec"), namespace)
     return namespace["_get_sinc_resample_kernel"], namespace["_apply_sinc_resample_kernel"]
 
@@ -52,8 +58,13 @@ def _import_torchvision_without_native_extensions():
         torch._C._dispatch_has_kernel_for_dispatch_key = original
 
 
-RESAMPLE_CASES = [(44100, 32000, 883), (48000, 32000, 961), (16000, 32000, 403), (22050, 32000, 441),
-                  (8000, 32000, 199)]
+RESAMPLE_CASES = [
+    (44100, 32000, 883),
+    (48000, 32000, 961),
+    (16000, 32000, 403),
+    (22050, 32000, 441),
+    (8000, 32000, 199),
+]
 VIDEO_CASES = [((5, 33, 47), {}), ((3, 70, 40), {}), ((4, 64, 96), {"longest_edge": 8192}), ((2, 45, 80), {})]
 
 

@@ -18,11 +18,17 @@ if SPEC and "RANK" in os.environ:  # torchrun's ranks only, not the launcher
     agree = distributed.StepAgreement.__call__
 
     def _agree_with_fault(self, local_check, prompt, stage, step):
-        if rank == int(fields["rank"]) and stage == "denoise" and step == int(fields["step"]) \
-                and fields["prompt"] in prompt:
+        if (
+            rank == int(fields["rank"])
+            and stage == "denoise"
+            and step == int(fields["step"])
+            and fields["prompt"] in prompt
+        ):
+
             def local_check(check=local_check):
                 check()
                 raise RuntimeError(f"injected failure on rank {rank} at step {step}")
+
         agree(self, local_check, prompt, stage, step)
 
     distributed.StepAgreement.__call__ = _agree_with_fault

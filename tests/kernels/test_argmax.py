@@ -1,4 +1,5 @@
-"""The row argmax kernel against `torch.argmax`: first index of the maximum, NaN and -inf rows, counters left at zero."""
+"""The row argmax kernel against `torch.argmax`: first index of the maximum, NaN and -inf rows, counters left at
+zero."""
 
 import pytest
 import torch

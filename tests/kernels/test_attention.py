@@ -5,7 +5,9 @@ import importlib
 
 import pytest
 import torch
-from kernel_cases import case as _case, err as _err, rand as _rand
+from kernel_cases import case as _case
+from kernel_cases import err as _err
+from kernel_cases import rand as _rand
 
 from h3gen.kernels.attention import attention, fp8_attention
 from h3gen.kernels.fp8_quant import reference as quant_ref
@@ -13,29 +15,31 @@ from h3gen.kernels.fp8_quant import reference as quant_ref
 dispatch = importlib.import_module("h3gen.kernels.attention")  # the module (the package exports its function)
 
 
-
-@pytest.mark.parametrize("device_type, major, dtype, head_dim, has_fa3, has_cudnn, expected", [
-    ("cpu", 0, torch.bfloat16, 128, True, True, "sdpa"),
-    ("cuda", 9, torch.bfloat16, 128, True, True, "fa3"),
-    ("cuda", 9, torch.bfloat16, 32, True, True, "fa3"),
-    ("cuda", 9, torch.float16, 64, True, True, "cudnn"),  # the fa3-fwd build refuses fp16
-    ("cuda", 9, torch.bfloat16, 128, False, True, "cudnn"),
-    ("cuda", 9, torch.float32, 128, True, True, "sdpa"),  # float32 on Hopper with FA3 installed: torch's choice
-    ("cuda", 9, torch.float32, 128, False, True, "sdpa"),
-    ("cuda", 9, torch.bfloat16, 192, False, True, "flash"),  # wider than cuDNN takes
-    ("cuda", 9, torch.bfloat16, 36, True, True, "sdpa"),  # not a multiple of 8
-    ("cuda", 9, torch.bfloat16, 512, True, True, "sdpa"),
-    ("cuda", 10, torch.bfloat16, 128, True, True, "cudnn"),  # FA3 is a Hopper kernel
-    ("cuda", 8, torch.float16, 64, True, True, "flash"),
-    ("cuda", 7, torch.float16, 64, False, False, "sdpa"),
-])
+@pytest.mark.parametrize(
+    "device_type, major, dtype, head_dim, has_fa3, has_cudnn, expected",
+    [
+        ("cpu", 0, torch.bfloat16, 128, True, True, "sdpa"),
+        ("cuda", 9, torch.bfloat16, 128, True, True, "fa3"),
+        ("cuda", 9, torch.bfloat16, 32, True, True, "fa3"),
+        ("cuda", 9, torch.float16, 64, True, True, "cudnn"),  # the fa3-fwd build refuses fp16
+        ("cuda", 9, torch.bfloat16, 128, False, True, "cudnn"),
+        ("cuda", 9, torch.float32, 128, True, True, "sdpa"),  # float32 on Hopper with FA3 installed: torch's choice
+        ("cuda", 9, torch.float32, 128, False, True, "sdpa"),
+        ("cuda", 9, torch.bfloat16, 192, False, True, "flash"),  # wider than cuDNN takes
+        ("cuda", 9, torch.bfloat16, 36, True, True, "sdpa"),  # not a multiple of 8
+        ("cuda", 9, torch.bfloat16, 512, True, True, "sdpa"),
+        ("cuda", 10, torch.bfloat16, 128, True, True, "cudnn"),  # FA3 is a Hopper kernel
+        ("cuda", 8, torch.float16, 64, True, True, "flash"),
+        ("cuda", 7, torch.float16, 64, False, False, "sdpa"),
+    ],
+)
 def test_auto_backend_fits_device_and_inputs(device_type, major, dtype, head_dim, has_fa3, has_cudnn, expected):
     assert dispatch._auto_backend(device_type, major, dtype, head_dim, has_fa3, has_cudnn) == expected
 
 
 @pytest.mark.parametrize("backend", ["fa3", "cudnn", "flash"])
 def test_named_half_only_backend_refuses_float32(monkeypatch, backend):
-    monkeypatch.setattr(dispatch, "_fa3", lambda: (lambda *args, **kwargs: None))  # as if FA3 were installed
+    monkeypatch.setattr(dispatch, "_fa3", lambda: lambda *args, **kwargs: None)  # as if FA3 were installed
     with pytest.raises(ValueError, match="fp16 or bf16"):
         dispatch.resolve_backend(backend, torch.device("cpu"), torch.float32, 128)
     assert dispatch.resolve_backend(backend, torch.device("cpu"), torch.bfloat16, 128) == backend
@@ -59,8 +63,9 @@ def test_fp8_attention_takes_descaled_inputs():
     g = _case(16)
     q, k, v = (_rand(2, 40, 3, 16, dtype=torch.float32, generator=g, scale=s) for s in (0.5, 2.0, 30.0))
     exact = attention(q, k, v, backend="math")
-    got = fp8_attention(quant_ref.quantize_heads(q), quant_ref.quantize_heads(k), quant_ref.quantize_heads(v),
-                        out_dtype=torch.float32)
+    got = fp8_attention(
+        quant_ref.quantize_heads(q), quant_ref.quantize_heads(k), quant_ref.quantize_heads(v), out_dtype=torch.float32
+    )
     assert got.shape == exact.shape and got.dtype == torch.float32
     # quantized for real, scales applied per (batch, head): measured 0.046 (e4m3's 3 mantissa bits); bounds half and
     # 1.5x that

@@ -5,8 +5,9 @@ import torch
 from kernel_cases import DEVICE
 
 
-@pytest.mark.parametrize("shape,width,dtype", [((1, 1), 64, torch.float32), ((3, 1), 1500, torch.float16),
-                                               ((2, 5), 33, torch.float32)])
+@pytest.mark.parametrize(
+    "shape,width,dtype", [((1, 1), 64, torch.float32), ((3, 1), 1500, torch.float16), ((2, 5), 33, torch.float32)]
+)
 def test_embedding_rows_matches_reference(shape, width, dtype):
     """The decode step's embedding lookup: exact rows for ids anywhere in the table (the last row included), widths
     that are no multiple of the block; an id outside the table gives zeros, not other memory."""

@@ -3,8 +3,11 @@ reference's round trip against the input."""
 
 import pytest
 import torch
-from kernel_cases import (DEVICE, DTYPES, ON_GPU, assert_same_fp8, assert_same_rows, case as _case,
-                          dequantized as _dequantized, err as _err, rand as _rand)
+from kernel_cases import DEVICE, DTYPES, ON_GPU, assert_same_fp8, assert_same_rows
+from kernel_cases import case as _case
+from kernel_cases import dequantized as _dequantized
+from kernel_cases import err as _err
+from kernel_cases import rand as _rand
 
 from h3gen.kernels.fp8_quant import reference as quant_ref
 from h3gen.kernels.fp8_quant import triton as quant_triton
@@ -37,7 +40,9 @@ def test_quantize_rows_keeps_the_shape():
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_quantize_heads_matches_reference_on_a_strided_view(dtype):
     g = _case(15)
-    fused = _rand(2, 67, 3 * 5 * 32, dtype=dtype, generator=g) * torch.logspace(-2, 2, 5, device=DEVICE).repeat_interleave(32).repeat(3).to(dtype)
+    fused = _rand(2, 67, 3 * 5 * 32, dtype=dtype, generator=g) * torch.logspace(
+        -2, 2, 5, device=DEVICE
+    ).repeat_interleave(32).repeat(3).to(dtype)
     v = fused[..., 2 * 5 * 32 :].unflatten(-1, (5, 32))  # the v third of a fused qkv buffer: rows strided
     values, descale = quant_triton.quantize_heads(v, block_s=16)
     ref_values, ref_descale = quant_ref.quantize_heads(v)

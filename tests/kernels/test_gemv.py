@@ -2,7 +2,8 @@
 
 import pytest
 import torch
-from kernel_cases import DEVICE, err as _err
+from kernel_cases import DEVICE
+from kernel_cases import err as _err
 
 from h3gen.kernels.argmax import triton as argmax_triton
 from h3gen.kernels.gemv import reference as gemv_ref
@@ -10,8 +11,9 @@ from h3gen.kernels.gemv import triton as gemv_triton
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("rows,n,k,block_k", [(1, 37, 300, None), (3, 64, 96, 32), (4, 130, 17, None),
-                                              (2, 5, 2100, 512)])  # 2100 over 512: five K steps, the last partial
+@pytest.mark.parametrize(
+    "rows,n,k,block_k", [(1, 37, 300, None), (3, 64, 96, 32), (4, 130, 17, None), (2, 5, 2100, 512)]
+)  # 2100 over 512: five K steps, the last partial
 def test_few_row_linears_match_reference(rows, n, k, block_k, dtype):
     g = torch.Generator(device=DEVICE).manual_seed(rows * 7 + n)
     x = torch.randn(rows, k, generator=g, device=DEVICE).to(dtype)
@@ -30,8 +32,10 @@ def test_few_row_linears_match_reference(rows, n, k, block_k, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])  # (the interpreter truncates to bfloat16)
-@pytest.mark.parametrize("rows,n,k,add", [(1, 37, 300, True), (2, 64, 96, False), (3, 130, 17, True),
-                                          (4, 5, 2048, True), (1, 9, 2048, False)])
+@pytest.mark.parametrize(
+    "rows,n,k,add",
+    [(1, 37, 300, True), (2, 64, 96, False), (3, 130, 17, True), (4, 5, 2048, True), (1, 9, 2048, False)],
+)
 def test_normed_few_row_linear_matches_reference(rows, n, k, add, dtype):
     """The residual add + RMSNorm in the GEMV's prologue: the stored sum exactly as the reference's, the output
     as the reference norm followed by the reference linear (the norm's float32 sum may be reduced in another order,

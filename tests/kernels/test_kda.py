@@ -4,8 +4,9 @@ short convolution, the fused Triton decode step against the reference."""
 import pytest
 import torch
 import torch.nn.functional as F
-from kernel_cases import DEVICE, err as _err
 from k3_reference import fla_gate, fla_naive, kimi_linear_torch, max_rel_error
+from kernel_cases import DEVICE
+from kernel_cases import err as _err
 
 from h3gen.kernels.kda import kda_chunked, kda_gate, kda_recurrent, short_conv
 
@@ -24,18 +25,20 @@ def _kda_inputs(b, t, h, dk, dv, seed, lower_bound=-5.0):
 @pytest.mark.parametrize("b,t,h,dk,dv", [(1, 1, 1, 8, 8), (2, 37, 3, 16, 12), (1, 130, 2, 32, 16)])
 def test_kda_recurrent_matches_fla_naive_recurrent(b, t, h, dk, dv):
     q, k, v, g, beta, state = _kda_inputs(b, t, h, dk, dv, seed=t)
-    ref_o, ref_s = fla_naive().naive_recurrent_kda(q, k, v, g, beta, scale=dk ** -0.5, initial_state=state,
-                                                   output_final_state=True)
-    o, s = kda_recurrent(q, k, v, g, beta, dk ** -0.5, state)
+    ref_o, ref_s = fla_naive().naive_recurrent_kda(
+        q, k, v, g, beta, scale=dk**-0.5, initial_state=state, output_final_state=True
+    )
+    o, s = kda_recurrent(q, k, v, g, beta, dk**-0.5, state)
     assert max_rel_error(o, ref_o) < 1e-5 and max_rel_error(s, ref_s) < 1e-5
 
 
 @pytest.mark.parametrize("b,t,h,dk,dv,chunk", [(2, 64, 2, 16, 16, 64), (1, 128, 3, 8, 24, 64), (2, 48, 1, 16, 8, 16)])
 def test_kda_chunked_matches_fla_naive_chunk(b, t, h, dk, dv, chunk):
     q, k, v, g, beta, state = _kda_inputs(b, t, h, dk, dv, seed=t + 1)
-    ref_o, ref_s = fla_naive().naive_chunk_kda(q, k, v, g, beta, scale=dk ** -0.5, initial_state=state,
-                                               output_final_state=True, chunk_size=chunk)
-    o, s = kda_chunked(q, k, v, g, beta, dk ** -0.5, state, chunk_size=chunk)
+    ref_o, ref_s = fla_naive().naive_chunk_kda(
+        q, k, v, g, beta, scale=dk**-0.5, initial_state=state, output_final_state=True, chunk_size=chunk
+    )
+    o, s = kda_chunked(q, k, v, g, beta, dk**-0.5, state, chunk_size=chunk)
     assert max_rel_error(o, ref_o) < 1e-5 and max_rel_error(s, ref_s) < 1e-5
 
 
@@ -43,8 +46,9 @@ def test_kda_chunked_matches_fla_naive_chunk(b, t, h, dk, dv, chunk):
 def test_kda_chunked_odd_lengths_and_carried_state_match_fla_recurrent(t, split):
     # Odd lengths (the chunked form pads the tail) and the state handed from one call to the next.
     q, k, v, g, beta, state = _kda_inputs(2, t, 2, 16, 12, seed=t + split)
-    ref_o, ref_s = fla_naive().naive_recurrent_kda(q, k, v, g, beta, scale=0.25, initial_state=state,
-                                                   output_final_state=True)
+    ref_o, ref_s = fla_naive().naive_recurrent_kda(
+        q, k, v, g, beta, scale=0.25, initial_state=state, output_final_state=True
+    )
     first = kda_chunked(q[:, :split], k[:, :split], v[:, :split], g[:, :split], beta[:, :split], 0.25, state)
     second = kda_chunked(q[:, split:], k[:, split:], v[:, split:], g[:, split:], beta[:, split:], 0.25, first[1])
     assert max_rel_error(torch.cat([first[0], second[0]], dim=1), ref_o) < 1e-5
@@ -85,14 +89,16 @@ def test_short_conv_matches_transformers_and_carries_state():
     second, state = short_conv(x[:, 2:9], weight, state)
     parts = [first, second]
     for i in range(9, 13):  # one token at a time, as in decode
-        out, state = short_conv(x[:, i:i + 1], weight, state)
+        out, state = short_conv(x[:, i : i + 1], weight, state)
         parts.append(out)
     assert max_rel_error(torch.cat(parts, dim=1), ref) < 1e-6
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("heads,dim,width,lower_bound,parts", [
-    (3, 16, 4, None, 1), (2, 32, 3, -5.0, 4), (5, 8, 4, -5.0, None), (2, 24, 4, None, 4), (3, 16, 4, None, 16)])
+@pytest.mark.parametrize(
+    "heads,dim,width,lower_bound,parts",
+    [(3, 16, 4, None, 1), (2, 32, 3, -5.0, 4), (5, 8, 4, -5.0, None), (2, 24, 4, None, 4), (3, 16, 4, None, 16)],
+)
 def test_fused_kda_decode_matches_reference(heads, dim, width, lower_bound, dtype, parts):
     from h3gen.kernels.kda import reference as kda_ref
     from h3gen.kernels.kda import triton as kda_triton
@@ -118,9 +124,9 @@ def test_fused_kda_decode_matches_reference(heads, dim, width, lower_bound, dtyp
     expected_conv, expected_state = conv_state.clone(), state.clone()
     start = rows.clone()
     args = (f, a_log, dt_bias, lower_bound, b, gate, norm_weight, 1e-5)
-    expected = kda_ref.kda_decode(q, k, v, conv_weights, expected_conv, *args, expected_state, dim ** -0.5)
+    expected = kda_ref.kda_decode(q, k, v, conv_weights, expected_conv, *args, expected_state, dim**-0.5)
     untouched = rows[:, 0].clone()
-    got = kda_triton.kda_decode(q, k, v, conv_weights, conv_state, *args, state, dim ** -0.5, parts=parts)
+    got = kda_triton.kda_decode(q, k, v, conv_weights, conv_state, *args, state, dim**-0.5, parts=parts)
     tolerance = 1e-5 if dtype == torch.float32 else 3e-3
     assert got.shape == (batch, hd) and got.dtype == dtype
     assert _err(got, expected) <= tolerance
@@ -133,8 +139,9 @@ def test_fused_kda_decode_matches_reference(heads, dim, width, lower_bound, dtyp
     pool_conv = pool[:, 1, : (width - 1) * 3 * hd].view(5, width - 1, 3 * hd)
     pool_state = pool[:, 1, (width - 1) * 3 * hd :].view(5, heads, dim, dim)
     before = pool.clone()
-    got = kda_triton.kda_decode(q, k, v, conv_weights, pool_conv, *args, pool_state, dim ** -0.5, rows=picked,
-                                parts=parts)
+    got = kda_triton.kda_decode(
+        q, k, v, conv_weights, pool_conv, *args, pool_state, dim**-0.5, rows=picked, parts=parts
+    )
     assert _err(got, expected) <= tolerance
     assert _err(pool_state[picked], expected_state) <= 1e-5 and torch.equal(pool_conv[picked], expected_conv)
     others = [1, 2, 4]
@@ -142,7 +149,7 @@ def test_fused_kda_decode_matches_reference(heads, dim, width, lower_bound, dtyp
     via_ref = before.clone()  # the reference with rows gathers, computes and writes back the same
     ref_conv = via_ref[:, 1, : (width - 1) * 3 * hd].view(5, width - 1, 3 * hd)
     ref_state = via_ref[:, 1, (width - 1) * 3 * hd :].view(5, heads, dim, dim)
-    ref_out = kda_ref.kda_decode(q, k, v, conv_weights, ref_conv, *args, ref_state, dim ** -0.5, rows=picked)
+    ref_out = kda_ref.kda_decode(q, k, v, conv_weights, ref_conv, *args, ref_state, dim**-0.5, rows=picked)
     assert _err(ref_out, expected) <= 1e-6 and _err(via_ref, pool) <= 1e-5
     from h3gen.kernels._arrivals import arrival_counters
 
@@ -150,8 +157,10 @@ def test_fused_kda_decode_matches_reference(heads, dim, width, lower_bound, dtyp
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("heads,dim,rank,width,parts", [(3, 16, 12, 4, 1), (2, 64, 24, 3, 4), (2, 24, 16, 4, 2),
-                                                         (2, 32, 16, 4, 4), (3, 8, 12, 2, 1)])
+@pytest.mark.parametrize(
+    "heads,dim,rank,width,parts",
+    [(3, 16, 12, 4, 1), (2, 64, 24, 3, 4), (2, 24, 16, 4, 2), (2, 32, 16, 4, 4), (3, 8, 12, 2, 1)],
+)
 def test_fused_kda_decode_with_low_rank_gates(heads, dim, rank, width, parts, dtype):
     """`gate_up`: the decay and output gates projected up from their low-rank inputs inside the kernel (a rank that
     is no power of two, a head width below its block, one part and several) equal the reference that runs the two
@@ -169,7 +178,7 @@ def test_fused_kda_decode_with_low_rank_gates(heads, dim, rank, width, parts, dt
     fused = rand(batch, 3 * hd + heads + 2 * rank)
     q, k, v, b = fused[:, :hd], fused[:, hd : 2 * hd], fused[:, 2 * hd : 3 * hd], fused[:, 3 * hd : 3 * hd + heads]
     f_a, g_a = fused[:, 3 * hd + heads : 3 * hd + heads + rank], fused[:, 3 * hd + heads + rank :]
-    gate_up = rand(2, hd, rank, scale=rank ** -0.5)
+    gate_up = rand(2, hd, rank, scale=rank**-0.5)
     conv_weights = [torch.randn(hd, 1, width, generator=g, device=DEVICE) * 0.5 for _ in range(3)]
     a_log = torch.rand(heads, generator=g, device=DEVICE) * 2.0
     dt_bias = torch.randn(hd, generator=g, device=DEVICE) * 0.5
@@ -180,13 +189,34 @@ def test_fused_kda_decode_with_low_rank_gates(heads, dim, rank, width, parts, dt
 
     def run(name, fn, f, gate, **extra):
         conv, recurrent = states[name]
-        return fn(q, k, v, conv_weights, conv, f, a_log, dt_bias, -5.0, b, gate, norm_weight, 1e-5, recurrent,
-                  dim ** -0.5, **extra)
+        return fn(
+            q,
+            k,
+            v,
+            conv_weights,
+            conv,
+            f,
+            a_log,
+            dt_bias,
+            -5.0,
+            b,
+            gate,
+            norm_weight,
+            1e-5,
+            recurrent,
+            dim**-0.5,
+            **extra,
+        )
 
     expected = run("reference", kda_ref.kda_decode, f_a, g_a, gate_up=gate_up)
     got = run("low rank", kda_triton.kda_decode, f_a, g_a, gate_up=gate_up, parts=parts)
-    projected = run("projected", kda_triton.kda_decode, torch.nn.functional.linear(f_a, gate_up[0]),
-                    torch.nn.functional.linear(g_a, gate_up[1]), parts=parts)
+    projected = run(
+        "projected",
+        kda_triton.kda_decode,
+        torch.nn.functional.linear(f_a, gate_up[0]),
+        torch.nn.functional.linear(g_a, gate_up[1]),
+        parts=parts,
+    )
     tolerance = 1e-5 if dtype == torch.float32 else 3e-3
     assert _err(got, expected) <= tolerance and _err(got, projected) <= tolerance
     for name in ("low rank", "projected"):

@@ -3,8 +3,9 @@ the reference (odd head counts, ragged lengths ending mid-page)."""
 
 import pytest
 import torch
-from kernel_cases import DEVICE, ON_GPU, err as _err
 from k3_reference import max_rel_error
+from kernel_cases import DEVICE, ON_GPU
+from kernel_cases import err as _err
 
 from h3gen.kernels.mla_decode import mla_decode
 from h3gen.kernels.mla_decode import reference as mla_ref
@@ -23,7 +24,7 @@ def test_mla_decode_paged_matches_expanded_attention(page_size, lengths):
     table = torch.zeros(batch, max(pages_per_seq), dtype=torch.int32)
     used = 0
     for b, count in enumerate(pages_per_seq):
-        table[b, :count] = perm[used:used + count].int()
+        table[b, :count] = perm[used : used + count].int()
         used += count
     q = torch.randn(batch, heads, rank + rope, generator=gen)
     out = mla_decode(q, pool, table, torch.tensor(lengths), 0.3, rank)
@@ -53,7 +54,7 @@ def test_paged_mla_decode_matches_reference(page, heads, rank, rope, dtype):
         used += count
     seq_lens = torch.tensor(lengths, dtype=torch.int32, device=DEVICE)
     q = torch.randn(len(lengths), heads, dim, generator=g, device=DEVICE)
-    scale = dim ** -0.5
+    scale = dim**-0.5
     expected = mla_ref.mla_decode(q, kv_pages, table, seq_lens, scale, rank)
     got = mla_triton.mla_decode(q, kv_pages, table, seq_lens, scale, rank)
     assert got.shape == (len(lengths), heads, rank)
@@ -73,8 +74,9 @@ def test_paged_mla_decode_matches_reference(page, heads, rank, rope, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("batch,heads,nope,rope,rank,v_dim", [(1, 3, 16, 8, 40, 16), (3, 2, 24, 5, 160, 20),
-                                                             (6, 2, 8, 4, 48, 12)])
+@pytest.mark.parametrize(
+    "batch,heads,nope,rope,rank,v_dim", [(1, 3, 16, 8, 40, 16), (3, 2, 24, 5, 160, 20), (6, 2, 8, 4, 48, 12)]
+)
 def test_absorbed_query_and_output_match_reference(batch, heads, nope, rope, rank, v_dim, dtype):
     """The MLA decode's absorbed query ([q_nope W_kc | q_pe], float32) and output (latents times W_vc, rounded,
     optionally gated, optionally combining split runs) as one kernel each, against the torch ops they replace; q
@@ -105,8 +107,10 @@ def test_absorbed_query_and_output_match_reference(batch, heads, nope, rope, ran
         assert _err(mla_ref.absorb_output(runs, w_vc, dtype, given, lse), expected) <= 1e-6
 
 
-@pytest.mark.parametrize("dtype,weight_dtype", [(torch.float32, torch.float32), (torch.float16, torch.float16),
-                                                (torch.float16, torch.float32)])
+@pytest.mark.parametrize(
+    "dtype,weight_dtype",
+    [(torch.float32, torch.float32), (torch.float16, torch.float16), (torch.float16, torch.float32)],
+)
 @pytest.mark.parametrize("rank,rope", [(32, 8), (48, 5)])
 def test_latent_row_write_matches_reference(rank, rope, dtype, weight_dtype):
     """A decode step's MLA cache rows (norm of the latent, then k_pe) written through the block table into one

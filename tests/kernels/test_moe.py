@@ -3,8 +3,9 @@ the Triton routing and expert kernels (dense and MXFP4) against their references
 
 import pytest
 import torch
-from kernel_cases import DEVICE, err as _err
 from k3_reference import kimi_linear_torch, max_rel_error
+from kernel_cases import DEVICE
+from kernel_cases import err as _err
 
 from h3gen.kernels.moe import grouped_gemm, grouped_mxfp4_gemm, route_topk, sort_by_expert
 from h3gen.kernels.moe import reference as moe_ref
@@ -17,9 +18,18 @@ def test_route_topk_matches_transformers_router(experts, top_k, groups, topk_gro
     modeling = kimi_linear_torch()
     from transformers import KimiLinearConfig
 
-    config = KimiLinearConfig(hidden_size=24, num_local_experts=experts, num_experts_per_tok=top_k, n_group=groups,
-                              topk_group=topk_groups, routed_scaling_factor=2.446, pad_token_id=0,
-                              bos_token_id=1, eos_token_id=2, vocab_size=10)
+    config = KimiLinearConfig(
+        hidden_size=24,
+        num_local_experts=experts,
+        num_experts_per_tok=top_k,
+        n_group=groups,
+        topk_group=topk_groups,
+        routed_scaling_factor=2.446,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+        vocab_size=10,
+    )
     router = modeling.KimiLinearTopkRouter(config)
     gen = torch.Generator().manual_seed(experts)
     with torch.no_grad():
@@ -68,8 +78,9 @@ def test_expert_gemv_matches_reference(rows, experts, n, k, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("tokens,top_k,experts,inter,width", [(1, 6, 8, 48, 70), (3, 2, 5, 300, 33), (2, 1, 3, 17, 130),
-                                                         (2, 8, 9, 600, 24)])  # 2 x 8 slots: three K steps
+@pytest.mark.parametrize(
+    "tokens,top_k,experts,inter,width", [(1, 6, 8, 48, 70), (3, 2, 5, 300, 33), (2, 1, 3, 17, 130), (2, 8, 9, 600, 24)]
+)  # 2 x 8 slots: three K steps
 def test_decode_expert_chain_matches_reference(tokens, top_k, experts, inter, width, dtype):
     """Router logits, the up/gate GEMV reading each token's row for its k slots, and the fused SwiGLU + down GEMV +
     weighted slot sum, each against its reference and together against the plain per-pair computation."""
@@ -80,8 +91,9 @@ def test_decode_expert_chain_matches_reference(tokens, top_k, experts, inter, wi
     assert logits.dtype == torch.float32 and _err(logits, moe_ref.router_logits(h, router)) <= 1e-5
     up_gate = torch.randn(experts, 2 * inter, width, generator=g, device=DEVICE).to(dtype) / width**0.5
     down = torch.randn(experts, width, inter, generator=g, device=DEVICE).to(dtype) / inter**0.5
-    ids = torch.stack([torch.randperm(experts, generator=torch.Generator().manual_seed(t))[:top_k]
-                       for t in range(tokens)]).to(DEVICE)
+    ids = torch.stack(
+        [torch.randperm(experts, generator=torch.Generator().manual_seed(t))[:top_k] for t in range(tokens)]
+    ).to(DEVICE)
     weights = torch.rand(tokens, top_k, generator=g, device=DEVICE)
     both = moe_triton.expert_gemv(h, up_gate, ids.reshape(-1), top_k)
     tolerance = 1e-5 if dtype == torch.float32 else 3e-3
@@ -103,15 +115,24 @@ def test_decode_expert_chain_matches_reference(tokens, top_k, experts, inter, wi
     assert _err(out, plain) <= (1e-5 if dtype == torch.float32 else 1e-2)
 
 
-@pytest.mark.parametrize("tokens,experts,top_k,bias,renormalize,always", [
-    (1, 64, 6, True, True, 0), (5, 37, 3, False, True, 1), (9, 8, 2, True, False, 2), (3, 64, 6, True, True, 1),
-    (2, 896, 16, True, True, 1), (3, 200, 8, False, False, 0)])
+@pytest.mark.parametrize(
+    "tokens,experts,top_k,bias,renormalize,always",
+    [
+        (1, 64, 6, True, True, 0),
+        (5, 37, 3, False, True, 1),
+        (9, 8, 2, True, False, 2),
+        (3, 64, 6, True, True, 1),
+        (2, 896, 16, True, True, 1),
+        (3, 200, 8, False, False, 0),
+    ],
+)
 def test_route_topk_matches_reference(tokens, experts, top_k, bias, renormalize, always):
     g = torch.Generator(device=DEVICE).manual_seed(tokens * experts)
     logits = torch.randn(tokens, experts, generator=g, device=DEVICE)
     correction = torch.randn(experts, generator=g, device=DEVICE) * 0.1 if bias else None
-    expected_w, expected_ids = moe_ref.route_topk(logits, correction, top_k, renormalize=renormalize, scaling=2.5,
-                                                  always=always)
+    expected_w, expected_ids = moe_ref.route_topk(
+        logits, correction, top_k, renormalize=renormalize, scaling=2.5, always=always
+    )
     got_w, got_ids = moe_triton.route_topk(logits, correction, top_k, renormalize, 2.5, always)
     assert got_ids.shape == (tokens, top_k + always) and torch.equal(got_ids, expected_ids)
     assert _err(got_w, expected_w) <= 1e-6
@@ -143,12 +164,12 @@ def test_expert_gemv_with_always_on_slots_matches_reference(always, block_k):
     tokens, routed, experts, n, k = 3, 2, 5, 12, 24
     x = torch.randn(tokens, k, generator=g, device=DEVICE)
     weight = torch.randn(experts + always, n, k, generator=g, device=DEVICE)
-    chosen = torch.stack([torch.randperm(experts, generator=torch.Generator().manual_seed(t))[:routed]
-                          for t in range(tokens)]).to(DEVICE)
+    chosen = torch.stack(
+        [torch.randperm(experts, generator=torch.Generator().manual_seed(t))[:routed] for t in range(tokens)]
+    ).to(DEVICE)
     ids = torch.cat([chosen, torch.arange(experts, experts + always, device=DEVICE).expand(tokens, -1)], dim=1)
     top_k = routed + always
-    got = moe_triton.expert_gemv(x, weight, ids.reshape(-1), top_k, block_k=block_k, always=always,
-                                   early=True)
+    got = moe_triton.expert_gemv(x, weight, ids.reshape(-1), top_k, block_k=block_k, always=always, early=True)
     assert _err(got, moe_ref.expert_gemv(x, weight, ids.reshape(-1), top_k)) <= 1e-6
     with pytest.raises(ValueError, match="always-on"):
         moe_triton.expert_gemv(x, weight, ids.reshape(-1), top_k, always=top_k + 1)
@@ -161,7 +182,7 @@ def test_expert_tail_with_k_steps_loaded_ahead_matches_reference(ahead):
     g = torch.Generator(device=DEVICE).manual_seed(ahead)
     tokens, top_k, experts, inter, width = 2, 3, 5, 600, 24
     both = torch.randn(tokens * top_k, 2 * inter, generator=g, device=DEVICE)
-    down = torch.randn(experts, width, inter, generator=g, device=DEVICE) / inter ** 0.5
+    down = torch.randn(experts, width, inter, generator=g, device=DEVICE) / inter**0.5
     ids = torch.tensor([[0, 3, 4], [2, 1, 3]], device=DEVICE)
     weights = torch.rand(tokens, top_k, generator=g, device=DEVICE)
     expected = moe_ref.expert_swiglu_down(both, down, ids, weights)
@@ -174,8 +195,10 @@ def test_expert_tail_with_k_steps_loaded_ahead_matches_reference(ahead):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("tokens,experts,width,top_k,always,bias", [
-    (1, 64, 128, 6, 1, True), (3, 37, 40, 3, 0, False), (5, 8, 33, 2, 2, True)])
+@pytest.mark.parametrize(
+    "tokens,experts,width,top_k,always,bias",
+    [(1, 64, 128, 6, 1, True), (3, 37, 40, 3, 0, False), (5, 8, 33, 2, 2, True)],
+)
 def test_router_topk_matches_router_then_topk(tokens, experts, width, top_k, always, bias, dtype):
     """The fused router + top-k (and its residual-update + norm prologue) against the separate reference ops; the
     token's last program routes it and sets its arrival counter back to zero."""
@@ -185,14 +208,15 @@ def test_router_topk_matches_router_then_topk(tokens, experts, width, top_k, alw
     g = torch.Generator(device=DEVICE).manual_seed(tokens * experts + width)
     x = torch.randn(tokens, width, generator=g, device=DEVICE).to(dtype)
     delta = torch.randn(tokens, width, generator=g, device=DEVICE).to(dtype)
-    router = torch.randn(experts, width, generator=g, device=DEVICE) / width ** 0.5  # float32, as K3 keeps it
+    router = torch.randn(experts, width, generator=g, device=DEVICE) / width**0.5  # float32, as K3 keeps it
     norm_weight = (1.0 + 0.1 * torch.randn(width, generator=g, device=DEVICE)).to(dtype)
     correction = torch.randn(experts, generator=g, device=DEVICE) * 0.1 if bias else None
     route = (correction, top_k, True, 2.5, always)
 
     def expected(rows):
-        return moe_ref.route_topk(moe_ref.router_logits(rows, router), correction, top_k, renormalize=True,
-                                  scaling=2.5, always=always)
+        return moe_ref.route_topk(
+            moe_ref.router_logits(rows, router), correction, top_k, renormalize=True, scaling=2.5, always=always
+        )
 
     got_w, got_ids = moe_triton.router_topk(x, router, *route)
     want_w, want_ids = expected(x)
@@ -207,22 +231,25 @@ def test_router_topk_matches_router_then_topk(tokens, experts, width, top_k, alw
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("tokens,experts,top_k,inter,width",
-                         [(37, 5, 2, 24, 40), (3, 9, 3, 16, 33), (70, 4, 1, 20, 16)])
+@pytest.mark.parametrize(
+    "tokens,experts,top_k,inter,width", [(37, 5, 2, 24, 40), (3, 9, 3, 16, 33), (70, 4, 1, 20, 16)]
+)
 def test_grouped_expert_gemm_matches_per_expert_reference(tokens, experts, top_k, inter, width, dtype):
     """The prefill MoE path: pairs grouped into expert blocks on the device, [up; gate] GEMM with SwiGLU fused, then
     the down GEMM, against the per-expert grouped reference."""
     g = torch.Generator(device=DEVICE).manual_seed(tokens + experts)
     h = torch.randn(tokens, width, generator=g, device=DEVICE).to(dtype)
-    up_gate = (torch.randn(experts, 2 * inter, width, generator=g, device=DEVICE) / width ** 0.5).to(dtype)
-    down = (torch.randn(experts, width, inter, generator=g, device=DEVICE) / inter ** 0.5).to(dtype)
+    up_gate = (torch.randn(experts, 2 * inter, width, generator=g, device=DEVICE) / width**0.5).to(dtype)
+    down = (torch.randn(experts, width, inter, generator=g, device=DEVICE) / inter**0.5).to(dtype)
     ids = torch.randint(0, experts - 1, (tokens, top_k), generator=g, device=DEVICE)  # the last expert gets none
     pairs = ids.reshape(-1)
     rows, block_expert = moe_triton.moe_blocks(pairs, experts, 16)
-    act = moe_triton.grouped_expert_gemm(h, up_gate, rows, block_expert, pairs.numel(), top_k, swiglu=True,
-                                         block_m=16, block_n=16, block_k=16)
-    out = moe_triton.grouped_expert_gemm(act, down, rows, block_expert, pairs.numel(), 1, block_m=16, block_n=16,
-                                         block_k=16)
+    act = moe_triton.grouped_expert_gemm(
+        h, up_gate, rows, block_expert, pairs.numel(), top_k, swiglu=True, block_m=16, block_n=16, block_k=16
+    )
+    out = moe_triton.grouped_expert_gemm(
+        act, down, rows, block_expert, pairs.numel(), 1, block_m=16, block_n=16, block_k=16
+    )
     order, offsets = moe_ref.sort_by_expert(ids, experts)
     inputs = h.float()[order // top_k]
     both = moe_ref.grouped_gemm(inputs, offsets, list(up_gate.float()))
@@ -238,8 +265,9 @@ def test_grouped_expert_gemm_matches_per_expert_reference(tokens, experts, top_k
     assert torch.equal(block_expert[block_of], pairs[placed])
 
 
-@pytest.mark.parametrize("tokens,top_k,experts,n,k", [(1, 1, 3, 37, 64), (3, 2, 5, 20, 40), (2, 2, 2, 48, 300),
-                                                       (1, 6, 8, 16, 520)])
+@pytest.mark.parametrize(
+    "tokens,top_k,experts,n,k", [(1, 1, 3, 37, 64), (3, 2, 5, 20, 40), (2, 2, 2, 48, 300), (1, 6, 8, 16, 520)]
+)
 def test_mxfp4_expert_gemv_matches_reference(tokens, top_k, experts, n, k):
     """Each (token, slot) pair through its MXFP4 expert, reading the token's row (odd widths end inside a group of
     32; 520 spans three 256-wide steps), against the dequantized per-pair product."""
@@ -247,7 +275,7 @@ def test_mxfp4_expert_gemv_matches_reference(tokens, top_k, experts, n, k):
 
     g = torch.Generator(device=DEVICE).manual_seed(tokens * n + k)
     weights = [torch.randn(n, k, generator=g, device=DEVICE) for _ in range(experts)]
-    packed, scales = (torch.stack(parts) for parts in zip(*(quantize(w) for w in weights)))
+    packed, scales = (torch.stack(parts) for parts in zip(*(quantize(w) for w in weights), strict=True))
     x = torch.randn(tokens, k, generator=g, device=DEVICE)
     ids = torch.randint(0, experts, (tokens * top_k,), generator=g, device=DEVICE)
     expected = moe_ref.expert_gemv_mxfp4(x, packed, scales, ids, top_k)
@@ -260,8 +288,9 @@ def test_mxfp4_expert_gemv_matches_reference(tokens, top_k, experts, n, k):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("tokens,top_k,experts,inter,width", [(1, 6, 8, 48, 70), (3, 2, 5, 300, 33), (2, 1, 3, 17, 130),
-                                                         (10, 3, 6, 80, 40)])  # 10 tokens: the slot loop
+@pytest.mark.parametrize(
+    "tokens,top_k,experts,inter,width", [(1, 6, 8, 48, 70), (3, 2, 5, 300, 33), (2, 1, 3, 17, 130), (10, 3, 6, 80, 40)]
+)  # 10 tokens: the slot loop
 def test_mxfp4_decode_expert_tail_matches_reference(tokens, top_k, experts, inter, width, dtype):
     """SwiGLU, the MXFP4 down experts and the weighted slot sum in one kernel, against the reference and against the
     plain per-pair computation over the dequantized experts."""
@@ -269,10 +298,11 @@ def test_mxfp4_decode_expert_tail_matches_reference(tokens, top_k, experts, inte
 
     g = torch.Generator(device=DEVICE).manual_seed(tokens * 13 + inter)
     down = [torch.randn(width, inter, generator=g, device=DEVICE) / inter**0.5 for _ in range(experts)]
-    packed, scales = (torch.stack(parts) for parts in zip(*(quantize(w) for w in down)))
+    packed, scales = (torch.stack(parts) for parts in zip(*(quantize(w) for w in down), strict=True))
     both = torch.randn(tokens * top_k, 2 * inter, generator=g, device=DEVICE).to(dtype)
-    ids = torch.stack([torch.randperm(experts, generator=torch.Generator().manual_seed(t))[:top_k]
-                       for t in range(tokens)]).to(DEVICE)
+    ids = torch.stack(
+        [torch.randperm(experts, generator=torch.Generator().manual_seed(t))[:top_k] for t in range(tokens)]
+    ).to(DEVICE)
     weights = torch.rand(tokens, top_k, generator=g, device=DEVICE)
     out = moe_triton.expert_swiglu_down_mxfp4(both, packed, scales, ids, weights)
     assert out.shape == (tokens, width) and out.dtype == dtype

@@ -32,19 +32,22 @@ def _folded_scale_bits(scale_bytes: torch.Tensor) -> torch.Tensor:
     return torch.where(e == 255, 0x7FC0, (e + 126) << 7)
 
 
-@pytest.mark.parametrize("m,n,k,dtype,config", [
-    (5, 37, 70, torch.float32, dict(block_m=16, block_n=16, block_k=32)),
-    (1, 17, 32, torch.float32, dict(block_m=16, block_n=16, block_k=32)),
-    (3, 40, 200, torch.float32, dict(block_m=16, block_n=32, block_k=64, split_k=3)),  # K slices summed atomically
-    (7, 50, 130, torch.float16, dict(block_m=16, block_n=32, block_k=64)),
-    (4, 64, 256, torch.float32, dict(block_m=16, block_n=16, block_k=64, split_k=2)),
-    (2, 33, 96, torch.float16, {}),  # the default small-M tiles: one 256-wide K tile covers all of K
-    # The tensor-core few-row path (its tiling, masks and K permutation; on the CPU through its Triton decode, the
-    # inline PTX decode is checked on the GPU below): default tiles, the last K tile past the stored width
-    (3, 40, 200, torch.float32, dict(path="pairs")),
-    (16, 70, 256, torch.float16, dict(path="pairs", block_n=32, block_k=64, split_k=2)),  # K slices, atomically
-    (5, 33, 104, torch.float32, dict(path="pairs", block_n=16, block_k=32, split_k=1)),  # odd N, one slice
-])
+@pytest.mark.parametrize(
+    "m,n,k,dtype,config",
+    [
+        (5, 37, 70, torch.float32, dict(block_m=16, block_n=16, block_k=32)),
+        (1, 17, 32, torch.float32, dict(block_m=16, block_n=16, block_k=32)),
+        (3, 40, 200, torch.float32, dict(block_m=16, block_n=32, block_k=64, split_k=3)),  # K slices summed atomically
+        (7, 50, 130, torch.float16, dict(block_m=16, block_n=32, block_k=64)),
+        (4, 64, 256, torch.float32, dict(block_m=16, block_n=16, block_k=64, split_k=2)),
+        (2, 33, 96, torch.float16, {}),  # the default small-M tiles: one 256-wide K tile covers all of K
+        # The tensor-core few-row path (its tiling, masks and K permutation; on the CPU through its Triton decode, the
+        # inline PTX decode is checked on the GPU below): default tiles, the last K tile past the stored width
+        (3, 40, 200, torch.float32, dict(path="pairs")),
+        (16, 70, 256, torch.float16, dict(path="pairs", block_n=32, block_k=64, split_k=2)),  # K slices, atomically
+        (5, 33, 104, torch.float32, dict(path="pairs", block_n=16, block_k=32, split_k=1)),  # odd N, one slice
+    ],
+)
 def test_triton_gemm_matches_reference(m, n, k, dtype, config):
     g = torch.Generator().manual_seed(m * n)
     device = DEVICE
@@ -57,8 +60,14 @@ def test_triton_gemm_matches_reference(m, n, k, dtype, config):
     assert ((got.float() - expected.float()).norm() / expected.float().norm()).item() < tolerance
 
 
-@pytest.mark.parametrize("n,k,config", [(37, 70, dict(block_n=16, block_k=32)), (64, 300, dict(block_n=32, block_k=64)),
-                                        (20, 256, dict(block_n=16, block_k=64, split_k=2))])
+@pytest.mark.parametrize(
+    "n,k,config",
+    [
+        (37, 70, dict(block_n=16, block_k=32)),
+        (64, 300, dict(block_n=32, block_k=64)),
+        (20, 256, dict(block_n=16, block_k=64, split_k=2)),
+    ],
+)
 def test_triton_gemv_matches_reference(n, k, config):
     g = torch.Generator().manual_seed(n + k)
     device = DEVICE
@@ -71,11 +80,14 @@ def test_triton_gemv_matches_reference(n, k, config):
         gemm_triton.mxfp4_matmul(torch.randn(2, k, device=device), packed, scales, path="gemv")
 
 
-@pytest.mark.parametrize("m,n,k,dtype,config", [
-    (1, 37, 70, torch.float16, dict(block_n=16, block_k=32)),  # odd N and K: stored width padded to 96
-    (5, 64, 300, torch.bfloat16, dict(block_n=32, block_k=64, split_k=2)),  # K slices summed atomically
-    (3, 33, 96, torch.bfloat16, {}),  # default tiles: one K tile wider than K
-])
+@pytest.mark.parametrize(
+    "m,n,k,dtype,config",
+    [
+        (1, 37, 70, torch.float16, dict(block_n=16, block_k=32)),  # odd N and K: stored width padded to 96
+        (5, 64, 300, torch.bfloat16, dict(block_n=32, block_k=64, split_k=2)),  # K slices summed atomically
+        (3, 33, 96, torch.bfloat16, {}),  # default tiles: one K tile wider than K
+    ],
+)
 def test_scaled_dot_gemm_matches_reference(m, n, k, dtype, config):
     g = torch.Generator().manual_seed(m + n + k)
     device = DEVICE
@@ -126,10 +138,14 @@ def test_gluon_decode_bit_arithmetic_gives_every_code_in_mma_order():
     words[:256] = torch.arange(256) * 0x01010101  # every byte in every position
     outputs = _decode_words(words)
     byte = [(words >> (8 * i)) & 0xFF for i in range(4)]
-    codes = [(byte[0] & 15, byte[1] & 15), (byte[2] & 15, byte[3] & 15), (byte[0] >> 4, byte[1] >> 4),
-             (byte[2] >> 4, byte[3] >> 4)]
+    codes = [
+        (byte[0] & 15, byte[1] & 15),
+        (byte[2] & 15, byte[3] & 15),
+        (byte[0] >> 4, byte[1] >> 4),
+        (byte[2] >> 4, byte[3] >> 4),
+    ]
     table = torch.tensor(list(E2M1_VALUES) + [-v for v in E2M1_VALUES], dtype=torch.float64)
-    for pair, (first, second) in zip(outputs, codes):
+    for pair, (first, second) in zip(outputs, codes, strict=True):
         for half, code in ((pair & 0xFFFF, first), (pair >> 16, second)):
             value = half.to(torch.int32).to(torch.int16).view(torch.bfloat16).double() * 2.0**126
             assert torch.equal(value, table[code]), "decoded value or element order differs"
@@ -179,8 +195,15 @@ def test_gluon_ring_descriptor_reads_the_packed_words_and_lets_them_go():
 
 
 def test_gluon_plan_divides_k_and_fills_the_gpu():
-    for m, n, k in [(1, 7168, 5376), (16, 7168, 5376), (8, 28672, 5376), (1, 5376, 14336), (4, 2048, 2048),
-                    (1, 200, 384), (9, 1536, 768)]:
+    for m, n, k in [
+        (1, 7168, 5376),
+        (16, 7168, 5376),
+        (8, 28672, 5376),
+        (1, 5376, 14336),
+        (4, 2048, 2048),
+        (1, 200, 384),
+        (9, 1536, 768),
+    ]:
         block_n, warps, splits = gemm_gluon.plan(m, n, k, sms=132)
         steps = k // gemm_gluon.BLOCK_K
         assert steps % splits == 0 and block_n in (32, 64, 128) and warps * 16 <= block_n
@@ -204,15 +227,17 @@ def test_gluon_path_declines_what_it_cannot_run(monkeypatch):
         assert not gemm_gluon.supports(x.half(), packed, scales)  # fp16 takes the scaled dot
         assert not gemm_gluon.supports(torch.randn(17, 256, device="cuda", dtype=torch.bfloat16), packed, scales)
         odd_packed, odd_scales = quantize(torch.randn(64, 160, device="cuda"))
-        assert not gemm_gluon.supports(torch.randn(2, 160, device="cuda", dtype=torch.bfloat16), odd_packed,
-                                       odd_scales)  # K not a multiple of 128
+        assert not gemm_gluon.supports(
+            torch.randn(2, 160, device="cuda", dtype=torch.bfloat16), odd_packed, odd_scales
+        )  # K not a multiple of 128
     with pytest.raises(ValueError, match="1-16 rows of bf16"):
         gemm_gluon.few_rows_matmul(torch.randn(2, 256), packed.cpu(), scales.cpu())
 
 
 @pytest.mark.skipif(not (torch.cuda.is_available() and gemm_gluon.AVAILABLE), reason="Gluon kernels run on a GPU only")
-@pytest.mark.parametrize("n,k,splits", [(200, 1024, None), (200, 1024, 1), (200, 1024, 8), (48, 384, None),
-                                        (1536, 768, None)])
+@pytest.mark.parametrize(
+    "n,k,splits", [(200, 1024, None), (200, 1024, 1), (200, 1024, 8), (48, 384, None), (1536, 768, None)]
+)
 @pytest.mark.parametrize("ring", [False, True], ids=["registers", "tma-ring"])
 @pytest.mark.parametrize("folding", [False, True], ids=["scales-up-to-254", "scales-that-fold"])
 def test_gluon_few_rows_every_code_special_scales_and_tails(n, k, splits, ring, folding, monkeypatch):
@@ -221,7 +246,7 @@ def test_gluon_few_rows_every_code_special_scales_and_tails(n, k, splits, ring, 
     packed[0, :128] = torch.arange(128, dtype=torch.uint8) * 2 + 1  # every code in both nibbles
     scales = torch.randint(100, 129 if folding else 140, (n, k // 32), dtype=torch.uint8, generator=g)
     special = [0, 1, 2, 126, 127, 128] if folding else [0, 1, 2, 127, 128, 129, 200, 254]  # smallest to largest
-    scales[1, :len(special)] = torch.tensor(special, dtype=torch.uint8)
+    scales[1, : len(special)] = torch.tensor(special, dtype=torch.uint8)
     scales[2, 3] = 255  # NaN: row 2's outputs are NaN
     packed, scales = packed.cuda(), scales.cuda()
     if ring and not gemm_gluon.uses_ring(packed):
@@ -229,15 +254,20 @@ def test_gluon_few_rows_every_code_special_scales_and_tails(n, k, splits, ring, 
     assert gemm_gluon.foldable(scales) == folding
     weight = dequantize(packed, scales, torch.float32, k).to(torch.bfloat16).double()
     calls = []
-    monkeypatch.setattr(gemm_gluon, "few_rows_matmul",
-                        lambda *a, _real=gemm_gluon.few_rows_matmul, **kw: calls.append(1) or _real(*a, **kw))
+    monkeypatch.setattr(
+        gemm_gluon,
+        "few_rows_matmul",
+        lambda *a, _real=gemm_gluon.few_rows_matmul, **kw: calls.append(1) or _real(*a, **kw),
+    )
     for m in (1, 3, 8, 9, 16):
         x = torch.randn(m, k, generator=g).to("cuda", torch.bfloat16)
         expected = x.double() @ weight.t()
         finite = expected.isfinite()
         # the explicit call, and `mxfp4_matmul`'s automatic choice (which must be this path)
-        for got in (gemm_gluon.few_rows_matmul(x, packed, scales, splits=splits, ring=ring).double(),
-                    gemm_triton.mxfp4_matmul(x, packed, scales).double()):
+        for got in (
+            gemm_gluon.few_rows_matmul(x, packed, scales, splits=splits, ring=ring).double(),
+            gemm_triton.mxfp4_matmul(x, packed, scales).double(),
+        ):
             assert torch.equal(got.isnan(), expected.isnan()) and got[:, 2].isnan().all()
             assert torch.equal(got.isinf(), expected.isinf())
             error = (got[finite] - expected[finite]).norm() / expected[finite].norm()

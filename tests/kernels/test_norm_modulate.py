@@ -2,8 +2,10 @@
 
 import pytest
 import torch
-from kernel_cases import (DEVICE, DTYPES, ON_GPU, SHAPES, TOLERANCE, assert_same_rows, case as _case, err as _err,
-                          half_block_inputs, rand as _rand)
+from kernel_cases import DEVICE, DTYPES, ON_GPU, SHAPES, TOLERANCE, assert_same_rows, half_block_inputs
+from kernel_cases import case as _case
+from kernel_cases import err as _err
+from kernel_cases import rand as _rand
 
 from h3gen.kernels.gated_residual import reference as residual_ref
 from h3gen.kernels.gated_residual import triton as residual_triton
@@ -35,8 +37,10 @@ def test_public_functions_take_the_reference_on_cpu_tensors(monkeypatch):
     x = torch.randn(1, 4, 8)
     table = torch.randn(2, 8)
     index = torch.tensor([0, 1, 1, 0])
-    assert torch.equal(norm_modulate.rmsnorm_modulate(x, None, table, table, index, 1e-5),
-                       norm_ref.rmsnorm_modulate(x, None, table, table, index, 1e-5))
+    assert torch.equal(
+        norm_modulate.rmsnorm_modulate(x, None, table, table, index, 1e-5),
+        norm_ref.rmsnorm_modulate(x, None, table, table, index, 1e-5),
+    )
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -51,8 +55,7 @@ def test_norm_kernels_write_fp8_rows(shape, dtype):
     dense = norm_ref.rmsnorm_modulate(x.float(), weight.float(), shift.float(), scale.float(), index, 1e-5)
     assert_same_rows(got, expected, dense)
 
-    x_new, got = residual_triton.gated_residual_norm_modulate(x, y, gate, index, weight, shift, scale, 1e-5,
-                                                              fp8=True)
+    x_new, got = residual_triton.gated_residual_norm_modulate(x, y, gate, index, weight, shift, scale, 1e-5, fp8=True)
     ref_new = residual_ref.gated_residual(x.float(), y.float(), gate.float(), index)
     assert x_new.dtype == dtype and _err(x_new, ref_new) < {torch.float32: 1e-6}.get(dtype, 1e-2)
     # The norm reads the rounded residual the kernel stored: compare with the reference's norm of that same row.
@@ -95,10 +98,14 @@ def test_row_kernels_write_into_columns_of_a_wider_buffer(fp8):
         check(buffer, written, module.rmsnorm_modulate(x, weight, shift, scale, index, 1e-5, fp8=fp8))
     for module in (residual_triton, gated_residual):
         buffer, out = wide()
-        _, written = module.gated_residual_norm_modulate(x, y, gate, index, weight, shift, scale, 1e-5, fp8=fp8,
-                                                          normed_out=out)
-        check(buffer, written, module.gated_residual_norm_modulate(x, y, gate, index, weight, shift, scale, 1e-5,
-                                                                   fp8=fp8)[1])
+        _, written = module.gated_residual_norm_modulate(
+            x, y, gate, index, weight, shift, scale, 1e-5, fp8=fp8, normed_out=out
+        )
+        check(
+            buffer,
+            written,
+            module.gated_residual_norm_modulate(x, y, gate, index, weight, shift, scale, 1e-5, fp8=fp8)[1],
+        )
     for module in (swiglu_triton, swiglu):
         buffer, out = wide()
         check(buffer, module.swiglu(up, fp8=fp8, out=out), module.swiglu(up, fp8=fp8))

@@ -8,9 +8,17 @@ from h3gen.kernels.sampling import reference as sampling_ref
 from h3gen.kernels.sampling import triton as sampling_triton
 
 
-@pytest.mark.parametrize("temperature,top_k,top_p,flat", [(0.7, 0, 1.0, False), (1.3, 0, 0.9, False),
-                                                          (1.0, 40, 1.0, False), (0.9, 300, 0.95, False),
-                                                          (1.0, 0, 0.97, True), (2.0, 4000, 0.5, True)])
+@pytest.mark.parametrize(
+    "temperature,top_k,top_p,flat",
+    [
+        (0.7, 0, 1.0, False),
+        (1.3, 0, 0.9, False),
+        (1.0, 40, 1.0, False),
+        (0.9, 300, 0.95, False),
+        (1.0, 0, 0.97, True),
+        (2.0, 4000, 0.5, True),
+    ],
+)
 def test_draw_token_matches_reference(temperature, top_k, top_p, flat):
     """The one-program draw against the torch composition, token for token over many noise draws: unsorted rows
     (temperature only), top-k with tied logits at the k-th place, top-p cut in a later chunk of a flat row, masked

@@ -1,9 +1,9 @@
 """Serving K3: one memory pool for MLA pages and KDA states, a radix prefix cache with KDA checkpoints, a
 scheduler with continuous batching and chunked prefill, and the sampler."""
 
-from h3gen.pipelines.k3.engine.scheduler import K3Engine, Request, RequestOutput
 from h3gen.pipelines.k3.engine.pool import MemoryPool
 from h3gen.pipelines.k3.engine.radix import RadixCache
 from h3gen.pipelines.k3.engine.sampling import SamplingParams
+from h3gen.pipelines.k3.engine.scheduler import K3Engine, Request, RequestOutput
 
 __all__ = ["K3Engine", "MemoryPool", "RadixCache", "Request", "RequestOutput", "SamplingParams"]

@@ -20,8 +20,7 @@ class LatentView:
         self.page_size = page_size
         self.starts = starts
         width = max(1, max(len(t) for t in tables))
-        self._table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32,
-                                   device=pages.device)
+        self._table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=pages.device)
         self._lens = list(starts)
         # The model reads `length` as "rows before this call": it picks the decode path when it is > 0.
         self.length = min(starts)

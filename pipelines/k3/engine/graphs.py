@@ -26,8 +26,14 @@ class StaticLatentView:
 
     length = 1  # what the model reads as "rows before this call": > 0 selects the absorbed decode path
 
-    def __init__(self, pages: torch.Tensor, table: torch.Tensor, lens: torch.Tensor, page_size: int,
-                 lens_after: torch.Tensor | None = None):
+    def __init__(
+        self,
+        pages: torch.Tensor,
+        table: torch.Tensor,
+        lens: torch.Tensor,
+        page_size: int,
+        lens_after: torch.Tensor | None = None,
+    ):
         self.pages, self.table, self.lens, self.page_size = pages, table, lens, page_size
         self.lens_after = lens + 1 if lens_after is None else lens_after  # shared by a step's MLA layers
 
@@ -84,8 +90,16 @@ class DecodeBuffers:
         self.host_tokens = [torch.zeros(size, dtype=torch.long, pin_memory=pinned) for _ in range(2)]
         self.turn = 0
 
-    def stage(self, tokens: list[int], state_rows: list[int], tables: list[list[int]], lens: list[int],
-              scratch_row: int, scratch_page: int, keep_tokens: bool = False) -> None:
+    def stage(
+        self,
+        tokens: list[int],
+        state_rows: list[int],
+        tables: list[list[int]],
+        lens: list[int],
+        scratch_row: int,
+        scratch_page: int,
+        keep_tokens: bool = False,
+    ) -> None:
         """Write a step's inputs (rows beyond `len(tokens)` pointed at the scratch slot and page) and copy them to
         the device; with `keep_tokens`, all but the token ids (the device's are the step's: the previous step's
         argmax). Table entries past a sequence's pages are left as they were: nothing reads them."""
@@ -116,21 +130,28 @@ def static_decode_forward(model, pool, buffers: DecodeBuffers) -> tuple[torch.Te
     size = buffers.size
     cache = BatchCache(model.config.num_hidden_layers, pool.page_size)
     for j, layer in enumerate(pool.mla_layers):
-        cache.layers[layer] = StaticLatentView(pool.layer_pages(j), buffers.table, buffers.lens, pool.page_size,
-                                               buffers.lens_after)
+        cache.layers[layer] = StaticLatentView(
+            pool.layer_pages(j), buffers.table, buffers.lens, pool.page_size, buffers.lens_after
+        )
     given = []
     if pool.uses_slots:  # each KDA layer's states where they lie in the pool, the batch's rows picked on the device
         slots = pool.slots.shape[0]
         for j, layer in enumerate(pool.kda_layers):
-            conv, recurrent = pool.slots[:, j].split([pool.conv_floats, pool.slots.shape[-1] - pool.conv_floats],
-                                                     dim=-1)
-            given.append(KDAState(conv.view(slots, *pool.conv_shape), recurrent.view(slots, *pool.recurrent_shape),
-                                  rows=buffers.state_rows))
+            conv, recurrent = pool.slots[:, j].split(
+                [pool.conv_floats, pool.slots.shape[-1] - pool.conv_floats], dim=-1
+            )
+            given.append(
+                KDAState(
+                    conv.view(slots, *pool.conv_shape),
+                    recurrent.view(slots, *pool.recurrent_shape),
+                    rows=buffers.state_rows,
+                )
+            )
             cache.layers[layer] = given[-1]
     # the argmax over the token ids: a following step fed on the device reads them there
     logits, argmax = model(buffers.tokens, cache, argmax_into=buffers.ids[:size])
     if pool.uses_slots:
-        for j, (new, old) in enumerate(zip(cache.kda_states(pool.kda_layers), given)):
+        for j, (new, old) in enumerate(zip(cache.kda_states(pool.kda_layers), given, strict=True)):
             if new is not old:  # a layer that returned new states instead of updating its rows (not the decode op)
                 packed = torch.cat([new.conv.reshape(size, -1), new.recurrent.reshape(size, -1)], dim=-1)
                 pool.slots[:, j].index_copy_(0, buffers.state_rows, packed.float())
@@ -212,8 +233,9 @@ class DecodeGraphs:
         return self.graphs[size]
 
     @torch.no_grad()
-    def launch(self, tokens: list[int] | torch.Tensor, state_rows: list[int], tables: list[list[int]],
-               lens: list[int]) -> "DecodeLaunch":
+    def launch(
+        self, tokens: list[int] | torch.Tensor, state_rows: list[int], tables: list[list[int]], lens: list[int]
+    ) -> "DecodeLaunch":
         """Start one decode step for n sequences: `tokens` (their last ids: a list, or a `[n]` int64 device tensor
         such as the previous step's argmax, so the step can start before the host has read that step's tokens),
         `state_rows` (pool slot rows), `tables` (page ids), `lens` (rows already cached). Nothing here waits for
@@ -225,10 +247,21 @@ class DecodeGraphs:
             raise ValueError(f"a sequence holds more than the {buffers.width} pages the decode graphs were built for")
         on_device = isinstance(tokens, torch.Tensor)
         # the previous step's own argmax (a greedy step launched ahead) is already where this step reads its ids
-        in_place = (on_device and buffers.argmax is not None and tokens.numel() == count
-                    and tokens.data_ptr() == buffers.argmax.data_ptr())
-        buffers.stage([0] * count if on_device else tokens, state_rows, tables, lens, self.scratch_row,
-                      self.scratch_page, keep_tokens=in_place)
+        in_place = (
+            on_device
+            and buffers.argmax is not None
+            and tokens.numel() == count
+            and tokens.data_ptr() == buffers.argmax.data_ptr()
+        )
+        buffers.stage(
+            [0] * count if on_device else tokens,
+            state_rows,
+            tables,
+            lens,
+            self.scratch_row,
+            self.scratch_page,
+            keep_tokens=in_place,
+        )
         if on_device and not in_place:  # after the staged copy, so it wins
             buffers.tokens[:count, 0].copy_(tokens)
         if graph is None:
@@ -241,8 +274,9 @@ class DecodeGraphs:
         launched.fetch(launched.argmax)
         return launched
 
-    def run(self, tokens: list[int], state_rows: list[int], tables: list[list[int]],
-            lens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    def run(
+        self, tokens: list[int], state_rows: list[int], tables: list[list[int]], lens: list[int]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """`launch` with host tokens, returning logits `[n, vocab]` and their argmax `[n]` (device tensors, valid
         until the next step of this batch size)."""
         step = self.launch(tokens, state_rows, tables, lens)

@@ -70,10 +70,16 @@ class MemoryPool:
         self.max_pages = self.capacity // self.page_bytes if self.page_bytes else 0
         self.max_slots = self.capacity // self.slot_bytes if self.slot_bytes else 0
         # Views over the whole buffer; which parts are live is the allocators' business.
-        self.pages = self.storage[: self.max_pages * self.page_bytes].view(dtype).view(
-            self.max_pages, len(self.mla_layers), page_size, self.row_dim)
-        self.slots = self.storage[self.capacity - self.max_slots * self.slot_bytes:].view(torch.float32).view(
-            self.max_slots, len(self.kda_layers), state_floats)
+        self.pages = (
+            self.storage[: self.max_pages * self.page_bytes]
+            .view(dtype)
+            .view(self.max_pages, len(self.mla_layers), page_size, self.row_dim)
+        )
+        self.slots = (
+            self.storage[self.capacity - self.max_slots * self.slot_bytes :]
+            .view(torch.float32)
+            .view(self.max_slots, len(self.kda_layers), state_floats)
+        )
         self._pages, self._slots = _Stack(), _Stack()
         self.page_refs: dict[int, int] = {}
 
@@ -104,8 +110,14 @@ class MemoryPool:
         return need <= self.capacity
 
     def usage(self) -> dict:
-        return dict(pages_used=self._pages.used, slots_used=self._slots.used, capacity_bytes=self.capacity,
-                    page_bytes=self.page_bytes, slot_bytes=self.slot_bytes, free_bytes=self.free_bytes())
+        return dict(
+            pages_used=self._pages.used,
+            slots_used=self._slots.used,
+            capacity_bytes=self.capacity,
+            page_bytes=self.page_bytes,
+            slot_bytes=self.slot_bytes,
+            free_bytes=self.free_bytes(),
+        )
 
     def free_bytes(self) -> int:
         return self._gap() + len(self._pages.free) * self.page_bytes + len(self._slots.free) * self.slot_bytes
@@ -157,8 +169,11 @@ class MemoryPool:
         out = []
         for layer in range(len(self.kda_layers)):
             conv, recurrent = rows[:, layer].split([self.conv_floats, rows.shape[-1] - self.conv_floats], dim=-1)
-            out.append(KDAState(conv.reshape(len(slots), *self.conv_shape),
-                                recurrent.reshape(len(slots), *self.recurrent_shape)))
+            out.append(
+                KDAState(
+                    conv.reshape(len(slots), *self.conv_shape), recurrent.reshape(len(slots), *self.recurrent_shape)
+                )
+            )
         return out
 
     def write_states(self, slots: list[int], states: list[KDAState]) -> None:

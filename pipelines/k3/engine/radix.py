@@ -108,7 +108,7 @@ class RadixCache:
         while pos < len(tokens):
             child = node.children.get(tokens[pos])
             if child is None:
-                new_pages = pages[pos // size: -(-len(tokens) // size)] if self.pool.uses_pages else []
+                new_pages = pages[pos // size : -(-len(tokens) // size)] if self.pool.uses_pages else []
                 for page in new_pages:
                     self.pool.incref(page)
                 child = Node(pos, list(tokens[pos:]), new_pages, parent=node, last_used=now)
@@ -144,7 +144,7 @@ class RadixCache:
         if self.pool.uses_pages:
             first = node.start // size
             upper_pages = node.pages[: -(-cut // size) - first]
-            lower_pages = node.pages[cut // size - first:]
+            lower_pages = node.pages[cut // size - first :]
             if cut % size:  # the page holding the cut is now listed by both
                 self.pool.incref(node.pages[cut // size - first])
         else:

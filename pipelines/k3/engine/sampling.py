@@ -39,7 +39,7 @@ class SamplingParams:
     def generator(self, device) -> torch.Generator:
         gen = torch.Generator(device=device)
         if self.seed is None:
-            gen.manual_seed(int(torch.randint(0, 2 ** 62, (1,)).item()))
+            gen.manual_seed(int(torch.randint(0, 2**62, (1,)).item()))
         else:
             gen.manual_seed(int(self.seed))
         return gen
@@ -62,7 +62,7 @@ def draw_batch(logits: torch.Tensor, params: SamplingParams, generators: list[to
     own generator (as `draw` makes it), one sort and one kernel for the batch -> `[B]` int64 (the tokens `draw`
     gives row by row)."""
     noise = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)
-    for row, generator in zip(noise, generators):
+    for row, generator in zip(noise, generators, strict=True):
         row.exponential_(generator=generator)
     if params.top_p < 1.0 or 0 < params.top_k < logits.shape[-1]:
         values, order = torch.sort(logits, dim=-1, descending=True, stable=True)
@@ -70,8 +70,12 @@ def draw_batch(logits: torch.Tensor, params: SamplingParams, generators: list[to
     return draw_tokens(logits.contiguous(), None, noise, params.temperature, 0, 1.0)
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator],
-           argmax: torch.Tensor | None = None) -> list[int]:
+def sample(
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    generators: list[torch.Generator],
+    argmax: torch.Tensor | None = None,
+) -> list[int]:
     """One token per row of `logits` `[B, V]`, each row by its own parameters and generator; `argmax` `[B]`: the
     rows' argmax when already computed (the decode graphs do, on the device)."""
     if argmax is None and any(p.temperature == 0.0 for p in params):
@@ -81,16 +85,20 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
     return sample_on_device(logits, params, generators, argmax).tolist()
 
 
-def sample_on_device(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator],
-                     argmax: torch.Tensor) -> torch.Tensor:
+def sample_on_device(
+    logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator], argmax: torch.Tensor
+) -> torch.Tensor:
     """`sample` without reading anything back: `[B]` int64 tokens on the logits' device, greedy rows from `argmax`
     `[B]`, the others by `draw` with their generators (so the same tokens as `sample`), for a step that is launched
     before the host has them."""
     first = params[0]
-    if len(params) > 1 and first.temperature != 0.0 and all(
-            (p.temperature, p.top_k, p.top_p) == (first.temperature, first.top_k, first.top_p) for p in params):
+    if (
+        len(params) > 1
+        and first.temperature != 0.0
+        and all((p.temperature, p.top_k, p.top_p) == (first.temperature, first.top_k, first.top_p) for p in params)
+    ):
         return draw_batch(logits, first, generators)  # a planner's batch: every row samples alike
     rows = []
-    for index, (row, p, gen) in enumerate(zip(logits, params, generators)):
+    for index, (row, p, gen) in enumerate(zip(logits, params, generators, strict=True)):
         rows.append(argmax[index : index + 1] if p.temperature == 0.0 else draw(row, p, gen))
     return torch.cat(rows)

@@ -103,9 +103,20 @@ class K3Engine:
     projections fused, values unchanged): without it every decode step would route its tokens expert by expert
     from the host."""
 
-    def __init__(self, model, tokenizer=None, pool_bytes: int | None = None, page_size: int = 16,
-                 chunk_size: int = 256, max_batch: int = 32, prefill_budget: int | None = None,
-                 prefix_cache: bool = True, max_context: int = 4096, device=None, cuda_graphs: bool | None = None):
+    def __init__(
+        self,
+        model,
+        tokenizer=None,
+        pool_bytes: int | None = None,
+        page_size: int = 16,
+        chunk_size: int = 256,
+        max_batch: int = 32,
+        prefill_budget: int | None = None,
+        prefix_cache: bool = True,
+        max_context: int = 4096,
+        device=None,
+        cuda_graphs: bool | None = None,
+    ):
         self.model = model.eval()
         self.tokenizer = tokenizer
         config = model.config
@@ -125,8 +136,11 @@ class K3Engine:
             cuda_graphs = self.device.type == "cuda" and capture_blocker(page_size, self.pool.uses_pages) is None
         if self.device.type == "cuda":  # stacked experts and fused projections, with or without graphs
             prepare_for_decode(model)
-        self.graphs = DecodeGraphs(model, self.pool, max_batch, -(-max_context // page_size), self.device) \
-            if cuda_graphs else None
+        self.graphs = (
+            DecodeGraphs(model, self.pool, max_batch, -(-max_context // page_size), self.device)
+            if cuda_graphs
+            else None
+        )
         self.num_layers = config.num_hidden_layers
         eos = config.eos_token_id
         eos = [eos] if isinstance(eos, int) else list(eos or [])
@@ -143,8 +157,7 @@ class K3Engine:
     def accepts_images(self) -> bool:
         return getattr(self.model, "vision_tower", None) is not None
 
-    def add_request(self, prompt_ids: list[int], params: SamplingParams | None = None,
-                    images=None) -> Request:
+    def add_request(self, prompt_ids: list[int], params: SamplingParams | None = None, images=None) -> Request:
         """Queue one request. `images` is the `ProcessedImages` of the prompt's images (`K3ImageProcessor`), whose
         `<|media_pad|>` spans the prompt already holds (`K3Tokenizer.expand_images`). Raises `RequestError` for what
         can never be served (empty prompt, ids out of the vocabulary, a prompt plus `max_tokens` larger than the
@@ -158,11 +171,17 @@ class K3Engine:
             raise RequestError(f"prompt token ids must be in [0, {vocab}).", "prompt")
         total = len(prompt_ids) + params.max_tokens
         if total > self.max_context:
-            raise RequestError(f"prompt ({len(prompt_ids)} tokens) plus max_tokens ({params.max_tokens}) exceeds "
-                               f"the context limit of {self.max_context} tokens.", "max_tokens")
+            raise RequestError(
+                f"prompt ({len(prompt_ids)} tokens) plus max_tokens ({params.max_tokens}) exceeds "
+                f"the context limit of {self.max_context} tokens.",
+                "max_tokens",
+            )
         if not self.pool.fits_alone(-(-total // self.page_size), 1):
-            raise RequestError(f"prompt plus max_tokens ({total} tokens) does not fit this engine's memory pool "
-                               f"({self.pool.capacity} bytes).", "max_tokens")
+            raise RequestError(
+                f"prompt plus max_tokens ({total} tokens) does not fit this engine's memory pool "
+                f"({self.pool.capacity} bytes).",
+                "max_tokens",
+            )
         if images and not self.accepts_images():
             raise RequestError("this K3 model has no vision tower, so it cannot take images.", "image")
         request = Request(next(self._ids), prompt_ids, params, images if images else None)
@@ -199,12 +218,18 @@ class K3Engine:
             self.running.remove(request)
         return list(outputs.values())
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams] | None = None,
-                 images: list | None = None) -> list[Request]:
+    def generate(
+        self,
+        prompts: list[list[int]],
+        params: SamplingParams | list[SamplingParams] | None = None,
+        images: list | None = None,
+    ) -> list[Request]:
         """Run `prompts` to completion together; the finished requests, in order."""
         params = params if isinstance(params, list) else [params] * len(prompts)
-        requests = [self.add_request(p, sp, None if images is None else images[i])
-                    for i, (p, sp) in enumerate(zip(prompts, params))]
+        requests = [
+            self.add_request(p, sp, None if images is None else images[i])
+            for i, (p, sp) in enumerate(zip(prompts, params, strict=True))
+        ]
         while any(r.status != FINISHED for r in requests):
             self.step()
         return requests
@@ -330,8 +355,9 @@ class K3Engine:
             request.fork = hit.matched
         if request.images:
             pixels = request.images.pixel_values.to(self.device, self.dtype)
-            request.embeds = self.model.embed_multimodal(torch.tensor([request.prompt_ids], device=self.device),
-                                                         pixels, request.images.grid_thws.to(self.device))
+            request.embeds = self.model.embed_multimodal(
+                torch.tensor([request.prompt_ids], device=self.device), pixels, request.images.grid_thws.to(self.device)
+            )
         request.status = PREFILL
         self.running.append(request)
 
@@ -344,7 +370,9 @@ class K3Engine:
         for j, layer in enumerate(self.pool.mla_layers):
             cache.layers[layer] = LatentView(self.pool.layer_pages(j), tables, starts, self.page_size)
         if self.pool.uses_slots and min(starts) > 0:
-            for layer, state in zip(self.pool.kda_layers, self.pool.read_states([r.slot for r in requests])):
+            for layer, state in zip(
+                self.pool.kda_layers, self.pool.read_states([r.slot for r in requests]), strict=True
+            ):
                 cache.layers[layer] = state
         logits = self.model(None if embeds is not None else tokens, cache, inputs_embeds=embeds)
         if self.pool.uses_slots:
@@ -367,17 +395,22 @@ class K3Engine:
             done = request.embeds.shape[1]
             embeds = request.embeds[:, start:end]
             if end > done:
-                extra = self.model.embed(torch.tensor([ids[max(start, done):end]], device=self.device))
+                extra = self.model.embed(torch.tensor([ids[max(start, done) : end]], device=self.device))
                 embeds = torch.cat([embeds, extra], dim=1) if start < done else extra
         try:
             logits = self._forward([request], tokens, embeds)
-        except Exception as error:  # noqa: BLE001 - one bad request must not stop the engine
+        except Exception as error:  # one bad request must not stop the engine
             self._fail(request, error, outputs)
             return end - start
         request.computed = end
         self.stats["prefill_tokens"] += end - start
-        if self.cache is not None and request.images is None and self.pool.uses_slots and end < request.target \
-                and (end % self.chunk_size == 0 or end == request.fork):
+        if (
+            self.cache is not None
+            and request.images is None
+            and self.pool.uses_slots
+            and end < request.target
+            and (end % self.chunk_size == 0 or end == request.fork)
+        ):
             self._snapshot(request)
         if end == request.target:
             if self.cache is not None and request.images is None:
@@ -418,9 +451,10 @@ class K3Engine:
                 return
             try:
                 rows = [self.pool.slot_row(r.slot) if r.slot is not None else 0 for r in ready]
-                launch = self.graphs.launch([r.token_at(r.computed) for r in ready], rows, [r.pages for r in ready],
-                                            [r.computed for r in ready])
-            except Exception as error:  # noqa: BLE001
+                launch = self.graphs.launch(
+                    [r.token_at(r.computed) for r in ready], rows, [r.pages for r in ready], [r.computed for r in ready]
+                )
+            except Exception as error:  # the ready requests fail; the engine goes on
                 for request in ready:
                     self._fail(request, error, outputs)
                 return
@@ -429,14 +463,15 @@ class K3Engine:
             ready = step.requests
             feed = step.launch.argmax
             if any(r.params.temperature != 0.0 for r in ready):  # drawn on the device, the host reads them later
-                feed = sample_on_device(step.launch.logits, [r.params for r in ready], [r.generator for r in ready],
-                                        step.launch.argmax)
+                feed = sample_on_device(
+                    step.launch.logits, [r.params for r in ready], [r.generator for r in ready], step.launch.argmax
+                )
                 step.launch.fetch(feed)
             self._in_flight = self._launch_next(step, feed)
             chosen = step.launch.tokens()
         else:
             chosen = self._sample_valid(step)
-        for request, mark, token in zip(step.requests, step.marks, chosen):
+        for request, mark, token in zip(step.requests, step.marks, chosen, strict=True):
             if not step.still_valid(request, mark):
                 continue  # finished, aborted or preempted since the step was launched: its token is dropped
             self.stats["decode_tokens"] += 1
@@ -447,7 +482,7 @@ class K3Engine:
     def _sample_valid(step: "InFlightDecode") -> list[int | None]:
         """The step's tokens drawn on the host, only for the requests still where the step left them (a dropped
         row must not advance its request's generator: a preempted request resumes with the same sampler state)."""
-        rows = [i for i, (r, m) in enumerate(zip(step.requests, step.marks)) if step.still_valid(r, m)]
+        rows = [i for i, (r, m) in enumerate(zip(step.requests, step.marks, strict=True)) if step.still_valid(r, m)]
         chosen: list[int | None] = [None] * len(step.requests)
         if not rows:
             return chosen
@@ -456,8 +491,9 @@ class K3Engine:
             index = torch.tensor(rows, device=logits.device)
             logits, argmax = logits[index], argmax[index]
         requests = [step.requests[i] for i in rows]
-        for i, token in zip(rows, sample(logits, [r.params for r in requests], [r.generator for r in requests],
-                                         argmax)):
+        for i, token in zip(
+            rows, sample(logits, [r.params for r in requests], [r.generator for r in requests], argmax), strict=True
+        ):
             chosen[i] = token
         return chosen
 
@@ -465,7 +501,7 @@ class K3Engine:
         try:
             tokens = torch.tensor([[r.token_at(r.computed)] for r in ready], device=self.device)
             logits = self._forward(ready, tokens, None)
-        except Exception as error:  # noqa: BLE001
+        except Exception as error:  # the ready requests fail; the engine goes on
             for request in ready:
                 self._fail(request, error, outputs)
             return
@@ -473,13 +509,13 @@ class K3Engine:
         for request in ready:
             request.computed += 1
         chosen = sample(logits, [r.params for r in ready], [r.generator for r in ready])
-        for request, token in zip(ready, chosen):
+        for request, token in zip(ready, chosen, strict=True):
             self._accept(request, token, outputs)
 
     def _take_in_flight(self) -> "InFlightDecode | None":
         """The step launched ahead at the last decode, if any of its requests can still take its token."""
         step, self._in_flight = self._in_flight, None
-        if step is None or not any(step.still_valid(r, m) for r, m in zip(step.requests, step.marks)):
+        if step is None or not any(step.still_valid(r, m) for r, m in zip(step.requests, step.marks, strict=True)):
             return None
         return step
 
@@ -491,11 +527,19 @@ class K3Engine:
         preempting. A request that stops (EOS, a stop string) after `step` has had one token too many computed; its
         result is dropped and its memory is not donated to the prefix cache (`_finish`)."""
         ready = step.requests
-        if self.graphs is None or self.waiting or len(self.running) != len(ready) or \
-                {id(r) for r in decoding if r.status == DECODE} != {id(r) for r in ready}:
+        if (
+            self.graphs is None
+            or self.waiting
+            or len(self.running) != len(ready)
+            or {id(r) for r in decoding if r.status == DECODE} != {id(r) for r in ready}
+        ):
             return False
-        if any(not step.still_valid(r, m) or len(r.output_ids) + 1 >= r.params.max_tokens or
-               r.computed + 2 > self.max_context for r, m in zip(ready, step.marks)):
+        if any(
+            not step.still_valid(r, m)
+            or len(r.output_ids) + 1 >= r.params.max_tokens
+            or r.computed + 2 > self.max_context
+            for r, m in zip(ready, step.marks, strict=True)
+        ):
             return False
         need = sum(self._pages_for(r, r.computed + 2) for r in ready)
         return not need or self.pool.can_allocate(need, 0)
@@ -509,7 +553,7 @@ class K3Engine:
         rows = [self.pool.slot_row(r.slot) if r.slot is not None else 0 for r in ready]
         try:
             launch = self.graphs.launch(feed, rows, [r.pages for r in ready], [r.computed + 1 for r in ready])
-        except Exception:  # noqa: BLE001 - the step is decoded the ordinary way next time
+        except Exception:  # the step is decoded the ordinary way next time
             return None
         return InFlightDecode(launch, ready, [(r.computed + 1, r.preemptions) for r in ready])
 
@@ -561,10 +605,17 @@ class K3Engine:
             visible = max(request.sent, len(text) - hold)
             while visible > request.sent and text[visible - 1] == "\ufffd":  # an incomplete UTF-8 sequence
                 visible -= 1
-        delta = text[request.sent:visible]
+        delta = text[request.sent : visible]
         request.sent = max(request.sent, visible)
-        return RequestOutput(request.id, delta, text, list(request.output_ids), request.status == FINISHED,
-                             request.finish_reason, request.error)
+        return RequestOutput(
+            request.id,
+            delta,
+            text,
+            list(request.output_ids),
+            request.status == FINISHED,
+            request.finish_reason,
+            request.error,
+        )
 
     def _finish(self, request: Request) -> None:
         # A step launched ahead may be computing one more token for it: its memory then holds more than its
