@@ -31,7 +31,7 @@ import torch.nn as nn
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(1, str(Path(__file__).resolve().parents[1] / "tests"))  # the test helper that fills TP shards
 from common import print_table, rel_l2, time_cuda
-from parallel_model import load_full_state_dict
+from helpers.parallel_model import load_full_state_dict
 
 from h3gen.linear import dense_linear, make_linear_factory
 from h3gen.offload.apply import ON_DEMAND

@@ -21,7 +21,7 @@ if not torch.cuda.is_available():
 def _stop_what_the_test_started():
     """Kill every process group a test started (through `server_harness`) and left running, passed or failed.
     Servers of module- and session-scoped fixtures start before this runs and are theirs to stop."""
-    from server_harness import STARTED, kill_group
+    from helpers.server_harness import STARTED, kill_group
 
     before = set(STARTED)
     yield
@@ -32,7 +32,7 @@ def _stop_what_the_test_started():
 
 def pytest_sessionfinish(session, exitstatus):
     """Whatever a fixture's teardown did not stop (a teardown that failed) goes with the session."""
-    from server_harness import STARTED, kill_group
+    from helpers.server_harness import STARTED, kill_group
 
     while STARTED:
         kill_group(STARTED.pop())

@@ -6,7 +6,7 @@ import dataclasses
 import sys
 
 import torch
-from h3_tiny import random_inputs
+from helpers.h3_tiny import random_inputs
 
 from h3gen.offload import SharedHostStore, apply_layerwise_offload
 from h3gen.pipelines.h3.tiers import set_quality

@@ -2,13 +2,16 @@
 
 import pytest
 import schemathesis
+from helpers.server_harness import wait_loaded
 from hypothesis import HealthCheck, given, settings
-from server_harness import wait_loaded
 
 from h3gen.pipelines.h3.tiny_checkpoint import tiny_checkpoint
 from h3gen.server.app import create_app
 from h3gen.server.engine import H3Engine
 from h3gen.server.jobs import JobManager
+
+# Starts `h3gen serve` or the CLI in processes of their own: minutes on the 2-core CI machine.
+pytestmark = [pytest.mark.server, pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")

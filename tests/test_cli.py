@@ -5,10 +5,13 @@ import shutil
 import sys
 
 import pytest
-from server_harness import run_isolated
+from helpers.server_harness import run_isolated
 
 from h3gen.media import probe_mp4
 from h3gen.pipelines.h3.tiny_checkpoint import tiny_checkpoint
+
+# Starts `h3gen serve` or the CLI in processes of their own: minutes on the 2-core CI machine.
+pytestmark = [pytest.mark.server, pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")
@@ -178,7 +181,7 @@ def test_reference_flags_keep_the_command_line_order():
 
 
 def test_generate_ref2va_takes_its_length_from_the_reference_sound(cache, tmp_path):
-    from media_files import moving_frames, tone, write_audio, write_video
+    from helpers.media_files import moving_frames, tone, write_audio, write_video
     from PIL import Image
 
     Image.new("RGB", (60, 90), (20, 120, 220)).save(tmp_path / "face.png")
@@ -208,7 +211,7 @@ def test_generate_ref2va_takes_its_length_from_the_reference_sound(cache, tmp_pa
 
 
 def test_bad_references_give_one_line_errors(cache, tmp_path):
-    from media_files import tone, write_audio
+    from helpers.media_files import tone, write_audio
 
     write_audio(tmp_path / "voice.wav", tone(1.0, 32000), 32000)
     (tmp_path / "notes.txt").write_text("not a video")
@@ -242,7 +245,7 @@ def test_serve_help_gives_every_flag_a_help_text_and_its_default():
 
 
 def test_serve_without_ui_mounts_no_ui(cache, tmp_path):
-    from server_harness import Server
+    from helpers.server_harness import Server
 
     server = Server(tiny_checkpoint(cache_dir=cache), tmp_path / "results", ui=False)
     try:

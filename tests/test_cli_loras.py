@@ -5,12 +5,15 @@ import os
 import sys
 
 import pytest
-from recipe_files import write_turbo
-from server_harness import run_isolated
+from helpers.recipe_files import write_turbo
+from helpers.server_harness import run_isolated
 
 from h3gen.cli import _lora_argument, build_parser
 from h3gen.media import probe_mp4
 from h3gen.pipelines.h3.tiny_checkpoint import tiny_checkpoint
+
+# Starts `h3gen serve` or the CLI in processes of their own: minutes on the 2-core CI machine.
+pytestmark = [pytest.mark.server, pytest.mark.slow]
 
 RECIPE = "LightX2V Turbo fl2v 8-step v1.0 768p"
 

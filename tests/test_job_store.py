@@ -11,7 +11,7 @@ import time
 
 import numpy as np
 import pytest
-from server_harness import Server, cancelled, done_running_queued, wait_for
+from helpers.server_harness import Server, cancelled, done_running_queued, wait_for
 
 from h3gen.media import write_mp4
 from h3gen.pipelines.h3.tiny_checkpoint import tiny_checkpoint

@@ -3,8 +3,8 @@
 import time
 
 import pytest
+from helpers.server_harness import wait_loaded
 from PIL import Image
-from server_harness import wait_loaded
 
 from h3gen.pipelines.h3.tiny_checkpoint import tiny_checkpoint
 from h3gen.server.engine import H3Engine
@@ -103,7 +103,7 @@ def test_quality_is_validated_and_recorded(manager):
 
 
 def test_a_queued_ref2va_job_keeps_its_references_until_it_runs(manager, tmp_path):
-    from media_files import tone, write_audio
+    from helpers.media_files import tone, write_audio
 
     first = _submit(manager, steps=200)  # keeps the engine busy, so the next job waits in the queue
     staging = manager.staging_dir()

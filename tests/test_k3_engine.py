@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 import torch
-from k3_reference import filter_logits
+from helpers.k3_reference import filter_logits
 
 from h3gen.errors import RequestError
 from h3gen.pipelines.k3.config import K3Config

@@ -7,7 +7,7 @@ import json
 
 import pytest
 import torch
-from k3_reference import kimi_linear_torch, max_rel_error
+from helpers.k3_reference import kimi_linear_torch, max_rel_error
 
 from h3gen.errors import CheckpointError
 from h3gen.pipelines.k3.config import K3Config

@@ -3,8 +3,8 @@ the torch path's logits. Each kernel alone: tests/kernels/."""
 
 import pytest
 import torch
-from kernel_cases import DEVICE
-from kernel_cases import err as _err
+from helpers.kernel_cases import DEVICE
+from helpers.kernel_cases import err as _err
 
 from h3gen.kernels.gemv import triton as gemv_triton
 

@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 import torch
-from k3_reference import hf_navit_resize, max_rel_error, vision_reference
+from helpers.k3_reference import hf_navit_resize, max_rel_error, vision_reference
 from PIL import Image
 
 from h3gen.errors import CheckpointError

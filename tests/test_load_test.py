@@ -7,9 +7,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from media_files import tone, write_video
+from helpers.media_files import tone, write_video
 
 from h3gen.pipelines.h3.tiny_checkpoint import tiny_checkpoint
+
+# Starts `h3gen serve` or the CLI in processes of their own: minutes on the 2-core CI machine.
+pytestmark = [pytest.mark.server, pytest.mark.slow]
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "load_test.py"
 

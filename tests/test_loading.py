@@ -6,7 +6,7 @@ import pytest
 import torch
 from diffusers import MiniMaxH3Transformer3DModel
 from diffusers.loaders.single_file_utils import convert_minimax_h3_transformer_checkpoint_to_diffusers
-from h3_tiny import TINY_CONFIGS, max_rel_err, random_inputs, randomize_
+from helpers.h3_tiny import TINY_CONFIGS, max_rel_err, random_inputs, randomize_
 from safetensors.torch import save_file
 
 from h3gen.errors import CheckpointError

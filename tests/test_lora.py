@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import torch
 from diffusers import MiniMaxH3Transformer3DModel
-from h3_tiny import TINY_CONFIGS, max_rel_err, random_inputs, randomize_
-from lora_files import (
+from helpers.h3_tiny import TINY_CONFIGS, max_rel_err, random_inputs, randomize_
+from helpers.lora_files import (
     TURBO_MODULES,
     diffusers_holder,
     diffusers_shapes,

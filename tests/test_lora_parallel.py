@@ -8,8 +8,8 @@ import os
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from h3_tiny import TINY_CONFIGS, max_rel_err, random_inputs, randomize_
-from lora_files import diffusers_shapes, random_factors, write_diffusers
+from helpers.h3_tiny import TINY_CONFIGS, max_rel_err, random_inputs, randomize_
+from helpers.lora_files import diffusers_shapes, random_factors, write_diffusers
 
 from h3gen.pipelines.h3.lora_registry import LoraRegistry, activate, check_targets
 from h3gen.pipelines.h3.tiers import set_quality
@@ -39,7 +39,7 @@ def _outputs(model, inputs, lora_path, tiers=("exact", "lossless", "fast")):
 
 
 def _worker(rank, world, init_file, payload_path, result_dir):
-    from parallel_model import join_gloo, load_full_state_dict, parallel_transformer
+    from helpers.parallel_model import join_gloo, load_full_state_dict, parallel_transformer
 
     from h3gen.parallel import init_parallel
     from h3gen.pipelines.h3.transformer import H3TransformerConfig

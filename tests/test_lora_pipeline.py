@@ -5,8 +5,15 @@ the `transformer_ref` partition."""
 import numpy as np
 import pytest
 import torch
-from h3_reference import load_ref2va_reference, load_reference, run_ref2va_reference, run_reference
-from lora_files import TURBO_MODULES, diffusers_shapes, native_shapes, random_factors, write_diffusers, write_native
+from helpers.h3_reference import load_ref2va_reference, load_reference, run_ref2va_reference, run_reference
+from helpers.lora_files import (
+    TURBO_MODULES,
+    diffusers_shapes,
+    native_shapes,
+    random_factors,
+    write_diffusers,
+    write_native,
+)
 from PIL import Image
 
 from h3gen.pipelines.h3.pipeline import H3Pipeline

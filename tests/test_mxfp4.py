@@ -84,7 +84,7 @@ def test_odd_width_is_padded_and_linear_matches_dequantized_weight():
 
 
 def test_saved_quantized_checkpoint_round_trips(tmp_path):
-    from h3_tiny import TINY_CONFIGS, random_inputs, randomize_
+    from helpers.h3_tiny import TINY_CONFIGS, random_inputs, randomize_
 
     from h3gen.pipelines.h3.transformer import H3Transformer
 

@@ -4,7 +4,7 @@ and the host-memory refusal. (The overlap of copies and compute is measured on t
 import numpy as np
 import pytest
 import torch
-from h3_tiny import TINY_CONFIGS, random_inputs, randomize_
+from helpers.h3_tiny import TINY_CONFIGS, random_inputs, randomize_
 
 from h3gen.errors import CheckpointError, RequestError
 from h3gen.offload import apply_layerwise_offload, plan_residency

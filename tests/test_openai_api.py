@@ -8,9 +8,9 @@ import warnings
 import httpx
 import openai
 import pytest
+from helpers.server_harness import Server
 from openai.types import Video, VideoDeleteResponse
 from PIL import Image
-from server_harness import Server
 
 from h3gen.media import SPRITESHEET_COLUMNS, SPRITESHEET_ROWS, probe_mp4
 from h3gen.pipelines.h3.tiny_checkpoint import tiny_checkpoint
@@ -19,7 +19,12 @@ FAST = {"num_inference_steps": 3}
 LONG = {"num_inference_steps": 1000}  # about ten seconds on the tiny model
 KEY = "sdk-test-key"
 
-pytestmark = pytest.mark.filterwarnings("ignore:The Sora API:DeprecationWarning")
+# Starts `h3gen serve` in a process of its own: minutes on the 2-core CI machine.
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:The Sora API:DeprecationWarning"),
+    pytest.mark.server,
+    pytest.mark.slow,
+]
 
 
 @pytest.fixture(scope="module")

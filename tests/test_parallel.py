@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from h3_tiny import TINY_CONFIGS, max_rel_err, random_inputs, randomize_
+from helpers.h3_tiny import TINY_CONFIGS, max_rel_err, random_inputs, randomize_
 
 from h3gen.errors import RequestError
 from h3gen.parallel.state import check_degrees, valid_degrees
@@ -23,7 +23,7 @@ INPUTS = dict(num_text=7, latent_frames=3, latent_hw=(4, 4), audio_latents=7, an
 
 
 def _worker(rank, world, init_file, payload_path, result_dir, config=CONFIG):
-    from parallel_model import join_gloo, load_full_state_dict, parallel_transformer
+    from helpers.parallel_model import join_gloo, load_full_state_dict, parallel_transformer
 
     from h3gen.parallel import init_parallel
     from h3gen.pipelines.h3.tiers import set_quality
@@ -198,7 +198,7 @@ def test_a_tensor_parallel_rank_reads_only_its_shard(reference, monkeypatch):
 
 
 def _pipeline_worker(rank, world, init_file, model_dir, result_dir):
-    from parallel_model import join_gloo
+    from helpers.parallel_model import join_gloo
 
     from h3gen.parallel import init_parallel
     from h3gen.pipelines.h3.pipeline import H3Pipeline

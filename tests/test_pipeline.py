@@ -5,7 +5,7 @@ import shutil
 import numpy as np
 import pytest
 import torch
-from h3_reference import load_reference, run_reference
+from helpers.h3_reference import load_reference, run_reference
 from PIL import Image
 
 from h3gen.errors import CheckpointError, RequestError

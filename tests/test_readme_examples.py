@@ -23,12 +23,15 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
-from media_files import moving_frames, tone, write_audio, write_video
+from helpers.media_files import moving_frames, tone, write_audio, write_video
+from helpers.server_harness import Server, run_isolated, wait_for
 from PIL import Image
-from server_harness import Server, run_isolated, wait_for
 
 from h3gen.media import probe_mp4
 from h3gen.pipelines.h3.tiny_checkpoint import tiny_checkpoint
+
+# Starts `h3gen serve` or the CLI in processes of their own: minutes on the 2-core CI machine.
+pytestmark = [pytest.mark.server, pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()

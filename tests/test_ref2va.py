@@ -6,8 +6,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from h3_reference import load_ref2va_reference, run_ref2va_reference, torchvision_substitute
-from media_files import moving_frames, tone, write_audio, write_video
+from helpers.h3_reference import load_ref2va_reference, run_ref2va_reference, torchvision_substitute
+from helpers.media_files import moving_frames, tone, write_audio, write_video
 from PIL import Image
 
 from h3gen.errors import RequestError
@@ -152,7 +152,7 @@ def test_video_preprocessing_equals_transformers():
 
 
 def test_video_preprocessing_equals_transformers_processor_on_substitute_ops(tiny_dir):
-    from h3_reference import reference_video_processor
+    from helpers.h3_reference import reference_video_processor
 
     video = moving_frames(9, 70, 110, seed=9)
     with torchvision_substitute():

@@ -4,11 +4,14 @@ import concurrent.futures
 
 import httpx
 import pytest
-from server_harness import Server, cancelled, done_running_queued, wait_for
+from helpers.server_harness import Server, cancelled, done_running_queued, wait_for
 
 from h3gen.client import H3Client, H3ClientError
 from h3gen.media import probe_mp4
 from h3gen.pipelines.h3.tiny_checkpoint import tiny_checkpoint
+
+# Starts `h3gen serve` or the CLI in processes of their own: minutes on the 2-core CI machine.
+pytestmark = [pytest.mark.server, pytest.mark.slow]
 
 FAST = {"num_inference_steps": 3}
 LONG = {"num_inference_steps": 1000}  # about ten seconds on the tiny model: long enough to act on while running
@@ -137,7 +140,7 @@ def test_client_reports_server_errors(server):
 
 
 def test_ref2va_job_with_uploaded_references(server, tmp_path):
-    from media_files import moving_frames, tone, write_audio, write_video
+    from helpers.media_files import moving_frames, tone, write_audio, write_video
     from PIL import Image
 
     Image.new("RGB", (70, 40), (200, 40, 40)).save(tmp_path / "hat.png")

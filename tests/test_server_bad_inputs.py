@@ -3,10 +3,13 @@
 import json
 
 import pytest
+from helpers.server_harness import Server
 from PIL import Image
-from server_harness import Server
 
 from h3gen.pipelines.h3.tiny_checkpoint import tiny_checkpoint
+
+# Starts `h3gen serve` or the CLI in processes of their own: minutes on the 2-core CI machine.
+pytestmark = [pytest.mark.server, pytest.mark.slow]
 
 KEY = "s3cret-test-key-4711"
 
@@ -34,7 +37,7 @@ def files(tmp_path_factory):
     png = (folder / "ok.png").read_bytes()
     (folder / "cut.png").write_bytes(png[: len(png) // 3])
     (folder / "big.png").write_bytes(png + b"\0" * (2 * 2**20))
-    from media_files import moving_frames, tone, write_audio, write_video
+    from helpers.media_files import moving_frames, tone, write_audio, write_video
 
     write_audio(folder / "voice.wav", tone(1.0, 32000), 32000)
     write_video(folder / "clip.mp4", moving_frames(20, 48, 64), 24)

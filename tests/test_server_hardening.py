@@ -10,11 +10,14 @@ from pathlib import Path
 
 import httpx
 import pytest
-from media_files import bomb_png
+from helpers.media_files import bomb_png
+from helpers.server_harness import Server, wait_for
 from PIL import Image
-from server_harness import Server, wait_for
 
 from h3gen.pipelines.h3.tiny_checkpoint import tiny_checkpoint
+
+# Starts `h3gen serve` or the CLI in processes of their own: minutes on the 2-core CI machine.
+pytestmark = [pytest.mark.server, pytest.mark.slow]
 
 KEY = "hardening-key-0815"
 

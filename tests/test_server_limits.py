@@ -13,9 +13,12 @@ import wave
 import httpx
 import numpy as np
 import pytest
-from server_harness import Server
+from helpers.server_harness import Server
 
 from h3gen.pipelines.h3.tiny_checkpoint import tiny_checkpoint
+
+# Starts `h3gen serve` or the CLI in processes of their own: minutes on the 2-core CI machine.
+pytestmark = [pytest.mark.server, pytest.mark.slow]
 
 KEY = "limits-key-1234"
 

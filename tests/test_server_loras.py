@@ -7,12 +7,15 @@ import os
 
 import httpx
 import pytest
-from lora_files import diffusers_shapes, random_factors, write_diffusers
+from helpers.lora_files import diffusers_shapes, random_factors, write_diffusers
+from helpers.recipe_files import TURBO_8_768P, write_turbo
+from helpers.server_harness import Server, wait_for
 from PIL import Image
-from recipe_files import TURBO_8_768P, write_turbo
-from server_harness import Server, wait_for
 
 from h3gen.pipelines.h3.tiny_checkpoint import tiny_checkpoint
+
+# Starts `h3gen serve` or the CLI in processes of their own: minutes on the 2-core CI machine.
+pytestmark = [pytest.mark.server, pytest.mark.slow]
 
 KEY = "lora-key"
 TURBO = TURBO_8_768P.removesuffix(".safetensors")

@@ -5,10 +5,13 @@ import os
 from pathlib import Path
 
 import pytest
-from server_harness import Server, cancelled, wait_for
+from helpers.server_harness import Server, cancelled, wait_for
 
 from h3gen.media import probe_mp4
 from h3gen.pipelines.h3.tiny_checkpoint import tiny_checkpoint
+
+# Starts `h3gen serve` or the CLI in processes of their own: minutes on the 2-core CI machine.
+pytestmark = [pytest.mark.server, pytest.mark.slow]
 
 # Rank 1 fails at denoising step 2 of jobs whose prompt says "boom" (tests/fault_injection/sitecustomize.py).
 FAULT = {

@@ -9,14 +9,17 @@ from contextlib import contextmanager, nullcontext
 import av
 import pytest
 import torch
+from helpers.server_harness import wait_loaded
 from PIL import Image
-from server_harness import wait_loaded
 
 from h3gen.cli import _progress_bar
 from h3gen.pipelines.h3.tiny_checkpoint import tiny_checkpoint
 from h3gen.server.engine import H3Engine
 from h3gen.server.jobs import STAGE_ORDER, JobManager
 from h3gen.server.schemas import GenerationRequest
+
+# Starts `h3gen serve` or the CLI in processes of their own: minutes on the 2-core CI machine.
+pytestmark = [pytest.mark.server, pytest.mark.slow]
 
 CANCEL_SECONDS = 0.5
 

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn as nn
-from h3_tiny import TINY_CONFIGS, max_rel_err, random_inputs, randomize_
+from helpers.h3_tiny import TINY_CONFIGS, max_rel_err, random_inputs, randomize_
 
 from h3gen.errors import RequestError
 from h3gen.offload import apply_layerwise_offload
@@ -306,7 +306,7 @@ def _parallel_steps():
 
 
 def _parallel_worker(rank, world, init_file, payload_path, result_dir):
-    from parallel_model import join_gloo, load_full_state_dict, parallel_transformer
+    from helpers.parallel_model import join_gloo, load_full_state_dict, parallel_transformer
 
     from h3gen.parallel import init_parallel
     from h3gen.pipelines.h3.transformer import H3TransformerConfig
@@ -384,7 +384,7 @@ def test_rest_cache_field_and_job_status(tmp_path):
     import time
 
     from fastapi.testclient import TestClient
-    from server_harness import wait_loaded
+    from helpers.server_harness import wait_loaded
 
     from h3gen.pipelines.h3.tiny_checkpoint import tiny_checkpoint
     from h3gen.server.app import create_app

@@ -4,7 +4,7 @@ diffusers' `num_inference_steps=N` runs N - 1, and per-call shifts match diffuse
 import numpy as np
 import pytest
 import torch
-from h3_reference import load_reference, run_reference
+from helpers.h3_reference import load_reference, run_reference
 
 from h3gen.errors import RequestError
 from h3gen.pipelines.h3.pipeline import H3Pipeline
@@ -78,7 +78,7 @@ def test_bad_step_arguments_name_the_field(pipe, kwargs, field):
 
 @pytest.fixture(scope="module")
 def recipe_files(tiny_dir, tmp_path_factory):
-    from recipe_files import write_flashgen, write_turbo
+    from helpers.recipe_files import write_flashgen, write_turbo
 
     folder = tmp_path_factory.mktemp("recipes")
     return write_turbo(folder, tiny_dir), write_flashgen(folder, tiny_dir)

@@ -11,7 +11,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # the Triton kernels run in the interpreter on the CPU
 
-from h3_tiny import TINY_CONFIGS, cast_with_islands_, max_rel_err, random_inputs, randomize_
+from helpers.h3_tiny import TINY_CONFIGS, cast_with_islands_, max_rel_err, random_inputs, randomize_
 
 from h3gen.errors import RequestError
 from h3gen.pipelines.h3.pipeline import H3Pipeline

@@ -3,7 +3,7 @@
 import pytest
 import torch
 from diffusers import MiniMaxH3Transformer3DModel
-from h3_tiny import TINY_CONFIGS, cast_with_islands_, max_rel_err, random_inputs, randomize_
+from helpers.h3_tiny import TINY_CONFIGS, cast_with_islands_, max_rel_err, random_inputs, randomize_
 
 from h3gen.pipelines.h3.transformer import H3Transformer
 

@@ -7,9 +7,12 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
-from server_harness import Server
+from helpers.server_harness import Server
 
 from h3gen.pipelines.h3.tiny_checkpoint import tiny_checkpoint
+
+# Starts `h3gen serve` or the CLI in processes of their own: minutes on the 2-core CI machine.
+pytestmark = [pytest.mark.server, pytest.mark.slow]
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 OFFLINE_FLAGS = [
@@ -131,7 +134,7 @@ def test_type_prompt_generate_see_progress_and_play_video(server):
 
 
 def test_ref2va_with_uploaded_references(server, tmp_path):
-    from media_files import tone, write_audio
+    from helpers.media_files import tone, write_audio
     from PIL import Image
 
     Image.new("RGB", (60, 90), (30, 90, 200)).save(tmp_path / "person.png")

@@ -2,12 +2,15 @@
 with their recipes, and a scale set there runs the adapter (the job's request names it)."""
 
 import pytest
-from recipe_files import write_turbo
-from server_harness import Server, wait_for
+from helpers.recipe_files import write_turbo
+from helpers.server_harness import Server, wait_for
 from test_ui_security import KEY, call, generate_inputs, ui_client
 
 from h3gen.pipelines.h3.tiny_checkpoint import tiny_checkpoint
 from h3gen.ui.blocks import chosen_loras
+
+# Starts `h3gen serve` or the CLI in processes of their own: minutes on the 2-core CI machine.
+pytestmark = [pytest.mark.server, pytest.mark.slow]
 
 RECIPE = "LightX2V Turbo fl2v 8-step v1.0 768p"
 

@@ -7,9 +7,12 @@ from contextlib import contextmanager
 
 import httpx
 import pytest
-from server_harness import Server, wait_for
+from helpers.server_harness import Server, wait_for
 
 from h3gen.pipelines.h3.tiny_checkpoint import tiny_checkpoint
+
+# Starts `h3gen serve` or the CLI in processes of their own: minutes on the 2-core CI machine.
+pytestmark = [pytest.mark.server, pytest.mark.slow]
 
 KEY = "ui-security-key"
 INPUTS = [
@@ -172,7 +175,7 @@ def test_user_content_is_never_html_and_ui_responses_carry_a_strict_policy(serve
 
 
 def test_an_upload_is_staged_under_its_decoded_type_not_its_name(tmp_path):
-    from media_files import tone, write_audio
+    from helpers.media_files import tone, write_audio
     from PIL import Image
 
     from h3gen.errors import RequestError
@@ -239,7 +242,7 @@ def test_uploads_obey_the_upload_limit_and_answers_name_no_server_path(server, t
 
 
 def test_a_small_image_with_a_huge_canvas_is_refused_from_its_header_in_the_ui(server, tmp_path):
-    from media_files import bomb_png
+    from helpers.media_files import bomb_png
 
     bomb = bomb_png(tmp_path / "bomb.png")  # 13,000 x 13,000 pixels in about 160 KB
     peak = _peak_rss_kb(server.process.pid)

@@ -5,7 +5,7 @@ import time
 
 import numpy as np
 import pytest
-from media_files import bomb_png, moving_frames, tone, write_audio, write_video
+from helpers.media_files import bomb_png, moving_frames, tone, write_audio, write_video
 from PIL import Image
 
 from h3gen.errors import RequestError

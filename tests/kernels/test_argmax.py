@@ -3,7 +3,7 @@ zero."""
 
 import pytest
 import torch
-from kernel_cases import DEVICE
+from helpers.kernel_cases import DEVICE
 
 from h3gen.kernels.argmax import reference as argmax_ref
 from h3gen.kernels.argmax import triton as argmax_triton

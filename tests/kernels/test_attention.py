@@ -5,9 +5,9 @@ import importlib
 
 import pytest
 import torch
-from kernel_cases import case as _case
-from kernel_cases import err as _err
-from kernel_cases import rand as _rand
+from helpers.kernel_cases import case as _case
+from helpers.kernel_cases import err as _err
+from helpers.kernel_cases import rand as _rand
 
 from h3gen.kernels.attention import attention, fp8_attention
 from h3gen.kernels.fp8_quant import reference as quant_ref

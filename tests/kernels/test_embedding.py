@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from kernel_cases import DEVICE
+from helpers.kernel_cases import DEVICE
 
 
 @pytest.mark.parametrize(

@@ -3,11 +3,11 @@ reference's round trip against the input."""
 
 import pytest
 import torch
-from kernel_cases import DEVICE, DTYPES, ON_GPU, assert_same_fp8, assert_same_rows
-from kernel_cases import case as _case
-from kernel_cases import dequantized as _dequantized
-from kernel_cases import err as _err
-from kernel_cases import rand as _rand
+from helpers.kernel_cases import DEVICE, DTYPES, ON_GPU, assert_same_fp8, assert_same_rows
+from helpers.kernel_cases import case as _case
+from helpers.kernel_cases import dequantized as _dequantized
+from helpers.kernel_cases import err as _err
+from helpers.kernel_cases import rand as _rand
 
 from h3gen.kernels.fp8_quant import reference as quant_ref
 from h3gen.kernels.fp8_quant import triton as quant_triton

@@ -2,8 +2,8 @@
 
 import pytest
 import torch
-from kernel_cases import DTYPES, SHAPES, TOLERANCE, half_block_inputs
-from kernel_cases import err as _err
+from helpers.kernel_cases import DTYPES, SHAPES, TOLERANCE, half_block_inputs
+from helpers.kernel_cases import err as _err
 
 from h3gen.kernels.gated_residual import reference as residual_ref
 from h3gen.kernels.gated_residual import triton as residual_triton

@@ -2,8 +2,8 @@
 
 import pytest
 import torch
-from kernel_cases import DEVICE
-from kernel_cases import err as _err
+from helpers.kernel_cases import DEVICE
+from helpers.kernel_cases import err as _err
 
 from h3gen.kernels.argmax import triton as argmax_triton
 from h3gen.kernels.gemv import reference as gemv_ref

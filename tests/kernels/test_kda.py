@@ -4,9 +4,9 @@ short convolution, the fused Triton decode step against the reference."""
 import pytest
 import torch
 import torch.nn.functional as F
-from k3_reference import fla_gate, fla_naive, kimi_linear_torch, max_rel_error
-from kernel_cases import DEVICE
-from kernel_cases import err as _err
+from helpers.k3_reference import fla_gate, fla_naive, kimi_linear_torch, max_rel_error
+from helpers.kernel_cases import DEVICE
+from helpers.kernel_cases import err as _err
 
 from h3gen.kernels.kda import kda_chunked, kda_gate, kda_recurrent, short_conv
 

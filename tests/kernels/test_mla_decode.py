@@ -3,9 +3,9 @@ the reference (odd head counts, ragged lengths ending mid-page)."""
 
 import pytest
 import torch
-from k3_reference import max_rel_error
-from kernel_cases import DEVICE, ON_GPU
-from kernel_cases import err as _err
+from helpers.k3_reference import max_rel_error
+from helpers.kernel_cases import DEVICE, ON_GPU
+from helpers.kernel_cases import err as _err
 
 from h3gen.kernels.mla_decode import mla_decode
 from h3gen.kernels.mla_decode import reference as mla_ref

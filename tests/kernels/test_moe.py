@@ -3,9 +3,9 @@ the Triton routing and expert kernels (dense and MXFP4) against their references
 
 import pytest
 import torch
-from k3_reference import kimi_linear_torch, max_rel_error
-from kernel_cases import DEVICE
-from kernel_cases import err as _err
+from helpers.k3_reference import kimi_linear_torch, max_rel_error
+from helpers.kernel_cases import DEVICE
+from helpers.kernel_cases import err as _err
 
 from h3gen.kernels.moe import grouped_gemm, grouped_mxfp4_gemm, route_topk, sort_by_expert
 from h3gen.kernels.moe import reference as moe_ref

@@ -3,7 +3,7 @@ which is a plain dequantize + matmul. Gluon and the inline PTX decode run on a G
 
 import pytest
 import torch
-from kernel_cases import DEVICE
+from helpers.kernel_cases import DEVICE
 
 from h3gen.kernels.mxfp4_gemm import gluon as gemm_gluon
 from h3gen.kernels.mxfp4_gemm import reference as gemm_ref

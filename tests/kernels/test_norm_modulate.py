@@ -2,10 +2,10 @@
 
 import pytest
 import torch
-from kernel_cases import DEVICE, DTYPES, ON_GPU, SHAPES, TOLERANCE, assert_same_rows, half_block_inputs
-from kernel_cases import case as _case
-from kernel_cases import err as _err
-from kernel_cases import rand as _rand
+from helpers.kernel_cases import DEVICE, DTYPES, ON_GPU, SHAPES, TOLERANCE, assert_same_rows, half_block_inputs
+from helpers.kernel_cases import case as _case
+from helpers.kernel_cases import err as _err
+from helpers.kernel_cases import rand as _rand
 
 from h3gen.kernels.gated_residual import reference as residual_ref
 from h3gen.kernels.gated_residual import triton as residual_triton

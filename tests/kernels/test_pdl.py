@@ -1,7 +1,7 @@
 """Programmatic dependent launch: where the launch option is given."""
 
 import torch
-from kernel_cases import ON_GPU
+from helpers.kernel_cases import ON_GPU
 
 
 def test_programmatic_dependent_launch_only_where_it_exists(monkeypatch):

@@ -2,9 +2,9 @@
 
 import pytest
 import torch
-from kernel_cases import DTYPES, TOLERANCE, assert_same_fp8, qk_inputs
-from kernel_cases import dequantized as _dequantized
-from kernel_cases import err as _err
+from helpers.kernel_cases import DTYPES, TOLERANCE, assert_same_fp8, qk_inputs
+from helpers.kernel_cases import dequantized as _dequantized
+from helpers.kernel_cases import err as _err
 
 from h3gen.kernels.qk_norm_rope import reference as rope_ref
 from h3gen.kernels.qk_norm_rope import triton as rope_triton

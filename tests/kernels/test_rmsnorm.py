@@ -3,8 +3,8 @@
 import pytest
 import torch
 import torch.nn.functional as F
-from kernel_cases import DEVICE
-from kernel_cases import err as _err
+from helpers.kernel_cases import DEVICE
+from helpers.kernel_cases import err as _err
 
 from h3gen.kernels.rmsnorm import reference as norm_ref
 from h3gen.kernels.rmsnorm import triton as norm_triton

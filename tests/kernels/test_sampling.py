@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from kernel_cases import DEVICE
+from helpers.kernel_cases import DEVICE
 
 from h3gen.kernels.sampling import reference as sampling_ref
 from h3gen.kernels.sampling import triton as sampling_triton

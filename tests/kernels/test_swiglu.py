@@ -1,10 +1,10 @@
 """SwiGLU: the Triton kernel against the reference, in bf16/fp32 and as e4m3 rows."""
 
 import pytest
-from kernel_cases import DTYPES, TOLERANCE, assert_same_rows
-from kernel_cases import case as _case
-from kernel_cases import err as _err
-from kernel_cases import rand as _rand
+from helpers.kernel_cases import DTYPES, TOLERANCE, assert_same_rows
+from helpers.kernel_cases import case as _case
+from helpers.kernel_cases import err as _err
+from helpers.kernel_cases import rand as _rand
 
 from h3gen.kernels.swiglu import reference as swiglu_ref
 from h3gen.kernels.swiglu import triton as swiglu_triton

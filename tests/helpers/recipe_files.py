@@ -2,9 +2,16 @@
 and FFN, named as LightX2V names them) and a FlashGen file (native names, its metadata)."""
 
 import torch
-from lora_files import TURBO_MODULES, diffusers_shapes, native_shapes, random_factors, write_diffusers, write_native
 
 from h3gen.pipelines.h3.transformer import H3TransformerConfig
+from helpers.lora_files import (
+    TURBO_MODULES,
+    diffusers_shapes,
+    native_shapes,
+    random_factors,
+    write_diffusers,
+    write_native,
+)
 
 TURBO_8_768P = "minimax_h3_fl2v_turbo_8step_v1.0_768p_bf16.safetensors"
 FLASHGEN = "minimax_h3_t2va_flashgen_4step_v1.0_768p_bf16.safetensors"
