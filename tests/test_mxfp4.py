@@ -181,5 +181,6 @@ def test_tiny_pipeline_quality_under_mxfp4(tmp_path):
     video_error = np.linalg.norm(quant.video - plain.video) / np.linalg.norm(plain.video)
     audio_error = np.linalg.norm(quant.audio - plain.audio) / np.linalg.norm(plain.audio)
     print(f"tiny pipeline mxfp4 vs fp32: video rel L2 {video_error:.2e}, audio rel L2 {audio_error:.2e}")
-    # measured 1.7e-3 (video) and 1.1e-5 (audio); bounds half and twice that
-    assert 8.5e-4 < video_error < 3.4e-3 and 5.5e-6 < audio_error < 2.2e-5
+    # measured 1.7e-3 (video) and 4.5e-4 (audio, through the tiny checkpoint's three-stage audio VAE); bounds half
+    # and twice that
+    assert 8.5e-4 < video_error < 3.4e-3 and 2.25e-4 < audio_error < 9.0e-4
