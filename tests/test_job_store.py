@@ -19,6 +19,9 @@ from h3gen.server.jobs import INTERRUPTED, JobManager, default_job_seconds
 from h3gen.server.lock import FolderBusy
 from h3gen.server.store import JobStore
 
+# Real servers and job managers running jobs: outside the fast tier.
+pytestmark = pytest.mark.slow
+
 FAST = {"num_inference_steps": 3}
 LONG = {"num_inference_steps": 1000}
 

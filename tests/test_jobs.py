@@ -11,6 +11,9 @@ from h3gen.server.engine import H3Engine
 from h3gen.server.jobs import JobManager, progress_of
 from h3gen.server.schemas import GenerationRequest
 
+# Job managers running tiny-model jobs: outside the fast tier.
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):

@@ -8,6 +8,9 @@ from helpers.kernel_cases import err as _err
 
 from h3gen.kernels.gemv import triton as gemv_triton
 
+# K3 decode through the Triton interpreter: outside the fast tier.
+pytestmark = pytest.mark.slow
+
 
 def _prefill_and_decode(model, monkeypatch, triton: str) -> torch.Tensor:
     """Logits `[3, vocab]` of a five-token prefill and two greedy decode steps, with `H3GEN_TRITON=triton`; each

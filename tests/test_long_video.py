@@ -19,6 +19,9 @@ from h3gen.pipelines.h3.continuation import audio_boundary, check_windows, long_
 from h3gen.pipelines.h3.packing import ReferenceBlock, build_layout, build_ref2va_layout
 from h3gen.pipelines.h3.tiny_checkpoint import tiny_checkpoint
 
+# Clips of 16 to 60 s on the tiny model, some across processes: outside the fast tier.
+pytestmark = pytest.mark.slow
+
 CANVAS = dict(height=64, width=64, num_inference_steps=2)
 
 

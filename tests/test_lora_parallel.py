@@ -5,6 +5,7 @@ ranks together give the single-process output, dense and MXFP4."""
 import copy
 import os
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -14,6 +15,9 @@ from helpers.lora_files import diffusers_shapes, random_factors, write_diffusers
 from h3gen.pipelines.h3.lora_registry import LoraRegistry, activate, check_targets
 from h3gen.pipelines.h3.tiers import set_quality
 from h3gen.pipelines.h3.transformer import H3Transformer
+
+# Spawns gloo processes: outside the fast tier.
+pytestmark = pytest.mark.slow
 
 CONFIG = dict(TINY_CONFIGS[2])  # 4 heads: TP2 and SP2
 CASES = [(2, 1), (1, 2)]

@@ -18,6 +18,9 @@ from PIL import Image
 
 from h3gen.pipelines.h3.pipeline import H3Pipeline
 
+# Whole tiny pipelines with adapters against diffusers' and PEFT: outside the fast tier.
+pytestmark = pytest.mark.slow
+
 TOLERANCE = 1e-4
 
 

@@ -13,6 +13,9 @@ from h3gen.offload.residency import GiB, parse_bytes, spread
 from h3gen.pipelines.h3.tiers import set_quality
 from h3gen.pipelines.h3.transformer import H3Transformer
 
+# Whole pipelines under every offload mode, and ranks sharing one host store: outside the fast tier.
+pytestmark = pytest.mark.slow
+
 CONFIG = dict(TINY_CONFIGS[2], num_layers=6)
 INPUTS = dict(num_text=6, latent_frames=3, latent_hw=(4, 2), audio_latents=7, anchors=("first",), distinct_timesteps=3)
 

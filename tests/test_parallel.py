@@ -15,6 +15,9 @@ from h3gen.errors import RequestError
 from h3gen.parallel.state import check_degrees, valid_degrees
 from h3gen.pipelines.h3.tiers import set_quality
 
+# Spawns 2-4 gloo processes per test: outside the fast tier.
+pytestmark = pytest.mark.slow
+
 CONFIG = dict(TINY_CONFIGS[2])  # 4 heads: splits as TP2, SP2, SP4 and TP2 x SP2
 CASES = {2: [(2, 1), (1, 2)], 4: [(1, 4), (2, 2)]}
 SECOND_CONFIG = dict(TINY_CONFIGS[0])  # 2 heads x 32, other widths: TP2 and SP2

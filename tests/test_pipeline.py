@@ -13,6 +13,9 @@ from h3gen.media import probe_mp4
 from h3gen.pipelines.h3.pipeline import H3Pipeline
 from h3gen.pipelines.h3.tiny_checkpoint import build_image_processor
 
+# Whole tiny pipelines against diffusers' on the CPU: outside the fast tier.
+pytestmark = pytest.mark.slow
+
 TOLERANCE = 1e-4
 
 

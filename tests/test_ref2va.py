@@ -17,6 +17,9 @@ from h3gen.pipelines.h3.references import resample_audio
 from h3gen.pipelines.h3.tiny_checkpoint import build_tiny_checkpoint
 from h3gen.pipelines.h3.video_processor import QwenVideoProcessor
 
+# Whole ref2va requests against diffusers' on the CPU: outside the fast tier.
+pytestmark = pytest.mark.slow
+
 TOLERANCE = 1e-4
 GOLDEN = Path(__file__).with_name("data") / "golden_ref2va.npz"
 # A second tiny transformer with odd sizes: 3 heads x 16, hidden 40, one layer each.
