@@ -52,7 +52,9 @@ import httpx
 from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(1, str(Path(__file__).resolve().parents[1] / "tests"))  # the test helpers that write media files
 from common import print_table
+from helpers.media_files import bomb_png, wav_bytes
 
 FINISHED = ("completed", "failed")  # OpenAI's statuses; a cancelled job is failed with error.code "cancelled"
 MAX_CLIENTS = 200  # bounds on what one run may open, whatever the flags say
@@ -527,36 +529,6 @@ async def sustained(run: Run, clients: int, seconds: float, drain_seconds: float
     await asyncio.gather(*(one(i) for i in range(clients)))
 
 
-def odd_rate_wav(rate: int = 4001, samples: int = 8000) -> bytes:
-    """A 16 KB mono WAV at `rate` Hz: a sample rate whose exact resampling filter to 32 kHz would be enormous."""
-    import wave
-
-    buffer = io.BytesIO()
-    with wave.open(buffer, "wb") as out:
-        out.setnchannels(1)
-        out.setsampwidth(2)
-        out.setframerate(rate)
-        out.writeframes(bytes(2 * samples))
-    return buffer.getvalue()
-
-
-def bomb_png(width: int = 13_000, height: int = 13_000) -> bytes:
-    """A grayscale PNG of `width` x `height` black pixels in about 160 KB."""
-    import struct
-    import zlib
-
-    def chunk(kind: bytes, data: bytes) -> bytes:
-        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
-
-    pixels = zlib.compress(bytes(width + 1) * height, 9)
-    return (
-        b"\x89PNG\r\n\x1a\n"
-        + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 0, 0, 0, 0))
-        + chunk(b"IDAT", pixels)
-        + chunk(b"IEND", b"")
-    )
-
-
 async def declared_only(url: str, path: str, api_key: str | None, length: int = 300_000_000) -> int | None:
     """POST `path` declaring a `length`-byte body and sending none of it: the status the server answers from the
     headers alone (None if it waits for the body or the connection fails)."""
@@ -588,6 +560,8 @@ async def hostile(run: Run, clients: int, seconds: float, drain_seconds: float) 
     deep = b"[" * 50_000 + b"]" * 50_000
     many = b'{"prompt": "x", "cache": [' + b"0," * 1_000_000 + b"0]}"
     png = keyframe_png(1)
+    with tempfile.TemporaryDirectory() as folder:
+        bomb = bomb_png(Path(folder) / "bomb.png").read_bytes()
     cases = [
         ("declared 300 MB, no key", None, 401),
         ("declared 300 MB", None, 413),
@@ -613,14 +587,14 @@ async def hostile(run: Run, clients: int, seconds: float, drain_seconds: float) 
                 "data": {"prompt": "x", "task": "ref2va", "num_inference_steps": str(run.options.steps)},
                 "files": [
                     ("ref_image", ("a.png", png, "image/png")),
-                    ("ref_audio", ("a.wav", odd_rate_wav(), "audio/wav")),
+                    ("ref_audio", ("a.wav", wav_bytes(4001, 8000), "audio/wav")),
                 ],
             },
             202,
         ),
         (
             "13,000 x 13,000 PNG",
-            {"data": {"prompt": "x", "task": "fl2va"}, "files": {"image": ("bomb.png", bomb_png(), "image/png")}},
+            {"data": {"prompt": "x", "task": "fl2va"}, "files": {"image": ("bomb.png", bomb, "image/png")}},
             422,
         ),
     ]

@@ -6,12 +6,11 @@ import io
 import socket
 import threading
 import time
-from pathlib import Path
 
 import httpx
 import pytest
 from helpers.media_files import bomb_png
-from helpers.server_harness import Server, wait_for
+from helpers.server_harness import Server, memory_kb, wait_for
 from PIL import Image
 
 from h3gen.pipelines.h3.tiny_checkpoint import tiny_checkpoint
@@ -40,13 +39,6 @@ def _png(size=(80, 45)) -> bytes:
     return buffer.getvalue()
 
 
-def _peak_rss_kb(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1])
-    raise AssertionError("no VmHWM")
-
-
 def _field(response):
     return response.json()["detail"][0]["loc"][-1]
 
@@ -63,14 +55,14 @@ def test_a_small_file_with_a_huge_canvas_is_refused_before_decoding(server, root
     bomb = root / "bomb.png"
     if not bomb.exists():
         bomb_png(bomb)  # 13,000 x 13,000 pixels in 160 KB
-    peak = _peak_rss_kb(server.process.pid)
+    peak = memory_kb(server.process.pid, "VmHWM")
     with server.client() as http:
         started = time.perf_counter()
         response = http.post(path, data=data, files={field: ("bomb.png", bomb.read_bytes(), "image/png")})
         assert response.status_code == 422 and _field(response) == field, response.text
         assert "at most 40 MP" in response.text
         assert time.perf_counter() - started < 5.0
-    assert _peak_rss_kb(server.process.pid) - peak < 100 * 1024  # decoding it would take 170-500 MB
+    assert memory_kb(server.process.pid, "VmHWM") - peak < 100 * 1024  # decoding it would take 170-500 MB
 
 
 def test_uploads_are_named_by_their_content_and_refused_when_of_the_wrong_kind(server, root):

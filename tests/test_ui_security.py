@@ -7,7 +7,7 @@ from contextlib import contextmanager
 
 import httpx
 import pytest
-from helpers.server_harness import Server, wait_for
+from helpers.server_harness import Server, memory_kb, wait_for
 
 from h3gen.pipelines.h3.tiny_checkpoint import tiny_checkpoint
 
@@ -213,13 +213,6 @@ def test_an_upload_is_staged_under_its_decoded_type_not_its_name(tmp_path):
         stage_uploads(str(uploads / "abc" / ".." / ".." / "secret.png"), None, None, staging, uploads)
 
 
-def _peak_rss_kb(pid: int) -> int:
-    for line in open(f"/proc/{pid}/status").read().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1])
-    raise AssertionError("no VmHWM")
-
-
 def test_uploads_obey_the_upload_limit_and_answers_name_no_server_path(server, tmp_path):
     """--max-upload-mb (1 here) holds for the UI's uploads as for the REST API's, and neither the upload's answer
     nor the events of a job made from it name the folder Gradio keeps uploads in."""
@@ -245,11 +238,11 @@ def test_a_small_image_with_a_huge_canvas_is_refused_from_its_header_in_the_ui(s
     from helpers.media_files import bomb_png
 
     bomb = bomb_png(tmp_path / "bomb.png")  # 13,000 x 13,000 pixels in about 160 KB
-    peak = _peak_rss_kb(server.process.pid)
+    peak = memory_kb(server.process.pid, "VmHWM")
     with ui_client(server) as client:
         uploaded = client.post("/ui/gradio_api/upload", files={"files": ("bomb.png", bomb.read_bytes(), "image/png")})
         assert uploaded.status_code == 200, uploaded.text
         (path,) = uploaded.json()
         kind, payload = call(client, "generate", generate_inputs(task="fl2va", image=file_data(path)))
         assert "at most 40 MP" in json.dumps(payload), (kind, payload)
-    assert _peak_rss_kb(server.process.pid) - peak < 100 * 1024  # decoding it would take 170-500 MB
+    assert memory_kb(server.process.pid, "VmHWM") - peak < 100 * 1024  # decoding it would take 170-500 MB

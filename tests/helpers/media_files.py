@@ -1,6 +1,8 @@
 """Small media files for reference tests, written with PyAV: videos with and without sound, wav / mp3 / m4a."""
 
+import io
 import struct
+import wave
 import zlib
 from fractions import Fraction
 from pathlib import Path
@@ -73,6 +75,18 @@ def _encode_audio(container, stream, audio: np.ndarray, rate: int, layout: str) 
     for converted in resampler.resample(None):
         container.mux(stream.encode(converted))
     container.mux(stream.encode())
+
+
+def wav_bytes(rate: int, samples: int) -> bytes:
+    """A mono 16-bit WAV of `samples` samples of a tone at any `rate` (the wave module writes what it is given, odd
+    or absurd rates included)."""
+    buffer = io.BytesIO()
+    with wave.open(buffer, "wb") as out:
+        out.setnchannels(1)
+        out.setsampwidth(2)
+        out.setframerate(rate)
+        out.writeframes((np.sin(np.arange(samples) / 3.0) * 12000).astype("<i2").tobytes())
+    return buffer.getvalue()
 
 
 def bomb_png(path, width: int = 13_000, height: int = 13_000, pixels: bool = True):

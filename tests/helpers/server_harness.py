@@ -44,6 +44,14 @@ def run_isolated(args: list[str], *, timeout: float, **kwargs) -> subprocess.Com
     return subprocess.CompletedProcess(args, process.returncode, stdout, stderr)
 
 
+def memory_kb(pid: int, field: str = "VmRSS") -> int:
+    """A process's memory from /proc in KB: `VmRSS` (resident now) or `VmHWM` (the resident peak)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(f"{field}:"):
+            return int(line.split()[1])
+    raise AssertionError(f"no {field} for process {pid}")
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
