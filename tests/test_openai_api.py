@@ -232,3 +232,17 @@ def test_models_lists_the_served_model_and_its_tasks(client):
     models = client.models.list()
     assert [m.id for m in models.data] == ["MiniMax-H3"]
     assert set(models.data[0].model_extra["tasks"]) == {"t2va", "fl2va", "ref2va"}
+
+
+@pytest.mark.parametrize("asked, shown", [(None, "5"), (5.1, "5.1"), (6, "6")])
+def test_seconds_is_the_length_asked_for_on_every_path(server, client, asked, shown):
+    """`seconds` answers the length asked for (or the default that applied), the same in OpenAI's object and in the
+    job's request; `duration` is the length made (17n + 5 frames at 24 fps)."""
+    extra = {} if asked is None else {"seconds": str(asked)}
+    created = client.videos.create(prompt="a cat", size="1280x720", extra_body={"num_inference_steps": 2}, **extra)
+    assert created.seconds == shown
+    view = _raw(server, created.id).json()
+    assert view["seconds"] == shown and view["request"]["seconds"] == float(shown)
+    assert view["request"]["duration"] >= float(shown)
+    with server.client() as http:
+        http.delete(f"/v1/videos/{created.id}")

@@ -234,6 +234,7 @@ class H3Engine:
             request.model_dump()
             | {
                 "seed": prepared.seed,
+                "seconds": prepared.seconds,  # the length asked for, or the default that applied
                 "height": shape.height,
                 "width": shape.width,
                 "num_frames": shape.num_frames,

@@ -75,9 +75,8 @@ def image_from_data_url(url: str) -> bytes:
 
 
 def _seconds_string(request: dict) -> str:
+    """The length the job asked for, as OpenAI's string ("5", "40"); `duration` says what was made."""
     seconds = request.get("seconds")
-    if seconds is None:
-        seconds = request.get("duration")
     return "" if seconds is None else f"{float(seconds):g}"
 
 

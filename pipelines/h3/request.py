@@ -50,6 +50,7 @@ class H3Request:
     audio_latents: torch.Tensor | None
     references: list[PreparedReference] = field(default_factory=list)  # ref2va, normalized, in order
     continuation: ContinuationPlan | None = None  # a clip longer than 15 s: its windows (shape: the whole clip)
+    seconds: float | None = None  # the length asked for (or the default that applied); None when given in frames
 
     @property
     def task(self) -> str:
@@ -146,6 +147,7 @@ def prepare_request(
                 seconds = min(max(found[0], geometry.MIN_SECONDS), geometry.MAX_SECONDS)
     if seconds is None and num_frames is None:
         seconds = DEFAULT_SECONDS
+    asked_seconds = None if seconds is None else float(seconds)
     window, overlap = check_windows(window_frames, overlap_frames)
     total_frames = long_frames(seconds, num_frames, max_seconds)
     if total_frames is not None:
@@ -218,6 +220,7 @@ def prepare_request(
         audio_latents,
         prepared,
         continuation,
+        asked_seconds,
     )
 
 
