@@ -34,7 +34,8 @@ AT_BOUNDS = {
     "shortest clip": dict(seconds=5, **FAST),
     "longest single request": dict(seconds=15, **FAST),
     "just over one request": dict(seconds=15.01, window_frames=124, overlap_frames=5, **FAST),
-    "longest clip, longest windows": dict(seconds=60, window_frames=345, overlap_frames=328, **FAST),
+    "longest clip, longest windows": dict(seconds=60, window_frames=345, overlap_frames=5, **FAST),
+    "longest overlap": dict(seconds=16, window_frames=345, overlap_frames=328, **FAST),
     "step cache at its bounds": dict(
         quality="high", cache={"threshold": 1.0, "warmup": 0, "max_consecutive": 1000}, num_inference_steps=6
     ),
