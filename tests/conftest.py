@@ -20,7 +20,7 @@ if not torch.cuda.is_available():
 @pytest.fixture(autouse=True)
 def _stop_what_the_test_started():
     """Kill every process group a test started (through `server_harness`) and left running, passed or failed.
-    Servers of module- and session-scoped fixtures start before this runs and are theirs to stop."""
+    Servers of fixtures scoped to a module or to the whole run start before this runs and are theirs to stop."""
     from helpers.server_harness import STARTED, kill_group
 
     before = set(STARTED)
