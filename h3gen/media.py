@@ -9,7 +9,10 @@ import functools
 import io
 import math
 import os
+import threading
 import warnings
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from fractions import Fraction
 from pathlib import Path
@@ -727,3 +730,36 @@ def mp4_spritesheet(path, columns: int = SPRITESHEET_COLUMNS, rows: int = SPRITE
         "frames": len(frames),
     }
     return _jpeg(sheet), layout
+
+
+class BackgroundEncode:
+    """A writer's `add_frames` on a worker thread, stoppable between frames."""
+
+    def __init__(self, writer: Mp4Writer, frames: np.ndarray):
+        self.frames, self.done = len(frames), 0
+        self._stopping = threading.Event()
+        self._future = ThreadPoolExecutor(1, thread_name_prefix="h3gen-mp4").submit(
+            writer.add_frames, frames, self._progress
+        )
+
+    def _progress(self, done: int) -> None:
+        self.done = done
+        if self._stopping.is_set():
+            raise InterruptedError("the MP4 write was stopped")
+
+    def wait(self, report: Callable[[int], None]) -> None:
+        """Block until every frame is encoded, calling `report(frames encoded)` every 50 ms meanwhile (a
+        cancellation point); re-raises the encoder's error."""
+        while True:
+            try:
+                return self._future.result(timeout=0.05)
+            except FutureTimeout:
+                report(self.done)
+
+    def stop(self) -> None:
+        """Stop after the frame being encoded and wait for the worker (its error, if any, is dropped)."""
+        self._stopping.set()
+        try:
+            self._future.result()
+        except BaseException:  # the stop itself, or the encoder's own failure: the caller is failing already
+            pass

@@ -14,10 +14,7 @@ there, which is how a job is cancelled within a fraction of a second in any stag
 
 import logging
 import math
-import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
-from concurrent.futures import TimeoutError as FutureTimeout
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field, replace
 from typing import Callable
@@ -27,7 +24,7 @@ import torch
 
 from h3gen.errors import RequestError
 from h3gen.kernels.attention import resolve_backend
-from h3gen.media import MediaInfo, Mp4Writer, rgb_to_yuv420, write_mp4
+from h3gen.media import BackgroundEncode, MediaInfo, Mp4Writer, rgb_to_yuv420, write_mp4
 from h3gen.offload import plan_placement
 from h3gen.options import RunOptions, base_tier, uses_step_cache
 from h3gen.pipelines.h3 import geometry
@@ -88,7 +85,6 @@ from h3gen.pipelines.h3.video_decode import to_fp8_decoder
 
 logger = logging.getLogger(__name__)
 
-STAGES = ("encode_text", "encode_conditions", "denoise", "decode_video", "decode_audio", "write_mp4")
 __all__ = ["AudioReference", "H3Output", "H3Pipeline", "ImageReference", "VideoReference"]
 
 ProgressCallback = Callable[[str, int, int], None]
@@ -173,39 +169,6 @@ def _resolve_device(device) -> torch.device:
     if device is None:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(device)
-
-
-class _BackgroundEncode:
-    """A writer's `add_frames` on a worker thread, stoppable between frames."""
-
-    def __init__(self, writer: Mp4Writer, frames: np.ndarray):
-        self.frames, self.done = len(frames), 0
-        self._stopping = threading.Event()
-        self._future = ThreadPoolExecutor(1, thread_name_prefix="h3gen-mp4").submit(
-            writer.add_frames, frames, self._progress
-        )
-
-    def _progress(self, done: int) -> None:
-        self.done = done
-        if self._stopping.is_set():
-            raise InterruptedError("the MP4 write was stopped")
-
-    def wait(self, report: Callable[[int], None]) -> None:
-        """Block until every frame is encoded, calling `report(frames encoded)` every 50 ms meanwhile (a
-        cancellation point); re-raises the encoder's error."""
-        while True:
-            try:
-                return self._future.result(timeout=0.05)
-            except FutureTimeout:
-                report(self.done)
-
-    def stop(self) -> None:
-        """Stop after the frame being encoded and wait for the worker (its error, if any, is dropped)."""
-        self._stopping.set()
-        try:
-            self._future.result()
-        except BaseException:  # the stop itself, or the encoder's own failure: the caller is failing already
-            pass
 
 
 class H3Pipeline:
@@ -813,7 +776,7 @@ class H3Pipeline:
                 sample_rate=int(self.audio_vae.config.sampling_rate),
                 audio_sample_rate=audio_sample_rate,
             )
-            encoding = _BackgroundEncode(writer, rgb_to_yuv420(video).cpu().numpy())
+            encoding = BackgroundEncode(writer, rgb_to_yuv420(video).cpu().numpy())
             video = None
         try:
             report("decode_audio", 0, 1)

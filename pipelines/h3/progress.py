@@ -3,6 +3,11 @@
 from contextlib import contextmanager
 from typing import Callable
 
+# The stages of one clip, in the order they run; progress, job status and metrics name them this way. "plan" (the
+# prompt planner) runs first when a request asks for it; a clip over 15 s repeats encode_conditions .. write_mp4 per
+# window.
+STAGES = ("encode_text", "encode_conditions", "denoise", "decode_video", "decode_audio", "write_mp4")
+
 
 @contextmanager
 def checkpoints(modules, check: Callable[[], None]):
