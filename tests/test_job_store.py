@@ -15,6 +15,7 @@ from helpers.server_harness import Server, cancelled, done_running_queued, wait_
 
 from h3gen.media import write_mp4
 from h3gen.pipelines.h3.tiny_checkpoint import tiny_checkpoint
+from h3gen.server.job import Job, JobStatus
 from h3gen.server.jobs import INTERRUPTED, JobManager, default_job_seconds
 from h3gen.server.lock import FolderBusy
 from h3gen.server.store import JobStore
@@ -71,15 +72,7 @@ def test_cancel_of_a_running_row_this_process_does_not_run_is_answered(results):
     manager = JobManager(ScriptedEngine(), results)
     try:
         manager.store.insert(
-            {
-                "id": "a" * 32,
-                "status": "running",
-                "created_at": time.time(),
-                "request": {},
-                "uploads": {},
-                "progress": 40.0,
-                "timings": {},
-            }
+            Job(id="a" * 32, status=JobStatus.RUNNING, created_at=time.time(), request={}, progress=40.0)
         )
         view = manager.cancel("a" * 32)
         assert view["status"] == "cancelled" and manager.get("a" * 32)["status"] == "cancelled"
@@ -116,8 +109,8 @@ def test_stop_records_the_running_job_as_interrupted_and_closes_the_store(result
     with pytest.raises(sqlite3.ProgrammingError):
         manager.store.get(job["id"])
     store = JobStore(results / "jobs.sqlite3")
-    assert store.get(job["id"])["status"] == "failed" and store.get(job["id"])["error"] == INTERRUPTED
-    assert store.get(queued["id"])["status"] == "queued"  # kept for the next start
+    assert store.get(job["id"]).status == JobStatus.FAILED and store.get(job["id"]).error == INTERRUPTED
+    assert store.get(queued["id"]).status == JobStatus.QUEUED  # kept for the next start
     store.close()
     wal = results / "jobs.sqlite3-wal"
     assert not wal.exists() or wal.stat().st_size == 0  # everything is in the database file
@@ -278,21 +271,12 @@ class _FullDiskConnection:
 def test_close_on_a_full_disk_says_what_it_kept_and_loses_nothing(tmp_path, caplog):
     store = JobStore(tmp_path / "jobs.sqlite3")
     store.insert(
-        {
-            "id": "b" * 32,
-            "status": "succeeded",
-            "created_at": time.time(),
-            "request": {"prompt": "kept"},
-            "progress": 100.0,
-            "stage": None,
-            "timings": {},
-            "uploads": {},
-        }
+        Job(id="b" * 32, status=JobStatus.SUCCEEDED, created_at=time.time(), request={"prompt": "kept"}, progress=100.0)
     )
     store._db = _FullDiskConnection(store._db)
     with caplog.at_level(logging.ERROR, logger="h3gen.server.store"):
         store.close()  # no exception: shutdown goes on
     assert "jobs.sqlite3-wal" in caplog.text and "next start reads" in caplog.text
     again = JobStore(tmp_path / "jobs.sqlite3")
-    assert again.get("b" * 32)["request"] == {"prompt": "kept"}
+    assert again.get("b" * 32).request == {"prompt": "kept"}
     again.close()

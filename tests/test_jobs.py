@@ -55,7 +55,7 @@ def test_retention_by_size_then_by_age(manager):
     jobs = [_submit(manager, seed=i) for i in range(3)]
     for job in jobs:
         assert manager.wait(job["id"], 60)["status"] == "succeeded"
-    sizes = [manager.store.get(job["id"])["result_bytes"] for job in jobs]
+    sizes = [manager.store.get(job["id"]).result_bytes for job in jobs]
     manager.max_results_bytes = sizes[1] + sizes[2]
     manager.sweep()
     assert manager.get(jobs[0]["id"]) is None and not (manager.results_dir / f"{jobs[0]['id']}.mp4").exists()

@@ -15,7 +15,8 @@ from h3gen.options import QUALITY_HELP, TASKS, RunOptions
 from h3gen.pipelines.h3.continuation import DEFAULT_OVERLAP_FRAMES, DEFAULT_WINDOW_FRAMES
 from h3gen.pipelines.h3.geometry import MAX_SECONDS
 from h3gen.pipelines.h3.tiny_checkpoint import TRANSFORMER as TINY_TRANSFORMER
-from h3gen.server.jobs import FINISHED, QueueFull
+from h3gen.server.job import FINISHED, JobStatus
+from h3gen.server.jobs import QueueFull
 from h3gen.server.openai_video import OPENAI_STATUS
 from h3gen.server.schemas import MAX_PROMPT_CHARS, GenerationRequest
 from h3gen.ui.uploads import stage_uploads
@@ -65,7 +66,7 @@ def serves_demo_model(engine) -> bool:
 def status_label(status: str) -> str:
     """A job's status as the API names it (OpenAI's: queued, in_progress, completed, failed), except that a
     cancelled job says so."""
-    return "cancelled" if status == "cancelled" else OPENAI_STATUS[status]
+    return JobStatus.CANCELLED.value if status == JobStatus.CANCELLED else OPENAI_STATUS[status]
 
 
 def long_clip_fields(window_prompts: str | None, window_frames, overlap_frames) -> dict:
@@ -244,10 +245,10 @@ class _Actions:
             )
             time.sleep(POLL_SECONDS)
         planned_prompt = view.get("planned_prompt") or ""
-        if view["status"] != "succeeded":
+        if view["status"] != JobStatus.SUCCEEDED:
             message = (
                 f"Job {job_id[:8]}: cancelled."
-                if view["status"] == "cancelled"
+                if view["status"] == JobStatus.CANCELLED
                 else f"Job {job_id[:8]} failed: {view['error']}"
             )
             yield (
@@ -294,7 +295,7 @@ class _Actions:
         if job is None:
             return "", f"Job {short} is gone.", None
         path = self.manager.result_path(job["id"])
-        if job["status"] != "succeeded" or path is None or not path.exists():
+        if job["status"] != JobStatus.SUCCEEDED or path is None or not path.exists():
             return "", f"Job {short}: {status_label(job['status'])}, no video to play.", job["id"]
         return video_html(job["id"]), f"Job {short}: playing its video.", job["id"]
 

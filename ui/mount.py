@@ -15,6 +15,7 @@ from gradio.utils import get_upload_folder
 from starlette.routing import Mount
 
 from h3gen.server.app import JOB_ID
+from h3gen.server.job import JobStatus
 from h3gen.ui.blocks import MEDIA_ROUTE, build_ui
 
 UI_PATH = "/ui"
@@ -173,7 +174,7 @@ def mount_ui(app: FastAPI, manager, *, api_key: str | None = None, max_upload_by
         if not _logged_in(gradio_app, request):
             raise HTTPException(401, "log in to the UI first")
         job = manager.get(job_id) if JOB_ID.fullmatch(job_id) else None
-        path = manager.result_path(job_id) if job and job["status"] == "succeeded" else None
+        path = manager.result_path(job_id) if job and job["status"] == JobStatus.SUCCEEDED else None
         if path is None or not path.is_file():
             raise HTTPException(404, "no video for this job (it is unfinished, failed, cancelled or deleted)")
         return FileResponse(path, media_type="video/mp4", filename=f"{job_id}.mp4", content_disposition_type="inline")

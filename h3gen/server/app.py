@@ -32,6 +32,7 @@ from h3gen.server.bodies import (
     public_text,
 )
 from h3gen.server.gate import RequestGate
+from h3gen.server.job_files import JOB_ID
 from h3gen.server.jobs import JobManager, QueueFull
 from h3gen.server.lora_routes import add_lora_routes
 from h3gen.server.middleware import LoginThrottle, SecurityHeaders, client_of
@@ -41,8 +42,6 @@ from h3gen.server.throttle import FailureThrottle
 from h3gen.server.video_routes import MAX_FILES, add_video_routes
 
 logger = logging.getLogger(__name__)
-
-JOB_ID = re.compile(r"^[0-9a-f]{32}$")
 
 
 @dataclass(frozen=True)

@@ -23,13 +23,16 @@ import torch
 import torch.distributed as dist
 
 from h3gen.pipelines.h3.continuation import DEFAULT_MAX_SECONDS
+from h3gen.pipelines.h3.progress import STAGES
 from h3gen.server.engine import H3Engine, pipeline_arguments
+from h3gen.server.job import DENOISE
 from h3gen.server.jobs import JobCancelled
 
 logger = logging.getLogger(__name__)
 
 OK, CANCEL, FAIL = 0, 1, 2
-RANK0_STAGES = ("decode_video", "decode_audio", "write_mp4")  # run on rank 0 only: never agreed on
+# The stages after denoising (the decodes and the MP4 write) run on rank 0 only: never agreed on.
+RANK0_STAGES = STAGES[STAGES.index(DENOISE) + 1 :]
 # Waiting for the next job can take forever; the control group must not time out while idle.
 CONTROL_TIMEOUT = datetime.timedelta(days=365)
 

@@ -2,24 +2,21 @@
 retention. The REST API and the web UI are two faces of this one object.
 
 - One job runs at a time on the engine thread; the others wait in submission order (at most `max_queue`).
-- Jobs live in SQLite and MP4s in the results folder, so a restart keeps finished jobs, puts queued ones back in
-  the queue (their uploads are kept on disk) and marks the one it interrupted as failed, saying why.
+- Jobs (`job.Job`) live in SQLite (`store.py`) and MP4s in the results folder (`job_files.py`), so a restart keeps
+  finished jobs, puts queued ones back in the queue (their uploads are kept on disk) and marks the one it
+  interrupted as failed, saying why; MP4s no row names are adopted back (`job_recovery.py`).
 - A running job is cancelled at its next progress report (each stage reports when it starts and at points inside
   it, at most a fraction of a second apart); its partial files are removed.
 - A failure of any kind fails that job only: the worker and the server carry on.
 - One manager owns a results folder: it holds `<results>/.lock` (see `lock.py`) from construction to `stop()`, which
   also checkpoints and closes the database.
-- Retention (`sweep`) runs after every job and on a timer, so an idle server does not serve expired jobs.
-- On start, MP4s in the results folder that no row names (the database was lost or damaged) are adopted back as
-  succeeded jobs whose request holds what the file tells (size, frames, duration, audio rate; `adopted: true`); files
-  that do not decode, and leftovers of interrupted writes, are removed.
+- Retention (`sweep`, `job_retention.py`) runs after every job and on a timer, so an idle server does not serve
+  expired jobs.
 """
 
 import gc
 import logging
 import math
-import re
-import shutil
 import threading
 import time
 import uuid
@@ -30,30 +27,29 @@ from pathlib import Path
 import torch
 
 from h3gen.errors import RequestError
-from h3gen.media import MediaError, probe_mp4
+from h3gen.server import job_recovery, job_retention
+from h3gen.server.job import DENOISE, FINISHED, INTERRUPTED, PLAN, STAGE_ORDER, WINDOW, Job, JobStatus, progress_of
+from h3gen.server.job_files import JobFiles
 from h3gen.server.lock import FolderLock
 from h3gen.server.metrics import Metrics
 from h3gen.server.store import JobStore
 
+__all__ = [
+    "FINISHED",
+    "INTERRUPTED",
+    "STAGE_ORDER",
+    "JobCancelled",
+    "JobManager",
+    "JobStatus",
+    "QueueFull",
+    "default_job_seconds",
+    "progress_of",
+]
+
 logger = logging.getLogger(__name__)
 
-# Share of the progress bar each stage owns (sums to 100).
-STAGE_WEIGHTS = {
-    "plan": 0,
-    "encode_text": 4,
-    "encode_conditions": 3,
-    "denoise": 84,
-    "decode_video": 4,
-    "decode_audio": 3,
-    "write_mp4": 2,
-}
-STAGE_ORDER = tuple(STAGE_WEIGHTS)
-FINISHED = ("succeeded", "failed", "cancelled")
-INTERRUPTED = "interrupted: the server stopped while this job was running; submit it again"
 CANCEL_ACK_SECONDS = 2.0  # how long DELETE waits for the engine to stop a running job before answering
-STALE_STAGING_SECONDS = 3600.0  # a request's upload folder older than this belongs to no request any more
 RECENT_JOBS = 10  # how many recent job durations the Retry-After estimate averages
-_JOB_FILE = re.compile(r"^[0-9a-f]{32}$")
 
 
 def default_job_seconds(model_path) -> float:
@@ -93,22 +89,13 @@ class _Live:
     window: tuple[int, int] | None = None  # (index, count) of the window running, for a clip made in windows
 
 
-def progress_of(stage: str, step: int, total: int, window: tuple[int, int] | None = None) -> float:
-    """0-100 progress after `step` of `total` in `stage`, capped at 99 until the job is done. A clip made in
-    windows (`window` = (index, count)) gives each window an equal share, its stages inside it."""
-    index = STAGE_ORDER.index(stage) if stage in STAGE_ORDER else 0
-    done = sum(STAGE_WEIGHTS[s] for s in STAGE_ORDER[:index])
-    inside = done + STAGE_WEIGHTS.get(stage, 0) * (step / max(total, 1))
-    if window is not None:
-        inside = 100.0 * (min(window[0], window[1] - 1) + inside / 100.0) / window[1]
-    return min(99.0, inside)
-
-
 class JobManager:
     """Accepts validated requests, runs them one at a time on `engine`, and answers for their state.
 
     Construction takes the results folder's lock (raises `lock.FolderBusy` naming the holder); `owner` says what
     this server is (e.g. its URL) to whoever finds the folder taken. `sweep_seconds` is the retention timer's period.
+    `get`, `list`, `wait`, `submit` and `cancel` answer with a job's public view (`view`), a dict as the routes show
+    it; `store` holds the `Job`s themselves.
     """
 
     def __init__(
@@ -123,8 +110,9 @@ class JobManager:
         owner: str = "",
     ):
         self.engine = engine
-        self.results_dir = Path(results_dir)
-        self.uploads_dir = self.results_dir / "uploads"
+        self.files = JobFiles(results_dir)
+        self.results_dir = self.files.results_dir
+        self.uploads_dir = self.files.uploads_dir
         self._folder_lock = FolderLock(self.results_dir, owner)
         self._folder_lock.acquire()
         try:
@@ -148,9 +136,8 @@ class JobManager:
         self._stopped = False
         self._closed = False
         self._thread: threading.Thread | None = None
-        self._sweeper: threading.Thread | None = None
+        self._sweeper: job_retention.SweepTimer | None = None
         self._sweep_lock = threading.Lock()
-        self._sweep_stop = threading.Event()
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -160,7 +147,7 @@ class JobManager:
         self.recover()
         self._thread = threading.Thread(target=self._worker, name="h3gen-engine", daemon=True)
         self._thread.start()
-        self._sweeper = threading.Thread(target=self._sweep_timer, name="h3gen-retention", daemon=True)
+        self._sweeper = job_retention.SweepTimer(self.sweep, self.sweep_seconds)
         self._sweeper.start()
 
     def stop(self, timeout: float = 10.0) -> None:
@@ -174,10 +161,12 @@ class JobManager:
             for live in self._live.values():
                 live.cancel.set()
             self._cond.notify_all()
-        self._sweep_stop.set()
-        for thread in (self._thread, self._sweeper):
-            if thread is not None:
-                thread.join(timeout)
+        if self._sweeper is not None:
+            self._sweeper.stop()
+        if self._thread is not None:
+            self._thread.join(timeout)
+        if self._sweeper is not None:
+            self._sweeper.join(timeout)
         shutdown = getattr(self.engine, "shutdown", None)  # a multi-process engine releases its other ranks
         if shutdown is not None:
             shutdown()
@@ -188,106 +177,29 @@ class JobManager:
         self._folder_lock.release()
 
     def recover(self) -> None:
-        """Jobs the last run left running failed (it says why); queued ones go back in the queue, oldest first;
-        MP4s no row names are adopted; upload folders no queued job owns and half-written files are removed."""
-        for job in self.store.list(limit=10**9, statuses=("running",)):
-            self.store.update(job["id"], status="failed", error=INTERRUPTED, finished_at=time.time(), stage=None)
-            self._remove_files(job, result=True, uploads=True)
+        """Take back what the last run left (`job_recovery`): its queued jobs, oldest first, and its recent run
+        times; then sweep."""
+        found = job_recovery.recover(self.store, self.files, recent=RECENT_JOBS)
         with self._cond:
-            for job in self.store.list(limit=10**9, newest_first=False, statuses=("queued",)):
-                self._queue.append(job["id"])
-        for job in self.store.list(limit=RECENT_JOBS, statuses=("succeeded",))[::-1]:
-            if job["started_at"] and job["finished_at"]:
-                self._recent.append(job["finished_at"] - job["started_at"])
-        for partial in self.results_dir.glob(".*.mp4.partial-*"):
-            partial.unlink(missing_ok=True)
-        queued = set(self._queue)
-        for folder in self.uploads_dir.iterdir():
-            if _JOB_FILE.match(folder.name) and folder.name not in queued:
-                shutil.rmtree(folder, ignore_errors=True)
-        self._adopt_orphans()
+            self._queue.extend(job_id for job_id in found.queued if job_id not in self._queue)
+        self._recent.extend(found.recent)
         self.sweep()
-
-    def _adopt_orphans(self) -> None:
-        """Give every `<job id>.mp4` without a row a succeeded row with what the file tells; remove the ones that
-        do not decode."""
-        known = {job["id"] for job in self.store.list(limit=10**9)}
-        for path in sorted(self.results_dir.glob("*.mp4"), key=lambda item: item.stat().st_mtime):
-            job_id = path.stem
-            if not _JOB_FILE.match(job_id) or job_id in known:
-                continue
-            try:
-                info = probe_mp4(path)
-            except MediaError as error:
-                logger.warning("removed %s: no job names it and it does not decode (%s)", path.name, error)
-                path.unlink(missing_ok=True)
-                continue
-            when = path.stat().st_mtime
-            request = {
-                "adopted": True,
-                "width": info.width,
-                "height": info.height,
-                "num_frames": info.num_frames,
-                "fps": info.fps,
-                "duration": round(info.video_seconds, 4),
-                "audio_sample_rate": info.sample_rate,
-            }
-            self.store.insert(
-                {
-                    "id": job_id,
-                    "status": "succeeded",
-                    "created_at": when,
-                    "finished_at": when,
-                    "request": request,
-                    "progress": 100.0,
-                    "timings": {},
-                    "uploads": {},
-                    "result_path": str(path),
-                    "result_bytes": path.stat().st_size,
-                }
-            )
-            logger.warning(
-                "adopted %s: no job named it (the job database was lost or damaged); it is served as a "
-                "succeeded job whose request is unknown",
-                path.name,
-            )
 
     # ------------------------------------------------------------------ requests
 
     def staging_dir(self) -> Path:
         """A fresh folder for one request's uploads before it is accepted."""
-        folder = self.uploads_dir / f"staging-{uuid.uuid4().hex}"
-        folder.mkdir(parents=True)
-        return folder
+        return self.files.staging_dir()
 
     def submit(self, request: dict, uploads: dict[str, Path] | None = None) -> dict:
         """Queue a validated, normalized request; `uploads` (field -> file) are moved under the job's folder, and a
         staging folder (`staging_dir`) they leave empty is removed. Raises `QueueFull`."""
-        uploads = uploads or {}
         with self._cond:
             if len(self._queue) >= self.max_queue:
                 raise QueueFull(self.retry_after())
             job_id = uuid.uuid4().hex
-            kept = {}
-            if uploads:
-                folder = self.uploads_dir / job_id
-                folder.mkdir()
-                for name, path in uploads.items():
-                    target = folder / f"{name}{Path(path).suffix}"
-                    shutil.move(str(path), target)
-                    kept[name] = str(target)
-                for staging in {Path(path).parent for path in uploads.values()}:
-                    if staging.parent == self.uploads_dir and staging.name.startswith("staging-"):
-                        shutil.rmtree(staging, ignore_errors=True)
-            job = {
-                "id": job_id,
-                "status": "queued",
-                "created_at": time.time(),
-                "request": request,
-                "uploads": kept,
-                "progress": 0.0,
-                "timings": {},
-            }
+            kept = self.files.keep_uploads(job_id, uploads or {})
+            job = Job(id=job_id, status=JobStatus.QUEUED, created_at=time.time(), request=request, uploads=kept)
             self.store.insert(job)
             self._queue.append(job_id)
             self._cond.notify_all()
@@ -319,22 +231,22 @@ class JobManager:
             job = self.store.get(job_id)
             if job is None:
                 return None
-            if job["status"] == "running":
+            if job.status == JobStatus.RUNNING:
                 live = self._live.get(job_id)
                 if live is None:  # the row says running, yet this server's engine is not running it
-                    job["status"] = "queued"
-            if job["status"] == "queued":
+                    job.status = JobStatus.QUEUED
+            if job.status == JobStatus.QUEUED:
                 if job_id in self._queue:
                     self._queue.remove(job_id)
-                self.store.update(job_id, status="cancelled", finished_at=time.time(), stage=None)
-                self._remove_files(job, result=True, uploads=True)
-                self.metrics.count_finished("cancelled", 0.0)
+                self.store.update(job_id, status=JobStatus.CANCELLED, finished_at=time.time(), stage=None)
+                self.files.remove(job, result=True, uploads=True)
+                self.metrics.count_finished(JobStatus.CANCELLED, 0.0)
             elif live is not None:
                 live.cancelled_by_client = True
                 live.cancel.set()
-                self.store.update(job_id, status="cancelled", finished_at=time.time())
+                self.store.update(job_id, status=JobStatus.CANCELLED, finished_at=time.time())
             else:
-                self._remove_files(job, result=True, uploads=True)
+                self.files.remove(job, result=True, uploads=True)
                 self.store.delete(job_id)
                 view = self.view(job)
                 view["deleted"] = True
@@ -348,7 +260,7 @@ class JobManager:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             job = self.store.get(job_id)
-            if job is None or (job["status"] in FINISHED and job_id not in self._live):
+            if job is None or (job.finished and job_id not in self._live):
                 return self.view(job) if job else None
             time.sleep(0.05)
         return self.get(job_id)
@@ -363,41 +275,39 @@ class JobManager:
         rows = self.store.list(limit=limit + 1, after=after, newest_first=newest_first)
         return [self.view(r) for r in rows[:limit]], len(rows) > limit
 
-    def view(self, job: dict) -> dict:
+    def view(self, job: Job) -> dict:
         """The public view of a stored job, with live progress for the running one."""
-        live = self._live.get(job["id"])
+        live = self._live.get(job.id)
+        request = job.request or {}
         view = {
-            key: job[key]
-            for key in (
-                "id",
-                "status",
-                "progress",
-                "stage",
-                "timings",
-                "error",
-                "request",
-                "created_at",
-                "started_at",
-                "finished_at",
-            )
+            "id": job.id,
+            "status": job.status.value,
+            "progress": job.progress,
+            "stage": job.stage,
+            "timings": job.timings,
+            "error": job.error,
+            "request": job.request,
+            "created_at": job.created_at,
+            "started_at": job.started_at,
+            "finished_at": job.finished_at,
+            "planned_prompt": request.get("planned_prompt"),
+            "cached_steps": request.get("cached_steps"),
         }
-        view["planned_prompt"] = (job["request"] or {}).get("planned_prompt")
-        view["cached_steps"] = (job["request"] or {}).get("cached_steps")
-        if live is not None and job["status"] == "running":
+        if live is not None and job.status == JobStatus.RUNNING:
             view.update(progress=round(live.progress, 2), stage=live.stage, timings=dict(live.timings))
             if live.window is not None:  # "2/5": the window a clip over 15 s is making
                 view["window"] = f"{min(live.window[0] + 1, live.window[1])}/{live.window[1]}"
-        if job["status"] == "queued":
+        if job.status == JobStatus.QUEUED:
             with self._cond:
                 queue = list(self._queue)
-            view["queue_position"] = queue.index(job["id"]) + 1 if job["id"] in queue else None
-        if job["status"] == "succeeded":
-            view["content_url"] = f"/v1/videos/{job['id']}/content"
+            view["queue_position"] = queue.index(job.id) + 1 if job.id in queue else None
+        if job.status == JobStatus.SUCCEEDED:
+            view["content_url"] = f"/v1/videos/{job.id}/content"
         return view
 
     def result_path(self, job_id: str) -> Path | None:
         job = self.store.get(job_id)
-        return Path(job["result_path"]) if job and job["result_path"] else None
+        return Path(job.result_path) if job and job.result_path else None
 
     def queue_depth(self) -> int:
         return len(self._queue)
@@ -422,12 +332,12 @@ class JobManager:
                     return
                 job_id = self._queue.popleft()
                 job = self.store.get(job_id)
-                if job is None or job["status"] != "queued":
+                if job is None or job.status != JobStatus.QUEUED:
                     continue
                 live = _Live()
                 self._live[job_id] = live
                 self._running, self._running_since = job_id, time.monotonic()
-                self.store.update(job_id, status="running", started_at=time.time(), stage="starting")
+                self.store.update(job_id, status=JobStatus.RUNNING, started_at=time.time(), stage="starting")
             try:
                 self._run(job, live)
             finally:
@@ -441,41 +351,41 @@ class JobManager:
                 if not self._stopping:
                     self.sweep()
 
-    def _run(self, job: dict, live: _Live) -> None:
-        job_id = job["id"]
+    def _run(self, job: Job, live: _Live) -> None:
+        job_id = job.id
         started = time.perf_counter()
-        result = self.results_dir / f"{job_id}.mp4"
+        result = self.files.result(job_id)
 
         def report(stage: str, step: int, total: int) -> None:
             # Every stage reports when it starts (step 0) and after units of work inside it; each report is a
             # cancellation point. A stage's timing runs from its first report to its last.
             if live.cancel.is_set():
                 raise JobCancelled()
-            if stage == "window":  # a clip over 15 s: which window runs (its stages report as a plain job's)
+            if stage == WINDOW:  # a clip over 15 s: which window runs (its stages report as a plain job's)
                 live.window = (step, total)
                 return
             now = time.perf_counter()
             if stage != live.stage:
                 # A stage that runs again (in the next window of a long clip) adds to its time.
                 live.stage, live.stage_started = stage, now - live.timings.get(stage, 0.0)
-            elif stage == "denoise" and step > 0:
+            elif stage == DENOISE and step > 0:
                 self.metrics.observe_step(now - live.last_report)
             live.last_report = now
             live.timings[stage] = round(now - live.stage_started, 4)
             live.progress = max(live.progress, progress_of(stage, step, total, live.window))
 
-        status, error = "succeeded", None
+        status, error = JobStatus.SUCCEEDED, None
         try:
             if self.engine.load_error:
                 raise RuntimeError(f"the model failed to load: {self.engine.load_error}")
-            request, uploads = job["request"], {k: Path(v) for k, v in job["uploads"].items()}
+            request, uploads = job.request, {k: Path(v) for k, v in job.uploads.items()}
             shown = request  # the request as the job's status shows it
             if request.get("plan"):
-                report("plan", 0, 1)
+                report(PLAN, 0, 1)
                 planned = self.engine.plan(request, uploads)
                 shown = request = request | {"planned_prompt": planned}
                 self.store.update(job_id, request=request)  # shown in the job's status from now on
-                report("plan", 1, 1)
+                report(PLAN, 1, 1)
                 request = request | {"prompt": planned}
             outcome = self.engine.run(request, uploads, result, report)
             if outcome:  # what the run reports (the step cache's cached_steps), shown with the request
@@ -483,81 +393,47 @@ class JobManager:
             if live.cancel.is_set():
                 raise JobCancelled()
         except JobCancelled:
-            status = "cancelled"
+            status = JobStatus.CANCELLED
             if not live.cancelled_by_client:  # the server is shutting down
-                status, error = "failed", INTERRUPTED
+                status, error = JobStatus.FAILED, INTERRUPTED
         except RequestError as failure:
-            status, error = "failed", str(failure)
+            status, error = JobStatus.FAILED, str(failure)
         except torch.cuda.OutOfMemoryError:
-            status, error = "failed", "out of GPU memory: try fewer seconds, a smaller aspect ratio or fewer jobs"
+            status = JobStatus.FAILED
+            error = "out of GPU memory: try fewer seconds, a smaller aspect ratio or fewer jobs"
         except Exception as failure:  # a failed job never takes the worker down
             logger.exception("job %s failed", job_id)
-            status, error = "failed", f"{type(failure).__name__}: {failure}"
+            status, error = JobStatus.FAILED, f"{type(failure).__name__}: {failure}"
 
         elapsed = time.perf_counter() - started
         for stage, seconds in live.timings.items():
             self.metrics.observe_stage(stage, seconds)
         self.metrics.count_finished(status, elapsed)
-        if status == "succeeded":
+        if status == JobStatus.SUCCEEDED:
             self._recent.append(elapsed)
         fields = {"status": status, "finished_at": time.time(), "timings": live.timings, "stage": None}
-        if status == "succeeded":
+        if status == JobStatus.SUCCEEDED:
             fields.update(progress=100.0, result_path=str(result), result_bytes=result.stat().st_size)
         else:
-            fields.update(error=error, progress=round(live.progress, 2))
+            fields["progress"] = round(live.progress, 2)
+            if status == JobStatus.FAILED:
+                fields["error"] = error
             result.unlink(missing_ok=True)
-        if status == "cancelled":
-            fields.pop("error")
         self.store.update(job_id, **fields)
-        if status == "cancelled":
-            self._remove_files(job, result=False, uploads=True)
+        if status == JobStatus.CANCELLED:
+            self.files.remove(job, result=False, uploads=True)
         # Otherwise a finished job keeps its uploads until it is deleted (a remix reuses them).
 
-    # ------------------------------------------------------------------ files
-
-    def _remove_files(self, job: dict, *, result: bool, uploads: bool) -> None:
-        if result and job.get("result_path"):
-            Path(job["result_path"]).unlink(missing_ok=True)
-        if result:
-            (self.results_dir / f"{job['id']}.mp4").unlink(missing_ok=True)
-        if uploads:
-            shutil.rmtree(self.uploads_dir / job["id"], ignore_errors=True)
-
-    def _sweep_timer(self) -> None:
-        while not self._sweep_stop.wait(self.sweep_seconds):
-            try:
-                self.sweep()
-            except Exception:  # a failed sweep is retried next period; it never stops the timer
-                logger.exception("retention sweep failed")
+    # ------------------------------------------------------------------ retention
 
     def sweep(self) -> None:
-        """Retention: drop finished jobs older than `retention_seconds`, then the oldest results until the folder
-        holds at most `max_results_bytes`. Upload staging folders older than `STALE_STAGING_SECONDS` go too."""
+        """Retention (`job_retention.sweep`): drop finished jobs older than `retention_seconds`, then the oldest
+        results until the folder holds at most `max_results_bytes`, then stale upload staging folders."""
         with self._sweep_lock:
             if not self._closed:
-                self._sweep()
-
-    def _sweep(self) -> None:
-        now = time.time()
-        finished = self.store.list(limit=10**9, newest_first=False, statuses=FINISHED)
-        kept = []
-        for job in finished:
-            if job["finished_at"] and now - job["finished_at"] > self.retention_seconds:
-                self._remove_files(job, result=True, uploads=True)
-                self.store.delete(job["id"])
-            else:
-                kept.append(job)
-        total = sum(job["result_bytes"] or 0 for job in kept)
-        for job in kept:
-            if total <= self.max_results_bytes:
-                break
-            if job["result_bytes"]:
-                total -= job["result_bytes"]
-                self._remove_files(job, result=True, uploads=True)
-                self.store.delete(job["id"])
-        for folder in self.uploads_dir.glob("staging-*"):
-            try:
-                if now - folder.stat().st_mtime > STALE_STAGING_SECONDS:
-                    shutil.rmtree(folder, ignore_errors=True)
-            except FileNotFoundError:  # its request removed it meanwhile
-                pass
+                job_retention.sweep(
+                    self.store,
+                    self.files,
+                    retention_seconds=self.retention_seconds,
+                    max_results_bytes=self.max_results_bytes,
+                )

@@ -2,6 +2,8 @@
 
 import threading
 
+from h3gen.server.job import FINISHED, JobStatus
+
 
 class Metrics:
     """Counters and summaries the job manager feeds; `render` adds the gauges it is given."""
@@ -20,10 +22,10 @@ class Metrics:
         with self._lock:
             self.submitted += 1
 
-    def count_finished(self, status: str, seconds: float) -> None:
+    def count_finished(self, status: JobStatus, seconds: float) -> None:
         with self._lock:
             self.finished[status] = self.finished.get(status, 0) + 1
-            if status == "succeeded":
+            if status == JobStatus.SUCCEEDED:
                 self.job_seconds_sum += seconds
                 self.job_count += 1
 
@@ -59,7 +61,7 @@ class Metrics:
             "# HELP h3gen_jobs Jobs in the store by status.",
             "# TYPE h3gen_jobs gauge",
         ]
-        for status in ("queued", "running", "succeeded", "failed", "cancelled"):
+        for status in JobStatus:
             lines.append(f'h3gen_jobs{{status="{status}"}} {jobs_by_status.get(status, 0)}')
         with self._lock:
             lines += [
@@ -69,7 +71,7 @@ class Metrics:
                 "# HELP h3gen_jobs_finished_total Jobs finished since start, by outcome.",
                 "# TYPE h3gen_jobs_finished_total counter",
             ]
-            for status in ("succeeded", "failed", "cancelled"):
+            for status in FINISHED:
                 lines.append(f'h3gen_jobs_finished_total{{status="{status}"}} {self.finished.get(status, 0)}')
             lines += [
                 "# HELP h3gen_step_seconds Duration of one denoising step.",

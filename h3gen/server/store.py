@@ -13,28 +13,16 @@ import threading
 import time
 from pathlib import Path
 
+from h3gen.server.job import FIELDS, Job, JobStatus
+
 logger = logging.getLogger(__name__)
 
-_COLUMNS = (
-    "id",
-    "status",
-    "created_at",
-    "started_at",
-    "finished_at",
-    "request",
-    "progress",
-    "stage",
-    "timings",
-    "error",
-    "result_path",
-    "result_bytes",
-    "uploads",
-)
+_COLUMNS = FIELDS  # one column per field of `Job`
 _JSON = ("request", "timings", "uploads")
 
 
 class JobStore:
-    """A thread-safe table of jobs. Rows are dicts with the columns above; JSON columns are decoded."""
+    """A thread-safe table of `Job`s, one column per field; `request`, `timings` and `uploads` are stored as JSON."""
 
     def __init__(self, path: Path):
         self.path = Path(path)
@@ -89,14 +77,14 @@ class JobStore:
         )
         db.execute("CREATE INDEX IF NOT EXISTS jobs_status ON jobs(status)")
 
-    def _row(self, values) -> dict:
+    def _job(self, values) -> Job:
         row = dict(zip(_COLUMNS, values, strict=True))
         for key in _JSON:
             row[key] = json.loads(row[key]) if row[key] else {}
-        return row
+        return Job(**row)
 
-    def insert(self, job: dict) -> None:
-        values = [json.dumps(job.get(c, {})) if c in _JSON else job.get(c) for c in _COLUMNS]
+    def insert(self, job: Job) -> None:
+        values = [json.dumps(getattr(job, c)) if c in _JSON else getattr(job, c) for c in _COLUMNS]
         with self._lock:
             seq = self._db.execute("SELECT COALESCE(MAX(seq), 0) + 1 FROM jobs").fetchone()[0]
             self._db.execute(
@@ -105,17 +93,21 @@ class JobStore:
             )
 
     def update(self, job_id: str, **fields) -> None:
+        """Set the named fields of one job (the others are left as they are)."""
         if not fields:
             return
+        unknown = set(fields) - set(_COLUMNS)
+        if unknown:
+            raise TypeError(f"a job has no field {', '.join(sorted(unknown))}")
         names = ", ".join(f"{name} = ?" for name in fields)
         values = [json.dumps(v) if k in _JSON else v for k, v in fields.items()]
         with self._lock:
             self._db.execute(f"UPDATE jobs SET {names} WHERE id = ?", [*values, job_id])
 
-    def get(self, job_id: str) -> dict | None:
+    def get(self, job_id: str) -> Job | None:
         with self._lock:
             values = self._db.execute(f"SELECT {', '.join(_COLUMNS)} FROM jobs WHERE id = ?", [job_id]).fetchone()
-        return self._row(values) if values else None
+        return self._job(values) if values else None
 
     def delete(self, job_id: str) -> None:
         with self._lock:
@@ -124,12 +116,13 @@ class JobStore:
     def list(
         self,
         *,
-        limit: int,
+        limit: int | None = None,
         after: str | None = None,
         newest_first: bool = True,
-        statuses: tuple[str, ...] | None = None,
-    ) -> list[dict]:
-        """Jobs in submission order (or reverse), starting after job `after`, at most `limit`."""
+        statuses: tuple[JobStatus, ...] | None = None,
+    ) -> list[Job]:
+        """Jobs in submission order (or reverse), starting after job `after`, at most `limit` (all with None), of
+        `statuses` only if given."""
         order = "DESC" if newest_first else "ASC"
         clauses, params = [], []
         if after is not None:
@@ -141,9 +134,10 @@ class JobStore:
         where = f"WHERE {' AND '.join(clauses)}" if clauses else ""
         with self._lock:
             rows = self._db.execute(
-                f"SELECT {', '.join(_COLUMNS)} FROM jobs {where} ORDER BY seq {order} LIMIT ?", [*params, limit]
+                f"SELECT {', '.join(_COLUMNS)} FROM jobs {where} ORDER BY seq {order} LIMIT ?",
+                [*params, -1 if limit is None else limit],
             ).fetchall()
-        return [self._row(r) for r in rows]
+        return [self._job(r) for r in rows]
 
     def count_by_status(self) -> dict[str, int]:
         with self._lock:
