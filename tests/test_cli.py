@@ -152,7 +152,8 @@ def test_invalid_parallel_degrees_fail_before_starting_processes(cache, tmp_path
 
 
 def test_reference_flags_keep_the_command_line_order():
-    from h3gen.cli import _references, build_parser
+    from h3gen.cli import build_parser
+    from h3gen.cli.arguments import references_of_args
 
     args = build_parser().parse_args(
         [
@@ -170,14 +171,14 @@ def test_reference_flags_keep_the_command_line_order():
             "d.png",
         ]
     )
-    references = _references(args)
+    references = references_of_args(args)
     assert [(r.kind, str(getattr(r, r.kind)), r.name) for r in references] == [
         ("audio", "a.wav", "--ref-audio"),
         ("image", "b.png", "--ref-image"),
         ("video", "c.mp4", "--ref-video"),
         ("image", "d.png", "--ref-image"),
     ]
-    assert _references(build_parser().parse_args(["generate", "x", "--out", "o.mp4"])) is None
+    assert references_of_args(build_parser().parse_args(["generate", "x", "--out", "o.mp4"])) is None
 
 
 def test_generate_ref2va_takes_its_length_from_the_reference_sound(cache, tmp_path):

@@ -8,7 +8,8 @@ import pytest
 from helpers.recipe_files import write_turbo
 from helpers.server_harness import run_isolated
 
-from h3gen.cli import _lora_argument, build_parser
+from h3gen.cli import build_parser
+from h3gen.cli.arguments import lora_argument
 from h3gen.media import probe_mp4
 from h3gen.pipelines.h3.tiny_checkpoint import tiny_checkpoint
 
@@ -36,10 +37,10 @@ def _h3gen(args, cache, timeout=300):
 
 
 def test_lora_flag_takes_a_path_and_an_optional_scale():
-    assert _lora_argument("a.safetensors") == ("a.safetensors", 1.0)
-    assert _lora_argument("a.safetensors:0.7") == ("a.safetensors", 0.7)
-    assert _lora_argument("dir:with:colons/a.safetensors:-0.5") == ("dir:with:colons/a.safetensors", -0.5)
-    assert _lora_argument("c:/x/a.safetensors") == ("c:/x/a.safetensors", 1.0)
+    assert lora_argument("a.safetensors") == ("a.safetensors", 1.0)
+    assert lora_argument("a.safetensors:0.7") == ("a.safetensors", 0.7)
+    assert lora_argument("dir:with:colons/a.safetensors:-0.5") == ("dir:with:colons/a.safetensors", -0.5)
+    assert lora_argument("c:/x/a.safetensors") == ("c:/x/a.safetensors", 1.0)
     args = build_parser().parse_args(
         ["generate", "x", "--out", "o.mp4", "--lora", "a.safetensors:0.7", "--lora", "b.safetensors", "--forwards", "8"]
     )

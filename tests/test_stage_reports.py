@@ -12,7 +12,7 @@ import torch
 from helpers.server_harness import wait_loaded
 from PIL import Image
 
-from h3gen.cli import _progress_bar
+from h3gen.cli.progress import progress_bar
 from h3gen.pipelines.h3.tiny_checkpoint import tiny_checkpoint
 from h3gen.server.engine import H3Engine
 from h3gen.server.jobs import STAGE_ORDER, JobManager
@@ -149,7 +149,7 @@ def _named(bar) -> str:
 
 
 def test_the_cli_bar_names_the_running_stage_and_ends_full():
-    bar, callback = _progress_bar(
+    bar, callback = progress_bar(
         {"encode_text": 1, "encode_conditions": 0, "denoise": 4, "decode_video": 1, "decode_audio": 1, "write_mp4": 1}
     )
     try:
