@@ -29,7 +29,8 @@ from common import matmul_peak_tflops, print_table, rel_l2, time_cuda
 from h3gen.linear import dense_linear
 from h3gen.pipelines.h3.packing import build_layout, row_timesteps
 from h3gen.pipelines.h3.tiers import fast_block_forward, fused_block_forward, quantize_block_linears
-from h3gen.pipelines.h3.transformer import H3RotaryPosEmbed, H3TransformerBlock, H3TransformerConfig
+from h3gen.pipelines.h3.transformer_blocks import H3RotaryPosEmbed, H3TransformerBlock
+from h3gen.pipelines.h3.transformer_config import H3TransformerConfig
 
 CFG = H3TransformerConfig()  # released dims
 HIDDEN, HEADS, HEAD_DIM, FFN = CFG.hidden_size, CFG.num_attention_heads, CFG.attention_head_dim, CFG.ffn_dim

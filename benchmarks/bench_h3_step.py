@@ -18,7 +18,8 @@ from common import print_table, rel_l2, time_cuda
 
 from h3gen.pipelines.h3.packing import build_layout, row_timesteps
 from h3gen.pipelines.h3.tiers import set_quality
-from h3gen.pipelines.h3.transformer import KEEP_FP32_MODULES, H3Transformer, H3TransformerConfig
+from h3gen.pipelines.h3.transformer import H3Transformer
+from h3gen.pipelines.h3.transformer_config import KEEP_FP32_MODULES, H3TransformerConfig
 
 TEXT_ROWS = 128
 

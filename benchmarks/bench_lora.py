@@ -37,7 +37,8 @@ from safetensors.torch import save_file
 
 from h3gen.pipelines.h3.lora_registry import LoraRegistry, activate, check_targets, deactivate
 from h3gen.pipelines.h3.tiers import set_quality
-from h3gen.pipelines.h3.transformer import H3Transformer, H3TransformerConfig
+from h3gen.pipelines.h3.transformer import H3Transformer
+from h3gen.pipelines.h3.transformer_config import H3TransformerConfig
 
 TURBO_MODULES = ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "ff.net.0.proj", "ff.net.2")
 TINY = dict(

@@ -23,7 +23,15 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import print_table, rel_l2
 
-from h3gen.kernels.mxfp4_gemm import gluon
+from h3gen.kernels.mxfp4_gemm import (
+    gluon,
+    triton_decode,
+    triton_fused,
+    triton_gemv,
+    triton_grid,
+    triton_pairs,
+    triton_scaled,
+)
 from h3gen.kernels.mxfp4_gemm import triton as mxfp4
 from h3gen.quant.mxfp4_format import dequantize, quantize
 
@@ -152,7 +160,7 @@ def sweep_dequantize(log):
         nbytes = n * k // 2 + n * k // 32 + 2 * n * k
         for config in DEQUANT_CONFIGS:
             ms = time_rotating(
-                lambda p, s, c=config: mxfp4.dequantize(p, s, torch.bfloat16, k, **c),
+                lambda p, s, c=config: triton_decode.dequantize(p, s, torch.bfloat16, k, **c),
                 [(p, s) for _, p, s in weights],
                 repeat=3,
             )
@@ -167,17 +175,17 @@ def run_config(x, packed, scales, config):
     config = dict(config)
     path = config.pop("path", "fused")
     if path == "gemv":
-        return mxfp4.gemv(x, packed, scales, **config)
+        return triton_gemv.gemv(x, packed, scales, **config)
     if path == "few_rows":  # K slices must divide K's steps: others raise and the sweep skips them
         return gluon.few_rows_matmul(x, packed, scales, **config)
     split = config.pop("split")
     if split == "auto":
-        split = mxfp4.auto_split(packed.shape[0], x.shape[1], config["block_n"], config["block_k"])
+        split = triton_grid.auto_split(packed.shape[0], x.shape[1], config["block_n"], config["block_k"])
     if path == "scaled":
-        return mxfp4.scaled_matmul(x, packed, scales, split_k=split, **config)
+        return triton_scaled.scaled_matmul(x, packed, scales, split_k=split, **config)
     if path == "pairs":
-        return mxfp4.pair_matmul(x, packed, scales, split_k=split, **config)
-    return mxfp4.fused_matmul(x, packed, scales, split_k=split, **config)
+        return triton_pairs.pair_matmul(x, packed, scales, split_k=split, **config)
+    return triton_fused.fused_matmul(x, packed, scales, split_k=split, **config)
 
 
 def sweep(rows_list, log, budget_s, paths=("few_rows", "gemv", "pairs", "fused", "scaled")):
@@ -301,7 +309,7 @@ def bench_block(rows, repeat):
 
     from h3gen.linear import dense_linear, make_linear_factory
     from h3gen.pipelines.h3.tiers import fused_block_forward
-    from h3gen.pipelines.h3.transformer import H3TransformerBlock
+    from h3gen.pipelines.h3.transformer_blocks import H3TransformerBlock
 
     torch.manual_seed(0)
     dense = H3TransformerBlock(CFG, dense_linear).to("cuda", torch.bfloat16).eval()

@@ -24,7 +24,7 @@ from h3gen.linear import dense_linear, make_linear_factory
 from h3gen.offload.layerwise import LayerwiseOffload
 from h3gen.offload.residency import OffloadPlan, spread
 from h3gen.pipelines.h3.tiers import fused_block_forward
-from h3gen.pipelines.h3.transformer import H3TransformerBlock
+from h3gen.pipelines.h3.transformer_blocks import H3TransformerBlock
 
 GiB = 2**30
 

@@ -42,7 +42,8 @@ from h3gen.parallel.state import init_parallel, valid_degrees
 from h3gen.parallel.ulysses import SequenceShard, UlyssesAttention
 from h3gen.pipelines.h3.packing import build_layout, row_timesteps
 from h3gen.pipelines.h3.tiers import fused_block_forward
-from h3gen.pipelines.h3.transformer import H3RotaryPosEmbed, H3TransformerBlock, H3TransformerConfig
+from h3gen.pipelines.h3.transformer_blocks import H3RotaryPosEmbed, H3TransformerBlock
+from h3gen.pipelines.h3.transformer_config import H3TransformerConfig
 
 GiB = 2**30
 TINY = H3TransformerConfig(

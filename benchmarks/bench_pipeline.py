@@ -352,7 +352,8 @@ def resident_step(pipe, capture: Capture, device, dtype, sizes: str) -> float:
     import json as _json
 
     from h3gen.pipelines.h3.random_weights import random_tensors
-    from h3gen.pipelines.h3.transformer import H3Transformer, H3TransformerConfig
+    from h3gen.pipelines.h3.transformer import H3Transformer
+    from h3gen.pipelines.h3.transformer_config import H3TransformerConfig
 
     torch.cuda.set_per_process_memory_fraction(1.0, device)
     folder = Path(pipe.checkpoint.folder("transformer"))

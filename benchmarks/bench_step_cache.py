@@ -46,7 +46,8 @@ from h3gen.pipelines.h3.schedules import AUDIO_SHIFT, VIDEO_SHIFT, FlowSchedule
 from h3gen.pipelines.h3.step_cache import step_cache
 from h3gen.pipelines.h3.step_cache_config import StepCacheConfig
 from h3gen.pipelines.h3.tiers import set_quality
-from h3gen.pipelines.h3.transformer import H3Transformer, H3TransformerConfig
+from h3gen.pipelines.h3.transformer import H3Transformer
+from h3gen.pipelines.h3.transformer_config import H3TransformerConfig
 
 GiB = 2**30
 ROWS = 37838

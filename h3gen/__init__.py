@@ -32,7 +32,7 @@ _LAZY = {
     "AudioReference": "h3gen.pipelines.h3.references",
     "RunOptions": "h3gen.options",
     "H3Transformer": "h3gen.pipelines.h3.transformer",
-    "H3TransformerConfig": "h3gen.pipelines.h3.transformer",
+    "H3TransformerConfig": "h3gen.pipelines.h3.transformer_config",
     "tiny_checkpoint": "h3gen.pipelines.h3.tiny_checkpoint",
     "read_lora": "h3gen.pipelines.h3.lora_formats",
     "LoraFile": "h3gen.pipelines.h3.lora_formats",

@@ -3,7 +3,7 @@
 A resident MiniMax-H3 pipeline fills an H200 to within a few GiB (the transformer, the text encoder and a 15 s
 request's activations), and requests of different sizes (a clip's windows, the VAE's chunks) free and allocate
 blocks of many sizes. With the allocator's default fixed-size segments the freed space splinters: on an H200 a 30 s
-clip's first window ran out of memory with 8.6 GiB reserved but unallocated (benchmarks/history.md). Expandable
+clip's first window ran out of memory with 8.6 GiB reserved but unallocated. Expandable
 segments (one segment per stream that grows and shrinks by pages) leave no such splinters; PyTorch's documentation
 recommends them for workloads whose allocation sizes change between iterations.
 

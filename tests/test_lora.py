@@ -36,7 +36,8 @@ from h3gen.pipelines.h3.lora_registry import (
     merge_into,
 )
 from h3gen.pipelines.h3.tiers import set_quality
-from h3gen.pipelines.h3.transformer import H3Transformer, H3TransformerConfig
+from h3gen.pipelines.h3.transformer import H3Transformer
+from h3gen.pipelines.h3.transformer_config import H3TransformerConfig
 from h3gen.quant.fp8 import Fp8Linear
 from h3gen.quant.mxfp4 import MXFP4Linear
 

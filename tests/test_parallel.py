@@ -30,7 +30,7 @@ def _worker(rank, world, init_file, payload_path, result_dir, config=CONFIG):
 
     from h3gen.parallel import init_parallel
     from h3gen.pipelines.h3.tiers import set_quality
-    from h3gen.pipelines.h3.transformer import H3TransformerConfig
+    from h3gen.pipelines.h3.transformer_config import H3TransformerConfig
 
     join_gloo(rank, world, init_file)
     payload = torch.load(payload_path)

@@ -309,7 +309,7 @@ def _parallel_worker(rank, world, init_file, payload_path, result_dir):
     from helpers.parallel_model import join_gloo, load_full_state_dict, parallel_transformer
 
     from h3gen.parallel import init_parallel
-    from h3gen.pipelines.h3.transformer import H3TransformerConfig
+    from h3gen.pipelines.h3.transformer_config import H3TransformerConfig
 
     join_gloo(rank, world, init_file)
     payload = torch.load(payload_path)

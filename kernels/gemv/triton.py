@@ -99,10 +99,9 @@ def _rows_linear_kernel(
 
 def _tiles(rows: int, k: int, block_n: int | None, block_k: int | None, num_warps: int | None) -> tuple[int, int, int]:
     """Default tiles and warps: up to 2048 of K per step; at one or two rows 4 weight rows per program (8 below K =
-    2048) and one warp: many small programs keep the most bytes in flight (H200, the few-row GEMV tile sweep in
-    benchmarks/history.md, 2026-11-29 at 5aa255e: the best or within 10 % of it at every decode shape of the K3 mid
-    config, 1.2-1.5x faster than 4 x 2048 with 4 warps at two rows); from three rows about 8 K weights per program and 4
-    warps."""
+    2048) and one warp: many small programs keep the most bytes in flight (H200, the few-row GEMV tile sweep: the best
+    or within 10 % of it at every decode shape of the K3 mid config, 1.2-1.5x faster than 4 x 2048 with 4 warps at two
+    rows); from three rows about 8 K weights per program and 4 warps."""
     block_k = block_k or min(2048, max(16, next_power_of_2(k)))
     if rows <= 2:
         return block_n or (4 if block_k >= 2048 else 8), block_k, num_warps or 1

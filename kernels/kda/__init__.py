@@ -28,9 +28,9 @@ def _fla_chunk_kda():
 
 def kda_chunked(q, k, v, g, beta, scale, initial_state=None, chunk_size: int = 64):
     """The chunked recurrence (see `reference.kda_chunked`). Returns (`o` `[B, T, H, V]` in v.dtype, final state
-    float32). With `H3GEN_FLA=1` on CUDA and fla-core installed (`pip install h3gen[k3]`), fla's Triton chunk
-    kernel (3x the prefill speed on the H200, benchmarks/history.md; its first call autotunes for about a minute;
-    opt-in until its agreement with the reference is measured on a GPU); else the torch reference."""
+    float32). With `H3GEN_FLA=1` on CUDA and fla-core installed (`pip install h3gen[k3]`), fla's Triton chunk kernel (3x
+    the prefill speed on the H200; its first call autotunes for about a minute; opt-in until its agreement with the
+    reference is measured on a GPU); else the torch reference."""
     wanted = os.environ.get("H3GEN_FLA") == "1" and q.is_cuda and use_triton(q) and q.shape[1] > 0
     fla = _fla_chunk_kda() if wanted else None
     if fla is not None:

@@ -38,7 +38,7 @@ def mla_decode_splits(batch: int, device) -> int:
     """How many runs `mla_decode_partials` should split each sequence's rows into for a decode batch of `batch`:
     a power of two, enough programs to occupy a GPU at small batches (8 up to 8 sequences, halving as the batch
     doubles), and 1 (the plain `mla_decode`) off CUDA or from 64 sequences on. (H200, mid config, whole b=1 step:
-    8 splits 0.753-0.757 ms against 0.762 for 16 and 0.759 for 4; benchmarks/history.md.)"""
+    8 splits 0.753-0.757 ms against 0.762 for 16 and 0.759 for 4.)"""
     if torch.device(device).type != "cuda":
         return 1
     splits = 8

@@ -145,9 +145,9 @@ def _gemv_tiles(
     k: int, pairs: int, block_n: int | None, block_k: int | None, num_warps: int | None
 ) -> tuple[int, int, int]:
     """Default tiles and warps of the expert GEMVs: the whole K (up to 2048) in one step; for up to 16 (token, expert)
-    pairs (decode at one or two tokens) 4 K of weights per program and 2 warps, else 8 K and 4 warps (H200 sweeps in
-    benchmarks/history.md: in a graphed chain of 15 MoE layers, 2 x 2048 with 2 warps took 25.4 us per layer at one
-    token against 27.9 for 4 x 2048 with 4; 4 x 2048 and 8 x 1024 were the fastest at 6 to 48 pairs)."""
+    pairs (decode at one or two tokens) 4 K of weights per program and 2 warps, else 8 K and 4 warps (H200 sweeps: in a
+    graphed chain of 15 MoE layers, 2 x 2048 with 2 warps took 25.4 us per layer at one token against 27.9 for 4 x 2048
+    with 4; 4 x 2048 and 8 x 1024 were the fastest at 6 to 48 pairs)."""
     block_k = block_k or min(2048, max(16, next_power_of_2(k)))
     few = pairs <= 16
     return block_n or max(2 if few else 4, (4096 if few else 8192) // block_k), block_k, num_warps or (2 if few else 4)
@@ -167,9 +167,8 @@ def expert_gemv(
     """See `reference.expert_gemv`: `x` `[P / top_k, K]`, `weight` `[E, N, K]` (inner axis contiguous), `ids` `[P]`.
     `always`: the last that many of each token's `top_k` slots are the always-on experts E - always, ..., E - 1 (stacked
     after the routed ones, as `route_topk(..., always=)` routes them); with `early` their weights load before the
-    routing is known. Default: early above 16 pairs (H200, benchmarks/history.md, 2026-11-29 at ab23e40: b=8 decode
-    2.414 -> 2.301 ms per step; at one or two tokens the MoE layer lost 1.2 us, and so did running the always-on pairs
-    as a kernel of their own, 3 us)."""
+    routing is known. Default: early above 16 pairs (H200: b=8 decode 2.414 -> 2.301 ms per step; at one or two tokens
+    the MoE layer lost 1.2 us, and so did running the always-on pairs as a kernel of their own, 3 us)."""
     if weight.stride(-1) != 1:
         weight = weight.contiguous()
     x = x.contiguous()
@@ -216,12 +215,12 @@ def expert_swiglu_down(
     add: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """See `reference.expert_swiglu_down`: SwiGLU, the down GEMV and the weighted sum over the k slots in one kernel
-    (one program per token and block of outputs, all slots at once). Default tile from the H200 sweeps
-    (benchmarks/history.md: 64 experts, 2048 x 768, top 6 + the shared expert): K steps narrow as top-k grows (256 at
-    5-8 slots) so the tile of all slots stays in registers; 8 warps at one token (26.3 against 27.9 us per MoE layer in
-    a graphed 15-layer chain), K steps halved at two (35.2 against 39.6). `ahead` (0 to 4; default 1 for up to two
-    tokens, else 0): K steps whose weights load before the PDL wait (2 to 4 were no faster on the H200 at one or two
-    tokens, benchmarks/history.md, 2026-11-29 at ab23e40). `add` `[T, W]`: added to the sum before its rounding."""
+    (one program per token and block of outputs, all slots at once). Default tile from the H200 sweeps (64 experts, 2048
+    x 768, top 6 + the shared expert): K steps narrow as top-k grows (256 at 5-8 slots) so the tile of all slots stays
+    in registers; 8 warps at one token (26.3 against 27.9 us per MoE layer in a graphed 15-layer chain), K steps halved
+    at two (35.2 against 39.6). `ahead` (0 to 4; default 1 for up to two tokens, else 0): K steps whose weights load
+    before the PDL wait (2 to 4 were no faster on the H200 at one or two tokens). `add` `[T, W]`: added to the sum
+    before its rounding."""
     if down.stride(-1) != 1:
         down = down.contiguous()
     both = both.contiguous()

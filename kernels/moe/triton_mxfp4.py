@@ -1,5 +1,5 @@
 """The MXFP4-expert twins of the dense decode expert kernels in Triton (`expert_gemv_mxfp4`,
-`expert_swiglu_down_mxfp4`): E2M1 weights decoded from 32-bit words in registers (see `mxfp4_gemm.triton`)."""
+`expert_swiglu_down_mxfp4`): E2M1 weights decoded from 32-bit words in registers (see `mxfp4_gemm.triton_gemv`)."""
 
 import torch
 import triton
@@ -7,7 +7,7 @@ import triton.language as tl
 
 from h3gen.kernels._dispatch import next_power_of_2
 from h3gen.kernels._pdl import pdl_flag, pdl_launch, wait_for_inputs
-from h3gen.kernels.mxfp4_gemm.triton import _word_rows_dot, _word_x, word_rows
+from h3gen.kernels.mxfp4_gemm.triton_gemv import word_rows, word_rows_dot, word_x
 
 
 @triton.jit
@@ -37,8 +37,8 @@ def _expert_gemv_mxfp4_kernel(
     scales = scale_ptr + expert * stride_se
     acc = tl.zeros((BLOCK_N, WORDS // 4), dtype=tl.float32)
     for k0 in range(0, K, 8 * WORDS):
-        x8 = _word_x(x_ptr + (pair // top_k) * K, k0, K, WORDS)
-        acc += _word_rows_dot(packed, scales, offs_n, n_ok, k0, K, stride_pn, stride_sn, x8, WORDS)
+        x8 = word_x(x_ptr + (pair // top_k) * K, k0, K, WORDS)
+        acc += word_rows_dot(packed, scales, offs_n, n_ok, k0, K, stride_pn, stride_sn, x8, WORDS)
     total = tl.sum(acc, axis=1)
     tl.store(out_ptr + pair * N + offs_n, total.to(out_ptr.dtype.element_ty), mask=n_ok)
 
@@ -54,7 +54,7 @@ def _mxfp4_tail_step(
     gate = tl.load(both_ptr + pair * 2 * INTER + INTER + ks, mask=ks < INTER, other=0.0).to(tl.float32)
     # rounded as the separate SwiGLU kernel's output would be, then carrying 2^64 (see WORD_X_SCALE)
     act = (up * gate * tl.sigmoid(gate)).to(both_ptr.dtype.element_ty).to(tl.float32)
-    return _word_rows_dot(
+    return word_rows_dot(
         packed, scales, offs_n, n_ok, k0, INTER, stride_pn, stride_sn, act * 18446744073709551616.0, WORDS
     )
 
@@ -150,9 +150,8 @@ def expert_gemv_mxfp4(
     num_warps: int | None = None,
 ) -> torch.Tensor:
     """See `reference.expert_gemv_mxfp4`: pair p (row `p // top_k` of `x`) through its expert, decoded from the packed
-    words inside the kernel (`_word_rows_dot`). Default tiles from the H200 sweep (benchmarks/history.md; 64 experts,
-    2048 -> 1536, top 6): 16 rows x 512 K per program, 4 warps for one token's pairs (7.4 us), 2 for more (38.4 us at 8
-    tokens)."""
+    words inside the kernel (`word_rows_dot`). Default tiles from the H200 sweep (64 experts, 2048 -> 1536, top 6): 16
+    rows x 512 K per program, 4 warps for one token's pairs (7.4 us), 2 for more (38.4 us at 8 tokens)."""
     x = x.contiguous()
     packed = word_rows(packed)
     k, n, pairs = x.shape[1], packed.shape[1], ids.numel()
@@ -201,10 +200,10 @@ def expert_swiglu_down_mxfp4(
     num_warps: int | None = None,
 ) -> torch.Tensor:
     """See `reference.expert_swiglu_down_mxfp4`: SwiGLU, each pair's MXFP4 down expert and the weighted slot sum in one
-    kernel (one program per token and block of outputs). Defaults from the H200 sweep (benchmarks/history.md; 64
-    experts, 768 -> 2048, top 6): up to `MXFP4_TAIL_UNROLL_TOKENS` tokens the slots unrolled, 4 warps, 8 x 1024 for one
-    token (7.8 us; the slot loop: 11.5), 16 x 1024 for two (10.7; 16.2), 32 x 256 beyond (27.0 at 8; 29.7); more tokens
-    loop over the slots, 32 x 256 with 2 warps (79.7 us at 32; unrolled: 97.8)."""
+    kernel (one program per token and block of outputs). Defaults from the H200 sweep (64 experts, 768 -> 2048, top 6):
+    up to `MXFP4_TAIL_UNROLL_TOKENS` tokens the slots unrolled, 4 warps, 8 x 1024 for one token (7.8 us; the slot loop:
+    11.5), 16 x 1024 for two (10.7; 16.2), 32 x 256 beyond (27.0 at 8; 29.7); more tokens loop over the slots, 32 x 256
+    with 2 warps (79.7 us at 32; unrolled: 97.8)."""
     both = both.contiguous()
     packed = word_rows(packed)
     tokens, top_k = ids.shape

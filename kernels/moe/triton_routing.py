@@ -34,7 +34,7 @@ def router_logits(
 ) -> torch.Tensor:
     """See `reference.router_logits`: one program per token and `block_e` experts, float32 math on the stored
     dtypes (no cast copies). One expert per program measured best (H200, 64 x 2048: 1.9 us against 6.1 us for
-    torch's cast + float32 linear; benchmarks/history.md)."""
+    torch's cast + float32 linear)."""
     x, weight = x.contiguous(), weight.contiguous()
     tokens, d = x.shape
     experts = weight.shape[0]

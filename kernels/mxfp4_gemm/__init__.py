@@ -18,7 +18,7 @@ def mxfp4_matmul(x, packed, scales):
 def dequantize_weight(packed, scales, dtype, in_features):
     """(`[N, Kp / 2]` uint8, `[N, Kp / 32]` uint8) -> `[N, in_features]` in `dtype` (one pass on CUDA)."""
     if use_triton(packed):
-        from h3gen.kernels.mxfp4_gemm import triton as fast  # on first use: see _dispatch
+        from h3gen.kernels.mxfp4_gemm import triton_decode as fast  # on first use: see _dispatch
 
         return fast.dequantize(packed, scales, dtype, in_features)
     return dequantize(packed, scales, dtype, in_features)

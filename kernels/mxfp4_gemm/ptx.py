@@ -1,4 +1,4 @@
-"""PTX shared by the MXFP4 tensor-core paths (`triton.pair_matmul`, `gluon.few_rows_matmul`): eight E2M1 codes
+"""PTX shared by the MXFP4 tensor-core paths (`triton_pairs.pair_matmul`, `gluon_kernels`): eight E2M1 codes
 widened to four bf16 pairs in about two integer operations per code.
 
 `WIDEN_CODES` takes the four bytes of a 32-bit word in `$4` and leaves in `a` `b` the low codes of bytes (0, 1) and

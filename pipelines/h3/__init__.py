@@ -5,6 +5,10 @@ __all__ = ["H3Transformer", "H3TransformerConfig", "H3TransformerOutput"]
 
 
 def __getattr__(name: str):
+    if name == "H3TransformerConfig":
+        from h3gen.pipelines.h3 import transformer_config
+
+        return transformer_config.H3TransformerConfig
     if name in __all__:
         from h3gen.pipelines.h3 import transformer
 

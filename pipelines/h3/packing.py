@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from h3gen.pipelines.h3.geometry import AUDIO_CHANNELS
-from h3gen.pipelines.h3.transformer import AUDIO_TAG, TEXT_TAG, VIDEO_TAG
+from h3gen.pipelines.h3.transformer_config import AUDIO_TAG, TEXT_TAG, VIDEO_TAG
 
 # One latent frame spans 5/3 * (1, 4, 4, 4, 4)[frame % 5] rotary units (a 17-frame VAE chunk gives 5 latents:
 # the first covers 1 pixel frame, the others 4; 5/3 units per pixel frame = 40 units per second at 24 fps, the

@@ -26,7 +26,8 @@ from h3gen.pipelines.h3 import tiny_checkpoint as tiny
 from h3gen.pipelines.h3.checkpoint import H3Checkpoint
 from h3gen.pipelines.h3.pipeline import H3Pipeline
 from h3gen.pipelines.h3.schedules import AUDIO_SHIFT, VIDEO_SHIFT, write_scheduler_config
-from h3gen.pipelines.h3.transformer import H3Transformer, H3TransformerConfig
+from h3gen.pipelines.h3.transformer import H3Transformer
+from h3gen.pipelines.h3.transformer_config import H3TransformerConfig
 
 SIZES = ("released", "tiny")
 # Qwen3-VL-32B, the text encoder MiniMax-H3 was released with: 64 layers of width 5120 (only the first 51 are built,

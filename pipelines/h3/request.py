@@ -28,7 +28,7 @@ from h3gen.pipelines.h3.recipes import Recipe, Sampling, resolve_sampling
 from h3gen.pipelines.h3.references import PreparedReference, as_references, prepare_references, sound_seconds
 from h3gen.pipelines.h3.schedules import AUDIO_SHIFT, VIDEO_SHIFT, read_shift
 from h3gen.pipelines.h3.tasks import place_keyframes
-from h3gen.pipelines.h3.transformer import H3TransformerConfig
+from h3gen.pipelines.h3.transformer_config import H3TransformerConfig
 
 DEFAULT_SECONDS = 5.0
 KEYFRAME_NOISE_AUG = 0.999  # conditioning rows are held just short of clean

@@ -20,7 +20,7 @@ import torch
 
 from h3gen.errors import CheckpointError, RequestError
 from h3gen.pipelines.h3.references import VIDEO_SAMPLE_FPS
-from h3gen.pipelines.h3.transformer import TEXT_TAG, VIDEO_TAG
+from h3gen.pipelines.h3.transformer_config import TEXT_TAG, VIDEO_TAG
 from h3gen.pipelines.h3.video_processor import QwenVideoProcessor
 
 TEXT_ENCODER_LAYER = 50

@@ -25,7 +25,7 @@ from h3gen.kernels.swiglu import swiglu
 from h3gen.linear import to_fp8
 from h3gen.lora import wide_input
 from h3gen.options import QUALITY_TIERS, base_tier, check_choice
-from h3gen.pipelines.h3.transformer import AttentionCore
+from h3gen.pipelines.h3.transformer_blocks import AttentionCore
 
 
 def fused_block_forward(

@@ -16,7 +16,8 @@ import torch
 
 from h3gen.loading.cached_build import cached_folder, default_cache_dir
 from h3gen.pipelines.h3.schedules import write_scheduler_config
-from h3gen.pipelines.h3.transformer import H3Transformer, H3TransformerConfig
+from h3gen.pipelines.h3.transformer import H3Transformer
+from h3gen.pipelines.h3.transformer_config import H3TransformerConfig
 
 # Bump when the builder changes what it writes, so stale caches are rebuilt.
 TINY_FORMAT = 3  # 3: the three-stage audio VAE; 2: transformer_ref/, the video processor config

@@ -32,8 +32,8 @@ from h3gen.pipelines.k3.config import K3Config
 
 # Up to this many (token, expert) pairs a MoE layer with stacked experts runs one expert GEMV per pair (decode
 # batches of a few sequences); beyond, pairs are grouped into blocks per expert (`stacked_experts`), so each
-# expert's matrix is read once per block instead of once per pair. On the H200 (benchmarks/history.md) per-pair
-# GEMVs won at 8 sequences x top-6 (48 pairs), grouping at 32 x 6 (192 pairs).
+# expert's matrix is read once per block instead of once per pair. On the H200 per-pair GEMVs won at 8 sequences x
+# top-6 (48 pairs), grouping at 32 x 6 (192 pairs).
 DEVICE_ROUTING_MAX_PAIRS = 64
 # MXFP4 experts have no grouped device kernel: decode batches of up to this many pairs go per pair (a whole CUDA
 # graph needs that), larger (prefill) batches through the per-expert loop.

@@ -29,7 +29,7 @@ from h3gen.errors import RequestError
 from h3gen.media import check_pixels
 from h3gen.pipelines.k3.demo_model import tiny_checkpoint
 from h3gen.pipelines.k3.engine import K3Engine, SamplingParams
-from h3gen.pipelines.k3.engine.scheduler import FINISHED
+from h3gen.pipelines.k3.engine.request import FINISHED
 from h3gen.pipelines.k3.image_processor import K3ImageProcessor
 from h3gen.pipelines.k3.model import K3ForCausalLM
 from h3gen.pipelines.k3.tokenizer import K3Tokenizer

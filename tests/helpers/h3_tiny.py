@@ -3,7 +3,7 @@
 import torch
 
 from h3gen.pipelines.h3.packing import build_layout, patchify_video, row_timesteps
-from h3gen.pipelines.h3.transformer import KEEP_FP32_MODULES
+from h3gen.pipelines.h3.transformer_config import KEEP_FP32_MODULES
 
 # Tiny transformer configs with different heads, layers and head dims (rope rotates 6 * rope_freq_dim channels).
 TINY_CONFIGS = [

@@ -3,7 +3,7 @@ and FFN, named as LightX2V names them) and a FlashGen file (native names, its me
 
 import torch
 
-from h3gen.pipelines.h3.transformer import H3TransformerConfig
+from h3gen.pipelines.h3.transformer_config import H3TransformerConfig
 from helpers.lora_files import (
     TURBO_MODULES,
     diffusers_shapes,

@@ -6,6 +6,7 @@ import torch
 from helpers.kernel_cases import DEVICE
 
 from h3gen.kernels.mxfp4_gemm import gluon as gemm_gluon
+from h3gen.kernels.mxfp4_gemm import gluon_kernels, triton_decode
 from h3gen.kernels.mxfp4_gemm import reference as gemm_ref
 from h3gen.kernels.mxfp4_gemm import triton as gemm_triton
 from h3gen.quant.mxfp4_format import E2M1_VALUES, dequantize, quantize
@@ -177,7 +178,7 @@ def test_gluon_folded_scale_is_exact_up_to_128_and_refused_above():
     assert not gemm_gluon.foldable(quantize(torch.randn(64, 256) * 100)[1])  # blocks beyond 12 in size do not
 
 
-@pytest.mark.skipif(not gemm_gluon.HAS_TMA, reason="this Triton has no Gluon TMA")
+@pytest.mark.skipif(not gluon_kernels.HAS_TMA, reason="this Triton has no Gluon TMA")
 def test_gluon_ring_descriptor_reads_the_packed_words_and_lets_them_go():
     import gc
     import weakref
@@ -220,7 +221,7 @@ def test_gluon_path_declines_what_it_cannot_run(monkeypatch):
     if torch.cuda.is_available():
         packed, scales = packed.cuda(), scales.cuda()
         x = torch.randn(2, 256, device="cuda", dtype=torch.bfloat16)
-        assert gemm_gluon.supports(x, packed, scales) == gemm_gluon.AVAILABLE
+        assert gemm_gluon.supports(x, packed, scales) == gluon_kernels.AVAILABLE
         monkeypatch.setenv("H3GEN_GLUON", "0")
         assert not gemm_gluon.supports(x, packed, scales)  # the switch back to the Triton paths
         monkeypatch.delenv("H3GEN_GLUON")
@@ -234,7 +235,9 @@ def test_gluon_path_declines_what_it_cannot_run(monkeypatch):
         gemm_gluon.few_rows_matmul(torch.randn(2, 256), packed.cpu(), scales.cpu())
 
 
-@pytest.mark.skipif(not (torch.cuda.is_available() and gemm_gluon.AVAILABLE), reason="Gluon kernels run on a GPU only")
+@pytest.mark.skipif(
+    not (torch.cuda.is_available() and gluon_kernels.AVAILABLE), reason="Gluon kernels run on a GPU only"
+)
 @pytest.mark.parametrize(
     "n,k,splits", [(200, 1024, None), (200, 1024, 1), (200, 1024, 8), (48, 384, None), (1536, 768, None)]
 )
@@ -276,7 +279,9 @@ def test_gluon_few_rows_every_code_special_scales_and_tails(n, k, splits, ring, 
     assert not gemm_gluon._WORKSPACES[torch.device("cuda", torch.cuda.current_device())].any()  # left at zero
 
 
-@pytest.mark.skipif(not (torch.cuda.is_available() and gemm_gluon.AVAILABLE), reason="Gluon kernels run on a GPU only")
+@pytest.mark.skipif(
+    not (torch.cuda.is_available() and gluon_kernels.AVAILABLE), reason="Gluon kernels run on a GPU only"
+)
 def test_gluon_few_rows_replays_in_a_cuda_graph():
     packed, scales = quantize(torch.randn(640, 1280, device="cuda"))
     static_x = torch.randn(5, 1280, device="cuda", dtype=torch.bfloat16)
@@ -305,7 +310,7 @@ def test_triton_dequantize_matches_reference_including_special_scales():
     packed, scales = quantize(weight)
     packed[7], scales[7, 0] = 0xFF, 0  # the smallest scale and the largest magnitude codes
     device = DEVICE
-    got = gemm_triton.dequantize(packed.to(device), scales.to(device), torch.float32, 100).cpu()
+    got = triton_decode.dequantize(packed.to(device), scales.to(device), torch.float32, 100).cpu()
     expected = dequantize(packed, scales, torch.float32, 100)
     assert torch.equal(got.isnan(), expected.isnan()) and got[5, 32:64].isnan().all()
     assert torch.equal(torch.nan_to_num(got), torch.nan_to_num(expected))

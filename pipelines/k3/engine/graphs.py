@@ -179,7 +179,7 @@ def batch_sizes(max_batch: int) -> list[int]:
 
 def capture_blocker(page_size: int, uses_pages: bool) -> str | None:
     """Why the decode forward cannot be captured as a CUDA graph; None when it can (dense and MXFP4 experts both
-    can: measured against the torch reference on the H200, benchmarks/history.md)."""
+    can: on the H200 the graphed float32 engine gives the torch reference's greedy tokens with either)."""
     if uses_pages and (page_size < 16 or page_size & (page_size - 1)):
         return f"CUDA-graph decode needs a power-of-two page size >= 16 for the MLA decode kernel (got {page_size})"
     return None

@@ -1,5 +1,5 @@
-"""The K3 serving engine: a request queue, a scheduler with continuous batching and chunked prefill over one
-memory pool, the radix prefix cache, sampling and streamed output.
+"""The K3 serving engine (`K3Engine`): a request queue, a scheduler with continuous batching and chunked prefill over
+one memory pool, the radix prefix cache, sampling and streamed output (each request's state and text: `request`).
 
 One `step()`:
 1. admit waiting requests while the pool has room (a KDA slot, the first chunk's pages), taking what the prefix
@@ -18,79 +18,24 @@ that could never fit the pool is refused when added. Errors in one request finis
 """
 
 import itertools
-from dataclasses import dataclass, field
 
 import torch
 
 from h3gen.errors import RequestError
 from h3gen.pipelines.k3.engine.batch import BatchCache, LatentView
-from h3gen.pipelines.k3.engine.graphs import DecodeGraphs, DecodeLaunch, capture_blocker, prepare_for_decode
+from h3gen.pipelines.k3.engine.graphs import DecodeGraphs, capture_blocker, prepare_for_decode
 from h3gen.pipelines.k3.engine.pool import MemoryPool
 from h3gen.pipelines.k3.engine.radix import RadixCache
+from h3gen.pipelines.k3.engine.request import (
+    DECODE,
+    FINISHED,
+    PREFILL,
+    WAITING,
+    InFlightDecode,
+    Request,
+    RequestOutput,
+)
 from h3gen.pipelines.k3.engine.sampling import SamplingParams, sample, sample_on_device
-
-WAITING, PREFILL, DECODE, FINISHED = "waiting", "prefill", "decode", "finished"
-
-
-@dataclass
-class RequestOutput:
-    """What one step produced for one request. `text` is the text so far; `delta` what is new since the last
-    output (held back while it could still turn into a stop string)."""
-
-    request_id: int
-    delta: str
-    text: str
-    token_ids: list[int]
-    finished: bool = False
-    finish_reason: str | None = None  # "stop" (eos, stop token or string), "length", "error"
-    error: str | None = None
-
-
-@dataclass(eq=False)
-class Request:
-    id: int
-    prompt_ids: list[int]
-    params: SamplingParams
-    images: object = None  # ProcessedImages
-    output_ids: list[int] = field(default_factory=list)
-    status: str = WAITING
-    pages: list[int] = field(default_factory=list)
-    slot: int | None = None
-    computed: int = 0  # tokens whose MLA rows and KDA state exist
-    target: int = 0  # prefill runs until `computed == target`
-    fork: int = 0  # where the prompt left the prefix cache (a checkpoint is taken there)
-    checkpoints: dict[int, int] = field(default_factory=dict)
-    generator: torch.Generator | None = None
-    embeds: torch.Tensor | None = None  # prompt embeddings when images are given
-    sent: int = 0  # characters of text already streamed
-    text: str = ""
-    text_bytes: bytearray = field(default_factory=bytearray)  # the output's bytes, one token appended per step
-    finish_reason: str | None = None
-    error: str | None = None
-    preemptions: int = 0
-
-    @property
-    def all_ids(self) -> list[int]:
-        return self.prompt_ids + self.output_ids
-
-    def token_at(self, position: int) -> int:
-        """`all_ids[position]` without building the list (a decode step reads one token of a long sequence)."""
-        prompt = len(self.prompt_ids)
-        return self.prompt_ids[position] if position < prompt else self.output_ids[position - prompt]
-
-
-@dataclass
-class InFlightDecode:
-    """A launched decode step: its requests and, per request, `(computed, preemptions)` at launch (the position
-    the step decodes), so its token is only taken if the request is still where the step left it."""
-
-    launch: DecodeLaunch
-    requests: list[Request]
-    marks: list[tuple[int, int]]
-
-    @staticmethod
-    def still_valid(request: Request, mark: tuple[int, int]) -> bool:
-        return request.status == DECODE and (request.computed, request.preemptions) == mark
 
 
 class K3Engine:
@@ -470,32 +415,13 @@ class K3Engine:
             self._in_flight = self._launch_next(step, feed)
             chosen = step.launch.tokens()
         else:
-            chosen = self._sample_valid(step)
+            chosen = step.sample_valid()
         for request, mark, token in zip(step.requests, step.marks, chosen, strict=True):
             if not step.still_valid(request, mark):
                 continue  # finished, aborted or preempted since the step was launched: its token is dropped
             self.stats["decode_tokens"] += 1
             request.computed += 1
             self._accept(request, token, outputs)
-
-    @staticmethod
-    def _sample_valid(step: "InFlightDecode") -> list[int | None]:
-        """The step's tokens drawn on the host, only for the requests still where the step left them (a dropped
-        row must not advance its request's generator: a preempted request resumes with the same sampler state)."""
-        rows = [i for i, (r, m) in enumerate(zip(step.requests, step.marks, strict=True)) if step.still_valid(r, m)]
-        chosen: list[int | None] = [None] * len(step.requests)
-        if not rows:
-            return chosen
-        logits, argmax = step.launch.logits, step.launch.argmax
-        if len(rows) < len(step.requests):
-            index = torch.tensor(rows, device=logits.device)
-            logits, argmax = logits[index], argmax[index]
-        requests = [step.requests[i] for i in rows]
-        for i, token in zip(
-            rows, sample(logits, [r.params for r in requests], [r.generator for r in requests], argmax), strict=True
-        ):
-            chosen[i] = token
-        return chosen
 
     def _decode_eagerly(self, ready: list[Request], outputs: dict) -> None:
         try:
@@ -568,7 +494,7 @@ class K3Engine:
         elif len(request.output_ids) >= params.max_tokens:
             request.finish_reason = "length"
         if self.tokenizer is not None:
-            request.text = self._text(request, token)
+            request.text = request.text_after(self.tokenizer, token)
             for stop in params.stop:
                 where = request.text.find(stop)
                 if where >= 0:
@@ -580,42 +506,11 @@ class K3Engine:
     def _emit(self, request: Request, outputs: dict) -> None:
         """Record the request's output of this step. A request can take two tokens in one step (its prefill's
         last chunk, then a decode): the step's output then carries both deltas."""
-        output = self._output(request)
+        output = request.take_output()
         earlier = outputs.get(request.id)
         if earlier is not None:
             output.delta = earlier.delta + output.delta
         outputs[request.id] = output
-
-    def _text(self, request: Request, token: int | None) -> str:
-        """The output's text after `token` (None: nothing new): the token's bytes appended to the request's, so
-        a step decodes its bytes once instead of detokenizing the whole output again (tokenizers without
-        `token_bytes` do the latter)."""
-        piece = getattr(self.tokenizer, "token_bytes", None)
-        if piece is None:
-            return self.tokenizer.decode(request.output_ids, skip_special=True)
-        if token is not None:
-            request.text_bytes += piece(token, skip_special=True)
-        return request.text_bytes.decode("utf-8", errors="replace")
-
-    def _output(self, request: Request) -> RequestOutput:
-        text = request.text
-        visible = len(text)
-        if request.status != FINISHED:
-            hold = max((len(s) - 1 for s in request.params.stop), default=0)
-            visible = max(request.sent, len(text) - hold)
-            while visible > request.sent and text[visible - 1] == "\ufffd":  # an incomplete UTF-8 sequence
-                visible -= 1
-        delta = text[request.sent : visible]
-        request.sent = max(request.sent, visible)
-        return RequestOutput(
-            request.id,
-            delta,
-            text,
-            list(request.output_ids),
-            request.status == FINISHED,
-            request.finish_reason,
-            request.error,
-        )
 
     def _finish(self, request: Request) -> None:
         # A step launched ahead may be computing one more token for it: its memory then holds more than its
