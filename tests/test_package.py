@@ -140,6 +140,29 @@ def test_every_environment_variable_read_is_in_the_readme_table():
     assert reads <= documented, f"read but not in the README's table: {sorted(reads - documented)}"
 
 
+def test_the_architecture_page_lists_every_package_folder():
+    """docs/architecture.md's folder table names every package folder of the tree (a folder of the installed
+    folders holding an `__init__.py`), with the import name pyproject.toml's `package-dir` gives it, and names no
+    folder the tree lacks."""
+    import tomllib
+
+    page = (ROOT / "docs" / "architecture.md").read_text().split("## Folders", 1)[1].split("\n## ", 1)[0]
+    rows = dict(re.findall(r"^\| `([^`]+)/` \| (?:`([a-z0-9_.]+)`)? *\|", page, flags=re.M))
+    mapped = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
+    packages = {}
+    for name, folder in mapped.items():
+        for init in (ROOT / folder).rglob("__init__.py"):
+            relative = init.parent.relative_to(ROOT / folder).parts
+            packages[(init.parent.relative_to(ROOT)).as_posix()] = ".".join([name, *relative])
+    assert "h3gen/server" in packages and "kernels/moe" in packages  # the scan finds what it should
+    missing = sorted(set(packages) - set(rows))
+    assert not missing, f"package folders without a row in docs/architecture.md's folder table: {missing}"
+    absent = sorted(folder for folder in rows if not (ROOT / folder).is_dir())
+    assert not absent, f"docs/architecture.md lists folders the tree lacks: {absent}"
+    wrong = {folder: rows[folder] for folder in packages if rows[folder] != packages[folder]}
+    assert not wrong, f"import names in docs/architecture.md that differ from the installed ones: {wrong}"
+
+
 FAST_MOVING = (
     "torch",
     "triton",

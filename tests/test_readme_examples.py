@@ -1,9 +1,11 @@
-"""The README's examples run as written.
+"""The examples of the README and of the docs pages run as written.
 
-The shell blocks that use the tiny demo model (no `--model`) run exactly as printed. The blocks that name the released
-checkpoint (`--model /models/MiniMax-H3`) run with the tiny checkpoint's folder in its place and small input files
-under the names they use (bud.png, singer.png, voice.m4a, ...); the ref2va curl block runs against a tiny server with
-its address and key put in. Examples that need what a CPU test machine has not, and the test that checks each:
+The examples are the fenced blocks of README.md and docs/*.md (`PAGES`); a command printed on several pages counts
+once. The shell blocks that use the tiny demo model (no `--model`) run exactly as printed. The blocks that name the
+released checkpoint (`--model /models/MiniMax-H3`) run with the tiny checkpoint's folder in its place and small input
+files under the names they use (bud.png, singer.png, voice.m4a, ...); the ref2va curl block (docs/rest-api.md) runs
+against a tiny server with its address and key put in. Examples that need what a CPU test machine has not, and the
+test that checks each:
 
 - `--tp 2 --ulysses 4`: tests/test_cli.py::test_generate_with_ulysses_under_torchrun_matches_one_process (2 ranks).
 - `--lora minimax_h3_fl2v_turbo_...`, `--lora style.safetensors:0.7 ...`: tests/test_cli_loras.py.
@@ -34,25 +36,30 @@ from h3gen.pipelines.h3.tiny_checkpoint import tiny_checkpoint
 pytestmark = [pytest.mark.server, pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parents[1]
-README = (ROOT / "README.md").read_text()
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]  # the README's examples come first
 RELEASED = "/models/MiniMax-H3"
 KEY = "readme-key"
 
 
 def blocks(language: str) -> list[str]:
-    """The README's fenced blocks of `language`, as written."""
-    return re.findall(rf"^```{language}\n(.*?)^```", README, flags=re.S | re.M)
+    """The fenced blocks of `language` of every page, as written, the README's first."""
+    return [
+        block
+        for page in PAGES
+        for block in re.findall(rf"^```{language}\n(.*?)^```", page.read_text(), flags=re.S | re.M)
+    ]
 
 
 def commands(prefix: str) -> list[str]:
-    """Every shell command of the README that starts with `prefix`, continuation lines joined, comments dropped."""
+    """Every shell command of the pages that starts with `prefix`, continuation lines joined, comments dropped; a
+    command printed on several pages once."""
     found = []
     for block in blocks("bash"):
         for command in block.replace("\\\n", " ").splitlines():
             command = command.split("   #", 1)[0].strip()
             if command.startswith(prefix):
                 found.append(command)
-    return found
+    return list(dict.fromkeys(found))
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +71,7 @@ def cache(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def inputs(tmp_path_factory) -> Path:
-    """A folder holding the input files the README's examples name."""
+    """A folder holding the input files the examples name."""
     folder = tmp_path_factory.mktemp("readme-inputs")
     for name, colour in (
         ("bud.png", (40, 120, 40)),
@@ -99,8 +106,8 @@ def test_quick_start_runs_as_written(cache, tmp_path):
 
 
 def test_cli_examples_on_the_released_layout_run_on_the_tiny_one(cache, inputs, tmp_path):
-    """The Quick start's fox and bloom commands and the ref2va command, with the tiny checkpoint for the released
-    one."""
+    """The first clip's fox and bloom commands (README.md, docs/cli.md) and the ref2va command (docs/cli.md), with
+    the tiny checkpoint for the released one."""
     wanted = ("a red fox runs through fresh snow", "the flower opens", "<Picture 1> sings")
     chosen = [c for c in commands("h3gen generate") if RELEASED in c and any(w in c for w in wanted)]
     assert len(chosen) == 3, chosen
@@ -119,7 +126,7 @@ def test_cli_examples_on_the_released_layout_run_on_the_tiny_one(cache, inputs, 
 
 @pytest.mark.slow
 def test_long_clip_example_runs_as_written(cache, tmp_path):
-    """The 40 s clip over four windows with a prompt per window (the tiny demo model)."""
+    """The 40 s clip over four windows with a prompt per window (docs/cli.md; the tiny demo model)."""
     (command,) = [c for c in commands("h3gen generate") if "--seconds 40" in c]
     result = _run(command, tmp_path, cache, timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -129,8 +136,8 @@ def test_long_clip_example_runs_as_written(cache, tmp_path):
 
 
 def test_python_quick_start_block_runs_on_the_tiny_model(cache, tmp_path):
-    """The first Python block, with `h3gen.tiny_checkpoint()` where it names the released folder (as its comment
-    says)."""
+    """The README's Python block (docs/python-api.md repeats it), with `h3gen.tiny_checkpoint()` where it names the
+    released folder (as its comment says)."""
     block = next(b for b in blocks("python") if 'H3Pipeline.from_pretrained("/models/MiniMax-H3")' in b)
     code = block.replace(f'"{RELEASED}"', "h3gen.tiny_checkpoint()")
     code += "\nassert out.video.shape[0] == 124 and out.audio.shape[0] == 2\nprint('ok')\n"
@@ -141,8 +148,8 @@ def test_python_quick_start_block_runs_on_the_tiny_model(cache, tmp_path):
 
 
 def test_ref2va_curl_example_sends_the_prompt_as_text(cache, inputs, tmp_path):
-    """The README's curl command (`--form-string` for the prompt, whose `<` curl would read as a file) against a
-    tiny server."""
+    """The curl command of docs/rest-api.md (`--form-string` for the prompt, whose `<` curl would read as a file)
+    against a tiny server."""
     if shutil.which("curl") is None:
         pytest.skip("curl is not installed")
     (command,) = [c for c in commands("curl") if "task=ref2va" in c]
