@@ -140,9 +140,9 @@ def bench_rows(
     ratios when `rounds` > 1."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from h3gen.kernels.attention import _fa3
+    from h3gen.kernels.attention import fa3_kernel
 
-    fa3_available = _fa3() is not None
+    fa3_available = fa3_kernel() is not None
     x, temb, idx, rope = make_inputs(rows, device)
     args = (temb, idx, rope)
     flops = block_flops(rows)

@@ -35,7 +35,7 @@ from helpers.parallel_model import load_full_state_dict
 
 from h3gen.linear import dense_linear, make_linear_factory
 from h3gen.offload.apply import ON_DEMAND
-from h3gen.offload.layerwise import LayerwiseOffload, _owned_tensors
+from h3gen.offload.layerwise import LayerwiseOffload, owned_tensors
 from h3gen.offload.residency import parse_bytes, plan_residency
 from h3gen.offload.shared_host import shared_store_for_ranks
 from h3gen.parallel.state import init_parallel, valid_degrees
@@ -313,7 +313,7 @@ def run_workstation(args, cfg, device, dtype, world: int, rank: int) -> list[dic
     # Residency as the product plans it (`apply_layerwise_offload`): a fifth of the budget for activations, the
     # AdaLN projections out of the per-step stream.
     budget = parse_bytes(args.gpu_memory)
-    block_bytes = [sum(t.numel() * t.element_size() for *_, t in _owned_tensors(b, ON_DEMAND)) for b in blocks]
+    block_bytes = [sum(t.numel() * t.element_size() for *_, t in owned_tensors(b, ON_DEMAND)) for b in blocks]
     plan = plan_residency(block_bytes, budget - budget // 5, prefetch=args.prefetch)
     store_bytes = sum(weight_bytes(b) for b in blocks)
     store = shared_store_for_ranks("bench-parallel-blocks", store_bytes, pin=device.type == "cuda")

@@ -37,7 +37,8 @@ def available_attention_backends() -> tuple[str, ...]:
 
 
 @functools.cache
-def _fa3():
+def fa3_kernel():
+    """FlashAttention-3's `flash_attn_func`, or None where it is not installed."""
     # FlashAttention-3's own module name, or the forward-only build's (`fa3-fwd` on PyPI).
     for module in ("flash_attn_interface", "fa3_fwd_interface"):
         try:
@@ -72,7 +73,7 @@ def _takes(dtype: torch.dtype, head_dim: int, largest: int) -> bool:
 
 def fa3_available() -> bool:
     """True when a FlashAttention-3 module is importable (`pip install fa3-fwd` on Hopper)."""
-    return _fa3() is not None
+    return fa3_kernel() is not None
 
 
 def _fa3_fp8(query, key, value):
@@ -96,8 +97,8 @@ def fp8_attention(
         dequantized inputs through torch's SDPA in float32 (the reference, how tests run this path on the CPU).
     """
     (q, sq), (k, sk), (v, sv) = query, key, value
-    if q.is_cuda and _fa3() is not None:
-        out = _fa3()(q, k, v, causal=False, q_descale=sq, k_descale=sk, v_descale=sv)
+    if q.is_cuda and fa3_kernel() is not None:
+        out = fa3_kernel()(q, k, v, causal=False, q_descale=sq, k_descale=sk, v_descale=sv)
         out = out[0] if isinstance(out, tuple) else out
         return out.to(out_dtype)
     dense = [(t.float() * s[:, None, :, None]).transpose(1, 2) for t, s in ((q, sq), (k, sk), (v, sv))]
@@ -122,9 +123,9 @@ def resolve_backend(
     if name == "auto":
         major = torch.cuda.get_device_capability(device)[0] if device.type == "cuda" else 0
         name = _auto_backend(
-            device.type, major, dtype, head_dim, _fa3() is not None, torch.backends.cudnn.is_available()
+            device.type, major, dtype, head_dim, fa3_kernel() is not None, torch.backends.cudnn.is_available()
         )
-    if name in ("fa3", "fa3-fp8") and _fa3() is None:
+    if name in ("fa3", "fa3-fp8") and fa3_kernel() is None:
         raise ValueError("attention backend 'fa3' needs FlashAttention-3 (flash_attn_interface), not importable.")
     if name in _HALF_ONLY and not _takes(dtype, head_dim, _HALF_ONLY[name]):
         raise ValueError(
@@ -168,7 +169,7 @@ def attention(
         if name == "fa3-fp8":
             out = _fa3_fp8(query, key, value)
         else:
-            out = _fa3()(query, key, value, causal=False)
+            out = fa3_kernel()(query, key, value, causal=False)
         out = out[0] if isinstance(out, tuple) else out
         return out.transpose(1, 2) if layout == "bhsd" else out
     if layout == "bshd":

@@ -3,7 +3,7 @@ which blocks stay and which stream."""
 
 import torch
 
-from h3gen.offload.layerwise import LayerwiseOffload, _owned_tensors
+from h3gen.offload.layerwise import LayerwiseOffload, owned_tensors
 from h3gen.offload.residency import OffloadPlan, plan_residency
 from h3gen.options import parse_bytes
 
@@ -39,7 +39,7 @@ def apply_layerwise_offload(
     for module in transformer.children():
         if module is not blocks:
             module.to(device)
-    block_bytes = [_bytes(t for *_, t in _owned_tensors(block, ON_DEMAND)) for block in blocks]
+    block_bytes = [_bytes(t for *_, t in owned_tensors(block, ON_DEMAND)) for block in blocks]
     other = _bytes(p for n, p in transformer.named_parameters() if not n.startswith("transformer_blocks."))
     plan = plan_residency(block_bytes, budget - other - reserve, prefetch=prefetch, policy=policy)
     offload = LayerwiseOffload(

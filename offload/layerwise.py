@@ -38,7 +38,7 @@ class _Slot:
     shape: torch.Size
 
 
-def _owned_tensors(module: nn.Module, skip: tuple[str, ...]):
+def owned_tensors(module: nn.Module, skip: tuple[str, ...]):
     """(owner module, attribute name, is parameter, tensor) for every parameter and buffer under `module`, except
     those under sub-modules whose name (relative to `module`) is in `skip`."""
     for sub_name, sub in module.named_modules():
@@ -55,7 +55,7 @@ def _owned_tensors(module: nn.Module, skip: tuple[str, ...]):
 def packed_sizes(module: nn.Module, skip: tuple[str, ...] = ()) -> dict[torch.dtype, int]:
     """Elements per dtype a `PackedModule` of `module` holds (works on the meta device)."""
     sizes: dict[torch.dtype, int] = {}
-    for *_, tensor in _owned_tensors(module, skip):
+    for *_, tensor in owned_tensors(module, skip):
         sizes[tensor.dtype] = sizes.get(tensor.dtype, 0) + tensor.numel()
     return sizes
 
@@ -76,7 +76,7 @@ class PackedModule:
     ):
         self.slots: list[_Slot] = []
         sizes: dict[torch.dtype, int] = {}
-        tensors = list(_owned_tensors(module, skip))
+        tensors = list(owned_tensors(module, skip))
         for owner, name, is_param, tensor in tensors:
             offset = sizes.get(tensor.dtype, 0)
             self.slots.append(_Slot(owner, name, is_param, tensor.dtype, offset, tensor.shape))
@@ -158,7 +158,7 @@ class LayerwiseOffload:
         self.host_store = host_store
         if host_store is None:
             for index in plan.resident:
-                for owner, name, is_param, tensor in _owned_tensors(blocks[index], on_demand):
+                for owner, name, is_param, tensor in owned_tensors(blocks[index], on_demand):
                     _move(owner, name, is_param, tensor.to(self.device))
             packed = {key: PackedModule(module, skip, pin) for key, (module, skip) in units.items()}
         else:

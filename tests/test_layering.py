@@ -357,3 +357,71 @@ def test_relative_and_from_imports_name_the_module():
         (2, "h3gen.quant.mxfp4"),
         (3, "h3gen.quant.mxfp4"),
     ]
+
+
+def _is_private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def private_problems(path: str, source: str, modules: set[str], importer: str | None) -> list[Problem]:
+    """Each use of another h3gen module's private (`_name`) names in `source`: `from X import _y`, and `m._y` where
+    `m` is an h3gen module it imported (`import h3gen.x as m`, `from h3gen import x as m`). A package may use its own
+    modules' private names only from inside the same module."""
+    aliases, problems = {}, []
+    tree = ast.parse(source, filename=path)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("h3gen") and not node.level:
+            for alias in node.names:
+                full = f"{node.module}.{alias.name}"
+                if full in modules:
+                    aliases[alias.asname or alias.name] = full
+                elif _is_private(alias.name) and node.module != importer:
+                    problems.append(Problem(path, node.lineno, f"imports {node.module}'s private name {alias.name}"))
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.startswith("h3gen") and alias.asname:
+                    aliases[alias.asname] = alias.name
+    for node in ast.walk(tree):
+        if (
+            isinstance(node, ast.Attribute)
+            and isinstance(node.value, ast.Name)
+            and node.value.id in aliases
+            and _is_private(node.attr)
+            and aliases[node.value.id] != importer
+        ):
+            problems.append(Problem(path, node.lineno, f"uses {aliases[node.value.id]}'s private name {node.attr}"))
+    return problems
+
+
+def benchmark_sources() -> dict[str, str]:
+    return {path.relative_to(ROOT).as_posix(): path.read_text() for path in sorted((ROOT / "benchmarks").rglob("*.py"))}
+
+
+def test_no_module_uses_another_modules_private_names():
+    sources = tree_sources()
+    modules = {module_name(path) for path in sources}
+    problems = []
+    for path, source in {**sources, **benchmark_sources()}.items():
+        problems += private_problems(path, source, modules, module_name(path))
+    assert not problems, "private names used across modules (make them public, or keep the use inside):\n" + "\n".join(
+        str(p) for p in problems
+    )
+
+
+def test_private_name_checker_reports_both_forms():
+    modules = {"h3gen.pipelines.h3.video_decode", "h3gen.media"}
+    source = (
+        "from h3gen.pipelines.h3 import video_decode\nfrom h3gen.media import _shown, probe_mp4\n"
+        "video_decode._tiles(1, 2)\nvideo_decode.decode(1)\n"
+    )
+    problems = private_problems("benchmarks/x.py", source, modules, None)
+    assert [(p.line, p.text.split()[-1]) for p in problems] == [(2, "_shown"), (3, "_tiles")]
+    assert not private_problems("h3gen/media/x.py", "from h3gen.media.x import _own\n", modules, "h3gen.media.x")
+
+
+def test_package_exports_name_no_submodule():
+    """A lazily exported name equal to a submodule's name would resolve to the submodule once it is imported."""
+    import h3gen.pipelines.h3 as h3
+
+    submodules = {path.stem for path in (ROOT / "pipelines" / "h3").glob("*.py")}
+    assert not set(h3.__all__) & submodules

@@ -166,10 +166,10 @@ def test_mxfp4_blocks_stream_their_packed_bytes_bit_identically():
         return model
 
     reference, model = quantized_copy(), quantized_copy()
-    from h3gen.offload.layerwise import _owned_tensors
+    from h3gen.offload.layerwise import owned_tensors
 
     block_bytes = sum(
-        t.numel() * t.element_size() for *_, t in _owned_tensors(model.transformer_blocks[0], ("adaln_proj",))
+        t.numel() * t.element_size() for *_, t in owned_tensors(model.transformer_blocks[0], ("adaln_proj",))
     )
     dense_block_bytes = _block_bytes(dense)
     budget = _other_bytes(model) + 3 * block_bytes  # 2 ring slots and one resident block
@@ -197,14 +197,14 @@ def test_local_ranks_share_one_host_copy_that_only_rank_0_loads(tmp_path):
     import sys
     from pathlib import Path
 
-    from h3gen.offload.layerwise import _owned_tensors
+    from h3gen.offload.layerwise import owned_tensors
 
     reference = H3Transformer.from_config(CONFIG).eval()
     randomize_(reference, seed=11)
     reference.save_pretrained(tmp_path / "transformer")
     set_quality(reference, "lossless")
     block_bytes = sum(
-        t.numel() * t.element_size() for *_, t in _owned_tensors(reference.transformer_blocks[0], ("adaln_proj",))
+        t.numel() * t.element_size() for *_, t in owned_tensors(reference.transformer_blocks[0], ("adaln_proj",))
     )
     budget = _other_bytes(reference) + 4 * block_bytes  # 2 ring slots, 2 resident blocks
     store = tmp_path / "shm"

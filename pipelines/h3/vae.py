@@ -36,7 +36,9 @@ def load_audio_vae(folder: Path, *, device):
     return vae.to(device).eval().requires_grad_(False)
 
 
-def _stat(values, device, ndim: int) -> torch.Tensor:
+def channel_stat(values, device, ndim: int) -> torch.Tensor:
+    """Per-channel `values` (a VAE's latents mean / std, or pixel mean / std) as a float32 tensor shaped to broadcast
+    over `(B, C, ...)` of `ndim` dimensions."""
     return torch.tensor(values, device=device).view(1, -1, *([1] * (ndim - 2)))
 
 
@@ -57,11 +59,13 @@ def encode_frames(vae, frames: np.ndarray) -> torch.Tensor:
     or a keyframe)."""
     device = next(vae.parameters()).device
     pixels = torch.from_numpy(np.ascontiguousarray(frames)).to(device).permute(3, 0, 1, 2)[None]
-    pixels = (pixels.to(torch.float32).div(255.0) - _stat(PIXEL_MEAN, device, 5)) / _stat(PIXEL_STD, device, 5)
+    pixels = (pixels.to(torch.float32).div(255.0) - channel_stat(PIXEL_MEAN, device, 5)) / channel_stat(
+        PIXEL_STD, device, 5
+    )
     posterior = vae.encode(pixels, return_dict=False)[0]
     latents = posterior.sample(generator=torch.Generator().manual_seed(KEYFRAME_ENCODE_SEED))
     latents = latents.to(torch.float16).float().cpu()
-    mean, std = _stat(vae.config.latents_mean, "cpu", 5), _stat(vae.config.latents_std, "cpu", 5)
+    mean, std = channel_stat(vae.config.latents_mean, "cpu", 5), channel_stat(vae.config.latents_std, "cpu", 5)
     return (latents - mean) / std
 
 
@@ -83,9 +87,9 @@ def decode_video(vae, latents: torch.Tensor, *, tier: str = "exact", check=None,
     host, or (`on_device`) a tensor where the VAE ran. `tier` picks the decoder run (`video_decode.decode`: "exact"
     is diffusers' own); `check()` runs before each decoder block (progress and cancellation)."""
     device = latents.device
-    z = latents * _stat(vae.config.latents_std, device, 5) + _stat(vae.config.latents_mean, device, 5)
+    z = latents * channel_stat(vae.config.latents_std, device, 5) + channel_stat(vae.config.latents_mean, device, 5)
     video = video_decode.decode(vae, z, tier=tier, check=check)
-    video = (video.float() * _stat(PIXEL_STD, device, 5) + _stat(PIXEL_MEAN, device, 5)).clamp(0, 1)
+    video = (video.float() * channel_stat(PIXEL_STD, device, 5) + channel_stat(PIXEL_MEAN, device, 5)).clamp(0, 1)
     frames = video[0].permute(1, 2, 3, 0)
     return frames if on_device else frames.cpu().numpy()
 
@@ -94,7 +98,7 @@ def decode_video(vae, latents: torch.Tensor, *, tier: str = "exact", check=None,
 def decode_audio(vae, latents: torch.Tensor) -> np.ndarray:
     """Normalised latents `(2, C, A)` float32 (two channels as batch) -> waveform `(2, A * 800)` float32 in [-1, 1]."""
     device = latents.device
-    z = latents * _stat(vae.config.latents_std, device, 3) + _stat(vae.config.latents_mean, device, 3)
+    z = latents * channel_stat(vae.config.latents_std, device, 3) + channel_stat(vae.config.latents_mean, device, 3)
     audio = vae.decode(z, return_dict=False)[0]
     return audio.float()[:, 0].cpu().numpy()
 

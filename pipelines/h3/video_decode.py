@@ -109,7 +109,7 @@ def _decoder_forward(
     )
 
 
-def _clip_starts(vae, num_latent_frames: int) -> tuple[list[int], int]:
+def clip_starts(vae, num_latent_frames: int) -> tuple[list[int], int]:
     """The latent start of each clip `_decode` cuts and the repeated latent frames it pads with (its lines
     mirrored: clips of `tokens_chunk_size + token_overlap` frames every `tokens_chunk_size`)."""
     token_drop = vae.config.token_drop
@@ -119,7 +119,7 @@ def _clip_starts(vae, num_latent_frames: int) -> tuple[list[int], int]:
     return [i * vae.tokens_chunk_size for i in range(num_chunks)], pad_tokens
 
 
-def _tiles(vae, height: int, width: int):
+def decode_tiles(vae, height: int, width: int):
     """The latent windows `_decode_clip` cuts (rows x columns) and the pixel overlaps it blends."""
     ratio = vae.spatial_compression_ratio
     if not vae.use_tiling:
@@ -177,10 +177,10 @@ def decode(
     if tier == "exact":
         return vae.decode(z, return_dict=False)[0]
     z = z.to(vae.post_quant_conv.weight.dtype)
-    starts, pad_tokens = _clip_starts(vae, z.shape[2])
+    starts, pad_tokens = clip_starts(vae, z.shape[2])
     if pad_tokens > 0:
         z = torch.cat([z, z[:, :, -1:].repeat(1, 1, pad_tokens, 1, 1)], dim=2)
-    rows, y_overlaps, x_overlaps = _tiles(vae, z.shape[-2], z.shape[-1])
+    rows, y_overlaps, x_overlaps = decode_tiles(vae, z.shape[-2], z.shape[-1])
     window = vae.tokens_chunk_size + vae.token_overlap
     pieces = [z[:, :, start : start + window, ys, xs] for start in starts for row in rows for ys, xs in row]
     piece_tokens = math.prod(pieces[0].shape[2:]) + vae.decoder.num_register_tokens + 1
