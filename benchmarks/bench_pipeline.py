@@ -34,8 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import matmul_peak_tflops, print_table, rel_l2, time_cuda
 
 from h3gen.media import Mp4Writer, probe_mp4, rgb_to_yuv420
-from h3gen.pipelines.h3 import pipeline as pipeline_module
-from h3gen.pipelines.h3 import video_decode
+from h3gen.pipelines.h3 import decode_stages, video_decode
 from h3gen.pipelines.h3.random_weights import random_pipeline
 from h3gen.pipelines.h3.tiers import set_quality
 from h3gen.pipelines.h3.video_decode import to_fp8_decoder
@@ -104,13 +103,13 @@ class Capture:
             return original_forward(*args, **kwargs)
 
         transformer.forward = forward
-        original_decode = pipeline_module.decode_video
+        original_decode = decode_stages.decode_video
 
         def decode_video(vae, latents, **kwargs):
             self.latents = latents.clone()
             return original_decode(vae, latents, **kwargs)
 
-        pipeline_module.decode_video = decode_video
+        decode_stages.decode_video = decode_video
 
 
 def run_request(pipe, forwards: int, out_dir: Path, device, seconds: float) -> dict:
@@ -164,8 +163,8 @@ def run_request(pipe, forwards: int, out_dir: Path, device, seconds: float) -> d
 
 def decoder_flops(vae, latents) -> float:
     """Multiply-adds x 2 of the ViT decoder over every (clip, tile) piece `video_decode.decode` runs."""
-    starts, pad = video_decode._clip_starts(vae, latents.shape[2])
-    rows, _, _ = video_decode._tiles(vae, latents.shape[-2], latents.shape[-1])
+    starts, pad = video_decode.clip_starts(vae, latents.shape[2])
+    rows, _, _ = video_decode.decode_tiles(vae, latents.shape[-2], latents.shape[-1])
     pieces = len(starts) * sum(len(row) for row in rows)
     window = vae.tokens_chunk_size + vae.token_overlap
     ys, xs = rows[0][0]
@@ -217,9 +216,9 @@ def reference_runs(pipe, capture: Capture, device, out_dir: Path, fast_decode: b
 
     vae = pipe.vae
     latents = capture.latents
-    from h3gen.pipelines.h3.vae import _stat
+    from h3gen.pipelines.h3.vae import channel_stat
 
-    z = latents * _stat(vae.config.latents_std, device, 5) + _stat(vae.config.latents_mean, device, 5)
+    z = latents * channel_stat(vae.config.latents_std, device, 5) + channel_stat(vae.config.latents_mean, device, 5)
     flops = decoder_flops(vae, z)
     peak = matmul_peak_tflops()
     results["matmul_peak_tflops"] = peak
@@ -255,7 +254,7 @@ def reference_runs(pipe, capture: Capture, device, out_dir: Path, fast_decode: b
     # The MP4 writer on these frames: x264 presets at CRF 18, frames converted on the GPU.
     from h3gen.pipelines.h3.vae import PIXEL_MEAN, PIXEL_STD
 
-    frames = (exact.float() * _stat(PIXEL_STD, device, 5) + _stat(PIXEL_MEAN, device, 5)).clamp(0, 1)[0]
+    frames = (exact.float() * channel_stat(PIXEL_STD, device, 5) + channel_stat(PIXEL_MEAN, device, 5)).clamp(0, 1)[0]
     frames = frames.permute(1, 2, 3, 0)
     audio = torch.zeros(2, round(frames.shape[0] / 24 * 32000)).numpy()
     writes = {}

@@ -1,9 +1,9 @@
 """h3gen: a serving system for MiniMax-H3 (joint video + stereo-audio diffusion).
 
-Public API: `H3Pipeline` / `H3Output` (generation), `ImageReference` / `VideoReference` / `AudioReference` (ref2va
-references), `RunOptions` (how a model loads and runs), `H3Transformer`, `tiny_checkpoint` (the demo model),
-`read_lora` / `LoraFile` (what a LoRA file holds, see docs/lora.md),
-`RequestError`, `CheckpointError`. Heavy modules are imported lazily so `import h3gen` stays light.
+Public API: `H3Pipeline` / `H3Output` (generation), `GenerationRequest` (what one clip is asked to be),
+`ImageReference` / `VideoReference` / `AudioReference` (ref2va references), `RunOptions` (how a model loads and
+runs), `H3Transformer`, `tiny_checkpoint` (the demo model), `read_lora` / `LoraFile` (what a LoRA file holds, see
+docs/lora.md), `RequestError`, `CheckpointError`. Heavy modules are imported lazily so `import h3gen` stays light.
 """
 
 from importlib.metadata import PackageNotFoundError, version
@@ -26,7 +26,8 @@ if (_root / "pyproject.toml").exists() and (_root / "kernels" / "__init__.py").e
 
 _LAZY = {
     "H3Pipeline": "h3gen.pipelines.h3.pipeline",
-    "H3Output": "h3gen.pipelines.h3.pipeline",
+    "H3Output": "h3gen.pipelines.h3.output",
+    "GenerationRequest": "h3gen.pipelines.h3.generation",
     "ImageReference": "h3gen.pipelines.h3.references",
     "VideoReference": "h3gen.pipelines.h3.references",
     "AudioReference": "h3gen.pipelines.h3.references",

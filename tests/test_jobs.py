@@ -9,7 +9,7 @@ from PIL import Image
 from h3gen.pipelines.h3.tiny_checkpoint import tiny_checkpoint
 from h3gen.server.engine import H3Engine
 from h3gen.server.jobs import JobManager, progress_of
-from h3gen.server.schemas import GenerationRequest
+from h3gen.server.schemas import GenerationBody
 
 # Job managers running tiny-model jobs: outside the fast tier.
 pytestmark = pytest.mark.slow
@@ -29,7 +29,7 @@ def manager(model, tmp_path):
 
 
 def _submit(manager, uploads=None, **fields):
-    request = GenerationRequest(prompt=fields.pop("prompt", "x"), num_inference_steps=fields.pop("steps", 2), **fields)
+    request = GenerationBody(prompt=fields.pop("prompt", "x"), num_inference_steps=fields.pop("steps", 2), **fields)
     return manager.submit(manager.engine.validate(request, uploads or {}), uploads)
 
 
@@ -98,7 +98,7 @@ def test_quality_is_validated_and_recorded(manager):
     from h3gen.errors import RequestError
 
     with pytest.raises(RequestError) as info:
-        manager.engine.validate(GenerationRequest(prompt="x", quality="fast"), {})
+        manager.engine.validate(GenerationBody(prompt="x", quality="fast"), {})
     assert info.value.field == "quality"
     job = _submit(manager, quality="exact")
     view = manager.wait(job["id"], 60)

@@ -34,18 +34,23 @@ def pipe():
 
 
 def record_windows(pipeline, monkeypatch, requests: list | None = None) -> list:
-    """Every `_denoise` result of `pipeline` from now on: (video latents, audio latents) per window; each window's
-    request goes to `requests` when given."""
-    calls, original = [], type(pipeline)._denoise
+    """Every `denoise` stage result from now on (the plain path's and each window's): (video latents, audio latents)
+    per window; each window's request goes to `requests` when given."""
+    from h3gen.pipelines.h3 import long_video
+    from h3gen.pipelines.h3 import pipeline as pipeline_module
+    from h3gen.pipelines.h3.stages import denoise as original
 
-    def denoise(self, request, *args, **kwargs):
-        result = original(self, request, *args, **kwargs)
-        calls.append((result[0].clone(), result[1].clone()))
+    calls = []
+
+    def denoise(transformer, request, *args, **kwargs):
+        result = original(transformer, request, *args, **kwargs)
+        calls.append((result.video.clone(), result.audio.clone()))
         if requests is not None:
             requests.append(request)
         return result
 
-    monkeypatch.setattr(type(pipeline), "_denoise", denoise)
+    for module in (long_video, pipeline_module):
+        monkeypatch.setattr(module, "denoise", denoise)
     return calls
 
 
@@ -296,7 +301,9 @@ def _parallel_worker(rank, world, init_file, model_dir, result_dir):
     import torch.distributed as dist
 
     from h3gen.parallel import init_parallel
+    from h3gen.pipelines.h3 import long_video
     from h3gen.pipelines.h3.pipeline import H3Pipeline
+    from h3gen.pipelines.h3.stages import denoise as original
 
     torch.set_num_threads(1)
     dist.init_process_group(
@@ -308,18 +315,14 @@ def _parallel_worker(rank, world, init_file, model_dir, result_dir):
             state = init_parallel(tp, sp, 2)
             pipe = H3Pipeline.from_pretrained(model_dir, device="cpu", torch_dtype=torch.float32, parallel=state)
             windows = []
-            original = H3Pipeline._denoise
 
-            def denoise(self, *args, original=original, windows=windows, **kwargs):
-                result = original(self, *args, **kwargs)
-                windows.append((result[0].clone(), result[1].clone()))
+            def denoise(*args, windows=windows, **kwargs):
+                result = original(*args, **kwargs)
+                windows.append((result.video.clone(), result.audio.clone()))
                 return result
 
-            H3Pipeline._denoise = denoise
-            try:
-                pipe("a cat on a piano", seconds=16, seed=4, decode=False, **CANVAS)
-            finally:
-                H3Pipeline._denoise = original
+            long_video.denoise = denoise  # a spawned process of its own: nothing to restore
+            pipe("a cat on a piano", seconds=16, seed=4, decode=False, **CANVAS)
             runs.append({"tp": tp, "sp": sp, "windows": windows})
         torch.save(runs, os.path.join(result_dir, f"{rank}.pt"))
     finally:
@@ -349,22 +352,22 @@ def test_long_request_under_tp2_and_ulysses2_equals_one_process(tmp_path, monkey
 def test_server_engine_streams_a_long_job_and_its_limit_is_a_flag(tmp_path):
     from h3gen.server.engine import H3Engine
     from h3gen.server.jobs import progress_of
-    from h3gen.server.schemas import GenerationRequest
+    from h3gen.server.schemas import GenerationBody
 
     engine = H3Engine(tiny_checkpoint(), device="cpu", max_seconds=90)
     request = engine.validate(
-        GenerationRequest(prompt="a cat", seconds=75, num_inference_steps=2, seed=3, aspect_ratio="1:1"), {}
+        GenerationBody(prompt="a cat", seconds=75, num_inference_steps=2, seed=3, aspect_ratio="1:1"), {}
     )
     assert request["windows"] == 7 and request["num_frames"] == 1807  # vLLM-Omni's example: 7 windows
     with pytest.raises(RequestError, match="5 to 90") as error:
-        engine.validate(GenerationRequest(prompt="a cat", seconds=91), {})
+        engine.validate(GenerationBody(prompt="a cat", seconds=91), {})
     assert error.value.field == "seconds"
     with pytest.raises(RequestError, match="this request has 2 windows"):
-        engine.validate(GenerationRequest(prompt="a cat", seconds=16, prompts=["a", "b", "c"]), {})
+        engine.validate(GenerationBody(prompt="a cat", seconds=16, prompts=["a", "b", "c"]), {})
 
     engine.load()
     request = engine.validate(
-        GenerationRequest(
+        GenerationBody(
             prompt="a cat", seconds=16, num_inference_steps=2, seed=3, prompts=["a cat sleeps", "a cat wakes"]
         ),
         {},

@@ -523,7 +523,7 @@ def test_pipeline_checks_adapter_files_against_free_memory_live_when_idle_else_f
     lora = read_lora(adapter_files[0], head_dim=pipe.config.attention_head_dim)
     need = lora_device_bytes(lora, "t2va", 4)
     pipe.validate("a fox", seed=1, lora_files=[lora])  # on the CPU: no cap
-    pipe.device_memory = DeviceMemory("cuda", held=pipe.device_memory.held)  # the CPU model, CUDA's figures
+    pipe.adapters.device_memory = DeviceMemory("cuda", held=pipe.device_memory.held)  # the CPU model, CUDA's figures
     fake_cuda.update(free=LORA_GPU_RESERVE + need - 1, reserved=0, allocated=0)
     with pytest.raises(
         RequestError,

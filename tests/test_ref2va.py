@@ -210,7 +210,7 @@ def _run(pipe, prompt, references, **kwargs):
     """A call, and the final latents it decoded `(video (1, C, F, h, w), audio (2, C, A))`, caught at the decoders."""
     from unittest import mock
 
-    from h3gen.pipelines.h3 import pipeline as module
+    from h3gen.pipelines.h3 import decode_stages as module
 
     caught = {}
 

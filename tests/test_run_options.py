@@ -109,7 +109,7 @@ def _choices(parser: argparse.ArgumentParser, command: str) -> dict[str, tuple]:
 
 def test_every_face_reads_the_same_values():
     from h3gen.cli import build_parser
-    from h3gen.server.schemas import GenerationRequest
+    from h3gen.server.schemas import GenerationBody
 
     parser = build_parser()
     for command in ("generate", "serve"):
@@ -118,7 +118,7 @@ def test_every_face_reads_the_same_values():
         assert choices["quantization"] == QUANTIZATIONS and choices["attention"] == ATTENTION_BACKENDS
     assert _choices(parser, "serve")["workflow"] == WORKFLOWS
     assert ATTENTION_BACKENDS == BACKENDS  # the attention dispatch owns the backend names
-    schema = GenerationRequest.model_json_schema()["properties"]
+    schema = GenerationBody.model_json_schema()["properties"]
     assert tuple(schema["quality"]["anyOf"][0]["enum"]) == QUALITY_TIERS
     assert tuple(schema["task"]["enum"]) == TASKS
     assert tuple(WORKFLOWS) == ("auto", "all", *TASKS)
@@ -135,11 +135,11 @@ def test_the_ui_task_choices_are_the_options_tasks():
 
 def test_the_server_and_the_pipeline_refuse_a_tier_with_one_message(tiny_dir):
     from h3gen.server.engine import H3Engine
-    from h3gen.server.schemas import GenerationRequest
+    from h3gen.server.schemas import GenerationBody
 
     engine = H3Engine(tiny_dir, device="cpu")
     with pytest.raises(RequestError) as served:
-        engine.validate(GenerationRequest(prompt="x", quality="fast"), {})
+        engine.validate(GenerationBody(prompt="x", quality="fast"), {})
     with pytest.raises(RequestError) as direct:
         RunOptions().request_quality("fast")
     assert str(served.value) == str(direct.value) and served.value.field == "quality"

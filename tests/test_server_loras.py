@@ -171,7 +171,7 @@ def test_a_small_lora_gpu_memory_refuses_adapters_at_submission_and_creates_no_j
 def test_the_cap_holds_before_the_model_has_loaded(setup):
     from h3gen.errors import RequestError
     from h3gen.server.engine import H3Engine
-    from h3gen.server.schemas import GenerationRequest
+    from h3gen.server.schemas import GenerationBody
 
     _, root = setup
     engine = H3Engine(
@@ -179,9 +179,9 @@ def test_the_cap_holds_before_the_model_has_loaded(setup):
     )
     assert engine.pipeline is None
     with pytest.raises(RequestError, match=r"the 1 LoRA adapters \(style\) need .* \(lora_gpu_memory\)") as error:
-        engine.validate(GenerationRequest(prompt="x", loras=[{"name": "style"}]), {})
+        engine.validate(GenerationBody(prompt="x", loras=[{"name": "style"}]), {})
     assert error.value.field == "loras"
-    engine.validate(GenerationRequest(prompt="x"), {})
+    engine.validate(GenerationBody(prompt="x"), {})
 
 
 def test_jobs_run_their_adapters_and_report_both_step_counts(setup):

@@ -16,7 +16,7 @@ from h3gen.cli.progress import progress_bar
 from h3gen.pipelines.h3.tiny_checkpoint import tiny_checkpoint
 from h3gen.server.engine import H3Engine
 from h3gen.server.jobs import STAGE_ORDER, JobManager
-from h3gen.server.schemas import GenerationRequest
+from h3gen.server.schemas import GenerationBody
 
 # Starts `h3gen serve` or the CLI in processes of their own: minutes on the 2-core CI machine.
 pytestmark = [pytest.mark.server, pytest.mark.slow]
@@ -62,7 +62,7 @@ def _leaves(root, kind):
 
 
 def _submit(manager, uploads=None, **fields):
-    request = GenerationRequest(prompt="x", num_inference_steps=fields.pop("steps", 3), **fields)
+    request = GenerationBody(prompt="x", num_inference_steps=fields.pop("steps", 3), **fields)
     return manager.submit(manager.engine.validate(request, uploads or {}), uploads)
 
 

@@ -11,7 +11,7 @@ from h3gen.media import probe_mp4
 from h3gen.pipelines.h3.recipes import MAX_SHIFT, MIN_SHIFT
 from h3gen.pipelines.h3.tiny_checkpoint import tiny_checkpoint
 from h3gen.server.engine import H3Engine
-from h3gen.server.schemas import GenerationRequest
+from h3gen.server.schemas import GenerationBody
 
 FAST = {"num_inference_steps": 2}
 _near = random.Random(7)
@@ -69,7 +69,7 @@ def engine(tmp_path_factory):
 )
 def test_values_at_and_near_every_bound_run_to_an_mp4(engine, tmp_path, name):
     fields = AT_BOUNDS[name]
-    request = engine.validate(GenerationRequest(prompt="a cat", **fields), {})
+    request = engine.validate(GenerationBody(prompt="a cat", **fields), {})
     out = tmp_path / "clip.mp4"
     engine.run(request, {}, out, lambda stage, step, total: None)
     info = probe_mp4(out)
@@ -80,5 +80,5 @@ def test_values_at_and_near_every_bound_run_to_an_mp4(engine, tmp_path, name):
 @pytest.mark.parametrize("fields, field", PAST_BOUNDS)
 def test_values_just_past_a_bound_are_refused_naming_the_field(engine, fields, field):
     with pytest.raises((RequestError, ValueError)) as error:
-        engine.validate(GenerationRequest(prompt="a cat", **fields), {})
+        engine.validate(GenerationBody(prompt="a cat", **fields), {})
     assert field in str(error.value)

@@ -12,13 +12,12 @@ from pydantic import ValidationError
 
 from h3gen.errors import RequestError
 from h3gen.options import QUALITY_HELP, TASKS, RunOptions
-from h3gen.pipelines.h3.continuation import DEFAULT_OVERLAP_FRAMES, DEFAULT_WINDOW_FRAMES
-from h3gen.pipelines.h3.geometry import MAX_SECONDS
+from h3gen.pipelines.h3 import DEFAULT_OVERLAP_FRAMES, DEFAULT_WINDOW_FRAMES, MAX_SECONDS
 from h3gen.pipelines.h3.tiny_checkpoint import TRANSFORMER as TINY_TRANSFORMER
 from h3gen.server.job import FINISHED, JobStatus
 from h3gen.server.jobs import QueueFull
 from h3gen.server.openai_video import OPENAI_STATUS
-from h3gen.server.schemas import MAX_PROMPT_CHARS, GenerationRequest
+from h3gen.server.schemas import MAX_PROMPT_CHARS, GenerationBody
 from h3gen.ui.uploads import stage_uploads
 
 ASPECTS = ["auto", "16:9", "9:16", "1:1", "4:3", "3:4", "21:9", "4:1", "1:4"]
@@ -198,7 +197,7 @@ class _Actions:
             **long_clip_fields(window_prompts, window_frames, overlap_frames),
         )
         try:
-            request = GenerationRequest.model_validate(fields)
+            request = GenerationBody.model_validate(fields)
         except ValidationError as error:
             yield problem(_validation_message(error))
             return

@@ -31,7 +31,7 @@ class AppendReference(argparse.Action):
 def references_of_args(args: argparse.Namespace) -> list | None:
     """The `--ref-image/--ref-video/--ref-audio` references in the command line's order, as the pipeline takes them
     (None when none is given)."""
-    from h3gen.pipelines.h3.references import AudioReference, ImageReference, VideoReference
+    from h3gen.pipelines.h3 import AudioReference, ImageReference, VideoReference
 
     types = {"image": ImageReference, "video": VideoReference, "audio": AudioReference}
     return [types[kind](path, name=flag) for kind, path, flag in args.references] if args.references else None

@@ -6,7 +6,7 @@ import argparse
 from h3gen.cli.arguments import run_options_of_args
 from h3gen.errors import RequestError
 from h3gen.options import RunOptions, uses_step_cache
-from h3gen.pipelines.h3.step_cache_config import StepCacheConfig
+from h3gen.pipelines.h3 import StepCacheConfig
 
 
 def workflow_of_args(args: argparse.Namespace) -> str:
@@ -19,8 +19,7 @@ def check_generate_arguments(args: argparse.Namespace) -> RunOptions:
     folders that must exist, the aspect ratio, the length and the windows, the AAC rate."""
     from pathlib import Path
 
-    from h3gen.pipelines.h3.continuation import check_max_seconds, check_seconds, check_windows
-    from h3gen.pipelines.h3.geometry import parse_aspect_ratio, resolve_canvas
+    from h3gen.pipelines.h3 import check_max_seconds, check_seconds, check_windows, parse_aspect_ratio, resolve_canvas
 
     options = run_options_of_args(args, workflow=workflow_of_args(args))
     if args.model is not None and not Path(args.model).is_dir():

@@ -17,7 +17,7 @@ from h3gen.cli.plan import planner_for
 from h3gen.cli.progress import progress_bar, quiet_libraries, window_bar
 from h3gen.errors import RequestError
 from h3gen.options import uses_step_cache
-from h3gen.pipelines.h3.step_cache_config import CACHE_HELP
+from h3gen.pipelines.h3 import CACHE_HELP
 
 
 def add_parser(commands) -> None:
@@ -128,9 +128,14 @@ def run_generate(args: argparse.Namespace) -> int:
     quiet_libraries()
 
     from h3gen.media import MediaError
-    from h3gen.pipelines.h3.checkpoint import H3Checkpoint
-    from h3gen.pipelines.h3.continuation import check_max_seconds
-    from h3gen.pipelines.h3.request import prepare_request, read_transformer_config
+    from h3gen.pipelines.h3 import (
+        GenerationRequest,
+        H3Checkpoint,
+        check_max_seconds,
+        prepare_request,
+        read_transformer_config,
+        with_prompt,
+    )
 
     if args.model is None:
         from h3gen.pipelines.h3.tiny_checkpoint import tiny_checkpoint
@@ -148,7 +153,16 @@ def run_generate(args: argparse.Namespace) -> int:
     references = references_of_args(args)
     workflow = options.workflow
     cache = step_cache_of_args(args, options.quality)
-    call = dict(
+
+    # Check the request against the checkpoint before loading any weights (or starting any process); its media are
+    # decoded here, once.
+    checkpoint = H3Checkpoint.open(args.model)
+    checkpoint.require(workflow)
+    config = read_transformer_config(checkpoint)
+    max_seconds = check_max_seconds(args.max_seconds)
+    loras, recipes = _loras(args, config.attention_head_dim)
+    request = GenerationRequest(
+        args.prompt,
         image=args.image,
         last_image=args.last_image,
         references=references,
@@ -159,19 +173,14 @@ def run_generate(args: argparse.Namespace) -> int:
         video_shift=args.video_shift,
         audio_shift=args.audio_shift,
         seed=args.seed,
+        cache=cache,
+        loras=loras or None,
         prompts=_prompts(args),
         window_frames=args.window_frames,
         overlap_frames=args.overlap_frames,
+        audio_sample_rate=args.audio_rate,
     )
-
-    # Check the request against the checkpoint before loading any weights (or starting any process).
-    checkpoint = H3Checkpoint.open(args.model)
-    checkpoint.require(workflow)
-    config = read_transformer_config(checkpoint)
-    max_seconds = check_max_seconds(args.max_seconds)
-    loras, recipes = _loras(args, config.attention_head_dim)
-    request = prepare_request(checkpoint, config, args.prompt, max_seconds=max_seconds, recipes=recipes, **call)
-    call["loras"] = loras or None
+    prepared = prepare_request(checkpoint, config, request, max_seconds=max_seconds, recipes=recipes)
     if args.planner:
         if args.tp * args.ulysses > 1:
             raise RequestError(
@@ -183,13 +192,14 @@ def run_generate(args: argparse.Namespace) -> int:
 
         planner = planner_for(args.planner, device)
         try:
-            args.prompt = planner.plan(
-                args.prompt, image=args.image if planner.accepts_images else None, seed=request.seed
+            planned = planner.plan(
+                args.prompt, image=args.image if planner.accepts_images else None, seed=prepared.seed
             ).planned
         except PlannerError as error:
             raise RequestError(str(error)) from None
         del planner  # its memory goes back before the video model loads
-        print(f"h3gen: planned prompt: {args.prompt}", file=sys.stderr)
+        prepared = with_prompt(prepared, planned)
+        print(f"h3gen: planned prompt: {planned}", file=sys.stderr)
     parallel, rank = None, 0
     if args.tp * args.ulysses > 1:
         from h3gen.parallel.launch import launched_by_torchrun, relaunch_with_torchrun, start_rank
@@ -199,7 +209,7 @@ def run_generate(args: argparse.Namespace) -> int:
             check_degrees(config.num_attention_heads, args.tp, args.ulysses)
             return relaunch_with_torchrun(
                 args.tp * args.ulysses,
-                ["generate", *args.argv_rest, "--model", args.model, "--seed", str(request.seed)],
+                ["generate", *args.argv_rest, "--model", args.model, "--seed", str(prepared.seed)],
             )
         parallel, device = start_rank(args.tp, args.ulysses, config.num_attention_heads, device)
         rank = torch.distributed.get_rank()
@@ -212,29 +222,23 @@ def run_generate(args: argparse.Namespace) -> int:
         args.model, device=device, torch_dtype=getattr(torch, DTYPES[dtype_name]), parallel=parallel, options=options
     )
     pipe.max_seconds = max_seconds
-    if args.seed is None:
-        call["seed"] = request.seed  # the seed drawn during the check, so it can be reported
-    if references and args.seconds is None:
-        call["num_frames"] = request.shape.num_frames  # the length taken from the references' sound, decoded once
     if rank != 0:  # every rank runs the same steps; rank 0 decodes, reports and writes the file
-        pipe(args.prompt, decode=False, cache=cache, **call)
+        pipe.run(prepared, decode=False)
         return 0
-    if request.continuation is not None:
-        return _generate_long(pipe, args, call, request.continuation.num_windows, request.sampling.forwards)
+    if prepared.continuation is not None:
+        return _generate_long(pipe, args, prepared)
     bar, callback = progress_bar(
         {
             "encode_text": 1,
-            "encode_conditions": len(request.keyframes) + len(request.references),
-            "denoise": request.sampling.forwards,
+            "encode_conditions": len(prepared.keyframes) + len(prepared.references),
+            "denoise": prepared.sampling.forwards,
             "decode_video": 1,
             "decode_audio": 1,
             "write_mp4": 1,
         }
     )
     try:
-        output = pipe(
-            args.prompt, callback=callback, output_path=args.out, audio_sample_rate=args.audio_rate, cache=cache, **call
-        )
+        output = pipe.run(prepared, callback=callback, output_path=args.out)
         info = output.media
     except torch.cuda.OutOfMemoryError:
         raise RequestError("the GPU ran out of memory: try fewer seconds, a smaller canvas or --dtype bf16.") from None
@@ -274,8 +278,7 @@ def _loras(args: argparse.Namespace, head_dim: int) -> tuple[list, list]:
     before any weights load)."""
     from pathlib import Path
 
-    from h3gen.pipelines.h3.lora_formats import read_lora
-    from h3gen.pipelines.h3.recipes import recipe_for
+    from h3gen.pipelines.h3 import read_lora, recipe_for
 
     loras, recipes = [], []
     for path, scale in args.lora or []:
@@ -294,15 +297,16 @@ def _cached_summary(output, tier: str) -> str:
     return f", {len(output.cached_steps)} of {output.num_forwards} forwards cached (steps {steps})"
 
 
-def _generate_long(pipe, args: argparse.Namespace, call: dict, windows: int, forwards: int) -> int:
-    """Rank 0 of a clip over 15 s: made window by window and streamed into `--out`."""
+def _generate_long(pipe, args: argparse.Namespace, prepared) -> int:
+    """Rank 0 of a clip over 15 s (`prepared`, an `H3Request`): made window by window and streamed into `--out`."""
     import torch
 
     from h3gen.media import MediaError
 
-    bar, callback = window_bar(windows, forwards)
+    windows = prepared.continuation.num_windows
+    bar, callback = window_bar(windows, prepared.sampling.forwards)
     try:
-        output = pipe(args.prompt, callback=callback, output_path=args.out, audio_sample_rate=args.audio_rate, **call)
+        output = pipe.run(prepared, callback=callback, output_path=args.out)
     except torch.cuda.OutOfMemoryError:
         raise RequestError(
             "the GPU ran out of memory: try a smaller canvas, a shorter window or --dtype bf16."

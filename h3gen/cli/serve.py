@@ -167,11 +167,11 @@ def run_serve(args: argparse.Namespace) -> int:
         raise RequestError(f"--max-queue must be at least 1 (got {args.max_queue}).", "max_queue")
     if args.max_plan_queue < 0:
         raise RequestError(f"--max-plan-queue must be 0 or more (got {args.max_plan_queue}).", "max_plan_queue")
-    from h3gen.pipelines.h3.continuation import check_max_seconds
+    from h3gen.pipelines.h3 import check_max_seconds
 
     check_max_seconds(args.max_seconds)
     if args.lora_gpu_memory is not None:
-        from h3gen.pipelines.h3.lora_registry import lora_budget_bytes
+        from h3gen.pipelines.h3 import lora_budget_bytes
 
         try:
             lora_budget_bytes(args.lora_gpu_memory)
@@ -191,8 +191,8 @@ def run_serve(args: argparse.Namespace) -> int:
     if args.tp * args.ulysses > 1:
         from h3gen.parallel.launch import launched_by_torchrun, relaunch_with_torchrun, start_rank
         from h3gen.parallel.state import check_degrees
+        from h3gen.pipelines.h3 import read_transformer_config
         from h3gen.pipelines.h3.checkpoint import H3Checkpoint
-        from h3gen.pipelines.h3.request import read_transformer_config
 
         heads = read_transformer_config(H3Checkpoint.open(args.model)).num_attention_heads
         if not launched_by_torchrun():

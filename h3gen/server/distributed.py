@@ -22,9 +22,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from h3gen.pipelines.h3.continuation import DEFAULT_MAX_SECONDS
-from h3gen.pipelines.h3.progress import STAGES
-from h3gen.server.engine import H3Engine, pipeline_arguments
+from h3gen.pipelines.h3 import DEFAULT_MAX_SECONDS, STAGES
+from h3gen.server.engine import H3Engine, generation_request
 from h3gen.server.job import DENOISE
 from h3gen.server.jobs import JobCancelled
 
@@ -169,11 +168,8 @@ def follow(
                     agree(lambda: None, request["prompt"], stage, step)
 
             try:
-                engine.pipeline(
-                    request["prompt"],
-                    callback=agreed,
-                    decode=False,
-                    **pipeline_arguments(request, images, engine.lora_folder),
+                engine.pipeline.run(
+                    generation_request(request, images, engine.lora_folder), callback=agreed, decode=False
                 )
             except (JobCancelled, RankFailure):
                 continue

@@ -10,14 +10,24 @@ import torch
 
 from h3gen.errors import RequestError
 from h3gen.options import RunOptions, uses_step_cache
+from h3gen.pipelines.h3 import (
+    DEFAULT_MAX_SECONDS,
+    SPATIAL_COMPRESSION,
+    AudioReference,
+    GenerationRequest,
+    ImageReference,
+    VideoReference,
+    check_device_budget,
+    check_max_seconds,
+    lora_budget_bytes,
+    lora_device_bytes,
+    prepare_request,
+    read_transformer_config,
+    resolve_canvas,
+)
 from h3gen.pipelines.h3.checkpoint import H3Checkpoint, resolve_workflow
-from h3gen.pipelines.h3.continuation import DEFAULT_MAX_SECONDS, check_max_seconds
-from h3gen.pipelines.h3.geometry import SPATIAL_COMPRESSION, resolve_canvas
-from h3gen.pipelines.h3.lora_registry import check_device_budget, lora_budget_bytes, lora_device_bytes
-from h3gen.pipelines.h3.references import AudioReference, ImageReference, VideoReference
-from h3gen.pipelines.h3.request import prepare_request, read_transformer_config
 from h3gen.server.lora_folder import LoraChoice, LoraFolder
-from h3gen.server.schemas import REFERENCE_FIELDS, GenerationRequest
+from h3gen.server.schemas import REFERENCE_FIELDS, GenerationBody
 
 logger = logging.getLogger(__name__)
 
@@ -39,17 +49,19 @@ def references_of(uploads: dict[str, Path]) -> list:
     return [reference for _, reference in sorted(found, key=lambda item: item[0])]
 
 
-def pipeline_arguments(request: dict, uploads: dict[str, Path], lora_folder: LoraFolder | None = None) -> dict:
-    """The `H3Pipeline.__call__` keywords of a normalized request and its files (every rank builds the same). The
-    step count goes as sigma points; the normalized request holds it resolved (a recipe's included). Its adapters
-    are named in `lora_folder` (the server's --lora-dir)."""
+def generation_request(request: dict, uploads: dict[str, Path], lora_folder: LoraFolder | None = None):
+    """The pipeline's `GenerationRequest` of a job: its normalized request (what the job store keeps) and its files
+    (every rank builds the same). The job is pinned to what was resolved when it was submitted: canvas, frame count,
+    step count (sigma points; a recipe's included) and seed. Its adapters are named in `lora_folder` (the server's
+    --lora-dir)."""
     references = references_of(uploads)
     loras = None
     if request.get("loras"):
         if lora_folder is None:
             raise RequestError("this server serves no LoRA adapters (start it with --lora-dir DIR).", "loras")
         loras = [(str(choice.path), choice.scale) for choice in lora_folder.resolve(request["loras"])]
-    return dict(
+    return GenerationRequest(
+        request["prompt"],
         image=uploads.get("image"),
         last_image=uploads.get("last_image"),
         references=references or None,
@@ -65,6 +77,7 @@ def pipeline_arguments(request: dict, uploads: dict[str, Path], lora_folder: Lor
         prompts=request.get("prompts"),
         window_frames=request.get("window_frames"),
         overlap_frames=request.get("overlap_frames"),
+        audio_sample_rate=request.get("audio_sample_rate"),
         loras=loras,
     )
 
@@ -164,7 +177,7 @@ class H3Engine:
             max_pixels=self.checkpoint.canvas_max_pixels,
         )
 
-    def validate(self, request: GenerationRequest, images: dict[str, Path]) -> dict:
+    def validate(self, request: GenerationBody, images: dict[str, Path]) -> dict:
         """Check a request fully (task, keyframes or references, geometry, seed) and return it normalized, with the
         resolved canvas, frame count and seed. `images` holds the uploads: `image` / `last_image`, and references
         keyed by `upload_name`. Raises `RequestError` naming the field."""
@@ -203,7 +216,8 @@ class H3Engine:
                 "references",
             )
         choices = self._lora_choices(request.loras)
-        arguments = dict(
+        spec = GenerationRequest(
+            request.prompt,
             image=keyframes.get("image"),
             last_image=keyframes.get("last_image"),
             references=references or None,
@@ -214,17 +228,18 @@ class H3Engine:
             video_shift=request.video_shift,
             audio_shift=request.audio_shift,
             seed=request.seed,
-            recipes=self.lora_folder.recipes(choices) if choices else [],
+            quality=quality,
             prompts=request.prompts,
             window_frames=request.window_frames,
             overlap_frames=request.overlap_frames,
-            max_seconds=self.max_seconds,
         )
+        recipes = self.lora_folder.recipes(choices) if choices else []
         lora_files = [self.lora_folder.lora_file(choice) for choice in choices]
         if self.pipeline is not None:  # loaded: its GPU budgets (activations, adapters) are known too
-            prepared = self.pipeline.validate(request.prompt, **arguments, lora_files=lora_files)
+            prepared = self.pipeline.prepare(spec, recipes=recipes, lora_files=lora_files, max_seconds=self.max_seconds)
         else:
-            prepared = prepare_request(self.checkpoint, self.config, request.prompt, **arguments)
+            limit = self.max_seconds
+            prepared = prepare_request(self.checkpoint, self.config, spec, recipes=recipes, max_seconds=limit)
             if lora_files and self.lora_gpu_memory is not None:  # a set cap applies while the model loads too
                 need = sum(lora_device_bytes(lora, prepared.task, self.dtype.itemsize) for lora in lora_files)
                 check_device_budget(need, [lora.name for lora in lora_files], self.lora_gpu_memory, None)
@@ -272,11 +287,6 @@ class H3Engine:
         what the job's status reports of the run: `cached_steps` for quality high / fast+high, else nothing."""
         if self.pipeline is None:
             raise RuntimeError(f"the model is not loaded ({self.load_error or 'still loading'}).")
-        output = self.pipeline(
-            request["prompt"],
-            callback=callback,
-            output_path=out_path,
-            audio_sample_rate=request["audio_sample_rate"],
-            **pipeline_arguments(request, images, self.lora_folder),
-        )
+        spec = generation_request(request, images, self.lora_folder)
+        output = self.pipeline.run(spec, callback=callback, output_path=out_path)
         return {"cached_steps": output.cached_steps} if uses_step_cache(request.get("quality")) else {}

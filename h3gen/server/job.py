@@ -7,7 +7,7 @@ a `str` enum, so the database, the JSON views and the metrics hold the same stri
 import enum
 from dataclasses import dataclass, field, fields
 
-from h3gen.pipelines.h3.progress import STAGES
+from h3gen.pipelines.h3 import STAGES
 
 
 class JobStatus(enum.StrEnum):
@@ -50,12 +50,6 @@ class Job:
     @property
     def finished(self) -> bool:
         return self.status in FINISHED
-
-    def __getitem__(self, name: str):
-        """A field by its name (`job["request"]`), as the rows read before they were `Job`s."""
-        if name not in FIELDS:
-            raise KeyError(name)
-        return getattr(self, name)
 
 
 FIELDS = tuple(item.name for item in fields(Job))

@@ -11,8 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from h3gen.errors import RequestError
-from h3gen.pipelines.h3.lora_formats import LoraFile, read_lora
-from h3gen.pipelines.h3.recipes import recipe_for
+from h3gen.pipelines.h3 import LoraFile, read_lora, recipe_for
 
 logger = logging.getLogger(__name__)
 

@@ -11,17 +11,18 @@ import binascii
 import re
 
 from h3gen.errors import RequestError
-from h3gen.pipelines.h3.geometry import MAX_ASPECT, MIN_ASPECT
+from h3gen.pipelines.h3 import MAX_ASPECT, MIN_ASPECT
+from h3gen.server.job import JobStatus
 
 DEFAULT_MODEL_ID = "MiniMax-H3"
 
 # A job's status in the store -> the SDK's four. A cancelled job is a failed video whose error code says so.
 OPENAI_STATUS = {
-    "queued": "queued",
-    "running": "in_progress",
-    "succeeded": "completed",
-    "failed": "failed",
-    "cancelled": "failed",
+    JobStatus.QUEUED: "queued",
+    JobStatus.RUNNING: "in_progress",
+    JobStatus.SUCCEEDED: "completed",
+    JobStatus.FAILED: "failed",
+    JobStatus.CANCELLED: "failed",
 }
 VARIANTS = ("video", "thumbnail", "spritesheet")
 SIZE_PATTERN = re.compile(r"^([0-9]{1,5})x([0-9]{1,5})$")
@@ -155,7 +156,7 @@ def nearest_size_error(width: int, height: int, canvas) -> RequestError:
 
 
 def openai_fields(request, uploads: dict, *, model_id: str, canvas, save_image) -> object:
-    """`request` (a `GenerationRequest`) with OpenAI's fields mapped onto H3's: `model` checked against the served
+    """`request` (a `GenerationBody`) with OpenAI's fields mapped onto H3's: `model` checked against the served
     one, `size` -> `aspect_ratio`, `input_reference` (a file already in `uploads["image"]`, or a data URL that
     `save_image(bytes) -> Path` stores) -> the first keyframe of an fl2va job. Raises `RequestError` naming the
     field."""

@@ -8,10 +8,19 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from pydantic_core import PydanticCustomError
 
 from h3gen.options import QUALITY_HELP, QUALITY_TIERS, TASKS, describe
-from h3gen.pipelines.h3.continuation import DEFAULT_MAX_SECONDS, MAX_SECONDS_LIMIT
-from h3gen.pipelines.h3.geometry import MAX_SECONDS, MIN_SECONDS
-from h3gen.pipelines.h3.recipes import MAX_SHIFT, MIN_SHIFT
-from h3gen.pipelines.h3.step_cache_config import CACHE_HELP, MAX_CONSECUTIVE_RANGE, THRESHOLD_RANGE, WARMUP_RANGE
+from h3gen.pipelines.h3 import (
+    CACHE_HELP,
+    DEFAULT_MAX_SECONDS,
+    MAX_CONSECUTIVE_RANGE,
+    MAX_SECONDS,
+    MAX_SECONDS_LIMIT,
+    MAX_SEED,
+    MAX_SHIFT,
+    MIN_SECONDS,
+    MIN_SHIFT,
+    THRESHOLD_RANGE,
+    WARMUP_RANGE,
+)
 from h3gen.server.json_text import JsonRefused, parse_json
 
 MAX_PROMPT_CHARS = 4000
@@ -58,10 +67,12 @@ class CacheKnobs(BaseModel):
     )
 
 
-class GenerationRequest(BaseModel):
-    """One generation job. Unknown fields are rejected (no negative prompt, no guidance: the model is distilled)."""
+class GenerationBody(BaseModel):
+    """One generation job as the REST API takes it (JSON or a multipart form; the files come as uploads), published
+    as `GenerationRequest`; the engine turns it into the pipeline's `GenerationRequest`. Unknown fields are rejected
+    (no negative prompt, no guidance: the model is distilled)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", title="GenerationRequest")
 
     prompt: str = Field(min_length=1, max_length=MAX_PROMPT_CHARS, description="What to generate, used verbatim.")
     task: Literal[TASKS] = Field(
@@ -122,7 +133,7 @@ class GenerationRequest(BaseModel):
             "never fetched."
         ),
     )
-    seed: int | None = Field(None, ge=0, le=2**63 - 1, description="Noise seed; random when omitted.")
+    seed: int | None = Field(None, ge=0, le=MAX_SEED, description="Noise seed; random when omitted.")
     num_inference_steps: int | None = Field(
         None,
         ge=2,
@@ -281,7 +292,7 @@ class InputReference(BaseModel):
     file_id: str | None = Field(None, max_length=128, description="not served: this server keeps no files")
 
 
-GenerationRequest.model_rebuild()
+GenerationBody.model_rebuild()
 
 
 class RemixRequest(BaseModel):
@@ -398,7 +409,7 @@ class Health(BaseModel):
 
 def request_body_schema() -> dict:
     """The OpenAPI request body of `POST /v1/videos`: JSON, or multipart with its files."""
-    json_schema = GenerationRequest.model_json_schema()
+    json_schema = GenerationBody.model_json_schema()
     multipart = json.loads(json.dumps(json_schema))
     multipart["additionalProperties"] = False
     for name in IMAGE_FIELDS:

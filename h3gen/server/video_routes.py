@@ -11,7 +11,7 @@ from fastapi.responses import FileResponse, JSONResponse, Response
 from starlette.datastructures import UploadFile
 
 from h3gen.media import MediaError, mp4_spritesheet, mp4_thumbnail
-from h3gen.pipelines.h3.references import MAX_REFERENCES
+from h3gen.pipelines.h3 import MAX_REFERENCES
 from h3gen.server import openai_video
 from h3gen.server.bodies import (
     MAX_JSON_BYTES,
@@ -25,11 +25,12 @@ from h3gen.server.bodies import (
     validated,
 )
 from h3gen.server.engine import upload_name
+from h3gen.server.job import JobStatus
 from h3gen.server.jobs import QueueFull
 from h3gen.server.schemas import (
     IMAGE_FIELDS,
     REFERENCE_FIELDS,
-    GenerationRequest,
+    GenerationBody,
     RemixRequest,
     VideoDeleted,
     VideoList,
@@ -37,7 +38,7 @@ from h3gen.server.schemas import (
     request_body_schema,
 )
 
-_MULTIPART_FIELDS = tuple(GenerationRequest.model_fields)
+_MULTIPART_FIELDS = tuple(GenerationBody.model_fields)
 _FILE_FIELDS = IMAGE_FIELDS + REFERENCE_FIELDS + ("input_reference",)
 MAX_FILES = len(IMAGE_FIELDS) + MAX_REFERENCES + 1  # one more, so a 13th reference gets the count's own message
 
@@ -64,7 +65,7 @@ def add_video_routes(app: FastAPI, server) -> None:
             raise HTTPException(404, f"no video {job_id[:64]!r}")
         return job
 
-    def submit(generation: GenerationRequest, uploads: dict[str, Path], staging_dir, extra: dict | None = None):
+    def submit(generation: GenerationBody, uploads: dict[str, Path], staging_dir, extra: dict | None = None):
         """Map OpenAI's fields, validate against the model and queue: the job's `Video` object."""
 
         def save_image(data: bytes) -> Path:
@@ -136,7 +137,7 @@ def add_video_routes(app: FastAPI, server) -> None:
             )
             if isinstance(data, JSONResponse):
                 return data
-            generation = await run_in_threadpool(validated, GenerationRequest, data)  # JSON fields parse off the loop
+            generation = await run_in_threadpool(validated, GenerationBody, data)  # JSON fields parse off the loop
             if isinstance(generation, JSONResponse):
                 return generation
             video = await run_in_threadpool(submit, generation, uploads, staging_dir)
@@ -180,20 +181,20 @@ def add_video_routes(app: FastAPI, server) -> None:
         # The normalized request holds both step counts resolved; num_inference_steps alone carries them over.
         settings = {
             name: value
-            for name, value in source["request"].items()
-            if name in GenerationRequest.model_fields and name not in ("prompt", "plan", "input_reference", "forwards")
+            for name, value in source.request.items()
+            if name in GenerationBody.model_fields and name not in ("prompt", "plan", "input_reference", "forwards")
         }
         if settings.get("size"):  # the normalized request holds the aspect ratio the size was mapped to
             settings.pop("aspect_ratio", None)
         staging = manager.staging_dir()
         try:
             uploads = {}
-            for name, path in source["uploads"].items():
+            for name, path in source.uploads.items():
                 if not Path(path).exists():
                     raise HTTPException(409, "the source video's uploaded files are gone; create a new video instead")
                 uploads[name] = staging / Path(path).name
                 shutil.copyfile(path, uploads[name])
-            generation = GenerationRequest.model_validate(settings | {"prompt": remix.prompt})
+            generation = GenerationBody.model_validate(settings | {"prompt": remix.prompt})
             video = submit(generation, uploads, lambda: staging, {"remixed_from_video_id": job_id})
             return JSONResponse(video, status_code=202)
         finally:  # a RequestError or QueueFull is answered by the app's handlers (422, 429)
@@ -252,11 +253,11 @@ def add_video_routes(app: FastAPI, server) -> None:
         if variant not in openai_video.VARIANTS:
             return field_error("variant", f"variant must be one of {', '.join(openai_video.VARIANTS)}", "enum")
         job = job_or_404(job_id)
-        if job["status"] == "cancelled":
+        if job["status"] == JobStatus.CANCELLED:
             raise HTTPException(410, "the job was cancelled; it has no video")
-        if job["status"] == "failed":
+        if job["status"] == JobStatus.FAILED:
             raise HTTPException(409, f"the job failed: {public_text(job['error'])}")
-        if job["status"] != "succeeded":
+        if job["status"] != JobStatus.SUCCEEDED:
             raise HTTPException(
                 409, f"the job is {openai_video.OPENAI_STATUS[job['status']]} ({job['progress']:.0f}%); try again later"
             )

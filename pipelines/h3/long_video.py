@@ -31,10 +31,11 @@ import torch
 from h3gen.errors import RequestError
 from h3gen.media import Mp4Writer, rgb_to_yuv420
 from h3gen.pipelines.h3.continuation import Window, window_geometry
-from h3gen.pipelines.h3.packing import build_layout, build_ref2va_layout, patchify_video
+from h3gen.pipelines.h3.packing import patchify_video
 from h3gen.pipelines.h3.progress import checkpoints
 from h3gen.pipelines.h3.request import KEYFRAME_NOISE_AUG, H3Request
 from h3gen.pipelines.h3.schedules import noise_to
+from h3gen.pipelines.h3.stages import Components, denoise, draw, draw_noise, encode_conditions, encode_text, pack
 from h3gen.pipelines.h3.vae import audio_decoder_units, video_decoder_units
 from h3gen.pipelines.h3.vae_stream import AudioDecodeStream, VideoDecodeStream
 
@@ -77,31 +78,14 @@ def largest_window(request: H3Request) -> H3Request:
 def window_layout(request: H3Request, window: Window, text, blocks, patch_size):
     """The packed layout of one window: the plain layout of its length, its media shifted to the window's start, and
     the guide's rows (the previous window's tail) on the window's first positions."""
-    shape = request.shape
-    extra = dict(
-        patch_size=patch_size,
+    return pack(
+        request,
+        text,
+        blocks,
+        patch_size,
         media_offset=window.temporal_offset,
         guide_frames=window.overlap_latent_frames,
         guide_audio_latents=window.overlap_audio_latents,
-    )
-    if request.task == "ref2va":
-        return build_ref2va_layout(
-            text.token_tags,
-            blocks,
-            shape.num_latent_frames,
-            shape.latent_height,
-            shape.latent_width,
-            shape.num_audio_latents,
-            **extra,
-        )
-    return build_layout(
-        text.token_tags,
-        shape.num_latent_frames,
-        shape.latent_height,
-        shape.latent_width,
-        shape.num_audio_latents,
-        keyframe_anchors=request.anchors,
-        **extra,
     )
 
 
@@ -128,7 +112,8 @@ class _Timings:
 
 
 def run_continuation(
-    pipe,
+    parts: Components,
+    transformer,
     request: H3Request,
     *,
     report,
@@ -136,17 +121,16 @@ def run_continuation(
     decode: bool,
     output_path,
     audio_sample_rate: int | None = None,
-    adapters: list | None = None,
 ):
-    """Make a continuation request with `pipe` (an `H3Pipeline`): returns `(MediaInfo of the written MP4 or None,
-    timings)`. With `decode` the clip is streamed to `output_path`; without it (the other ranks of a parallel run)
-    nothing is decoded or written."""
+    """Make a continuation request with the stages on `parts` and `transformer` (its adapters already active):
+    returns `(MediaInfo of the written MP4 or None, timings)`. With `decode` the clip is streamed to `output_path`;
+    without it (the other ranks of a parallel run) nothing is decoded or written."""
     plan = request.continuation
     if decode and output_path is None:
         raise RequestError(
             "a clip longer than 15 s is written to a file as it is made: pass output_path.", "output_path"
         )
-    cfg, timings = pipe.config, _Timings()
+    cfg, timings = parts.config, _Timings()
     windows, total = plan.windows, plan.num_windows
     texts = {}
     writer = video_stream = audio_stream = None
@@ -156,11 +140,11 @@ def run_continuation(
             Path(output_path),
             width=shape.width,
             height=shape.height,
-            sample_rate=int(pipe.audio_vae.config.sampling_rate),
+            sample_rate=parts.sample_rate,
             audio_sample_rate=audio_sample_rate,
         )
-        video_stream = VideoDecodeStream(pipe.vae, tier=tier, check=lambda: report("decode_video", 0, 1))
-        audio_stream = AudioDecodeStream(pipe.audio_vae)
+        video_stream = VideoDecodeStream(parts.vae, tier=tier, check=lambda: report("decode_video", 0, 1))
+        audio_stream = AudioDecodeStream(parts.audio_vae)
     sounds = []
     tail_video = tail_audio = None
     try:
@@ -169,26 +153,26 @@ def run_continuation(
             sub = window_request(request, window, last=window.index == total - 1)
             key = (sub.prompt, sub.anchors)
             if key not in texts:  # one encoding per distinct prompt (and keyframe)
-                texts = {key: pipe._encode_text(sub, report)}
+                texts = {key: encode_text(parts, sub, report)}
             text = texts[key]
             timings.lap("encode_text")
-            noise = pipe.draw_noise(sub)
-            video_rows, audio_rows, blocks = pipe._initial_rows(sub, noise, report)
+            rows = encode_conditions(parts, sub, draw_noise(parts, sub), report)
             if window.overlap:
-                guide = noise_to(tail_video, KEYFRAME_NOISE_AUG, pipe._draw(tuple(tail_video.shape), request.generator))
+                guide = noise_to(
+                    tail_video, KEYFRAME_NOISE_AUG, draw(parts, tuple(tail_video.shape), request.generator)
+                )
                 targets = (
                     sub.shape.num_latent_frames
                     * (sub.shape.latent_height // cfg.patch_size[1])
                     * (sub.shape.latent_width // cfg.patch_size[2])
                 )
-                video_rows = _with_guide(video_rows, targets, patchify_video(guide, cfg.patch_size))
+                rows.video = _with_guide(rows.video, targets, patchify_video(guide, cfg.patch_size))
                 guide_audio = tail_audio.permute(0, 2, 1).reshape(-1, cfg.audio_in_channels)  # (2A, C) channel-major
-                audio_rows = _with_guide(audio_rows, 2 * sub.shape.num_audio_latents, guide_audio)
+                rows.audio = _with_guide(rows.audio, 2 * sub.shape.num_audio_latents, guide_audio)
             timings.lap("encode_conditions")
-            layout = window_layout(sub, window, text, blocks, cfg.patch_size)
-            video, audio, _, _ = pipe._denoise(
-                sub, text, video_rows, audio_rows, report, tier, blocks, layout=layout, adapters=adapters
-            )
+            layout = window_layout(sub, window, text, rows.blocks, cfg.patch_size)
+            made = denoise(transformer, sub, text, rows, layout, report, device=parts.device, tier=tier)
+            video, audio = made.video, made.audio
             timings.lap("denoise")
             if window.index + 1 < total:
                 following = windows[window.index + 1]
@@ -198,7 +182,7 @@ def run_continuation(
             if decode:
                 sounds.append(
                     _decode_window(
-                        pipe,
+                        parts,
                         video_stream,
                         audio_stream,
                         writer,
@@ -209,7 +193,7 @@ def run_continuation(
                         timings=timings,
                     )
                 )
-            del video, audio, video_rows, audio_rows
+            del video, audio, rows, made
         report("window", total, total)
         info = None
         if decode:
@@ -231,12 +215,12 @@ def _write_frames(writer, frames: torch.Tensor) -> None:
         writer.add_frames(rgb_to_yuv420(frames[start : start + 17]).cpu().numpy())
 
 
-def _decode_window(pipe, video_stream, audio_stream, writer, video, audio, *, last: bool, report, timings):
+def _decode_window(parts: Components, video_stream, audio_stream, writer, video, audio, *, last: bool, report, timings):
     """Stages `decode_video` and `decode_audio` of one window's new latents: the frames are written to the MP4 as
     they are decoded (the encoder's time counts in `decode_video`); returns the sound they settle `(2, S)`
     (everything that is left, for the last window)."""
     report("decode_video", 0, 1)
-    with pipe._stage(pipe.vae), checkpoints(video_decoder_units(pipe.vae), lambda: report("decode_video", 0, 1)):
+    with parts.on_device(parts.vae), checkpoints(video_decoder_units(parts.vae), lambda: report("decode_video", 0, 1)):
         for frames in video_stream.chunks(video):
             _write_frames(writer, frames)
         if last:
@@ -245,8 +229,8 @@ def _decode_window(pipe, video_stream, audio_stream, writer, video, audio, *, la
     timings.lap("decode_video")
     report("decode_audio", 0, 1)
     with (
-        pipe._stage(pipe.audio_vae),
-        checkpoints(audio_decoder_units(pipe.audio_vae), lambda: report("decode_audio", 0, 1)),
+        parts.on_device(parts.audio_vae),
+        checkpoints(audio_decoder_units(parts.audio_vae), lambda: report("decode_audio", 0, 1)),
     ):
         sound = audio_stream.push(audio)
         if last:

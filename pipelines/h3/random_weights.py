@@ -20,12 +20,12 @@ from pathlib import Path
 import torch
 
 from h3gen.loading.load import keeps_fp32, meta_parameters
-from h3gen.offload import plan_placement
 from h3gen.options import RunOptions
 from h3gen.pipelines.h3 import tiny_checkpoint as tiny
+from h3gen.pipelines.h3.assembly import PartBuilders, assemble
 from h3gen.pipelines.h3.checkpoint import H3Checkpoint
 from h3gen.pipelines.h3.pipeline import H3Pipeline
-from h3gen.pipelines.h3.schedules import AUDIO_SHIFT, VIDEO_SHIFT, write_scheduler_config
+from h3gen.pipelines.h3.schedules import write_scheduler_config
 from h3gen.pipelines.h3.transformer import H3Transformer
 from h3gen.pipelines.h3.transformer_config import H3TransformerConfig
 
@@ -247,35 +247,28 @@ def random_pipeline(
     options = RunOptions.merged(options, **option_keywords)
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     folder = write_config_folder(folder or tempfile.mkdtemp(prefix="h3gen-random-"), sizes, seed)
-    checkpoint = H3Checkpoint.open(folder)
-    folders = {name: checkpoint.folder(name) for name in ("transformer", "text_encoder", "vae", "audio_vae")}
-    placement = plan_placement(options, device, folders)
     config = H3TransformerConfig.from_dict(json.loads((folder / "transformer" / "config.json").read_text()))
-    # Quantizing on the host would take minutes at full size: blocks are made on the device even when they stream.
-    build_device = device if options.quantization else placement.transformer_device
-    transformer = H3Transformer.from_pretrained(
-        folder / "transformer",
-        torch_dtype=torch_dtype,
-        device=build_device,
-        quantization=options.quantization,
-        tensors=random_tensors(config, dtype=torch_dtype, seed=seed),
-    )
-    if build_device != placement.transformer_device:
-        transformer = transformer.to(placement.transformer_device)
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-    placement.offload_transformer(transformer)
-    text_encoder = _text_encoder(folder, dtype=torch_dtype, device=placement.stage_device, seed=seed + 10)
-    placement.offload_text_encoder(text_encoder.model.model.language_model.layers)
-    vae, audio_vae = _vaes(folder, dtype=torch_dtype, device=placement.stage_device, seed=seed + 20)
-    return H3Pipeline(
+
+    def transformer(name, placement, store):
+        # Quantizing on the host would take minutes at full size: blocks are made on the device even when they
+        # stream.
+        build_device = device if options.quantization else placement.transformer_device
+        model = H3Transformer.from_pretrained(
+            folder / name,
+            torch_dtype=torch_dtype,
+            device=build_device,
+            quantization=options.quantization,
+            tensors=random_tensors(config, dtype=torch_dtype, seed=seed),
+        )
+        if build_device != placement.transformer_device:
+            model = model.to(placement.transformer_device)
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+        return model
+
+    builders = PartBuilders(
         transformer,
-        text_encoder,
-        vae,
-        audio_vae,
-        checkpoint=checkpoint,
-        device=device,
-        video_shift=VIDEO_SHIFT,
-        audio_shift=AUDIO_SHIFT,
-        options=options,
+        lambda placement: _text_encoder(folder, dtype=torch_dtype, device=placement.stage_device, seed=seed + 10),
+        lambda placement: _vaes(folder, dtype=torch_dtype, device=placement.stage_device, seed=seed + 20),
     )
+    return assemble(H3Pipeline, H3Checkpoint.open(folder), options, device, builders)

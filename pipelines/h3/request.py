@@ -6,7 +6,7 @@ a bad request before loading tens of gigabytes of weights.
 """
 
 import secrets
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -24,6 +24,7 @@ from h3gen.pipelines.h3.continuation import (
     plan_windows,
     window_prompts,
 )
+from h3gen.pipelines.h3.generation import MAX_SEED, GenerationRequest
 from h3gen.pipelines.h3.recipes import Recipe, Sampling, resolve_sampling
 from h3gen.pipelines.h3.references import PreparedReference, as_references, prepare_references, sound_seconds
 from h3gen.pipelines.h3.schedules import AUDIO_SHIFT, VIDEO_SHIFT, read_shift
@@ -32,7 +33,6 @@ from h3gen.pipelines.h3.transformer_config import H3TransformerConfig
 
 DEFAULT_SECONDS = 5.0
 KEYFRAME_NOISE_AUG = 0.999  # conditioning rows are held just short of clean
-MAX_SEED = 2**63 - 1
 
 
 @dataclass
@@ -51,6 +51,7 @@ class H3Request:
     references: list[PreparedReference] = field(default_factory=list)  # ref2va, normalized, in order
     continuation: ContinuationPlan | None = None  # a clip longer than 15 s: its windows (shape: the whole clip)
     seconds: float | None = None  # the length asked for (or the default that applied); None when given in frames
+    spec: GenerationRequest | None = None  # what was asked, as asked (with the seed that applied)
 
     @property
     def task(self) -> str:
@@ -70,54 +71,41 @@ def _check_int(value, name: str, low: int, high: int, what: str) -> None:
 def prepare_request(
     checkpoint: H3Checkpoint,
     config: H3TransformerConfig,
-    prompt,
+    request: GenerationRequest,
     *,
-    image=None,
-    last_image=None,
-    references=None,
-    aspect_ratio=None,
-    seconds=None,
-    num_frames=None,
-    height=None,
-    width=None,
-    num_inference_steps=None,
-    forwards=None,
-    video_shift=None,
-    audio_shift=None,
     recipes: list[Recipe] = (),
     default_shifts: tuple[float, float] | None = None,
-    seed=None,
     generator=None,
     latents=None,
     audio_latents=None,
-    prompts=None,
-    window_frames=None,
-    overlap_frames=None,
     max_seconds: float = DEFAULT_MAX_SECONDS,
 ) -> H3Request:
-    """Check every argument of `H3Pipeline.__call__` and resolve the geometry; raise `RequestError` naming the
-    field and the allowed range. Keyframes are read and placed on the canvas here; references are decoded and
-    normalized here. Without `seconds` or `num_frames` a request lasts 5 s, or for ref2va as long as its first
-    reference that carries sound (held within 5 to 15 s).
+    """Check every field of `request` and resolve the geometry; raise `RequestError` naming the field and the
+    allowed range. Keyframes are read and placed on the canvas here; references are decoded and normalized here,
+    once. Without `seconds` or `num_frames` a request lasts 5 s, or for ref2va as long as its first reference that
+    carries sound (held within 5 to 15 s).
 
     A request longer than 15 s (up to `max_seconds`) becomes a continuation (`pipelines/h3/continuation.py`): its
     `shape` is the whole clip's and `continuation` holds its windows (`window_frames` / `overlap_frames`, on the
     17n+5 grid) and one prompt per window (`prompts`, or `prompt` for all). A request of 15 s or less is a plain one
     whatever the window options say (they are still checked); `prompts` may then hold its one prompt.
 
-    Steps: `num_inference_steps` counts sigma grid points as diffusers does (N points, N - 1 transformer forwards),
-    `forwards` counts transformer forwards; give one or neither (50 points, or the recipe's). `recipes` are the
-    few-step recipes of the request's adapters, which the step count, the shifts and the task must agree with.
-    Shifts left None take the recipe's, else `default_shifts` (default: the checkpoint's scheduler configs)."""
+    `recipes` are the few-step recipes of the request's adapters, which the step count, the shifts and the task must
+    agree with. Shifts left None take the recipe's, else `default_shifts` (default: the checkpoint's scheduler
+    configs). `generator` (a `torch.Generator`, instead of the seed) and `latents` `(1, C, F, h, w)` /
+    `audio_latents` `(2, C, A)` (initial noise instead of drawing it) are the Python caller's own."""
+    prompt, image, last_image, references = request.prompt, request.image, request.last_image, request.references
+    seconds, num_frames, prompts, seed = request.seconds, request.num_frames, request.prompts, request.seed
+    aspect_ratio, height, width = request.aspect_ratio, request.height, request.width
     if not isinstance(prompt, str) or not prompt.strip():
         raise RequestError("prompt must be a non-empty string.", "prompt")
     task = "ref2va" if references is not None else "fl2va" if image is not None or last_image is not None else "t2va"
     sampling = resolve_sampling(
         task,
-        num_inference_steps=num_inference_steps,
-        forwards=forwards,
-        video_shift=video_shift,
-        audio_shift=audio_shift,
+        num_inference_steps=request.num_inference_steps,
+        forwards=request.forwards,
+        video_shift=request.video_shift,
+        audio_shift=request.audio_shift,
         recipes=recipes,
         default_shifts=default_shifts or checkpoint_shifts(checkpoint),
     )
@@ -148,7 +136,7 @@ def prepare_request(
     if seconds is None and num_frames is None:
         seconds = DEFAULT_SECONDS
     asked_seconds = None if seconds is None else float(seconds)
-    window, overlap = check_windows(window_frames, overlap_frames)
+    window, overlap = check_windows(request.window_frames, request.overlap_frames)
     total_frames = long_frames(seconds, num_frames, max_seconds)
     if total_frames is not None:
         if latents is not None or audio_latents is not None:
@@ -221,7 +209,21 @@ def prepare_request(
         prepared,
         continuation,
         asked_seconds,
+        request.replace(seed=seed) if seed is not None else request,
     )
+
+
+def with_prompt(request: H3Request, prompt: str) -> H3Request:
+    """The same prepared request made from another prompt (a planner's rewrite): the text is the one thing the
+    prompt decides, so nothing is decoded again. A request with its own `prompts` keeps them (they, not `prompt`, are
+    what its windows read); otherwise every window of a continuation takes the new prompt."""
+    spec = request.spec.replace(prompt=prompt) if request.spec is not None else None
+    if request.spec is not None and request.spec.prompts is not None:
+        return replace(request, spec=spec)
+    continuation = request.continuation
+    if continuation is not None:
+        continuation = replace(continuation, prompts=(prompt,) * continuation.num_windows)
+    return replace(request, prompt=prompt, continuation=continuation, spec=spec)
 
 
 def checkpoint_shifts(checkpoint: H3Checkpoint) -> tuple[float, float]:
