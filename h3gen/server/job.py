@@ -28,7 +28,8 @@ INTERRUPTED = "interrupted: the server stopped while this job was running; submi
 class Job:
     """One job as the store holds it. `request` is the normalized request in its serialized (JSON) form, with what
     the run added (`planned_prompt`, `cached_steps`); `uploads` maps a request field to the file kept for it;
-    `timings` holds each stage's seconds; the times are Unix seconds."""
+    `timings` holds each stage's seconds; the times are Unix seconds. The last five fields are the fleet's: a worker
+    claims a queued job whose `needs` it can serve and holds it under a lease it renews (`store.JobStore.claim`)."""
 
     id: str
     status: JobStatus
@@ -43,9 +44,15 @@ class Job:
     finished_at: float | None = None
     result_path: str | None = None  # the MP4 of a succeeded job
     result_bytes: int | None = None
+    attempts: int = 0  # how many times a worker has claimed it
+    worker_id: str | None = None  # the worker holding it while it runs (afterwards, the one that ran it last)
+    lease_expires: float | None = None  # while a worker holds it: when the lease runs out unless renewed
+    cancel_requested: bool = False  # running: asked to stop; the holding worker is told at its next heartbeat
+    needs: dict = field(default_factory=dict)  # what a worker must offer to run it (task, quality, seconds, loras)
 
     def __post_init__(self):
         self.status = JobStatus(self.status)
+        self.cancel_requested = bool(self.cancel_requested)
 
     @property
     def finished(self) -> bool:
