@@ -18,7 +18,7 @@ from h3gen.pipelines.h3.tiny_checkpoint import tiny_checkpoint
 from h3gen.server.job import Job, JobStatus
 from h3gen.server.jobs import INTERRUPTED, JobManager, default_job_seconds
 from h3gen.server.lock import FolderBusy
-from h3gen.server.store import JobStore
+from h3gen.server.store import SQLiteJobStore
 
 # Real servers and job managers running jobs: outside the fast tier.
 pytestmark = pytest.mark.slow
@@ -108,7 +108,7 @@ def test_stop_records_the_running_job_as_interrupted_and_closes_the_store(result
     manager.stop()
     with pytest.raises(sqlite3.ProgrammingError):
         manager.store.get(job["id"])
-    store = JobStore(results / "jobs.sqlite3")
+    store = SQLiteJobStore(results / "jobs.sqlite3")
     assert store.get(job["id"]).status == JobStatus.FAILED and store.get(job["id"]).error == INTERRUPTED
     assert store.get(queued["id"]).status == JobStatus.QUEUED  # kept for the next start
     store.close()
@@ -269,7 +269,7 @@ class _FullDiskConnection:
 
 
 def test_close_on_a_full_disk_says_what_it_kept_and_loses_nothing(tmp_path, caplog):
-    store = JobStore(tmp_path / "jobs.sqlite3")
+    store = SQLiteJobStore(tmp_path / "jobs.sqlite3")
     store.insert(
         Job(id="b" * 32, status=JobStatus.SUCCEEDED, created_at=time.time(), request={"prompt": "kept"}, progress=100.0)
     )
@@ -277,6 +277,6 @@ def test_close_on_a_full_disk_says_what_it_kept_and_loses_nothing(tmp_path, capl
     with caplog.at_level(logging.ERROR, logger="h3gen.server.store"):
         store.close()  # no exception: shutdown goes on
     assert "jobs.sqlite3-wal" in caplog.text and "next start reads" in caplog.text
-    again = JobStore(tmp_path / "jobs.sqlite3")
+    again = SQLiteJobStore(tmp_path / "jobs.sqlite3")
     assert again.get("b" * 32).request == {"prompt": "kept"}
     again.close()

@@ -32,7 +32,7 @@ from h3gen.server.job import DENOISE, FINISHED, INTERRUPTED, PLAN, STAGE_ORDER, 
 from h3gen.server.job_files import JobFiles
 from h3gen.server.lock import FolderLock
 from h3gen.server.metrics import Metrics
-from h3gen.server.store import JobStore
+from h3gen.server.store import open_store
 
 __all__ = [
     "FINISHED",
@@ -117,7 +117,7 @@ class JobManager:
         self._folder_lock.acquire()
         try:
             self.uploads_dir.mkdir(parents=True, exist_ok=True)
-            self.store = JobStore(self.results_dir / "jobs.sqlite3")
+            self.store = open_store(self.results_dir)
         except BaseException:
             self._folder_lock.release()
             raise

@@ -1,50 +1,87 @@
-"""Jobs in SQLite, so a restart keeps finished jobs and knows which ones it interrupted.
+"""The job store: `open_store` and the SQLite backend. The interface, `JobStore`, and the operations both backends
+share are in `store_base.py`; the PostgreSQL backend, for a fleet of API nodes and GPU workers on several hosts, is
+`store_postgres.py`, imported only when a location names PostgreSQL.
 
-The database runs in WAL mode; `close()` checkpoints the WAL into the main file (`wal_checkpoint(TRUNCATE)`), so
-after a clean shutdown `jobs.sqlite3` alone holds every job. On open the file is checked (`PRAGMA quick_check`); a
-database that fails to open or to check is moved aside under a dated name, with an error in the log, and a fresh
-one is started: a damaged store costs the job history, never the server.
+SQLite keeps the jobs of one host's processes in one file, so a restart keeps finished jobs and knows which ones it
+interrupted. The database runs in WAL mode; `close()` checkpoints the WAL into the main file
+(`wal_checkpoint(TRUNCATE)`), so after a clean shutdown `jobs.sqlite3` alone holds every job. On open the file is
+checked (`PRAGMA quick_check`); a database that fails to open or to check is moved aside under a dated name, with an
+error in the log, and a fresh one is started: a damaged store costs the job history, never the server. A file made by
+older code gains the columns it lacks (ALTER TABLE ADD COLUMN) when opened. Every write is one `BEGIN IMMEDIATE`
+transaction, so store objects in other threads and processes see each operation whole.
 """
 
-import json
 import logging
 import sqlite3
 import threading
 import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 
-from h3gen.server.job import FIELDS, Job, JobStatus
+from h3gen.server.job import FIELDS
+from h3gen.server.store_base import JobStore, Run, StoreMismatch
+
+__all__ = ["SQLITE_NAME", "JobStore", "SQLiteJobStore", "StoreMismatch", "open_store"]
 
 logger = logging.getLogger(__name__)
 
-_COLUMNS = FIELDS  # one column per field of `Job`
-_JSON = ("request", "timings", "uploads")
+SQLITE_NAME = "jobs.sqlite3"  # the database file in a folder given as the location
+BUSY_SECONDS = 30.0  # how long an operation waits for another connection's write to end before it fails
+SQLITE_TYPES = {"text": "TEXT", "real": "REAL", "int": "INTEGER", "bool": "INTEGER", "json": "TEXT"}
+POSTGRES_SCHEMES = ("postgresql://", "postgres://")
 
 
-class JobStore:
-    """A thread-safe table of `Job`s, one column per field; `request`, `timings` and `uploads` are stored as JSON."""
+def open_store(location, fleet: str | None = None) -> JobStore:
+    """The job store at `location`: a `postgresql://` or `postgres://` URL opens PostgreSQL (`store_postgres`);
+    a folder (one that exists, or a path without a suffix) opens SQLite in `<folder>/jobs.sqlite3`, any other path
+    that SQLite file. With `fleet`, the store must belong to that fleet, or to none yet (it then takes the name):
+    a store of another fleet raises `StoreMismatch`."""
+    text = str(location)
+    if text.startswith(POSTGRES_SCHEMES):
+        from h3gen.server.store_postgres import PostgresJobStore
 
-    def __init__(self, path: Path):
+        return PostgresJobStore(text, fleet)
+    if "://" in text:
+        raise ValueError(f"no job store can be opened at {text}: give a folder, a SQLite file or a postgresql:// URL")
+    path = Path(location)
+    if path.is_dir() or not path.suffix:
+        path = path / SQLITE_NAME
+    return SQLiteJobStore(path, fleet)
+
+
+class SQLiteJobStore(JobStore):
+    """The jobs in one SQLite file, for the threads and processes of one host; `request`, `timings`, `uploads` and
+    `needs` are stored as JSON. `moved_aside` is where this open moved a damaged database, or None."""
+
+    TYPES = SQLITE_TYPES
+    SEQ = "seq INTEGER"
+
+    def __init__(self, path: Path, fleet: str | None = None):
         self.path = Path(path)
+        self.location = str(self.path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()
-        self.moved_aside: Path | None = None  # where a corrupt database went, if this open found one
+        self.moved_aside: Path | None = None
         try:
-            self._db = self._open()
+            self._db = self._open(fleet)
         except sqlite3.DatabaseError as error:
             self.moved_aside = self._move_aside(error)
-            self._db = self._open()
+            self._db = self._open(fleet)
 
-    def _open(self) -> sqlite3.Connection:
-        """Connect, check the file and make sure the table exists; `sqlite3.DatabaseError` if the file is damaged."""
-        db = sqlite3.connect(str(self.path), check_same_thread=False, isolation_level=None)
+    def _open(self, fleet: str | None) -> sqlite3.Connection:
+        """Connect, check the file, make or migrate the tables and check the fleet name; `sqlite3.DatabaseError` if
+        the file is damaged, `StoreMismatch` if it belongs to another fleet."""
+        db = sqlite3.connect(str(self.path), check_same_thread=False, isolation_level=None, timeout=BUSY_SECONDS)
         try:
             verdict = db.execute("PRAGMA quick_check").fetchone()
             if verdict is None or verdict[0] != "ok":
                 raise sqlite3.DatabaseError(f"quick_check: {verdict[0] if verdict else 'no answer'}")
-            self._create(db)
-            db.execute(f"SELECT {', '.join(_COLUMNS)}, seq FROM jobs LIMIT 0")  # a table of some other shape fails
-        except sqlite3.DatabaseError:
+            db.execute("PRAGMA journal_mode=WAL")
+            with self._lock, self._write(db) as run:
+                self._setup(run, fleet)
+            db.execute(f"SELECT {', '.join(FIELDS)}, seq FROM jobs LIMIT 0")  # a table of some other shape fails
+        except BaseException:
             db.close()
             raise
         return db
@@ -67,82 +104,37 @@ class JobStore:
         return aside
 
     @staticmethod
-    def _create(db: sqlite3.Connection) -> None:
-        db.execute("PRAGMA journal_mode=WAL")
-        db.execute(
-            "CREATE TABLE IF NOT EXISTS jobs (id TEXT PRIMARY KEY, status TEXT NOT NULL, created_at REAL NOT NULL, "
-            "started_at REAL, finished_at REAL, request TEXT NOT NULL, progress REAL NOT NULL DEFAULT 0, stage TEXT, "
-            "timings TEXT NOT NULL DEFAULT '{}', error TEXT, result_path TEXT, result_bytes INTEGER, "
-            "uploads TEXT NOT NULL DEFAULT '{}', seq INTEGER)"
+    @contextmanager
+    def _write(db: sqlite3.Connection) -> Iterator[Run]:
+        """A `BEGIN IMMEDIATE` transaction on `db`: it holds the database's write lock from its start, so what it
+        reads stays true until it commits."""
+        db.execute("BEGIN IMMEDIATE")
+        try:
+            yield lambda sql, params=(): db.execute(sql, params).fetchall()
+        except BaseException:
+            if db.in_transaction:
+                db.execute("ROLLBACK")
+            raise
+        db.execute("COMMIT")
+
+    @contextmanager
+    def _transaction(self, write: bool = True) -> Iterator[Run]:
+        with self._lock:
+            if write:
+                with self._write(self._db) as run:
+                    yield run
+            else:  # one statement reads a consistent snapshot by itself
+                db = self._db
+                yield lambda sql, params=(): db.execute(sql, params).fetchall()
+
+    def _columns_of(self, run: Run, table: str) -> set[str]:
+        return {row[1] for row in run(f"PRAGMA table_info({table})")}
+
+    def _insert_sql(self, names: Sequence[str]) -> str:
+        return (
+            f"INSERT INTO jobs ({', '.join(names)}, seq) VALUES ({', '.join('?' * len(names))}, "
+            "(SELECT COALESCE(MAX(seq), 0) + 1 FROM jobs))"
         )
-        db.execute("CREATE INDEX IF NOT EXISTS jobs_status ON jobs(status)")
-
-    def _job(self, values) -> Job:
-        row = dict(zip(_COLUMNS, values, strict=True))
-        for key in _JSON:
-            row[key] = json.loads(row[key]) if row[key] else {}
-        return Job(**row)
-
-    def insert(self, job: Job) -> None:
-        values = [json.dumps(getattr(job, c)) if c in _JSON else getattr(job, c) for c in _COLUMNS]
-        with self._lock:
-            seq = self._db.execute("SELECT COALESCE(MAX(seq), 0) + 1 FROM jobs").fetchone()[0]
-            self._db.execute(
-                f"INSERT INTO jobs ({', '.join(_COLUMNS)}, seq) VALUES ({', '.join('?' * len(_COLUMNS))}, ?)",
-                [*values, seq],
-            )
-
-    def update(self, job_id: str, **fields) -> None:
-        """Set the named fields of one job (the others are left as they are)."""
-        if not fields:
-            return
-        unknown = set(fields) - set(_COLUMNS)
-        if unknown:
-            raise TypeError(f"a job has no field {', '.join(sorted(unknown))}")
-        names = ", ".join(f"{name} = ?" for name in fields)
-        values = [json.dumps(v) if k in _JSON else v for k, v in fields.items()]
-        with self._lock:
-            self._db.execute(f"UPDATE jobs SET {names} WHERE id = ?", [*values, job_id])
-
-    def get(self, job_id: str) -> Job | None:
-        with self._lock:
-            values = self._db.execute(f"SELECT {', '.join(_COLUMNS)} FROM jobs WHERE id = ?", [job_id]).fetchone()
-        return self._job(values) if values else None
-
-    def delete(self, job_id: str) -> None:
-        with self._lock:
-            self._db.execute("DELETE FROM jobs WHERE id = ?", [job_id])
-
-    def list(
-        self,
-        *,
-        limit: int | None = None,
-        after: str | None = None,
-        newest_first: bool = True,
-        statuses: tuple[JobStatus, ...] | None = None,
-    ) -> list[Job]:
-        """Jobs in submission order (or reverse), starting after job `after`, at most `limit` (all with None), of
-        `statuses` only if given."""
-        order = "DESC" if newest_first else "ASC"
-        clauses, params = [], []
-        if after is not None:
-            clauses.append(f"seq {'<' if newest_first else '>'} (SELECT seq FROM jobs WHERE id = ?)")
-            params.append(after)
-        if statuses:
-            clauses.append(f"status IN ({', '.join('?' * len(statuses))})")
-            params += list(statuses)
-        where = f"WHERE {' AND '.join(clauses)}" if clauses else ""
-        with self._lock:
-            rows = self._db.execute(
-                f"SELECT {', '.join(_COLUMNS)} FROM jobs {where} ORDER BY seq {order} LIMIT ?",
-                [*params, -1 if limit is None else limit],
-            ).fetchall()
-        return [self._job(r) for r in rows]
-
-    def count_by_status(self) -> dict[str, int]:
-        with self._lock:
-            rows = self._db.execute("SELECT status, COUNT(*) FROM jobs GROUP BY status").fetchall()
-        return dict(rows)
 
     def close(self) -> None:
         """Fold the WAL into the database file, then close (idempotent). Later calls raise
