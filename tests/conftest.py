@@ -1,4 +1,5 @@
-"""Test-wide settings: no network, deterministic CPU threads, shared helpers for tiny H3 models."""
+"""Test-wide settings: no network, deterministic CPU threads, shared helpers for tiny H3 models, and a throw-away
+PostgreSQL server for the job store tests (`helpers/postgres.py`)."""
 
 import os
 
@@ -9,6 +10,7 @@ os.environ.setdefault("DO_NOT_TRACK", "1")
 
 import pytest
 import torch
+from helpers.postgres import postgres_cluster, postgres_url  # noqa: F401  (fixtures for every test module)
 
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 if not torch.cuda.is_available():
