@@ -174,6 +174,7 @@ FAST_MOVING = (
     "starlette",
     "uvicorn",
     "gradio",
+    "psycopg",
     "peft",
     "schemathesis",
     "playwright",
