@@ -235,6 +235,32 @@ def test_request_cancel_stops_a_queued_job_and_flags_a_running_one(store):
     assert store.claim("w2", lambda needs: True, 30) is None  # a cancelled job is never claimed
 
 
+def test_a_stopping_worker_hands_its_job_back_uncounted(store):
+    for name in ("a", "b", "c"):
+        store.insert(_job(name))
+    store.claim("w1", lambda needs: True, 30)
+    store.update("a", progress=50.0, stage="denoise", timings={"denoise": 2.0})
+    assert not store.hand_back("a", "w2")  # not its job
+    assert store.hand_back("a", "w1")
+    a = store.get("a")
+    assert (a.status, a.attempts, a.worker_id, a.lease_expires, a.progress, a.stage, a.timings) == (
+        "queued",
+        0,
+        None,
+        None,
+        0.0,
+        None,
+        {},
+    )
+    assert not store.hand_back("a", "w1")  # no longer held
+    assert store.claim("w2", lambda needs: True, 30).id == "a"  # first in line again
+    store.claim("w2", lambda needs: True, 30)
+    assert not store.cancel_requested("b")
+    store.request_cancel("b")
+    assert store.cancel_requested("b") and not store.cancel_requested("c") and not store.cancel_requested("nothing")
+    assert store.hand_back("b", "w2") and store.get("b").status == JobStatus.CANCELLED  # not queued again
+
+
 def test_workers_register_are_seen_and_leave(store):
     store.register_worker("w1", {"tasks": ["t2va"], "gpus": 8}, "gpu-1")
     store.register_worker("w2", {"tasks": ["i2va"]}, "gpu-2")

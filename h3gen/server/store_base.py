@@ -8,8 +8,9 @@ worker is looking at, and `close`. `store.open_store` picks the backend a locati
 
 A fleet's workers take jobs from the queue themselves: `claim` gives a worker the oldest queued job it can serve and a
 lease on it; `heartbeat` renews the worker's leases and tells it which of its jobs were cancelled; `finish` writes the
-outcome only while the worker still holds the job; `requeue_expired` puts the jobs of workers that stopped renewing
-back in the queue, in their old place, or fails them once they have been tried `max_attempts` times.
+outcome only while the worker still holds the job, and `hand_back` returns it to the queue when the worker stops;
+`requeue_expired` puts the jobs of workers that stopped renewing back in the queue, in their old place, or fails them
+once they have been tried `max_attempts` times.
 """
 
 from __future__ import annotations  # `JobStore.list` shadows the builtin in the annotations after it
@@ -342,6 +343,34 @@ class JobStore(abc.ABC):
                 [*values, job_id, worker_id, JobStatus.RUNNING.value],
             )
         return bool(rows)
+
+    def hand_back(self, job_id: str, worker_id: str) -> bool:
+        """Give back a job `worker_id` holds because the worker is stopping, not because the job failed: it goes
+        back to the queue in its old place, its lease ended, its progress reset and this attempt not counted; a job
+        whose cancellation was requested is cancelled instead. True if done; False if the worker no longer held it."""
+        held = "WHERE id = ? AND worker_id = ? AND status = ?"
+        with self._transaction() as run:
+            rows = run(f"SELECT cancel_requested FROM jobs {held}", [job_id, worker_id, JobStatus.RUNNING.value])
+            if not rows:
+                return False
+            if rows[0][0]:
+                fields = {"status": JobStatus.CANCELLED, "finished_at": self._now(run), "stage": None}
+                counted = ""
+            else:
+                fields = {"status": JobStatus.QUEUED, "worker_id": None, "stage": None, "progress": 0.0, "timings": {}}
+                counted = ", attempts = attempts - 1"
+            names, values = self._assignments({**fields, "lease_expires": None})
+            changed = run(
+                f"UPDATE jobs SET {names}{counted} {held} RETURNING id",
+                [*values, job_id, worker_id, JobStatus.RUNNING.value],
+            )
+        return bool(changed)
+
+    def cancel_requested(self, job_id: str) -> bool:
+        """Whether the job's cancellation was requested while it ran (see `request_cancel`)."""
+        with self._transaction(write=False) as run:
+            rows = run("SELECT cancel_requested FROM jobs WHERE id = ?", [job_id])
+        return bool(rows and rows[0][0])
 
     def requeue_expired(self, now: float | None = None, max_attempts: int = 2) -> list[tuple[str, JobStatus]]:
         """Take back the running jobs whose lease ran out before `now` (default: the store's clock): one with fewer
