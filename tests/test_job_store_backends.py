@@ -417,6 +417,16 @@ def test_a_sqlite_file_of_the_previous_layout_gains_the_new_columns(tmp_path):
         again.close()
 
 
+def test_a_store_of_a_newer_layout_is_refused(tmp_path):
+    open_store(tmp_path).close()
+    db = sqlite3.connect(tmp_path / "jobs.sqlite3")
+    db.execute("UPDATE store_meta SET schema_version = 99")
+    db.commit()
+    db.close()
+    with pytest.raises(StoreMismatch, match="has layout 99, newer than this h3gen's"):
+        open_store(tmp_path)
+
+
 def test_open_store_picks_the_backend_from_the_location(tmp_path):
     folder = open_store(tmp_path / "results")
     named = open_store(tmp_path / "elsewhere" / "queue.db")

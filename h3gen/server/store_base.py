@@ -127,9 +127,9 @@ def encode(name: str, value):
 class JobStore(abc.ABC):
     """A thread-safe table of `Job`s shared by every process that opens the same location.
 
-    Each operation is one transaction, so the fleet operations (`claim`, `heartbeat`, `finish`, `requeue_expired`,
-    `request_cancel`) are atomic across threads, store objects and processes. `location` names the store in
-    messages (a URL without its password); `fleet` is the fleet name recorded in it, None if none is.
+    Each operation is one transaction, so the fleet operations (`claim`, `heartbeat`, `finish`, `hand_back`,
+    `requeue_expired`, `request_cancel`) are atomic across threads, store objects and processes. `location` names
+    the store in messages (a URL without its password); `fleet` is the fleet name recorded in it, None if none is.
     """
 
     location: str = ""
