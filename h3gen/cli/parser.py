@@ -2,7 +2,7 @@
 
 import argparse
 
-from h3gen.cli import env, generate, plan, serve
+from h3gen.cli import env, generate, plan, serve, worker
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -17,4 +17,5 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_parser(commands)
     serve.add_parser(commands)
     plan.add_parser(commands)
+    worker.add_parser(commands)
     return parser

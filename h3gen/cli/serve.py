@@ -47,6 +47,30 @@ def add_parser(commands) -> None:
     )
     serve.add_argument("--results-dir", dest="results_dir", default="h3gen-results", help="jobs database and MP4s")
     serve.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        help="workers on this machine: 1 runs the model in this process; N > 1 starts N `h3gen worker` processes, "
+        "each on its own GPU group (--tp x --ulysses GPUs) of the visible ones; 0 serves the API only, for the "
+        "workers of a fleet",
+    )
+    serve.add_argument(
+        "--store",
+        default=None,
+        metavar="URL",
+        help="the fleet's job store, postgresql://user@host/db, shared by every API node and worker (default: "
+        "SQLite in --results-dir, one machine)",
+    )
+    serve.add_argument("--fleet", default="h3gen", help="the fleet's name; a store of another fleet is refused")
+    serve.add_argument(
+        "--lease-seconds",
+        dest="lease_seconds",
+        type=float,
+        default=30.0,
+        help="how long a worker may go without renewing its lease before its job is taken back; a worker is "
+        "live while it renewed within this time",
+    )
+    serve.add_argument(
         "--retention-hours",
         dest="retention_hours",
         type=float,
@@ -153,6 +177,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from h3gen.server.engine import H3Engine
     from h3gen.server.jobs import JobManager
     from h3gen.server.lock import FolderBusy
+    from h3gen.server.store import StoreMismatch
 
     if args.model is None:
         from h3gen.pipelines.h3.tiny_checkpoint import tiny_checkpoint
@@ -163,6 +188,14 @@ def run_serve(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         args.model = str(tiny_checkpoint())
+    if args.workers < 0:
+        raise RequestError(f"--workers must be 0 or more (got {args.workers}).", "workers")
+    if args.workers > 1 and args.tp * args.ulysses > 1:
+        raise RequestError(
+            "--workers N with --tp / --ulysses is not supported: start one `h3gen serve --tp ... --ulysses ...` per "
+            "GPU group on a shared --store instead.",
+            "workers",
+        )
     if args.max_queue < 1:
         raise RequestError(f"--max-queue must be at least 1 (got {args.max_queue}).", "max_queue")
     if args.max_plan_queue < 0:
@@ -219,12 +252,21 @@ def run_serve(args: argparse.Namespace) -> int:
             retention_seconds=args.retention_hours * 3600,
             max_results_bytes=int(args.max_results_gb * 2**30),
             owner=f"h3gen serve on http://{args.host}:{args.port}",
+            store=args.store,
+            fleet=args.fleet,
+            local_worker=args.workers == 1,
+            lease_seconds=args.lease_seconds,
         )
-    except FolderBusy as error:
+    except (FolderBusy, StoreMismatch) as error:
         print(f"h3gen: error: {error}", file=sys.stderr)
         if args.tp * args.ulysses > 1:
             engine.shutdown()  # the other ranks are waiting for jobs
         return 2
+    workers = []
+    if args.workers > 1:
+        from h3gen.server.local_workers import start_local_workers
+
+        workers = start_local_workers(args, count=args.workers)
     try:
         app = create_app(
             manager,
@@ -245,7 +287,7 @@ def run_serve(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         # uvicorn turns SIGTERM and SIGINT into a graceful shutdown, whose lifespan end stops the manager: the
-        # running job is recorded as interrupted, the database checkpointed and closed, the folder released.
+        # running job is handed back to the queue, the database checkpointed and closed, the folder released.
         # Client addresses (what the throttles count by) come from X-Forwarded-For only when the peer is a proxy
         # the operator named: uvicorn's own default trusts it from 127.0.0.1, so any local client could forge one.
         uvicorn.run(
@@ -258,4 +300,8 @@ def run_serve(args: argparse.Namespace) -> int:
         )
     finally:
         manager.stop()  # idempotent; covers a uvicorn that never ran the lifespan
+        if workers:
+            from h3gen.server.local_workers import stop_local_workers
+
+            stop_local_workers(workers)
     return 0

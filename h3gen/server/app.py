@@ -123,7 +123,7 @@ def _add_service_routes(app: FastAPI, server: ServerContext, key_state, model_na
     def health(request: Request):
         """Liveness and readiness (no key needed); with the key also the model, devices, queue depth, running job
         and any load error."""
-        readiness = {"status": "ok", "ready": manager.engine.ready}
+        readiness = {"status": "ok", "ready": manager.ready}
         if key_state(request) not in ("open", "valid"):
             return readiness
         return readiness | {
@@ -132,6 +132,11 @@ def _add_service_routes(app: FastAPI, server: ServerContext, key_state, model_na
             "queue_depth": manager.queue_depth(),
             "running": manager.running,
             "load_error": public_text(manager.engine.load_error),
+            "workers": [
+                {key: worker[key] for key in ("id", "host", "capabilities", "running_job")}
+                for worker in manager.live_workers()
+            ],
+            "queue_by_task": manager.queue_by_task(),
         }
 
     @app.get("/openapi.json", include_in_schema=False)
@@ -152,7 +157,9 @@ def _add_service_routes(app: FastAPI, server: ServerContext, key_state, model_na
         text = manager.metrics.render(
             queue_depth=manager.queue_depth(),
             jobs_by_status=manager.store.count_by_status(),
-            ready=manager.engine.ready,
+            ready=manager.ready,
+            queue_by_task=manager.queue_by_task(),
+            workers_by_task=manager.workers_by_task(),
         )
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
@@ -200,7 +207,7 @@ def create_app(
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        if manager._thread is None:
+        if not manager.started:
             manager.start()
         yield
         manager.stop()

@@ -21,14 +21,13 @@ class JobStatus(enum.StrEnum):
 
 
 FINISHED = (JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.CANCELLED)
-INTERRUPTED = "interrupted: the server stopped while this job was running; submit it again"
 
 
 @dataclass
 class Job:
     """One job as the store holds it. `request` is the normalized request in its serialized (JSON) form, with what
     the run added (`planned_prompt`, `cached_steps`); `uploads` maps a request field to the file kept for it;
-    `timings` holds each stage's seconds; the times are Unix seconds. The last five fields are the fleet's: a worker
+    `timings` holds each stage's seconds; the times are Unix seconds. The last fields are the fleet's: a worker
     claims a queued job whose `needs` it can serve and holds it under a lease it renews (`store.JobStore.claim`)."""
 
     id: str
@@ -49,6 +48,7 @@ class Job:
     lease_expires: float | None = None  # while a worker holds it: when the lease runs out unless renewed
     cancel_requested: bool = False  # running: asked to stop; the holding worker is told at its next heartbeat
     needs: dict = field(default_factory=dict)  # what a worker must offer to run it (task, quality, seconds, loras)
+    current_window: list | None = None  # a clip over 15 s while it runs: [index, count] of the window being made
 
     def __post_init__(self):
         self.status = JobStatus(self.status)

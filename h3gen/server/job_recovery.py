@@ -1,7 +1,9 @@
 """What a job manager finds on start, left by the run before it (a restart, a crash, a lost database).
 
-- A job the last run left running failed: `INTERRUPTED` says why. Its files go.
-- Queued jobs are handed back to the queue, oldest first; their uploads are kept.
+- On one box (the manager owns the folder and its SQLite store), the jobs the last run left running lost their
+  worker with it: they go back to the queue in their place (`JobStore.requeue_expired`; a job lost a second time
+  fails, saying so). In a fleet the other workers' leases decide that.
+- Queued and running jobs keep their uploads.
 - The latest succeeded jobs' run times seed the Retry-After estimate.
 - Half-written MP4s, and upload folders no queued job owns, are removed.
 - MP4s in the results folder that no row names (the database was lost or damaged) are adopted back as succeeded jobs
@@ -10,12 +12,12 @@
 """
 
 import logging
+import math
 import shutil
-import time
 from dataclasses import dataclass, field
 
 from h3gen.media import MediaError, probe_mp4
-from h3gen.server.job import INTERRUPTED, Job, JobStatus
+from h3gen.server.job import Job, JobStatus
 from h3gen.server.job_files import JOB_ID, JobFiles
 from h3gen.server.store import JobStore
 
@@ -30,21 +32,24 @@ class Recovered:
     recent: list[float] = field(default_factory=list)  # run seconds of the latest succeeded jobs, oldest first
 
 
-def recover(store: JobStore, files: JobFiles, *, recent: int) -> Recovered:
+def recover(store: JobStore, files: JobFiles, *, recent: int, owns_folder: bool = True) -> Recovered:
     """Put the store and the results folder back in order after a restart (see the module's docstring); `recent`
-    is how many of the latest succeeded jobs' run times to return."""
-    for job in store.list(statuses=(JobStatus.RUNNING,)):
-        store.update(job.id, status=JobStatus.FAILED, error=INTERRUPTED, finished_at=time.time(), stage=None)
-        files.remove(job, result=True, uploads=True)
+    is how many of the latest succeeded jobs' run times to return. `owns_folder`: this manager is the only one on
+    the folder and the store (one box); partial files and orphans are then its to clean up."""
+    if owns_folder:
+        for job_id, status in store.requeue_expired(now=math.inf):
+            logger.warning("job %s was running when the server stopped: %s", job_id, status.value)
     found = Recovered(queued=[job.id for job in store.list(newest_first=False, statuses=(JobStatus.QUEUED,))])
     for job in store.list(limit=recent, statuses=(JobStatus.SUCCEEDED,))[::-1]:
         if job.started_at and job.finished_at:
             found.recent.append(job.finished_at - job.started_at)
+    if not owns_folder:
+        return found
     for partial in files.results_dir.glob(".*.mp4.partial-*"):
         partial.unlink(missing_ok=True)
-    queued = set(found.queued)
+    waiting = set(found.queued) | {job.id for job in store.list(statuses=(JobStatus.RUNNING,))}
     for folder in files.uploads_dir.iterdir():
-        if JOB_ID.match(folder.name) and folder.name not in queued:
+        if JOB_ID.match(folder.name) and folder.name not in waiting:
             shutil.rmtree(folder, ignore_errors=True)
     adopt_orphans(store, files)
     return found

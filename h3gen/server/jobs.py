@@ -1,42 +1,39 @@
-"""The job manager: a bounded queue in front of one engine worker, with progress, cancellation, persistence and
-retention. The REST API and the web UI are two faces of this one object.
+"""The job manager: the REST API's and the web UI's view of the job queue, over one job store (`store.py`: SQLite in
+the results folder on one box, PostgreSQL across machines) that the workers (`job_worker.py`) claim jobs from.
 
-- One job runs at a time on the engine thread; the others wait in submission order (at most `max_queue`).
-- Jobs (`job.Job`) live in SQLite (`store.py`) and MP4s in the results folder (`job_files.py`), so a restart keeps
-  finished jobs, puts queued ones back in the queue (their uploads are kept on disk) and marks the one it
-  interrupted as failed, saying why; MP4s no row names are adopted back (`job_recovery.py`).
-- A running job is cancelled at its next progress report (each stage reports when it starts and at points inside
-  it, at most a fraction of a second apart); its partial files are removed.
+- Jobs wait in the store in submission order (at most `max_queue` queued); a worker claims the oldest one it can
+  serve under a lease. With `local_worker` this manager runs one worker on its own engine (`h3gen serve`); a fleet's
+  other workers are `h3gen worker` processes on the same store.
+- Everything is answered from the store, so any API node answers for any job: status, progress, stage, queue
+  position, cancellation (a running job stops at its worker's next progress point, a fraction of a second later).
+- A job no live worker can serve is refused when submitted (422 naming what is missing), once any worker is live.
+- A worker that is lost (killed, its machine gone) stops renewing its lease: its job is re-queued once, then failed
+  saying so. On one box (SQLite) a restart takes back the jobs the previous run left running the same way.
 - A failure of any kind fails that job only: the worker and the server carry on.
-- One manager owns a results folder: it holds `<results>/.lock` (see `lock.py`) from construction to `stop()`, which
-  also checkpoints and closes the database.
-- Retention (`sweep`, `job_retention.py`) runs after every job and on a timer, so an idle server does not serve
-  expired jobs.
+- On one box the manager owns the results folder: it holds `<results>/.lock` (see `lock.py`) from construction to
+  `stop()`, which also closes the store. Nodes of a PostgreSQL fleet share the folder (a mount every node has).
+- Retention (`sweep`, `job_retention.py`) runs after every job of the local worker and on a timer.
 """
 
-import gc
 import logging
 import math
 import threading
 import time
 import uuid
 from collections import deque
-from dataclasses import dataclass, field
 from pathlib import Path
-
-import torch
 
 from h3gen.errors import RequestError
 from h3gen.server import job_recovery, job_retention
-from h3gen.server.job import DENOISE, FINISHED, INTERRUPTED, PLAN, STAGE_ORDER, WINDOW, Job, JobStatus, progress_of
+from h3gen.server.job import FINISHED, STAGE_ORDER, Job, JobStatus, progress_of
 from h3gen.server.job_files import JobFiles
+from h3gen.server.job_worker import LEASE_SECONDS, JobCancelled, JobWorker, missing_capability, needs_of
 from h3gen.server.lock import FolderLock
 from h3gen.server.metrics import Metrics
 from h3gen.server.store import open_store
 
 __all__ = [
     "FINISHED",
-    "INTERRUPTED",
     "STAGE_ORDER",
     "JobCancelled",
     "JobManager",
@@ -48,7 +45,7 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-CANCEL_ACK_SECONDS = 2.0  # how long DELETE waits for the engine to stop a running job before answering
+CANCEL_ACK_SECONDS = 2.0  # how long DELETE waits for the worker to stop a running job before answering
 RECENT_JOBS = 10  # how many recent job durations the Retry-After estimate averages
 
 
@@ -70,32 +67,15 @@ class QueueFull(Exception):
         self.retry_after = retry_after
 
 
-class JobCancelled(Exception):
-    """Raised inside the engine's progress callback to stop a cancelled job at its next step."""
-
-
-@dataclass
-class _Live:
-    """What the engine thread knows about the running job that the database does not have yet."""
-
-    progress: float = 0.0
-    stage: str | None = None  # the stage running now (each stage reports when it starts)
-    stage_started: float = field(default_factory=time.perf_counter)
-    last_report: float = field(default_factory=time.perf_counter)
-    timings: dict[str, float] = field(default_factory=dict)
-    cancel: threading.Event = field(default_factory=threading.Event)
-    cancelled_by_client: bool = False  # False when the server's shutdown stopped it
-    done: threading.Event = field(default_factory=threading.Event)  # set once the worker has written the outcome
-    window: tuple[int, int] | None = None  # (index, count) of the window running, for a clip made in windows
-
-
 class JobManager:
-    """Accepts validated requests, runs them one at a time on `engine`, and answers for their state.
+    """Accepts validated requests into the job store and answers for their state.
 
-    Construction takes the results folder's lock (raises `lock.FolderBusy` naming the holder); `owner` says what
-    this server is (e.g. its URL) to whoever finds the folder taken. `sweep_seconds` is the retention timer's period.
-    `get`, `list`, `wait`, `submit` and `cancel` answer with a job's public view (`view`), a dict as the routes show
-    it; `store` holds the `Job`s themselves.
+    `store`: a `postgresql://` URL for a fleet, or None for SQLite in `results_dir` (then construction takes the
+    folder's lock, raising `lock.FolderBusy` naming the holder; `owner` says what this server is to whoever finds the
+    folder taken). `fleet` names the fleet the store must belong to. `local_worker` runs one worker on `engine` in
+    this process; without it the jobs wait for `h3gen worker` processes. `sweep_seconds` is the retention timer's
+    period. `get`, `list`, `wait`, `submit` and `cancel` answer with a job's public view (`view`), a dict as the
+    routes show it; `store` holds the `Job`s themselves.
     """
 
     def __init__(
@@ -108,80 +88,86 @@ class JobManager:
         max_results_bytes: int = 50 * 2**30,
         sweep_seconds: float = 60.0,
         owner: str = "",
+        store: str | None = None,
+        fleet: str = "h3gen",
+        local_worker: bool = True,
+        lease_seconds: float = LEASE_SECONDS,
     ):
         self.engine = engine
         self.files = JobFiles(results_dir)
         self.results_dir = self.files.results_dir
         self.uploads_dir = self.files.uploads_dir
-        self._folder_lock = FolderLock(self.results_dir, owner)
-        self._folder_lock.acquire()
+        self.shared = store is not None  # a fleet's store: other nodes use this folder and store too
+        self._folder_lock = None if self.shared else FolderLock(self.results_dir, owner)
+        if self._folder_lock is not None:
+            self._folder_lock.acquire()
         try:
             self.uploads_dir.mkdir(parents=True, exist_ok=True)
-            self.store = open_store(self.results_dir)
+            self.store = open_store(store or self.results_dir, fleet=fleet)
         except BaseException:
-            self._folder_lock.release()
+            if self._folder_lock is not None:
+                self._folder_lock.release()
             raise
         self.max_queue = max_queue
         self.retention_seconds = retention_seconds
         self.max_results_bytes = max_results_bytes
         self.sweep_seconds = sweep_seconds
+        self.lease_seconds = lease_seconds
         self.metrics = Metrics()
-        self._queue: deque[str] = deque()
-        self._cond = threading.Condition()
-        self._live: dict[str, _Live] = {}
-        self._running: str | None = None
-        self._running_since = 0.0
         self._recent: deque[float] = deque(maxlen=RECENT_JOBS)  # seconds of the latest succeeded jobs
-        self._stopping = False
+        self.worker = None
+        if local_worker:
+            self.worker = JobWorker(
+                self.store,
+                engine,
+                self.files,
+                metrics=self.metrics,
+                lease_seconds=lease_seconds,
+                on_finished=lambda job_id: self.sweep(),
+            )
+        self.started = False
         self._stopped = False
         self._closed = False
-        self._thread: threading.Thread | None = None
         self._sweeper: job_retention.SweepTimer | None = None
         self._sweep_lock = threading.Lock()
 
     # ------------------------------------------------------------------ lifecycle
 
     def start(self) -> None:
-        """Recover from the previous run, then load the model and serve the queue on the engine thread; retention
-        runs every `sweep_seconds` on its own thread."""
+        """Recover from the previous run, start the local worker (it loads the model first), and sweep retention
+        every `sweep_seconds` on a thread of its own."""
+        self.started = True
         self.recover()
-        self._thread = threading.Thread(target=self._worker, name="h3gen-engine", daemon=True)
-        self._thread.start()
+        if self.worker is not None:
+            self.worker.start()
         self._sweeper = job_retention.SweepTimer(self.sweep, self.sweep_seconds)
         self._sweeper.start()
 
     def stop(self, timeout: float = 10.0) -> None:
-        """Stop the running job (it is recorded as interrupted; queued ones stay queued for the next start), stop
-        the threads, checkpoint and close the database, and release the folder. Idempotent."""
+        """Stop the local worker (its running job goes back to the queue for the next start or another worker),
+        stop the timer, close the store and release the folder. Idempotent."""
         if self._stopped:
             return
         self._stopped = True
-        with self._cond:
-            self._stopping = True
-            for live in self._live.values():
-                live.cancel.set()
-            self._cond.notify_all()
         if self._sweeper is not None:
             self._sweeper.stop()
-        if self._thread is not None:
-            self._thread.join(timeout)
+        if self.worker is not None:
+            self.worker.stop(timeout=timeout)
         if self._sweeper is not None:
             self._sweeper.join(timeout)
         shutdown = getattr(self.engine, "shutdown", None)  # a multi-process engine releases its other ranks
         if shutdown is not None:
             shutdown()
-        gc.unfreeze()  # what the worker froze is collectable again (interpreter exit frees it normally)
         with self._sweep_lock:
             self._closed = True
             self.store.close()
-        self._folder_lock.release()
+        if self._folder_lock is not None:
+            self._folder_lock.release()
 
     def recover(self) -> None:
-        """Take back what the last run left (`job_recovery`): its queued jobs, oldest first, and its recent run
-        times; then sweep."""
-        found = job_recovery.recover(self.store, self.files, recent=RECENT_JOBS)
-        with self._cond:
-            self._queue.extend(job_id for job_id in found.queued if job_id not in self._queue)
+        """Put the store and the folder in order (`job_recovery`): on one box, the jobs the last run left running go
+        back to the queue (or fail, their second time); then sweep."""
+        found = job_recovery.recover(self.store, self.files, recent=RECENT_JOBS, owns_folder=not self.shared)
         self._recent.extend(found.recent)
         self.sweep()
 
@@ -191,68 +177,94 @@ class JobManager:
         """A fresh folder for one request's uploads before it is accepted."""
         return self.files.staging_dir()
 
+    def live_workers(self) -> list[dict]:
+        """The workers that renewed their registration within a lease (`JobStore.live_workers`)."""
+        return self.store.live_workers(self.lease_seconds)
+
+    def check_servable(self, request: dict) -> None:
+        """Refuse (`RequestError`, 422) a normalized request no live worker can serve, once any worker is live; a
+        fleet whose workers are all still loading queues it."""
+        live = self.live_workers()
+        if not live:
+            return
+        missing = missing_capability(live, needs_of(request))
+        if missing is not None:
+            raise RequestError(f"no worker can run this job: {missing}.", "task")
+
     def submit(self, request: dict, uploads: dict[str, Path] | None = None) -> dict:
         """Queue a validated, normalized request; `uploads` (field -> file) are moved under the job's folder, and a
-        staging folder (`staging_dir`) they leave empty is removed. Raises `QueueFull`."""
-        with self._cond:
-            if len(self._queue) >= self.max_queue:
-                raise QueueFull(self.retry_after())
-            job_id = uuid.uuid4().hex
-            kept = self.files.keep_uploads(job_id, uploads or {})
-            job = Job(id=job_id, status=JobStatus.QUEUED, created_at=time.time(), request=request, uploads=kept)
-            self.store.insert(job)
-            self._queue.append(job_id)
-            self._cond.notify_all()
+        staging folder (`staging_dir`) they leave empty is removed. Raises `QueueFull`, or `RequestError` when no
+        live worker can serve it."""
+        self.check_servable(request)
+        if self.queue_depth() >= self.max_queue:
+            raise QueueFull(self.retry_after())
+        job_id = uuid.uuid4().hex
+        kept = self.files.keep_uploads(job_id, uploads or {})
+        job = Job(
+            id=job_id,
+            status=JobStatus.QUEUED,
+            created_at=time.time(),
+            request=request,
+            uploads=kept,
+            needs=needs_of(request),
+        )
+        self.store.insert(job)
         self.metrics.count_submitted()
         return self.view(self.store.get(job_id))
 
     def mean_job_seconds(self) -> float:
         """The average of the latest jobs' run times (queue wait excluded), or `default_job_seconds` with none."""
-        recent = list(self._recent)
+        recent = list(self.worker.recent) if self.worker is not None else []
+        recent = recent or list(self._recent)
+        if not recent:
+            jobs = self.store.list(limit=RECENT_JOBS, statuses=(JobStatus.SUCCEEDED,))
+            recent = [job.finished_at - job.started_at for job in jobs if job.started_at and job.finished_at]
         if recent:
             return sum(recent) / len(recent)
         return default_job_seconds(getattr(self.engine, "model_path", None))
 
     def retry_after(self) -> int:
-        """Seconds until a full queue likely has room again: a place frees when the running job ends, so what is left
+        """Seconds until a full queue likely has room again: a place frees when a running job ends, so what is left
         of it by the recent average (at least a tenth of a job; a whole job while none runs)."""
         mean = self.mean_job_seconds()
         left = mean
-        if self._running is not None:
-            left = max(mean - (time.monotonic() - self._running_since), mean / 10)
+        running = self.store.list(limit=1, newest_first=False, statuses=(JobStatus.RUNNING,))
+        if running and running[0].started_at:
+            left = max(mean - (time.time() - running[0].started_at), mean / 10)
         return max(1, math.ceil(left))
 
     def cancel(self, job_id: str) -> dict | None:
         """Cancel a queued or running job and delete its files; delete a finished job entirely. Returns the job's
-        view after the cancel (a running job's once the engine has stopped it, or after `CANCEL_ACK_SECONDS`), or
+        view after the cancel (a running job's once its worker has stopped it, or after `CANCEL_ACK_SECONDS`), or
         None if there is no such job."""
-        live = None
-        with self._cond:
-            job = self.store.get(job_id)
-            if job is None:
-                return None
-            if job.status == JobStatus.RUNNING:
-                live = self._live.get(job_id)
-                if live is None:  # the row says running, yet this server's engine is not running it
-                    job.status = JobStatus.QUEUED
-            if job.status == JobStatus.QUEUED:
-                if job_id in self._queue:
-                    self._queue.remove(job_id)
+        job = self.store.get(job_id)
+        if job is None:
+            return None
+        if job.finished:
+            self.files.remove(job, result=True, uploads=True)
+            self.store.delete(job_id)
+            view = self.view(job)
+            view["deleted"] = True
+            return view
+        status = self.store.request_cancel(job_id)
+        if status == JobStatus.CANCELLED and job.status == JobStatus.QUEUED:
+            self.files.remove(job, result=True, uploads=True)
+            self.metrics.count_finished(JobStatus.CANCELLED, 0.0)
+        elif status == JobStatus.RUNNING:
+            running = self.worker.running if self.worker is not None else None
+            if running is not None and running.job.id == job_id:
+                running.cancel.set()  # this process's worker: no need to wait for its next look at the store
+            elif job.worker_id not in {worker["id"] for worker in self.live_workers()}:
+                # No live worker holds it (a row left running by a lost one): nobody would stop it.
                 self.store.update(job_id, status=JobStatus.CANCELLED, finished_at=time.time(), stage=None)
                 self.files.remove(job, result=True, uploads=True)
-                self.metrics.count_finished(JobStatus.CANCELLED, 0.0)
-            elif live is not None:
-                live.cancelled_by_client = True
-                live.cancel.set()
-                self.store.update(job_id, status=JobStatus.CANCELLED, finished_at=time.time())
-            else:
-                self.files.remove(job, result=True, uploads=True)
-                self.store.delete(job_id)
-                view = self.view(job)
-                view["deleted"] = True
-                return view
-        if live is not None:
-            live.done.wait(CANCEL_ACK_SECONDS)
+                return self.get(job_id)
+            deadline = time.monotonic() + CANCEL_ACK_SECONDS
+            while time.monotonic() < deadline:
+                current = self.store.get(job_id)
+                if current is None or current.finished:
+                    break
+                time.sleep(0.02)
         return self.get(job_id)
 
     def wait(self, job_id: str, timeout: float) -> dict | None:
@@ -260,7 +272,7 @@ class JobManager:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             job = self.store.get(job_id)
-            if job is None or (job.finished and job_id not in self._live):
+            if job is None or job.finished:
                 return self.view(job) if job else None
             time.sleep(0.05)
         return self.get(job_id)
@@ -276,8 +288,7 @@ class JobManager:
         return [self.view(r) for r in rows[:limit]], len(rows) > limit
 
     def view(self, job: Job) -> dict:
-        """The public view of a stored job, with live progress for the running one."""
-        live = self._live.get(job.id)
+        """The public view of a stored job."""
         request = job.request or {}
         view = {
             "id": job.id,
@@ -293,13 +304,11 @@ class JobManager:
             "planned_prompt": request.get("planned_prompt"),
             "cached_steps": request.get("cached_steps"),
         }
-        if live is not None and job.status == JobStatus.RUNNING:
-            view.update(progress=round(live.progress, 2), stage=live.stage, timings=dict(live.timings))
-            if live.window is not None:  # "2/5": the window a clip over 15 s is making
-                view["window"] = f"{min(live.window[0] + 1, live.window[1])}/{live.window[1]}"
+        if job.status == JobStatus.RUNNING and job.current_window:  # "2/5": the window a long clip is making
+            index, count = job.current_window
+            view["window"] = f"{min(index + 1, count)}/{count}"
         if job.status == JobStatus.QUEUED:
-            with self._cond:
-                queue = list(self._queue)
+            queue = [queued.id for queued in self.store.list(newest_first=False, statuses=(JobStatus.QUEUED,))]
             view["queue_position"] = queue.index(job.id) + 1 if job.id in queue else None
         if job.status == JobStatus.SUCCEEDED:
             view["content_url"] = f"/v1/videos/{job.id}/content"
@@ -310,119 +319,36 @@ class JobManager:
         return Path(job.result_path) if job and job.result_path else None
 
     def queue_depth(self) -> int:
-        return len(self._queue)
+        return self.store.count_by_status().get(JobStatus.QUEUED.value, 0)
 
     @property
     def running(self) -> str | None:
-        return self._running
+        """The id of the oldest running job, or None."""
+        jobs = self.store.list(limit=1, newest_first=False, statuses=(JobStatus.RUNNING,))
+        return jobs[0].id if jobs else None
 
-    # ------------------------------------------------------------------ engine thread
+    def queue_by_task(self) -> dict[str, int]:
+        """Queued jobs per task."""
+        counts: dict[str, int] = {}
+        for job in self.store.list(statuses=(JobStatus.QUEUED,)):
+            task = job.needs.get("task", "t2va")
+            counts[task] = counts.get(task, 0) + 1
+        return counts
 
-    def _worker(self) -> None:
-        self.engine.load()
-        # The model and the libraries live as long as the server: keep them out of the collections after each job,
-        # which would otherwise walk them all while holding the GIL (a second or more, stalling every request).
-        gc.collect()
-        gc.freeze()
-        while True:
-            with self._cond:
-                while not self._queue and not self._stopping:
-                    self._cond.wait()
-                if self._stopping:
-                    return
-                job_id = self._queue.popleft()
-                job = self.store.get(job_id)
-                if job is None or job.status != JobStatus.QUEUED:
-                    continue
-                live = _Live()
-                self._live[job_id] = live
-                self._running, self._running_since = job_id, time.monotonic()
-                self.store.update(job_id, status=JobStatus.RUNNING, started_at=time.time(), stage="starting")
-            try:
-                self._run(job, live)
-            finally:
-                with self._cond:
-                    self._live.pop(job_id, None)
-                    self._running = None
-                live.done.set()
-                gc.collect()
-                if torch.cuda.is_available():
-                    torch.cuda.empty_cache()  # a cancelled or failed job leaves no GPU memory behind
-                if not self._stopping:
-                    self.sweep()
+    def workers_by_task(self) -> dict[str, int]:
+        """Live workers per task they serve."""
+        counts: dict[str, int] = {}
+        for worker in self.live_workers():
+            for task in worker["capabilities"].get("tasks", ()):
+                counts[task] = counts.get(task, 0) + 1
+        return counts
 
-    def _run(self, job: Job, live: _Live) -> None:
-        job_id = job.id
-        started = time.perf_counter()
-        result = self.files.result(job_id)
-
-        def report(stage: str, step: int, total: int) -> None:
-            # Every stage reports when it starts (step 0) and after units of work inside it; each report is a
-            # cancellation point. A stage's timing runs from its first report to its last.
-            if live.cancel.is_set():
-                raise JobCancelled()
-            if stage == WINDOW:  # a clip over 15 s: which window runs (its stages report as a plain job's)
-                live.window = (step, total)
-                return
-            now = time.perf_counter()
-            if stage != live.stage:
-                # A stage that runs again (in the next window of a long clip) adds to its time.
-                live.stage, live.stage_started = stage, now - live.timings.get(stage, 0.0)
-            elif stage == DENOISE and step > 0:
-                self.metrics.observe_step(now - live.last_report)
-            live.last_report = now
-            live.timings[stage] = round(now - live.stage_started, 4)
-            live.progress = max(live.progress, progress_of(stage, step, total, live.window))
-
-        status, error = JobStatus.SUCCEEDED, None
-        try:
-            if self.engine.load_error:
-                raise RuntimeError(f"the model failed to load: {self.engine.load_error}")
-            request, uploads = job.request, {k: Path(v) for k, v in job.uploads.items()}
-            shown = request  # the request as the job's status shows it
-            if request.get("plan"):
-                report(PLAN, 0, 1)
-                planned = self.engine.plan(request, uploads)
-                shown = request = request | {"planned_prompt": planned}
-                self.store.update(job_id, request=request)  # shown in the job's status from now on
-                report(PLAN, 1, 1)
-                request = request | {"prompt": planned}
-            outcome = self.engine.run(request, uploads, result, report)
-            if outcome:  # what the run reports (the step cache's cached_steps), shown with the request
-                self.store.update(job_id, request=shown | outcome)
-            if live.cancel.is_set():
-                raise JobCancelled()
-        except JobCancelled:
-            status = JobStatus.CANCELLED
-            if not live.cancelled_by_client:  # the server is shutting down
-                status, error = JobStatus.FAILED, INTERRUPTED
-        except RequestError as failure:
-            status, error = JobStatus.FAILED, str(failure)
-        except torch.cuda.OutOfMemoryError:
-            status = JobStatus.FAILED
-            error = "out of GPU memory: try fewer seconds, a smaller aspect ratio or fewer jobs"
-        except Exception as failure:  # a failed job never takes the worker down
-            logger.exception("job %s failed", job_id)
-            status, error = JobStatus.FAILED, f"{type(failure).__name__}: {failure}"
-
-        elapsed = time.perf_counter() - started
-        for stage, seconds in live.timings.items():
-            self.metrics.observe_stage(stage, seconds)
-        self.metrics.count_finished(status, elapsed)
-        if status == JobStatus.SUCCEEDED:
-            self._recent.append(elapsed)
-        fields = {"status": status, "finished_at": time.time(), "timings": live.timings, "stage": None}
-        if status == JobStatus.SUCCEEDED:
-            fields.update(progress=100.0, result_path=str(result), result_bytes=result.stat().st_size)
-        else:
-            fields["progress"] = round(live.progress, 2)
-            if status == JobStatus.FAILED:
-                fields["error"] = error
-            result.unlink(missing_ok=True)
-        self.store.update(job_id, **fields)
-        if status == JobStatus.CANCELLED:
-            self.files.remove(job, result=False, uploads=True)
-        # Otherwise a finished job keeps its uploads until it is deleted (a remix reuses them).
+    @property
+    def ready(self) -> bool:
+        """Whether a job can run now: the local worker's model is loaded, or (without one) a worker is live."""
+        if self.worker is not None:
+            return self.engine.ready
+        return bool(self.live_workers())
 
     # ------------------------------------------------------------------ retention
 

@@ -49,8 +49,16 @@ class Metrics:
         with self._lock:
             return self.step_seconds_sum / self.step_count if self.step_count else None
 
-    def render(self, *, queue_depth: int, jobs_by_status: dict[str, int], ready: bool) -> str:
-        """The /metrics page."""
+    def render(
+        self,
+        *,
+        queue_depth: int,
+        jobs_by_status: dict[str, int],
+        ready: bool,
+        queue_by_task: dict[str, int] | None = None,
+        workers_by_task: dict[str, int] | None = None,
+    ) -> str:
+        """The /metrics page; `queue_by_task` and `workers_by_task`: queued jobs and live workers per task."""
         lines = [
             "# HELP h3gen_ready 1 when the model is loaded and jobs can run.",
             "# TYPE h3gen_ready gauge",
@@ -63,6 +71,12 @@ class Metrics:
         ]
         for status in JobStatus:
             lines.append(f'h3gen_jobs{{status="{status}"}} {jobs_by_status.get(status, 0)}')
+        lines += ["# HELP h3gen_queued_jobs Queued jobs per task.", "# TYPE h3gen_queued_jobs gauge"]
+        lines += [
+            f'h3gen_queued_jobs{{task="{task}"}} {count}' for task, count in sorted((queue_by_task or {}).items())
+        ]
+        lines += ["# HELP h3gen_live_workers Live workers that serve each task.", "# TYPE h3gen_live_workers gauge"]
+        lines += [f'h3gen_live_workers{{task="{task}"}} {n}' for task, n in sorted((workers_by_task or {}).items())]
         with self._lock:
             lines += [
                 "# HELP h3gen_jobs_submitted_total Jobs accepted since start.",

@@ -405,6 +405,8 @@ class Health(BaseModel):
     queue_depth: int | None = None
     running: str | None = None
     load_error: str | None = None
+    workers: list[dict] | None = None  # the live workers: id, host, what each serves, the job it runs
+    queue_by_task: dict[str, int] | None = None  # queued jobs per task
 
 
 def request_body_schema() -> dict:

@@ -2,8 +2,8 @@
 share are in `store_base.py`; the PostgreSQL backend, for a fleet of API nodes and GPU workers on several hosts, is
 `store_postgres.py`, imported only when a location names PostgreSQL.
 
-SQLite keeps the jobs of one host's processes in one file, so a restart keeps finished jobs and knows which ones it
-interrupted. The database runs in WAL mode; `close()` checkpoints the WAL into the main file
+SQLite keeps the jobs of one host's processes in one file, so a restart keeps finished jobs and takes back the ones
+its workers were running. The database runs in WAL mode; `close()` checkpoints the WAL into the main file
 (`wal_checkpoint(TRUNCATE)`), so after a clean shutdown `jobs.sqlite3` alone holds every job. On open the file is
 checked (`PRAGMA quick_check`); a database that fails to open or to check is moved aside under a dated name, with an
 error in the log, and a fresh one is started: a damaged store costs the job history, never the server. A file made by

@@ -78,6 +78,7 @@ TABLES = {
         Column("lease_expires", "real"),
         Column("cancel_requested", "bool", True, "FALSE"),
         Column("needs", "json", True, "'{}'"),
+        Column("current_window", "json"),
     ),
     "workers": (
         Column("id", "text", True),
@@ -215,7 +216,7 @@ class JobStore(abc.ABC):
     def _job(values: Sequence) -> Job:
         row = dict(zip(FIELDS, values, strict=True))
         for key in JSON_FIELDS:
-            row[key] = json.loads(row[key]) if row[key] else {}
+            row[key] = json.loads(row[key]) if row[key] else ({} if key != "current_window" else None)
         return Job(**row)
 
     @staticmethod

@@ -203,3 +203,40 @@ def done_running_queued(http: httpx.Client, fast: dict, long: dict) -> tuple[str
     queued = http.post("/v1/videos", json={"prompt": "requeued", **fast}).json()["id"]
     wait_for(http, running, statuses=("in_progress",))
     return done, running, queued
+
+
+class Worker:
+    """`h3gen worker` with the tiny model on `store`, in a process group of its own; `.kill()` dies like a lost
+    machine, `.stop()` drains with SIGTERM. Logs go to `<results>/../worker-<name>.log`."""
+
+    def __init__(self, model: Path, store: str, results_dir: Path, name: str, *, extra: tuple[str, ...] = ()):
+        self.name = name
+        self.log_path = Path(results_dir).parent / f"worker-{name}.log"
+        args = [sys.executable, "-m", "h3gen.cli", "worker", "--store", store, "--results-dir", str(results_dir)]
+        args += ["--model", str(model), "--device", "cpu", "--name", name, *extra]
+        env = dict(os.environ, HF_HUB_OFFLINE="1")
+        self._log = open(self.log_path, "w")
+        self.process = subprocess.Popen(
+            args, stdout=self._log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
+        STARTED.append(self.process)
+
+    def stop(self, timeout: float = 60.0) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                pass
+        self.kill()
+
+    def kill(self) -> None:
+        kill_group(self.process)
+        if self.process in STARTED:
+            STARTED.remove(self.process)
+        self._log.close()
+
+
+def live_workers(http: httpx.Client) -> list[dict]:
+    """The live workers an API node reports in /health."""
+    return http.get("/health").json().get("workers") or []
