@@ -99,6 +99,7 @@ class LocalServer:
         model: str | None,
         device: str | None,
         ui: bool,
+        workers: int = 1,
         ready_timeout: float = 180.0,
     ):
         self.port = free_port()
@@ -125,6 +126,7 @@ class LocalServer:
         args += ["--model", model] if model else []
         args += ["--device", device] if device else []
         args += [] if ui else ["--no-ui"]
+        args += ["--workers", str(workers)]
         env = dict(os.environ, HF_HUB_OFFLINE="1", GRADIO_ANALYTICS_ENABLED="False")
         self._log = open(self.log_path, "w")
         self.process = subprocess.Popen(
@@ -791,6 +793,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--device", choices=("cuda", "cpu"), help="device of the started server (default: its own)")
     parser.add_argument("--max-queue", dest="max_queue", type=int, default=10, help="of the started server")
     parser.add_argument("--no-ui", dest="ui", action="store_false", help="start the server without its web UI")
+    parser.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        help="workers of the started server (`h3gen serve --workers N`: N > 1 starts N worker processes)",
+    )
     parser.add_argument("--burst", type=int, default=50, help="clients in the burst (default 50)")
     parser.add_argument("--clients", type=int, default=16, help="clients in the sustained phase (default 16)")
     parser.add_argument(

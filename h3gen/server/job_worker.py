@@ -150,6 +150,7 @@ class JobWorker:
         self.running_since = 0.0
         self._stopping = threading.Event()
         self._finished = threading.Event()  # the claim loop has ended (the heartbeat runs until then)
+        self._wake = threading.Event()  # a job was submitted in this process: look for it now
         self._drain_deadline: float | None = None
         self._thread: threading.Thread | None = None
         self._beat: threading.Thread | None = None
@@ -191,18 +192,24 @@ class JobWorker:
                 else:  # the model failed to load: each job fails, saying why (`_run`)
                     job = self.store.claim(self.worker_id, lambda needs: True, self.lease_seconds)
                 if job is None:
-                    self._stopping.wait(IDLE_POLL_SECONDS)
+                    self._wake.wait(IDLE_POLL_SECONDS)
+                    self._wake.clear()
                     continue
                 self._run(job)
         finally:
             self._finished.set()
             self.store.unregister_worker(self.worker_id)
 
+    def wake(self) -> None:
+        """Look for a job now rather than at the next poll (the server calls it when it queues one)."""
+        self._wake.set()
+
     def stop(self, *, drain: bool = False, drain_seconds: float = 60.0, timeout: float = 10.0) -> None:
         """Claim nothing more. With `drain` the running job may finish within `drain_seconds`; otherwise (or past
         that) it is stopped at its next progress point and handed back to the queue."""
         self._drain_deadline = time.monotonic() + (drain_seconds if drain else 0.0)
         self._stopping.set()
+        self._wake.set()
         running = self.running
         if running is not None and not drain:
             running.hand_back.set()

@@ -209,6 +209,8 @@ class JobManager:
             needs=needs_of(request),
         )
         self.store.insert(job)
+        if self.worker is not None:
+            self.worker.wake()
         self.metrics.count_submitted()
         return self.view(self.store.get(job_id))
 
