@@ -264,6 +264,7 @@ def test_requests_sharing_a_prefix_do_not_contaminate_each_others_kda_state(fami
     assert engine.stats["cached_tokens"] > 0
 
 
+@pytest.mark.slow  # 3.5 s per case
 @pytest.mark.parametrize("prefix_cache,static_decode", [(False, False), (True, False), (True, True)])
 def test_pool_exhaustion_finishes_every_request_through_waiting_and_preemption(prefix_cache, static_decode):
     model = _model("hybrid")

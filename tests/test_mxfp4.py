@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 import torch
 
 from h3gen.quant.mxfp4 import MXFP4Linear
@@ -130,6 +131,7 @@ print(peak[0] - base, kept)
 """
 
 
+@pytest.mark.slow  # measures a whole load's peak memory: 8 s
 def test_online_quantization_peak_memory_is_about_one_layer(tmp_path):
     from h3gen.pipelines.h3.transformer import H3Transformer
 

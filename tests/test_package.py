@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 import h3gen
 
 IMPORTS = (
@@ -20,6 +22,7 @@ def _python(code: str, cwd) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", code], cwd=cwd, capture_output=True, text=True, timeout=120)
 
 
+@pytest.mark.slow  # installs into a fresh environment: 5 s
 def test_one_namespace_and_no_top_level_packages(tmp_path):
     # Run from an empty folder so the source tree on the current directory cannot satisfy the imports.
     result = _python(IMPORTS + '; import sys; print(sys.modules["h3gen.kernels.attention"].__name__)', tmp_path)
@@ -45,6 +48,7 @@ print(json.dumps({name: sys.modules[name].__file__ for name in ("kernels", "ui",
 """
 
 
+@pytest.mark.slow  # installs into a fresh environment: 5 s
 def test_checkout_root_never_shadows_installed_distributions(tmp_path):
     """Python started in the checkout root (the current directory first on sys.path, as `python -m pytest` or a REPL
     there) imports the installed distributions named kernels, ui, pipelines and offload, not our folders of those
@@ -93,6 +97,7 @@ def test_public_api_exports():
     assert h3gen.H3Transformer.__module__ == "h3gen.pipelines.h3.transformer"
 
 
+@pytest.mark.slow  # installs into a fresh environment: 5 s
 def test_regular_install_has_the_same_namespace(tmp_path):
     # A non-editable install copies the mapped folders under h3gen/ and nothing else at the top level.
     from pathlib import Path

@@ -52,8 +52,8 @@ def test_fast_decode_is_close_and_checks_before_each_block(vae):
     calls = []
     got = video_decode.decode(fast, z, tier="fast", batch=7, check=lambda: calls.append(1))
     assert _rel(got, vae.decode(z).sample) < 2e-2
-    starts, _ = video_decode._clip_starts(fast, z.shape[2])
-    rows, _, _ = video_decode._tiles(fast, z.shape[-2], z.shape[-1])
+    starts, _ = video_decode.clip_starts(fast, z.shape[2])
+    rows, _, _ = video_decode.decode_tiles(fast, z.shape[-2], z.shape[-1])
     pieces = len(starts) * sum(len(row) for row in rows)
     assert len(calls) == -(-pieces // 7) * len(fast.decoder.transformer_blocks)
 

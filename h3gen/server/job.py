@@ -1,7 +1,7 @@
 """What a job is: its status, its stored record, and how far along it is.
 
 A `Job` is one row of the job store (`store.py`); the manager (`jobs.py`) creates, runs and shows them. Statuses are
-a `str` enum, so the database, the JSON views and the metrics hold the same strings as before the enum existed.
+a `str` enum, so the database, the JSON views and the metrics all hold the plain strings (`"queued"`, ...).
 """
 
 import enum

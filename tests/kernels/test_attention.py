@@ -39,7 +39,7 @@ def test_auto_backend_fits_device_and_inputs(device_type, major, dtype, head_dim
 
 @pytest.mark.parametrize("backend", ["fa3", "cudnn", "flash"])
 def test_named_half_only_backend_refuses_float32(monkeypatch, backend):
-    monkeypatch.setattr(dispatch, "_fa3", lambda: lambda *args, **kwargs: None)  # as if FA3 were installed
+    monkeypatch.setattr(dispatch, "fa3_kernel", lambda: lambda *args, **kwargs: None)  # as if FA3 were installed
     with pytest.raises(ValueError, match="fp16 or bf16"):
         dispatch.resolve_backend(backend, torch.device("cpu"), torch.float32, 128)
     assert dispatch.resolve_backend(backend, torch.device("cpu"), torch.bfloat16, 128) == backend

@@ -97,7 +97,13 @@ def test_short_conv_matches_transformers_and_carries_state():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize(
     "heads,dim,width,lower_bound,parts",
-    [(3, 16, 4, None, 1), (2, 32, 3, -5.0, 4), (5, 8, 4, -5.0, None), (2, 24, 4, None, 4), (3, 16, 4, None, 16)],
+    [
+        (3, 16, 4, None, 1),
+        (2, 32, 3, -5.0, 4),
+        (5, 8, 4, -5.0, None),
+        (2, 24, 4, None, 4),
+        pytest.param(3, 16, 4, None, 16, marks=pytest.mark.slow),  # 16 parts in the interpreter: 8 s each dtype
+    ],
 )
 def test_fused_kda_decode_matches_reference(heads, dim, width, lower_bound, dtype, parts):
     from h3gen.kernels.kda import reference as kda_ref
