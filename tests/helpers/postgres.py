@@ -1,6 +1,6 @@
 """A throw-away PostgreSQL server for the tests of the PostgreSQL job store (`h3gen.server.store_postgres`).
 
-`postgres_cluster` (one per test session) makes a cluster with `initdb` in a fresh temporary folder, serves it on a
+`postgres_cluster` (one per pytest run) makes a cluster with `initdb` in a fresh temporary folder, serves it on a
 Unix socket in that folder only (no TCP), and stops it (`pg_ctl stop -m immediate`) and removes the folder when the
 session ends; `postgres_url` gives each test a database of its own. The server's programs are found on PATH, else
 under /usr/lib/postgresql/<version>/bin (Debian's `postgresql` package). PostgreSQL refuses to run as root, so as
