@@ -118,8 +118,7 @@ class LocalServer:
             str(workdir / "results"),
             "--max-queue",
             str(max_queue),
-            "--api-key",
-            api_key,
+            f"--api-key={api_key}",  # one argument: a random key may begin with "-"
             "--log-level",
             "warning",
         ]
@@ -401,8 +400,9 @@ class Run:
                 self.tally.note(f"{method} {path} -> {response.status_code} {response.text[:200]}")
         return response
 
-    def job_body(self, seed: int, multipart: bool) -> dict:
-        fields = {"prompt": f"load test {seed}", "seed": seed, "num_inference_steps": self.options.steps}
+    def job_body(self, seed: int, multipart: bool, steps: int | None = None) -> dict:
+        steps = steps or self.options.steps
+        fields = {"prompt": f"load test {seed}", "seed": seed, "num_inference_steps": steps}
         if not multipart:
             return {"json": fields}
         return {
@@ -410,9 +410,10 @@ class Run:
             "files": {"image": ("first.png", keyframe_png(seed), "image/png")},
         }
 
-    async def submit(self, http: httpx.AsyncClient, seed: int, multipart: bool = False):
+    async def submit(self, http: httpx.AsyncClient, seed: int, multipart: bool = False, steps: int | None = None):
         """The new job's id, or the 429's Retry-After in seconds (float), or None."""
-        response = await self.call(http, "POST", "/v1/videos", expect=(429,), **self.job_body(seed, multipart))
+        body = self.job_body(seed, multipart, steps)
+        response = await self.call(http, "POST", "/v1/videos", expect=(429,), **body)
         if response is None:
             return None
         if response.status_code == 429:
@@ -491,7 +492,7 @@ async def burst(run: Run, clients: int, drain_seconds: float) -> None:
 
     async def one(http: httpx.AsyncClient, index: int):
         await start.wait()
-        job = await run.submit(http, seed=index)
+        job = await run.submit(http, seed=index, steps=run.options.burst_steps)
         if isinstance(job, str):
             await run.follow(http, job, time.monotonic() + drain_seconds)
 
@@ -813,6 +814,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="how long accepted jobs may take to finish after a phase (default 600)",
     )
     parser.add_argument("--steps", type=int, default=4, help="num_inference_steps of each job (default 4)")
+    parser.add_argument(
+        "--burst-steps",
+        dest="burst_steps",
+        type=int,
+        default=None,
+        help="num_inference_steps of the burst's jobs (default --steps); jobs that outlast the burst keep the queue "
+        "full while it is answered",
+    )
     parser.add_argument("--poll-interval", dest="poll_interval", type=float, default=0.5)
     parser.add_argument("--cancel-fraction", dest="cancel_fraction", type=float, default=0.2)
     parser.add_argument(
@@ -838,6 +847,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ):
         if not low <= getattr(args, name) <= high:
             parser.error(f"--{name.replace('_', '-')} must be from {low} to {high} (got {getattr(args, name)})")
+    args.burst_steps = args.burst_steps or args.steps
+    if not 2 <= args.burst_steps <= 1000:
+        parser.error(f"--burst-steps must be from 2 to 1000 (got {args.burst_steps})")
     if args.url:
         try:
             args.url = loopback_url(args.url)

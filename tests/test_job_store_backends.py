@@ -373,6 +373,30 @@ def test_inserts_from_two_store_objects_share_one_order(opener):
     assert _ids(stores[0].list(after=order[19], newest_first=False)) == order[20:]
 
 
+def test_a_full_queue_takes_no_more_jobs_from_racing_submitters(opener):
+    """Submitters on three store objects (three API nodes) race for the last places of a queue of five: five get
+    in, never six, whatever the interleaving."""
+    stores = [opener(), opener(), opener()]
+    start = threading.Barrier(6)
+    added = []
+
+    def submit(store, prefix):
+        start.wait(30)
+        for index in range(10):
+            if store.insert(_job(f"{prefix}{index}"), max_queued=5):
+                added.append(f"{prefix}{index}")
+
+    threads = [threading.Thread(target=submit, args=(stores[i % 3], f"t{i}-")) for i in range(6)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert len(added) == 5 and sorted(_ids(stores[0].list())) == sorted(added)
+    stores[1].update(added[0], status=JobStatus.RUNNING)  # a place frees when a worker takes a job
+    assert stores[2].insert(_job("late"), max_queued=5) and not stores[0].insert(_job("later"), max_queued=5)
+    assert stores[0].insert(_job("no limit"))
+
+
 # ---------------------------------------------------------------------- each backend's own
 
 

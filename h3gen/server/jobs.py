@@ -196,7 +196,7 @@ class JobManager:
         staging folder (`staging_dir`) they leave empty is removed. Raises `QueueFull`, or `RequestError` when no
         live worker can serve it."""
         self.check_servable(request)
-        if self.queue_depth() >= self.max_queue:
+        if self.queue_depth() >= self.max_queue:  # the cheap answer; the insert below decides
             raise QueueFull(self.retry_after())
         job_id = uuid.uuid4().hex
         kept = self.files.keep_uploads(job_id, uploads or {})
@@ -208,7 +208,9 @@ class JobManager:
             uploads=kept,
             needs=needs_of(request),
         )
-        self.store.insert(job)
+        if not self.store.insert(job, max_queued=self.max_queue):
+            self.files.remove(job, result=True, uploads=True)
+            raise QueueFull(self.retry_after())
         if self.worker is not None:
             self.worker.wake()
         self.metrics.count_submitted()

@@ -127,6 +127,9 @@ class SQLiteJobStore(JobStore):
                 db = self._db
                 yield lambda sql, params=(): db.execute(sql, params).fetchall()
 
+    def _lock_queue(self, run: Run) -> None:
+        pass  # every write transaction is BEGIN IMMEDIATE: the one writer of the file already
+
     def _columns_of(self, run: Run, table: str) -> set[str]:
         return {row[1] for row in run(f"PRAGMA table_info({table})")}
 

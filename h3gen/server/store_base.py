@@ -230,10 +230,22 @@ class JobStore(abc.ABC):
 
     # ------------------------------------------------------------------ the jobs
 
-    def insert(self, job: Job) -> None:
-        """Add a job after every other in submission order."""
+    def insert(self, job: Job, max_queued: int | None = None) -> bool:
+        """Add a job after every other in submission order. With `max_queued`, only while fewer jobs than that are
+        queued: the count and the insert are one transaction that no other submission to this store (from any thread,
+        process or node) interleaves with. Returns whether the job was added."""
         with self._transaction() as run:
+            if max_queued is not None:
+                self._lock_queue(run)
+                queued = run("SELECT COUNT(*) FROM jobs WHERE status = ?", [JobStatus.QUEUED.value])[0][0]
+                if int(queued) >= max_queued:
+                    return False
             run(self._insert_sql(FIELDS), [encode(name, getattr(job, name)) for name in FIELDS])
+        return True
+
+    @abc.abstractmethod
+    def _lock_queue(self, run: Run) -> None:
+        """Make the rest of this write transaction the only one counting and adding queued jobs."""
 
     def update(self, job_id: str, **fields) -> None:
         """Set the named fields of one job (the others are left as they are); TypeError for a name that is no

@@ -24,6 +24,7 @@ logger = logging.getLogger(__name__)
 
 POSTGRES_TYPES = {"text": "TEXT", "real": "DOUBLE PRECISION", "int": "BIGINT", "bool": "BOOLEAN", "json": "TEXT"}
 SETUP_LOCK = 0x6833_6A6F_6273  # the advisory lock that serializes making and migrating the tables ("h3jobs")
+QUEUE_LOCK = 0x6833_7175_6575  # the advisory lock that makes counting and adding queued jobs one step ("h3queu")
 CONNECT_SECONDS = 10  # connect_timeout, unless the URL sets one
 
 
@@ -82,6 +83,9 @@ class PostgresJobStore(JobStore):
                     return cursor.fetchall() if cursor.description is not None else []
 
                 yield run
+
+    def _lock_queue(self, run: Run) -> None:
+        run("SELECT pg_advisory_xact_lock(?)", [QUEUE_LOCK])
 
     def _columns_of(self, run: Run, table: str) -> set[str]:
         rows = run(

@@ -99,7 +99,7 @@ class Server:
             *extra,
         ]
         if api_key:
-            args += ["--api-key", api_key]
+            args.append(f"--api-key={api_key}")  # one argument, whatever the key begins with
         if not ui:
             args.append("--no-ui")
         env = dict(os.environ, HF_HUB_OFFLINE="1", GRADIO_ANALYTICS_ENABLED="False", **(env or {}))
