@@ -1,0 +1,53 @@
+"""VSA-H3 attention in plain torch: the selected tiles expanded to a token mask for SDPA, plus the gated compression
+branch on every row (docs/reference h3-sparse-fasth3.md sections 2.2-2.4)."""
+
+import torch
+import torch.nn.functional as F
+
+from h3gen.kernels.vsa_h3.geometry import TileGeometry
+from h3gen.kernels.vsa_h3.selection import compress, select_tiles, selection_map, tile_means, tile_scores
+
+
+def add_compressed(
+    out: torch.Tensor, gate: torch.Tensor, compressed: torch.Tensor, row_tile: torch.Tensor
+) -> torch.Tensor:
+    """`out + gate * compressed[tile(row)]` in float32, rounded once to `out.dtype`.
+
+    Args:
+        out, gate: `(B, R, H, D)` for R rows.
+        compressed: `(B, H, T, D)` float32 from `selection.compress`.
+        row_tile: `(R,)` int64, the tile of each of the R rows.
+    """
+    per_row = compressed.index_select(2, row_tile).permute(0, 2, 1, 3)
+    return (out.float() + gate.float() * per_row).to(out.dtype)
+
+
+def vsa_h3_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    geometry: TileGeometry,
+    sparsity: float,
+    gate: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """VSA-H3 attention of one packed sequence.
+
+    Args:
+        query, key, value: `(B, S, H, D)` post-RoPE heads, one float dtype.
+        geometry: the sequence's `TileGeometry` (on the same device).
+        sparsity: the fraction of video key tiles each video query tile drops, in [0, 1).
+        gate: `(B, S, H, D)` the compression gate (`to_gate_compress` of the block's input), or None to skip the
+            branch.
+    Returns:
+        `(B, S, H, D)` in query's dtype.
+    """
+    q_slots, k_slots = geometry.tile(query), geometry.tile(key)
+    scores = tile_scores(tile_means(q_slots, geometry), tile_means(k_slots, geometry))
+    tile_map = selection_map(select_tiles(scores, geometry, sparsity))
+    token_mask = tile_map[:, :, geometry.row_tile][:, :, :, geometry.row_tile]  # (B, H, S, S)
+    q, k, v = (t.transpose(1, 2) for t in (query, key, value))
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=token_mask).transpose(1, 2)
+    if gate is None:
+        return out
+    compressed = compress(scores, tile_means(geometry.tile(value), geometry))
+    return add_compressed(out, gate, compressed, geometry.row_tile)
