@@ -129,8 +129,8 @@ def build_tile_geometry(
         tt, hh, ww = tt.reshape(-1), hh.reshape(-1), ww.reshape(-1)
         # Extent of each row's tile along h and w (partial at the far edges): the strides of the row-major flatten
         # inside that tile.
-        ext_h = (h - hh.div(bh, rounding_mode="floor") * bh).clamp(max=bh)
-        ext_w = (w - ww.div(bw, rounding_mode="floor") * bw).clamp(max=bw)
+        ext_h = (h - hh // bh * bh).clamp(max=bh)
+        ext_w = (w - ww // bw * bw).clamp(max=bw)
         tile = (tt // bt * nh + hh // bh) * nw + ww // bw
         inside = ((tt % bt) * ext_h + hh % bh) * ext_w + ww % bw
         row_slot_parts.append((tiles + tile) * TILE_ROWS + inside)

@@ -1,0 +1,149 @@
+"""VSA-H3 attention: the sparse attention of FastH3 (trained with it) and of the base model without training
+(docs/reference h3-sparse-fasth3.md section 2).
+
+`vsa_h3_attention(query, key, value, geometry, sparsity, gate=None)` runs one attention call of a DiT block over
+a packed `[text | conditions | audio | video]` sequence. `build_tile_geometry` makes the sequence's `TileGeometry`
+once per request shape. On CUDA the video query tiles run the Triton block-sparse kernel and the prefix query rows
+(dense in VSA-H3) run the dense attention dispatch; elsewhere the torch reference runs. `backend="reference"` or
+`H3GEN_VSA_BACKEND=reference` forces the reference (`=triton` the kernel, also on the CPU under
+`TRITON_INTERPRET=1`); `H3GEN_TRITON=0` turns the kernel off as for every op.
+
+When every video tile is kept (sparsity 0, k equal to the video tile count, or no video at all) the sparse part is
+dense attention and the op calls `attention(query, key, value)` itself, so its output is that call's, bit for bit,
+plus the gated branch when a gate is given.
+"""
+
+import os
+from typing import TYPE_CHECKING
+
+import torch
+
+from h3gen.kernels._dispatch import triton_available, use_triton
+from h3gen.kernels.attention import attention
+from h3gen.kernels.vsa_h3 import reference
+from h3gen.kernels.vsa_h3.geometry import TILE_ROWS, VIDEO_TILE, TileGeometry, build_tile_geometry
+from h3gen.kernels.vsa_h3.reference import add_compressed
+from h3gen.kernels.vsa_h3.selection import (
+    TileSelection,
+    check_sparsity,
+    compress,
+    kept_video_tiles,
+    select_tiles,
+    selection_map,
+    tile_means,
+    tile_scores,
+)
+
+if TYPE_CHECKING:
+    from h3gen.kernels.vsa_h3.triton import KernelConfig
+
+BACKENDS = ("auto", "triton", "reference")
+
+
+def resolve_backend(query: torch.Tensor, backend: str | None = None) -> str:
+    """ "triton" or "reference" for these heads: `H3GEN_VSA_BACKEND` when set, else `backend`, else "auto" (the
+    kernel where `use_triton` says so and it takes the dtype and head size)."""
+    name = os.environ.get("H3GEN_VSA_BACKEND") or backend or "auto"
+    if name not in BACKENDS:
+        raise ValueError(f"Unknown VSA-H3 backend {name!r}; choose one of {', '.join(BACKENDS)}.")
+    takes = query.dtype in (torch.float32, torch.float16, torch.bfloat16) and query.shape[-1] in (16, 32, 64, 128)
+    if name == "triton" and not (triton_available() and takes):
+        raise ValueError(
+            "the VSA-H3 Triton kernel needs triton and fp32/fp16/bf16 heads of 16, 32, 64 or 128 channels, got "
+            f"{query.dtype} heads of {query.shape[-1]}."
+        )
+    if name == "auto":
+        name = "triton" if use_triton(query) and takes else "reference"
+    return name
+
+
+def vsa_h3_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    geometry: TileGeometry,
+    sparsity: float,
+    gate: torch.Tensor | None = None,
+    backend: str | None = None,
+    *,
+    dense_backend: str | None = None,
+    config: "KernelConfig | None" = None,
+) -> torch.Tensor:
+    """VSA-H3 attention of one packed sequence.
+
+    Args:
+        query, key, value: `(B, S, H, D)` post-RoPE heads, one float dtype, on the geometry's device.
+        geometry: `build_tile_geometry(...)` of this sequence, moved to the device.
+        sparsity: the fraction of video key tiles each video query tile drops, in [0, 1); each keeps
+            k = max(1, min(ceil((1 - sparsity) * N_video), N_video)) video tiles and every prefix tile.
+        gate: `(B, S, H, D)` the compression gate (the block's `to_gate_compress` output, no activation), or None
+            to skip the compression branch (the base model).
+        backend: "auto" (None), "triton" or "reference" (see the module docstring).
+        dense_backend: the `attention` backend for the dense parts (prefix query rows, everything when all video
+            tiles are kept).
+        config: the Triton launch settings (`triton.KernelConfig`), its default when None.
+    Returns:
+        `(B, S, H, D)` in query's dtype.
+    """
+    if query.ndim != 4 or key.shape != query.shape or value.shape != query.shape:
+        raise ValueError(
+            f"vsa_h3_attention expects query, key and value of one (B, S, H, D) shape, got {tuple(query.shape)}, "
+            f"{tuple(key.shape)}, {tuple(value.shape)}."
+        )
+    if gate is not None and gate.shape != query.shape:
+        raise ValueError(f"the gate must have the query's shape {tuple(query.shape)}, got {tuple(gate.shape)}.")
+    if geometry.num_rows != query.shape[1]:
+        raise ValueError(f"the tile geometry has {geometry.num_rows} rows, the sequence {query.shape[1]}.")
+    if geometry.device != query.device:
+        raise ValueError(
+            f"the tile geometry is on {geometry.device}, the heads on {query.device}: move it once with .to()."
+        )
+    sparsity = check_sparsity(sparsity)
+    if kept_video_tiles(sparsity, geometry.num_video_tiles) == geometry.num_video_tiles:
+        out = attention(query, key, value, backend=dense_backend)
+        if gate is None:
+            return out
+        q_slots, k_slots = geometry.tile(query), geometry.tile(key)
+        scores = tile_scores(tile_means(q_slots, geometry), tile_means(k_slots, geometry))
+        compressed = compress(scores, tile_means(geometry.tile(value), geometry))
+        return add_compressed(out, gate, compressed, geometry.row_tile)
+    if resolve_backend(query, backend) == "reference":
+        return reference.vsa_h3_attention(query, key, value, geometry, sparsity, gate)
+    return _sparse_triton(query, key, value, geometry, sparsity, gate, dense_backend, config)
+
+
+def _sparse_triton(query, key, value, geometry, sparsity, gate, dense_backend, config):
+    """Selection in torch, the video query tiles through the kernel, the prefix query rows through `attention`."""
+    from h3gen.kernels.vsa_h3 import triton as fast  # on first use: see _dispatch
+
+    q_slots, k_slots, v_slots = (geometry.tile(t) for t in (query, key, value))
+    scores = tile_scores(tile_means(q_slots, geometry), tile_means(k_slots, geometry))
+    selection = select_tiles(scores, geometry, sparsity)
+    compressed = None if gate is None else compress(scores, tile_means(v_slots, geometry))
+    out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    prefix = geometry.prefix_rows
+    if prefix:
+        dense = attention(query[:, :prefix], key, value, backend=dense_backend)
+        if gate is not None:
+            dense = add_compressed(dense, gate[:, :prefix], compressed, geometry.row_tile[:prefix])
+        out[:, :prefix] = dense
+    if gate is not None and gate.stride(3) != 1:
+        gate = gate.contiguous()
+    return fast.block_sparse_attention(q_slots, k_slots, v_slots, selection, geometry, out, gate, compressed, config)
+
+
+__all__ = [
+    "BACKENDS",
+    "TILE_ROWS",
+    "VIDEO_TILE",
+    "TileGeometry",
+    "TileSelection",
+    "build_tile_geometry",
+    "kept_video_tiles",
+    "resolve_backend",
+    "select_tiles",
+    "selection_map",
+    "tile_means",
+    "tile_scores",
+    "vsa_h3_attention",
+]
