@@ -99,6 +99,7 @@ def vsa_h3_attention(
             f"the tile geometry is on {geometry.device}, the heads on {query.device}: move it once with .to()."
         )
     sparsity = check_sparsity(sparsity)
+    name = resolve_backend(query, backend)
     if kept_video_tiles(sparsity, geometry.num_video_tiles) == geometry.num_video_tiles:
         out = attention(query, key, value, backend=dense_backend)
         if gate is None:
@@ -107,7 +108,7 @@ def vsa_h3_attention(
         scores = tile_scores(tile_means(q_slots, geometry), tile_means(k_slots, geometry))
         compressed = compress(scores, tile_means(geometry.tile(value), geometry))
         return add_compressed(out, gate, compressed, geometry.row_tile)
-    if resolve_backend(query, backend) == "reference":
+    if name == "reference":
         return reference.vsa_h3_attention(query, key, value, geometry, sparsity, gate)
     return _sparse_triton(query, key, value, geometry, sparsity, gate, dense_backend, config)
 

@@ -94,8 +94,8 @@ def build_tile_geometry(
     grid = (0, 0, 0) if video_grid is None else tuple(int(n) for n in video_grid)
     if len(grid) != 3 or any(n < 0 for n in prefix_lengths) or any(n < 0 for n in grid):
         raise ValueError(
-            f"prefix segment lengths and the (t, h, w) video grid must be non-negative, got {prefix_lengths} and "
-            f"{video_grid}."
+            "prefix segment lengths must be non-negative and the video grid three non-negative sizes (t, h, w), got "
+            f"{prefix_lengths} and {video_grid}."
         )
     prefix_rows = sum(prefix_lengths)
     video_rows = math.prod(grid)

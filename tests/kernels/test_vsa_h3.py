@@ -1,0 +1,301 @@
+"""VSA-H3 attention: the tile geometry against a hand enumeration, the selection's k and prefix exemption, the torch
+reference against a per-row computation written here, the Triton kernel (interpreter on the CPU) against the
+reference, the dense cases equal to the attention dispatch bit for bit, and the errors."""
+
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from helpers.kernel_cases import DEVICE, DTYPES, ON_GPU
+from helpers.kernel_cases import case as _case
+from helpers.kernel_cases import err as _err
+from helpers.kernel_cases import rand as _rand
+
+from h3gen.kernels.attention import attention
+from h3gen.kernels.vsa_h3 import (
+    build_tile_geometry,
+    kept_video_tiles,
+    select_tiles,
+    selection_map,
+    tile_means,
+    tile_scores,
+    vsa_h3_attention,
+)
+from h3gen.kernels.vsa_h3 import reference as vsa_ref
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# (prefix segments, video grid): segments shorter than 64, empty ones, remainders after full chunks; grids with a
+# partial tile on every axis, and one whose grid divides evenly.
+SHAPES = [
+    ((5, 0, 70), (5, 6, 9)),
+    ((130,), (3, 5, 4)),
+    ((0, 17, 64), (4, 8, 8)),
+    ((), (6, 3, 5)),
+]
+
+
+def _expected_layout(prefix, grid):
+    """Row -> (tile, slot in tile) and each tile's size, enumerated by hand."""
+    tiles, sizes, row = [], [], 0
+    for length in prefix:
+        for start in range(0, length, 64):
+            size = min(64, length - start)
+            tiles += [(len(sizes), i) for i in range(size)]
+            sizes.append(size)
+            row += size
+    t, h, w = grid
+    first_video = len(sizes)
+    video = {}
+    for a in range(0, t, 4):
+        for b in range(0, h, 4):
+            for c in range(0, w, 4):
+                inside = 0
+                for i in range(a, min(a + 4, t)):
+                    for j in range(b, min(b + 4, h)):
+                        for k in range(c, min(c + 4, w)):
+                            video[(i * h + j) * w + k] = (len(sizes), inside)
+                            inside += 1
+                sizes.append(inside)
+    tiles += [video[r] for r in range(t * h * w)]
+    return tiles, sizes, first_video
+
+
+def _inputs(prefix, grid, heads, dim, dtype, seed, batch=2, gate=True):
+    geometry = build_tile_geometry(prefix, grid).to(DEVICE)
+    g = _case(seed)
+    shape = (batch, geometry.num_rows, heads, dim)
+    q, k, v = (_rand(*shape, dtype=dtype, generator=g) for _ in range(3))
+    return geometry, q, k, v, (_rand(*shape, dtype=dtype, generator=g) if gate else None)
+
+
+# -- geometry ----------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("prefix, grid", SHAPES)
+def test_geometry_matches_hand_enumeration(prefix, grid):
+    geometry = build_tile_geometry(prefix, grid, num_rows=sum(prefix) + math.prod(grid))
+    tiles, sizes, first_video = _expected_layout(prefix, grid)
+    assert geometry.num_tiles == len(sizes) and geometry.num_prefix_tiles == first_video
+    assert geometry.num_video_tiles == len(sizes) - first_video
+    assert geometry.tile_sizes.dtype == torch.int32 and geometry.tile_sizes.tolist() == sizes
+    assert geometry.untile_index.tolist() == [64 * tile + slot for tile, slot in tiles]
+    assert geometry.row_tile.tolist() == [tile for tile, _ in tiles]
+    assert geometry.gather_index[geometry.untile_index].tolist() == list(range(geometry.num_rows))
+    assert (geometry.gather_index[geometry.pad_slots] == geometry.num_rows).all()
+    assert geometry.pad_slots.numel() == 64 * len(sizes) - geometry.num_rows
+
+
+@pytest.mark.parametrize("prefix, grid", SHAPES)
+def test_tile_then_untile_round_trips_with_zero_padding(prefix, grid):
+    geometry = build_tile_geometry(prefix, grid)
+    x = torch.randn(2, geometry.num_rows, 3, 8) + 5.0
+    slots = geometry.tile(x)
+    assert slots.shape == (2, geometry.num_tiles * 64, 3, 8)
+    assert torch.equal(geometry.untile(slots), x)
+    assert not slots[:, geometry.pad_slots].any()
+    assert (slots.abs().sum((0, 2, 3)) > 0).sum() == geometry.num_rows
+
+
+def test_geometry_of_the_5s_768p_request():
+    # docs/reference h3-sparse-fasth3.md 2.5: (37, 24, 42) -> 660 video tiles, 414 audio rows -> 7 tiles
+    geometry = build_tile_geometry((128, 0, 414), (37, 24, 42), num_rows=37838)
+    assert (geometry.num_prefix_tiles, geometry.num_video_tiles) == (2 + 7, 660)
+    assert kept_video_tiles(0.9, geometry.num_video_tiles) == 66
+    # t = 37 leaves one-frame tiles in the last tile row; w = 42 leaves 2-wide tiles in the last column
+    assert geometry.tile_sizes[-1].item() == 1 * 4 * 2 and geometry.tile_sizes[9].item() == 64
+
+
+def test_geometry_without_video_is_all_prefix():
+    geometry = build_tile_geometry((10, 70), None, num_rows=80)
+    assert (geometry.num_tiles, geometry.num_prefix_tiles, geometry.num_video_tiles) == (3, 3, 0)
+    assert geometry.tile_sizes.tolist() == [10, 64, 6]
+
+
+@pytest.mark.parametrize(
+    "prefix, grid, rows, match",
+    [((5, 7), (2, 2, 2), 21, "add up to 20"), ((5, -1), (2, 2, 2), None, "non-negative"), ((), (2, 2), None, "three")],
+)
+def test_geometry_refuses_bad_segments(prefix, grid, rows, match):
+    with pytest.raises(ValueError, match=match):
+        build_tile_geometry(prefix, grid, num_rows=rows)
+
+
+# -- selection ---------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "sparsity, tiles, k",
+    [(0.9, 660, 66), (0.9, 1188, 119), (0.9, 1716, 172), (0.0, 10, 10), (0.99, 10, 1), (0.5, 3, 2)],
+)
+def test_kept_video_tiles(sparsity, tiles, k):
+    assert kept_video_tiles(sparsity, tiles) == k
+
+
+def test_tile_means_divide_by_valid_rows():
+    geometry = build_tile_geometry((5, 70), (5, 6, 9))
+    x = torch.randn(2, geometry.num_rows, 3, 8)
+    means = tile_means(geometry.tile(x), geometry)
+    assert means.shape == (2, 3, geometry.num_tiles, 8) and means.dtype == torch.float32
+    for tile in range(geometry.num_tiles):
+        rows = (geometry.row_tile == tile).nonzero().reshape(-1)
+        torch.testing.assert_close(means[:, :, tile], x[:, rows].mean(1), rtol=1e-6, atol=1e-6)
+
+
+def test_selection_keeps_prefix_keys_and_top_video_tiles_per_head():
+    geometry = build_tile_geometry((5, 0, 70, 13), (5, 6, 9))  # 4 prefix tiles, 12 video tiles
+    p, v, t = geometry.num_prefix_tiles, geometry.num_video_tiles, geometry.num_tiles
+    scores = torch.randn(2, 3, t, t, generator=torch.Generator().manual_seed(1))
+    selection = select_tiles(scores, geometry, 0.6)
+    k = kept_video_tiles(0.6, v)
+    assert (p, v, k) == (4, 12, 5)
+    assert selection.q2k_idx.dtype == selection.q2k_num.dtype == torch.int32
+    assert selection.q2k_idx.shape == (2, 3, v, p + k) and (selection.q2k_num == p + k).all()
+    assert (selection.q2k_idx.diff(dim=-1) > 0).all()  # ascending
+    tile_map = selection_map(selection)
+    assert tile_map[:, :, :p].all()  # prefix query tiles dense
+    assert tile_map[:, :, :, :p].all()  # prefix key tiles exempt
+    for b in range(2):
+        for h in range(3):
+            for i in range(p, t):
+                top = sorted(range(p, t), key=lambda j, b=b, h=h, i=i: -scores[b, h, i, j].item())[:k]
+                assert tile_map[b, h, i, p:].nonzero().reshape(-1).add(p).tolist() == sorted(top)
+    assert not torch.equal(tile_map[:, 0], tile_map[:, 1])  # chosen per head
+
+
+def test_selection_follows_the_scores_of_each_head():
+    geometry = build_tile_geometry((64,), (4, 4, 12))  # 1 prefix tile, then video tiles 1, 2, 3 along w
+    q = torch.zeros(1, geometry.num_rows, 2, 4)
+    k = torch.zeros(1, geometry.num_rows, 2, 4)
+    q[..., 0] = 1.0
+    video_tile = torch.arange(geometry.num_rows - 64) % 12 // 4  # 0, 1, 2 along w
+    k[:, 64:, 0, 0] = video_tile.float()  # head 0 prefers the last video tiles
+    k[:, 64:, 1, 0] = -video_tile.float()  # head 1 the first ones
+    scores = tile_scores(tile_means(geometry.tile(q), geometry), tile_means(geometry.tile(k), geometry))
+    selection = select_tiles(scores, geometry, 0.5)  # k = 2 of 3
+    assert selection.q2k_idx[0, 0].tolist() == [[0, 2, 3]] * 3
+    assert selection.q2k_idx[0, 1].tolist() == [[0, 1, 2]] * 3
+
+
+# -- reference ---------------------------------------------------------------------------------------------------
+
+
+def _brute_force(q, k, v, gate, prefix, grid, sparsity):
+    """VSA-H3 row by row in float64 from the hand enumeration: means, scores, top-k, masked softmax, gate branch."""
+    tiles, sizes, p = _expected_layout(prefix, grid)
+    row_tile = torch.tensor([tile for tile, _ in tiles])
+    n_tiles, n_video = len(sizes), len(sizes) - p
+    keep = max(1, min(math.ceil((1 - sparsity) * n_video), n_video))
+    q, k, v = q.double(), k.double(), v.double()
+    out = torch.empty_like(q)
+    for b in range(q.shape[0]):
+        for h in range(q.shape[2]):
+            means = [torch.stack([x[b, row_tile == j, h].mean(0) for j in range(n_tiles)]) for x in (q, k, v)]
+            scores = means[0] @ means[1].T / math.sqrt(q.shape[-1])
+            compressed = torch.softmax(scores, -1) @ means[2]
+            for i in range(n_tiles):
+                keys = set(range(n_tiles))
+                if i >= p:
+                    video = sorted(range(p, n_tiles), key=lambda j, i=i: -scores[i, j].item())[:keep]
+                    keys = set(range(p)) | set(video)
+                allowed = torch.tensor([int(row_tile[r]) in keys for r in range(q.shape[1])])
+                rows = row_tile == i
+                logits = q[b, rows, h] @ k[b, allowed, h].T / math.sqrt(q.shape[-1])
+                out[b, rows, h] = torch.softmax(logits, -1) @ v[b, allowed, h]
+                if gate is not None:
+                    out[b, rows, h] += gate[b, rows, h].double() * compressed[i]
+    return out
+
+
+@pytest.mark.parametrize("prefix, grid", SHAPES[:3])
+@pytest.mark.parametrize("with_gate", [False, True])
+def test_reference_matches_row_by_row_computation(prefix, grid, with_gate):
+    geometry, q, k, v, gate = _inputs(prefix, grid, 2, 16, torch.float32, seed=3, gate=with_gate)
+    got = vsa_ref.vsa_h3_attention(q, k, v, geometry, 0.6, gate)
+    expected = _brute_force(q.cpu(), k.cpu(), v.cpu(), None if gate is None else gate.cpu(), prefix, grid, 0.6)
+    assert _err(got.cpu(), expected) < 1e-5
+    assert _err(attention(q, k, v).cpu(), expected) > 1e-2  # sparse is not dense here
+
+
+def test_reference_in_bf16_stays_close_to_fp32():
+    geometry, q, k, v, gate = _inputs((5, 0, 70), (5, 6, 9), 3, 32, torch.bfloat16, seed=4)
+    got = vsa_ref.vsa_h3_attention(q, k, v, geometry, 0.6, gate)
+    expected = vsa_ref.vsa_h3_attention(q.float(), k.float(), v.float(), geometry, 0.6, gate.float())
+    assert got.dtype == torch.bfloat16 and _err(got, expected) < 1e-2
+
+
+# -- Triton kernel -----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    "prefix, grid, dim, sparsity, with_gate",
+    [
+        ((5, 0, 70), (5, 6, 9), 16, 0.6, True),
+        ((130,), (3, 5, 4), 32, 0.5, False),
+        ((0, 17, 64), (4, 8, 8), 64, 0.7, True),
+        ((), (6, 3, 5), 16, 0.8, True),
+        ((64, 1), (2, 4, 9), 128, 0.75, True),
+    ],
+)
+def test_triton_matches_reference(prefix, grid, dim, sparsity, with_gate, dtype):
+    geometry, q, k, v, gate = _inputs(prefix, grid, 3, dim, dtype, seed=dim, gate=with_gate)
+    got = vsa_h3_attention(q, k, v, geometry, sparsity, gate, backend="triton")
+    assert got.dtype == dtype and got.shape == q.shape
+    upcast = [t.float() for t in (q, k, v)]
+    expected = vsa_ref.vsa_h3_attention(*upcast, geometry, sparsity, None if gate is None else gate.float())
+    assert _err(got, expected) <= {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}[dtype]
+    assert _err(attention(q, k, v).float(), expected) > 1e-2
+
+
+# -- dense cases and errors --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("backend", ["auto", "reference", "triton"])
+@pytest.mark.parametrize("sparsity", [0.0, 0.05])  # 0.05 of 12 video tiles keeps all 12
+def test_all_tiles_kept_is_dense_attention_exactly(backend, sparsity):
+    geometry, q, k, v, gate = _inputs((5, 70), (5, 6, 9), 2, 16, DTYPES[-1], seed=5)
+    assert kept_video_tiles(sparsity, geometry.num_video_tiles) == geometry.num_video_tiles
+    dense = attention(q, k, v)
+    assert torch.equal(vsa_h3_attention(q, k, v, geometry, sparsity, backend=backend), dense)
+    assert torch.equal(vsa_h3_attention(q, k, v, geometry, sparsity, torch.zeros_like(gate), backend=backend), dense)
+    gated = vsa_h3_attention(q, k, v, geometry, sparsity, gate, backend=backend)
+    expected = _brute_force(q.cpu(), k.cpu(), v.cpu(), gate.cpu(), (5, 70), (5, 6, 9), sparsity)
+    assert _err(gated.cpu(), expected) < 5e-3 and not torch.equal(gated, dense)
+
+
+def test_sequence_without_video_is_dense_attention_exactly():
+    geometry, q, k, v, _ = _inputs((30, 100), None, 2, 16, torch.float32, seed=6)
+    assert torch.equal(vsa_h3_attention(q, k, v, geometry, 0.9), attention(q, k, v))
+
+
+@pytest.mark.parametrize("sparsity", [-0.1, 1.0, 1.5, True, "0.5", float("nan")])
+def test_sparsity_outside_0_1_is_refused(sparsity):
+    geometry, q, k, v, _ = _inputs((5,), (2, 2, 2), 1, 16, torch.float32, seed=7, gate=False)
+    with pytest.raises(ValueError, match="sparsity"):
+        vsa_h3_attention(q, k, v, geometry, sparsity)
+
+
+def test_mismatched_inputs_are_refused():
+    geometry, q, k, v, gate = _inputs((5,), (2, 2, 2), 1, 16, torch.float32, seed=8)
+    with pytest.raises(ValueError, match="13 rows"):
+        vsa_h3_attention(q[:, :12], k[:, :12], v[:, :12], geometry, 0.5)
+    with pytest.raises(ValueError, match="gate"):
+        vsa_h3_attention(q, k, v, geometry, 0.5, gate[..., :8])
+    with pytest.raises(ValueError, match="backend"):
+        vsa_h3_attention(q, k, v, geometry, 0.5, backend="flex")
+
+
+@pytest.mark.skipif(ON_GPU, reason="the CPU smoke run; on a GPU run the benchmark itself")
+def test_benchmark_runs_tiny():
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "bench_sparse.py"), "--tiny"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "dense/sparse" in result.stdout
