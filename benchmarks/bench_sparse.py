@@ -1,0 +1,185 @@
+"""VSA-H3 sparse attention against dense attention on the same q/k/v, at the packed sequence of a 5 s 768x1344
+t2va request: 128 text rows, 414 audio rows (207 latents per channel), video grid (37, 24, 42) = 37,296 rows,
+37,838 in all (the layout `bench_h3_block.py` builds), 56 heads of 128 in bf16.
+
+Section `op` (the only one so far): first the sparse op against its torch reference on a smaller shape, then at
+the full shape: dense attention through the dispatch ("auto": FlashAttention-3 where installed, else cuDNN or
+flash; the table names it), the tile selection alone, the op at `--sparsity` without and with the compression
+gate, and the block-sparse kernel alone under each launch setting of `triton.CONFIGS`. Prints a table, then the
+dense/sparse ratios. `--tiny` runs small shapes on the CPU (the kernel under the Triton interpreter), to show that
+the script works end to end.
+
+    python benchmarks/bench_sparse.py
+    python benchmarks/bench_sparse.py op --sparsity 0.9 --heads 56 --out sparse.json
+    python benchmarks/bench_sparse.py --tiny
+"""
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+if "--tiny" in sys.argv and not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # read when the kernel is defined: before its first import
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import print_table, rel_l2, synchronize, timer
+
+from h3gen.kernels._dispatch import triton_available
+from h3gen.kernels.attention import attention, resolve_backend
+from h3gen.kernels.vsa_h3 import (
+    build_tile_geometry,
+    kept_video_tiles,
+    select_tiles,
+    tile_means,
+    tile_scores,
+    vsa_h3_attention,
+)
+from h3gen.kernels.vsa_h3 import reference as vsa_reference
+
+# (text, condition, audio) rows and the video grid of the 5 s 768x1344 request, and of the --tiny run.
+FULL = ((128, 0, 414), (37, 24, 42))
+CHECK = ((128, 0, 414), (9, 12, 20))
+TINY = ((7, 0, 30), (5, 6, 9))
+TINY_CHECK = ((5, 0, 70), (3, 5, 9))
+
+
+def _inputs(prefix, grid, heads, dim, dtype, device, seed):
+    geometry = build_tile_geometry(prefix, grid).to(device)
+    g = torch.Generator(device=device).manual_seed(seed)
+    shape = (1, geometry.num_rows, heads, dim)
+    q, k, v, gate = (torch.randn(*shape, device=device, dtype=dtype, generator=g) for _ in range(4))
+    return geometry, q, k, v, gate * 0.1
+
+
+def _sparse_flops(geometry, selection, dim):
+    """4·D·(query row, key row) pairs the sparse op computes: prefix query rows against every row, each video query
+    tile's valid rows against the valid rows of its selected key tiles."""
+    sizes = geometry.tile_sizes.long()
+    key_rows = sizes[selection.q2k_idx.long()].sum(-1)  # (B, H, V)
+    query_rows = sizes[selection.first_q_tile :]
+    pairs = (key_rows * query_rows).sum() + selection.q2k_idx.shape[1] * geometry.prefix_rows * geometry.num_rows
+    return 4 * dim * pairs.item()
+
+
+def check_op(args, device, dtype, backend):
+    """The op (its default backend on this device) against the fp32 reference on a shape small enough for the
+    reference's token mask; rows of the table."""
+    prefix, grid = TINY_CHECK if args.tiny else CHECK
+    heads = min(args.heads, 8)
+    geometry, q, k, v, gate = _inputs(prefix, grid, heads, args.dim, dtype, device, seed=1)
+    rows = []
+    for name, g in (("no gate", None), ("gate", gate)):
+        got = vsa_h3_attention(q, k, v, geometry, args.sparsity, g, backend=backend)
+        expected = vsa_reference.vsa_h3_attention(
+            q.float(), k.float(), v.float(), geometry, args.sparsity, None if g is None else g.float()
+        )
+        rows.append(
+            {
+                "variant": f"check {geometry.num_rows} rows x {heads} heads, {name}",
+                "ms": "-",
+                "relL2": f"{rel_l2(got, expected):.2e}",
+            }
+        )
+    return rows
+
+
+def bench_op(args, device, dtype, backend):
+    rows = check_op(args, device, dtype, backend)
+    prefix, grid = TINY if args.tiny else FULL
+    geometry, q, k, v, gate = _inputs(prefix, grid, args.heads, args.dim, dtype, device, seed=2)
+    time = timer(device)
+    dense_name = resolve_backend("auto", device, dtype, args.dim)
+    dense_flops = 4 * args.dim * args.heads * geometry.num_rows**2
+
+    def select():
+        scores = tile_scores(tile_means(geometry.tile(q), geometry), tile_means(geometry.tile(k), geometry))
+        return select_tiles(scores, geometry, args.sparsity)
+
+    selection = select()
+    sparse_flops = _sparse_flops(geometry, selection, args.dim)
+    dense_ms = time(lambda: attention(q, k, v, backend="auto"), args.repeat)
+    rows.append(_row(f"dense attention ({dense_name})", dense_ms, dense_flops))
+    rows.append(_row("selection (tile, means, scores, top-k)", time(select, args.repeat), None))
+    op_ms = {}
+    for name, g in (("no gate", None), ("gate", gate)):
+        op_ms[name] = time(
+            lambda g=g: vsa_h3_attention(q, k, v, geometry, args.sparsity, g, backend=backend), args.repeat
+        )
+        rows.append(_row(f"VSA-H3 op, {backend}, {name}", op_ms[name], sparse_flops))
+    if backend == "triton":
+        from h3gen.kernels.vsa_h3 import triton as vsa_triton  # after TRITON_INTERPRET is settled (see top)
+
+        slots = [geometry.tile(t) for t in (q, k, v)]
+        out = torch.empty_like(q)
+        video_flops = sparse_flops - 4 * args.dim * args.heads * geometry.prefix_rows * geometry.num_rows
+        for config in vsa_triton.CONFIGS[:1] if args.tiny else vsa_triton.CONFIGS:
+            ms = time(
+                lambda c=config: vsa_triton.block_sparse_attention(*slots, selection, geometry, out, config=c),
+                args.repeat,
+            )
+            rows.append(_row(f"kernel alone, {config.num_warps} warps, {config.num_stages} stages", ms, video_flops))
+    kept = kept_video_tiles(args.sparsity, geometry.num_video_tiles)
+    summary = (
+        f"{geometry.num_rows} rows, {args.heads} heads x {args.dim}, {dtype}; {geometry.num_prefix_tiles} prefix + "
+        f"{geometry.num_video_tiles} video tiles, k = {kept} at sparsity {args.sparsity}; "
+        f"{sparse_flops / dense_flops:.1%} of the dense FLOPs"
+    )
+    ratios = {name: dense_ms / ms for name, ms in op_ms.items()}
+    return rows, summary, ratios
+
+
+def _row(variant, ms, flops):
+    return {
+        "variant": variant,
+        "ms": f"{ms:.3f}",
+        "TFLOP/s": f"{flops / ms / 1e9:.0f}" if flops else "-",
+        "relL2": "-",
+    }
+
+
+SECTIONS = {"op": bench_op}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("sections", nargs="*", metavar="section", help=f"any of {', '.join(SECTIONS)} (default: op)")
+    parser.add_argument("--sparsity", type=float, default=0.9)
+    parser.add_argument("--heads", type=int, default=56)
+    parser.add_argument("--dim", type=int, default=128)
+    parser.add_argument("--repeat", type=int, default=10)
+    parser.add_argument("--tiny", action="store_true", help="small shapes on the CPU (fp32; the kernel interpreted)")
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    unknown = [s for s in args.sections if s not in SECTIONS]
+    if unknown:
+        parser.error(f"unknown section {unknown[0]!r}; choose from {', '.join(SECTIONS)}")
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if args.tiny:
+        args.heads, args.dim, args.repeat = min(args.heads, 2), min(args.dim, 32), 1
+    elif device.type != "cuda":
+        parser.error("the full shape needs a CUDA GPU; use --tiny on the CPU")
+    # The interpreter gets bf16 wrong: fp32 on the CPU.
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    backend = (
+        "triton"
+        if triton_available() and (device.type == "cuda" or os.environ.get("TRITON_INTERPRET"))
+        else "reference"
+    )
+    results = {}
+    for section in args.sections or ["op"]:
+        rows, summary, ratios = SECTIONS[section](args, device, dtype, backend)
+        synchronize(device)
+        print(f"== {section}: {summary}")
+        print_table(rows, ["variant", "ms", "TFLOP/s", "relL2"])
+        results[section] = {"summary": summary, "rows": rows, "dense/sparse": ratios}
+        print(" ".join(f"dense/sparse ({name}) = {ratio:.2f}x" for name, ratio in ratios.items()), flush=True)
+    if args.out:
+        args.out.write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()
