@@ -113,6 +113,14 @@ def bench_op(args, device, dtype, backend):
     if backend == "triton":
         from h3gen.kernels.vsa_h3 import triton as vsa_triton  # after TRITON_INTERPRET is settled (see top)
 
+        in_kernel = vsa_triton.KernelConfig(prefix_in_kernel=True)
+        for name, g in (("no gate", None), ("gate", gate)):
+            ms = time(
+                lambda g=g: vsa_h3_attention(q, k, v, geometry, args.sparsity, g, backend=backend, config=in_kernel),
+                args.repeat,
+            )
+            rows.append(_row(f"VSA-H3 op, triton, {name}, prefix rows in the kernel", ms, sparse_flops))
+
         slots = [geometry.tile(t) for t in (q, k, v)]
         out = torch.empty_like(q)
         video_flops = sparse_flops - 4 * args.dim * args.heads * geometry.prefix_rows * geometry.num_rows

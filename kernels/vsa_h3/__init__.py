@@ -121,15 +121,22 @@ def _sparse_triton(query, key, value, geometry, sparsity, gate, dense_backend, c
     scores = tile_scores(tile_means(q_slots, geometry), tile_means(k_slots, geometry))
     selection = select_tiles(scores, geometry, sparsity)
     compressed = None if gate is None else compress(scores, tile_means(v_slots, geometry))
+    config = config or fast.default_config(query.device, query.shape[-1])
+    if gate is not None and gate.stride(3) != 1:
+        gate = gate.contiguous()
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     prefix = geometry.prefix_rows
-    if prefix:
+    if prefix and config.prefix_in_kernel:
+        b, _, h, _ = query.shape
+        p, t = geometry.num_prefix_tiles, geometry.num_tiles
+        every_tile = torch.arange(t, dtype=torch.int32, device=query.device).expand(b, h, p, t)
+        dense = TileSelection(every_tile, torch.full((b, h, p), t, dtype=torch.int32, device=query.device), 0, t)
+        fast.block_sparse_attention(q_slots, k_slots, v_slots, dense, geometry, out, gate, compressed, config)
+    elif prefix:
         dense = attention(query[:, :prefix], key, value, backend=dense_backend)
         if gate is not None:
             dense = add_compressed(dense, gate[:, :prefix], compressed, geometry.row_tile[:prefix])
         out[:, :prefix] = dense
-    if gate is not None and gate.stride(3) != 1:
-        gate = gate.contiguous()
     return fast.block_sparse_attention(q_slots, k_slots, v_slots, selection, geometry, out, gate, compressed, config)
 
 

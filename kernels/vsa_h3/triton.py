@@ -27,17 +27,19 @@ _LOG2E = 1.4426950408889634
 
 @dataclass(frozen=True)
 class KernelConfig:
-    """Launch settings: warps per program and software-pipeline depth of the key-tile loop."""
+    """How the op runs on the GPU: warps per program, software-pipeline depth of the key-tile loop, and whether the
+    (dense) prefix query tiles run through this kernel over every key tile instead of the dense attention dispatch."""
 
     num_warps: int = 4
     num_stages: int = 3
+    prefix_in_kernel: bool = False
 
 
 # What a benchmark sweeps (64-row query tiles fill one Hopper warpgroup at 4 warps; 8 warps split the rows further).
 CONFIGS = tuple(KernelConfig(w, s) for w in (4, 8) for s in (2, 3, 4))
 
 
-def default_config(device: torch.device, head_dim: int) -> KernelConfig:
+def default_config(device: torch.device, head_dim: int = 128) -> KernelConfig:
     """A launch setting for `head_dim` heads on `device` (Hopper and newer pipeline three key tiles deep; older
     GPUs and the interpreter two)."""
     if device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9:

@@ -251,6 +251,18 @@ def test_triton_matches_reference(prefix, grid, dim, sparsity, with_gate, dtype)
     assert _err(attention(q, k, v).float(), expected) > 1e-2
 
 
+@pytest.mark.parametrize("with_gate", [False, True])
+def test_prefix_rows_through_the_kernel_match_the_dense_dispatch(with_gate):
+    from h3gen.kernels.vsa_h3 import triton as vsa_triton
+
+    geometry, q, k, v, gate = _inputs((5, 0, 70), (3, 4, 9), 2, 16, torch.float32, seed=9, gate=with_gate)
+    config = vsa_triton.KernelConfig(prefix_in_kernel=True)
+    got = vsa_h3_attention(q, k, v, geometry, 0.6, gate, backend="triton", config=config)
+    expected = vsa_h3_attention(q, k, v, geometry, 0.6, gate, backend="triton")
+    assert _err(got, expected) < 1e-5
+    assert _err(got[:, :75], expected[:, :75]) < 1e-5
+
+
 # -- dense cases and errors --------------------------------------------------------------------------------------
 
 
