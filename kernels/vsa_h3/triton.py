@@ -92,10 +92,13 @@ def _block_sparse_fwd(
     tile = first_q_tile + q_tile
     slots = tl.arange(0, BLOCK)
     dims = tl.arange(0, HEAD_DIM)
-    # q, k and v slots share one layout (all three come from `TileGeometry.tile`).
+    # q, k and v slots share one layout (all three come from `TileGeometry.tile`). 64-bit scalar bases per tile,
+    # 32-bit offsets inside a tile: no 64-bit arithmetic per element in the loop.
     head_base = b * stride_slot_b + h * stride_slot_h
-    q_rows = tile.to(tl.int64) * BLOCK + slots
-    q = tl.load(q_ptr + head_base + q_rows[:, None] * stride_slot_s + dims[None, :])
+    tile_stride = BLOCK * stride_slot_s.to(tl.int64)
+    row_major = slots[:, None] * stride_slot_s + dims[None, :]  # (slot, dim): q and v
+    col_major = slots[None, :] * stride_slot_s + dims[:, None]  # (dim, slot): k, read transposed for q @ k
+    q = tl.load(q_ptr + head_base + tile * tile_stride + row_major)
 
     m_i = tl.full([BLOCK], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK], tl.float32)
@@ -106,21 +109,21 @@ def _block_sparse_fwd(
     for j in tl.range(0, count, num_stages=NUM_STAGES):
         kv_tile = tl.load(kv_list + j)
         kv_valid = tl.load(sizes_ptr + kv_tile)
-        kv_rows = kv_tile.to(tl.int64) * BLOCK + slots
-        k = tl.load(k_ptr + head_base + kv_rows[None, :] * stride_slot_s + dims[:, None])
+        kv_base = head_base + kv_tile * tile_stride
+        k = tl.load(k_ptr + kv_base + col_major)
         s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale
         s = tl.where(slots[None, :] < kv_valid, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         p = tl.math.exp2(s - m_new[:, None])
         alpha = tl.math.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_ptr + head_base + kv_rows[:, None] * stride_slot_s + dims[None, :])
+        v = tl.load(v_ptr + kv_base + row_major)
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
         m_i = m_new
 
     out = acc / l_i[:, None]
     q_valid = slots < tl.load(sizes_ptr + tile)
-    rows = tl.load(rows_ptr + q_rows, mask=q_valid, other=0)
+    rows = tl.load(rows_ptr + tile * BLOCK + slots, mask=q_valid, other=0)
     if GATED:
         g = tl.load(
             gate_ptr + b * stride_gate_b + h * stride_gate_h + rows[:, None] * stride_gate_s + dims[None, :],
