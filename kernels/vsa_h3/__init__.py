@@ -41,20 +41,25 @@ BACKENDS = ("auto", "triton", "reference")
 
 
 def resolve_backend(query: torch.Tensor, backend: str | None = None) -> str:
-    """ "triton" or "reference" for these heads: `H3GEN_VSA_BACKEND` when set, else `backend`, else "auto" (the
-    kernel where `use_triton` says so and it takes the dtype and head size)."""
+    """The backend that runs these heads, "triton" or "reference": `H3GEN_VSA_BACKEND` when set, else `backend`,
+    else "auto" (the kernel where `use_triton` says so and it takes the dtype and head size)."""
     name = os.environ.get("H3GEN_VSA_BACKEND") or backend or "auto"
     if name not in BACKENDS:
         raise ValueError(f"Unknown VSA-H3 backend {name!r}; choose one of {', '.join(BACKENDS)}.")
-    takes = query.dtype in (torch.float32, torch.float16, torch.bfloat16) and query.shape[-1] in (16, 32, 64, 128)
-    if name == "triton" and not (triton_available() and takes):
+    if name == "reference" or (name == "auto" and not use_triton(query)):
+        return "reference"
+    if not triton_available():
+        raise ValueError("the VSA-H3 Triton kernel needs triton, which is not installed.")
+    from h3gen.kernels.vsa_h3 import triton as fast  # on first use: see _dispatch
+
+    if fast.supports(query):
+        return "triton"
+    if name == "triton":
         raise ValueError(
-            "the VSA-H3 Triton kernel needs triton and fp32/fp16/bf16 heads of 16, 32, 64 or 128 channels, got "
-            f"{query.dtype} heads of {query.shape[-1]}."
+            f"the VSA-H3 Triton kernel takes fp32/fp16/bf16 heads of {fast.HEAD_DIMS} channels, got {query.dtype} "
+            f"heads of {query.shape[-1]}."
         )
-    if name == "auto":
-        name = "triton" if use_triton(query) and takes else "reference"
-    return name
+    return "reference"
 
 
 def vsa_h3_attention(

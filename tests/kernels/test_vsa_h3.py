@@ -18,6 +18,7 @@ from h3gen.kernels.attention import attention
 from h3gen.kernels.vsa_h3 import (
     build_tile_geometry,
     kept_video_tiles,
+    resolve_backend,
     select_tiles,
     selection_map,
     tile_means,
@@ -299,6 +300,20 @@ def test_mismatched_inputs_are_refused():
         vsa_h3_attention(q, k, v, geometry, 0.5, gate[..., :8])
     with pytest.raises(ValueError, match="backend"):
         vsa_h3_attention(q, k, v, geometry, 0.5, backend="flex")
+
+
+def test_backend_choice_and_override(monkeypatch):
+    geometry, q, k, v, _ = _inputs((5, 70), (5, 6, 9), 2, 24, torch.float32, seed=10, gate=False)
+    with pytest.raises(ValueError, match="takes fp32/fp16/bf16 heads"):
+        resolve_backend(q, "triton")  # 24 channels: not a kernel head size
+    monkeypatch.setenv("H3GEN_TRITON", "1")
+    assert resolve_backend(q) == "reference"  # auto falls back for a head size the kernel does not take
+    assert resolve_backend(q[..., :16]) == "triton"
+    monkeypatch.setenv("H3GEN_VSA_BACKEND", "reference")
+    q, k, v = (t[..., :16].contiguous() for t in (q, k, v))
+    assert resolve_backend(q, "triton") == "reference"
+    expected = vsa_ref.vsa_h3_attention(q, k, v, geometry, 0.6)
+    assert torch.equal(vsa_h3_attention(q, k, v, geometry, 0.6, backend="triton"), expected)
 
 
 @pytest.mark.skipif(ON_GPU, reason="the CPU smoke run; on a GPU run the benchmark itself")
