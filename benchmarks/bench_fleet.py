@@ -38,6 +38,9 @@ class SleepEngine:
     def load(self) -> None:
         pass
 
+    def devices(self) -> list[str]:
+        return ["sleep"]
+
     def run(self, request, uploads, out_path, callback) -> dict:
         callback("encode_text", 0, 1)
         callback("encode_text", 1, 1)

@@ -4,6 +4,7 @@ finish, none twice; a worker killed mid-job loses its lease and another finishes
 stops a job another node took; an API node restarted mid-run loses nothing; a job no live worker can serve is refused
 when submitted."""
 
+import signal
 import time
 
 import pytest
@@ -147,3 +148,43 @@ def test_one_box_serves_with_three_local_workers_on_sqlite(model, tmp_path):
         _refuses_what_no_worker_serves(node)
     finally:
         node.stop()
+
+
+def test_gpu_groups_as_workers_hand_back_and_drain(model, tmp_path):
+    """A TP x Ulysses group is one worker: `serve --workers 2 --ulysses 2` runs two groups of two ranks (gloo on the
+    CPU) that share the jobs, and its stop hands a running job back to the queue uncounted; an `h3gen worker --tp 2`
+    then takes that job, and SIGTERM drains it: the job finishes there and the group exits cleanly."""
+    from h3gen.server.store import open_store
+
+    results = tmp_path / "results"
+    node = Server(model, results, max_queue=40, extra=("--workers", "2", "--ulysses", "2", *LEASE), ready_timeout=180)
+    reader = open_store(results)
+    group = None
+    try:
+        with node.client() as http:
+            live = _wait_workers(http, 2, timeout=240)
+            assert all("ulysses 2" in " ".join(worker["capabilities"]["devices"]) for worker in live)
+            ids = [http.post("/v1/videos", json={"prompt": f"job {i}", **FAST}).json()["id"] for i in range(6)]
+            for job_id in ids:
+                assert wait_for(http, job_id, timeout=300)["status"] == "completed"
+            ran = [reader.get(job_id) for job_id in ids]
+            assert all(job.attempts == 1 for job in ran) and len({job.worker_id for job in ran}) == 2
+            job_id = http.post("/v1/videos", json={"prompt": "outlives its server", **LONG}).json()["id"]
+            wait_for(http, job_id, statuses=("in_progress",), predicate=lambda v: v["progress"] > 1)
+        node.stop()
+        job = reader.get(job_id)
+        assert (job.status, job.attempts, job.worker_id) == ("queued", 0, None)
+
+        group = Worker(model, str(results), results, "tp-group", extra=("--tp", "2", *LEASE, "--drain-seconds", "300"))
+        node = Server(model, results, max_queue=40, extra=("--workers", "0", *LEASE), ready_timeout=240)
+        with node.client() as http:
+            wait_for(http, job_id, statuses=("in_progress",), timeout=240, predicate=lambda v: v["progress"] > 1)
+            assert reader.get(job_id).worker_id == "tp-group"
+            group.process.send_signal(signal.SIGTERM)  # to the group's front process: a drain
+            assert wait_for(http, job_id, timeout=300)["status"] == "completed"
+        assert group.process.wait(60) == 0 and reader.get(job_id).attempts == 1
+    finally:
+        reader.close()
+        node.stop()
+        if group is not None:
+            group.stop()

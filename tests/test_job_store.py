@@ -40,6 +40,9 @@ class ScriptedEngine:
     def load(self) -> None:
         pass
 
+    def devices(self) -> list[str]:
+        return ["cpu"]
+
     def run(self, request, images, out_path, callback) -> None:
         callback("denoise", 0, self.steps)
         for step in range(1, self.steps + 1):

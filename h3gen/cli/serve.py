@@ -190,12 +190,10 @@ def run_serve(args: argparse.Namespace) -> int:
         args.model = str(tiny_checkpoint())
     if args.workers < 0:
         raise RequestError(f"--workers must be 0 or more (got {args.workers}).", "workers")
-    if args.workers > 1 and args.tp * args.ulysses > 1:
-        raise RequestError(
-            "--workers N with --tp / --ulysses is not supported: start one `h3gen serve --tp ... --ulysses ...` per "
-            "GPU group on a shared --store instead.",
-            "workers",
-        )
+    if args.workers > 1:
+        from h3gen.server.local_workers import gpu_groups, visible_gpus
+
+        gpu_groups(visible_gpus(), args.workers, args.tp * args.ulysses)  # refuses groups that do not fit
     if args.max_queue < 1:
         raise RequestError(f"--max-queue must be at least 1 (got {args.max_queue}).", "max_queue")
     if args.max_plan_queue < 0:
@@ -221,15 +219,18 @@ def run_serve(args: argparse.Namespace) -> int:
         "lora_dir": args.lora_dir,
         "lora_gpu_memory": args.lora_gpu_memory,
     }
+    in_process_group = args.tp * args.ulysses > 1 and args.workers == 1  # else the local workers are the groups
     if args.tp * args.ulysses > 1:
-        from h3gen.parallel.launch import launched_by_torchrun, relaunch_with_torchrun, start_rank
         from h3gen.parallel.state import check_degrees
         from h3gen.pipelines.h3 import read_transformer_config
         from h3gen.pipelines.h3.checkpoint import H3Checkpoint
 
         heads = read_transformer_config(H3Checkpoint.open(args.model)).num_attention_heads
+        check_degrees(heads, args.tp, args.ulysses)
+    if in_process_group:
+        from h3gen.parallel.launch import launched_by_torchrun, relaunch_with_torchrun, start_rank
+
         if not launched_by_torchrun():
-            check_degrees(heads, args.tp, args.ulysses)
             return relaunch_with_torchrun(args.tp * args.ulysses, ["serve", *args.argv_rest, "--model", args.model])
         parallel, device = start_rank(args.tp, args.ulysses, heads, args.device)
         if torch.distributed.get_rank() != 0:
@@ -259,7 +260,7 @@ def run_serve(args: argparse.Namespace) -> int:
         )
     except (FolderBusy, StoreMismatch) as error:
         print(f"h3gen: error: {error}", file=sys.stderr)
-        if args.tp * args.ulysses > 1:
+        if in_process_group:
             engine.shutdown()  # the other ranks are waiting for jobs
         return 2
     workers = []

@@ -1,7 +1,15 @@
 """`h3gen worker`: one pipeline (one GPU group) that claims jobs from a fleet's job store and runs them, until SIGTERM
-or SIGINT drains it (the running job finishes, or is handed back to the queue past `--drain-seconds`)."""
+or SIGINT drains it (the running job finishes, or is handed back to the queue past `--drain-seconds`); a second signal
+hands the running job back at once.
+
+With `--tp` / `--ulysses` the worker relaunches itself under torchrun: rank 0 claims and reports, the other ranks
+follow it (`h3gen.server.distributed`). The process the user started stays as the group's front: a signal to it
+drains the group through a file that rank 0 watches (torchrun itself, signalled, would stop its ranks within 30 s).
+"""
 
 import argparse
+import os
+import signal
 import sys
 
 from h3gen.cli.arguments import DTYPES, DefaultsFormatter, run_option_arguments, run_options_of_args
@@ -63,13 +71,16 @@ def add_parser(commands) -> None:
         "three times per lease)",
     )
     worker.add_argument("--name", default=None, help="this worker's id in the store (default: host and a suffix)")
+    worker.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (processes started with torchrun)")
+    worker.add_argument(
+        "--ulysses", type=int, default=1, help="Ulysses sequence-parallel degree (processes started with torchrun)"
+    )
+    worker.add_argument("--drain-file", dest="drain_file", default=None, help=argparse.SUPPRESS)  # rank 0's drain
     worker.set_defaults(run=run_worker)
 
 
 def run_worker(args: argparse.Namespace) -> int:
     """Carries out `h3gen worker` until a signal drains it. Returns the exit code."""
-    import os
-    import signal
     import threading
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -89,45 +100,96 @@ def run_worker(args: argparse.Namespace) -> int:
     check_max_seconds(args.max_seconds)
     if args.drain_seconds < 0:
         raise RequestError(f"--drain-seconds must be 0 or more (got {args.drain_seconds}).", "drain_seconds")
+    if args.lease_seconds <= 0:
+        raise RequestError(f"--lease-seconds must be more than 0 (got {args.lease_seconds}).", "lease_seconds")
     dtype = getattr(torch, DTYPES[args.dtype]) if args.dtype else None
-    engine = H3Engine(
-        args.model,
-        device=args.device,
-        dtype=dtype,
-        options=run_options_of_args(args, workflow=args.workflow),
-        max_seconds=args.max_seconds,
-        lora_dir=args.lora_dir,
-        lora_gpu_memory=args.lora_gpu_memory,
-    )
+    serving = {
+        "options": run_options_of_args(args, workflow=args.workflow),
+        "max_seconds": args.max_seconds,
+        "lora_dir": args.lora_dir,
+        "lora_gpu_memory": args.lora_gpu_memory,
+    }
+    distributed = args.tp * args.ulysses > 1
+    if distributed:
+        from h3gen.parallel.launch import launched_by_torchrun, start_rank
+        from h3gen.parallel.state import check_degrees
+        from h3gen.pipelines.h3 import read_transformer_config
+        from h3gen.pipelines.h3.checkpoint import H3Checkpoint
+
+        heads = read_transformer_config(H3Checkpoint.open(args.model)).num_attention_heads
+        if not launched_by_torchrun():
+            check_degrees(heads, args.tp, args.ulysses)
+            return _run_group(args)
+        parallel, device = start_rank(args.tp, args.ulysses, heads, args.device)
+        if torch.distributed.get_rank() != 0:
+            from h3gen.server.distributed import follow
+
+            for signum in (signal.SIGTERM, signal.SIGINT):  # rank 0 decides when the group stops
+                signal.signal(signum, signal.SIG_IGN)
+            follow(args.model, parallel=parallel, device=device, dtype=dtype, **serving)
+            return 0
     files = JobFiles(args.results_dir)
     try:
         store = open_store(args.store, fleet=args.fleet)
     except StoreMismatch as error:
         print(f"h3gen: error: {error}", file=sys.stderr)
         return 2
-    if args.lease_seconds <= 0:
-        raise RequestError(f"--lease-seconds must be more than 0 (got {args.lease_seconds}).", "lease_seconds")
+    if distributed:
+        from h3gen.server.distributed import DistributedEngine
+
+        engine = DistributedEngine(args.model, parallel=parallel, device=device, dtype=dtype, **serving)
+    else:
+        engine = H3Engine(args.model, device=args.device, dtype=dtype, **serving)
     worker = JobWorker(
         store, engine, files, worker_id=args.name, lease_seconds=args.lease_seconds, fail_jobs_on_load_error=False
     )
     stop = threading.Event()
+    signals = []
 
-    def drain(signum, frame):
+    def on_signal(signum, frame):
+        signals.append(signum)
+        if len(signals) > 1:  # asked twice: hand the running job back now
+            worker.stop(drain=False, timeout=0)
         stop.set()
 
-    signal.signal(signal.SIGTERM, drain)
-    signal.signal(signal.SIGINT, drain)
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
     worker.start()
     print(f"h3gen: worker {worker.worker_id} serving {args.model} from {_shown(args.store)}", file=sys.stderr)
     while not stop.wait(0.5):
-        if not worker.alive:
+        if not worker.alive or (args.drain_file and os.path.exists(args.drain_file)):
             break
     worker.stop(drain=True, drain_seconds=args.drain_seconds)
+    if distributed:
+        engine.shutdown()  # the other ranks wait for the next job: release them
     store.close()
     if engine.load_error is not None:
         print(f"h3gen: error: the model failed to load: {engine.load_error}", file=sys.stderr)
         return 1
     return 0
+
+
+def _run_group(args: argparse.Namespace) -> int:
+    """Run this worker as a torchrun group and stay its front: the first SIGTERM or SIGINT drains it (rank 0 sees the
+    drain file), a second one stops torchrun, whose SIGTERM makes rank 0 hand its job back. Returns the exit code."""
+    import tempfile
+
+    from h3gen.parallel.launch import start_torchrun
+
+    with tempfile.TemporaryDirectory(prefix="h3gen-worker-") as folder:
+        drain_file = os.path.join(folder, "drain")
+        command = ["worker", *args.argv_rest, "--model", args.model, "--drain-file", drain_file]
+        group = start_torchrun(args.tp * args.ulysses, command)
+
+        def on_signal(signum, frame):
+            if os.path.exists(drain_file):
+                group.send_signal(signal.SIGTERM)
+            else:
+                open(drain_file, "w").close()
+
+        signal.signal(signal.SIGTERM, on_signal)
+        signal.signal(signal.SIGINT, on_signal)
+        return group.wait()
 
 
 def _shown(location: str) -> str:

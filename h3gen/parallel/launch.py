@@ -19,8 +19,9 @@ def launched_by_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
-def relaunch_with_torchrun(processes: int, cli_args: list[str]) -> int:
-    """Run `h3gen <cli_args>` in `processes` processes on this host with torchrun; returns its exit code."""
+def start_torchrun(processes: int, cli_args: list[str]) -> subprocess.Popen:
+    """Start `h3gen <cli_args>` in `processes` processes on this host with torchrun (its own free port, so several
+    groups can run side by side); returns the torchrun process."""
     command = [
         sys.executable,
         "-m",
@@ -31,7 +32,12 @@ def relaunch_with_torchrun(processes: int, cli_args: list[str]) -> int:
         "h3gen.cli",
         *cli_args,
     ]
-    process = subprocess.Popen(command)
+    return subprocess.Popen(command)
+
+
+def relaunch_with_torchrun(processes: int, cli_args: list[str]) -> int:
+    """Run `h3gen <cli_args>` in `processes` processes on this host with torchrun; returns its exit code."""
+    process = start_torchrun(processes, cli_args)
     try:
         return process.wait()
     except KeyboardInterrupt:  # pass Ctrl-C on, so torchrun stops its ranks cleanly

@@ -60,6 +60,8 @@ def capabilities_of(engine) -> dict:
         "quantization": options.quantization if options is not None else None,
         "max_seconds": getattr(engine, "max_seconds", MAX_SECONDS_LIMIT),
         "loras": sorted(folder.names()) if folder is not None else [],
+        # What it runs on, for /health (a TP x Ulysses group names its degrees).
+        "devices": engine.devices(),
     }
 
 

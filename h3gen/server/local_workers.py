@@ -1,11 +1,14 @@
 """`h3gen serve --workers N` on one machine: N `h3gen worker` processes on the server's store and results folder,
-each on its own GPU of the visible ones (with no GPU, all on the CPU). They run in process groups of their own, are
-drained with SIGTERM when the server stops, and killed if they do not end within the drain time."""
+each on its own GPU group of the visible ones (`--tp` x `--ulysses` GPUs; with no GPU, all on the CPU). They run in
+process groups of their own, are stopped with SIGTERM when the server stops (a running job is handed back to the
+queue), and killed if they do not end within the drain time."""
 
 import os
 import signal
 import subprocess
 import sys
+
+from h3gen.errors import RequestError
 
 DRAIN_SECONDS = 30.0  # how long a stopping server lets its local workers finish their jobs
 
@@ -30,6 +33,7 @@ def worker_command(args, index: int) -> list[str]:
     command += ["--results-dir", os.path.abspath(args.results_dir), "--model", args.model]
     command += ["--max-seconds", str(args.max_seconds), "--workflow", args.workflow, "--drain-seconds", "0"]
     command += ["--name", f"{os.uname().nodename}-local{index}", "--lease-seconds", str(args.lease_seconds)]
+    command += ["--tp", str(args.tp), "--ulysses", str(args.ulysses)]
     for flag, value in (
         ("--device", args.device),
         ("--dtype", args.dtype),
@@ -48,14 +52,31 @@ def worker_command(args, index: int) -> list[str]:
     return command
 
 
+def gpu_groups(gpus: list[str], count: int, per_worker: int) -> list[str | None]:
+    """Each worker's CUDA_VISIBLE_DEVICES: consecutive groups of `per_worker` of `gpus`; None for every worker (all
+    see the same devices) when one GPU each was asked for and fewer than `count` are visible, or when there is no GPU.
+    Raises `RequestError` when groups of several GPUs do not fit."""
+    if not gpus:
+        return [None] * count
+    if len(gpus) < count * per_worker:
+        if per_worker == 1:
+            return [None] * count
+        raise RequestError(
+            f"--workers {count} with {per_worker} GPUs each needs {count * per_worker} GPUs; {len(gpus)} are visible "
+            "(CUDA_VISIBLE_DEVICES).",
+            "workers",
+        )
+    return [",".join(gpus[index * per_worker : (index + 1) * per_worker]) for index in range(count)]
+
+
 def start_local_workers(args, count: int) -> list[subprocess.Popen]:
-    """Start `count` workers; worker i gets GPU i of the visible ones when there are at least `count`."""
-    gpus = visible_gpus()
+    """Start `count` workers, worker i on GPU group i of the visible ones (`gpu_groups`)."""
+    groups = gpu_groups(visible_gpus(), count, args.tp * args.ulysses)
     workers = []
-    for index in range(count):
+    for index, group in enumerate(groups):
         environment = dict(os.environ)
-        if len(gpus) >= count:
-            environment["CUDA_VISIBLE_DEVICES"] = gpus[index]
+        if group is not None:
+            environment["CUDA_VISIBLE_DEVICES"] = group
         workers.append(subprocess.Popen(worker_command(args, index), env=environment, start_new_session=True))
     return workers
 
