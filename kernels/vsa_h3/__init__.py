@@ -1,5 +1,5 @@
 """VSA-H3 attention: the sparse attention of FastH3 (trained with it) and of the base model without training
-(docs/reference h3-sparse-fasth3.md section 2).
+(FastVideo `attention/backends/video_sparse_attn_h3.py`, which SGLang, vLLM-Omni and xDiT follow).
 
 `vsa_h3_attention(query, key, value, geometry, sparsity, gate=None)` runs one attention call of a DiT block over
 a packed `[text | conditions | audio | video]` sequence. `build_tile_geometry` makes the sequence's `TileGeometry`

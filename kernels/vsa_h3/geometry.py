@@ -4,9 +4,8 @@ The packed sequence is `[text | conditions | audio | video]`, the target video l
 (t, h, w) order of the post-patch grid. Each prefix segment (text, conditions, audio, in that order; empty ones
 dropped) is cut into 64-row chunks plus one remainder chunk, none crossing a segment boundary; the video is cut into
 (4, 4, 4) boxes of the grid, ceil-divided on each axis so edge boxes are partial, enumerated t-major, then h, then w,
-with the rows inside a box in row-major order (FastVideo `video_sparse_attn_h3.py` `_h3_tile_geometry`, per
-docs/reference h3-sparse-fasth3.md section 2.1). Every tile owns 64 slots; a tile's valid rows take its first slots
-and the rest are padding.
+with the rows inside a box in row-major order (FastVideo `video_sparse_attn_h3.py` `_h3_tile_geometry`). Every
+tile owns 64 slots; a tile's valid rows take its first slots and the rest are padding.
 
 All of it depends only on the request's shape: build it once per request, move it to the device once, and hand the
 same object to every layer and forward.

@@ -1,5 +1,5 @@
 """VSA-H3 attention in plain torch: the selected tiles expanded to a token mask for SDPA, plus the gated compression
-branch on every row (docs/reference h3-sparse-fasth3.md sections 2.2-2.4)."""
+branch on every row (FastVideo `video_sparse_attn_h3.py`; SGLang and xDiT add the branch the same way)."""
 
 import torch
 import torch.nn.functional as F

@@ -1,5 +1,5 @@
-"""VSA-H3 tile scores and selection (FastVideo `_pool_tiles` / `_build_block_mask`, exempt mode; docs/reference
-h3-sparse-fasth3.md section 2.2).
+"""VSA-H3 tile scores and selection (FastVideo `_pool_tiles` / `_build_block_mask`, exempt
+mode).
 
 Each tile is pooled to its fp32 mean (the sum over its slots divided by its valid rows, so partial tiles are exact
 means); tile scores are the pooled queries times the pooled keys over sqrt(D). A video query tile keeps the top k

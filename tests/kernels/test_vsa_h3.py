@@ -102,7 +102,7 @@ def test_tile_then_untile_round_trips_with_zero_padding(prefix, grid):
 
 
 def test_geometry_of_the_5s_768p_request():
-    # docs/reference h3-sparse-fasth3.md 2.5: (37, 24, 42) -> 660 video tiles, 414 audio rows -> 7 tiles
+    # 124 frames at 768x1344: (37, 24, 42) -> 660 video tiles, 414 audio rows -> 7 tiles
     geometry = build_tile_geometry((128, 0, 414), (37, 24, 42), num_rows=37838)
     assert (geometry.num_prefix_tiles, geometry.num_video_tiles) == (2 + 7, 660)
     assert kept_video_tiles(0.9, geometry.num_video_tiles) == 66
