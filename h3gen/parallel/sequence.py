@@ -63,7 +63,8 @@ def enable_sequence_parallel(model, state: ParallelState) -> SequenceShard:
     model.rope.register_forward_pre_hook(before_rope, with_kwargs=True)
     for block in model.transformer_blocks:
         block.register_forward_pre_hook(before_block, with_kwargs=True)
-        block.attn.core = UlyssesAttention(state, shard, backend=block.attn.core.backend)
+        core = block.attn.core
+        block.attn.core = UlyssesAttention(state, shard, backend=core.backend, sparse=core.sparse)
     model.sequence_shard = shard  # this forward's geometry, for whoever reads this rank's rows (the step cache)
     model.norm_out.register_forward_pre_hook(before_norm_out, with_kwargs=True)
     model.proj_out.register_forward_hook(gather_rows)

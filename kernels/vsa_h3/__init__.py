@@ -22,6 +22,7 @@ from h3gen.kernels._dispatch import triton_available, use_triton
 from h3gen.kernels.attention import attention
 from h3gen.kernels.vsa_h3 import reference
 from h3gen.kernels.vsa_h3.geometry import TILE_ROWS, VIDEO_TILE, TileGeometry, build_tile_geometry
+from h3gen.kernels.vsa_h3.plan import SparsePlan, SparseSwitch, attend
 from h3gen.kernels.vsa_h3.reference import add_compressed
 from h3gen.kernels.vsa_h3.selection import (
     TileSelection,
@@ -147,6 +148,9 @@ def _sparse_triton(query, key, value, geometry, sparsity, gate, dense_backend, c
 
 __all__ = [
     "BACKENDS",
+    "SparsePlan",
+    "SparseSwitch",
+    "attend",
     "TILE_ROWS",
     "VIDEO_TILE",
     "TileGeometry",

@@ -53,6 +53,10 @@ class GenerationRequest:
         22; window 124 to 345, overlap shorter than the window).
     audio_sample_rate: the MP4's AAC rate, 32000 or 48000 (default 32000).
     plan: first rewrite `prompt` with the prompt planner (K3); `plan_max_tokens` caps its answer.
+    sparsity: sparse attention (VSA-H3; `sparse_attention.py`): the fraction of video tiles each video query tile
+        drops, in [0, 1): one number, one per forward, or "default" (0.75 after the first fifth of the forwards).
+        Default: dense for the base model, the contract's (0.9) for a FastH3 VSA student.
+    dense_forwards: how many of the first forwards run dense attention when `sparsity` is given.
     """
 
     prompt: str
@@ -78,8 +82,12 @@ class GenerationRequest:
     audio_sample_rate: int | None = None
     plan: bool = False
     plan_max_tokens: int | None = None
+    sparsity: object = None
+    dense_forwards: int | None = None
 
     def __post_init__(self):
+        if isinstance(self.sparsity, list):
+            object.__setattr__(self, "sparsity", tuple(self.sparsity))
         for name in ("references", "loras", "prompts"):
             object.__setattr__(self, name, _frozen(getattr(self, name)))
         if self.cache is not None and not isinstance(self.cache, dict) and hasattr(self.cache, "items"):

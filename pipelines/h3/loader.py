@@ -14,6 +14,8 @@ from h3gen.loading.load import assign_tensors, meta_parameters, read_tensors
 from h3gen.parallel.sequence import enable_sequence_parallel
 from h3gen.pipelines.h3.layouts import detect_layout, iter_converted
 
+GATE_SUFFIX = ".attn.to_gate_compress.weight"  # a VSA student's gates: `transformer_blocks.{i}` + this
+
 
 def load_transformer(
     cls,
@@ -27,6 +29,7 @@ def load_transformer(
     quantization: str | None = None,
     skip_prefixes: tuple[str, ...] = (),
     tensors=None,
+    gates: bool | None = None,
 ):
     """Build `cls` (an `H3Transformer`) from `folder/config.json` on the meta device and stream its weights in.
     `tensors` (an iterable of `(key, tensor)` in the diffusers layout) replaces the folder's weight files, e.g.
@@ -36,8 +39,9 @@ def load_transformer(
     stores the block linears as MXFP4, quantizing each full-precision tensor as it is read (a checkpoint saved
     quantized says so in its config and loads as such).
 
-    Accepts the diffusers key layout and the original release's (detected from the keys). Returns the model in
-    eval mode on `device` (default CPU).
+    Accepts the diffusers key layout and the original release's (detected from the keys). `gates` builds a VSA
+    student's attention gates (`to_gate_compress`); None builds them when the checkpoint holds them. Returns the model
+    in eval mode on `device` (default CPU).
     """
     folder = Path(folder)
     if not folder.is_dir():
@@ -53,8 +57,17 @@ def load_transformer(
         raise CheckpointError(f"unknown quantization {quantization!r}; h3gen supports {', '.join(QUANTIZATIONS)}.")
     if parallel is not None or quantization is not None:
         linear_factory = make_linear_factory(parallel=parallel, quantization=quantization, base=linear_factory)
+    files = safetensors_files(folder) if tensors is None else {}
+    keys = []
+    for path, listed in files.items():
+        if listed is None:
+            with safe_open(str(path), framework="pt", device="cpu") as handle:
+                listed = list(handle.keys())
+        keys += listed
+    if gates is None:
+        gates = any(key.endswith(GATE_SUFFIX) for key in keys)
     with meta_parameters():
-        model = cls.from_config(config, linear_factory=linear_factory)
+        model = cls.from_config(config, linear_factory=linear_factory, gates=gates)
     model.quantization = quantization
     if parallel is not None:
         model.parallel_state = parallel
@@ -72,13 +85,6 @@ def load_transformer(
             source=f"{folder} (generated weights)",
         )
         return _finish(model, torch_dtype, device, skip_prefixes)
-    files = safetensors_files(folder)
-    keys = []
-    for path, listed in files.items():
-        if listed is None:
-            with safe_open(str(path), framework="pt", device="cpu") as handle:
-                listed = list(handle.keys())
-        keys += listed
     layout = detect_layout(keys)
     cfg = model.config
     # Tensor-parallel ranks read only their shards through lazy slices, in either layout (the original layout's

@@ -29,6 +29,7 @@ from h3gen.pipelines.h3.assembly import PartBuilders, assemble
 from h3gen.pipelines.h3.checkpoint import REQUIRED, H3Checkpoint, resolve_workflow
 from h3gen.pipelines.h3.continuation import DEFAULT_MAX_SECONDS
 from h3gen.pipelines.h3.decode_stages import ClipWriter, decode_frames, decode_sound
+from h3gen.pipelines.h3.fasth3 import read_student_contract
 from h3gen.pipelines.h3.generation import GenerationRequest
 from h3gen.pipelines.h3.long_video import largest_window, run_continuation
 from h3gen.pipelines.h3.lora_registry import DEFAULT_MAX_CPU_LORAS, activate
@@ -140,6 +141,13 @@ class H3Pipeline:
         self.device = torch.device(device)
         self.video_shift = video_shift
         self.audio_shift = audio_shift
+        # A FastH3 student's sampling contract (`fasth3.py`), or None for the base model.
+        self.student = read_student_contract(
+            checkpoint.root,
+            gated=any(getattr(model, "gates", False) for model in (transformer, transformer_ref) if model is not None),
+            video_shift=video_shift,
+            audio_shift=audio_shift,
+        )
         # Optional prompt planner (`h3gen.pipelines.k3.planner`): `plan(prompt, image=...) -> PlannedPrompt`.
         self.planner = planner
         # Longest clip a call may ask for (over 15 s it is made in windows); a server raises it up to 300 s.
@@ -309,6 +317,7 @@ class H3Pipeline:
             latents=latents,
             audio_latents=audio_latents,
             max_seconds=self.max_seconds if max_seconds is None else max_seconds,
+            student=self.student,
         )
         self.check_budgets(prepared, lora_files, tier)
         return prepared

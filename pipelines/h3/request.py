@@ -24,10 +24,12 @@ from h3gen.pipelines.h3.continuation import (
     plan_windows,
     window_prompts,
 )
+from h3gen.pipelines.h3.fasth3 import StudentContract
 from h3gen.pipelines.h3.generation import MAX_SEED, GenerationRequest
 from h3gen.pipelines.h3.recipes import Recipe, Sampling, resolve_sampling
 from h3gen.pipelines.h3.references import PreparedReference, as_references, prepare_references, sound_seconds
 from h3gen.pipelines.h3.schedules import AUDIO_SHIFT, VIDEO_SHIFT, read_shift
+from h3gen.pipelines.h3.sparse_attention import resolve_sparsity
 from h3gen.pipelines.h3.tasks import place_keyframes
 from h3gen.pipelines.h3.transformer_config import H3TransformerConfig
 
@@ -52,6 +54,7 @@ class H3Request:
     continuation: ContinuationPlan | None = None  # a clip longer than 15 s: its windows (shape: the whole clip)
     seconds: float | None = None  # the length asked for (or the default that applied); None when given in frames
     spec: GenerationRequest | None = None  # what was asked, as asked (with the seed that applied)
+    sparsity: tuple[float, ...] | None = None  # per forward, VSA-H3's sparsity; None: dense attention throughout
 
     @property
     def task(self) -> str:
@@ -79,6 +82,7 @@ def prepare_request(
     latents=None,
     audio_latents=None,
     max_seconds: float = DEFAULT_MAX_SECONDS,
+    student: StudentContract | None = None,
 ) -> H3Request:
     """Check every field of `request` and resolve the geometry; raise `RequestError` naming the field and the
     allowed range. Keyframes are read and placed on the canvas here; references are decoded and normalized here,
@@ -106,8 +110,11 @@ def prepare_request(
         forwards=request.forwards,
         video_shift=request.video_shift,
         audio_shift=request.audio_shift,
-        recipes=recipes,
+        recipes=[student.recipe, *recipes] if student is not None else recipes,
         default_shifts=default_shifts or checkpoint_shifts(checkpoint),
+    )
+    sparsity = resolve_sparsity(
+        request.sparsity, request.dense_forwards, sampling.forwards, student.sparsity if student is not None else None
     )
     if seed is not None:
         _check_int(seed, "seed", 0, MAX_SEED, "2**63-1")
@@ -210,6 +217,7 @@ def prepare_request(
         continuation,
         asked_seconds,
         request.replace(seed=seed) if seed is not None else request,
+        sparsity,
     )
 
 

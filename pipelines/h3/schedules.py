@@ -51,7 +51,7 @@ class FlowSchedule:
     def from_base(cls, base_sigmas, shift: float) -> "FlowSchedule":
         """Explicit base positions (before the shift, e.g. a distilled adapter's `base_schedule` `[1.0, 0.7, 0.4,
         0.15, 0.0]`) pushed through the same shift as `make`: len(base) points, len(base) - 1 forwards. The base
-        must start at 1, end at 0 and decrease strictly; the shifted grid is what diffusers'
+        must start at 1 or below, end at 0 and decrease strictly; the shifted grid is what diffusers'
         `set_timesteps(sigmas=...)` takes verbatim."""
         base = torch.as_tensor(list(base_sigmas), dtype=torch.float32).flatten()
         check_base_schedule(base.tolist())
@@ -78,12 +78,12 @@ class FlowSchedule:
 
 
 def check_base_schedule(base: list[float]) -> None:
-    """Raise `ValueError` unless `base` holds at least two finite positions from 1.0 down to 0.0, strictly
-    decreasing."""
+    """Raise `ValueError` unless `base` holds at least two finite positions from at most 1.0 (FastH3's DMD grid
+    starts at 0.999) down to 0.0, strictly decreasing."""
     if len(base) < 2 or any(not math.isfinite(value) for value in base):
         raise ValueError(f"a base schedule needs at least two finite positions (got {base}).")
-    if base[0] != 1.0 or base[-1] != 0.0 or any(a <= b for a, b in itertools.pairwise(base)):
-        raise ValueError(f"a base schedule must run from 1.0 down to 0.0, strictly decreasing (got {base}).")
+    if not 0.0 < base[0] <= 1.0 or base[-1] != 0.0 or any(a <= b for a, b in itertools.pairwise(base)):
+        raise ValueError(f"a base schedule must run from at most 1.0 down to 0.0, strictly decreasing (got {base}).")
 
 
 def noise_to(sample: torch.Tensor, t: float, noise: torch.Tensor) -> torch.Tensor:

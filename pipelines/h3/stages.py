@@ -14,6 +14,7 @@ from typing import Callable
 import numpy as np
 import torch
 
+from h3gen.kernels.vsa_h3 import SparsePlan
 from h3gen.pipelines.h3 import geometry
 from h3gen.pipelines.h3.packing import (
     PackedLayout,
@@ -27,6 +28,7 @@ from h3gen.pipelines.h3.packing import (
 from h3gen.pipelines.h3.progress import checkpoints
 from h3gen.pipelines.h3.request import KEYFRAME_NOISE_AUG, H3Request
 from h3gen.pipelines.h3.schedules import noise_to
+from h3gen.pipelines.h3.sparse_attention import packed_geometry
 from h3gen.pipelines.h3.step_cache import step_cache
 from h3gen.pipelines.h3.step_cache_config import StepCacheConfig
 from h3gen.pipelines.h3.text_encoder import TextConditioning
@@ -260,6 +262,29 @@ def pack(
 
 
 @torch.no_grad()
+def sparse_plans(
+    request: H3Request, layout: PackedLayout, cond: int, cond_audio: int, patch_size, device: torch.device
+) -> list:
+    """Each forward's `SparsePlan` (None: dense) for this packed sequence: its tile geometry is built once here."""
+    if request.sparsity is None:
+        return [None] * request.sampling.forwards
+    shape = request.shape
+    _, ph, pw = patch_size
+    grid = (shape.num_latent_frames, shape.latent_height // ph, shape.latent_width // pw)
+    tiles = packed_geometry(layout, cond, cond_audio, grid).to(device)
+    return [SparsePlan(tiles, value) for value in request.sparsity]
+
+
+@contextmanager
+def sparse_attention(transformer):
+    """The model's `SparseSwitch` for the forwards of this block; dense again after it, whatever happens."""
+    switch = transformer.sparse
+    try:
+        yield switch
+    finally:
+        switch.plan = None
+
+
 def denoise(
     transformer,
     request: H3Request,
@@ -291,8 +316,13 @@ def denoise(
         plan.append((timestep.to(device), indices.to(device)))
     tables = transformer.precompute_adaln([t for t, _ in plan]) if tier != "exact" else None
     video_rows, audio_rows = rows.video, rows.audio
-    with step_cache(transformer, cache, total) if cache is not None else nullcontext() as cached:
+    sparse = sparse_plans(request, layout, cond, cond_audio, transformer.config.patch_size, device)
+    with (
+        step_cache(transformer, cache, total) if cache is not None else nullcontext() as cached,
+        sparse_attention(transformer) as switch,
+    ):
         for i, (timestep, timestep_indices) in enumerate(plan):
+            switch.plan = sparse[i]
             video_v, audio_v = transformer(
                 hidden_states=video_rows[None],
                 audio_hidden_states=audio_rows[None],

@@ -54,7 +54,7 @@ def fused_block_forward(
     key = attn.to_k(normed).unflatten(-1, (-1, attn.head_dim))
     value = attn.to_v(normed).unflatten(-1, (-1, attn.head_dim))
     query, key = qk_norm_rope(query, key, attn.norm_q.weight, attn.norm_k.weight, *rotary_emb, attn.norm_q.eps)
-    out = attn.to_out[0](attn.core(query, key, value).flatten(2, 3))
+    out = attn.to_out[0](attn.core(query, key, value, attn.gate(normed)).flatten(2, 3))
     hidden_states, normed = gated_residual_norm_modulate(
         hidden_states,
         out,
@@ -100,12 +100,17 @@ def fast_block_forward(
     key = attn.to_k(normed).unflatten(-1, (-1, attn.head_dim))
     value = attn.to_v(normed).unflatten(-1, (-1, attn.head_dim))
     rope_args = (attn.norm_q.weight, attn.norm_k.weight, *rotary_emb, attn.norm_q.eps)
-    # A sequence-parallel core exchanges bf16 heads between ranks: only the plain core takes e4m3 directly.
-    if type(attn.core) is AttentionCore and takes_fp8_inputs(attn.core.backend):
+    # A sequence-parallel core exchanges bf16 heads between ranks, and VSA-H3 reads bf16 tiles: only the plain dense
+    # core takes e4m3 directly.
+    plain = type(attn.core) is AttentionCore and attn.core.plan is None
+    if plain and takes_fp8_inputs(attn.core.backend):
         query, key = qk_norm_rope(query, key, *rope_args, fp8=True)
         out = fp8_attention(query, key, quantize_heads(value), out_dtype=hidden_states.dtype)
     else:
-        out = attn.core(*qk_norm_rope(query, key, *rope_args), value)
+        gate = None
+        if attn.to_gate_compress is not None:  # a VSA student's gate (bf16 weights) reads the e4m3 rows dequantized
+            gate = attn.gate(normed.values.float().mul(normed.scale.view(*rows[:-1], 1)).to(hidden_states.dtype))
+        out = attn.core(*qk_norm_rope(query, key, *rope_args), value, gate)
     out = out.flatten(2, 3)
     wide = wide_input(attn.to_out[0], out.shape, device)
     out = attn.to_out[0](out if wide is None else quantize_rows(out, out=wide))

@@ -260,3 +260,35 @@ def _write_index_location(folder: Path, location: Path) -> None:
     for name in COMPONENTS:
         index[name][2]["pretrained_model_name_or_path"] = str(location)
     index_path.write_text(json.dumps(index, indent=2))
+
+
+def build_tiny_student(
+    base: Path, folder: Path, *, gates: bool = True, seed: int = 0, contract: dict | None = None, gate_scale=0.05
+) -> Path:
+    """A FastH3-style student of the tiny checkpoint at `base`, written into `folder`: the same components, its
+    `transformer/` given one random attention gate per block (`to_gate_compress`, normal * `gate_scale`) when `gates`,
+    and a root `fastvideo_inference.json` holding `contract` (the fields FastVideo writes; None: no contract file)."""
+    import shutil
+
+    from safetensors.torch import load_file
+
+    folder = Path(folder)
+    shutil.copytree(base, folder, ignore=shutil.ignore_patterns("transformer", "transformer_ref"))
+    state = {}
+    for path in sorted((Path(base) / "transformer").glob("*.safetensors")):
+        state.update(load_file(str(path)))
+    config = H3TransformerConfig.from_dict(json.loads((Path(base) / "transformer" / "config.json").read_text()))
+    model = H3Transformer(config, gates=gates)
+    if gates:
+        generator = torch.Generator().manual_seed(seed)
+        inner = config.num_attention_heads * config.attention_head_dim
+        for index in range(config.num_layers):
+            gate = torch.randn(inner, config.hidden_size, generator=generator) * gate_scale
+            state[f"transformer_blocks.{index}.attn.to_gate_compress.weight"] = gate
+    model.load_state_dict(state, strict=True)
+    model.save_pretrained(folder / "transformer")
+    shutil.copytree(Path(base) / "transformer_ref", folder / "transformer_ref")
+    _write_index_location(folder, folder)
+    if contract is not None:
+        (folder / "fastvideo_inference.json").write_text(json.dumps(contract, indent=2))
+    return folder

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from h3gen.kernels.vsa_h3 import SparseSwitch
 from h3gen.linear import LinearFactory, LinearSpec, dense_linear
 from h3gen.loading import save_component
 from h3gen.pipelines.h3.loader import load_transformer
@@ -74,10 +75,21 @@ class H3Transformer(nn.Module):
 
     keep_fp32_modules = KEEP_FP32_MODULES
 
-    def __init__(self, config: H3TransformerConfig | None = None, *, linear_factory: LinearFactory | None = None):
+    def __init__(
+        self,
+        config: H3TransformerConfig | None = None,
+        *,
+        linear_factory: LinearFactory | None = None,
+        gates: bool = False,
+    ):
+        """`gates=True` builds a VSA student: every block's attention has `to_gate_compress` (its checkpoint holds
+        `transformer_blocks.{i}.attn.to_gate_compress.weight`), and runs VSA-H3 whenever a plan is set."""
         super().__init__()
         cfg = config if config is not None else H3TransformerConfig()
         self.config = cfg
+        self.gates = gates
+        # The running forward's sparse attention plan, shared by every block's attention core (`kernels.vsa_h3`).
+        self.sparse = SparseSwitch()
         make_linear = linear_factory or dense_linear
         hidden = cfg.hidden_size
 
@@ -93,7 +105,9 @@ class H3Transformer(nn.Module):
         self.rope = H3RotaryPosEmbed(cfg.rope_freq_dim, cfg.rope_theta)
         # 4. Text refiner, then the block stack.
         self.token_refiner = H3TokenRefiner(cfg, make_linear)
-        self.transformer_blocks = nn.ModuleList([H3TransformerBlock(cfg, make_linear) for _ in range(cfg.num_layers)])
+        self.transformer_blocks = nn.ModuleList(
+            [H3TransformerBlock(cfg, make_linear, gates=gates, sparse=self.sparse) for _ in range(cfg.num_layers)]
+        )
         # 5. Output norm and the two heads (float32 islands), each run over every row.
         self.norm_out = H3AdaLNOut(hidden, cfg.time_embed_dim, cfg.final_norm_eps, make_linear)
         self.proj_out = make_linear(LinearSpec(hidden, cfg.video_patch_dim, True, kind="head", fp32=True))
@@ -121,6 +135,7 @@ class H3Transformer(nn.Module):
         quantization: str | None = None,
         skip_prefixes: tuple[str, ...] = (),
         tensors=None,
+        gates: bool | None = None,
     ) -> "H3Transformer":
         """Load from a folder holding `config.json` and safetensors weights (one file or a sharded index), in the
         diffusers key layout or the original release's. Float32 islands stay float32; everything else becomes
@@ -132,7 +147,8 @@ class H3Transformer(nn.Module):
         `quantization="mxfp4"` stores the block linears (q/k/v/out, SwiGLU, AdaLN) as MXFP4, quantized while each
         tensor is read. Tensors under `skip_prefixes` are not read and stay on the meta device (a rank that maps
         the blocks from a shared host store skips "transformer_blocks."). `tensors` (`(key, tensor)` pairs in the
-        diffusers layout) replaces the folder's weight files (random weights at released dims).
+        diffusers layout) replaces the folder's weight files (random weights at released dims). `gates` builds a VSA
+        student (with `to_gate_compress` in every block); None decides from the checkpoint's keys.
         """
         return load_transformer(
             cls,
@@ -145,6 +161,7 @@ class H3Transformer(nn.Module):
             quantization=quantization,
             skip_prefixes=skip_prefixes,
             tensors=tensors,
+            gates=gates,
         )
 
     @torch.no_grad()

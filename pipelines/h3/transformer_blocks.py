@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from h3gen.kernels.attention import attention
+from h3gen.kernels.vsa_h3 import SparseSwitch, attend
 from h3gen.linear import LinearFactory, LinearSpec
 from h3gen.pipelines.h3.transformer_config import NUM_MODALITIES, H3TransformerConfig
 
@@ -93,24 +93,45 @@ class H3TimestepEmbedding(nn.Module):
 
 
 class AttentionCore(nn.Module):
-    """Parameter-free attention over `(B, S, heads, head_dim)` q/k/v. Sequence parallel replaces this module with
-    one that exchanges heads for rows around the same call."""
+    """Parameter-free attention over `(B, S, heads, head_dim)` q/k/v: dense, or VSA-H3 while the model's
+    `SparseSwitch` (`sparse`, shared by the cores of one model; None in the text refiner) holds a plan. Sequence
+    parallel replaces this module with one that exchanges heads for rows around the same call."""
 
-    def __init__(self, backend: str | None = None):
+    def __init__(self, backend: str | None = None, sparse: SparseSwitch | None = None):
         super().__init__()
         self.backend = backend
+        self.sparse = sparse
 
-    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
-        return attention(query, key, value, backend=self.backend)
+    @property
+    def plan(self):
+        """The running forward's `SparsePlan`, or None (dense)."""
+        return self.sparse.plan if self.sparse is not None else None
+
+    def forward(
+        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, gate: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        return attend(query, key, value, gate, self.plan, backend=self.backend)
 
 
 class H3Attention(nn.Module):
-    """Bias-free q/k/v, per-head RMSNorm on q and k, optional RoPE, full attention, output projection.
+    """Bias-free q/k/v, per-head RMSNorm on q and k, optional RoPE, full attention, output projection. A VSA student's
+    blocks also have `to_gate_compress` (`gates=True`), the bias-free gate of VSA-H3's compression branch, computed
+    from the same input as q/k/v with no activation (FastVideo `models/dits/minimax_h3.py`).
 
     Heads are inferred from the projection width, so a column-sharded `to_q` simply yields fewer local heads.
     """
 
-    def __init__(self, hidden_size: int, heads: int, head_dim: int, qk_norm_eps: float, make_linear: LinearFactory):
+    def __init__(
+        self,
+        hidden_size: int,
+        heads: int,
+        head_dim: int,
+        qk_norm_eps: float,
+        make_linear: LinearFactory,
+        *,
+        gates: bool = False,
+        sparse: SparseSwitch | None = None,
+    ):
         super().__init__()
         self.head_dim = head_dim
         inner = heads * head_dim
@@ -121,7 +142,17 @@ class H3Attention(nn.Module):
         self.norm_k = nn.RMSNorm(head_dim, eps=qk_norm_eps)
         # A list of one, so the key is `to_out.0.weight` as in diffusers (whose index 1 is a no-op dropout).
         self.to_out = nn.ModuleList([make_linear(LinearSpec(inner, hidden_size, False, role="row", kind="attn.out"))])
-        self.core = AttentionCore()
+        # Column-sharded with the heads under TP; never quantized (its kind is in no quantized list).
+        self.to_gate_compress = (
+            make_linear(LinearSpec(hidden_size, inner, False, role="column", kind="attn.gate")) if gates else None
+        )
+        self.core = AttentionCore(sparse=sparse)
+
+    def gate(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
+        """The compression gate `(B, S, heads, head_dim)` of the attention input `(B, S, hidden)`, or None."""
+        if self.to_gate_compress is None:
+            return None
+        return self.to_gate_compress(hidden_states).unflatten(-1, (-1, self.head_dim))
 
     def forward(
         self, hidden_states: torch.Tensor, rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -133,7 +164,7 @@ class H3Attention(nn.Module):
         if rotary_emb is not None:
             query = apply_rotary_emb(query, *rotary_emb)
             key = apply_rotary_emb(key, *rotary_emb)
-        out = self.core(query, key, value).flatten(2, 3).type_as(query)
+        out = self.core(query, key, value, self.gate(hidden_states)).flatten(2, 3).type_as(query)
         return self.to_out[0](out)
 
 
@@ -223,11 +254,24 @@ class H3TransformerBlock(nn.Module):
     """x += gate_msa * Attn(norm1(x) * (1 + scale_msa) + shift_msa); x += gate_mlp * FFN(norm2(x) * (1 + scale_mlp)
     + shift_mlp), the six vectors gathered per row from this block's AdaLN table."""
 
-    def __init__(self, cfg: H3TransformerConfig, make_linear: LinearFactory):
+    def __init__(
+        self,
+        cfg: H3TransformerConfig,
+        make_linear: LinearFactory,
+        *,
+        gates: bool = False,
+        sparse: SparseSwitch | None = None,
+    ):
         super().__init__()
         self.norm1 = nn.RMSNorm(cfg.hidden_size, eps=cfg.norm_eps)
         self.attn = H3Attention(
-            cfg.hidden_size, cfg.num_attention_heads, cfg.attention_head_dim, cfg.qk_norm_eps, make_linear
+            cfg.hidden_size,
+            cfg.num_attention_heads,
+            cfg.attention_head_dim,
+            cfg.qk_norm_eps,
+            make_linear,
+            gates=gates,
+            sparse=sparse,
         )
         self.norm2 = nn.RMSNorm(cfg.hidden_size, eps=cfg.norm_eps)
         self.ff = H3FeedForward(cfg.hidden_size, cfg.ffn_dim, make_linear)
