@@ -48,6 +48,20 @@ def lora_argument(text: str) -> tuple[str, float]:
     return text, 1.0
 
 
+def sparsity_argument(text: str):
+    """`--sparsity S`, `S1,S2,...` (one per forward) or `default` -> a float, a tuple of floats or "default" (the
+    range is checked with the request)."""
+    if text.strip() == "default":
+        return "default"
+    try:
+        values = tuple(float(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"a number in [0, 1), comma-separated numbers (one per forward) or default, not {text!r}"
+        ) from None
+    return values[0] if len(values) == 1 else values
+
+
 class DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """Appends "(default: X)" to a flag's help unless it has no value to show (None, a bare switch) or already says
     its default."""

@@ -11,6 +11,7 @@ from h3gen.cli.arguments import (
     lora_argument,
     references_of_args,
     run_option_arguments,
+    sparsity_argument,
 )
 from h3gen.cli.checks import check_generate_arguments, step_cache_of_args
 from h3gen.cli.plan import planner_for
@@ -86,6 +87,22 @@ def add_parser(commands) -> None:
         help="audio schedule shift (default: the model's, 3, or the recipe's)",
     )
     gen.add_argument(
+        "--sparsity",
+        type=sparsity_argument,
+        default=None,
+        metavar="S|S1,S2,...|default",
+        help="sparse attention (VSA-H3): the fraction of video tiles each video query tile drops, in [0, 1): one "
+        "value, one per forward (comma-separated), or default (0.75 after the first fifth of the forwards ran dense); "
+        "text, condition and audio rows stay dense (default: dense, or a FastH3 VSA student's 0.9)",
+    )
+    gen.add_argument(
+        "--dense-forwards",
+        dest="dense_forwards",
+        type=int,
+        default=None,
+        help="with --sparsity: how many of the first forwards run dense attention",
+    )
+    gen.add_argument(
         "--lora",
         action="append",
         type=lora_argument,
@@ -132,6 +149,7 @@ def run_generate(args: argparse.Namespace) -> int:
         GenerationRequest,
         H3Checkpoint,
         check_max_seconds,
+        checkpoint_student,
         prepare_request,
         read_transformer_config,
         with_prompt,
@@ -179,8 +197,12 @@ def run_generate(args: argparse.Namespace) -> int:
         window_frames=args.window_frames,
         overlap_frames=args.overlap_frames,
         audio_sample_rate=args.audio_rate,
+        sparsity=args.sparsity,
+        dense_forwards=args.dense_forwards,
     )
-    prepared = prepare_request(checkpoint, config, request, max_seconds=max_seconds, recipes=recipes)
+    prepared = prepare_request(
+        checkpoint, config, request, max_seconds=max_seconds, recipes=recipes, student=checkpoint_student(checkpoint)
+    )
     if args.planner:
         if args.tp * args.ulysses > 1:
             raise RequestError(
@@ -248,6 +270,7 @@ def run_generate(args: argparse.Namespace) -> int:
         bar.close()
     sampling = output.sampling
     recipe = f", recipe {sampling['recipe']}" if sampling.get("recipe") else ""
+    recipe += sparse_summary(sampling.get("sparsity"))
     print(
         f"h3gen: wrote {args.out}: {info.num_frames} frames {info.width}x{info.height} at {info.fps:g} fps, "
         f"stereo AAC {info.sample_rate} Hz, {info.video_seconds:.2f} s, seed {output.seed}; "
@@ -287,6 +310,15 @@ def _loras(args: argparse.Namespace, head_dim: int) -> tuple[list, list]:
         recipes += [recipe] if recipe else []
         loras.append((path, scale))
     return loras, recipes
+
+
+def sparse_summary(sparsity: list[float] | None) -> str:
+    """ ", sparse attention 0.9 on 4 of 4 forwards" for a request's per-forward sparsity; "" when dense."""
+    sparse = [value for value in sparsity or () if value > 0]
+    if not sparse:
+        return ""
+    values = "/".join(f"{value:g}" for value in dict.fromkeys(sparse))
+    return f", sparse attention {values} on {len(sparse)} of {len(sparsity)} forwards"
 
 
 def _cached_summary(output, tier: str) -> str:

@@ -19,6 +19,7 @@ from h3gen.pipelines.h3 import (
     VideoReference,
     check_device_budget,
     check_max_seconds,
+    checkpoint_student,
     lora_budget_bytes,
     lora_device_bytes,
     prepare_request,
@@ -79,6 +80,8 @@ def generation_request(request: dict, uploads: dict[str, Path], lora_folder: Lor
         overlap_frames=request.get("overlap_frames"),
         audio_sample_rate=request.get("audio_sample_rate"),
         loras=loras,
+        sparsity=request.get("sparsity"),
+        dense_forwards=request.get("dense_forwards"),
     )
 
 
@@ -113,6 +116,7 @@ class H3Engine:
         self.max_seconds = check_max_seconds(max_seconds)
         self.checkpoint = H3Checkpoint.open(self.model_path)
         self.config = read_transformer_config(self.checkpoint)
+        self.student = checkpoint_student(self.checkpoint)  # a FastH3 student's contract, checked before loading
         # The tasks this server answers: every one the checkpoint holds, or those of one workflow (ref2va has its
         # own transformer partition, so serving it next to t2va / fl2va holds both in memory).
         available = self.checkpoint.tasks()
@@ -232,6 +236,8 @@ class H3Engine:
             prompts=request.prompts,
             window_frames=request.window_frames,
             overlap_frames=request.overlap_frames,
+            sparsity=request.sparsity,
+            dense_forwards=request.dense_forwards,
         )
         recipes = self.lora_folder.recipes(choices) if choices else []
         lora_files = [self.lora_folder.lora_file(choice) for choice in choices]
@@ -239,7 +245,9 @@ class H3Engine:
             prepared = self.pipeline.prepare(spec, recipes=recipes, lora_files=lora_files, max_seconds=self.max_seconds)
         else:
             limit = self.max_seconds
-            prepared = prepare_request(self.checkpoint, self.config, spec, recipes=recipes, max_seconds=limit)
+            prepared = prepare_request(
+                self.checkpoint, self.config, spec, recipes=recipes, max_seconds=limit, student=self.student
+            )
             if lora_files and self.lora_gpu_memory is not None:  # a set cap applies while the model loads too
                 need = sum(lora_device_bytes(lora, prepared.task, self.dtype.itemsize) for lora in lora_files)
                 check_device_budget(need, [lora.name for lora in lora_files], self.lora_gpu_memory, None)
@@ -259,6 +267,7 @@ class H3Engine:
                 "loras": [{"name": choice.name, "scale": choice.scale} for choice in choices],
             }
             | prepared.sampling.describe()
+            | {"sparsity_per_forward": list(prepared.sparsity) if prepared.sparsity is not None else None}
             | windows
             | ({"references": [reference.kind for reference in references]} if references else {})
         )

@@ -189,6 +189,18 @@ class GenerationBody(BaseModel):
             "JSON string. A few-step adapter (LightX2V Turbo, FlashGen) brings its recipe's forwards and shifts."
         ),
     )
+    sparsity: float | list[float] | Literal["default"] | None = Field(
+        None,
+        description=(
+            "Sparse attention (VSA-H3): the fraction of video tiles each video query tile drops, from 0 up to (not "
+            'including) 1: one number, one per transformer forward, or "default" (0.75 after the first fifth of the '
+            "forwards ran dense); text, condition and audio rows stay dense. Default: dense on the base model, the "
+            "contract's (0.9) on a FastH3 VSA student. In a multipart body a number, a JSON list or default."
+        ),
+    )
+    dense_forwards: int | None = Field(
+        None, ge=0, le=999, description="With `sparsity`: how many of the first forwards run dense attention."
+    )
     plan: bool = Field(
         False,
         description=(
@@ -203,6 +215,22 @@ class GenerationBody(BaseModel):
         # A multipart form carries the list as one JSON text field.
         if isinstance(value, str):
             return _json_field(value, "loras", 'a JSON list such as [{"name": "style", "scale": 0.7}]')
+        return value
+
+    @field_validator("sparsity", mode="before")
+    @classmethod
+    def _sparsity_from_text(cls, value):
+        # A multipart form carries a number, "default" or a JSON list as text.
+        if isinstance(value, str) and value.lstrip().startswith("["):
+            return _json_field(value, "sparsity", "a number, a JSON list of numbers or default")
+        return value
+
+    @field_validator("sparsity")
+    @classmethod
+    def _sparsity_range(cls, value):
+        for one in value if isinstance(value, list) else [] if value in (None, "default") else [value]:
+            if not 0 <= one < 1:
+                raise ValueError(f"sparsity values must be from 0 up to (not including) 1 (got {one})")
         return value
 
     @field_validator("aspect_ratio")

@@ -20,6 +20,7 @@ from pathlib import Path
 from h3gen.errors import CheckpointError
 from h3gen.pipelines.h3.recipes import Recipe
 
+GATE_SUFFIX = ".attn.to_gate_compress.weight"  # a VSA student's gates: `transformer_blocks.{i}` + this
 CONTRACT_FILE = "fastvideo_inference.json"
 CONTRACT_SCHEMA = "fasth3-inference-contract-v1"
 DMD_STEPS = (999, 749, 500, 250)  # the DMD rungs on the 1000-step training clock

@@ -456,7 +456,8 @@ class H3Pipeline:
             sample_rate=int(self.audio_vae.config.sampling_rate),
             seed=prepared.seed,
             planned_prompt=planned,
-            sampling=prepared.sampling.describe(),
+            sampling=prepared.sampling.describe()
+            | {"sparsity": list(prepared.sparsity) if prepared.sparsity is not None else None},
             loras=self.adapters.applied(prepared.task, adapters),
         )
         if prepared.continuation is not None:

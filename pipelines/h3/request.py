@@ -7,11 +7,13 @@ a bad request before loading tens of gigabytes of weights.
 
 import secrets
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 import torch
+from safetensors import safe_open
 
 from h3gen.errors import RequestError
-from h3gen.loading.files import read_json
+from h3gen.loading.files import read_json, safetensors_files
 from h3gen.media import read_image
 from h3gen.pipelines.h3 import geometry
 from h3gen.pipelines.h3.checkpoint import H3Checkpoint
@@ -24,7 +26,7 @@ from h3gen.pipelines.h3.continuation import (
     plan_windows,
     window_prompts,
 )
-from h3gen.pipelines.h3.fasth3 import StudentContract
+from h3gen.pipelines.h3.fasth3 import GATE_SUFFIX, StudentContract, read_student_contract
 from h3gen.pipelines.h3.generation import MAX_SEED, GenerationRequest
 from h3gen.pipelines.h3.recipes import Recipe, Sampling, resolve_sampling
 from h3gen.pipelines.h3.references import PreparedReference, as_references, prepare_references, sound_seconds
@@ -242,6 +244,23 @@ def checkpoint_shifts(checkpoint: H3Checkpoint) -> tuple[float, float]:
         folder = checkpoint.components.get(name)
         shifts.append(default if folder is None else read_shift(folder, default))
     return shifts[0], shifts[1]
+
+
+def checkpoint_student(checkpoint: H3Checkpoint) -> StudentContract | None:
+    """The FastH3 contract of a checkpoint (`fasth3.read_student_contract`) from its files alone, before any weight
+    loads: whether `transformer/` holds attention gates is read from its weight index or file headers."""
+    folder = checkpoint.components.get("transformer")
+    gated = False
+    if folder is not None and Path(folder).is_dir():
+        for path, keys in safetensors_files(folder).items():
+            if keys is None:
+                with safe_open(str(path), framework="pt", device="cpu") as handle:
+                    keys = list(handle.keys())
+            if any(key.endswith(GATE_SUFFIX) for key in keys):
+                gated = True
+                break
+    video_shift, audio_shift = checkpoint_shifts(checkpoint)
+    return read_student_contract(checkpoint.root, gated=gated, video_shift=video_shift, audio_shift=audio_shift)
 
 
 def read_transformer_config(checkpoint: H3Checkpoint) -> H3TransformerConfig:
