@@ -42,16 +42,17 @@ def block_flops(rows: int) -> float:
     return linear + attention
 
 
-def make_inputs(rows: int, device):
-    """A real 5 s 768x1344 t2va layout (128 text rows), truncated to `rows`; two distinct timesteps."""
+def make_inputs(rows: int, device, config: H3TransformerConfig = CFG, dtype: torch.dtype = torch.bfloat16):
+    """A real 5 s 768x1344 t2va layout (128 text rows), truncated to `rows`; two distinct timesteps. `config` sets
+    the widths (released by default)."""
     layout = build_layout(128, 37, 48, 84, 207)
     timestep, indices = row_timesteps(layout, 0.37, 0.61, 0.999)
     positions = layout.position_ids[:rows].to(device)
     adaln_indices = (indices * 3 + layout.token_tags)[:rows].to(device)
-    cos, sin = H3RotaryPosEmbed(CFG.rope_freq_dim, CFG.rope_theta).to(device)(positions)
+    cos, sin = H3RotaryPosEmbed(config.rope_freq_dim, config.rope_theta).to(device)(positions)
     generator = torch.Generator(device=device).manual_seed(rows)
-    x = torch.randn(1, rows, HIDDEN, device=device, dtype=torch.bfloat16, generator=generator)
-    temb = torch.randn(timestep.numel(), CFG.time_embed_dim, device=device, generator=generator)
+    x = torch.randn(1, rows, config.hidden_size, device=device, dtype=dtype, generator=generator)
+    temb = torch.randn(timestep.numel(), config.time_embed_dim, device=device, generator=generator)
     return x, temb, adaln_indices, (cos, sin)
 
 

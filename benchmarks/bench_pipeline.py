@@ -8,9 +8,16 @@ Profiles:
   fast     the same, fast tier (FP8 GEMMs in the transformer blocks and the VAE decoder)
   rtx5090  the GPU capped at 32 GiB, offload layerwise within gpu_memory 30GiB, MXFP4 transformer, text encoder
            streamed; then the same transformer resident (uncapped) for its step time
+  fasth3   a FastH3 VSA student (attention gates in every block), lossless tier: its contract, 4 forwards at
+           sparsity 0.9 on the DMD grid (`--forwards` is ignored); `fasth3-fast` the same in the fast tier
+
+`--sparsity` runs each base-model request with that sparse attention (a number, or "default") after the same
+request dense, on the same weights and seed, and prints the ratio.
 
     python benchmarks/bench_pipeline.py --profile h200 --forwards 49 8 --reference --out results/
     python benchmarks/bench_pipeline.py --profile rtx5090 --forwards 8 --out results/
+    python benchmarks/bench_pipeline.py --profile fasth3 --out results/
+    python benchmarks/bench_pipeline.py --profile h200 --forwards 49 --sparsity default --out results/
     python benchmarks/bench_pipeline.py --sizes tiny --device cpu --forwards 2      # runs anywhere, in seconds
 
 The diffusers end-to-end time is composed from the same run: text encoding (the same transformers model; diffusers
@@ -48,7 +55,10 @@ PROFILES = {
     "h200": dict(quality="lossless"),
     "fast": dict(quality="fast"),
     "rtx5090": dict(quality="lossless", offload="layerwise", gpu_memory="30GiB", quantization="mxfp4"),
+    "fasth3": dict(quality="lossless"),
+    "fasth3-fast": dict(quality="fast"),
 }
+STUDENT_PROFILES = ("fasth3", "fasth3-fast")  # a FastH3 VSA student: its 4-forward contract, sparsity 0.9
 GiB = 2**30
 
 
@@ -112,7 +122,7 @@ class Capture:
         decode_stages.decode_video = decode_video
 
 
-def run_request(pipe, forwards: int, out_dir: Path, device, seconds: float) -> dict:
+def run_request(pipe, forwards: int | None, out_dir: Path, device, seconds: float, sparsity=None) -> dict:
     """One timed request: per-stage seconds (each denoise step separately), peak GPU memory, the MP4's check."""
     marks = {}
     step_times = []
@@ -131,11 +141,18 @@ def run_request(pipe, forwards: int, out_dir: Path, device, seconds: float) -> d
 
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    path = out_dir / f"request_{forwards}.mp4"
+    path = out_dir / f"request_{forwards}{'_sparse' if sparsity is not None else ''}.mp4"
     sync(device)
     started = time.perf_counter()
+    steps = None if forwards is None else forwards + 1  # None: a student's contract
     output = pipe(
-        PROMPT, seconds=seconds, num_inference_steps=forwards + 1, seed=0, callback=callback, output_path=path
+        PROMPT,
+        seconds=seconds,
+        num_inference_steps=steps,
+        seed=0,
+        callback=callback,
+        output_path=path,
+        sparsity=sparsity,
     )
     sync(device)
     total = time.perf_counter() - started
@@ -143,7 +160,8 @@ def run_request(pipe, forwards: int, out_dir: Path, device, seconds: float) -> d
     timings = dict(output.timings)
     outside = total - timings["denoise"]
     return {
-        "forwards": forwards,
+        "forwards": output.sampling["forwards"],
+        "sparsity": output.sampling.get("sparsity"),
         "total_s": total,
         "stages_s": timings,
         "step_s": step_times,
@@ -306,7 +324,16 @@ def main():
     parser.add_argument("--device", default=None)
     parser.add_argument("--reference", action="store_true", help="diffusers' step and decode, decode tiers, presets")
     parser.add_argument("--out", type=Path, default=Path("bench_pipeline_out"))
+    parser.add_argument(
+        "--sparsity",
+        default=None,
+        help='also run each base-model request with this sparse attention (a number or "default")',
+    )
     args = parser.parse_args()
+    sparsity = None
+    if args.sparsity is not None:
+        sparsity = args.sparsity if args.sparsity == "default" else float(args.sparsity)
+    student = args.profile in STUDENT_PROFILES
     args.out.mkdir(parents=True, exist_ok=True)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda" and device.index is None:
@@ -327,15 +354,26 @@ def main():
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     with RssSampler() as rss:
         started = time.perf_counter()
-        pipe = random_pipeline(device, sizes=args.sizes, torch_dtype=dtype, **options)
+        pipe = random_pipeline(device, sizes=args.sizes, torch_dtype=dtype, student=student, **options)
         sync(device)
         report["build_s"] = time.perf_counter() - started
         report["rss_after_build_gib"] = RssSampler.rss() / GiB
         capture = Capture(pipe)
-        warm = run_request(pipe, 1, args.out, device, args.seconds)  # kernels compile and tune here
+        # Kernels compile and tune here (the sparse kernel too, at a sparsity that selects tiles).
+        warm = run_request(
+            pipe, None if student else 1, args.out, device, args.seconds, sparsity=0.9 if sparsity else None
+        )
         report["warmup"] = {"total_s": warm["total_s"], "stages_s": warm["stages_s"]}
         rss.peak = RssSampler.rss()  # the request's peak from here on, not the build's transients
-        report["requests"] = [run_request(pipe, forwards, args.out, device, args.seconds) for forwards in args.forwards]
+        if student:
+            report["requests"] = [run_request(pipe, None, args.out, device, args.seconds)]
+        else:
+            report["requests"] = []
+            for forwards in args.forwards:
+                report["requests"].append(run_request(pipe, forwards, args.out, device, args.seconds))
+                if sparsity is not None:
+                    sparse = run_request(pipe, forwards, args.out, device, args.seconds, sparsity=sparsity)
+                    report["requests"].append(sparse)
     report["peak_rss_gib"] = rss.peak / GiB
     (args.out / f"{args.profile}.json").write_text(json.dumps(report, indent=2, default=str))
     if args.profile == "rtx5090" and device.type == "cuda":
@@ -375,6 +413,9 @@ def resident_step(pipe, capture: Capture, device, dtype, sizes: str) -> float:
 def summarize(report: dict) -> None:
     rows = []
     for request in report["requests"]:
+        if request.get("sparsity") and any(request["sparsity"]):
+            ran = sum(1 for value in request["sparsity"] if value > 0)
+            request["forwards"] = f"{request['forwards']} ({ran} sparse)"
         stages = request["stages_s"]
         for stage, seconds in stages.items():
             rows.append(
@@ -413,6 +454,16 @@ def summarize(report: dict) -> None:
             f"offloaded step {offloaded:.3f} s vs resident MXFP4 step {report['resident_mxfp4_step_s']:.3f} s: "
             f"{offloaded / report['resident_mxfp4_step_s']:.3f}x"
         )
+    dense = {r["forwards"]: r for r in report["requests"] if not (r.get("sparsity") and any(r["sparsity"]))}
+    for request in report["requests"]:
+        forwards = request["forwards"]
+        if isinstance(forwards, str) and int(forwards.split()[0]) in dense:
+            base = dense[int(forwards.split()[0])]
+            print(
+                f"{forwards}: {request['total_s']:.1f} s vs dense {base['total_s']:.1f} s: "
+                f"{base['total_s'] / request['total_s']:.3f}x (median step {request['median_step_s']:.3f} vs "
+                f"{base['median_step_s']:.3f} s)"
+            )
     reference = report.get("reference")
     if reference:
         print(

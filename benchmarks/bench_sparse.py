@@ -2,15 +2,20 @@
 t2va request: 128 text rows, 414 audio rows (207 latents per channel), video grid (37, 24, 42) = 37,296 rows,
 37,838 in all (the layout `bench_h3_block.py` builds), 56 heads of 128 in bf16.
 
-Section `op` (the only one so far): first the sparse op against its torch reference on a smaller shape, then at
+Section `op`: first the sparse op against its torch reference on a smaller shape, then at
 the full shape: dense attention through the dispatch ("auto": FlashAttention-3 where installed, else cuDNN or
 flash; the table names it), the tile selection alone, the op at `--sparsity` without and with the compression
 gate, and the block-sparse kernel alone under each launch setting of `triton.CONFIGS`. Prints a table, then the
 dense/sparse ratios. `--tiny` runs small shapes on the CPU (the kernel under the Triton interpreter), to show that
 the script works end to end.
 
+Section `block`: one transformer block at released dims over the same rows, the base block dense and sparse and a
+VSA student's block (with its gate) sparse, in the lossless and fast tiers. The per-forward figure of the whole
+model comes from `bench_pipeline.py` (its median step: `--profile fasth3`, and `--sparsity` for the base model).
+
     python benchmarks/bench_sparse.py
     python benchmarks/bench_sparse.py op --sparsity 0.9 --heads 56 --out sparse.json
+    python benchmarks/bench_sparse.py op block --out sparse.json
     python benchmarks/bench_sparse.py --tiny
 """
 
@@ -149,7 +154,71 @@ def _row(variant, ms, flops):
     }
 
 
-SECTIONS = {"op": bench_op}
+def bench_block(args, device, dtype, backend):
+    """One transformer block at released dims over the same rows: the base block dense and at `--sparsity`
+    (no gate), and a VSA student's block (gate) at `--sparsity`, in the lossless and fast tiers. The block updates the
+    residual stream in place, so each timed call gets a fresh copy (copied outside the timing)."""
+    from bench_h3_block import make_inputs
+
+    from h3gen.kernels.vsa_h3 import SparsePlan, SparseSwitch
+    from h3gen.linear import dense_linear
+    from h3gen.pipelines.h3.tiers import fast_block_forward, fused_block_forward, quantize_block_linears
+    from h3gen.pipelines.h3.transformer_blocks import H3TransformerBlock
+    from h3gen.pipelines.h3.transformer_config import H3TransformerConfig
+
+    prefix, grid = TINY if args.tiny else FULL
+    config = H3TransformerConfig() if not args.tiny else H3TransformerConfig(**TINY_BLOCK)
+    geometry = build_tile_geometry(prefix, grid).to(device)
+    rows = geometry.num_rows
+    x, temb, adaln_indices, rotary = make_inputs(rows, device, config=config, dtype=dtype)
+    switch = SparseSwitch()
+    torch.manual_seed(0)
+    student = H3TransformerBlock(config, dense_linear, gates=True, sparse=switch).to(device, dtype).eval()
+    with torch.no_grad():
+        student.attn.to_gate_compress.weight.mul_(0.1)
+    table = student.adaln_proj.table(temb)
+    time = timer(device)
+    results, rows_out = {}, []
+    for tier, forward in (("lossless", fused_block_forward), ("fast", fast_block_forward)):
+        if tier == "fast":
+            if args.tiny:
+                continue  # FP8 GEMMs need a GPU
+            quantize_block_linears(student)
+        gate = student.attn.to_gate_compress
+        for name, plan, with_gate in (
+            ("dense", None, False),
+            (f"sparse {args.sparsity}", SparsePlan(geometry, args.sparsity), False),
+            (f"student, sparse {args.sparsity}", SparsePlan(geometry, args.sparsity), True),
+        ):
+            student.attn.to_gate_compress = gate if with_gate else None
+            switch.plan = plan
+            work = x.clone()
+
+            def run(work=work):
+                work.copy_(x)
+                with torch.no_grad():
+                    forward(student, work, table, adaln_indices, rotary)
+
+            results[(tier, name)] = time(run, args.repeat)
+            rows_out.append(_row(f"block, {tier}, {name}", results[(tier, name)], None))
+        student.attn.to_gate_compress = gate
+        switch.plan = None
+    summary = f"one block, {rows} rows, {dtype}; sparsity {args.sparsity}; each call includes a copy of the stream"
+    ratios = {
+        f"{tier}, {name}": results[(tier, "dense")] / results[(tier, name)] for tier, name in results if name != "dense"
+    }
+    ratios |= {
+        "lossless dense / fast student": results[("lossless", "dense")]
+        / results.get(("fast", f"student, sparse {args.sparsity}"), float("nan"))
+    }
+    return rows_out, summary, ratios
+
+
+# The tiny block of `--tiny`: 2 heads of 32 (what the interpreted kernel takes).
+TINY_BLOCK = dict(
+    num_attention_heads=2, attention_head_dim=32, hidden_size=64, ffn_dim=128, time_embed_dim=32, rope_freq_dim=4
+)
+SECTIONS = {"op": bench_op, "block": bench_block}
 
 
 def main():

@@ -84,11 +84,12 @@ def random_value(name: str, shape, dtype: torch.dtype, device, generator: torch.
     return value.to(device)
 
 
-def random_tensors(config: H3TransformerConfig, *, dtype: torch.dtype, seed: int = 0):
+def random_tensors(config: H3TransformerConfig, *, dtype: torch.dtype, seed: int = 0, gates: bool = False):
     """`(key, tensor)` for every weight of an H3 transformer in the diffusers layout, one at a time (float32
-    islands in float32): the tensor source `load_transformer` takes in place of weight files."""
+    islands in float32): the tensor source `load_transformer` takes in place of weight files. `gates`: a VSA
+    student's, with every block's `to_gate_compress`."""
     with meta_parameters():
-        dense = H3Transformer(config)
+        dense = H3Transformer(config, gates=gates)
     generator = torch.Generator(_draw_device()).manual_seed(seed)
     for key, slot in dense.state_dict().items():
         wanted = torch.float32 if keeps_fp32(key, H3Transformer.keep_fp32_modules) else dtype
@@ -232,6 +233,7 @@ def random_pipeline(
     torch_dtype: torch.dtype = torch.bfloat16,
     folder=None,
     options: RunOptions | None = None,
+    student: bool = False,
     **option_keywords,
 ):
     """An `H3Pipeline` (t2va and fl2va) with random weights at `sizes` ("released" or "tiny"), built without any
@@ -243,6 +245,7 @@ def random_pipeline(
     the transformer's blocks are made (and quantized, with `quantization="mxfp4"`) on the device one tensor at a
     time, then moved to pinned host memory to stream within `gpu_memory`, and the text encoder streams its layers.
     `folder` keeps the config-only checkpoint (default: a temporary folder). The same seed gives the same weights.
+    `student=True` builds a FastH3 VSA student (attention gates in every block), which runs the published contract.
     """
     options = RunOptions.merged(options, **option_keywords)
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -258,7 +261,8 @@ def random_pipeline(
             torch_dtype=torch_dtype,
             device=build_device,
             quantization=options.quantization,
-            tensors=random_tensors(config, dtype=torch_dtype, seed=seed),
+            tensors=random_tensors(config, dtype=torch_dtype, seed=seed, gates=student),
+            gates=student,
         )
         if build_device != placement.transformer_device:
             model = model.to(placement.transformer_device)
