@@ -325,6 +325,13 @@ def main():
     parser.add_argument("--reference", action="store_true", help="diffusers' step and decode, decode tiers, presets")
     parser.add_argument("--out", type=Path, default=Path("bench_pipeline_out"))
     parser.add_argument(
+        "--offload",
+        choices=("none", "stage", "layerwise"),
+        default=None,
+        help="the profile's offload mode instead (stage: the text encoder and VAEs on the host between their stages, "
+        "for a GPU that cannot hold the whole pipeline)",
+    )
+    parser.add_argument(
         "--sparsity",
         default=None,
         help='also run each base-model request with this sparse attention (a number or "default")',
@@ -339,6 +346,8 @@ def main():
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     options = dict(PROFILES[args.profile])
+    if args.offload is not None:
+        options["offload"] = args.offload
     if args.profile == "rtx5090" and device.type == "cuda":
         total = torch.cuda.get_device_properties(device).total_memory
         torch.cuda.set_per_process_memory_fraction(32 * GiB / total, device)
