@@ -40,10 +40,11 @@ CONFIGS = tuple(KernelConfig(w, s) for w in (4, 8) for s in (2, 3, 4))
 
 
 def default_config(device: torch.device, head_dim: int = 128) -> KernelConfig:
-    """A launch setting for `head_dim` heads on `device` (Hopper and newer pipeline three key tiles deep; older
-    GPUs and the interpreter two)."""
+    """A launch setting for `head_dim` heads on `device`: Hopper and newer pipeline four key tiles deep (on an H100 at
+    the 5 s 768x1344 shape, sparsity 0.9, bf16: 13.8 ms at 4 warps x 4 stages, 14.2 at 3 stages, 14.6 at 2, 21.5 to
+    31.5 at 8 warps); older GPUs and the interpreter two."""
     if device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9:
-        return KernelConfig(num_warps=4, num_stages=3)
+        return KernelConfig(num_warps=4, num_stages=4)
     return KernelConfig(num_warps=4, num_stages=2)
 
 
