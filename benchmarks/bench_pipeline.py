@@ -331,6 +331,7 @@ def main():
         help="the profile's offload mode instead (stage: the text encoder and VAEs on the host between their stages, "
         "for a GPU that cannot hold the whole pipeline)",
     )
+    parser.add_argument("--gpu-memory", dest="gpu_memory", default=None, help="with --offload layerwise: its budget")
     parser.add_argument(
         "--sparsity",
         default=None,
@@ -348,6 +349,8 @@ def main():
     options = dict(PROFILES[args.profile])
     if args.offload is not None:
         options["offload"] = args.offload
+    if args.gpu_memory is not None:
+        options["gpu_memory"] = args.gpu_memory
     if args.profile == "rtx5090" and device.type == "cuda":
         total = torch.cuda.get_device_properties(device).total_memory
         torch.cuda.set_per_process_memory_fraction(32 * GiB / total, device)
