@@ -294,3 +294,56 @@ def test_tensor_parallel_ranks_hold_their_shards_of_the_merged_model(student, ti
                 else:  # row-parallel columns
                     expected = full.chunk(2, dim=-1)[rank]
                 assert torch.allclose(shard.float(), expected.float(), rtol=0, atol=1e-6), (quantization, rank, key)
+
+
+# ---------------------------------------------------------------- command line
+
+
+def test_merge_lora_flag_on_generate_serve_and_worker():
+    from h3gen.cli import build_parser
+
+    for command in (
+        ["generate", "x", "--out", "o.mp4"],
+        ["serve"],
+        ["worker", "--store", "s", "--results-dir", "r"],
+    ):
+        args = build_parser().parse_args([*command, "--merge-lora", "a.safetensors", "--merge-lora", "b.safetensors"])
+        assert args.merge_loras == ["a.safetensors", "b.safetensors"], command[0]
+        assert build_parser().parse_args(command).merge_loras is None
+
+
+def test_local_workers_merge_the_same_adapters(tmp_path):
+    from h3gen.cli import build_parser
+    from h3gen.server.local_workers import worker_command
+
+    args = build_parser().parse_args(["serve", "--results-dir", str(tmp_path), "--merge-lora", "a.safetensors"])
+    command = worker_command(args, 0)
+    assert command[command.index("--merge-lora") + 1] == os.path.abspath("a.safetensors")
+
+
+@pytest.mark.slow
+@pytest.mark.server
+def test_generate_with_merge_lora_runs_the_student_contract(student, tiny_dir, tmp_path):
+    import sys
+
+    from helpers.server_harness import run_isolated
+
+    kind, adapter, _ = student
+    if kind != "vsa":
+        pytest.skip("one end-to-end run covers the flag")
+    out = tmp_path / "student.mp4"
+    command = ["generate", "a fox", "--model", str(tiny_dir), "--seed", "2", "--merge-lora", str(adapter)]
+    result = run_isolated(
+        [sys.executable, "-m", "h3gen.cli", *command, "--out", str(out)],
+        timeout=300,
+        env=dict(os.environ, HF_HUB_OFFLINE="1"),
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "4 transformer forwards (5 sigma points), shifts 12/3, recipe FastH3 4-step (VSA)" in result.stderr
+    refused = run_isolated(
+        [sys.executable, "-m", "h3gen.cli", "generate", "a fox", "--model", str(tiny_dir), "--lora", str(adapter)]
+        + ["--out", str(tmp_path / "x.mp4")],
+        timeout=300,
+        env=dict(os.environ, HF_HUB_OFFLINE="1"),
+    )
+    assert refused.returncode != 0 and "--merge-lora PATH" in refused.stderr

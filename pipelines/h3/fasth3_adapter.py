@@ -370,6 +370,28 @@ def merge_stream(
                 raise _bad(adapter.name, f"`{key}` updates `{target}`, which the checkpoint does not hold.")
 
 
+def split_load_time_loras(loras) -> tuple[FastH3Adapter | None, list[tuple[str, float]]]:
+    """`H3Pipeline.from_pretrained`'s `loras` (`[path or (path, scale), ...]`): the FastH3 adapter among them (read
+    from its header, or None) and the others as `(path, scale)`."""
+    adapter, others = None, []
+    for entry in loras or []:
+        path, scale = (entry, 1.0) if not isinstance(entry, (tuple, list)) else entry
+        if not is_fasth3_adapter(path):
+            others.append((path, scale))
+            continue
+        read = read_fasth3_adapter(path)
+        if adapter is not None:
+            raise RequestError(
+                f"loras names two FastH3 adapters ({adapter.name}, {read.name}); a model merges one student.", "loras"
+            )
+        if scale != 1.0:
+            raise RequestError(
+                f"FastH3 adapter {read.name} merges at scale 1 (got {scale}): a student is not a strength.", "loras"
+            )
+        adapter = read
+    return adapter, others
+
+
 def merge_cost(adapter: FastH3Adapter) -> dict:
     """Work the merge does (from the header): multiply-adds of the B A products, and elements of the updated and
     created tensors (each read and written once)."""

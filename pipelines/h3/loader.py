@@ -12,10 +12,9 @@ from h3gen.linear import QUANTIZATIONS, make_linear_factory
 from h3gen.loading.files import read_json, safetensors_files
 from h3gen.loading.load import assign_tensors, meta_parameters, read_tensors
 from h3gen.parallel.sequence import enable_sequence_parallel
+from h3gen.pipelines.h3.fasth3 import GATE_SUFFIX
 from h3gen.pipelines.h3.fasth3_adapter import FastH3Adapter, merge_stream
 from h3gen.pipelines.h3.layouts import detect_layout, iter_converted
-
-GATE_SUFFIX = ".attn.to_gate_compress.weight"  # a VSA student's gates: `transformer_blocks.{i}` + this
 
 
 def load_transformer(

@@ -30,7 +30,7 @@ from h3gen.pipelines.h3.checkpoint import REQUIRED, H3Checkpoint, resolve_workfl
 from h3gen.pipelines.h3.continuation import DEFAULT_MAX_SECONDS
 from h3gen.pipelines.h3.decode_stages import ClipWriter, decode_frames, decode_sound
 from h3gen.pipelines.h3.fasth3 import CONTRACT_FILE, read_student_contract
-from h3gen.pipelines.h3.fasth3_adapter import FastH3Adapter, is_fasth3_adapter, read_fasth3_adapter
+from h3gen.pipelines.h3.fasth3_adapter import FastH3Adapter, split_load_time_loras
 from h3gen.pipelines.h3.generation import GenerationRequest
 from h3gen.pipelines.h3.long_video import largest_window, run_continuation
 from h3gen.pipelines.h3.lora_registry import DEFAULT_MAX_CPU_LORAS, activate
@@ -106,28 +106,6 @@ def _file_builders(
         )
 
     return PartBuilders(transformer, text_encoder, vaes)
-
-
-def _load_time_loras(loras) -> tuple[FastH3Adapter | None, list[tuple[str, float]]]:
-    """`from_pretrained`'s `loras`: the FastH3 adapter among them (read from its header, or None) and the others as
-    `(path, scale)`."""
-    adapter, others = None, []
-    for entry in loras or []:
-        path, scale = (entry, 1.0) if not isinstance(entry, (tuple, list)) else entry
-        if not is_fasth3_adapter(path):
-            others.append((path, scale))
-            continue
-        read = read_fasth3_adapter(path)
-        if adapter is not None:
-            raise RequestError(
-                f"loras names two FastH3 adapters ({adapter.name}, {read.name}); a model merges one student.", "loras"
-            )
-        if scale != 1.0:
-            raise RequestError(
-                f"FastH3 adapter {read.name} merges at scale 1 (got {scale}): a student is not a strength.", "loras"
-            )
-        adapter = read
-    return adapter, others
 
 
 class H3Pipeline:
@@ -306,7 +284,7 @@ class H3Pipeline:
             _check_attention(
                 options.attention, device, torch_dtype, read_transformer_config(checkpoint).attention_head_dim
             )
-        adapter, merged = _load_time_loras(loras)
+        adapter, merged = split_load_time_loras(loras)
         if adapter is not None:
             if "transformer" not in partitions:
                 raise RequestError(
