@@ -87,7 +87,8 @@ def test_base_schedule_grid_and_its_euler_steps_match_diffusers(shift):
 
 
 @pytest.mark.parametrize(
-    "base", [[1.0], [0.9, 0.0], [1.0, 0.5, 0.5, 0.0], [1.0, 0.4, 0.7, 0.0], [1.0, 0.3], [1.0, float("nan"), 0.0]]
+    "base",
+    [[1.0], [1.5, 0.0], [0.0, 0.0], [1.0, 0.5, 0.5, 0.0], [1.0, 0.4, 0.7, 0.0], [1.0, 0.3], [1.0, float("nan"), 0.0]],
 )
 def test_bad_base_schedules_are_refused(base):
     with pytest.raises(ValueError, match="base schedule"):

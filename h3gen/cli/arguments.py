@@ -37,6 +37,20 @@ def references_of_args(args: argparse.Namespace) -> list | None:
     return [types[kind](path, name=flag) for kind, path, flag in args.references] if args.references else None
 
 
+def merge_lora_argument(parser) -> None:
+    """`--merge-lora PATH` (repeatable): adapters merged into the model at load, `from_pretrained(loras=...)`."""
+    parser.add_argument(
+        "--merge-lora",
+        dest="merge_loras",
+        action="append",
+        default=None,
+        metavar="PATH",
+        help="merge this adapter into the model when it loads (repeatable): a FastH3 adapter (fastvideo-lora-v2) "
+        "makes the base model its 4-forward student; any other LoRA is merged at scale 1 and its few-step recipe "
+        "applies to every request",
+    )
+
+
 def lora_argument(text: str) -> tuple[str, float]:
     """`--lora PATH[:SCALE]` -> (path, scale); the scale defaults to 1.0."""
     path, _, scale = text.rpartition(":")

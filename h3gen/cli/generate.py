@@ -9,6 +9,7 @@ from h3gen.cli.arguments import (
     AppendReference,
     long_video_arguments,
     lora_argument,
+    merge_lora_argument,
     references_of_args,
     run_option_arguments,
     sparsity_argument,
@@ -111,6 +112,7 @@ def add_parser(commands) -> None:
         "repeatable, adapters stack. A few-step adapter (LightX2V Turbo, FlashGen) brings its "
         "recipe: its forwards and shifts, unless --steps / --forwards say otherwise (refused)",
     )
+    merge_lora_argument(gen)
     gen.add_argument("--seed", type=int, default=None, help="noise seed (default: random, printed at the end)")
     gen.add_argument("--device", choices=("cuda", "cpu"), default=None, help="default: cuda if available")
     gen.add_argument("--dtype", choices=tuple(DTYPES), default=None, help="default: bf16 on cuda, fp32 on cpu")
@@ -149,7 +151,6 @@ def run_generate(args: argparse.Namespace) -> int:
         GenerationRequest,
         H3Checkpoint,
         check_max_seconds,
-        checkpoint_student,
         prepare_request,
         read_transformer_config,
         with_prompt,
@@ -179,6 +180,7 @@ def run_generate(args: argparse.Namespace) -> int:
     config = read_transformer_config(checkpoint)
     max_seconds = check_max_seconds(args.max_seconds)
     loras, recipes = _loras(args, config.attention_head_dim)
+    student, merged_recipes = _merged(args, checkpoint, config.attention_head_dim)
     request = GenerationRequest(
         args.prompt,
         image=args.image,
@@ -201,7 +203,7 @@ def run_generate(args: argparse.Namespace) -> int:
         dense_forwards=args.dense_forwards,
     )
     prepared = prepare_request(
-        checkpoint, config, request, max_seconds=max_seconds, recipes=recipes, student=checkpoint_student(checkpoint)
+        checkpoint, config, request, max_seconds=max_seconds, recipes=merged_recipes + recipes, student=student
     )
     if args.planner:
         if args.tp * args.ulysses > 1:
@@ -241,7 +243,12 @@ def run_generate(args: argparse.Namespace) -> int:
     if rank == 0:
         print(f"h3gen: loading {args.model} on {device} ({dtype_name})", file=sys.stderr)
     pipe = H3Pipeline.from_pretrained(
-        args.model, device=device, torch_dtype=getattr(torch, DTYPES[dtype_name]), parallel=parallel, options=options
+        args.model,
+        device=device,
+        torch_dtype=getattr(torch, DTYPES[dtype_name]),
+        parallel=parallel,
+        options=options,
+        loras=args.merge_loras,
     )
     pipe.max_seconds = max_seconds
     if rank != 0:  # every rank runs the same steps; rank 0 decodes, reports and writes the file
@@ -319,6 +326,26 @@ def sparse_summary(sparsity: list[float] | None) -> str:
         return ""
     values = "/".join(f"{value:g}" for value in dict.fromkeys(sparse))
     return f", sparse attention {values} on {len(sparse)} of {len(sparsity)} forwards"
+
+
+def _merged(args: argparse.Namespace, checkpoint, head_dim: int) -> tuple:
+    """The student contract the model runs once loaded with its `--merge-lora` adapters (a FastH3 adapter's, else the
+    checkpoint's own), and the few-step recipes of the other merged adapters, read from the headers before any
+    weights load."""
+    from pathlib import Path
+
+    from h3gen.pipelines.h3 import checkpoint_student, read_lora, recipe_for
+    from h3gen.pipelines.h3.fasth3_adapter import split_load_time_loras
+    from h3gen.pipelines.h3.request import checkpoint_shifts
+
+    adapter, others = split_load_time_loras(args.merge_loras)
+    recipes = []
+    for path, _ in others:
+        recipe = recipe_for(Path(path).name, read_lora(path, head_dim=head_dim).metadata)
+        recipes += [recipe] if recipe else []
+    if adapter is not None:
+        return adapter.contract(*checkpoint_shifts(checkpoint)), recipes
+    return checkpoint_student(checkpoint), recipes
 
 
 def _cached_summary(output, tier: str) -> str:

@@ -4,7 +4,13 @@
 import argparse
 import sys
 
-from h3gen.cli.arguments import DTYPES, DefaultsFormatter, run_option_arguments, run_options_of_args
+from h3gen.cli.arguments import (
+    DTYPES,
+    DefaultsFormatter,
+    merge_lora_argument,
+    run_option_arguments,
+    run_options_of_args,
+)
 from h3gen.cli.plan import planner_for
 from h3gen.cli.progress import quiet_libraries
 from h3gen.errors import RequestError
@@ -139,6 +145,7 @@ def add_parser(commands) -> None:
         "refused when submitted (default: free device memory less 2 GiB on a GPU, no cap on the "
         "CPU)",
     )
+    merge_lora_argument(serve)
     serve.add_argument(
         "--model-name",
         dest="model_name",
@@ -218,6 +225,7 @@ def run_serve(args: argparse.Namespace) -> int:
         "max_seconds": args.max_seconds,
         "lora_dir": args.lora_dir,
         "lora_gpu_memory": args.lora_gpu_memory,
+        "merge_loras": args.merge_loras,
     }
     in_process_group = args.tp * args.ulysses > 1 and args.workers == 1  # else the local workers are the groups
     if args.tp * args.ulysses > 1:

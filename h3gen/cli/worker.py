@@ -12,7 +12,13 @@ import os
 import signal
 import sys
 
-from h3gen.cli.arguments import DTYPES, DefaultsFormatter, run_option_arguments, run_options_of_args
+from h3gen.cli.arguments import (
+    DTYPES,
+    DefaultsFormatter,
+    merge_lora_argument,
+    run_option_arguments,
+    run_options_of_args,
+)
 from h3gen.cli.progress import quiet_libraries
 from h3gen.errors import RequestError
 from h3gen.options import WORKFLOW_HELP, WORKFLOWS, describe
@@ -55,6 +61,7 @@ def add_parser(commands) -> None:
     )
     worker.add_argument("--lora-dir", dest="lora_dir", default=None, metavar="DIR", help="the adapters it serves")
     worker.add_argument("--lora-gpu-memory", dest="lora_gpu_memory", default=None, metavar="SIZE")
+    merge_lora_argument(worker)
     worker.add_argument(
         "--drain-seconds",
         dest="drain_seconds",
@@ -108,6 +115,7 @@ def run_worker(args: argparse.Namespace) -> int:
         "max_seconds": args.max_seconds,
         "lora_dir": args.lora_dir,
         "lora_gpu_memory": args.lora_gpu_memory,
+        "merge_loras": args.merge_loras,
     }
     distributed = args.tp * args.ulysses > 1
     if distributed:

@@ -111,6 +111,7 @@ def _load(engine) -> None:
             parallel=engine.parallel,
             options=engine.options,
             lora_gpu_memory=engine.lora_gpu_memory,
+            loras=engine.merge_loras,
         )
         engine.pipeline.max_seconds = engine.max_seconds
     except Exception as error:
@@ -131,6 +132,7 @@ def follow(
     max_seconds: float = DEFAULT_MAX_SECONDS,
     lora_dir=None,
     lora_gpu_memory=None,
+    merge_loras=None,
 ) -> None:
     """The loop of every rank but 0: load the same model (the same run options, length limit, LoRA folder and budget as
     rank 0's engine: `options` or the `H3Engine` keywords), then run each broadcast job until told to stop."""
@@ -145,6 +147,7 @@ def follow(
         max_seconds=max_seconds,
         lora_dir=lora_dir,
         lora_gpu_memory=lora_gpu_memory,
+        merge_loras=merge_loras,
     )
     engine.parallel = parallel
     control = dist.new_group(list(range(dist.get_world_size())), timeout=CONTROL_TIMEOUT)

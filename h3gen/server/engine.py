@@ -102,13 +102,16 @@ class H3Engine:
         max_seconds: float = DEFAULT_MAX_SECONDS,
         lora_dir=None,
         lora_gpu_memory=None,
+        merge_loras=None,
     ):
         """How the model loads and runs is one `RunOptions`: `options`, or its fields as `quality`, `workflow`
         (default "auto") and the `offload` dict (`offload`, `gpu_memory`, `prefetch`, `quantization`); keywords
         given next to `options` replace its fields. `max_seconds` (15 to 300): the longest clip a job may ask
         for; over 15 s it is made in windows. `lora_dir` is the folder of the adapters requests may name (None: no
         adapters); `lora_gpu_memory` ("4GiB") caps the device memory a request's adapters may take (None: the free
-        device memory less 2 GiB on a GPU, no cap on the CPU), checked when a request is submitted."""
+        device memory less 2 GiB on a GPU, no cap on the CPU), checked when a request is submitted. `merge_loras`
+        (paths) are merged into the model at load (`H3Pipeline.from_pretrained(loras=...)`: a FastH3 adapter makes
+        it the student)."""
         if options is None and workflow is None:
             workflow = "auto"
         options = RunOptions.merged(options, quality=quality, workflow=workflow, **(offload or {}))
@@ -133,6 +136,7 @@ class H3Engine:
         self.load_error: str | None = None
         self.lora_folder = None if lora_dir is None else LoraFolder(lora_dir, head_dim=self.config.attention_head_dim)
         self.lora_gpu_memory = lora_budget_bytes(lora_gpu_memory)
+        self.merge_loras = list(merge_loras or [])
 
     @property
     def offload(self) -> dict:
@@ -159,6 +163,7 @@ class H3Engine:
                 torch_dtype=self.dtype,
                 options=self.options,
                 lora_gpu_memory=self.lora_gpu_memory,
+                loras=self.merge_loras,
             )
             self.pipeline.max_seconds = self.max_seconds
         except Exception as error:  # reported on /health and by every job

@@ -47,6 +47,8 @@ def worker_command(args, index: int) -> list[str]:
     ):
         if value is not None:
             command += [flag, str(value)]
+    for path in getattr(args, "merge_loras", None) or []:
+        command += ["--merge-lora", os.path.abspath(path)]
     if getattr(args, "prefetch", None) is not None:
         command += ["--prefetch", str(args.prefetch)]
     return command

@@ -22,7 +22,7 @@ from h3gen.kernels._dispatch import triton_available, use_triton
 from h3gen.kernels.attention import attention
 from h3gen.kernels.vsa_h3 import reference
 from h3gen.kernels.vsa_h3.geometry import TILE_ROWS, VIDEO_TILE, TileGeometry, build_tile_geometry
-from h3gen.kernels.vsa_h3.plan import SparsePlan, SparseSwitch, attend
+from h3gen.kernels.vsa_h3.plan import SparsePlan, SparseSwitch
 from h3gen.kernels.vsa_h3.reference import add_compressed
 from h3gen.kernels.vsa_h3.selection import (
     TileSelection,
@@ -144,6 +144,32 @@ def _sparse_triton(query, key, value, geometry, sparsity, gate, dense_backend, c
             dense = add_compressed(dense, gate[:, :prefix], compressed, geometry.row_tile[:prefix])
         out[:, :prefix] = dense
     return fast.block_sparse_attention(q_slots, k_slots, v_slots, selection, geometry, out, gate, compressed, config)
+
+
+def attend(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    gate: torch.Tensor | None,
+    plan: SparsePlan | None,
+    backend: str | None = None,
+) -> torch.Tensor:
+    """Attention of one packed sequence: dense (`attention`) without a plan, else VSA-H3 with this forward's sparsity
+    and, for a VSA student, its compression gate.
+
+    Args:
+        query, key, value: `(B, S, H, D)` post-RoPE heads.
+        gate: `(B, S, H, D)` the block's `to_gate_compress` output, or None (a model without gates).
+        plan: this forward's `SparsePlan`, or None.
+        backend: the dense attention backend (`kernels.attention`), also for VSA-H3's dense parts.
+    Returns:
+        `(B, S, H, D)` in query's dtype.
+    """
+    if plan is None:
+        if gate is not None:
+            raise ValueError("a VSA student's gated attention needs a tile geometry (a SparsePlan); none was set.")
+        return attention(query, key, value, backend=backend)
+    return vsa_h3_attention(query, key, value, plan.geometry, plan.sparsity, gate, dense_backend=backend)
 
 
 __all__ = [

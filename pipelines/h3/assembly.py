@@ -38,10 +38,12 @@ def assemble(
     planner=None,
     max_cpu_loras: int = DEFAULT_MAX_CPU_LORAS,
     lora_gpu_memory=None,
+    fasth3_adapter=None,
 ):
     """A `pipeline_class` (`H3Pipeline`) of `checkpoint`'s `partitions` and its text encoder and VAEs, placed as
     `options` say (under layer-wise offload the partitions share `gpu_memory`), split over `parallel`'s ranks when
-    given. Raises `CheckpointError` before building anything when layer-wise offload's host copies would not fit."""
+    given; `fasth3_adapter` (merged into `transformer` by `builders`) gives the pipeline its contract. Raises
+    `CheckpointError` before building anything when layer-wise offload's host copies would not fit."""
     folders = {name: checkpoint.folder(name) for name in (*partitions, "text_encoder", "vae", "audio_vae")}
     placement = plan_placement(options, device, folders, partitions=len(partitions), parallel=parallel)
     models = {}
@@ -67,4 +69,5 @@ def assemble(
         options=options,
         max_cpu_loras=max_cpu_loras,
         lora_gpu_memory=lora_gpu_memory,
+        fasth3_adapter=fasth3_adapter,
     )

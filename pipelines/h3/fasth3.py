@@ -17,7 +17,10 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+from safetensors import safe_open
+
 from h3gen.errors import CheckpointError
+from h3gen.loading.files import safetensors_files
 from h3gen.pipelines.h3.recipes import Recipe
 
 GATE_SUFFIX = ".attn.to_gate_compress.weight"  # a VSA student's gates: `transformer_blocks.{i}` + this
@@ -27,6 +30,7 @@ DMD_STEPS = (999, 749, 500, 250)  # the DMD rungs on the 1000-step training cloc
 VSA_SPARSITY = 0.9
 VSA_BACKEND = "VIDEO_SPARSE_ATTN_H3"
 VSA_TILE_ROWS = 64
+GATE_SUFFIX = ".attn.to_gate_compress.weight"  # a VSA student's gates: `transformer_blocks.{i}` + this
 
 
 @dataclass(frozen=True)
@@ -52,6 +56,17 @@ def student_recipe(steps: tuple[int, ...], video_shift: float, audio_shift: floa
     base = tuple(step / 1000 for step in steps) + (0.0,)
     kind = "VSA" if gated else "dense"
     return Recipe(f"FastH3 {len(steps)}-step ({kind})", len(steps), video_shift, audio_shift, ("t2va",), base)
+
+
+def has_gates(folder) -> bool:
+    """True when the transformer checkpoint in `folder` holds VSA gates (read from the safetensors headers)."""
+    for path, keys in safetensors_files(Path(folder)).items():
+        if keys is None:
+            with safe_open(str(path), framework="pt", device="cpu") as handle:
+                keys = list(handle.keys())
+        if any(key.endswith(GATE_SUFFIX) for key in keys):
+            return True
+    return False
 
 
 def read_student_contract(root: Path, *, gated: bool, video_shift: float, audio_shift: float) -> StudentContract | None:

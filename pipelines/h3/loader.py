@@ -13,6 +13,7 @@ from h3gen.loading.files import read_json, safetensors_files
 from h3gen.loading.load import assign_tensors, meta_parameters, read_tensors
 from h3gen.parallel.sequence import enable_sequence_parallel
 from h3gen.pipelines.h3.fasth3 import GATE_SUFFIX
+from h3gen.pipelines.h3.fasth3_adapter import FastH3Adapter, merge_stream
 from h3gen.pipelines.h3.layouts import detect_layout, iter_converted
 
 
@@ -29,6 +30,7 @@ def load_transformer(
     skip_prefixes: tuple[str, ...] = (),
     tensors=None,
     gates: bool | None = None,
+    adapter: FastH3Adapter | None = None,
 ):
     """Build `cls` (an `H3Transformer`) from `folder/config.json` on the meta device and stream its weights in.
     `tensors` (an iterable of `(key, tensor)` in the diffusers layout) replaces the folder's weight files, e.g.
@@ -39,8 +41,10 @@ def load_transformer(
     quantized says so in its config and loads as such).
 
     Accepts the diffusers key layout and the original release's (detected from the keys). `gates` builds a VSA
-    student's attention gates (`to_gate_compress`); None builds them when the checkpoint holds them. Returns the model
-    in eval mode on `device` (default CPU).
+    student's attention gates (`to_gate_compress`); None builds them when the checkpoint holds them (or `adapter`
+    creates them). `adapter` (a `FastH3Adapter`) is merged into the tensors as they stream in, before any slicing,
+    quantization or offload (`fasth3_adapter.merge_stream`), after being checked against the model's shapes.
+    Returns the model in eval mode on `device` (default CPU).
     """
     folder = Path(folder)
     if not folder.is_dir():
@@ -63,10 +67,25 @@ def load_transformer(
             with safe_open(str(path), framework="pt", device="cpu") as handle:
                 listed = list(handle.keys())
         keys += listed
+    has_gates = any(key.endswith(GATE_SUFFIX) for key in keys)
+    if adapter is not None and adapter.is_student and has_gates:
+        raise CheckpointError(
+            f"FastH3 adapter {adapter.name} is made for the base model, but {folder.name}/ holds VSA gates already "
+            "(a FastH3 student)."
+        )
     if gates is None:
-        gates = any(key.endswith(GATE_SUFFIX) for key in keys)
+        gates = has_gates or (adapter is not None and adapter.gated)
     with meta_parameters():
         model = cls.from_config(config, linear_factory=linear_factory, gates=gates)
+    if adapter is not None:
+        if adapter.gated and not gates:
+            raise CheckpointError(f"FastH3 adapter {adapter.name} creates VSA gates; the model was built without them.")
+        with meta_parameters():  # the unsharded, unquantized shapes the file's deltas must fit
+            full = cls.from_config(config, gates=gates)
+        cfg = full.config
+        adapter.check(
+            {name: tuple(p.shape) for name, p in full.state_dict().items()}, cfg.num_layers, cfg.num_refiner_layers
+        )
     model.quantization = quantization
     if parallel is not None:
         model.parallel_state = parallel
@@ -75,6 +94,8 @@ def load_transformer(
 
     if tensors is not None:
         source = ((key, key, tensor) for key, tensor in tensors)
+        if adapter is not None:
+            source = merge_stream(adapter, source)
         assign_tensors(
             model,
             source,
@@ -92,6 +113,8 @@ def load_transformer(
     tensors = iter_converted(
         read_tensors(folder, lazy=lazy), layout, cfg.num_attention_heads, cfg.attention_head_dim, qkv_layout
     )
+    if adapter is not None:
+        tensors = merge_stream(adapter, tensors, lazy=lazy)
     assign_tensors(
         model,
         tensors,

@@ -40,6 +40,7 @@ from safetensors import safe_open
 
 from h3gen.errors import RequestError
 from h3gen.lora import LoraFactors
+from h3gen.pipelines.h3.fasth3_adapter import ADAPTER_FORMAT, refuse_per_request
 
 logger = logging.getLogger(__name__)
 
@@ -355,8 +356,8 @@ def read_lora(path, *, head_dim: int = 128, alpha: float | None = None, name: st
         alpha: a uniform network alpha replacing the file's own (each module scaled by alpha / its rank).
         name: the adapter's name (default: the file's stem).
     Raises:
-        RequestError (field "loras") naming the first key no conversion consumes, or a malformed pair; messages
-        name the file by its name only.
+        RequestError (field "loras") naming the first key no conversion consumes, or a malformed pair, or saying
+        that a FastH3 adapter (`fastvideo-lora-v2`) merges at load only; messages name the file by its name only.
     """
     path = Path(path)
     name = name or path.stem
@@ -369,6 +370,8 @@ def read_lora(path, *, head_dim: int = 128, alpha: float | None = None, name: st
             dtypes = {key: handle.get_slice(key).get_dtype() for key in handle.keys()}
     except Exception as error:  # safetensors raises its own error types for a file that is not one
         raise _bad(name, f"not a readable safetensors file ({type(error).__name__}).") from None
+    if metadata.get("format") == ADAPTER_FORMAT:
+        raise refuse_per_request(name)
     dropped = [k for k in shapes if "dora_scale" in k]
     if dropped:
         logger.warning("LoRA %s: ignoring its %d DoRA `dora_scale` tensors, as diffusers does.", name, len(dropped))

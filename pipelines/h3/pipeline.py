@@ -20,7 +20,7 @@ from typing import Callable
 
 import torch
 
-from h3gen.errors import RequestError
+from h3gen.errors import CheckpointError, RequestError
 from h3gen.kernels.attention import resolve_backend
 from h3gen.options import RunOptions, base_tier, uses_step_cache
 from h3gen.pipelines.h3 import geometry
@@ -29,7 +29,8 @@ from h3gen.pipelines.h3.assembly import PartBuilders, assemble
 from h3gen.pipelines.h3.checkpoint import REQUIRED, H3Checkpoint, resolve_workflow
 from h3gen.pipelines.h3.continuation import DEFAULT_MAX_SECONDS
 from h3gen.pipelines.h3.decode_stages import ClipWriter, decode_frames, decode_sound
-from h3gen.pipelines.h3.fasth3 import read_student_contract
+from h3gen.pipelines.h3.fasth3 import CONTRACT_FILE, read_student_contract
+from h3gen.pipelines.h3.fasth3_adapter import FastH3Adapter, split_load_time_loras
 from h3gen.pipelines.h3.generation import GenerationRequest
 from h3gen.pipelines.h3.long_video import largest_window, run_continuation
 from h3gen.pipelines.h3.lora_registry import DEFAULT_MAX_CPU_LORAS, activate
@@ -73,8 +74,10 @@ def _resolve_device(device) -> torch.device:
     return torch.device(device)
 
 
-def _file_builders(checkpoint: H3Checkpoint, options: RunOptions, torch_dtype: torch.dtype, parallel) -> PartBuilders:
-    """Every part loaded from the checkpoint's files."""
+def _file_builders(
+    checkpoint: H3Checkpoint, options: RunOptions, torch_dtype: torch.dtype, parallel, adapter=None
+) -> PartBuilders:
+    """Every part loaded from the checkpoint's files; a FastH3 `adapter` merged into `transformer/` as it loads."""
 
     def transformer(name, placement, store):
         return H3Transformer.from_pretrained(
@@ -84,6 +87,7 @@ def _file_builders(checkpoint: H3Checkpoint, options: RunOptions, torch_dtype: t
             parallel=parallel,
             quantization=options.quantization,
             skip_prefixes=placement.skip_prefixes(store),
+            adapter=adapter if name == "transformer" else None,
         )
 
     def text_encoder(placement):
@@ -128,6 +132,7 @@ class H3Pipeline:
         planner=None,
         max_cpu_loras: int = DEFAULT_MAX_CPU_LORAS,
         lora_gpu_memory=None,
+        fasth3_adapter: FastH3Adapter | None = None,
     ):
         if transformer is None and transformer_ref is None:
             raise ValueError("H3Pipeline needs a transformer, a transformer_ref, or both.")
@@ -141,13 +146,18 @@ class H3Pipeline:
         self.device = torch.device(device)
         self.video_shift = video_shift
         self.audio_shift = audio_shift
-        # A FastH3 student's sampling contract (`fasth3.py`), or None for the base model.
-        self.student = read_student_contract(
-            checkpoint.root,
-            gated=any(getattr(model, "gates", False) for model in (transformer, transformer_ref) if model is not None),
-            video_shift=video_shift,
-            audio_shift=audio_shift,
-        )
+        # A FastH3 student's sampling contract (`fasth3.py`), or None for the base model: the checkpoint's, or that
+        # of the FastH3 adapter merged into `transformer` at load (`fasth3_adapter.py`).
+        self.fasth3_adapter = fasth3_adapter
+        if fasth3_adapter is not None:
+            self.student = fasth3_adapter.contract(video_shift, audio_shift)
+        else:
+            self.student = read_student_contract(
+                checkpoint.root,
+                gated=any(getattr(m, "gates", False) for m in (transformer, transformer_ref) if m is not None),
+                video_shift=video_shift,
+                audio_shift=audio_shift,
+            )
         # Optional prompt planner (`h3gen.pipelines.k3.planner`): `plan(prompt, image=...) -> PlannedPrompt`.
         self.planner = planner
         # Longest clip a call may ask for (over 15 s it is made in windows); a server raises it up to 300 s.
@@ -224,6 +234,7 @@ class H3Pipeline:
         planner=None,
         max_cpu_loras: int = DEFAULT_MAX_CPU_LORAS,
         lora_gpu_memory=None,
+        loras: list | None = None,
         **option_fields,
     ) -> "H3Pipeline":
         """Load every component of a local checkpoint folder in diffusers' layout.
@@ -251,6 +262,13 @@ class H3Pipeline:
         `LocalPlanner` or `RemotePlanner` from `h3gen.pipelines.k3.planner`) serves calls with `plan=True`.
         `max_cpu_loras` adapters stay converted in host memory (see `load_lora`); `lora_gpu_memory` ("4GiB") caps
         the device memory a request's adapters may take.
+
+        `loras` (`[path or (path, scale), ...]`) are merged into `transformer/` for good at load. A FastH3 adapter
+        (`fastvideo-lora-v2`, at most one, scale 1) is merged into the weights as they stream in, before
+        tensor-parallel slicing, MXFP4 quantization and offload staging, creating the VSA gates it sets; the pipeline
+        then runs as the full student (its `student` contract: 4 forwards, VSA-H3 at 0.9 when gated, dense
+        otherwise). Any other adapter is merged after loading as `load_lora(path, merge=True, scale=scale)` does
+        (its few-step recipe then applies to every call). Errors name the file by its name only.
         """
         options = RunOptions.merged(options, **option_fields)
         device = _resolve_device(device)
@@ -266,18 +284,35 @@ class H3Pipeline:
             _check_attention(
                 options.attention, device, torch_dtype, read_transformer_config(checkpoint).attention_head_dim
             )
-        return assemble(
+        adapter, merged = split_load_time_loras(loras)
+        if adapter is not None:
+            if "transformer" not in partitions:
+                raise RequestError(
+                    f"FastH3 adapter {adapter.name} merges into transformer/, which workflow {options.workflow!r} "
+                    "does not load; load with workflow 't2va'.",
+                    "loras",
+                )
+            if (checkpoint.root / CONTRACT_FILE).exists():
+                raise CheckpointError(
+                    f"FastH3 adapter {adapter.name} is made for the base model, but this checkpoint is a FastH3 "
+                    f"student already (it has {CONTRACT_FILE})."
+                )
+        pipe = assemble(
             cls,
             checkpoint,
             options,
             device,
-            _file_builders(checkpoint, options, torch_dtype, parallel),
+            _file_builders(checkpoint, options, torch_dtype, parallel, adapter),
             partitions=partitions,
             parallel=parallel,
             planner=planner,
             max_cpu_loras=max_cpu_loras,
             lora_gpu_memory=lora_gpu_memory,
+            fasth3_adapter=adapter,
         )
+        for path, scale in merged:
+            pipe.load_lora(path, merge=True, scale=scale)
+        return pipe
 
     # ------------------------------------------------------------------ checking a request
 

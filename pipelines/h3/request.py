@@ -10,10 +10,9 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
 from h3gen.errors import RequestError
-from h3gen.loading.files import read_json, safetensors_files
+from h3gen.loading.files import read_json
 from h3gen.media import read_image
 from h3gen.pipelines.h3 import geometry
 from h3gen.pipelines.h3.checkpoint import H3Checkpoint
@@ -26,7 +25,7 @@ from h3gen.pipelines.h3.continuation import (
     plan_windows,
     window_prompts,
 )
-from h3gen.pipelines.h3.fasth3 import GATE_SUFFIX, StudentContract, read_student_contract
+from h3gen.pipelines.h3.fasth3 import StudentContract, has_gates, read_student_contract
 from h3gen.pipelines.h3.generation import MAX_SEED, GenerationRequest
 from h3gen.pipelines.h3.recipes import Recipe, Sampling, resolve_sampling
 from h3gen.pipelines.h3.references import PreparedReference, as_references, prepare_references, sound_seconds
@@ -250,15 +249,7 @@ def checkpoint_student(checkpoint: H3Checkpoint) -> StudentContract | None:
     """The FastH3 contract of a checkpoint (`fasth3.read_student_contract`) from its files alone, before any weight
     loads: whether `transformer/` holds attention gates is read from its weight index or file headers."""
     folder = checkpoint.components.get("transformer")
-    gated = False
-    if folder is not None and Path(folder).is_dir():
-        for path, keys in safetensors_files(folder).items():
-            if keys is None:
-                with safe_open(str(path), framework="pt", device="cpu") as handle:
-                    keys = list(handle.keys())
-            if any(key.endswith(GATE_SUFFIX) for key in keys):
-                gated = True
-                break
+    gated = folder is not None and Path(folder).is_dir() and has_gates(folder)
     video_shift, audio_shift = checkpoint_shifts(checkpoint)
     return read_student_contract(checkpoint.root, gated=gated, video_shift=video_shift, audio_shift=audio_shift)
 

@@ -263,11 +263,20 @@ def _write_index_location(folder: Path, location: Path) -> None:
 
 
 def build_tiny_student(
-    base: Path, folder: Path, *, gates: bool = True, seed: int = 0, contract: dict | None = None, gate_scale=0.05
+    base: Path,
+    folder: Path,
+    *,
+    gates: bool = True,
+    seed: int = 0,
+    contract: dict | None = None,
+    gate_scale=0.05,
+    weights: dict | None = None,
 ) -> Path:
     """A FastH3-style student of the tiny checkpoint at `base`, written into `folder`: the same components, its
     `transformer/` given one random attention gate per block (`to_gate_compress`, normal * `gate_scale`) when `gates`,
-    and a root `fastvideo_inference.json` holding `contract` (the fields FastVideo writes; None: no contract file)."""
+    and a root `fastvideo_inference.json` holding `contract` (the fields FastVideo writes; None: no contract file).
+    `weights` (key -> tensor) replace or add transformer tensors (e.g. the base weights with an adapter's deltas
+    applied, and its gates: then no random gates are drawn)."""
     import shutil
 
     from safetensors.torch import load_file
@@ -277,9 +286,10 @@ def build_tiny_student(
     state = {}
     for path in sorted((Path(base) / "transformer").glob("*.safetensors")):
         state.update(load_file(str(path)))
+    state.update(weights or {})
     config = H3TransformerConfig.from_dict(json.loads((Path(base) / "transformer" / "config.json").read_text()))
     model = H3Transformer(config, gates=gates)
-    if gates:
+    if gates and not any(key.endswith(".attn.to_gate_compress.weight") for key in state):
         generator = torch.Generator().manual_seed(seed)
         inner = config.num_attention_heads * config.attention_head_dim
         for index in range(config.num_layers):
@@ -292,3 +302,77 @@ def build_tiny_student(
     if contract is not None:
         (folder / "fastvideo_inference.json").write_text(json.dumps(contract, indent=2))
     return folder
+
+
+# What a FastH3 adapter changes in every block (LoRA factors), and the tensors the tiny one gives full deltas.
+FASTH3_BLOCK_LORA = ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "ff.net.0.proj", "ff.net.2")
+FASTH3_TINY_DIFFS = ("proj_in", "time_embedder.linear_1", "norm_out.linear", "norm_out.norm")
+FASTH3_TINY_DIFF_BIASES = ("proj_out", "audio_proj_in", "norm_out.linear")
+
+
+def build_tiny_fasth3_adapter(
+    base: Path,
+    path: Path,
+    *,
+    gates: bool = True,
+    rank: int = 8,
+    seed: int = 0,
+    prefix: str = "",
+    dtype: torch.dtype = torch.float32,
+    finetuned_model: str | None = None,
+) -> Path:
+    """A `fastvideo-lora-v2` file for the tiny checkpoint at `base`, written to `path`: rank-`rank` `lora_A` /
+    `lora_B` on every documented block target (transformer blocks with `adaln_proj.linear`, refiner blocks without),
+    `.diff` on each block's `norm1` and the `FASTH3_TINY_DIFFS` weights, `.diff_b` on every `adaln_proj.linear.bias`
+    and the `FASTH3_TINY_DIFF_BIASES`, and with `gates` a `.set_weight` VSA gate per block; keys under `prefix`
+    (e.g. "transformer."). Random normal values, fully determined by `seed`."""
+    from safetensors.torch import save_file
+
+    config = H3TransformerConfig.from_dict(json.loads((Path(base) / "transformer" / "config.json").read_text()))
+    with torch.device("meta"):
+        shapes = {key: tuple(t.shape) for key, t in H3Transformer(config, gates=True).state_dict().items()}
+    generator = torch.Generator().manual_seed(seed)
+
+    def draw(*shape, scale):
+        return (torch.randn(*shape, generator=generator) * scale).to(dtype)
+
+    tensors = {}
+    modules = [
+        f"transformer_blocks.{i}.{m}"
+        for i in range(config.num_layers)
+        for m in (*FASTH3_BLOCK_LORA, "adaln_proj.linear")
+    ]
+    modules += [
+        f"token_refiner.refiner_blocks.{i}.{m}" for i in range(config.num_refiner_layers) for m in FASTH3_BLOCK_LORA
+    ]
+    for module in modules:
+        out, inner = shapes[f"{module}.weight"]
+        tensors[f"{module}.lora_A.weight"] = draw(rank, inner, scale=0.1)
+        tensors[f"{module}.lora_B.weight"] = draw(out, rank, scale=0.05)
+    for module in (*FASTH3_TINY_DIFFS, *(f"transformer_blocks.{i}.norm1" for i in range(config.num_layers))):
+        tensors[f"{module}.diff"] = draw(*shapes[f"{module}.weight"], scale=0.02)
+    biases = (
+        *FASTH3_TINY_DIFF_BIASES,
+        *(f"transformer_blocks.{i}.adaln_proj.linear" for i in range(config.num_layers)),
+    )
+    for module in biases:
+        tensors[f"{module}.diff_b"] = draw(*shapes[f"{module}.bias"], scale=0.02)
+    if gates:
+        for i in range(config.num_layers):
+            gate = f"transformer_blocks.{i}.attn.to_gate_compress"
+            tensors[f"{gate}.set_weight"] = draw(*shapes[f"{gate}.weight"], scale=0.05)
+    kind = "VSA" if gates else "Dense"
+    metadata = {
+        "format": "fastvideo-lora-v2",
+        "base_model": "MiniMaxAI/MiniMax-H3",
+        "finetuned_model": finetuned_model or f"FastVideo/FastVideo-FastH3-4-step-Tiny-{kind}",
+        "rank": str(rank),
+        "low_rank_tensors": str(sum(key.endswith(".weight") for key in tensors)),
+        "diff_tensors": str(sum(key.endswith((".diff", ".diff_b")) for key in tensors)),
+        "set_weight_tensors": str(sum(key.endswith(".set_weight") for key in tensors)),
+        "application": "W = W_base + lora_B @ lora_A; then .diff / .diff_b added; then .set_weight assigned",
+    }
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_file({prefix + key: value.contiguous() for key, value in tensors.items()}, str(path), metadata=metadata)
+    return path

@@ -136,6 +136,7 @@ class H3Transformer(nn.Module):
         skip_prefixes: tuple[str, ...] = (),
         tensors=None,
         gates: bool | None = None,
+        adapter=None,
     ) -> "H3Transformer":
         """Load from a folder holding `config.json` and safetensors weights (one file or a sharded index), in the
         diffusers key layout or the original release's. Float32 islands stay float32; everything else becomes
@@ -148,7 +149,8 @@ class H3Transformer(nn.Module):
         tensor is read. Tensors under `skip_prefixes` are not read and stay on the meta device (a rank that maps
         the blocks from a shared host store skips "transformer_blocks."). `tensors` (`(key, tensor)` pairs in the
         diffusers layout) replaces the folder's weight files (random weights at released dims). `gates` builds a VSA
-        student (with `to_gate_compress` in every block); None decides from the checkpoint's keys.
+        student (with `to_gate_compress` in every block); None decides from the checkpoint's keys. `adapter` (a
+        `fasth3_adapter.FastH3Adapter`) is merged into the weights as they load: the model is then the student.
         """
         return load_transformer(
             cls,
@@ -162,6 +164,7 @@ class H3Transformer(nn.Module):
             skip_prefixes=skip_prefixes,
             tensors=tensors,
             gates=gates,
+            adapter=adapter,
         )
 
     @torch.no_grad()
