@@ -274,3 +274,22 @@ def test_ulysses_and_tensor_parallel_give_the_single_process_clip(student, tiny_
     ]
     for clip in clips:
         assert np.abs(clip["video"] - single[clip["name"]].video).max() <= 1e-4, (clip["tp"], clip["name"])
+
+
+@pytest.mark.slow
+def test_a_long_clip_tiles_each_window_on_its_own_grid(tiny_dir, tmp_path):
+    """A 20 s clip is two windows, each packed with the previous window's tail as conditions: each gets its own tile
+    geometry (sparsity 0 is the dense clip exactly; 0.5 changes it), and the step cache runs beside it."""
+    from h3gen.media import probe_mp4
+
+    pipe = H3Pipeline.from_pretrained(tiny_dir, device="cpu", torch_dtype=torch.float32)
+    run = dict(seconds=20, num_inference_steps=3, seed=2)
+    paths = {name: tmp_path / f"{name}.mp4" for name in ("dense", "zero", "sparse")}
+    for name, sparsity in (("dense", None), ("zero", 0.0), ("sparse", 0.5)):
+        output = pipe("a long cat", sparsity=sparsity, output_path=paths[name], **run)
+        assert output.windows == 2
+    assert paths["zero"].read_bytes() == paths["dense"].read_bytes()
+    assert paths["sparse"].read_bytes() != paths["dense"].read_bytes()
+    assert probe_mp4(paths["sparse"]).num_frames == probe_mp4(paths["dense"]).num_frames
+    cached = pipe("a cat", num_inference_steps=6, sparsity=0.5, seed=2, quality="high")
+    assert cached.sampling["sparsity"] == [0.5] * 5
