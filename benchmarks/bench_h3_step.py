@@ -31,25 +31,26 @@ def cast_with_islands(model, dtype):
     return model
 
 
-def inputs(rows: int, config: H3TransformerConfig, device):
-    """A t2va layout at 768x1344 (37 latent frames, 207 audio latents, 128 text rows), cut to `rows` video rows."""
-    layout = build_layout(TEXT_ROWS, 37, 48, 84, 207)
-    video_rows = rows - TEXT_ROWS - 414
+def inputs(rows: int, config: H3TransformerConfig, device, text_rows: int = TEXT_ROWS, audio_rows: int = 414):
+    """A t2va layout at 768x1344 (37 latent frames, 207 audio latents, 128 text rows), cut to `rows` video rows
+    (`text_rows` / `audio_rows` for a smaller layout of the same shape)."""
+    layout = build_layout(text_rows, 37, 48, 84, audio_rows // 2)
+    video_rows = rows - text_rows - audio_rows
     if video_rows < 1:
-        raise SystemExit(f"--rows must exceed {TEXT_ROWS + 414}")
-    keep = torch.arange(TEXT_ROWS + 414 + video_rows)
+        raise SystemExit(f"--rows must exceed {text_rows + audio_rows}")
+    keep = torch.arange(text_rows + audio_rows + video_rows)
     tags = layout.token_tags[keep]
     timestep, indices = row_timesteps(layout, 0.37, 0.61, 0.999)
     g = torch.Generator(device=device).manual_seed(0)
     return dict(
         hidden_states=torch.randn(1, video_rows, config.video_patch_dim, device=device, generator=g),
-        audio_hidden_states=torch.randn(1, 414, config.audio_in_channels, device=device, generator=g),
-        encoder_hidden_states=torch.randn(1, TEXT_ROWS, config.text_dim, device=device, generator=g).bfloat16(),
+        audio_hidden_states=torch.randn(1, audio_rows, config.audio_in_channels, device=device, generator=g),
+        encoder_hidden_states=torch.randn(1, text_rows, config.text_dim, device=device, generator=g).bfloat16(),
         timestep=timestep.to(device),
         timestep_indices=indices[keep].to(device),
         token_tags=tags.to(device),
         position_ids=layout.position_ids[keep].to(device),
-        video_indices=torch.arange(TEXT_ROWS + 414, TEXT_ROWS + 414 + video_rows, device=device),
+        video_indices=torch.arange(text_rows + audio_rows, text_rows + audio_rows + video_rows, device=device),
         audio_indices=layout.audio_indices.to(device),
         text_indices=layout.text_indices.to(device),
     )

@@ -10,12 +10,14 @@ dense/sparse ratios. `--tiny` runs small shapes on the CPU (the kernel under the
 the script works end to end.
 
 Section `block`: one transformer block at released dims over the same rows, the base block dense and sparse and a
-VSA student's block (with its gate) sparse, in the lossless and fast tiers. The per-forward figure of the whole
-model comes from `bench_pipeline.py` (its median step: `--profile fasth3`, and `--sparsity` for the base model).
+VSA student's block (with its gate) sparse, in the lossless and fast tiers. Section `forward`: the whole 50-block
+transformer (a student's, 70 GB in bf16) per forward: dense, the base model at 0.75, the student at `--sparsity`
+(lossless), and the student in the fast tier. A whole request end to end is `bench_pipeline.py` (`--profile fasth3`,
+and `--sparsity` for the base model).
 
     python benchmarks/bench_sparse.py
     python benchmarks/bench_sparse.py op --sparsity 0.9 --heads 56 --out sparse.json
-    python benchmarks/bench_sparse.py op block --out sparse.json
+    python benchmarks/bench_sparse.py op block forward --out sparse.json
     python benchmarks/bench_sparse.py --tiny
 """
 
@@ -214,11 +216,64 @@ def bench_block(args, device, dtype, backend):
     return rows_out, summary, ratios
 
 
+def bench_forward(args, device, dtype, backend):
+    """The whole transformer (50 blocks at released dims, random weights, a VSA student's gates included: 70 GB in
+    bf16) over the 5 s 768x1344 rows, one forward per timed call: dense (gates set aside), the base model at the
+    default schedule's sparsity (0.75, no gate), the student at `--sparsity` with its gates, lossless; then the
+    student in the fast tier (its GEMMs quantized in place, last)."""
+    from bench_h3_step import inputs
+
+    from h3gen.kernels.vsa_h3 import SparsePlan
+    from h3gen.loading.load import meta_parameters
+    from h3gen.pipelines.h3.random_weights import materialize
+    from h3gen.pipelines.h3.sparse_attention import DEFAULT_SPARSITY
+    from h3gen.pipelines.h3.tiers import set_quality
+    from h3gen.pipelines.h3.transformer import H3Transformer
+    from h3gen.pipelines.h3.transformer_config import KEEP_FP32_MODULES, H3TransformerConfig
+
+    prefix, grid = TINY if args.tiny else FULL
+    config = H3TransformerConfig(**TINY_BLOCK, num_layers=2) if args.tiny else H3TransformerConfig()
+    with meta_parameters():
+        model = H3Transformer(config, gates=True)
+    materialize(model, device=device, dtype=dtype, keep_fp32=KEEP_FP32_MODULES, seed=0)
+    model.eval()
+    geometry = build_tile_geometry(prefix, grid).to(device)
+    kwargs = inputs(geometry.num_rows, config, device, text_rows=prefix[0], audio_rows=prefix[2])
+    gates = [block.attn.to_gate_compress for block in model.transformer_blocks]
+    time = timer(device)
+    results, rows_out = {}, []
+
+    def run_forward(tables):
+        with torch.no_grad():
+            return model(**kwargs, return_dict=False, adaln_tables=tables, step=0)
+
+    for tier in ("lossless", "fast"):
+        if tier == "fast" and args.tiny:
+            continue
+        set_quality(model, tier)
+        tables = model.precompute_adaln([kwargs["timestep"]])
+        variants = [("student", args.sparsity, True)]
+        if tier == "lossless":
+            variants = [("dense", None, False), ("base", DEFAULT_SPARSITY, False), *variants]
+        for name, sparsity, gated in variants:
+            for block, gate in zip(model.transformer_blocks, gates, strict=True):
+                block.attn.to_gate_compress = gate if gated else None
+            model.sparse.plan = None if sparsity is None else SparsePlan(geometry, sparsity)
+            label = f"forward, {tier}, {name}" + ("" if sparsity is None else f", sparse {sparsity}")
+            results[label] = time(lambda tables=tables: run_forward(tables), max(2, args.repeat // 3))
+            rows_out.append(_row(label, results[label], None))
+        model.sparse.plan = None
+    summary = f"{config.num_layers} blocks, {geometry.num_rows} rows, {dtype}; ms per forward"
+    dense = results["forward, lossless, dense"]
+    ratios = {label: dense / ms for label, ms in results.items() if "dense" not in label}
+    return rows_out, summary, ratios
+
+
 # The tiny block of `--tiny`: 2 heads of 32 (what the interpreted kernel takes).
 TINY_BLOCK = dict(
     num_attention_heads=2, attention_head_dim=32, hidden_size=64, ffn_dim=128, time_embed_dim=32, rope_freq_dim=4
 )
-SECTIONS = {"op": bench_op, "block": bench_block}
+SECTIONS = {"op": bench_op, "block": bench_block, "forward": bench_forward}
 
 
 def main():
