@@ -53,6 +53,9 @@ class GenerationRequest:
         22; window 124 to 345, overlap shorter than the window).
     audio_sample_rate: the MP4's AAC rate, 32000 or 48000 (default 32000).
     plan: first rewrite `prompt` with the prompt planner (K3); `plan_max_tokens` caps its answer.
+    preview_every: previews while denoising (`preview.py`): one every this many forwards, 0 for none, up to 999;
+        default (None) about every tenth of the forwards and at least every 30 s. Made only for a callback that
+        takes them (`H3Pipeline.run`).
     """
 
     prompt: str
@@ -78,6 +81,7 @@ class GenerationRequest:
     audio_sample_rate: int | None = None
     plan: bool = False
     plan_max_tokens: int | None = None
+    preview_every: int | None = None
 
     def __post_init__(self):
         for name in ("references", "loras", "prompts"):
