@@ -79,6 +79,7 @@ def generation_request(request: dict, uploads: dict[str, Path], lora_folder: Lor
         overlap_frames=request.get("overlap_frames"),
         audio_sample_rate=request.get("audio_sample_rate"),
         loras=loras,
+        preview_every=request.get("preview_every"),
     )
 
 
@@ -232,6 +233,7 @@ class H3Engine:
             prompts=request.prompts,
             window_frames=request.window_frames,
             overlap_frames=request.overlap_frames,
+            preview_every=request.preview_every,
         )
         recipes = self.lora_folder.recipes(choices) if choices else []
         lora_files = [self.lora_folder.lora_file(choice) for choice in choices]

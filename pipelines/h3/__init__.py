@@ -43,7 +43,7 @@ _PUBLIC = {
     "STAGES": "progress",
     "PREVIEW": "progress",
     "Preview": "preview",
-    "MAX_PREVIEW_EVERY": "preview",
+    "MAX_PREVIEW_EVERY": "generation",
     "DEFAULT_MAX_SECONDS": "continuation",
     "MAX_SECONDS_LIMIT": "continuation",
     "check_max_seconds": "continuation",

@@ -11,6 +11,7 @@ into the `H3Request` the stages run on. This module needs no torch, so the CLI b
 from dataclasses import dataclass, replace
 
 MAX_SEED = 2**63 - 1
+MAX_PREVIEW_EVERY = 999  # the largest `preview_every` (the most forwards a request may have)
 
 
 def _frozen(value):

@@ -28,12 +28,12 @@ import torch
 
 from h3gen.errors import RequestError
 from h3gen.options import base_tier
+from h3gen.pipelines.h3.generation import MAX_PREVIEW_EVERY
 from h3gen.pipelines.h3.progress import PREVIEW
 from h3gen.pipelines.h3.vae import decode_video
 
 PREVIEWS_PER_REQUEST = 10  # default cadence: about every tenth of the forwards
 MAX_SECONDS_BETWEEN = 30.0  # ... and at least this often while denoising
-MAX_PREVIEW_EVERY = 999  # the largest `preview_every` (the most forwards a request may have)
 JPEG_QUALITY = 85
 
 
