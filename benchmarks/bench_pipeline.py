@@ -12,6 +12,11 @@ Profiles:
     python benchmarks/bench_pipeline.py --profile h200 --forwards 49 8 --reference --out results/
     python benchmarks/bench_pipeline.py --profile rtx5090 --forwards 8 --out results/
     python benchmarks/bench_pipeline.py --sizes tiny --device cpu --forwards 2      # runs anywhere, in seconds
+    python benchmarks/bench_pipeline.py --profile h200 --forwards 49 --previews   # previews off, on, off
+
+With `--previews` each request runs three times on the same weights and seed: previews off, on (the default cadence,
+or `--preview-every N`), off again; the cost of previews is the "on" run's total against the mean of the two "off"
+runs, beside the previews' own decode time.
 
 The diffusers end-to-end time is composed from the same run: text encoding (the same transformers model; diffusers
 runs all 64 layers where h3gen stops at 51, so this favours diffusers), forwards x its measured step, its video VAE
@@ -112,13 +117,16 @@ class Capture:
         decode_stages.decode_video = decode_video
 
 
-def run_request(pipe, forwards: int, out_dir: Path, device, seconds: float) -> dict:
-    """One timed request: per-stage seconds (each denoise step separately), peak GPU memory, the MP4's check."""
+def run_request(
+    pipe, forwards: int, out_dir: Path, device, seconds: float, previews: bool = False, preview_every=None
+) -> dict:
+    """One timed request: per-stage seconds (each denoise step separately), peak GPU memory, the MP4's check. With
+    `previews` the callback takes previews (made at `preview_every`, None: the default cadence), so they are made."""
     marks = {}
     step_times = []
     last = [time.perf_counter()]
 
-    def callback(stage, step, total):
+    def timed(stage, step, total):
         if stage == "denoise" and step > 0:
             sync(device)
             now = time.perf_counter()
@@ -129,13 +137,24 @@ def run_request(pipe, forwards: int, out_dir: Path, device, seconds: float) -> d
             last[0] = time.perf_counter()
         marks.setdefault(stage, time.perf_counter())
 
+    def with_previews(stage, step, total, preview=None):
+        if preview is None:
+            timed(stage, step, total)
+
+    callback = with_previews if previews else timed
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     path = out_dir / f"request_{forwards}.mp4"
     sync(device)
     started = time.perf_counter()
     output = pipe(
-        PROMPT, seconds=seconds, num_inference_steps=forwards + 1, seed=0, callback=callback, output_path=path
+        PROMPT,
+        seconds=seconds,
+        num_inference_steps=forwards + 1,
+        seed=0,
+        callback=callback,
+        output_path=path,
+        preview_every=preview_every if previews else None,
     )
     sync(device)
     total = time.perf_counter() - started
@@ -144,6 +163,8 @@ def run_request(pipe, forwards: int, out_dir: Path, device, seconds: float) -> d
     outside = total - timings["denoise"]
     return {
         "forwards": forwards,
+        "previews": output.previews,
+        "preview_s": output.preview_seconds,
         "total_s": total,
         "stages_s": timings,
         "step_s": step_times,
@@ -306,6 +327,8 @@ def main():
     parser.add_argument("--device", default=None)
     parser.add_argument("--reference", action="store_true", help="diffusers' step and decode, decode tiers, presets")
     parser.add_argument("--out", type=Path, default=Path("bench_pipeline_out"))
+    parser.add_argument("--previews", action="store_true", help="each request with previews off, on, off again")
+    parser.add_argument("--preview-every", type=int, default=None, help="with --previews: every N forwards")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -335,7 +358,13 @@ def main():
         warm = run_request(pipe, 1, args.out, device, args.seconds)  # kernels compile and tune here
         report["warmup"] = {"total_s": warm["total_s"], "stages_s": warm["stages_s"]}
         rss.peak = RssSampler.rss()  # the request's peak from here on, not the build's transients
-        report["requests"] = [run_request(pipe, forwards, args.out, device, args.seconds) for forwards in args.forwards]
+        report["requests"] = []
+        for forwards in args.forwards:
+            runs = [False, True, False] if args.previews else [False]
+            for previews in runs:
+                report["requests"].append(
+                    run_request(pipe, forwards, args.out, device, args.seconds, previews, args.preview_every)
+                )
     report["peak_rss_gib"] = rss.peak / GiB
     (args.out / f"{args.profile}.json").write_text(json.dumps(report, indent=2, default=str))
     if args.profile == "rtx5090" and device.type == "cuda":
@@ -372,23 +401,47 @@ def resident_step(pipe, capture: Capture, device, dtype, sizes: str) -> float:
         return time_cuda(lambda: resident(**kwargs), warmup=1, repeat=2) / 1000
 
 
+def preview_cost(requests: list[dict]) -> list[dict]:
+    """Per forward count run with previews: their number and own seconds, the totals off (mean) and on, the cost."""
+    rows = []
+    for forwards in dict.fromkeys(request["forwards"] for request in requests):
+        runs = [request for request in requests if request["forwards"] == forwards]
+        on = [request for request in runs if request["previews"]]
+        off = [request["total_s"] for request in runs if not request["previews"]]
+        if not on or not off:
+            continue
+        mean_off = statistics.mean(off)
+        rows.append(
+            {
+                "forwards": forwards,
+                "previews": on[0]["previews"],
+                "preview_s": f"{on[0]['preview_s']:.3f}",
+                "off_s": f"{mean_off:.3f}",
+                "on_s": f"{on[0]['total_s']:.3f}",
+                "cost": f"{on[0]['total_s'] / mean_off - 1:+.2%} (own {on[0]['preview_s'] / mean_off:.2%})",
+            }
+        )
+    return rows
+
+
 def summarize(report: dict) -> None:
     rows = []
     for request in report["requests"]:
         stages = request["stages_s"]
+        label = f"{request['forwards']} +previews" if request.get("previews") else request["forwards"]
         for stage, seconds in stages.items():
             rows.append(
                 {
-                    "forwards": request["forwards"],
+                    "forwards": label,
                     "stage": stage,
                     "s": f"{seconds:.3f}",
                     "share": f"{seconds / request['total_s']:.1%}",
                 }
             )
-        rows.append({"forwards": request["forwards"], "stage": "median step", "s": f"{request['median_step_s']:.3f}"})
+        rows.append({"forwards": label, "stage": "median step", "s": f"{request['median_step_s']:.3f}"})
         rows.append(
             {
-                "forwards": request["forwards"],
+                "forwards": label,
                 "stage": "outside the loop",
                 "s": f"{request['outside_loop_s']:.3f}",
                 "share": f"{request['outside_share']:.1%}",
@@ -396,7 +449,7 @@ def summarize(report: dict) -> None:
         )
         rows.append(
             {
-                "forwards": request["forwards"],
+                "forwards": label,
                 "stage": "total",
                 "s": f"{request['total_s']:.3f}",
                 "share": f"peak GPU {request['peak_gpu_gib']:.1f} GiB",
@@ -407,6 +460,10 @@ def summarize(report: dict) -> None:
         f"peak host RSS {report['peak_rss_gib']:.1f} GiB"
     )
     print_table(rows, ["forwards", "stage", "s", "share"])
+    preview_rows = preview_cost(report["requests"])
+    if preview_rows:
+        print("previews: the request with previews against the mean of the runs without")
+        print_table(preview_rows, ["forwards", "previews", "preview_s", "off_s", "on_s", "cost"])
     if "resident_mxfp4_step_s" in report:
         offloaded = report["requests"][0]["median_step_s"]
         print(

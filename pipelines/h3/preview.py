@@ -146,6 +146,8 @@ class PreviewMaker:
 
     def make(self, latents: torch.Tensor, forward: int, forwards: int) -> None:
         """Decode the preview of clean-latent prediction `latents` `(1, C, F, h, w)` and deliver it."""
+        if self.parts.device.type == "cuda":  # its own time, not the forward's work still queued before it
+            torch.cuda.synchronize(self.parts.device)
         started = self.clock()
         with self.parts.on_device(self.parts.vae):
             image = preview_image(self.parts.vae, latents.to(self.parts.device), self.tier)
