@@ -278,7 +278,8 @@ def summary_line(out, output, tier: str) -> str:
         points = f"{sampling['forwards']} per window, {points} each"
     recipe = f", recipe {sampling['recipe']}" if sampling.get("recipe") else ""
     loras = ", ".join(f"{name} x{scale:g}" for name, scale in output.loras)
-    previews = f", {output.previews} previews ({output.preview_seconds:.2f} s)" if output.previews else ""
+    plural = "s" if output.previews != 1 else ""
+    previews = f", {output.previews} preview{plural} ({output.preview_seconds:.2f} s)" if output.previews else ""
     return (
         f"h3gen: wrote {out}: {info.num_frames} frames {info.width}x{info.height} at {info.fps:g} fps{windows}, "
         f"stereo AAC {info.sample_rate} Hz, {info.video_seconds:.2f} s, seed {output.seed}; "

@@ -571,7 +571,7 @@ class H3Pipeline:
         """Generate a clip: `run(GenerationRequest(prompt, **fields), ...)`. The fields (image, last_image,
         references, aspect_ratio, seconds, num_frames, height, width, num_inference_steps, forwards, video_shift,
         audio_shift, seed, quality, cache, loras, prompts, window_frames, overlap_frames, audio_sample_rate, plan,
-        plan_max_tokens) are described on `GenerationRequest`; the others on `run`."""
+        plan_max_tokens, preview_every) are described on `GenerationRequest`; the others on `run`."""
         return self.run(
             GenerationRequest(prompt, **fields),
             callback=callback,
