@@ -63,3 +63,21 @@ def test_preview_every_zero_makes_none_and_bad_values_are_refused(http):
     assert not any(seen)
     refused = http.post("/v1/videos", json={"prompt": "a fox", "preview_every": 1000})
     assert refused.status_code == 422 and refused.json()["error"]["param"] == "preview_every"
+
+
+def test_time_left_counts_the_forwards_to_come_and_the_stages_after_them():
+    from h3gen.server.job import Job
+    from h3gen.server.job_worker import JobWorker, _Running
+
+    worker = JobWorker(None, None, None)
+    worker.tail_seconds = 3.0  # decode and write took 3 s in the last job
+    running = _Running(Job(id="x", status="running", created_at=0.0, request={"forwards": 10}))
+    running.forward_seconds, running.forwards_timed = 4.0, 4  # 1 s a forward so far
+    assert worker._time_left(running, "denoise", 4, 10, 0.0) == 6 + 3
+    running.window = (0, 2)  # a long clip: the next window's forwards and stages too
+    assert worker._time_left(running, "denoise", 4, 10, 0.0) == 6 + 3 + 10 + 3
+    running.window, running.denoise_ended = (1, 2), 100.0
+    assert worker._time_left(running, "decode_video", 0, 1, 101.0) == 2.0
+    running.window = (1, 3)
+    assert worker._time_left(running, "encode_text", 0, 1, 0.0) == 2 * (10 + 3)
+    assert worker._time_left(_Running(running.job), "encode_text", 0, 1, 0.0) is None  # nothing measured yet

@@ -40,11 +40,8 @@ PROGRESS_SECONDS = 0.25  # how often a running job's progress is written to the 
 CANCEL_POLL_SECONDS = 0.1  # how often a running job's progress points ask the store whether it was cancelled
 IDLE_POLL_SECONDS = 0.2  # how often an idle worker looks for a job
 RECENT_JOBS = 10
-AFTER_DENOISE = (
-    "decode_video",
-    "decode_audio",
-    "write_mp4",
-)  # the stages the time-left estimate takes from the last job
+# The stages after denoising, whose time the time-left estimate takes from the worker's last job.
+AFTER_DENOISE = ("decode_video", "decode_audio", "write_mp4")
 
 
 class JobCancelled(Exception):
@@ -312,10 +309,12 @@ class JobWorker:
         tail = self.tail_seconds if self.tail_seconds is not None else 0.1 * per_forward * max(forwards, 1)
         windows_after = max(count - index - 1, 0)
         left = windows_after * (forwards * per_forward + tail)
-        if stage == DENOISE and step < total:
-            left += (total - step) * per_forward + tail
-        elif stage in AFTER_DENOISE and running.denoise_ended is not None:
-            left += max(tail - (now - running.denoise_ended), 0.0)
+        if stage == DENOISE:
+            left += max(total - step, 0) * per_forward + tail
+        elif stage in AFTER_DENOISE:
+            left += tail if running.denoise_ended is None else max(tail - (now - running.denoise_ended), 0.0)
+        else:  # a window's stages before its denoising
+            left += forwards * per_forward + tail
         return round(left, 2)
 
     def _run(self, job: Job) -> None:
