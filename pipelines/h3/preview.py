@@ -5,8 +5,8 @@ matching, t = 1 - sigma: x0 = x_t + sigma * v, `schedules.FlowSchedule.step`'s o
 Only one decoder clip is decoded, not the whole video: the `tokens_chunk_size + token_overlap` latent frames (5 + 2)
 around the middle of the clip (a clip start on the decoder's 5-latent grid), every spatial tile of them, which is the
 same decoder input the final decode gives that stretch; the preview is the middle frame of it, a frame no cross-fade
-touches, so it equals that frame of the final decode of the same latents. At 768x1344 one clip is about an eighth of
-the whole video decode.
+touches, so it equals that frame of the final decode of the same latents. A 5 s clip has seven decoder clips, so a
+preview costs about a seventh of the video decode.
 
 Cadence: `preview_every` forwards (`GenerationRequest.preview_every`), or by default about every tenth of the
 request's forwards and at least every `MAX_SECONDS_BETWEEN` seconds of denoising; never after the last forward (the
