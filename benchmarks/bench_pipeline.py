@@ -12,11 +12,13 @@ Profiles:
     python benchmarks/bench_pipeline.py --profile h200 --forwards 49 8 --reference --out results/
     python benchmarks/bench_pipeline.py --profile rtx5090 --forwards 8 --out results/
     python benchmarks/bench_pipeline.py --sizes tiny --device cpu --forwards 2      # runs anywhere, in seconds
-    python benchmarks/bench_pipeline.py --profile h200 --forwards 49 --previews   # previews off, on, off
+    python benchmarks/bench_pipeline.py --profile h200 --forwards 49 --previews --out results/   # on, then off
 
-With `--previews` each request runs three times on the same weights and seed: previews off, on (the default cadence,
-or `--preview-every N`), off again; the cost of previews is the "on" run's total against the mean of the two "off"
-runs, beside the previews' own decode time.
+With `--previews` each request runs twice on the same weights and seed: with previews (the default cadence, or
+`--preview-every N`), then without; the cost of previews is the first run's total against the second's, and (from
+the first run alone) the previews' own time against the rest of it: each preview waits for the forward before it and
+its decode runs alone, so the two agree. `--previews on` runs only the first (a 49-forward request at 768x1344 is
+about 4.5 minutes on an H200). The report (`<out>/<profile>.json`) is written after every request.
 
 The diffusers end-to-end time is composed from the same run: text encoding (the same transformers model; diffusers
 runs all 64 layers where h3gen stops at 51, so this favours diffusers), forwards x its measured step, its video VAE
@@ -163,6 +165,7 @@ def run_request(
     outside = total - timings["denoise"]
     return {
         "forwards": forwards,
+        "with_previews": previews,
         "previews": output.previews,
         "preview_s": output.preview_seconds,
         "total_s": total,
@@ -327,7 +330,14 @@ def main():
     parser.add_argument("--device", default=None)
     parser.add_argument("--reference", action="store_true", help="diffusers' step and decode, decode tiers, presets")
     parser.add_argument("--out", type=Path, default=Path("bench_pipeline_out"))
-    parser.add_argument("--previews", action="store_true", help="each request with previews off, on, off again")
+    parser.add_argument(
+        "--previews",
+        nargs="?",
+        const="both",
+        choices=("both", "on"),
+        default=None,
+        help="each request with previews, then without (both, the default), or with previews only (on)",
+    )
     parser.add_argument("--preview-every", type=int, default=None, help="with --previews: every N forwards")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -359,11 +369,17 @@ def main():
         report["warmup"] = {"total_s": warm["total_s"], "stages_s": warm["stages_s"]}
         rss.peak = RssSampler.rss()  # the request's peak from here on, not the build's transients
         report["requests"] = []
+        runs = {None: [False], "both": [True, False], "on": [True]}[args.previews]
         for forwards in args.forwards:
-            runs = [False, True, False] if args.previews else [False]
             for previews in runs:
-                report["requests"].append(
-                    run_request(pipe, forwards, args.out, device, args.seconds, previews, args.preview_every)
+                request = run_request(pipe, forwards, args.out, device, args.seconds, previews, args.preview_every)
+                report["requests"].append(request)
+                (args.out / f"{args.profile}.json").write_text(json.dumps(report, indent=2, default=str))
+                print(
+                    f"{forwards} forwards{' with previews' if previews else ''}: {request['total_s']:.2f} s"
+                    + (f", {request['previews']} previews {request['preview_s']:.3f} s" if previews else ""),
+                    file=sys.stderr,
+                    flush=True,
                 )
     report["peak_rss_gib"] = rss.peak / GiB
     (args.out / f"{args.profile}.json").write_text(json.dumps(report, indent=2, default=str))
@@ -402,23 +418,25 @@ def resident_step(pipe, capture: Capture, device, dtype, sizes: str) -> float:
 
 
 def preview_cost(requests: list[dict]) -> list[dict]:
-    """Per forward count run with previews: their number and own seconds, the totals off (mean) and on, the cost."""
+    """Per forward count run with previews: their number and own seconds, the totals with and without them, and the
+    cost: the previews' own time against the rest of the run with them, and the two totals' ratio."""
     rows = []
     for forwards in dict.fromkeys(request["forwards"] for request in requests):
         runs = [request for request in requests if request["forwards"] == forwards]
-        on = [request for request in runs if request["previews"]]
-        off = [request["total_s"] for request in runs if not request["previews"]]
-        if not on or not off:
+        on = next((request for request in runs if request["with_previews"]), None)
+        if on is None:
             continue
-        mean_off = statistics.mean(off)
+        off = [request["total_s"] for request in runs if not request["with_previews"]]
+        mean_off = statistics.mean(off) if off else None
         rows.append(
             {
                 "forwards": forwards,
-                "previews": on[0]["previews"],
-                "preview_s": f"{on[0]['preview_s']:.3f}",
-                "off_s": f"{mean_off:.3f}",
-                "on_s": f"{on[0]['total_s']:.3f}",
-                "cost": f"{on[0]['total_s'] / mean_off - 1:+.2%} (own {on[0]['preview_s'] / mean_off:.2%})",
+                "previews": on["previews"],
+                "preview_s": f"{on['preview_s']:.3f}",
+                "on_s": f"{on['total_s']:.3f}",
+                "off_s": f"{mean_off:.3f}" if mean_off else "",
+                "own_cost": f"{on['preview_s'] / (on['total_s'] - on['preview_s']):.2%}",
+                "on_vs_off": f"{on['total_s'] / mean_off - 1:+.2%}" if mean_off else "",
             }
         )
     return rows
@@ -428,7 +446,7 @@ def summarize(report: dict) -> None:
     rows = []
     for request in report["requests"]:
         stages = request["stages_s"]
-        label = f"{request['forwards']} +previews" if request.get("previews") else request["forwards"]
+        label = f"{request['forwards']} +previews" if request["with_previews"] else request["forwards"]
         for stage, seconds in stages.items():
             rows.append(
                 {
@@ -462,8 +480,8 @@ def summarize(report: dict) -> None:
     print_table(rows, ["forwards", "stage", "s", "share"])
     preview_rows = preview_cost(report["requests"])
     if preview_rows:
-        print("previews: the request with previews against the mean of the runs without")
-        print_table(preview_rows, ["forwards", "previews", "preview_s", "off_s", "on_s", "cost"])
+        print("previews: their own time against the rest of the run with them, and that run against the one without")
+        print_table(preview_rows, ["forwards", "previews", "preview_s", "on_s", "off_s", "own_cost", "on_vs_off"])
     if "resident_mxfp4_step_s" in report:
         offloaded = report["requests"][0]["median_step_s"]
         print(
