@@ -19,6 +19,13 @@ request dense, on the same weights and seed, and prints the ratio.
     python benchmarks/bench_pipeline.py --profile fasth3 --out results/
     python benchmarks/bench_pipeline.py --profile h200 --forwards 49 --sparsity default --out results/
     python benchmarks/bench_pipeline.py --sizes tiny --device cpu --forwards 2      # runs anywhere, in seconds
+    python benchmarks/bench_pipeline.py --profile h200 --forwards 49 --previews --out results/   # on, then off
+
+With `--previews` each request runs twice on the same weights and seed: with previews (the default cadence, or
+`--preview-every N`), then without; the cost of previews is the first run's total against the second's, and (from
+the first run alone) the previews' own time against the rest of it: each preview waits for the forward before it and
+its decode runs alone, so the two agree. `--previews on` runs only the first (a 49-forward request at 768x1344 is
+about 4.5 minutes on an H200). The report (`<out>/<profile>.json`) is written after every request.
 
 The diffusers end-to-end time is composed from the same run: text encoding (the same transformers model; diffusers
 runs all 64 layers where h3gen stops at 51, so this favours diffusers), forwards x its measured step, its video VAE
@@ -122,13 +129,24 @@ class Capture:
         decode_stages.decode_video = decode_video
 
 
-def run_request(pipe, forwards: int | None, out_dir: Path, device, seconds: float, sparsity=None) -> dict:
-    """One timed request: per-stage seconds (each denoise step separately), peak GPU memory, the MP4's check."""
+def run_request(
+    pipe,
+    forwards: int | None,
+    out_dir: Path,
+    device,
+    seconds: float,
+    previews: bool = False,
+    preview_every=None,
+    sparsity=None,
+) -> dict:
+    """One timed request: per-stage seconds (each denoise step separately), peak GPU memory, the MP4's check. With
+    `previews` the callback takes previews (made at `preview_every`, None: the default cadence), so they are made.
+    `forwards` None runs a student's contract; `sparsity` the request's sparse attention."""
     marks = {}
     step_times = []
     last = [time.perf_counter()]
 
-    def callback(stage, step, total):
+    def timed(stage, step, total):
         if stage == "denoise" and step > 0:
             sync(device)
             now = time.perf_counter()
@@ -139,6 +157,11 @@ def run_request(pipe, forwards: int | None, out_dir: Path, device, seconds: floa
             last[0] = time.perf_counter()
         marks.setdefault(stage, time.perf_counter())
 
+    def with_previews(stage, step, total, preview=None):
+        if preview is None:
+            timed(stage, step, total)
+
+    callback = with_previews if previews else timed
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     path = out_dir / f"request_{forwards}{'_sparse' if sparsity is not None else ''}.mp4"
@@ -152,6 +175,7 @@ def run_request(pipe, forwards: int | None, out_dir: Path, device, seconds: floa
         seed=0,
         callback=callback,
         output_path=path,
+        preview_every=preview_every if previews else None,
         sparsity=sparsity,
     )
     sync(device)
@@ -162,6 +186,9 @@ def run_request(pipe, forwards: int | None, out_dir: Path, device, seconds: floa
     return {
         "forwards": output.sampling["forwards"],
         "sparsity": output.sampling.get("sparsity"),
+        "with_previews": previews,
+        "previews": output.previews,
+        "preview_s": output.preview_seconds,
         "total_s": total,
         "stages_s": timings,
         "step_s": step_times,
@@ -337,6 +364,15 @@ def main():
         default=None,
         help='also run each base-model request with this sparse attention (a number or "default")',
     )
+    parser.add_argument(
+        "--previews",
+        nargs="?",
+        const="both",
+        choices=("both", "on"),
+        default=None,
+        help="each request with previews, then without (both, the default), or with previews only (on)",
+    )
+    parser.add_argument("--preview-every", type=int, default=None, help="with --previews: every N forwards")
     args = parser.parse_args()
     sparsity = None
     if args.sparsity is not None:
@@ -377,15 +413,22 @@ def main():
         )
         report["warmup"] = {"total_s": warm["total_s"], "stages_s": warm["stages_s"]}
         rss.peak = RssSampler.rss()  # the request's peak from here on, not the build's transients
-        if student:
-            report["requests"] = [run_request(pipe, None, args.out, device, args.seconds)]
-        else:
-            report["requests"] = []
-            for forwards in args.forwards:
-                report["requests"].append(run_request(pipe, forwards, args.out, device, args.seconds))
-                if sparsity is not None:
-                    sparse = run_request(pipe, forwards, args.out, device, args.seconds, sparsity=sparsity)
-                    report["requests"].append(sparse)
+        report["requests"] = []
+        runs = {None: [False], "both": [True, False], "on": [True]}[args.previews]
+        for forwards in [None] if student else args.forwards:
+            for previews in runs:
+                request = run_request(pipe, forwards, args.out, device, args.seconds, previews, args.preview_every)
+                report["requests"].append(request)
+                (args.out / f"{args.profile}.json").write_text(json.dumps(report, indent=2, default=str))
+                print(
+                    f"{request['forwards']} forwards{' with previews' if previews else ''}: {request['total_s']:.2f} s"
+                    + (f", {request['previews']} previews {request['preview_s']:.3f} s" if previews else ""),
+                    file=sys.stderr,
+                    flush=True,
+                )
+            if sparsity is not None and not student:
+                sparse = run_request(pipe, forwards, args.out, device, args.seconds, sparsity=sparsity)
+                report["requests"].append(sparse)
     report["peak_rss_gib"] = rss.peak / GiB
     (args.out / f"{args.profile}.json").write_text(json.dumps(report, indent=2, default=str))
     if args.profile == "rtx5090" and device.type == "cuda":
@@ -422,6 +465,31 @@ def resident_step(pipe, capture: Capture, device, dtype, sizes: str) -> float:
         return time_cuda(lambda: resident(**kwargs), warmup=1, repeat=2) / 1000
 
 
+def preview_cost(requests: list[dict]) -> list[dict]:
+    """Per forward count run with previews: their number and own seconds, the totals with and without them, and the
+    cost: the previews' own time against the rest of the run with them, and the two totals' ratio."""
+    rows = []
+    for forwards in dict.fromkeys(request["forwards"] for request in requests):
+        runs = [request for request in requests if request["forwards"] == forwards]
+        on = next((request for request in runs if request["with_previews"]), None)
+        if on is None:
+            continue
+        off = [request["total_s"] for request in runs if not request["with_previews"]]
+        mean_off = statistics.mean(off) if off else None
+        rows.append(
+            {
+                "forwards": forwards,
+                "previews": on["previews"],
+                "preview_s": f"{on['preview_s']:.3f}",
+                "on_s": f"{on['total_s']:.3f}",
+                "off_s": f"{mean_off:.3f}" if mean_off else "",
+                "own_cost": f"{on['preview_s'] / (on['total_s'] - on['preview_s']):.2%}",
+                "on_vs_off": f"{on['total_s'] / mean_off - 1:+.2%}" if mean_off else "",
+            }
+        )
+    return rows
+
+
 def summarize(report: dict) -> None:
     rows = []
     for request in report["requests"]:
@@ -429,19 +497,20 @@ def summarize(report: dict) -> None:
             ran = sum(1 for value in request["sparsity"] if value > 0)
             request["forwards"] = f"{request['forwards']} ({ran} sparse)"
         stages = request["stages_s"]
+        label = f"{request['forwards']} +previews" if request["with_previews"] else request["forwards"]
         for stage, seconds in stages.items():
             rows.append(
                 {
-                    "forwards": request["forwards"],
+                    "forwards": label,
                     "stage": stage,
                     "s": f"{seconds:.3f}",
                     "share": f"{seconds / request['total_s']:.1%}",
                 }
             )
-        rows.append({"forwards": request["forwards"], "stage": "median step", "s": f"{request['median_step_s']:.3f}"})
+        rows.append({"forwards": label, "stage": "median step", "s": f"{request['median_step_s']:.3f}"})
         rows.append(
             {
-                "forwards": request["forwards"],
+                "forwards": label,
                 "stage": "outside the loop",
                 "s": f"{request['outside_loop_s']:.3f}",
                 "share": f"{request['outside_share']:.1%}",
@@ -449,7 +518,7 @@ def summarize(report: dict) -> None:
         )
         rows.append(
             {
-                "forwards": request["forwards"],
+                "forwards": label,
                 "stage": "total",
                 "s": f"{request['total_s']:.3f}",
                 "share": f"peak GPU {request['peak_gpu_gib']:.1f} GiB",
@@ -460,6 +529,10 @@ def summarize(report: dict) -> None:
         f"peak host RSS {report['peak_rss_gib']:.1f} GiB"
     )
     print_table(rows, ["forwards", "stage", "s", "share"])
+    preview_rows = preview_cost(report["requests"])
+    if preview_rows:
+        print("previews: their own time against the rest of the run with them, and that run against the one without")
+        print_table(preview_rows, ["forwards", "previews", "preview_s", "on_s", "off_s", "own_cost", "on_vs_off"])
     if "resident_mxfp4_step_s" in report:
         offloaded = report["requests"][0]["median_step_s"]
         print(

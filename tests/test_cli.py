@@ -39,6 +39,21 @@ def test_generate_with_the_tiny_default_writes_a_verified_mp4(cache, tmp_path):
     assert info.num_frames == 124 and info.fps == 24 and info.audio_channels == 2 and info.sample_rate == 48000
 
 
+def test_generate_writes_previews_to_a_file_and_names_them_on_its_last_line(cache, tmp_path):
+    from PIL import Image
+
+    preview, out = tmp_path / "preview.jpg", tmp_path / "p.mp4"
+    flags = ["--seed", "3", "--steps", "7", "--preview", str(preview), "--preview-every", "2", "--out", str(out)]
+    result = _h3gen(["generate", "a cat", *flags], cache)
+    assert result.returncode == 0, result.stderr[-3000:]
+    last = result.stderr.strip().splitlines()[-1]
+    assert "6 transformer forwards (7 sigma points)" in last and ", 2 previews (" in last, last
+    files = sorted(path.name for path in tmp_path.iterdir())
+    assert Image.open(preview).size == (128, 64) and files == ["p.mp4", "preview.jpg"]  # no partial file left
+    refused = _h3gen(["generate", "a cat", "--preview-every", "2", "--out", str(out)], cache)
+    assert refused.returncode != 0 and "--preview-every needs --preview FILE" in refused.stderr
+
+
 def test_generate_fl2va_from_a_keyframe_file(cache, tmp_path):
     from PIL import Image
 

@@ -51,7 +51,9 @@ def test_a_turbo_lora_runs_its_eight_forwards_end_to_end(cache, turbo, tmp_path)
     out = tmp_path / "turbo.mp4"
     result = _h3gen(["generate", "a fox", "--seed", "2", "--lora", f"{turbo}:0.8", "--out", str(out)], cache)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert f"8 transformer forwards (9 sigma points), shifts 6/3, recipe {RECIPE}" in result.stderr
+    assert (
+        f"8 transformer forwards (9 sigma points), shifts 6/3, recipe {RECIPE}, LoRA {turbo.stem} x0.8" in result.stderr
+    )
     assert probe_mp4(out).num_frames == 124
 
 

@@ -387,7 +387,8 @@ def test_ui_sends_prompts_per_window_and_shows_the_rule(tmp_path):
     from types import SimpleNamespace
 
     from h3gen.server.engine import H3Engine
-    from h3gen.ui.blocks import _Actions, build_ui, long_clip_fields
+    from h3gen.ui.actions import Actions, long_clip_fields
+    from h3gen.ui.blocks import build_ui
 
     assert long_clip_fields("one\n\n two \n", 277.0, None) == {"prompts": ["one", "two"], "window_frames": 277}
     engine = H3Engine(tiny_checkpoint(), device="cpu", max_seconds=120)
@@ -398,7 +399,7 @@ def test_ui_sends_prompts_per_window_and_shows_the_rule(tmp_path):
         return staging
 
     manager = SimpleNamespace(engine=engine, staging_dir=staging_dir, list=lambda *args, **kwargs: ([], False))
-    actions = _Actions(manager)
+    actions = Actions(manager)
     for lines, window, overlap, words in (
         ("a\nb", 277, 22, "prompts must hold one prompt per window or one for all: this request has 3 windows"),
         ("", 250, 22, "window_frames must be a frame count on the 17n+5 grid"),

@@ -450,7 +450,7 @@ def test_rest_cache_field_and_job_status(tmp_path):
 def test_cli_flags_and_ui_choices(tmp_path, capsys):
     from h3gen.cli import main
     from h3gen.pipelines.h3.tiny_checkpoint import tiny_checkpoint
-    from h3gen.ui.blocks import quality_choices
+    from h3gen.ui.actions import quality_choices
 
     model = str(tiny_checkpoint(cache_dir=tmp_path / "cache"))
     base = ["generate", "a fox", "--model", model, "--device", "cpu", "--steps", "5", "--seed", "1"]

@@ -7,7 +7,7 @@ from helpers.server_harness import Server, wait_for
 from test_ui_security import KEY, call, generate_inputs, ui_client
 
 from h3gen.pipelines.h3.tiny_checkpoint import tiny_checkpoint
-from h3gen.ui.blocks import chosen_loras
+from h3gen.ui.actions import chosen_loras
 
 # Starts `h3gen serve` or the CLI in processes of their own: minutes on the 2-core CI machine.
 pytestmark = [pytest.mark.server, pytest.mark.slow]

@@ -32,6 +32,7 @@ INPUTS = [
     "overlap_frames",
     "quality",
     "loras",
+    "preview_every",
 ]
 
 
@@ -95,6 +96,7 @@ def generate_inputs(**overrides) -> list:
         overlap_frames=None,
         quality="lossless",
         loras={"headers": ["LoRA", "recipe", "scale"], "data": []},
+        preview_every=None,
     )  # the picker, empty
     values.update(overrides)
     return [values[name] for name in INPUTS]

@@ -2,7 +2,8 @@
 login, and the headers that keep user content from running as a page of the UI's origin.
 
 What the UI can read: what a user uploaded through it (Gradio's upload folder) and, through `/ui/media/<job id>.mp4`,
-the MP4 of a job the server holds. The results folder is on Gradio's block list, so no Gradio route serves it."""
+the MP4 of a job the server holds (`/ui/media/<job id>.jpg`: a running job's latest preview). The results folder is
+on Gradio's block list, so no Gradio route serves it."""
 
 import os
 import secrets
@@ -10,15 +11,18 @@ import tempfile
 
 import gradio as gr
 from fastapi import FastAPI, HTTPException, Request
-from fastapi.responses import FileResponse
+from fastapi.responses import FileResponse, Response
 from gradio.utils import get_upload_folder
 from starlette.routing import Mount
 
 from h3gen.server.app import JOB_ID
 from h3gen.server.job import JobStatus
-from h3gen.ui.blocks import MEDIA_ROUTE, build_ui
+from h3gen.ui.blocks import CSS, build_ui
+from h3gen.ui.login import LoginPage
+from h3gen.ui.views import MEDIA_ROUTE, PREVIEW_ROUTE
 
 UI_PATH = "/ui"
+LOGIN_MESSAGE = "Enter any user name and the server's API key."
 # The UI's pages: Gradio's own scripts and styles (it writes inline ones, and gradio 6's HTML component compiles its
 # template with Function(), hence 'unsafe-eval'), media, uploads and API calls to this origin only, and never inside
 # another site's frame.
@@ -160,8 +164,9 @@ def mount_ui(app: FastAPI, manager, *, api_key: str | None = None, max_upload_by
         allowed_paths=[],
         blocked_paths=[str(manager.results_dir.resolve())],
         run_history=False,
-        auth_message="Enter any user name and the server's API key." if api_key else None,
+        auth_message=LOGIN_MESSAGE if api_key else None,
         max_file_size=max_upload_bytes,
+        css=CSS,
     )
     # gradio's processing_utils._check_allowed, which keeps a request from naming a server file as an upload, only
     # runs once the Blocks "has launched"; `launch()` sets that, `mount_gradio_app` does not (gradio 6).
@@ -179,7 +184,25 @@ def mount_ui(app: FastAPI, manager, *, api_key: str | None = None, max_upload_by
             raise HTTPException(404, "no video for this job (it is unfinished, failed, cancelled or deleted)")
         return FileResponse(path, media_type="video/mp4", filename=f"{job_id}.mp4", content_disposition_type="inline")
 
+    def job_preview(job_id: str, request: Request):
+        """A running job's latest preview JPEG; 404 when it has none (not running, no preview yet, unknown)."""
+        if not _logged_in(gradio_app, request):
+            raise HTTPException(401, "log in to the UI first")
+        job = manager.get(job_id) if JOB_ID.fullmatch(job_id) else None
+        if job is None or job["status"] != JobStatus.RUNNING or not job.get("preview_at"):
+            raise HTTPException(404, "no preview for this job (it is not running or has none yet)")
+        try:
+            image = manager.files.preview(job_id).read_bytes()
+        except FileNotFoundError:
+            raise HTTPException(404, "no preview for this job (it has just finished)") from None
+        return Response(image, media_type="image/jpeg", headers={"cache-control": "no-store"})
+
     gradio_app.add_api_route(MEDIA_ROUTE, job_video, methods=["GET", "HEAD"], include_in_schema=False)
+    gradio_app.add_api_route(PREVIEW_ROUTE, job_preview, methods=["GET"], include_in_schema=False)
+    if api_key:
+        gradio_app.add_middleware(
+            LoginPage, logged_in=lambda request: _logged_in(gradio_app, request), message=LOGIN_MESSAGE
+        )
     gradio_app.add_middleware(UploadPaths, folder=get_upload_folder())
     gradio_app.add_middleware(SecurityHeaders)
     return app

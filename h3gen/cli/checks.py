@@ -19,7 +19,14 @@ def check_generate_arguments(args: argparse.Namespace) -> RunOptions:
     folders that must exist, the aspect ratio, the length and the windows, the AAC rate."""
     from pathlib import Path
 
-    from h3gen.pipelines.h3 import check_max_seconds, check_seconds, check_windows, parse_aspect_ratio, resolve_canvas
+    from h3gen.pipelines.h3 import (
+        MAX_PREVIEW_EVERY,
+        check_max_seconds,
+        check_seconds,
+        check_windows,
+        parse_aspect_ratio,
+        resolve_canvas,
+    )
 
     options = run_options_of_args(args, workflow=workflow_of_args(args))
     if args.model is not None and not Path(args.model).is_dir():
@@ -39,6 +46,16 @@ def check_generate_arguments(args: argparse.Namespace) -> RunOptions:
     check_windows(args.window_frames, args.overlap_frames)
     if args.audio_rate not in (32000, 48000):
         raise RequestError(f"--audio-rate must be 32000 or 48000 (got {args.audio_rate}).", "audio_rate")
+    if args.preview_every is not None:
+        if args.preview is None:
+            raise RequestError("--preview-every needs --preview FILE (where the previews go).", "preview_every")
+        if not 1 <= args.preview_every <= MAX_PREVIEW_EVERY:
+            raise RequestError(
+                f"--preview-every must be from 1 to {MAX_PREVIEW_EVERY} forwards (got {args.preview_every}).",
+                "preview_every",
+            )
+    if args.preview is not None and not Path(args.preview).resolve().parent.is_dir():
+        raise RequestError(f"--preview {args.preview}: its folder does not exist.", "preview")
     return options
 
 

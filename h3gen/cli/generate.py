@@ -16,7 +16,7 @@ from h3gen.cli.arguments import (
 )
 from h3gen.cli.checks import check_generate_arguments, step_cache_of_args
 from h3gen.cli.plan import planner_for
-from h3gen.cli.progress import progress_bar, quiet_libraries, window_bar
+from h3gen.cli.progress import progress_bar, quiet_libraries, window_bar, with_previews
 from h3gen.errors import RequestError
 from h3gen.options import uses_step_cache
 from h3gen.pipelines.h3 import CACHE_HELP
@@ -135,6 +135,21 @@ def add_parser(commands) -> None:
         help="first rewrite the prompt with a K3 planner: tiny (random demo), a K3 checkpoint folder, or "
         "an OpenAI-compatible base URL (key in $H3GEN_PLANNER_API_KEY)",
     )
+    gen.add_argument(
+        "--preview",
+        metavar="FILE",
+        default=None,
+        help="while denoising, write a JPEG of the clip as it will come out to FILE, replaced as new ones come "
+        "(about every tenth of the forwards and at least every 30 s, or --preview-every)",
+    )
+    gen.add_argument(
+        "--preview-every",
+        dest="preview_every",
+        type=int,
+        default=None,
+        metavar="N",
+        help="with --preview: a preview every N forwards (1 to 999)",
+    )
     gen.add_argument("--out", required=True, help="output .mp4 path")
     gen.set_defaults(run=run_generate)
 
@@ -201,6 +216,7 @@ def run_generate(args: argparse.Namespace) -> int:
         audio_sample_rate=args.audio_rate,
         sparsity=args.sparsity,
         dense_forwards=args.dense_forwards,
+        preview_every=args.preview_every,
     )
     prepared = prepare_request(
         checkpoint, config, request, max_seconds=max_seconds, recipes=merged_recipes + recipes, student=student
@@ -255,7 +271,7 @@ def run_generate(args: argparse.Namespace) -> int:
         pipe.run(prepared, decode=False)
         return 0
     if prepared.continuation is not None:
-        return _generate_long(pipe, args, prepared)
+        return _generate_long(pipe, args, prepared, options.quality)
     bar, callback = progress_bar(
         {
             "encode_text": 1,
@@ -266,26 +282,40 @@ def run_generate(args: argparse.Namespace) -> int:
             "write_mp4": 1,
         }
     )
+    if args.preview:
+        callback = with_previews(callback, args.preview)
     try:
         output = pipe.run(prepared, callback=callback, output_path=args.out)
-        info = output.media
     except torch.cuda.OutOfMemoryError:
         raise RequestError("the GPU ran out of memory: try fewer seconds, a smaller canvas or --dtype bf16.") from None
     except MediaError as error:
         raise RequestError(str(error)) from None
     finally:
         bar.close()
-    sampling = output.sampling
-    recipe = f", recipe {sampling['recipe']}" if sampling.get("recipe") else ""
-    recipe += sparse_summary(sampling.get("sparsity"))
-    print(
-        f"h3gen: wrote {args.out}: {info.num_frames} frames {info.width}x{info.height} at {info.fps:g} fps, "
-        f"stereo AAC {info.sample_rate} Hz, {info.video_seconds:.2f} s, seed {output.seed}; "
-        f"{sampling['forwards']} transformer forwards ({sampling['num_inference_steps']} sigma points), shifts "
-        f"{sampling['video_shift']:g}/{sampling['audio_shift']:g}{recipe}{_cached_summary(output, options.quality)}",
-        file=sys.stderr,
-    )
+    print(summary_line(args.out, output, options.quality), file=sys.stderr)
     return 0
+
+
+def summary_line(out, output, tier: str) -> str:
+    """The last line of `generate`: the file and what it holds, the seed, the forwards (a long clip: all windows'),
+    sigma points and shifts, the recipe, the adapters with their scales, the cached forwards, the previews."""
+    info, sampling = output.media, output.sampling
+    windows = f" in {output.windows} windows" if output.windows > 1 else ""
+    forwards = output.num_forwards or sampling["forwards"]
+    points = f"{sampling['num_inference_steps']} sigma points"
+    if output.windows > 1:
+        points = f"{sampling['forwards']} per window, {points} each"
+    recipe = f", recipe {sampling['recipe']}" if sampling.get("recipe") else ""
+    loras = ", ".join(f"{name} x{scale:g}" for name, scale in output.loras)
+    plural = "s" if output.previews != 1 else ""
+    previews = f", {output.previews} preview{plural} ({output.preview_seconds:.2f} s)" if output.previews else ""
+    recipe += sparse_summary(sampling.get("sparsity"))
+    return (
+        f"h3gen: wrote {out}: {info.num_frames} frames {info.width}x{info.height} at {info.fps:g} fps{windows}, "
+        f"stereo AAC {info.sample_rate} Hz, {info.video_seconds:.2f} s, seed {output.seed}; "
+        f"{forwards} transformer forwards ({points}), shifts {sampling['video_shift']:g}/{sampling['audio_shift']:g}"
+        f"{recipe}{', LoRA ' + loras if loras else ''}{_cached_summary(output, tier)}{previews}"
+    )
 
 
 def _prompts(args: argparse.Namespace) -> list[str] | None:
@@ -356,7 +386,7 @@ def _cached_summary(output, tier: str) -> str:
     return f", {len(output.cached_steps)} of {output.num_forwards} forwards cached (steps {steps})"
 
 
-def _generate_long(pipe, args: argparse.Namespace, prepared) -> int:
+def _generate_long(pipe, args: argparse.Namespace, prepared, tier: str) -> int:
     """Rank 0 of a clip over 15 s (`prepared`, an `H3Request`): made window by window and streamed into `--out`."""
     import torch
 
@@ -364,6 +394,8 @@ def _generate_long(pipe, args: argparse.Namespace, prepared) -> int:
 
     windows = prepared.continuation.num_windows
     bar, callback = window_bar(windows, prepared.sampling.forwards)
+    if args.preview:
+        callback = with_previews(callback, args.preview)
     try:
         output = pipe.run(prepared, callback=callback, output_path=args.out)
     except torch.cuda.OutOfMemoryError:
@@ -374,10 +406,5 @@ def _generate_long(pipe, args: argparse.Namespace, prepared) -> int:
         raise RequestError(str(error)) from None
     finally:
         bar.close()
-    info = output.media
-    print(
-        f"h3gen: wrote {args.out}: {info.num_frames} frames {info.width}x{info.height} at {info.fps:g} fps in "
-        f"{windows} windows, stereo AAC {info.sample_rate} Hz, {info.video_seconds:.2f} s, seed {output.seed}",
-        file=sys.stderr,
-    )
+    print(summary_line(args.out, output, tier), file=sys.stderr)
     return 0

@@ -2,6 +2,7 @@
 --planner` and `serve --planner` use too."""
 
 import argparse
+import re
 import sys
 
 from h3gen.errors import RequestError
@@ -31,6 +32,17 @@ def add_parser(commands) -> None:
     plan.set_defaults(run=run_plan)
 
 
+# What a terminal must not be sent: lone surrogates (undecodable bytes, which no UTF-8 encodes) and control characters
+# (C0 but tab and newline, DEL, C1), so a model's text never moves the cursor or recolours the terminal.
+_UNPRINTABLE = re.compile("[\ud800-\udfff\x00-\x08\x0b-\x1f\x7f-\x9f]")
+
+
+def printable(text: str) -> str:
+    """`text` as valid UTF-8 text a terminal shows as it is: what cannot be encoded (lone surrogates, from undecodable
+    bytes) and control characters become U+FFFD."""
+    return _UNPRINTABLE.sub("\ufffd", text)
+
+
 def planner_for(spec: str, device=None, api_key: str | None = None):
     """A planner backend for `--planner` / `plan --model`: "tiny", a K3 folder or an OpenAI-compatible base URL."""
     import os
@@ -57,7 +69,7 @@ def run_plan(args: argparse.Namespace) -> int:
     if args.image is not None and not __import__("pathlib").Path(args.image).is_file():
         raise RequestError(f"--image {args.image} does not exist.", "image")
     planner = planner_for(args.model, args.device, args.api_key)
-    show = (lambda text: print(text, end="", flush=True)) if args.stream else None
+    show = (lambda text: print(printable(text), end="", flush=True)) if args.stream else None
     try:
         result = planner.plan(
             args.prompt,
@@ -69,7 +81,7 @@ def run_plan(args: argparse.Namespace) -> int:
         )
     except PlannerError as error:
         raise RequestError(str(error)) from None
-    print() if args.stream else print(result.planned)
+    print() if args.stream else print(printable(result.planned))
     print(
         f"h3gen: planned by {result.backend} in {result.seconds:.1f} s"
         + (f", {result.tokens} tokens" if result.tokens is not None else ""),

@@ -1,7 +1,9 @@
 """What a running command shows on stderr: its own progress bars (tqdm, imported when a bar starts) and no
 library's bars or deprecation chatter."""
 
+import os
 import sys
+from pathlib import Path
 
 
 def progress_bar(units: dict[str, int]):
@@ -18,11 +20,7 @@ def progress_bar(units: dict[str, int]):
             return
         before = sum(units[name] for name in order[: order.index(stage)])
         position = before + units[stage] * min(step, stage_total) // max(stage_total, 1)
-        if position > bar.n:
-            bar.set_description(stage, refresh=False)
-            bar.update(position - bar.n)  # tqdm redraws at most every 0.1 s
-        elif bar.desc.removesuffix(": ") != stage:
-            bar.set_description(stage)  # a stage that starts: shown at once
+        _show(bar, stage, position)
 
     return bar, callback
 
@@ -46,11 +44,36 @@ def window_bar(windows: int, steps: int):
             position = min(window * per_window + per_window, windows * per_window)
         else:
             position = bar.n
-        bar.set_description(f"window {min(window + 1, windows)}/{windows} {stage}", refresh=False)
-        if position > bar.n:
-            bar.update(position - bar.n)
+        where = f"window {min(window + 1, windows)}/{windows}"
+        _show(bar, where if stage == "window" else f"{where} {stage}", position)
 
     return bar, callback
+
+
+def _show(bar, description: str, position: int) -> None:
+    """Move `bar` to `position` named `description`: a new description shows at once even when the bar does not move
+    (a stage that starts), an advance redraws at tqdm's pace."""
+    if position > bar.n:
+        bar.set_description(description, refresh=False)
+        bar.update(position - bar.n)  # tqdm redraws at most every 0.1 s
+    elif bar.desc.removesuffix(": ") != description:
+        bar.set_description(description)
+
+
+def with_previews(callback, path):
+    """`callback(stage, step, total)` that also writes each preview (`pipelines.h3.Preview`) to `path` as a JPEG,
+    replacing the last one by rename (a viewer never reads half a picture)."""
+    target = Path(path)
+    partial = target.with_name(f".{target.name}.partial")
+
+    def report(stage: str, step: int, total: int, preview=None) -> None:
+        if preview is None:
+            callback(stage, step, total)
+            return
+        partial.write_bytes(preview.jpeg())
+        os.replace(partial, target)
+
+    return report
 
 
 def quiet_libraries() -> None:

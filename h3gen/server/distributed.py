@@ -88,8 +88,10 @@ class DistributedEngine(H3Engine):
         }
         dist.broadcast_object_list([("job", payload)], src=0, group=self.control)
 
-        def agreed(stage: str, step: int, total: int) -> None:
-            if stage in RANK0_STAGES:
+        def agreed(stage: str, step: int, total: int, preview=None) -> None:
+            if preview is not None:  # rank 0's alone, and it never stops the job: nothing to agree on
+                callback(stage, step, total, preview)
+            elif stage in RANK0_STAGES:
                 callback(stage, step, total)
             else:
                 self.agree(lambda: callback(stage, step, total), request["prompt"], stage, step)

@@ -82,6 +82,7 @@ def generation_request(request: dict, uploads: dict[str, Path], lora_folder: Lor
         loras=loras,
         sparsity=request.get("sparsity"),
         dense_forwards=request.get("dense_forwards"),
+        preview_every=request.get("preview_every"),
     )
 
 
@@ -243,6 +244,7 @@ class H3Engine:
             overlap_frames=request.overlap_frames,
             sparsity=request.sparsity,
             dense_forwards=request.dense_forwards,
+            preview_every=request.preview_every,
         )
         recipes = self.lora_folder.recipes(choices) if choices else []
         lora_files = [self.lora_folder.lora_file(choice) for choice in choices]

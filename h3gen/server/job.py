@@ -49,6 +49,9 @@ class Job:
     cancel_requested: bool = False  # running: asked to stop; the holding worker is told at its next heartbeat
     needs: dict = field(default_factory=dict)  # what a worker must offer to run it (task, quality, seconds, loras)
     current_window: list | None = None  # a clip over 15 s while it runs: [index, count] of the window being made
+    # While it runs: the latest preview (`JobFiles.preview`): made_at (Unix seconds), forward, forwards, window.
+    preview: dict | None = None
+    eta_seconds: float | None = None  # while it runs: the time left, from its measured step times (None: unknown)
 
     def __post_init__(self):
         self.status = JobStatus(self.status)
@@ -67,6 +70,7 @@ PLAN = "plan"
 WINDOW = "window"
 STAGE_ORDER = (PLAN, *STAGES)
 DENOISE = "denoise"  # the stage of the denoising steps (the step-time metric times them)
+PREVIEW = "preview"  # not a stage: a preview made while denoising (`pipelines/h3/preview.py`)
 # Share of the progress bar each stage owns (sums to 100), of STAGES in their order; the planner owns none.
 STAGE_WEIGHTS = {PLAN: 0, **dict(zip(STAGES, (4, 3, 84, 4, 3, 2), strict=True))}
 

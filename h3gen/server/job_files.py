@@ -3,8 +3,10 @@
 <results>/<job id>.mp4              a succeeded job's video (written as `.<job id>.mp4.partial-*` first)
 <results>/uploads/<job id>/         the uploads a job keeps, one `<field><suffix>` each
 <results>/uploads/staging-<hex>/    one request's uploads before it is accepted
+<results>/previews/<job id>.jpg     a running job's latest preview (written as `.<job id>.jpg.partial-*`, renamed)
 """
 
+import os
 import re
 import shutil
 import uuid
@@ -22,10 +24,36 @@ class JobFiles:
     def __init__(self, results_dir):
         self.results_dir = Path(results_dir)
         self.uploads_dir = self.results_dir / "uploads"
+        self.previews_dir = self.results_dir / "previews"
 
     def result(self, job_id: str) -> Path:
         """Where the job's MP4 is written."""
         return self.results_dir / f"{job_id}.mp4"
+
+    def preview(self, job_id: str) -> Path:
+        """Where a running job's latest preview (a JPEG) is."""
+        return self.previews_dir / f"{job_id}.jpg"
+
+    def write_preview(self, job_id: str, jpeg: bytes) -> Path:
+        """Replace the job's preview with `jpeg`: written aside and renamed, so that a reader on any node sees a
+        whole picture, the old one or the new."""
+        self.previews_dir.mkdir(exist_ok=True)
+        target = self.preview(job_id)
+        partial = target.with_name(f".{target.name}.partial-{uuid.uuid4().hex}")
+        try:
+            partial.write_bytes(jpeg)
+            os.replace(partial, target)
+        finally:
+            partial.unlink(missing_ok=True)
+        return target
+
+    def remove_stale_previews(self, running: set[str]) -> None:
+        """Remove partial previews and the previews of jobs not in `running` (after a restart)."""
+        if not self.previews_dir.is_dir():
+            return
+        for path in self.previews_dir.iterdir():
+            if path.name.startswith(".") or path.stem not in running:
+                path.unlink(missing_ok=True)
 
     def uploads(self, job_id: str) -> Path:
         """The folder of the uploads a job keeps."""
@@ -63,5 +91,6 @@ class JobFiles:
             Path(job.result_path).unlink(missing_ok=True)
         if result:
             self.result(job.id).unlink(missing_ok=True)
+        self.preview(job.id).unlink(missing_ok=True)
         if uploads:
             shutil.rmtree(self.uploads(job.id), ignore_errors=True)

@@ -48,6 +48,7 @@ def recover(store: JobStore, files: JobFiles, *, recent: int, owns_folder: bool 
     for partial in files.results_dir.glob(".*.mp4.partial-*"):
         partial.unlink(missing_ok=True)
     waiting = set(found.queued) | {job.id for job in store.list(statuses=(JobStatus.RUNNING,))}
+    files.remove_stale_previews(waiting)
     for folder in files.uploads_dir.iterdir():
         if JOB_ID.match(folder.name) and folder.name not in waiting:
             shutil.rmtree(folder, ignore_errors=True)

@@ -7,6 +7,8 @@ serve`, one worker) or a process of its own (`h3gen worker`, many per fleet).
 - Progress, the stage and its timings go to the store as the job runs (at most every `PROGRESS_SECONDS`, and at each
   stage change), so any API node answers for it; a cancellation asked for on any node is seen at the next progress
   point (each stage reports when it starts and at points inside it, at most a fraction of a second apart).
+- Previews made while denoising go to the results folder (`JobFiles.write_preview`, by rename) and the job's row says
+  when the latest was made, so any node serves them; the row also holds the time left, from the measured forwards.
 - A failure of any kind fails that job only; the worker carries on.
 - `stop(drain=True)` (SIGTERM) claims nothing more and lets the running job finish within `drain_seconds`; past
   that the job is stopped and handed back to the queue, so nothing is lost.
@@ -27,7 +29,7 @@ import torch
 from h3gen.errors import RequestError
 from h3gen.options import TASKS
 from h3gen.pipelines.h3 import MAX_SECONDS_LIMIT
-from h3gen.server.job import DENOISE, PLAN, WINDOW, Job, JobStatus, progress_of
+from h3gen.server.job import DENOISE, PLAN, PREVIEW, WINDOW, Job, JobStatus, progress_of
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +40,8 @@ PROGRESS_SECONDS = 0.25  # how often a running job's progress is written to the 
 CANCEL_POLL_SECONDS = 0.1  # how often a running job's progress points ask the store whether it was cancelled
 IDLE_POLL_SECONDS = 0.2  # how often an idle worker looks for a job
 RECENT_JOBS = 10
+# The stages after denoising, whose time the time-left estimate takes from the worker's last job.
+AFTER_DENOISE = ("decode_video", "decode_audio", "write_mp4")
 
 
 class JobCancelled(Exception):
@@ -117,6 +121,9 @@ class _Running:
     last_cancel_check: float = 0.0
     timings: dict[str, float] = field(default_factory=dict)
     window: tuple[int, int] | None = None
+    forward_seconds: float = 0.0  # the denoising forwards' measured time, and how many
+    forwards_timed: int = 0
+    denoise_ended: float | None = None  # when the current window's last forward ended
     cancel: threading.Event = field(default_factory=threading.Event)
     hand_back: threading.Event = field(default_factory=threading.Event)
 
@@ -147,6 +154,7 @@ class JobWorker:
         self.on_finished = on_finished
         self.fail_jobs_on_load_error = fail_jobs_on_load_error
         self.recent: deque[float] = deque(maxlen=RECENT_JOBS)  # seconds of the latest succeeded jobs
+        self.tail_seconds: float | None = None  # the stages after denoising, per window, in the last succeeded job
         self.capabilities: dict | None = None
         self.running: _Running | None = None
         self.running_since = 0.0
@@ -239,7 +247,10 @@ class JobWorker:
         """The engine's progress callback for `running`: live progress into the store, cancellation points."""
         job_id = running.job.id
 
-        def report(stage: str, step: int, total: int) -> None:
+        def report(stage: str, step: int, total: int, preview=None) -> None:
+            if stage == PREVIEW:  # never raises: a preview that cannot be written costs the job nothing
+                self._keep_preview(job_id, preview)
+                return
             if running.hand_back.is_set():
                 raise WorkerStopping()
             now = time.perf_counter()
@@ -256,8 +267,13 @@ class JobWorker:
             if changed:
                 # A stage that runs again (in the next window of a long clip) adds to its time.
                 running.stage, running.stage_started = stage, now - running.timings.get(stage, 0.0)
-            elif stage == DENOISE and step > 0 and self.metrics is not None:
-                self.metrics.observe_step(now - running.last_report)
+            elif stage == DENOISE and step > 0:
+                running.forward_seconds += now - running.last_report
+                running.forwards_timed += 1
+                if self.metrics is not None:
+                    self.metrics.observe_step(now - running.last_report)
+            if stage == DENOISE:
+                running.denoise_ended = now if step >= total else None
             running.last_report = now
             running.timings[stage] = round(now - running.stage_started, 4)
             running.progress = max(running.progress, progress_of(stage, step, total, running.window))
@@ -270,9 +286,38 @@ class JobWorker:
                     stage=stage,
                     timings=dict(running.timings),
                     current_window=window,
+                    eta_seconds=self._time_left(running, stage, step, total, now),
                 )
 
         return report
+
+    def _keep_preview(self, job_id: str, preview) -> None:
+        """Write a preview (`pipelines.h3.Preview`) where every node finds it, then say so in the job's row."""
+        try:
+            self.files.write_preview(job_id, preview.jpeg())
+            made = {"made_at": time.time(), "seconds": round(preview.seconds, 4), **preview.describe()}
+            self.store.update(job_id, preview=made)
+        except Exception:
+            logger.exception("job %s: the preview could not be kept", job_id)
+
+    def _time_left(self, running: _Running, stage: str, step: int, total: int, now: float) -> float | None:
+        """Seconds left: the forwards to come at the mean measured forward, plus the stages after denoising as they
+        took in this worker's last job (each window has them); None before the first forward is measured."""
+        if running.forwards_timed == 0:
+            return None
+        per_forward = running.forward_seconds / running.forwards_timed
+        index, count = running.window or (0, 1)
+        forwards = running.job.request.get("forwards") or 0
+        tail = self.tail_seconds if self.tail_seconds is not None else 0.1 * per_forward * max(forwards, 1)
+        windows_after = max(count - index - 1, 0)
+        left = windows_after * (forwards * per_forward + tail)
+        if stage == DENOISE:
+            left += max(total - step, 0) * per_forward + tail
+        elif stage in AFTER_DENOISE:
+            left += tail if running.denoise_ended is None else max(tail - (now - running.denoise_ended), 0.0)
+        else:  # a window's stages before its denoising
+            left += forwards * per_forward + tail
+        return round(left, 2)
 
     def _run(self, job: Job) -> None:
         running = _Running(job)
@@ -327,7 +372,11 @@ class JobWorker:
             self.metrics.count_finished(status, elapsed)
         if status == JobStatus.SUCCEEDED:
             self.recent.append(elapsed)
+            windows = running.window[1] if running.window else 1
+            self.tail_seconds = sum(running.timings.get(stage, 0.0) for stage in AFTER_DENOISE) / windows
         fields = {"status": status, "finished_at": time.time(), "timings": running.timings, "stage": None}
+        fields.update(preview=None, eta_seconds=None)
+        self.files.preview(job.id).unlink(missing_ok=True)  # the video replaces it
         if status == JobStatus.SUCCEEDED:
             fields.update(progress=100.0, result_path=str(result), result_bytes=result.stat().st_size)
         else:

@@ -311,6 +311,19 @@ class JobManager:
         if job.status == JobStatus.RUNNING and job.current_window:  # "2/5": the window a long clip is making
             index, count = job.current_window
             view["window"] = f"{min(index + 1, count)}/{count}"
+        if job.status == JobStatus.RUNNING:
+            view["eta_seconds"] = job.eta_seconds
+            if job.preview:
+                made = job.preview
+                window = made.get("window")
+                view["preview_at"] = made["made_at"]
+                view["preview"] = {
+                    "forward": made["forward"],
+                    "forwards": made["forwards"],
+                    "window": f"{window[0] + 1}/{window[1]}" if window else None,
+                    "seconds": made.get("seconds"),
+                    "url": f"/v1/videos/{job.id}/content?variant=preview",
+                }
         if job.status == JobStatus.QUEUED:
             queue = [queued.id for queued in self.store.list(newest_first=False, statuses=(JobStatus.QUEUED,))]
             view["queue_position"] = queue.index(job.id) + 1 if job.id in queue else None

@@ -24,12 +24,15 @@ OPENAI_STATUS = {
     JobStatus.FAILED: "failed",
     JobStatus.CANCELLED: "failed",
 }
-VARIANTS = ("video", "thumbnail", "spritesheet")
+VARIANTS = ("video", "thumbnail", "spritesheet", "preview")
 SIZE_PATTERN = re.compile(r"^([0-9]{1,5})x([0-9]{1,5})$")
 # The H3 job fields a `Video` carries besides OpenAI's own (what GET /v1/videos/{id} showed before, minus status).
 EXTENSION_FIELDS = (
     "stage",
     "window",
+    "eta_seconds",
+    "preview_at",
+    "preview",
     "timings",
     "request",
     "planned_prompt",

@@ -12,6 +12,7 @@ from h3gen.pipelines.h3 import (
     CACHE_HELP,
     DEFAULT_MAX_SECONDS,
     MAX_CONSECUTIVE_RANGE,
+    MAX_PREVIEW_EVERY,
     MAX_SECONDS,
     MAX_SECONDS_LIMIT,
     MAX_SEED,
@@ -200,6 +201,16 @@ class GenerationBody(BaseModel):
     )
     dense_forwards: int | None = Field(
         None, ge=0, le=999, description="With `sparsity`: how many of the first forwards run dense attention."
+    )
+    preview_every: int | None = Field(
+        None,
+        ge=0,
+        le=MAX_PREVIEW_EVERY,
+        description=(
+            "Previews while the job denoises: a JPEG every this many forwards (0: none), at "
+            "GET /v1/videos/{id}/content?variant=preview; the job's preview_at says when the latest was made. Default: "
+            "about every tenth of the forwards and at least every 30 s."
+        ),
     )
     plan: bool = Field(
         False,
@@ -390,6 +401,19 @@ class VideoObject(BaseModel):
     )
     stage: str | None = Field(None, description="The stage running now.")
     window: str | None = Field(None, description='A clip over 15 s: the window being made, as "2/5".')
+    eta_seconds: float | None = Field(
+        None, description="While it runs: the seconds left, from its measured forwards (null until one is measured)."
+    )
+    preview_at: float | None = Field(
+        None,
+        description="While it runs: when its latest preview was made (Unix seconds; null before the first); the JPEG "
+        "is GET /v1/videos/{id}/content?variant=preview.",
+    )
+    preview: dict | None = Field(
+        None,
+        description='The latest preview: forward and forwards it was made after, window ("2/5" or null), seconds it '
+        "took, url.",
+    )
     timings: dict[str, float] = Field(default_factory=dict, description="Seconds per stage.")
     request: dict = Field(default_factory=dict, description="The normalized request (resolved size, frames, seed).")
     planned_prompt: str | None = Field(None, description="The planner's prompt, once a job with plan=true has it.")

@@ -79,6 +79,8 @@ TABLES = {
         Column("cancel_requested", "bool", True, "FALSE"),
         Column("needs", "json", True, "'{}'"),
         Column("current_window", "json"),
+        Column("preview", "json"),
+        Column("eta_seconds", "real"),
     ),
     "workers": (
         Column("id", "text", True),
@@ -101,6 +103,7 @@ INDEXES = (
     "CREATE INDEX IF NOT EXISTS jobs_worker ON jobs(worker_id)",
 )
 JSON_FIELDS = frozenset(column.name for column in TABLES["jobs"] if column.kind == "json")
+NULLABLE_JSON = frozenset(column.name for column in TABLES["jobs"] if column.kind == "json" and not column.required)
 if {column.name for column in TABLES["jobs"]} != set(FIELDS):
     raise TypeError("store_base.TABLES['jobs'] must have one column per field of job.Job")
 SELECT_JOB = f"SELECT {', '.join(FIELDS)} FROM jobs"
@@ -216,7 +219,7 @@ class JobStore(abc.ABC):
     def _job(values: Sequence) -> Job:
         row = dict(zip(FIELDS, values, strict=True))
         for key in JSON_FIELDS:
-            row[key] = json.loads(row[key]) if row[key] else ({} if key != "current_window" else None)
+            row[key] = json.loads(row[key]) if row[key] else (None if key in NULLABLE_JSON else {})
         return Job(**row)
 
     @staticmethod
@@ -371,6 +374,7 @@ class JobStore(abc.ABC):
                 counted = ""
             else:
                 fields = {"status": JobStatus.QUEUED, "worker_id": None, "stage": None, "progress": 0.0, "timings": {}}
+                fields.update(preview=None, eta_seconds=None)
                 counted = ", attempts = attempts - 1"
             names, values = self._assignments({**fields, "lease_expires": None})
             changed = run(
@@ -403,7 +407,7 @@ class JobStore(abc.ABC):
                     fields = {"status": JobStatus.CANCELLED, "finished_at": now, "stage": None}
                 elif attempts < max_attempts:
                     fields = {"status": JobStatus.QUEUED, "worker_id": None, "stage": None, "progress": 0.0}
-                    fields["timings"] = {}
+                    fields.update(timings={}, preview=None, eta_seconds=None)
                 else:
                     error = lost_worker_error(attempts, worker_id, expired_at)
                     fields = {"status": JobStatus.FAILED, "finished_at": now, "stage": None, "error": error}

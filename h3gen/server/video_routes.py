@@ -245,14 +245,17 @@ def add_video_routes(app: FastAPI, server) -> None:
             max_length=16,
             description=(
                 "video: the MP4 (H.264 + AAC stereo; Range requests supported); thumbnail: a JPEG of the middle frame; "
-                "spritesheet: a JPEG grid of frames (x-spritesheet-* headers give its layout)"
+                "spritesheet: a JPEG grid of frames (x-spritesheet-* headers give its layout); preview: while the job "
+                "runs, a JPEG of the clip as it will come out (the latest one; 409 before the first)"
             ),
         ),
     ):
-        """The MP4, or a preview image of it."""
+        """The MP4, or a picture of it; while the job runs, its latest preview."""
         if variant not in openai_video.VARIANTS:
             return field_error("variant", f"variant must be one of {', '.join(openai_video.VARIANTS)}", "enum")
         job = job_or_404(job_id)
+        if variant == "preview":
+            return preview_of(job)
         if job["status"] == JobStatus.CANCELLED:
             raise HTTPException(410, "the job was cancelled; it has no video")
         if job["status"] == JobStatus.FAILED:
@@ -274,6 +277,22 @@ def add_video_routes(app: FastAPI, server) -> None:
                 headers = {f"x-spritesheet-{name.replace('_', '-')}": str(value) for name, value in layout.items()}
         except MediaError:
             raise HTTPException(404, "the video file is gone or unreadable") from None
+        return Response(image, media_type="image/jpeg", headers=headers)
+
+    def preview_of(job: dict) -> Response:
+        """The running job's latest preview JPEG; 409 before the first one and once the job is finished."""
+        if job["status"] != JobStatus.RUNNING:
+            state = openai_video.OPENAI_STATUS[job["status"]]
+            after = "; its video is variant=video" if job["status"] == JobStatus.SUCCEEDED else ""
+            raise HTTPException(409, f"the job is {state}: previews are made while it runs{after}")
+        path = manager.files.preview(job["id"])
+        try:
+            image = path.read_bytes() if job.get("preview_at") else None
+        except FileNotFoundError:  # the job finished between the two reads
+            image = None
+        if not image:
+            raise HTTPException(409, f"no preview yet (the job is at {job['progress']:.0f}%); try again later")
+        headers = {"cache-control": "no-store", "x-preview-made-at": f"{job['preview_at']:.3f}"}
         return Response(image, media_type="image/jpeg", headers=headers)
 
     @app.delete("/v1/videos/{job_id}", response_model=VideoDeleted)

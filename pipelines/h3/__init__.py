@@ -5,7 +5,8 @@
 - The pipeline: `H3Pipeline` (`from_pretrained`, `prepare`, `run`), `H3Output`, `random_pipeline` (the tiny demo
   model is `tiny_checkpoint.tiny_checkpoint`).
 - Its stages, for callers that compose their own flow: `Components`, `encode_text`, `draw_noise`,
-  `encode_conditions`, `pack`, `denoise`, `decode_frames`, `decode_sound`, `ClipWriter`; `STAGES`, their names.
+  `encode_conditions`, `pack`, `denoise`, `decode_frames`, `decode_sound`, `ClipWriter`; `STAGES`, their names;
+  `Preview` (what a callback gets while denoising, as `PREVIEW`), `MAX_PREVIEW_EVERY`.
 - The limits and checks every face words the same way: lengths (`DEFAULT_MAX_SECONDS`, `MAX_SECONDS_LIMIT`,
   `MIN_SECONDS`, `MAX_SECONDS`, `check_seconds`, `check_max_seconds`, windows), aspect ratios, seeds, shifts, the
   step cache's knobs, reference counts.
@@ -43,6 +44,9 @@ _PUBLIC = {
     "decode_sound": "decode_stages",
     "ClipWriter": "decode_stages",
     "STAGES": "progress",
+    "PREVIEW": "progress",
+    "Preview": "preview",
+    "MAX_PREVIEW_EVERY": "generation",
     "DEFAULT_MAX_SECONDS": "continuation",
     "MAX_SECONDS_LIMIT": "continuation",
     "check_max_seconds": "continuation",

@@ -11,6 +11,7 @@ into the `H3Request` the stages run on. This module needs no torch, so the CLI b
 from dataclasses import dataclass, replace
 
 MAX_SEED = 2**63 - 1
+MAX_PREVIEW_EVERY = 999  # the largest `preview_every` (the most forwards a request may have)
 
 
 def _frozen(value):
@@ -57,6 +58,9 @@ class GenerationRequest:
         drops, in [0, 1): one number, one per forward, or "default" (0.75 after the first fifth of the forwards).
         Default: dense for the base model, the contract's (0.9) for a FastH3 VSA student.
     dense_forwards: how many of the first forwards run dense attention when `sparsity` is given.
+    preview_every: previews while denoising (`preview.py`): one every this many forwards, 0 for none, up to 999;
+        default (None) about every tenth of the forwards and at least every 30 s. Made only for a callback that
+        takes them (`H3Pipeline.run`).
     """
 
     prompt: str
@@ -84,6 +88,7 @@ class GenerationRequest:
     plan_max_tokens: int | None = None
     sparsity: object = None
     dense_forwards: int | None = None
+    preview_every: int | None = None
 
     def __post_init__(self):
         if isinstance(self.sparsity, list):

@@ -121,10 +121,12 @@ def run_continuation(
     decode: bool,
     output_path,
     audio_sample_rate: int | None = None,
+    preview=None,
 ):
     """Make a continuation request with the stages on `parts` and `transformer` (its adapters already active):
     returns `(MediaInfo of the written MP4 or None, timings)`. With `decode` the clip is streamed to `output_path`;
-    without it (the other ranks of a parallel run) nothing is decoded or written."""
+    without it (the other ranks of a parallel run) nothing is decoded or written. `preview` (a `preview.PreviewMaker`)
+    previews the window being made."""
     plan = request.continuation
     if decode and output_path is None:
         raise RequestError(
@@ -171,7 +173,11 @@ def run_continuation(
                 rows.audio = _with_guide(rows.audio, 2 * sub.shape.num_audio_latents, guide_audio)
             timings.lap("encode_conditions")
             layout = window_layout(sub, window, text, rows.blocks, cfg.patch_size)
-            made = denoise(transformer, sub, text, rows, layout, report, device=parts.device, tier=tier)
+            if preview is not None:
+                preview.window = (window.index, total)
+            made = denoise(
+                transformer, sub, text, rows, layout, report, device=parts.device, tier=tier, preview=preview
+            )
             video, audio = made.video, made.audio
             timings.lap("denoise")
             if window.index + 1 < total:

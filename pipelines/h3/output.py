@@ -25,7 +25,9 @@ class H3Output:
     media: MediaInfo | None = None  # what decoding that MP4 back found
     windows: int = 1  # how many windows the clip was made of (over 15 s: more than one)
     cached_steps: list[int] = field(default_factory=list)  # forwards (0-based) the step cache skipped (quality high)
-    num_forwards: int = 0  # transformer forwards of the request (num_inference_steps - 1)
+    num_forwards: int = 0  # transformer forwards of the request (num_inference_steps - 1; a long clip: all windows')
+    previews: int = 0  # previews made while denoising (`preview.py`)
+    preview_seconds: float = 0.0  # the time they took
     loras: list[tuple[str, float]] = field(default_factory=list)  # adapters applied (name, scale), merged ones first
     # How it was sampled: num_inference_steps (sigma points), forwards (transformer forwards), video_shift,
     # audio_shift, recipe (the few-step recipe followed, or None); see `recipes.Sampling.describe`.

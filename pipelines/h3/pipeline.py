@@ -36,6 +36,7 @@ from h3gen.pipelines.h3.long_video import largest_window, run_continuation
 from h3gen.pipelines.h3.lora_registry import DEFAULT_MAX_CPU_LORAS, activate
 from h3gen.pipelines.h3.output import H3Output
 from h3gen.pipelines.h3.pipeline_adapters import PipelineAdapters, partition_for
+from h3gen.pipelines.h3.preview import PreviewMaker, preview_maker
 from h3gen.pipelines.h3.references import AudioReference, ImageReference, VideoReference
 from h3gen.pipelines.h3.request import (
     H3Request,
@@ -457,7 +458,9 @@ class H3Pipeline:
         `prepare_request`, whose media are then not decoded again).
 
         callback: `callback(stage, step, total)` when each stage starts (`step` 0), before each unit of work inside
-            it and after it; an exception it raises stops the call.
+            it and after it; an exception it raises stops the call. A callback that takes a fourth argument also
+            gets the previews, `callback("preview", forward, forwards, preview)` with a `preview.Preview` (the
+            picture, uint8 `(H, W, 3)`), at the request's `preview_every` cadence (`preview.py`).
         decode: False skips both VAE decodes (the stages are still reported) and returns `video` and `audio` as
             None: what the other ranks of a parallel run do, since rank 0 decodes.
         output_path: write the clip there as a verified MP4 (H.264 + AAC at the request's `audio_sample_rate`) as
@@ -486,6 +489,7 @@ class H3Pipeline:
             planned = prepared.spec.prompt
         transformer = self.transformer_for(prepared.task)
         activate(transformer, adapters, prepared.task, self.device)
+        previews = preview_maker(self.components, callback, prepared.spec or spec, tier=tier, decode=decode)
         summary = dict(
             fps=geometry.FPS,
             sample_rate=int(self.audio_vae.config.sampling_rate),
@@ -511,14 +515,29 @@ class H3Pipeline:
                 decode=decode,
                 output_path=output_path,
                 audio_sample_rate=spec.audio_sample_rate,
+                preview=previews,
             )
             path = None if info is None else str(output_path)
             return H3Output(
-                None, None, timings=timings, path=path, media=info, windows=prepared.continuation.num_windows, **summary
+                None,
+                None,
+                timings=timings,
+                path=path,
+                media=info,
+                windows=prepared.continuation.num_windows,
+                num_forwards=prepared.sampling.forwards * prepared.continuation.num_windows,
+                **self._preview_summary(previews),
+                **summary,
             )
-        return self._run_plain(prepared, transformer, report, tier, cache, decode, output_path, summary)
+        return self._run_plain(prepared, transformer, report, tier, cache, decode, output_path, summary, previews)
 
-    def _run_plain(self, prepared, transformer, report, tier, cache, decode, output_path, summary) -> H3Output:
+    @staticmethod
+    def _preview_summary(previews: PreviewMaker | None) -> dict:
+        return {} if previews is None else {"previews": previews.count, "preview_seconds": previews.seconds}
+
+    def _run_plain(
+        self, prepared, transformer, report, tier, cache, decode, output_path, summary, previews=None
+    ) -> H3Output:
         """A request of at most 15 s, stage by stage; see `run`."""
         parts, timings = self.components, {}
         started = time.perf_counter()
@@ -534,7 +553,18 @@ class H3Pipeline:
         rows = encode_conditions(parts, prepared, draw_noise(parts, prepared), report)
         lap("encode_conditions")
         layout = pack(prepared, text, rows.blocks, self.config.patch_size)
-        made = denoise(transformer, prepared, text, rows, layout, report, device=self.device, tier=tier, cache=cache)
+        made = denoise(
+            transformer,
+            prepared,
+            text,
+            rows,
+            layout,
+            report,
+            device=self.device,
+            tier=tier,
+            cache=cache,
+            preview=previews,
+        )
         lap("denoise")
         video = audio = media = writer = None
         if not decode:
@@ -567,6 +597,7 @@ class H3Pipeline:
             media=media,
             cached_steps=made.cached_steps,
             num_forwards=made.forwards,
+            **self._preview_summary(previews),
             **summary,
         )
 
@@ -585,7 +616,7 @@ class H3Pipeline:
         """Generate a clip: `run(GenerationRequest(prompt, **fields), ...)`. The fields (image, last_image,
         references, aspect_ratio, seconds, num_frames, height, width, num_inference_steps, forwards, video_shift,
         audio_shift, seed, quality, cache, loras, prompts, window_frames, overlap_frames, audio_sample_rate, plan,
-        plan_max_tokens) are described on `GenerationRequest`; the others on `run`."""
+        plan_max_tokens, preview_every) are described on `GenerationRequest`; the others on `run`."""
         return self.run(
             GenerationRequest(prompt, **fields),
             callback=callback,

@@ -7,6 +7,9 @@ from typing import Callable
 # prompt planner) runs first when a request asks for it; a clip over 15 s repeats encode_conditions .. write_mp4 per
 # window.
 STAGES = ("encode_text", "encode_conditions", "denoise", "decode_video", "decode_audio", "write_mp4")
+# Not a stage: a preview made while denoising (`preview.py`) is reported as `callback(PREVIEW, forward, forwards,
+# preview)` to a callback that takes the fourth argument.
+PREVIEW = "preview"
 
 
 @contextmanager

@@ -27,6 +27,7 @@ from h3gen.pipelines.h3.continuation import (
 )
 from h3gen.pipelines.h3.fasth3 import StudentContract, has_gates, read_student_contract
 from h3gen.pipelines.h3.generation import MAX_SEED, GenerationRequest
+from h3gen.pipelines.h3.preview import check_preview_every
 from h3gen.pipelines.h3.recipes import Recipe, Sampling, resolve_sampling
 from h3gen.pipelines.h3.references import PreparedReference, as_references, prepare_references, sound_seconds
 from h3gen.pipelines.h3.schedules import AUDIO_SHIFT, VIDEO_SHIFT, read_shift
@@ -117,6 +118,7 @@ def prepare_request(
     sparsity = resolve_sparsity(
         request.sparsity, request.dense_forwards, sampling.forwards, student.sparsity if student is not None else None
     )
+    check_preview_every(request.preview_every)
     if seed is not None:
         _check_int(seed, "seed", 0, MAX_SEED, "2**63-1")
         if generator is not None:

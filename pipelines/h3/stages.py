@@ -25,6 +25,7 @@ from h3gen.pipelines.h3.packing import (
     row_timesteps,
     unpatchify_video,
 )
+from h3gen.pipelines.h3.preview import PreviewMaker
 from h3gen.pipelines.h3.progress import checkpoints
 from h3gen.pipelines.h3.request import KEYFRAME_NOISE_AUG, H3Request
 from h3gen.pipelines.h3.schedules import noise_to
@@ -296,11 +297,13 @@ def denoise(
     device: torch.device,
     tier: str,
     cache: StepCacheConfig | None = None,
+    preview: PreviewMaker | None = None,
 ) -> Denoised:
     """Stage `denoise`: one transformer forward per step; video and audio rows step their own schedules in place;
     conditioning rows (keyframes, references, a window's guide) are never written. With `cache`, the first-block
     step cache decides per forward whether blocks 1..N-1 run. Outside the exact tier every block's AdaLN table for
-    the whole request is computed up front."""
+    the whole request is computed up front. With `preview`, the loop hands it the prediction of the clean video
+    latents after the forwards it asks for (`preview.py`)."""
     shape = request.shape
     video_schedule, audio_schedule = request.sampling.schedules()
     total = len(video_schedule)
@@ -316,7 +319,10 @@ def denoise(
         plan.append((timestep.to(device), indices.to(device)))
     tables = transformer.precompute_adaln([t for t, _ in plan]) if tier != "exact" else None
     video_rows, audio_rows = rows.video, rows.audio
-    sparse = sparse_plans(request, layout, cond, cond_audio, transformer.config.patch_size, device)
+    patch_size = transformer.config.patch_size
+    if preview is not None:
+        preview.begin()
+    sparse = sparse_plans(request, layout, cond, cond_audio, patch_size, device)
     with (
         step_cache(transformer, cache, total) if cache is not None else nullcontext() as cached,
         sparse_attention(transformer) as switch,
@@ -338,10 +344,17 @@ def denoise(
                 adaln_tables=tables,
                 step=i,
             )
+            clean = None
+            if preview is not None and preview.due(i + 1, total):  # x0 = x_t + sigma * v, before the step
+                sigma = 1.0 - video_schedule.timesteps[i].to(video_rows.device, video_rows.dtype)
+                clean = video_rows[cond:] + sigma * video_v[0, cond:].float()
             video_rows[cond:] = video_schedule.step(i, video_v[0, cond:].float(), video_rows[cond:])
             audio_rows[cond_audio:] = audio_schedule.step(i, audio_v[0, cond_audio:].float(), audio_rows[cond_audio:])
             report("denoise", i + 1, total)
-    patch_size = transformer.config.patch_size
+            if clean is not None:
+                shape_args = (shape.num_latent_frames, shape.latent_height, shape.latent_width, patch_size)
+                preview.make(unpatchify_video(clean, *shape_args), i + 1, total)
+                del clean
     latents = unpatchify_video(
         video_rows[cond:], shape.num_latent_frames, shape.latent_height, shape.latent_width, patch_size
     )
