@@ -81,6 +81,11 @@ JSON_CASES = [
     ({"prompt": "x", "quality": "high", "cache": {"threshold": 2}}, 422, "threshold"),
     ({"prompt": "x", "quality": "high", "cache": "fast"}, 422, "cache"),
     ({"prompt": "x", "cache": {"warmup": 1}}, 422, "cache"),  # the server's tier (lossless) has no step cache
+    ({"prompt": "x", "sparsity": 1.0}, 422, "sparsity"),
+    ({"prompt": "x", "sparsity": "most"}, 422, "sparsity"),
+    ({"prompt": "x", "num_inference_steps": 4, "sparsity": [0.5, 0.5]}, 422, "sparsity"),  # 3 forwards, 2 values
+    ({"prompt": "x", "num_inference_steps": 4, "sparsity": 0.5, "dense_forwards": 4}, 422, "dense_forwards"),
+    ({"prompt": "x", "dense_forwards": 1}, 422, "dense_forwards"),  # without sparsity
 ]
 
 

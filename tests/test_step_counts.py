@@ -39,6 +39,7 @@ def test_forwards_and_sigma_points(pipe, kwargs, forwards):
         "video_shift": 12.0,
         "audio_shift": 3.0,
         "recipe": None,
+        "sparsity": None,
     }
 
 
@@ -94,6 +95,7 @@ def test_a_turbo_adapter_runs_its_recipe(pipe, recipe_files):
         "video_shift": 6.0,
         "audio_shift": 3.0,
         "recipe": "LightX2V Turbo fl2v 8-step v1.0 768p",
+        "sparsity": None,
     }
     assert output.loras == [(turbo.stem, 1.0)]
     # Explicit agreeing counts run the same; the next call without the adapter is back to the caller's steps.

@@ -74,3 +74,21 @@ def test_the_advanced_group_shows_a_chosen_adapters_recipe():
     assert recipe_note([["turbo", "Turbo", 0.0], ["style", "", 1.0]], listing) == ""
     note = recipe_note([["turbo", "Turbo", 0.8]], listing)
     assert "turbo" in note and "8 forwards (9 sigma points), shifts 6/3" in note
+
+
+def test_the_sparse_attention_field_reads_what_a_user_types():
+    import pytest
+
+    from h3gen.errors import RequestError
+    from h3gen.server.schemas import GenerationBody
+    from h3gen.ui.actions import sparsity_of_text
+
+    assert sparsity_of_text("") is None and sparsity_of_text(None) is None
+    assert sparsity_of_text(" default ") == "default"
+    assert sparsity_of_text("0.9") == 0.9 and sparsity_of_text("0.5, 0.9") == [0.5, 0.9]
+    with pytest.raises(RequestError, match="sparsity must be"):
+        sparsity_of_text("most")
+    body = GenerationBody.model_validate({"prompt": "a fox", "sparsity": sparsity_of_text("0.9"), "dense_forwards": 2})
+    assert (body.sparsity, body.dense_forwards) == (0.9, 2)
+    with pytest.raises(ValueError, match="up to"):
+        GenerationBody.model_validate({"prompt": "a fox", "sparsity": sparsity_of_text("1.5")})

@@ -97,6 +97,25 @@ def _problem(message: str) -> str:
     return f"⚠ {message}"
 
 
+def sparsity_of_text(text) -> float | list[float] | str | None:
+    """The Advanced group's sparse-attention field: empty -> None (the model's own), "default", one number, or
+    comma-separated numbers (one per forward). The range is checked with the request; text that is none of these
+    raises `RequestError`."""
+    text = (text or "").strip()
+    if not text:
+        return None
+    if text == "default":
+        return "default"
+    try:
+        values = [float(part) for part in text.split(",")]
+    except ValueError:
+        raise RequestError(
+            f'sparsity must be a number from 0 up to 1, comma-separated numbers or "default" (got {text[:40]!r}).',
+            "sparsity",
+        ) from None
+    return values[0] if len(values) == 1 else values
+
+
 class Actions:
     """The UI's events on `manager` (a `JobManager`)."""
 
@@ -105,7 +124,21 @@ class Actions:
         self.upload_folder = Path(get_upload_folder())
 
     def _request(
-        self, prompt, task, aspect, seconds, steps, seed, randomize, plan, quality, loras, preview_every, **long
+        self,
+        prompt,
+        task,
+        aspect,
+        seconds,
+        steps,
+        seed,
+        randomize,
+        plan,
+        quality,
+        loras,
+        preview_every,
+        sparsity="",
+        dense_forwards=None,
+        **long,
     ):
         # Steps 0 is "auto": 50 sigma points, or the recipe of a few-step adapter.
         fields = dict(
@@ -119,6 +152,8 @@ class Actions:
             quality=quality or None,
             loras=chosen_loras(loras) or None,
             preview_every=None if preview_every in (None, "") else int(preview_every),
+            sparsity=sparsity_of_text(sparsity),
+            dense_forwards=None if dense_forwards in (None, "") else int(dense_forwards),
             **long,
         )
         return GenerationBody.model_validate(fields)
@@ -142,6 +177,8 @@ class Actions:
         quality=None,
         loras=None,
         preview_every=None,
+        sparsity="",
+        dense_forwards=None,
     ):
         """Validate and queue a job, then follow it: (status, progress bar, preview, player, job id, seed, planned
         prompt) as it runs, every `POLL_SECONDS`."""
@@ -153,7 +190,20 @@ class Actions:
         try:
             long = long_clip_fields(window_prompts, window_frames, overlap_frames) if float(seconds) > 15 else {}
             request = self._request(
-                prompt, task, aspect, seconds, steps, seed, randomize, plan, quality, loras, preview_every, **long
+                prompt,
+                task,
+                aspect,
+                seconds,
+                steps,
+                seed,
+                randomize,
+                plan,
+                quality,
+                loras,
+                preview_every,
+                sparsity,
+                dense_forwards,
+                **long,
             )
         except RequestError as error:
             yield problem(str(error))

@@ -172,6 +172,16 @@ def build_ui(manager) -> gr.Blocks:
                             elem_id="preview-every",
                             label="Preview every N forwards (empty: about a tenth of them; 0: no previews)",
                         )
+                    with gr.Row():
+                        sparsity = gr.Textbox(
+                            value="",
+                            elem_id="sparsity",
+                            label="Sparse attention: video tiles dropped, 0 to 0.99, one per forward comma-separated, "
+                            "or default (empty: the model's own)",
+                        )
+                        dense_forwards = gr.Number(
+                            value=None, precision=0, minimum=0, elem_id="dense-forwards", label="First forwards dense"
+                        )
             with gr.Column(scale=2):
                 status = gr.Textbox(label="Status", interactive=False, elem_id="status", lines=2)
                 progress = gr.HTML(progress_html(0, "idle"), elem_id="progress")
@@ -224,6 +234,8 @@ def build_ui(manager) -> gr.Blocks:
                 quality,
                 loras,
                 preview_every,
+                sparsity,
+                dense_forwards,
             ],
             [status, progress, preview, video, job_state, seed, planned],
             concurrency_limit=None,

@@ -230,18 +230,30 @@ class GenerationBody(BaseModel):
 
     @field_validator("sparsity", mode="before")
     @classmethod
-    def _sparsity_from_text(cls, value):
-        # A multipart form carries a number, "default" or a JSON list as text.
-        if isinstance(value, str) and value.lstrip().startswith("["):
-            return _json_field(value, "sparsity", "a number, a JSON list of numbers or default")
-        return value
-
-    @field_validator("sparsity")
-    @classmethod
-    def _sparsity_range(cls, value):
-        for one in value if isinstance(value, list) else [] if value in (None, "default") else [value]:
-            if not 0 <= one < 1:
-                raise ValueError(f"sparsity values must be from 0 up to (not including) 1 (got {one})")
+    def _sparsity_value(cls, value):
+        # One check for every form of the field (a JSON number, list or "default"; a multipart form's text of any of
+        # them), so a bad value is one error on `sparsity`, not one per member of the type's union.
+        if isinstance(value, str):
+            text = value.strip()
+            if text.startswith("["):
+                value = _json_field(text, "sparsity", 'a number, a JSON list of numbers or "default"')
+            elif text == "default":
+                return "default"
+            else:
+                try:
+                    value = float(text)
+                except ValueError:
+                    value = text
+        values = value if isinstance(value, list) else [value]
+        if value is not None and not all(
+            isinstance(one, (int, float)) and not isinstance(one, bool) and 0 <= one < 1 for one in values
+        ):
+            raise PydanticCustomError(
+                "value_error",
+                "sparsity must be a number from 0 up to (not including) 1, a list of them (one per forward) or "
+                '"default" (got {value})',
+                {"value": str(value)[:40]},
+            )
         return value
 
     @field_validator("aspect_ratio")
