@@ -120,6 +120,22 @@ def test_run_sends_previews_at_the_requested_cadence_without_changing_the_clip(p
     assert [step for _, step, _, _ in previews] == [1, 2, 3, 4, 5]
 
 
+def test_under_offload_only_a_request_that_asks_gets_previews():
+    """Each preview would bring the VAE to the GPU between forwards: an offloaded pipeline makes them when asked."""
+    offloaded = H3Pipeline.from_pretrained(
+        tiny_checkpoint(), device="cpu", torch_dtype=torch.float32, workflow="t2va", offload="stage"
+    )
+    seen = []
+
+    def callback(stage, step, total, preview=None):
+        if preview is not None:
+            seen.append(step)
+
+    assert offloaded("a fox", num_inference_steps=4, seed=2, callback=callback, **CANVAS).previews == 0
+    asked = offloaded("a fox", num_inference_steps=4, seed=2, preview_every=1, callback=callback, **CANVAS)
+    assert asked.previews == 2 and seen == [1, 2]
+
+
 @pytest.mark.parametrize("value", [-1, 1000, 2.5, True, "3"])
 def test_preview_every_out_of_range_names_the_field(pipe, value):
     with pytest.raises(RequestError) as error:
