@@ -47,7 +47,7 @@ def merge_lora_argument(parser) -> None:
         metavar="PATH",
         help="merge this adapter into the model when it loads (repeatable): a FastH3 adapter (fastvideo-lora-v2) "
         "makes the base model its 4-forward student; any other LoRA is merged at scale 1 and its few-step recipe "
-        "applies to every request",
+        "applies to every request (default: none)",
     )
 
 

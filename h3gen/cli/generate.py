@@ -166,6 +166,7 @@ def run_generate(args: argparse.Namespace) -> int:
         GenerationRequest,
         H3Checkpoint,
         check_max_seconds,
+        load_time_contract,
         prepare_request,
         read_transformer_config,
         with_prompt,
@@ -195,7 +196,7 @@ def run_generate(args: argparse.Namespace) -> int:
     config = read_transformer_config(checkpoint)
     max_seconds = check_max_seconds(args.max_seconds)
     loras, recipes = _loras(args, config.attention_head_dim)
-    student, merged_recipes = _merged(args, checkpoint, config.attention_head_dim)
+    student, merged_recipes = load_time_contract(checkpoint, args.merge_loras, config.attention_head_dim)
     request = GenerationRequest(
         args.prompt,
         image=args.image,
@@ -356,26 +357,6 @@ def sparse_summary(sparsity: list[float] | None) -> str:
         return ""
     values = "/".join(f"{value:g}" for value in dict.fromkeys(sparse))
     return f", sparse attention {values} on {len(sparse)} of {len(sparsity)} forwards"
-
-
-def _merged(args: argparse.Namespace, checkpoint, head_dim: int) -> tuple:
-    """The student contract the model runs once loaded with its `--merge-lora` adapters (a FastH3 adapter's, else the
-    checkpoint's own), and the few-step recipes of the other merged adapters, read from the headers before any
-    weights load."""
-    from pathlib import Path
-
-    from h3gen.pipelines.h3 import checkpoint_student, read_lora, recipe_for
-    from h3gen.pipelines.h3.fasth3_adapter import split_load_time_loras
-    from h3gen.pipelines.h3.request import checkpoint_shifts
-
-    adapter, others = split_load_time_loras(args.merge_loras)
-    recipes = []
-    for path, _ in others:
-        recipe = recipe_for(Path(path).name, read_lora(path, head_dim=head_dim).metadata)
-        recipes += [recipe] if recipe else []
-    if adapter is not None:
-        return adapter.contract(*checkpoint_shifts(checkpoint)), recipes
-    return checkpoint_student(checkpoint), recipes
 
 
 def _cached_summary(output, tier: str) -> str:

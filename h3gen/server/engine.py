@@ -8,7 +8,7 @@ from typing import Callable
 
 import torch
 
-from h3gen.errors import RequestError
+from h3gen.errors import CheckpointError, RequestError
 from h3gen.options import RunOptions, uses_step_cache
 from h3gen.pipelines.h3 import (
     DEFAULT_MAX_SECONDS,
@@ -19,7 +19,7 @@ from h3gen.pipelines.h3 import (
     VideoReference,
     check_device_budget,
     check_max_seconds,
-    checkpoint_student,
+    load_time_contract,
     lora_budget_bytes,
     lora_device_bytes,
     prepare_request,
@@ -120,7 +120,17 @@ class H3Engine:
         self.max_seconds = check_max_seconds(max_seconds)
         self.checkpoint = H3Checkpoint.open(self.model_path)
         self.config = read_transformer_config(self.checkpoint)
-        self.student = checkpoint_student(self.checkpoint)  # a FastH3 student's contract, checked before loading
+        self.merge_loras = list(merge_loras or [])
+        # The contract the loaded model will sample with (a FastH3 student's, from the checkpoint or a merged adapter)
+        # and the merged adapters' recipes, so that requests queued while it loads are checked as it will run them.
+        try:
+            self.student, self.merged_recipes = load_time_contract(
+                self.checkpoint, self.merge_loras, self.config.attention_head_dim
+            )
+        except (CheckpointError, RequestError):
+            raise
+        except Exception:  # weight files that cannot be read: the load fails on them, saying so
+            self.student, self.merged_recipes = None, []
         # The tasks this server answers: every one the checkpoint holds, or those of one workflow (ref2va has its
         # own transformer partition, so serving it next to t2va / fl2va holds both in memory).
         available = self.checkpoint.tasks()
@@ -137,7 +147,6 @@ class H3Engine:
         self.load_error: str | None = None
         self.lora_folder = None if lora_dir is None else LoraFolder(lora_dir, head_dim=self.config.attention_head_dim)
         self.lora_gpu_memory = lora_budget_bytes(lora_gpu_memory)
-        self.merge_loras = list(merge_loras or [])
 
     @property
     def offload(self) -> dict:
@@ -253,7 +262,12 @@ class H3Engine:
         else:
             limit = self.max_seconds
             prepared = prepare_request(
-                self.checkpoint, self.config, spec, recipes=recipes, max_seconds=limit, student=self.student
+                self.checkpoint,
+                self.config,
+                spec,
+                recipes=self.merged_recipes + recipes,
+                max_seconds=limit,
+                student=self.student,
             )
             if lora_files and self.lora_gpu_memory is not None:  # a set cap applies while the model loads too
                 need = sum(lora_device_bytes(lora, prepared.task, self.dtype.itemsize) for lora in lora_files)

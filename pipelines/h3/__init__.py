@@ -22,6 +22,7 @@ _PUBLIC = {
     "H3Request": "request",
     "prepare_request": "request",
     "checkpoint_student": "request",
+    "load_time_contract": "load_contract",
     "StudentContract": "fasth3",
     "resolve_sparsity": "sparse_attention",
     "with_prompt": "request",
