@@ -37,6 +37,7 @@ def test_a_request_resolves_to_one_sparsity_per_forward():
     assert resolve_sparsity("default", None, 49) == (0.0,) * 10 + (0.75,) * 39
     assert resolve_sparsity("default", 2, 4) == (0.0, 0.0, 0.75, 0.75)
     assert resolve_sparsity(0.0, None, 2) == (0.0, 0.0)
+    assert resolve_sparsity(None, 0, 3) is None  # a form's empty "first forwards dense" field
     for sparsity, dense, field, words in (
         (1.0, None, "sparsity", "in [0, 1)"),
         (-0.1, None, "sparsity", "in [0, 1)"),

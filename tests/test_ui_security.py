@@ -33,6 +33,8 @@ INPUTS = [
     "quality",
     "loras",
     "preview_every",
+    "sparsity",
+    "dense_forwards",
 ]
 
 
@@ -97,6 +99,8 @@ def generate_inputs(**overrides) -> list:
         quality="lossless",
         loras={"headers": ["LoRA", "recipe", "scale"], "data": []},
         preview_every=None,
+        sparsity="",
+        dense_forwards=None,
     )  # the picker, empty
     values.update(overrides)
     return [values[name] for name in INPUTS]

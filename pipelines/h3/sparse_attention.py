@@ -45,7 +45,7 @@ def resolve_sparsity(sparsity, dense_forwards, forwards: int, contract: float | 
         )
     if sparsity is None:
         if contract is None:
-            if dense_forwards is not None:
+            if dense_forwards:
                 raise RequestError('dense_forwards needs sparsity (a number, a list or "default").', "dense_forwards")
             return None
         sparsity = contract
