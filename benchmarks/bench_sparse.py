@@ -40,8 +40,8 @@ from h3gen.kernels.attention import attention, resolve_backend
 from h3gen.kernels.vsa_h3 import (
     build_tile_geometry,
     kept_video_tiles,
+    pool_tiles,
     select_tiles,
-    tile_means,
     tile_scores,
     vsa_h3_attention,
 )
@@ -102,15 +102,34 @@ def bench_op(args, device, dtype, backend):
     dense_name = resolve_backend("auto", device, dtype, args.dim)
     dense_flops = 4 * args.dim * args.heads * geometry.num_rows**2
 
-    def select():
-        scores = tile_scores(tile_means(geometry.tile(q), geometry), tile_means(geometry.tile(k), geometry))
-        return select_tiles(scores, geometry, args.sparsity)
+    def scores():
+        return tile_scores(pool_tiles(q, geometry, backend), pool_tiles(k, geometry, backend))
 
-    selection = select()
+    selection = select_tiles(scores(), geometry, args.sparsity)
     sparse_flops = _sparse_flops(geometry, selection, args.dim)
+    prefix_flops = 4 * args.dim * args.heads * geometry.prefix_rows * geometry.num_rows
     dense_ms = time(lambda: attention(q, k, v, backend="auto"), args.repeat)
     rows.append(_row(f"dense attention ({dense_name})", dense_ms, dense_flops))
-    rows.append(_row("selection (tile, means, scores, top-k)", time(select, args.repeat), None))
+    rows.append(
+        _row(
+            "tile means of q and k", time(lambda: [pool_tiles(t, geometry, backend) for t in (q, k)], args.repeat), None
+        )
+    )
+    rows.append(
+        _row(
+            "selection (means, scores, top-k)",
+            time(lambda: select_tiles(scores(), geometry, args.sparsity), args.repeat),
+            None,
+        )
+    )
+    prefix = geometry.prefix_rows
+    rows.append(
+        _row(
+            f"prefix query rows, dense ({dense_name})",
+            time(lambda: attention(q[:, :prefix], k, v, backend="auto"), args.repeat),
+            prefix_flops,
+        )
+    )
     op_ms = {}
     for name, g in (("no gate", None), ("gate", gate)):
         op_ms[name] = time(
@@ -118,6 +137,8 @@ def bench_op(args, device, dtype, backend):
         )
         rows.append(_row(f"VSA-H3 op, {backend}, {name}", op_ms[name], sparse_flops))
     if backend == "triton":
+        import triton
+
         from h3gen.kernels.vsa_h3 import triton as vsa_triton  # after TRITON_INTERPRET is settled (see top)
 
         in_kernel = vsa_triton.KernelConfig(prefix_in_kernel=True)
@@ -128,15 +149,22 @@ def bench_op(args, device, dtype, backend):
             )
             rows.append(_row(f"VSA-H3 op, triton, {name}, prefix rows in the kernel", ms, sparse_flops))
 
-        slots = [geometry.tile(t) for t in (q, k, v)]
         out = torch.empty_like(q)
-        video_flops = sparse_flops - 4 * args.dim * args.heads * geometry.prefix_rows * geometry.num_rows
+        video_flops = sparse_flops - prefix_flops
         for config in vsa_triton.CONFIGS[:1] if args.tiny else vsa_triton.CONFIGS:
-            ms = time(
-                lambda c=config: vsa_triton.block_sparse_attention(*slots, selection, geometry, out, config=c),
-                args.repeat,
+            name = (
+                f"kernel alone, {config.key_tiles} key tile(s) per step, {config.num_warps} warps, "
+                f"{config.num_stages} stages"
             )
-            rows.append(_row(f"kernel alone, {config.num_warps} warps, {config.num_stages} stages", ms, video_flops))
+            try:
+                ms = time(
+                    lambda c=config: vsa_triton.block_sparse_attention(q, k, v, selection, geometry, out, config=c),
+                    args.repeat,
+                )
+            except triton.runtime.errors.OutOfResources as error:  # a deep pipeline of wide steps: too much smem
+                rows.append({"variant": f"{name}: not launched ({error})", "ms": "-", "TFLOP/s": "-", "relL2": "-"})
+                continue
+            rows.append(_row(name, ms, video_flops))
     kept = kept_video_tiles(args.sparsity, geometry.num_video_tiles)
     summary = (
         f"{geometry.num_rows} rows, {args.heads} heads x {args.dim}, {dtype}; {geometry.num_prefix_tiles} prefix + "

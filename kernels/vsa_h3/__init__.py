@@ -87,7 +87,8 @@ def vsa_h3_attention(
         backend: "auto" (None), "triton" or "reference" (see the module docstring).
         dense_backend: the `attention` backend for the dense parts (prefix query rows, everything when all video
             tiles are kept).
-        config: the Triton launch settings (`triton.KernelConfig`), its default when None.
+        config: the Triton launch settings (`triton.KernelConfig`); when None the device's default, or a smaller
+            setting where the default does not fit its shared memory.
     Returns:
         `(B, S, H, D)` in query's dtype.
     """
@@ -110,40 +111,50 @@ def vsa_h3_attention(
         out = attention(query, key, value, backend=dense_backend)
         if gate is None:
             return out
-        q_slots, k_slots = geometry.tile(query), geometry.tile(key)
-        scores = tile_scores(tile_means(q_slots, geometry), tile_means(k_slots, geometry))
-        compressed = compress(scores, tile_means(geometry.tile(value), geometry))
+        scores = tile_scores(pool_tiles(query, geometry, name), pool_tiles(key, geometry, name))
+        compressed = compress(scores, pool_tiles(value, geometry, name))
         return add_compressed(out, gate, compressed, geometry.row_tile)
     if name == "reference":
         return reference.vsa_h3_attention(query, key, value, geometry, sparsity, gate)
     return _sparse_triton(query, key, value, geometry, sparsity, gate, dense_backend, config)
 
 
+def pool_tiles(x: torch.Tensor, geometry: TileGeometry, backend: str | None = None) -> torch.Tensor:
+    """Tile means of packed rows: `(B, S, H, D)` -> `(B, H, T, D)` float32 (`selection.tile_means`), read in place by
+    the Triton kernel where `backend` (as in `vsa_h3_attention`) resolves to it, else through `geometry.tile`."""
+    if resolve_backend(x, backend) == "triton":
+        from h3gen.kernels.vsa_h3 import triton as fast  # on first use: see _dispatch
+
+        return fast.tile_means(x if x.stride(3) == 1 else x.contiguous(), geometry)
+    return tile_means(geometry.tile(x), geometry)
+
+
 def _sparse_triton(query, key, value, geometry, sparsity, gate, dense_backend, config):
-    """Selection in torch, the video query tiles through the kernel, the prefix query rows through `attention`."""
+    """Selection in torch over the kernel's tile means, the video query tiles through the block-sparse kernel, the
+    prefix query rows through `attention` (or the kernel, per `config`)."""
     from h3gen.kernels.vsa_h3 import triton as fast  # on first use: see _dispatch
 
-    q_slots, k_slots, v_slots = (geometry.tile(t) for t in (query, key, value))
-    scores = tile_scores(tile_means(q_slots, geometry), tile_means(k_slots, geometry))
+    if any(t.stride(3) != 1 for t in (query, key, value)):
+        query, key, value = (t.contiguous() for t in (query, key, value))
+    scores = tile_scores(fast.tile_means(query, geometry), fast.tile_means(key, geometry))
     selection = select_tiles(scores, geometry, sparsity)
-    compressed = None if gate is None else compress(scores, tile_means(v_slots, geometry))
-    config = config or fast.default_config(query.device, query.shape[-1])
+    compressed = None if gate is None else compress(scores, fast.tile_means(value, geometry))
     if gate is not None and gate.stride(3) != 1:
         gate = gate.contiguous()
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     prefix = geometry.prefix_rows
-    if prefix and config.prefix_in_kernel:
+    if prefix and config is not None and config.prefix_in_kernel:
         b, _, h, _ = query.shape
         p, t = geometry.num_prefix_tiles, geometry.num_tiles
         every_tile = torch.arange(t, dtype=torch.int32, device=query.device).expand(b, h, p, t)
         dense = TileSelection(every_tile, torch.full((b, h, p), t, dtype=torch.int32, device=query.device), 0, t)
-        fast.block_sparse_attention(q_slots, k_slots, v_slots, dense, geometry, out, gate, compressed, config)
+        fast.block_sparse_attention(query, key, value, dense, geometry, out, gate, compressed, config)
     elif prefix:
         dense = attention(query[:, :prefix], key, value, backend=dense_backend)
         if gate is not None:
             dense = add_compressed(dense, gate[:, :prefix], compressed, geometry.row_tile[:prefix])
         out[:, :prefix] = dense
-    return fast.block_sparse_attention(q_slots, k_slots, v_slots, selection, geometry, out, gate, compressed, config)
+    return fast.block_sparse_attention(query, key, value, selection, geometry, out, gate, compressed, config)
 
 
 def attend(
@@ -183,6 +194,7 @@ __all__ = [
     "TileSelection",
     "build_tile_geometry",
     "kept_video_tiles",
+    "pool_tiles",
     "resolve_backend",
     "select_tiles",
     "selection_map",

@@ -32,6 +32,7 @@ class TileGeometry:
         prefix_rows: rows before the video (the sum of the prefix segments).
         tile_sizes: `(T,)` int32, the valid rows of each tile (1..64).
         gather_index: `(T * 64,)` int64, slot -> row; padding slots hold `num_rows` (one past the last row).
+        slot_rows: `(T * 64,)` int32, slot -> row with -1 at padding slots (what the Triton kernels read).
         untile_index: `(S,)` int64, row -> slot.
         pad_slots: `(T * 64 - S,)` int64, the padding slots.
         row_tile: `(S,)` int64, row -> tile (`untile_index // 64`).
@@ -44,6 +45,7 @@ class TileGeometry:
     prefix_rows: int
     tile_sizes: torch.Tensor
     gather_index: torch.Tensor
+    slot_rows: torch.Tensor
     untile_index: torch.Tensor
     pad_slots: torch.Tensor
     row_tile: torch.Tensor
@@ -150,6 +152,7 @@ def build_tile_geometry(
         prefix_rows=prefix_rows,
         tile_sizes=tile_sizes,
         gather_index=gather_index,
+        slot_rows=torch.where(gather_index == total, -1, gather_index).to(torch.int32),
         untile_index=untile_index,
         pad_slots=pad_slots,
         row_tile=untile_index // TILE_ROWS,

@@ -1,13 +1,19 @@
-"""Block-sparse flash attention over 64-row tiles (the sparse half of VSA-H3) in Triton.
+"""Block-sparse flash attention over 64-row tiles (the sparse half of VSA-H3) and the tile means, in Triton.
 
-One program per (video query tile, batch x head): it loads its 64 query slots once, walks the key tiles its row of
-`q2k_idx` lists (prefix tiles first, then its video tiles, ascending) with an fp32 online softmax, masks key slots
-at or beyond each key tile's valid rows, and writes its valid rows straight to their packed rows of the output
-(through the geometry's slot -> row index, so there is no untile pass). With a gate it adds `gate * compressed`
-there too, the compression branch folded into the epilogue. Query and key tiles are both 64 rows (BLOCK_M = BLOCK_N
-= 64, FastVideo's tile); head sizes are powers of two from 16 to 128.
+Both kernels read the packed `(B, S, H, D)` rows where they are, through the geometry's slot -> row index
+(`TileGeometry.slot_rows`, -1 at padding slots): no tiled copy of q, k or v is made. A tile's rows are scattered
+over the sequence (a (4, 4, 4) video box is 16 runs of 4 rows), but a row's head is one contiguous D-vector either
+way, so reading through the index costs the same as reading a tiled copy.
 
-Programs of one head are adjacent in launch order, so the key tiles that head's query tiles share stay in L2.
+`block_sparse_attention`: one program per (query tile, batch x head). It loads its 64 query rows once, walks the key
+tiles its row of `q2k_idx` lists (prefix tiles first, then its video tiles, ascending), `key_tiles` of them per step
+(a 64 x 64·key_tiles score block), with an fp32 online softmax; padding slots and the unused tail of the last step
+are masked to -inf. It writes its valid rows straight to their rows of the output, adding `gate * compressed` there
+when gated (the compression branch folded into the epilogue). Programs of one head are adjacent in launch order, so
+the key tiles that head's query tiles share stay in L2. Head sizes are powers of two from 16 to 128.
+
+`tile_means`: one program per (batch x head, tile), the fp32 sum of the tile's valid rows over its valid count.
+
 The launch settings (`KernelConfig`) are exposed for a GPU benchmark to sweep; `default_config` picks one per device.
 """
 
@@ -27,25 +33,40 @@ _LOG2E = 1.4426950408889634
 
 @dataclass(frozen=True)
 class KernelConfig:
-    """How the op runs on the GPU: warps per program, software-pipeline depth of the key-tile loop, and whether the
-    (dense) prefix query tiles run through this kernel over every key tile instead of the dense attention dispatch."""
+    """How the op runs on the GPU: warps per program, software-pipeline depth of the key loop, 64-row key tiles per
+    step of that loop (1 or 2), and whether the (dense) prefix query tiles run through this kernel over every key
+    tile instead of the dense attention dispatch."""
 
     num_warps: int = 4
     num_stages: int = 3
+    key_tiles: int = 2
     prefix_in_kernel: bool = False
 
 
-# What a benchmark sweeps (64-row query tiles fill one Hopper warpgroup at 4 warps; 8 warps split the rows further).
-CONFIGS = tuple(KernelConfig(w, s) for w in (4, 8) for s in (2, 3, 4))
+# What a benchmark sweeps. 64-row query tiles fill one Hopper warpgroup at 4 warps (8 warps with one key tile per
+# step ran 1.6-2.3x slower on an H100); a deep pipeline of two key tiles per step may not fit in shared memory, and
+# the benchmark reports such a setting as not launched.
+CONFIGS = (
+    *(KernelConfig(4, stages, 1) for stages in (2, 3, 4)),
+    *(KernelConfig(4, stages, 2) for stages in (2, 3, 4)),
+    *(KernelConfig(8, stages, 2) for stages in (2, 3)),
+)
 
 
 def default_config(device: torch.device, head_dim: int = 128) -> KernelConfig:
-    """A launch setting for `head_dim` heads on `device`: Hopper and newer pipeline four key tiles deep (on an H100 at
-    the 5 s 768x1344 shape, sparsity 0.9, bf16: 13.8 ms at 4 warps x 4 stages, 14.2 at 3 stages, 14.6 at 2, 21.5 to
-    31.5 at 8 warps); older GPUs and the interpreter two."""
+    """A launch setting for `head_dim` heads on `device`: on Hopper and newer two key tiles per step pipelined three
+    deep (`bench_sparse.py op` sweeps `CONFIGS`; benchmarks/RESULTS.md has the table); older GPUs and the
+    interpreter two deep."""
     if device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9:
-        return KernelConfig(num_warps=4, num_stages=4)
-    return KernelConfig(num_warps=4, num_stages=2)
+        return KernelConfig(num_warps=4, num_stages=3, key_tiles=2)
+    return KernelConfig(num_warps=4, num_stages=2, key_tiles=2)
+
+
+# The settings tried in turn when none is given, smaller ones after the device's default: wide steps pipelined deep
+# need shared memory a consumer GPU (about 100 KiB per block) or fp32 heads do not have. The first that launches is
+# kept per (device, dtype, head size).
+_FALLBACKS = (KernelConfig(4, 2, 2), KernelConfig(4, 2, 1), KernelConfig(4, 1, 1))
+_LAUNCHED: dict[tuple, KernelConfig] = {}
 
 
 def supports(query: torch.Tensor) -> bool:
@@ -63,87 +84,156 @@ def _block_sparse_fwd(
     comp_ptr,
     idx_ptr,
     num_ptr,
-    sizes_ptr,
     rows_ptr,
     heads,
     first_q_tile,
     num_q_tiles,
     num_tiles,
     max_kv,
-    stride_slot_b,
-    stride_slot_s,
-    stride_slot_h,
-    stride_out_b,
-    stride_out_s,
-    stride_out_h,
-    stride_gate_b,
-    stride_gate_s,
-    stride_gate_h,
+    stride_qb,
+    stride_qs,
+    stride_qh,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_vb,
+    stride_vs,
+    stride_vh,
+    stride_ob,
+    stride_os,
+    stride_oh,
+    stride_gb,
+    stride_gs,
+    stride_gh,
     qk_scale,
     HEAD_DIM: tl.constexpr,
     BLOCK: tl.constexpr,
+    KEY_TILES: tl.constexpr,
     GATED: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     NUM_STAGES: tl.constexpr,
 ):
+    BLOCK_N: tl.constexpr = BLOCK * KEY_TILES
     q_tile = tl.program_id(0)
     bh = tl.program_id(1)
     b = (bh // heads).to(tl.int64)
-    h = bh % heads
+    h = (bh % heads).to(tl.int64)
     tile = first_q_tile + q_tile
     slots = tl.arange(0, BLOCK)
     dims = tl.arange(0, HEAD_DIM)
-    # q, k and v slots share one layout (all three come from `TileGeometry.tile`). 64-bit scalar bases per tile,
-    # 32-bit offsets inside a tile: no 64-bit arithmetic per element in the loop.
-    head_base = b * stride_slot_b + h * stride_slot_h
-    tile_stride = BLOCK * stride_slot_s.to(tl.int64)
-    row_major = slots[:, None] * stride_slot_s + dims[None, :]  # (slot, dim): q and v
-    col_major = slots[None, :] * stride_slot_s + dims[:, None]  # (dim, slot): k, read transposed for q @ k
-    q = tl.load(q_ptr + head_base + tile * tile_stride + row_major)
+    q_rows = tl.load(rows_ptr + tile * BLOCK + slots)
+    q_valid = q_rows >= 0
+    q_offsets = tl.where(q_valid, q_rows, 0).to(tl.int64)
+    q = tl.load(q_ptr + b * stride_qb + h * stride_qh + q_offsets[:, None] * stride_qs + dims[None, :])
 
+    k_head = k_ptr + b * stride_kb + h * stride_kh
+    v_head = v_ptr + b * stride_vb + h * stride_vh
+    cols = tl.arange(0, BLOCK_N)
+    col_step = cols // BLOCK  # which of the step's key tiles a column belongs to
+    col_slot = cols % BLOCK
     m_i = tl.full([BLOCK], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK], tl.float32)
     acc = tl.zeros([BLOCK, HEAD_DIM], tl.float32)
     row = bh.to(tl.int64) * num_q_tiles + q_tile
     count = tl.load(num_ptr + row)
     kv_list = idx_ptr + row * max_kv
-    for j in tl.range(0, count, num_stages=NUM_STAGES):
-        kv_tile = tl.load(kv_list + j)
-        kv_valid = tl.load(sizes_ptr + kv_tile)
-        kv_base = head_base + kv_tile * tile_stride
-        k = tl.load(k_ptr + kv_base + col_major)
-        s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale
-        s = tl.where(slots[None, :] < kv_valid, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        p = tl.math.exp2(s - m_new[:, None])
+    for j in tl.range(0, count, KEY_TILES, num_stages=NUM_STAGES):
+        listed = j + col_step < count
+        kv_tile = tl.load(kv_list + j + col_step, mask=listed, other=0)
+        kv_rows = tl.load(rows_ptr + kv_tile * BLOCK + col_slot)
+        kv_valid = listed & (kv_rows >= 0)
+        kv_offsets = tl.where(kv_valid, kv_rows, 0).to(tl.int64)
+        k = tl.load(k_head + kv_offsets[:, None] * stride_ks + dims[None, :])
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+        s = tl.where(kv_valid[None, :], s, float("-inf"))
+        # Scaled after the max (the scale is positive): one multiply-add per score for the exponent.
+        m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+        p = tl.math.exp2(s * qk_scale - m_new[:, None])
         alpha = tl.math.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_ptr + kv_base + row_major)
+        v = tl.load(v_head + kv_offsets[:, None] * stride_vs + dims[None, :])
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
         m_i = m_new
 
     out = acc / l_i[:, None]
-    q_valid = slots < tl.load(sizes_ptr + tile)
-    rows = tl.load(rows_ptr + tile * BLOCK + slots, mask=q_valid, other=0)
     if GATED:
         g = tl.load(
-            gate_ptr + b * stride_gate_b + h * stride_gate_h + rows[:, None] * stride_gate_s + dims[None, :],
+            gate_ptr + b * stride_gb + h * stride_gh + q_offsets[:, None] * stride_gs + dims[None, :],
             mask=q_valid[:, None],
             other=0.0,
         )
         c = tl.load(comp_ptr + (bh.to(tl.int64) * num_tiles + tile) * HEAD_DIM + dims)
         out = out + g.to(tl.float32) * c[None, :]
     tl.store(
-        out_ptr + b * stride_out_b + h * stride_out_h + rows[:, None] * stride_out_s + dims[None, :],
+        out_ptr + b * stride_ob + h * stride_oh + q_offsets[:, None] * stride_os + dims[None, :],
         out.to(out_ptr.dtype.element_ty),
         mask=q_valid[:, None],
     )
 
 
+@triton.jit
+def _tile_means(
+    x_ptr,
+    out_ptr,
+    rows_ptr,
+    sizes_ptr,
+    heads,
+    num_tiles,
+    stride_b,
+    stride_s,
+    stride_h,
+    HEAD_DIM: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    bh = tl.program_id(0)
+    tile = tl.program_id(1)
+    b = (bh // heads).to(tl.int64)
+    h = (bh % heads).to(tl.int64)
+    slots = tl.arange(0, BLOCK)
+    dims = tl.arange(0, HEAD_DIM)
+    rows = tl.load(rows_ptr + tile * BLOCK + slots)
+    valid = rows >= 0
+    offsets = tl.where(valid, rows, 0).to(tl.int64)
+    x = tl.load(
+        x_ptr + b * stride_b + h * stride_h + offsets[:, None] * stride_s + dims[None, :],
+        mask=valid[:, None],
+        other=0.0,
+    )
+    sums = tl.sum(x.to(tl.float32), 0)
+    size = tl.load(sizes_ptr + tile).to(tl.float32)
+    tl.store(out_ptr + (bh.to(tl.int64) * num_tiles + tile) * HEAD_DIM + dims, sums / size)
+
+
+def _check_heads(x: torch.Tensor, geometry: TileGeometry, what: str) -> None:
+    if x.ndim != 4 or x.shape[1] != geometry.num_rows or x.shape[-1] not in HEAD_DIMS or x.stride(3) != 1:
+        raise ValueError(
+            f"{what} takes (B, {geometry.num_rows}, H, D) rows with contiguous heads of D in {HEAD_DIMS}, got "
+            f"{tuple(x.shape)} with strides {x.stride()}."
+        )
+
+
+def tile_means(x: torch.Tensor, geometry: TileGeometry) -> torch.Tensor:
+    """Per-tile means of packed rows, read in place (`selection.tile_means` of `geometry.tile(x)` without the copy).
+
+    Args:
+        x: `(B, S, H, D)` fp32/fp16/bf16 rows, contiguous heads, D in `HEAD_DIMS`.
+    Returns:
+        `(B, H, T, D)` float32: each tile's fp32 sum over its valid rows divided by their count.
+    """
+    _check_heads(x, geometry, "tile_means")
+    b, _, h, d = x.shape
+    out = torch.empty(b, h, geometry.num_tiles, d, dtype=torch.float32, device=x.device)
+    if geometry.num_tiles:
+        _tile_means[(b * h, geometry.num_tiles)](
+            x, out, geometry.slot_rows, geometry.tile_sizes, h, geometry.num_tiles, *x.stride()[:3], d, TILE_ROWS
+        )
+    return out
+
+
 def block_sparse_attention(
-    q_slots: torch.Tensor,
-    k_slots: torch.Tensor,
-    v_slots: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
     selection: TileSelection,
     geometry: TileGeometry,
     out: torch.Tensor,
@@ -154,63 +244,86 @@ def block_sparse_attention(
     """Attention of the selected query tiles over their selected key tiles, written into their rows of `out`.
 
     Args:
-        q_slots, k_slots, v_slots: `(B, T * 64, H, D)` from `geometry.tile`, one dtype (fp32, fp16 or bf16), D in
-            `HEAD_DIMS`, padding slots zero.
+        query, key, value: `(B, S, H, D)` packed rows, one dtype (fp32, fp16 or bf16), contiguous heads, D in
+            `HEAD_DIMS`; any other strides.
         selection: the key tiles of query tiles `first_q_tile ..` (`selection.select_tiles`).
         out: `(B, S, H, D)` the output rows; the rows of the selected query tiles are written, the others are left
             as they are.
         gate: `(B, S, H, D)` or None; with it, `compressed` `(B, H, T, D)` float32 and each written row gets
             `gate[row] * compressed[tile(row)]` added.
-        config: launch settings, `default_config` when None.
+        config: launch settings; when None the device's `default_config`, or the first smaller setting that fits
+            its shared memory.
     Returns:
         `out`.
     """
-    b, slots, h, d = q_slots.shape
-    if d not in HEAD_DIMS or slots != geometry.num_slots or not (k_slots.shape == q_slots.shape == v_slots.shape):
-        raise ValueError(f"block_sparse_attention takes (B, T * 64, H, D) slots with D in {HEAD_DIMS}.")
-    if q_slots.stride() != k_slots.stride() or q_slots.stride() != v_slots.stride() or q_slots.stride(3) != 1:
-        raise ValueError("q, k and v slots must share one layout with contiguous heads.")
-    if out.stride(3) != 1 or (gate is not None and gate.stride(3) != 1):
-        raise ValueError("out and gate must have contiguous heads.")
-    config = config or default_config(q_slots.device, d)
+    for name, x in (("query", query), ("key", key), ("value", value), ("out", out)) + (
+        (("gate", gate),) if gate is not None else ()
+    ):
+        _check_heads(x, geometry, f"block_sparse_attention's {name}")
+        if x.shape != query.shape:
+            raise ValueError(f"block_sparse_attention's {name} {tuple(x.shape)} is not query's {tuple(query.shape)}.")
+    if key.dtype != query.dtype or value.dtype != query.dtype:
+        raise ValueError("block_sparse_attention takes query, key and value of one dtype.")
+    d = query.shape[-1]
     idx, num = selection.q2k_idx.contiguous(), selection.q2k_num.contiguous()
-    num_q_tiles, max_kv = idx.shape[2], idx.shape[3]
-    if num_q_tiles == 0:
+    if idx.shape[2] == 0:
         return out
     gated = gate is not None
     if gated:
         compressed = compressed.contiguous()
-    rows = geometry.gather_index
-    grid = (num_q_tiles, b * h)
-    _block_sparse_fwd[grid](
-        q_slots,
-        k_slots,
-        v_slots,
+    args = (query, key, value, out, gate, compressed, idx, num, geometry, selection.first_q_tile)
+    if config is not None:
+        _launch(*args, config)
+        return out
+    chosen = (query.device, query.dtype, d)
+    if chosen in _LAUNCHED:
+        _launch(*args, _LAUNCHED[chosen])
+        return out
+    first = default_config(query.device, d)
+    for candidate in (first, *(c for c in _FALLBACKS if c != first)):
+        try:
+            _launch(*args, candidate)
+        except triton.runtime.errors.OutOfResources:
+            continue
+        _LAUNCHED[chosen] = candidate
+        return out
+    raise ValueError(
+        f"the VSA-H3 kernel does not fit this GPU's shared memory for {query.dtype} heads of {d} channels; run it with "
+        "H3GEN_VSA_BACKEND=reference."
+    )
+
+
+def _launch(query, key, value, out, gate, compressed, idx, num, geometry, first_q_tile, config):
+    """One launch of `_block_sparse_fwd` over the query tiles `idx` lists (see `block_sparse_attention`)."""
+    b, _, h, d = query.shape
+    num_q_tiles, max_kv = idx.shape[2], idx.shape[3]
+    gated = gate is not None
+    _block_sparse_fwd[(num_q_tiles, b * h)](
+        query,
+        key,
+        value,
         out,
         gate if gated else out,
         compressed if gated else out,
         idx,
         num,
-        geometry.tile_sizes,
-        rows,
+        geometry.slot_rows,
         h,
-        selection.first_q_tile,
+        first_q_tile,
         num_q_tiles,
         geometry.num_tiles,
         max_kv,
-        q_slots.stride(0),
-        q_slots.stride(1),
-        q_slots.stride(2),
-        out.stride(0),
-        out.stride(1),
-        out.stride(2),
+        *query.stride()[:3],
+        *key.stride()[:3],
+        *value.stride()[:3],
+        *out.stride()[:3],
         *(gate.stride()[:3] if gated else (0, 0, 0)),
         _LOG2E / math.sqrt(d),
         HEAD_DIM=d,
         BLOCK=TILE_ROWS,
+        KEY_TILES=config.key_tiles,
         GATED=gated,
-        DOT_PRECISION="ieee" if q_slots.dtype == torch.float32 else "tf32",
+        DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
         NUM_STAGES=config.num_stages,
         num_warps=config.num_warps,
     )
-    return out

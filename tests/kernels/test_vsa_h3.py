@@ -264,6 +264,62 @@ def test_prefix_rows_through_the_kernel_match_the_dense_dispatch(with_gate):
     assert _err(got[:, :75], expected[:, :75]) < 1e-5
 
 
+@pytest.mark.parametrize("key_tiles, num_warps", [(1, 4), (2, 4), (2, 8)])
+def test_kernel_settings_agree_on_views_of_one_buffer(key_tiles, num_warps):
+    """Every launch setting, on q/k/v that are strided views of one (B, S, 3, H, D) buffer: an odd number of listed
+    key tiles leaves the last step of two half empty."""
+    from h3gen.kernels.vsa_h3 import triton as vsa_triton
+
+    geometry = build_tile_geometry((5, 0, 70), (5, 6, 9)).to(DEVICE)
+    qkv = _rand(2, geometry.num_rows, 3, 2, 32, dtype=torch.float32, generator=_case(11))
+    q, k, v = qkv.unbind(2)
+    gate = _rand(2, geometry.num_rows, 2, 32, dtype=torch.float32, generator=_case(12))
+    config = vsa_triton.KernelConfig(num_warps=num_warps, num_stages=2, key_tiles=key_tiles)
+    got = vsa_h3_attention(q, k, v, geometry, 0.7, gate, backend="triton", config=config)
+    assert (kept_video_tiles(0.7, geometry.num_video_tiles) + geometry.num_prefix_tiles) % 2 == 1
+    expected = vsa_ref.vsa_h3_attention(q.contiguous(), k.contiguous(), v.contiguous(), geometry, 0.7, gate)
+    assert _err(got, expected) < 1e-5
+
+
+def test_a_setting_beyond_shared_memory_falls_back_to_one_that_fits(monkeypatch):
+    import triton
+
+    from h3gen.kernels.vsa_h3 import triton as vsa_triton
+
+    launched, real_launch = [], vsa_triton._launch
+
+    def launch(*args, fits=lambda config: config.key_tiles == 1):
+        launched.append(args[-1])
+        if not fits(args[-1]):
+            raise triton.runtime.errors.OutOfResources(300_000, 232_448, "shared memory")
+        return real_launch(*args)
+
+    monkeypatch.setattr(vsa_triton, "_launch", launch)
+    monkeypatch.setattr(vsa_triton, "_LAUNCHED", {})
+    geometry, q, k, v, gate = _inputs((5, 0, 70), (5, 6, 9), 2, 16, torch.float32, seed=14)
+    got = vsa_h3_attention(q, k, v, geometry, 0.7, gate, backend="triton")
+    first = vsa_triton.default_config(q.device, 16)
+    assert launched[0] == first and launched[-1].key_tiles == 1 and all(c.key_tiles == 2 for c in launched[:-1])
+    assert _err(got, vsa_ref.vsa_h3_attention(q, k, v, geometry, 0.7, gate)) < 1e-5
+    launched.clear()
+    vsa_h3_attention(q, k, v, geometry, 0.7, gate, backend="triton")
+    assert [c.key_tiles for c in launched] == [1]  # the setting that fitted is kept
+
+    monkeypatch.setattr(vsa_triton, "_LAUNCHED", {})
+    monkeypatch.setattr(vsa_triton, "_launch", lambda *args: launch(*args, fits=lambda config: False))
+    with pytest.raises(ValueError, match="shared memory.*H3GEN_VSA_BACKEND=reference"):
+        vsa_h3_attention(q, k, v, geometry, 0.7, gate, backend="triton")
+
+
+@pytest.mark.parametrize("prefix, grid", SHAPES)
+def test_tile_means_kernel_reads_rows_in_place(prefix, grid):
+    from h3gen.kernels.vsa_h3 import triton as vsa_triton
+
+    geometry, x, *_ = _inputs(prefix, grid, 3, 16, torch.float32, seed=13, gate=False)
+    expected = tile_means(geometry.tile(x), geometry)
+    assert torch.allclose(vsa_triton.tile_means(x, geometry), expected, rtol=1e-6, atol=1e-6)
+
+
 # -- dense cases and errors --------------------------------------------------------------------------------------
 
 
