@@ -102,27 +102,34 @@ def bench_op(args, device, dtype, backend):
     dense_name = resolve_backend("auto", device, dtype, args.dim)
     dense_flops = 4 * args.dim * args.heads * geometry.num_rows**2
 
-    def scores():
-        return tile_scores(pool_tiles(q, geometry, backend), pool_tiles(k, geometry, backend))
+    if backend == "triton":
+        from h3gen.kernels.vsa_h3 import triton_tiles  # after TRITON_INTERPRET is settled (see top)
 
-    selection = select_tiles(scores(), geometry, args.sparsity)
+        def tiling():
+            k_slots, k_means = triton_tiles.tile_rows(k, geometry)
+            return triton_tiles.tile_rows(q, geometry, copy=False)[1], k_means, k_slots
+
+        def select(scores):
+            return triton_tiles.select_tiles(scores, geometry, args.sparsity)
+    else:
+
+        def tiling():
+            return [pool_tiles(t, geometry, backend) for t in (q, k)]
+
+        def select(scores):
+            return select_tiles(scores, geometry, args.sparsity)
+
+    q_means, k_means, *_ = tiling()
+    selection = select(tile_scores(q_means, k_means))
     sparse_flops = _sparse_flops(geometry, selection, args.dim)
     prefix_flops = 4 * args.dim * args.heads * geometry.prefix_rows * geometry.num_rows
+    prefix = geometry.prefix_rows
     dense_ms = time(lambda: attention(q, k, v, backend="auto"), args.repeat)
     rows.append(_row(f"dense attention ({dense_name})", dense_ms, dense_flops))
+    rows.append(_row("tiling: means of q; k tiled with its means", time(tiling, args.repeat), None))
     rows.append(
-        _row(
-            "tile means of q and k", time(lambda: [pool_tiles(t, geometry, backend) for t in (q, k)], args.repeat), None
-        )
+        _row("selection: scores, top-k", time(lambda: select(tile_scores(q_means, k_means)), args.repeat), None)
     )
-    rows.append(
-        _row(
-            "selection (means, scores, top-k)",
-            time(lambda: select_tiles(scores(), geometry, args.sparsity), args.repeat),
-            None,
-        )
-    )
-    prefix = geometry.prefix_rows
     rows.append(
         _row(
             f"prefix query rows, dense ({dense_name})",
@@ -150,6 +157,7 @@ def bench_op(args, device, dtype, backend):
             rows.append(_row(f"VSA-H3 op, triton, {name}, prefix rows in the kernel", ms, sparse_flops))
 
         out = torch.empty_like(q)
+        slots = [triton_tiles.tile_rows(t, geometry)[0] for t in (k, v)]
         video_flops = sparse_flops - prefix_flops
         for config in vsa_triton.CONFIGS[:1] if args.tiny else vsa_triton.CONFIGS:
             name = (
@@ -158,7 +166,7 @@ def bench_op(args, device, dtype, backend):
             )
             try:
                 ms = time(
-                    lambda c=config: vsa_triton.block_sparse_attention(q, k, v, selection, geometry, out, config=c),
+                    lambda c=config: vsa_triton.block_sparse_attention(q, *slots, selection, geometry, out, config=c),
                     args.repeat,
                 )
             except triton.runtime.errors.OutOfResources as error:  # a deep pipeline of wide steps: too much smem

@@ -123,22 +123,26 @@ def pool_tiles(x: torch.Tensor, geometry: TileGeometry, backend: str | None = No
     """Tile means of packed rows: `(B, S, H, D)` -> `(B, H, T, D)` float32 (`selection.tile_means`), read in place by
     the Triton kernel where `backend` (as in `vsa_h3_attention`) resolves to it, else through `geometry.tile`."""
     if resolve_backend(x, backend) == "triton":
-        from h3gen.kernels.vsa_h3 import triton as fast  # on first use: see _dispatch
+        from h3gen.kernels.vsa_h3 import triton_tiles  # on first use: see _dispatch
 
-        return fast.tile_means(x if x.stride(3) == 1 else x.contiguous(), geometry)
+        return triton_tiles.tile_rows(x if x.stride(3) == 1 else x.contiguous(), geometry, copy=False)[1]
     return tile_means(geometry.tile(x), geometry)
 
 
 def _sparse_triton(query, key, value, geometry, sparsity, gate, dense_backend, config):
-    """Selection in torch over the kernel's tile means, the video query tiles through the block-sparse kernel, the
-    prefix query rows through `attention` (or the kernel, per `config`)."""
+    """Tile means, tiled keys and values, and the selection by the tile kernels; the video query tiles through the
+    block-sparse kernel, the prefix query rows through `attention` (or the kernel, per `config`)."""
     from h3gen.kernels.vsa_h3 import triton as fast  # on first use: see _dispatch
+    from h3gen.kernels.vsa_h3 import triton_tiles
 
     if any(t.stride(3) != 1 for t in (query, key, value)):
         query, key, value = (t.contiguous() for t in (query, key, value))
-    scores = tile_scores(fast.tile_means(query, geometry), fast.tile_means(key, geometry))
-    selection = select_tiles(scores, geometry, sparsity)
-    compressed = None if gate is None else compress(scores, fast.tile_means(value, geometry))
+    _, q_means = triton_tiles.tile_rows(query, geometry, copy=False)
+    k_slots, k_means = triton_tiles.tile_rows(key, geometry)
+    v_slots, v_means = triton_tiles.tile_rows(value, geometry)
+    scores = tile_scores(q_means, k_means)
+    selection = triton_tiles.select_tiles(scores, geometry, sparsity)
+    compressed = None if gate is None else compress(scores, v_means)
     if gate is not None and gate.stride(3) != 1:
         gate = gate.contiguous()
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
@@ -148,13 +152,13 @@ def _sparse_triton(query, key, value, geometry, sparsity, gate, dense_backend, c
         p, t = geometry.num_prefix_tiles, geometry.num_tiles
         every_tile = torch.arange(t, dtype=torch.int32, device=query.device).expand(b, h, p, t)
         dense = TileSelection(every_tile, torch.full((b, h, p), t, dtype=torch.int32, device=query.device), 0, t)
-        fast.block_sparse_attention(query, key, value, dense, geometry, out, gate, compressed, config)
+        fast.block_sparse_attention(query, k_slots, v_slots, dense, geometry, out, gate, compressed, config)
     elif prefix:
         dense = attention(query[:, :prefix], key, value, backend=dense_backend)
         if gate is not None:
             dense = add_compressed(dense, gate[:, :prefix], compressed, geometry.row_tile[:prefix])
         out[:, :prefix] = dense
-    return fast.block_sparse_attention(query, key, value, selection, geometry, out, gate, compressed, config)
+    return fast.block_sparse_attention(query, k_slots, v_slots, selection, geometry, out, gate, compressed, config)
 
 
 def attend(

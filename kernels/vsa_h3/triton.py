@@ -1,18 +1,15 @@
-"""Block-sparse flash attention over 64-row tiles (the sparse half of VSA-H3) and the tile means, in Triton.
+"""Block-sparse flash attention over 64-row tiles (the sparse half of VSA-H3) in Triton.
 
-Both kernels read the packed `(B, S, H, D)` rows where they are, through the geometry's slot -> row index
-(`TileGeometry.slot_rows`, -1 at padding slots): no tiled copy of q, k or v is made. A tile's rows are scattered
-over the sequence (a (4, 4, 4) video box is 16 runs of 4 rows), but a row's head is one contiguous D-vector either
-way, so reading through the index costs the same as reading a tiled copy.
-
-`block_sparse_attention`: one program per (query tile, batch x head). It loads its 64 query rows once, walks the key
+One program per (query tile, batch x head). It loads its 64 query rows once, in place in the packed `(B, S, H, D)`
+rows through the geometry's slot -> row index (`TileGeometry.slot_rows`, -1 at padding slots), then walks the key
 tiles its row of `q2k_idx` lists (prefix tiles first, then its video tiles, ascending), `key_tiles` of them per step
 (a 64 x 64·key_tiles score block), with an fp32 online softmax; padding slots and the unused tail of the last step
-are masked to -inf. It writes its valid rows straight to their rows of the output, adding `gate * compressed` there
-when gated (the compression branch folded into the epilogue). Programs of one head are adjacent in launch order, so
-the key tiles that head's query tiles share stay in L2. Head sizes are powers of two from 16 to 128.
-
-`tile_means`: one program per (batch x head, tile), the fp32 sum of the tile's valid rows over its valid count.
+are masked to -inf. Keys and values are read from their tiled copy (`triton_tiles.tile_rows`): a key tile is then
+one base address plus offsets fixed for the whole loop, where reading the packed rows through the index made each
+step wait on two dependent index loads (2.3x slower on an H100). It writes its valid rows straight to their rows of
+the output, adding `gate * compressed` there when gated (the compression branch folded into the epilogue). Programs
+of one head are adjacent in launch order, so the key tiles that head's query tiles share stay in L2. Head sizes are
+powers of two from 16 to 128.
 
 The launch settings (`KernelConfig`) are exposed for a GPU benchmark to sweep; `default_config` picks one per device.
 """
@@ -26,8 +23,8 @@ import triton.language as tl
 
 from h3gen.kernels.vsa_h3.geometry import TILE_ROWS, TileGeometry
 from h3gen.kernels.vsa_h3.selection import TileSelection
+from h3gen.kernels.vsa_h3.triton_tiles import HEAD_DIMS, check_heads
 
-HEAD_DIMS = (16, 32, 64, 128)
 _LOG2E = 1.4426950408889634
 
 
@@ -84,6 +81,7 @@ def _block_sparse_fwd(
     comp_ptr,
     idx_ptr,
     num_ptr,
+    sizes_ptr,
     rows_ptr,
     heads,
     first_q_tile,
@@ -96,9 +94,6 @@ def _block_sparse_fwd(
     stride_kb,
     stride_ks,
     stride_kh,
-    stride_vb,
-    stride_vs,
-    stride_vh,
     stride_ob,
     stride_os,
     stride_oh,
@@ -126,11 +121,14 @@ def _block_sparse_fwd(
     q_offsets = tl.where(q_valid, q_rows, 0).to(tl.int64)
     q = tl.load(q_ptr + b * stride_qb + h * stride_qh + q_offsets[:, None] * stride_qs + dims[None, :])
 
-    k_head = k_ptr + b * stride_kb + h * stride_kh
-    v_head = v_ptr + b * stride_vb + h * stride_vh
+    # Key and value slots share one layout: 64-bit scalar bases per tile, 32-bit offsets inside the step's tiles.
+    kv_head = b * stride_kb + h * stride_kh
+    tile_stride = BLOCK * stride_ks.to(tl.int64)
     cols = tl.arange(0, BLOCK_N)
     col_step = cols // BLOCK  # which of the step's key tiles a column belongs to
     col_slot = cols % BLOCK
+    k_offsets = col_slot[None, :] * stride_ks + dims[:, None]  # (dim, column): k read transposed for q @ k
+    v_offsets = col_slot[:, None] * stride_ks + dims[None, :]  # (column, dim)
     m_i = tl.full([BLOCK], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK], tl.float32)
     acc = tl.zeros([BLOCK, HEAD_DIM], tl.float32)
@@ -138,20 +136,31 @@ def _block_sparse_fwd(
     count = tl.load(num_ptr + row)
     kv_list = idx_ptr + row * max_kv
     for j in tl.range(0, count, KEY_TILES, num_stages=NUM_STAGES):
-        listed = j + col_step < count
-        kv_tile = tl.load(kv_list + j + col_step, mask=listed, other=0)
-        kv_rows = tl.load(rows_ptr + kv_tile * BLOCK + col_slot)
-        kv_valid = listed & (kv_rows >= 0)
-        kv_offsets = tl.where(kv_valid, kv_rows, 0).to(tl.int64)
-        k = tl.load(k_head + kv_offsets[:, None] * stride_ks + dims[None, :])
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+        first = tl.load(kv_list + j)
+        if KEY_TILES == 1:
+            kv_base = kv_head + first * tile_stride
+            k = tl.load(k_ptr + kv_base + k_offsets)
+            kv_valid = col_slot < tl.load(sizes_ptr + first)
+        else:
+            listed = j + 1 < count
+            second = tl.load(kv_list + j + 1, mask=listed, other=0)
+            kv_tile = tl.where(col_step == 0, first, second)
+            second_size = tl.where(listed, tl.load(sizes_ptr + second), 0)
+            kv_size = tl.where(col_step == 0, tl.load(sizes_ptr + first), second_size)
+            kv_base = kv_head + kv_tile.to(tl.int64) * tile_stride
+            k = tl.load(k_ptr + kv_base[None, :] + k_offsets)
+            kv_valid = col_slot < kv_size
+        s = tl.dot(q, k, input_precision=DOT_PRECISION)
         s = tl.where(kv_valid[None, :], s, float("-inf"))
         # Scaled after the max (the scale is positive): one multiply-add per score for the exponent.
         m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
         p = tl.math.exp2(s * qk_scale - m_new[:, None])
         alpha = tl.math.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_head + kv_offsets[:, None] * stride_vs + dims[None, :])
+        if KEY_TILES == 1:
+            v = tl.load(v_ptr + kv_base + v_offsets)
+        else:
+            v = tl.load(v_ptr + kv_base[:, None] + v_offsets)
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
         m_i = m_new
 
@@ -171,69 +180,10 @@ def _block_sparse_fwd(
     )
 
 
-@triton.jit
-def _tile_means(
-    x_ptr,
-    out_ptr,
-    rows_ptr,
-    sizes_ptr,
-    heads,
-    num_tiles,
-    stride_b,
-    stride_s,
-    stride_h,
-    HEAD_DIM: tl.constexpr,
-    BLOCK: tl.constexpr,
-):
-    bh = tl.program_id(0)
-    tile = tl.program_id(1)
-    b = (bh // heads).to(tl.int64)
-    h = (bh % heads).to(tl.int64)
-    slots = tl.arange(0, BLOCK)
-    dims = tl.arange(0, HEAD_DIM)
-    rows = tl.load(rows_ptr + tile * BLOCK + slots)
-    valid = rows >= 0
-    offsets = tl.where(valid, rows, 0).to(tl.int64)
-    x = tl.load(
-        x_ptr + b * stride_b + h * stride_h + offsets[:, None] * stride_s + dims[None, :],
-        mask=valid[:, None],
-        other=0.0,
-    )
-    sums = tl.sum(x.to(tl.float32), 0)
-    size = tl.load(sizes_ptr + tile).to(tl.float32)
-    tl.store(out_ptr + (bh.to(tl.int64) * num_tiles + tile) * HEAD_DIM + dims, sums / size)
-
-
-def _check_heads(x: torch.Tensor, geometry: TileGeometry, what: str) -> None:
-    if x.ndim != 4 or x.shape[1] != geometry.num_rows or x.shape[-1] not in HEAD_DIMS or x.stride(3) != 1:
-        raise ValueError(
-            f"{what} takes (B, {geometry.num_rows}, H, D) rows with contiguous heads of D in {HEAD_DIMS}, got "
-            f"{tuple(x.shape)} with strides {x.stride()}."
-        )
-
-
-def tile_means(x: torch.Tensor, geometry: TileGeometry) -> torch.Tensor:
-    """Per-tile means of packed rows, read in place (`selection.tile_means` of `geometry.tile(x)` without the copy).
-
-    Args:
-        x: `(B, S, H, D)` fp32/fp16/bf16 rows, contiguous heads, D in `HEAD_DIMS`.
-    Returns:
-        `(B, H, T, D)` float32: each tile's fp32 sum over its valid rows divided by their count.
-    """
-    _check_heads(x, geometry, "tile_means")
-    b, _, h, d = x.shape
-    out = torch.empty(b, h, geometry.num_tiles, d, dtype=torch.float32, device=x.device)
-    if geometry.num_tiles:
-        _tile_means[(b * h, geometry.num_tiles)](
-            x, out, geometry.slot_rows, geometry.tile_sizes, h, geometry.num_tiles, *x.stride()[:3], d, TILE_ROWS
-        )
-    return out
-
-
 def block_sparse_attention(
     query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
+    key_slots: torch.Tensor,
+    value_slots: torch.Tensor,
     selection: TileSelection,
     geometry: TileGeometry,
     out: torch.Tensor,
@@ -244,8 +194,9 @@ def block_sparse_attention(
     """Attention of the selected query tiles over their selected key tiles, written into their rows of `out`.
 
     Args:
-        query, key, value: `(B, S, H, D)` packed rows, one dtype (fp32, fp16 or bf16), contiguous heads, D in
-            `HEAD_DIMS`; any other strides.
+        query: `(B, S, H, D)` packed rows (fp32, fp16 or bf16, contiguous heads, D in `HEAD_DIMS`, any other strides).
+        key_slots, value_slots: `(B, T * 64, H, D)` of query's dtype, one layout, padding slots zero
+            (`triton_tiles.tile_rows` or `geometry.tile`).
         selection: the key tiles of query tiles `first_q_tile ..` (`selection.select_tiles`).
         out: `(B, S, H, D)` the output rows; the rows of the selected query tiles are written, the others are left
             as they are.
@@ -256,22 +207,24 @@ def block_sparse_attention(
     Returns:
         `out`.
     """
-    for name, x in (("query", query), ("key", key), ("value", value), ("out", out)) + (
-        (("gate", gate),) if gate is not None else ()
-    ):
-        _check_heads(x, geometry, f"block_sparse_attention's {name}")
+    for name, x in (("query", query), ("out", out)) + ((("gate", gate),) if gate is not None else ()):
+        check_heads(x, geometry, f"block_sparse_attention's {name}")
         if x.shape != query.shape:
             raise ValueError(f"block_sparse_attention's {name} {tuple(x.shape)} is not query's {tuple(query.shape)}.")
-    if key.dtype != query.dtype or value.dtype != query.dtype:
-        raise ValueError("block_sparse_attention takes query, key and value of one dtype.")
-    d = query.shape[-1]
+    b, _, h, d = query.shape
+    slots_shape = (b, geometry.num_slots, h, d)
+    for x in (key_slots, value_slots):
+        if x.shape != slots_shape or x.dtype != query.dtype or x.stride() != key_slots.stride() or x.stride(3) != 1:
+            raise ValueError(
+                f"block_sparse_attention takes key and value slots of one layout, shape {slots_shape} and dtype "
+                f"{query.dtype} with contiguous heads, got {tuple(x.shape)} {x.dtype} with strides {x.stride()}."
+            )
     idx, num = selection.q2k_idx.contiguous(), selection.q2k_num.contiguous()
     if idx.shape[2] == 0:
         return out
-    gated = gate is not None
-    if gated:
+    if gate is not None:
         compressed = compressed.contiguous()
-    args = (query, key, value, out, gate, compressed, idx, num, geometry, selection.first_q_tile)
+    args = (query, key_slots, value_slots, out, gate, compressed, idx, num, geometry, selection.first_q_tile)
     if config is not None:
         _launch(*args, config)
         return out
@@ -293,20 +246,21 @@ def block_sparse_attention(
     )
 
 
-def _launch(query, key, value, out, gate, compressed, idx, num, geometry, first_q_tile, config):
+def _launch(query, key_slots, value_slots, out, gate, compressed, idx, num, geometry, first_q_tile, config):
     """One launch of `_block_sparse_fwd` over the query tiles `idx` lists (see `block_sparse_attention`)."""
     b, _, h, d = query.shape
     num_q_tiles, max_kv = idx.shape[2], idx.shape[3]
     gated = gate is not None
     _block_sparse_fwd[(num_q_tiles, b * h)](
         query,
-        key,
-        value,
+        key_slots,
+        value_slots,
         out,
         gate if gated else out,
         compressed if gated else out,
         idx,
         num,
+        geometry.tile_sizes,
         geometry.slot_rows,
         h,
         first_q_tile,
@@ -314,8 +268,7 @@ def _launch(query, key, value, out, gate, compressed, idx, num, geometry, first_
         geometry.num_tiles,
         max_kv,
         *query.stride()[:3],
-        *key.stride()[:3],
-        *value.stride()[:3],
+        *key_slots.stride()[:3],
         *out.stride()[:3],
         *(gate.stride()[:3] if gated else (0, 0, 0)),
         _LOG2E / math.sqrt(d),

@@ -312,12 +312,19 @@ def test_a_setting_beyond_shared_memory_falls_back_to_one_that_fits(monkeypatch)
 
 
 @pytest.mark.parametrize("prefix, grid", SHAPES)
-def test_tile_means_kernel_reads_rows_in_place(prefix, grid):
-    from h3gen.kernels.vsa_h3 import triton as vsa_triton
+def test_tile_kernels_match_the_torch_tiling_means_and_selection(prefix, grid):
+    from h3gen.kernels.vsa_h3 import triton_tiles
 
-    geometry, x, *_ = _inputs(prefix, grid, 3, 16, torch.float32, seed=13, gate=False)
-    expected = tile_means(geometry.tile(x), geometry)
-    assert torch.allclose(vsa_triton.tile_means(x, geometry), expected, rtol=1e-6, atol=1e-6)
+    geometry, x, y, *_ = _inputs(prefix, grid, 3, 16, torch.float32, seed=13, gate=False)
+    slots, means = triton_tiles.tile_rows(x, geometry)
+    assert torch.equal(slots, geometry.tile(x))
+    assert torch.allclose(means, tile_means(geometry.tile(x), geometry), rtol=1e-6, atol=1e-6)
+    assert triton_tiles.tile_rows(x, geometry, copy=False)[0] is None
+    scores = tile_scores(means, triton_tiles.tile_rows(y, geometry, copy=False)[1])
+    for sparsity in (0.0, 0.5, 0.85):
+        got, expected = triton_tiles.select_tiles(scores, geometry, sparsity), select_tiles(scores, geometry, sparsity)
+        assert torch.equal(got.q2k_idx, expected.q2k_idx) and torch.equal(got.q2k_num, expected.q2k_num)
+        assert (got.first_q_tile, got.num_tiles) == (expected.first_q_tile, expected.num_tiles)
 
 
 # -- dense cases and errors --------------------------------------------------------------------------------------

@@ -1,0 +1,164 @@
+"""The tile side of VSA-H3 in Triton: tile means of packed rows (read in place through `TileGeometry.slot_rows`),
+the tiled copy of keys and values the block-sparse kernel reads made in the same pass, and the top-k selection.
+
+`tile_rows`: one program per (batch x head, tile): the tile's valid rows loaded once, their fp32 sum over the valid
+count stored as the tile's mean and, when asked, the 64 slots written (padding slots zero), so keys and values are
+read once for both. `select_tiles`: one program per (batch x head, video query tile): its video key tiles' scores
+packed with their index into one int64 per tile (order-preserving float bits above, the index below, so ties keep
+the lower index), sorted in registers; the k-th largest is the threshold and the tiles at or above it are written in
+ascending order after the prefix tiles (what `selection.select_tiles` returns, without its top-k, sort and concat).
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from h3gen.kernels.vsa_h3.geometry import TILE_ROWS, TileGeometry
+from h3gen.kernels.vsa_h3.selection import TileSelection, kept_video_tiles
+
+HEAD_DIMS = (16, 32, 64, 128)
+
+
+@triton.jit
+def _tile_rows(
+    x_ptr,
+    slots_ptr,
+    means_ptr,
+    rows_ptr,
+    sizes_ptr,
+    heads,
+    num_tiles,
+    stride_b,
+    stride_s,
+    stride_h,
+    slot_stride_b,
+    slot_stride_s,
+    slot_stride_h,
+    HEAD_DIM: tl.constexpr,
+    BLOCK: tl.constexpr,
+    WRITE_SLOTS: tl.constexpr,
+):
+    bh = tl.program_id(0)
+    tile = tl.program_id(1)
+    b = (bh // heads).to(tl.int64)
+    h = (bh % heads).to(tl.int64)
+    slots = tl.arange(0, BLOCK)
+    dims = tl.arange(0, HEAD_DIM)
+    rows = tl.load(rows_ptr + tile * BLOCK + slots)
+    valid = rows >= 0
+    offsets = tl.where(valid, rows, 0).to(tl.int64)
+    x = tl.load(
+        x_ptr + b * stride_b + h * stride_h + offsets[:, None] * stride_s + dims[None, :],
+        mask=valid[:, None],
+        other=0.0,
+    )
+    if WRITE_SLOTS:
+        slot = (tile * BLOCK + slots).to(tl.int64)
+        tl.store(slots_ptr + b * slot_stride_b + h * slot_stride_h + slot[:, None] * slot_stride_s + dims[None, :], x)
+    sums = tl.sum(x.to(tl.float32), 0)
+    size = tl.load(sizes_ptr + tile).to(tl.float32)
+    tl.store(means_ptr + (bh.to(tl.int64) * num_tiles + tile) * HEAD_DIM + dims, sums / size)
+
+
+def check_heads(x: torch.Tensor, geometry: TileGeometry, what: str) -> None:
+    """ValueError unless `x` is `(B, S, H, D)` over the geometry's rows with contiguous heads of D in `HEAD_DIMS`."""
+    if x.ndim != 4 or x.shape[1] != geometry.num_rows or x.shape[-1] not in HEAD_DIMS or x.stride(3) != 1:
+        raise ValueError(
+            f"{what} takes (B, {geometry.num_rows}, H, D) rows with contiguous heads of D in {HEAD_DIMS}, got "
+            f"{tuple(x.shape)} with strides {x.stride()}."
+        )
+
+
+def tile_rows(x: torch.Tensor, geometry: TileGeometry, copy: bool = True) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """Tile means of packed rows and, with `copy`, their tiled copy, in one read of `x`.
+
+    Args:
+        x: `(B, S, H, D)` fp32/fp16/bf16 rows, contiguous heads, D in `HEAD_DIMS`.
+        copy: also return the rows as tile slots.
+    Returns:
+        `(slots, means)`: slots `(B, T * 64, H, D)` in x's dtype, padding slots zero (`geometry.tile(x)`), or None
+        without `copy`; means `(B, H, T, D)` float32, each tile's fp32 sum over its valid rows divided by their count
+        (`selection.tile_means`).
+    """
+    check_heads(x, geometry, "tile_rows")
+    b, _, h, d = x.shape
+    means = torch.empty(b, h, geometry.num_tiles, d, dtype=torch.float32, device=x.device)
+    slots = x.new_empty(b, geometry.num_slots, h, d) if copy else None
+    if geometry.num_tiles:
+        _tile_rows[(b * h, geometry.num_tiles)](
+            x,
+            means if slots is None else slots,
+            means,
+            geometry.slot_rows,
+            geometry.tile_sizes,
+            h,
+            geometry.num_tiles,
+            *x.stride()[:3],
+            *(slots.stride()[:3] if copy else (0, 0, 0)),
+            HEAD_DIM=d,
+            BLOCK=TILE_ROWS,
+            WRITE_SLOTS=copy,
+        )
+    return slots, means
+
+
+@triton.jit
+def _select_tiles(
+    scores_ptr,
+    idx_ptr,
+    num_ptr,
+    num_prefix,
+    num_video,
+    num_tiles,
+    keep,
+    BLOCK_V: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)  # (batch x head) x num_video + video query tile
+    bh = row // num_video
+    q_tile = num_prefix + row % num_video
+    cols = tl.arange(0, BLOCK_V)
+    live = cols < num_video
+    scores = tl.load(scores_ptr + (bh * num_tiles + q_tile) * num_tiles + num_prefix + cols, mask=live, other=0.0)
+    bits = scores.to(tl.int32, bitcast=True)
+    ordered = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)  # float order as int32 order
+    packed = (ordered.to(tl.int64) << 32) | (BLOCK_V - 1 - cols).to(tl.int64)
+    packed = tl.where(live, packed, -(2**63) + 1)
+    ranked = tl.sort(packed, descending=True)
+    threshold = tl.max(tl.where(cols == keep - 1, ranked, -(2**63) + 1), 0)
+    chosen = live & (packed >= threshold)
+    place = tl.cumsum(chosen.to(tl.int32), 0) - 1
+    width = num_prefix + keep
+    out = idx_ptr + row * width
+    prefix = tl.arange(0, BLOCK_P)
+    tl.store(out + prefix, prefix, mask=prefix < num_prefix)
+    tl.store(out + num_prefix + place, num_prefix + cols, mask=chosen)
+    tl.store(num_ptr + row, width)
+
+
+def select_tiles(scores: torch.Tensor, geometry: TileGeometry, sparsity: float) -> TileSelection:
+    """`selection.select_tiles` in one kernel: the same tiles in the same order (ties, which random scores do not
+    have, go to the lower tile index here and unspecified in torch's top-k).
+
+    Args:
+        scores: `(B, H, T, T)` float32 from `selection.tile_scores`.
+        sparsity: the fraction of video tiles dropped, in [0, 1).
+    """
+    p, v, t = geometry.num_prefix_tiles, geometry.num_video_tiles, geometry.num_tiles
+    b, h = scores.shape[:2]
+    keep = kept_video_tiles(sparsity, v)
+    idx = torch.empty(b, h, v, p + keep, dtype=torch.int32, device=scores.device)
+    num = torch.empty(b, h, v, dtype=torch.int32, device=scores.device)
+    if v:
+        _select_tiles[(b * h * v,)](
+            scores.contiguous(),
+            idx,
+            num,
+            p,
+            v,
+            t,
+            keep,
+            BLOCK_V=triton.next_power_of_2(v),
+            BLOCK_P=triton.next_power_of_2(max(p, 1)),
+        )
+    return TileSelection(idx, num, p, t)
