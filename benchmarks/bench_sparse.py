@@ -125,7 +125,12 @@ def bench_op(args, device, dtype, backend):
     prefix_flops = 4 * args.dim * args.heads * geometry.prefix_rows * geometry.num_rows
     prefix = geometry.prefix_rows
     dense_ms = time(lambda: attention(q, k, v, backend="auto"), args.repeat)
-    rows.append(_row(f"dense attention ({dense_name})", dense_ms, dense_flops))
+    # A dense flash kernel's programs read every key and value row once per 128-row query block (FA3's block for
+    # heads of 128); each VSA-H3 program reads its listed 64-row key tiles once per 64-row query tile.
+    elem = q.element_size()
+    dense_kv = -(-geometry.num_rows // 128) * args.heads * geometry.num_rows * 2 * args.dim * elem
+    video_kv = int(selection.q2k_num.sum()) * 2 * 64 * args.dim * elem
+    rows.append(_row(f"dense attention ({dense_name})", dense_ms, dense_flops, dense_kv))
     rows.append(_row("tiling: means of q; k tiled with its means", time(tiling, args.repeat), None))
     rows.append(
         _row("selection: scores, top-k", time(lambda: select(tile_scores(q_means, k_means)), args.repeat), None)
@@ -160,10 +165,7 @@ def bench_op(args, device, dtype, backend):
         slots = [triton_tiles.tile_rows(t, geometry)[0] for t in (k, v)]
         video_flops = sparse_flops - prefix_flops
         for config in vsa_triton.CONFIGS[:1] if args.tiny else vsa_triton.CONFIGS:
-            name = (
-                f"kernel alone, {config.key_tiles} key tile(s) per step, {config.num_warps} warps, "
-                f"{config.num_stages} stages"
-            )
+            name = f"kernel alone, {config.num_warps} warps, {config.num_stages} stages"
             try:
                 ms = time(
                     lambda c=config: vsa_triton.block_sparse_attention(q, *slots, selection, geometry, out, config=c),
@@ -172,7 +174,7 @@ def bench_op(args, device, dtype, backend):
             except triton.runtime.errors.OutOfResources as error:  # a deep pipeline of wide steps: too much smem
                 rows.append({"variant": f"{name}: not launched ({error})", "ms": "-", "TFLOP/s": "-", "relL2": "-"})
                 continue
-            rows.append(_row(name, ms, video_flops))
+            rows.append(_row(name, ms, video_flops, video_kv))
     kept = kept_video_tiles(args.sparsity, geometry.num_video_tiles)
     summary = (
         f"{geometry.num_rows} rows, {args.heads} heads x {args.dim}, {dtype}; {geometry.num_prefix_tiles} prefix + "
@@ -183,11 +185,14 @@ def bench_op(args, device, dtype, backend):
     return rows, summary, ratios
 
 
-def _row(variant, ms, flops):
+def _row(variant, ms, flops, kv_bytes=None):
+    """A table row; `kv_bytes`, the key and value bytes the kernel's programs read (each program reads its key tiles
+    once, so from L2 or memory), gives the rate they arrive at."""
     return {
         "variant": variant,
         "ms": f"{ms:.3f}",
         "TFLOP/s": f"{flops / ms / 1e9:.0f}" if flops else "-",
+        "K/V TB/s": f"{kv_bytes / ms / 1e9:.1f}" if kv_bytes else "-",
         "relL2": "-",
     }
 
@@ -342,7 +347,7 @@ def main():
         rows, summary, ratios = SECTIONS[section](args, device, dtype, backend)
         synchronize(device)
         print(f"== {section}: {summary}")
-        print_table(rows, ["variant", "ms", "TFLOP/s", "relL2"])
+        print_table(rows, ["variant", "ms", "TFLOP/s", "K/V TB/s", "relL2"])
         results[section] = {"summary": summary, "rows": rows, "dense/sparse": ratios}
         print(" ".join(f"dense/sparse ({name}) = {ratio:.2f}x" for name, ratio in ratios.items()), flush=True)
     if args.out:

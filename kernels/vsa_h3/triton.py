@@ -2,14 +2,13 @@
 
 One program per (query tile, batch x head). It loads its 64 query rows once, in place in the packed `(B, S, H, D)`
 rows through the geometry's slot -> row index (`TileGeometry.slot_rows`, -1 at padding slots), then walks the key
-tiles its row of `q2k_idx` lists (prefix tiles first, then its video tiles, ascending), `key_tiles` of them per step
-(a 64 x 64·key_tiles score block), with an fp32 online softmax; padding slots and the unused tail of the last step
-are masked to -inf. Keys and values are read from their tiled copy (`triton_tiles.tile_rows`): a key tile is then
-one base address plus offsets fixed for the whole loop, where reading the packed rows through the index made each
-step wait on two dependent index loads (2.3x slower on an H100). It writes its valid rows straight to their rows of
-the output, adding `gate * compressed` there when gated (the compression branch folded into the epilogue). Programs
-of one head are adjacent in launch order, so the key tiles that head's query tiles share stay in L2. Head sizes are
-powers of two from 16 to 128.
+tiles its row of `q2k_idx` lists (prefix tiles first, then its video tiles, ascending) with an fp32 online softmax,
+masking key slots beyond each tile's valid rows. Keys and values are read from their tiled copy
+(`triton_tiles.tile_rows`): a key tile is then one base address plus offsets fixed for the whole loop, where reading
+the packed rows through the index made each step wait on two dependent index loads (2.3x slower on an H100). It
+writes its valid rows straight to their rows of the output, adding `gate * compressed` there when gated (the
+compression branch folded into the epilogue). Programs of one head are adjacent in launch order, so the key tiles
+that head's query tiles share stay in L2. Head sizes are powers of two from 16 to 128.
 
 The launch settings (`KernelConfig`) are exposed for a GPU benchmark to sweep; `default_config` picks one per device.
 """
@@ -30,39 +29,32 @@ _LOG2E = 1.4426950408889634
 
 @dataclass(frozen=True)
 class KernelConfig:
-    """How the op runs on the GPU: warps per program, software-pipeline depth of the key loop, 64-row key tiles per
-    step of that loop (1 or 2), and whether the (dense) prefix query tiles run through this kernel over every key
-    tile instead of the dense attention dispatch."""
+    """How the op runs on the GPU: warps per program, software-pipeline depth of the key-tile loop, and whether the
+    (dense) prefix query tiles run through this kernel over every key tile instead of the dense attention dispatch."""
 
     num_warps: int = 4
     num_stages: int = 3
-    key_tiles: int = 2
     prefix_in_kernel: bool = False
 
 
-# What a benchmark sweeps. 64-row query tiles fill one Hopper warpgroup at 4 warps (8 warps with one key tile per
-# step ran 1.6-2.3x slower on an H100); a deep pipeline of two key tiles per step may not fit in shared memory, and
-# the benchmark reports such a setting as not launched.
-CONFIGS = (
-    *(KernelConfig(4, stages, 1) for stages in (2, 3, 4)),
-    *(KernelConfig(4, stages, 2) for stages in (2, 3, 4)),
-    *(KernelConfig(8, stages, 2) for stages in (2, 3)),
-)
+# What a benchmark sweeps. A 64-row query tile fills one Hopper warpgroup at 4 warps; on an H100 at the 5 s 768x1344
+# shape 8 warps ran 1.6-2.3x slower, and two key tiles per loop step (a 64 x 128 score block) 1.26x slower.
+CONFIGS = tuple(KernelConfig(4, stages) for stages in (2, 3, 4))
 
 
 def default_config(device: torch.device, head_dim: int = 128) -> KernelConfig:
-    """A launch setting for `head_dim` heads on `device`: on Hopper and newer two key tiles per step pipelined three
-    deep (`bench_sparse.py op` sweeps `CONFIGS`; benchmarks/RESULTS.md has the table); older GPUs and the
-    interpreter two deep."""
+    """A launch setting for `head_dim` heads on `device`: Hopper and newer pipeline the key-tile loop three deep (on
+    an H100 at the 5 s 768x1344 shape, sparsity 0.9, bf16: 14.8 ms at 3 or 4 stages, 15.2 at 2; `bench_sparse.py op`
+    sweeps `CONFIGS`); older GPUs and the interpreter two."""
     if device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9:
-        return KernelConfig(num_warps=4, num_stages=3, key_tiles=2)
-    return KernelConfig(num_warps=4, num_stages=2, key_tiles=2)
+        return KernelConfig(num_warps=4, num_stages=3)
+    return KernelConfig(num_warps=4, num_stages=2)
 
 
-# The settings tried in turn when none is given, smaller ones after the device's default: wide steps pipelined deep
-# need shared memory a consumer GPU (about 100 KiB per block) or fp32 heads do not have. The first that launches is
-# kept per (device, dtype, head size).
-_FALLBACKS = (KernelConfig(4, 2, 2), KernelConfig(4, 2, 1), KernelConfig(4, 1, 1))
+# The settings tried in turn when none is given and the device's default does not launch: a deep pipeline needs
+# shared memory a consumer GPU (about 100 KiB per block) or fp32 heads may not have. The first that launches is kept
+# per (device, dtype, head size).
+_FALLBACKS = (KernelConfig(4, 2), KernelConfig(4, 1))
 _LAUNCHED: dict[tuple, KernelConfig] = {}
 
 
@@ -103,12 +95,10 @@ def _block_sparse_fwd(
     qk_scale,
     HEAD_DIM: tl.constexpr,
     BLOCK: tl.constexpr,
-    KEY_TILES: tl.constexpr,
     GATED: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     NUM_STAGES: tl.constexpr,
 ):
-    BLOCK_N: tl.constexpr = BLOCK * KEY_TILES
     q_tile = tl.program_id(0)
     bh = tl.program_id(1)
     b = (bh // heads).to(tl.int64)
@@ -121,46 +111,29 @@ def _block_sparse_fwd(
     q_offsets = tl.where(q_valid, q_rows, 0).to(tl.int64)
     q = tl.load(q_ptr + b * stride_qb + h * stride_qh + q_offsets[:, None] * stride_qs + dims[None, :])
 
-    # Key and value slots share one layout: 64-bit scalar bases per tile, 32-bit offsets inside the step's tiles.
+    # Key and value slots share one layout: 64-bit scalar bases per tile, 32-bit offsets inside a tile.
     kv_head = b * stride_kb + h * stride_kh
     tile_stride = BLOCK * stride_ks.to(tl.int64)
-    cols = tl.arange(0, BLOCK_N)
-    col_step = cols // BLOCK  # which of the step's key tiles a column belongs to
-    col_slot = cols % BLOCK
-    k_offsets = col_slot[None, :] * stride_ks + dims[:, None]  # (dim, column): k read transposed for q @ k
-    v_offsets = col_slot[:, None] * stride_ks + dims[None, :]  # (column, dim)
+    k_offsets = slots[None, :] * stride_ks + dims[:, None]  # (dim, slot): k read transposed for q @ k
+    v_offsets = slots[:, None] * stride_ks + dims[None, :]  # (slot, dim)
     m_i = tl.full([BLOCK], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK], tl.float32)
     acc = tl.zeros([BLOCK, HEAD_DIM], tl.float32)
     row = bh.to(tl.int64) * num_q_tiles + q_tile
     count = tl.load(num_ptr + row)
     kv_list = idx_ptr + row * max_kv
-    for j in tl.range(0, count, KEY_TILES, num_stages=NUM_STAGES):
-        first = tl.load(kv_list + j)
-        if KEY_TILES == 1:
-            kv_base = kv_head + first * tile_stride
-            k = tl.load(k_ptr + kv_base + k_offsets)
-            kv_valid = col_slot < tl.load(sizes_ptr + first)
-        else:
-            listed = j + 1 < count
-            second = tl.load(kv_list + j + 1, mask=listed, other=0)
-            kv_tile = tl.where(col_step == 0, first, second)
-            second_size = tl.where(listed, tl.load(sizes_ptr + second), 0)
-            kv_size = tl.where(col_step == 0, tl.load(sizes_ptr + first), second_size)
-            kv_base = kv_head + kv_tile.to(tl.int64) * tile_stride
-            k = tl.load(k_ptr + kv_base[None, :] + k_offsets)
-            kv_valid = col_slot < kv_size
+    for j in tl.range(0, count, num_stages=NUM_STAGES):
+        kv_tile = tl.load(kv_list + j)
+        kv_base = kv_head + kv_tile * tile_stride
+        k = tl.load(k_ptr + kv_base + k_offsets)
         s = tl.dot(q, k, input_precision=DOT_PRECISION)
-        s = tl.where(kv_valid[None, :], s, float("-inf"))
+        s = tl.where(slots[None, :] < tl.load(sizes_ptr + kv_tile), s, float("-inf"))
         # Scaled after the max (the scale is positive): one multiply-add per score for the exponent.
         m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
         p = tl.math.exp2(s * qk_scale - m_new[:, None])
         alpha = tl.math.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
-        if KEY_TILES == 1:
-            v = tl.load(v_ptr + kv_base + v_offsets)
-        else:
-            v = tl.load(v_ptr + kv_base[:, None] + v_offsets)
+        v = tl.load(v_ptr + kv_base + v_offsets)
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
         m_i = m_new
 
@@ -274,7 +247,6 @@ def _launch(query, key_slots, value_slots, out, gate, compressed, idx, num, geom
         _LOG2E / math.sqrt(d),
         HEAD_DIM=d,
         BLOCK=TILE_ROWS,
-        KEY_TILES=config.key_tiles,
         GATED=gated,
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
         NUM_STAGES=config.num_stages,

@@ -3,10 +3,10 @@ the tiled copy of keys and values the block-sparse kernel reads made in the same
 
 `tile_rows`: one program per (batch x head, tile): the tile's valid rows loaded once, their fp32 sum over the valid
 count stored as the tile's mean and, when asked, the 64 slots written (padding slots zero), so keys and values are
-read once for both. `select_tiles`: one program per (batch x head, video query tile): its video key tiles' scores
-packed with their index into one int64 per tile (order-preserving float bits above, the index below, so ties keep
-the lower index), sorted in registers; the k-th largest is the threshold and the tiles at or above it are written in
-ascending order after the prefix tiles (what `selection.select_tiles` returns, without its top-k, sort and concat).
+read once for both. `select_tiles`: a few (batch x head, video query tile) rows per program: each row's video key
+tile scores mapped to int32 in the same order, the k-th largest found by bisection over the int32 range (32 counting
+passes, no sort), and the tiles above it (then the first tiles equal to it, up to k) written in ascending order after
+the prefix tiles: what `selection.select_tiles` returns, without its top-k, sort and concat.
 """
 
 import torch
@@ -110,30 +110,43 @@ def _select_tiles(
     num_prefix,
     num_video,
     num_tiles,
+    num_rows,
     keep,
+    ROWS: tl.constexpr,
     BLOCK_V: tl.constexpr,
     BLOCK_P: tl.constexpr,
 ):
-    row = tl.program_id(0).to(tl.int64)  # (batch x head) x num_video + video query tile
-    bh = row // num_video
-    q_tile = num_prefix + row % num_video
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)  # (batch x head) x num_video + query tile
+    row_live = rows < num_rows
+    bh = rows // num_video
+    q_tile = num_prefix + rows % num_video
     cols = tl.arange(0, BLOCK_V)
-    live = cols < num_video
-    scores = tl.load(scores_ptr + (bh * num_tiles + q_tile) * num_tiles + num_prefix + cols, mask=live, other=0.0)
+    live = row_live[:, None] & (cols[None, :] < num_video)
+    first = (bh * num_tiles + q_tile) * num_tiles + num_prefix
+    scores = tl.load(scores_ptr + first[:, None] + cols[None, :], mask=live, other=0.0)
     bits = scores.to(tl.int32, bitcast=True)
     ordered = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)  # float order as int32 order
-    packed = (ordered.to(tl.int64) << 32) | (BLOCK_V - 1 - cols).to(tl.int64)
-    packed = tl.where(live, packed, -(2**63) + 1)
-    ranked = tl.sort(packed, descending=True)
-    threshold = tl.max(tl.where(cols == keep - 1, ranked, -(2**63) + 1), 0)
-    chosen = live & (packed >= threshold)
-    place = tl.cumsum(chosen.to(tl.int32), 0) - 1
+    ordered = tl.where(live, ordered, -(2**31))  # below every score, -inf included
+    # The k-th largest `ordered` of each row: the largest t with at least k values >= t, by bisection over int32.
+    low = tl.full([ROWS], -(2**31), tl.int64)
+    high = tl.full([ROWS], 2**31 - 1, tl.int64)
+    for _ in range(32):
+        mid = (low + high + 1) >> 1
+        enough = tl.sum((ordered.to(tl.int64) >= mid[:, None]).to(tl.int32), 1) >= keep
+        low = tl.where(enough, mid, low)
+        high = tl.where(enough, high, mid - 1)
+    threshold = low[:, None]
+    above = ordered.to(tl.int64) > threshold
+    at = live & (ordered.to(tl.int64) == threshold)
+    room = keep - tl.sum(above.to(tl.int32), 1)
+    chosen = above | (at & (tl.cumsum(at.to(tl.int32), 1) <= room[:, None]))
+    place = tl.cumsum(chosen.to(tl.int32), 1) - 1
     width = num_prefix + keep
-    out = idx_ptr + row * width
+    out = idx_ptr + rows[:, None] * width
     prefix = tl.arange(0, BLOCK_P)
-    tl.store(out + prefix, prefix, mask=prefix < num_prefix)
-    tl.store(out + num_prefix + place, num_prefix + cols, mask=chosen)
-    tl.store(num_ptr + row, width)
+    tl.store(out + prefix[None, :], prefix[None, :], mask=row_live[:, None] & (prefix[None, :] < num_prefix))
+    tl.store(out + num_prefix + place, num_prefix + cols[None, :], mask=chosen)
+    tl.store(num_ptr + rows, width, mask=row_live)
 
 
 def select_tiles(scores: torch.Tensor, geometry: TileGeometry, sparsity: float) -> TileSelection:
@@ -150,15 +163,19 @@ def select_tiles(scores: torch.Tensor, geometry: TileGeometry, sparsity: float) 
     idx = torch.empty(b, h, v, p + keep, dtype=torch.int32, device=scores.device)
     num = torch.empty(b, h, v, dtype=torch.int32, device=scores.device)
     if v:
-        _select_tiles[(b * h * v,)](
+        block_v = triton.next_power_of_2(v)
+        rows_per_program = max(1, 4096 // block_v)
+        _select_tiles[(triton.cdiv(b * h * v, rows_per_program),)](
             scores.contiguous(),
             idx,
             num,
             p,
             v,
             t,
+            b * h * v,
             keep,
-            BLOCK_V=triton.next_power_of_2(v),
+            ROWS=rows_per_program,
+            BLOCK_V=block_v,
             BLOCK_P=triton.next_power_of_2(max(p, 1)),
         )
     return TileSelection(idx, num, p, t)

@@ -264,19 +264,17 @@ def test_prefix_rows_through_the_kernel_match_the_dense_dispatch(with_gate):
     assert _err(got[:, :75], expected[:, :75]) < 1e-5
 
 
-@pytest.mark.parametrize("key_tiles, num_warps", [(1, 4), (2, 4), (2, 8)])
-def test_kernel_settings_agree_on_views_of_one_buffer(key_tiles, num_warps):
-    """Every launch setting, on q/k/v that are strided views of one (B, S, 3, H, D) buffer: an odd number of listed
-    key tiles leaves the last step of two half empty."""
+@pytest.mark.parametrize("num_stages", [1, 2, 3])
+def test_kernel_settings_agree_on_views_of_one_buffer(num_stages):
+    """Every pipeline depth, on q/k/v that are strided views of one (B, S, 3, H, D) buffer."""
     from h3gen.kernels.vsa_h3 import triton as vsa_triton
 
     geometry = build_tile_geometry((5, 0, 70), (5, 6, 9)).to(DEVICE)
     qkv = _rand(2, geometry.num_rows, 3, 2, 32, dtype=torch.float32, generator=_case(11))
     q, k, v = qkv.unbind(2)
     gate = _rand(2, geometry.num_rows, 2, 32, dtype=torch.float32, generator=_case(12))
-    config = vsa_triton.KernelConfig(num_warps=num_warps, num_stages=2, key_tiles=key_tiles)
+    config = vsa_triton.KernelConfig(num_warps=4, num_stages=num_stages)
     got = vsa_h3_attention(q, k, v, geometry, 0.7, gate, backend="triton", config=config)
-    assert (kept_video_tiles(0.7, geometry.num_video_tiles) + geometry.num_prefix_tiles) % 2 == 1
     expected = vsa_ref.vsa_h3_attention(q.contiguous(), k.contiguous(), v.contiguous(), geometry, 0.7, gate)
     assert _err(got, expected) < 1e-5
 
@@ -288,7 +286,7 @@ def test_a_setting_beyond_shared_memory_falls_back_to_one_that_fits(monkeypatch)
 
     launched, real_launch = [], vsa_triton._launch
 
-    def launch(*args, fits=lambda config: config.key_tiles == 1):
+    def launch(*args, fits=lambda config: config.num_stages == 1):
         launched.append(args[-1])
         if not fits(args[-1]):
             raise triton.runtime.errors.OutOfResources(300_000, 232_448, "shared memory")
@@ -299,11 +297,11 @@ def test_a_setting_beyond_shared_memory_falls_back_to_one_that_fits(monkeypatch)
     geometry, q, k, v, gate = _inputs((5, 0, 70), (5, 6, 9), 2, 16, torch.float32, seed=14)
     got = vsa_h3_attention(q, k, v, geometry, 0.7, gate, backend="triton")
     first = vsa_triton.default_config(q.device, 16)
-    assert launched[0] == first and launched[-1].key_tiles == 1 and all(c.key_tiles == 2 for c in launched[:-1])
+    assert launched[0] == first and launched[-1].num_stages == 1 and all(c.num_stages > 1 for c in launched[:-1])
     assert _err(got, vsa_ref.vsa_h3_attention(q, k, v, geometry, 0.7, gate)) < 1e-5
     launched.clear()
     vsa_h3_attention(q, k, v, geometry, 0.7, gate, backend="triton")
-    assert [c.key_tiles for c in launched] == [1]  # the setting that fitted is kept
+    assert [c.num_stages for c in launched] == [1]  # the setting that fitted is kept
 
     monkeypatch.setattr(vsa_triton, "_LAUNCHED", {})
     monkeypatch.setattr(vsa_triton, "_launch", lambda *args: launch(*args, fits=lambda config: False))
@@ -325,6 +323,21 @@ def test_tile_kernels_match_the_torch_tiling_means_and_selection(prefix, grid):
         got, expected = triton_tiles.select_tiles(scores, geometry, sparsity), select_tiles(scores, geometry, sparsity)
         assert torch.equal(got.q2k_idx, expected.q2k_idx) and torch.equal(got.q2k_num, expected.q2k_num)
         assert (got.first_q_tile, got.num_tiles) == (expected.first_q_tile, expected.num_tiles)
+
+
+def test_selection_kernel_breaks_ties_toward_the_lower_tile():
+    from h3gen.kernels.vsa_h3 import triton_tiles
+
+    geometry = build_tile_geometry((70,), (5, 6, 9)).to(DEVICE)
+    p, v, t = geometry.num_prefix_tiles, geometry.num_video_tiles, geometry.num_tiles
+    scores = torch.zeros(1, 2, t, t, device=DEVICE)
+    scores[0, 1, :, p + 5] = 1.0  # head 1: one tile above a tie of the rest
+    selection = triton_tiles.select_tiles(scores, geometry, 0.7)
+    keep = kept_video_tiles(0.7, v)
+    prefix = list(range(p))
+    assert selection.q2k_idx[0, 0, 0].tolist() == prefix + list(range(p, p + keep))
+    assert selection.q2k_idx[0, 1, 0].tolist() == prefix + sorted({p + 5, *range(p, p + keep - 1)})
+    assert (selection.q2k_num == p + keep).all()
 
 
 # -- dense cases and errors --------------------------------------------------------------------------------------
