@@ -5,12 +5,13 @@
   moves them); the transformer loads onto the device.
 - "layerwise": as "stage", and the transformer loads on the host: its non-block weights move to the device and its
   blocks stream from pinned host memory within `gpu_memory` (partitions loaded side by side share it), `prefetch`
-  blocks ahead; the text encoder's decoder layers stream while it encodes. The host memory this takes is checked
+  blocks ahead; the text encoder's decoder layers stream while it encodes. The host memory this takes (the
+  components' files, and the tensors a component gains at load, such as a merged FastH3 adapter's gates) is checked
   before anything loads. Under Ulysses without tensor parallelism the machine's ranks share one host copy of the
   blocks (in /dev/shm), which only local rank 0 loads.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -34,6 +35,11 @@ class Placement:
     folders: dict[str, Path]  # component name -> folder (sizes the host copies)
     partitions: int = 1  # transformer partitions loaded side by side
     parallel: object | None = None  # an h3gen.parallel.ParallelState, or None
+    added_bytes: dict[str, int] = field(default_factory=dict)  # component name -> bytes it gains over its files
+
+    def host_bytes(self, name: str) -> int:
+        """Bytes of component `name`'s host copy: its folder's weight files and what it gains at load."""
+        return host_memory.folder_bytes(self.folders[name]) + self.added_bytes.get(name, 0)
 
     @property
     def layerwise(self) -> bool:
@@ -53,9 +59,7 @@ class Placement:
         """The machine-wide host copy of partition `name`'s blocks when Ulysses ranks can share one, else None."""
         if not self.layerwise or self.parallel is None or self.parallel.tp != 1:
             return None
-        return shared_store_for_ranks(
-            name, host_memory.folder_bytes(self.folders[name]), pin=self.device.type == "cuda"
-        )
+        return shared_store_for_ranks(name, self.host_bytes(name), pin=self.device.type == "cuda")
 
     @staticmethod
     def skip_prefixes(store: SharedHostStore | None) -> tuple[str, ...]:
@@ -78,16 +82,24 @@ class Placement:
 
 
 def plan_placement(
-    options: RunOptions, device, folders: dict[str, Path], *, partitions: int = 1, parallel=None
+    options: RunOptions,
+    device,
+    folders: dict[str, Path],
+    *,
+    partitions: int = 1,
+    parallel=None,
+    added_bytes: dict[str, int] | None = None,
 ) -> Placement:
     """The `Placement` of a pipeline whose components live in `folders` (every part it will load: the transformer
-    partitions, the text encoder, the VAEs). Raises `CheckpointError` before any loading when layer-wise offload's
-    host copies would not fit in host memory. On a CUDA device the allocator takes expandable segments from here on
-    (`h3gen.device_memory`), so the pipeline's requests of many sizes do not splinter the memory they share."""
+    partitions, the text encoder, the VAEs); `added_bytes` names the bytes a component gains over its files at load
+    (the gates a merged FastH3 adapter creates in `transformer`). Raises `CheckpointError` before any loading when
+    layer-wise offload's host copies would not fit in host memory. On a CUDA device the allocator takes expandable
+    segments from here on (`h3gen.device_memory`), so the pipeline's requests of many sizes do not splinter the memory
+    they share."""
     use_expandable_segments(device)
-    placement = Placement(options, torch.device(device), dict(folders), partitions, parallel)
+    placement = Placement(options, torch.device(device), dict(folders), partitions, parallel, dict(added_bytes or {}))
     if placement.layerwise:
-        needed = sum(host_memory.folder_bytes(folder) for folder in folders.values())
+        needed = sum(placement.host_bytes(name) for name in folders)
         host_memory.check_host_memory(
             needed, "layer-wise offload (host copies of the transformer, text encoder and VAEs)"
         )

@@ -15,11 +15,16 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from h3gen.errors import CheckpointError, RequestError
+from h3gen.loading.load import meta_parameters
+from h3gen.offload import host_memory
+from h3gen.pipelines.h3.checkpoint import H3Checkpoint
 from h3gen.pipelines.h3.fasth3 import CONTRACT_SCHEMA
 from h3gen.pipelines.h3.fasth3_adapter import merge_cost, read_fasth3_adapter
 from h3gen.pipelines.h3.pipeline import H3Pipeline
+from h3gen.pipelines.h3.request import read_transformer_config
 from h3gen.pipelines.h3.tiny_checkpoint import build_tiny_fasth3_adapter, build_tiny_student
 from h3gen.pipelines.h3.transformer import H3Transformer
+from h3gen.pipelines.h3.transformer_config import H3TransformerConfig
 
 CLIP = dict(seed=5, num_frames=130)
 DENSE_CONTRACT = {
@@ -114,6 +119,37 @@ def test_merged_student_under_layerwise_offload_equals_resident(student, tiny_di
     )
     assert offloaded.transformer.offload_plan is not None
     _same_clip(offloaded("a fox", **CLIP), resident("a fox", **CLIP))
+
+
+def test_created_bytes_are_the_gates_the_merge_creates(tiny_dir, tmp_path):
+    gated = read_fasth3_adapter(build_tiny_fasth3_adapter(tiny_dir, tmp_path / "vsa.safetensors", gates=True))
+    dense = read_fasth3_adapter(build_tiny_fasth3_adapter(tiny_dir, tmp_path / "dense.safetensors", gates=False))
+    released = H3TransformerConfig()
+    assert gated.created_bytes(released, torch.bfloat16) == 50 * (56 * 128) * 5376 * 2  # 3.85 GB
+    assert dense.created_bytes(released, torch.bfloat16) == 0
+    config = read_transformer_config(H3Checkpoint.open(tiny_dir))
+    with meta_parameters():
+        model = H3Transformer.from_config(config, gates=True)
+    gates = [p for name, p in model.named_parameters() if ".attn.to_gate_compress." in name]
+    assert len(gates) == config.num_layers
+    assert gated.created_bytes(config, torch.float32) == sum(p.numel() for p in gates) * 4
+
+
+def test_layerwise_host_memory_check_counts_the_gates_the_adapter_creates(tiny_dir, tmp_path, monkeypatch):
+    adapter = build_tiny_fasth3_adapter(tiny_dir, tmp_path / "fasth3.safetensors", gates=True)
+    checkpoint = H3Checkpoint.open(tiny_dir)
+    files = sum(
+        host_memory.folder_bytes(checkpoint.folder(name))
+        for name in ("transformer", "text_encoder", "vae", "audio_vae")
+    )
+    gates = read_fasth3_adapter(adapter).created_bytes(read_transformer_config(checkpoint), torch.float32)
+    assert gates > 0
+    load = dict(device="cpu", torch_dtype=torch.float32, loras=[str(adapter)], offload="layerwise", gpu_memory="1GiB")
+    monkeypatch.setattr(host_memory, "available_host_bytes", lambda: files + gates - 1)  # the files alone fit
+    with pytest.raises(CheckpointError, match="layer-wise offload .* needs .* of host memory"):
+        H3Pipeline.from_pretrained(tiny_dir, **load)
+    monkeypatch.setattr(host_memory, "available_host_bytes", lambda: files + gates)
+    assert H3Pipeline.from_pretrained(tiny_dir, **load).transformer.gates
 
 
 def test_a_regular_adapter_given_at_load_is_merged_and_brings_its_recipe(tiny_dir, tmp_path):

@@ -16,9 +16,11 @@ from helpers.server_harness import Server, cancelled, done_running_queued, wait_
 from h3gen.media import write_mp4
 from h3gen.pipelines.h3.tiny_checkpoint import tiny_checkpoint
 from h3gen.server.job import Job, JobStatus
+from h3gen.server.job_files import JobFiles
+from h3gen.server.job_worker import JobWorker
 from h3gen.server.jobs import JobManager, default_job_seconds
 from h3gen.server.lock import FolderBusy
-from h3gen.server.store import SQLiteJobStore
+from h3gen.server.store import SQLiteJobStore, open_store
 
 # Real servers and job managers running jobs: outside the fast tier.
 pytestmark = pytest.mark.slow
@@ -206,6 +208,44 @@ def test_a_restart_after_a_history_seeds_the_estimate(results):
         assert 1.0 <= again.mean_job_seconds() < 5.0
     finally:
         again.stop()
+
+
+def test_a_lost_workers_job_goes_back_without_its_preview(results):
+    """A fleet worker that dies mid-job leaves its preview in the shared folder: the worker that takes the job back
+    removes it (and so does one that hands a job back), while the preview of a job whose worker is alive stays; a
+    restart on one box, where every running job lost its worker, removes theirs."""
+    results.mkdir(parents=True)
+    store, files = open_store(results), JobFiles(results)
+    lost, alive = "a" * 32, "b" * 32
+    made = {"made_at": time.time(), "forward": 5, "forwards": 49, "window": None, "seconds": 0.1}
+    for job_id, worker, lease in ((lost, "gone", -5.0), (alive, "elsewhere", 600.0)):
+        store.insert(Job(id=job_id, status=JobStatus.QUEUED, created_at=time.time(), request={"prompt": "x"}))
+        store.claim(worker, lambda needs: True, 600.0)
+        store.update(job_id, lease_expires=time.time() + lease, preview=made, eta_seconds=9.0)
+        files.write_preview(job_id, b"jpeg of attempt 1")
+    worker = JobWorker(store, ScriptedEngine(steps=2000), files, worker_id="taker", lease_seconds=5)
+    worker.start()
+    try:
+        deadline = time.monotonic() + 30
+        while store.get(lost).worker_id != "taker" and time.monotonic() < deadline:
+            time.sleep(0.05)
+        job = store.get(lost)
+        assert (job.status, job.worker_id, job.attempts, job.preview) == ("running", "taker", 2, None)
+        assert not files.preview(lost).exists()
+        assert files.preview(alive).read_bytes() == b"jpeg of attempt 1" and store.get(alive).preview == made
+        files.write_preview(lost, b"jpeg of attempt 2")
+    finally:
+        worker.stop(drain=False)
+    assert store.get(lost).status == JobStatus.QUEUED and not files.preview(lost).exists()  # handed back
+
+    store.close()
+    manager = JobManager(ScriptedEngine(), results)  # a restart on one box: every running job lost its worker
+    try:
+        manager.recover()
+        job = manager.store.get(alive)
+        assert (job.status, job.preview) == ("queued", None) and not files.preview(alive).exists()
+    finally:
+        manager.stop()
 
 
 # ---------------------------------------------------------------------- real servers

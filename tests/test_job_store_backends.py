@@ -221,6 +221,37 @@ def test_requeue_expired_keeps_the_place_then_gives_up(store):
     assert store.requeue_expired(now=time.time() + 60, max_attempts=3) == [("second", JobStatus.QUEUED)]
 
 
+def test_a_job_taken_back_keeps_no_preview(store):
+    made = {"made_at": time.time(), "forward": 5, "forwards": 49, "window": None, "seconds": 0.1}
+    lost = ("lost", "cancelled", "lost_twice")
+    stopping = ("stopping", "stopping_cancelled")
+    for name in (*lost, *stopping):
+        store.insert(_job(name, attempts=1 if name == "lost_twice" else 0))
+    for _ in lost:
+        store.claim("w1", lambda needs: True, 5)
+    for _ in stopping:
+        store.claim("w2", lambda needs: True, 600)
+    for name in (*lost, *stopping):
+        store.update(name, preview=made, eta_seconds=12.0)
+    store.request_cancel("cancelled")
+    store.request_cancel("stopping_cancelled")
+    assert store.requeue_expired(now=time.time() + 60) == [
+        ("lost", JobStatus.QUEUED),
+        ("cancelled", JobStatus.CANCELLED),
+        ("lost_twice", JobStatus.FAILED),
+    ]
+    assert store.hand_back("stopping", "w2") and store.hand_back("stopping_cancelled", "w2")
+    taken = {name: store.get(name) for name in (*lost, *stopping)}
+    assert {name: job.status for name, job in taken.items()} == {
+        "lost": "queued",
+        "cancelled": "cancelled",
+        "lost_twice": "failed",
+        "stopping": "queued",
+        "stopping_cancelled": "cancelled",
+    }
+    assert all((job.preview, job.eta_seconds) == (None, None) for job in taken.values()), taken
+
+
 def test_request_cancel_stops_a_queued_job_and_flags_a_running_one(store):
     for name in ("running", "queued", "done"):
         store.insert(_job(name))

@@ -301,9 +301,9 @@ def test_no_import_cycles():
     assert not problems, _report(problems)
 
 
-# The imports issue 32 found running back up, each added to today's tree as source text (inside a function where
-# the original hid it there): the checker must report the added line. `parallel/tp_linear.py` importing
-# `quant.mxfp4` is wrong as the way back of a cycle, so that case adds both directions and expects the cycle.
+# Upward imports, each added to the tree as source text (some inside a function, where an import is easy to
+# overlook): the checker must report the added line. `parallel/tp_linear.py` importing `quant.mxfp4` is wrong only
+# as the way back of a cycle, so that case adds both directions and expects the cycle.
 _BACK_TO_PARALLEL = "\n\ndef _factory():\n    from h3gen.parallel.tp_linear import ColumnParallelMXFP4Linear\n"
 _QUANT_LINEAR = "\nfrom h3gen.quant.mxfp4 import MXFP4Linear\n"
 INJECTED = {  # case -> [(file, source text appended, whether the checker must point at it)]
@@ -329,7 +329,7 @@ INJECTED = {  # case -> [(file, source text appended, whether the checker must p
 
 
 @pytest.mark.parametrize("case", list(INJECTED))
-def test_checker_reports_each_upward_import_issue_32_names(case):
+def test_checker_reports_an_upward_import_added_to_the_tree(case):
     sources = tree_sources()
     expected = []
     for path, added, reported in INJECTED[case]:

@@ -10,32 +10,12 @@ import pytest
 from helpers.server_harness import Server, memory_kb, wait_for
 
 from h3gen.pipelines.h3.tiny_checkpoint import tiny_checkpoint
+from h3gen.ui.actions import GENERATE_INPUTS
 
 # Starts `h3gen serve` or the CLI in processes of their own: minutes on the 2-core CI machine.
 pytestmark = [pytest.mark.server, pytest.mark.slow]
 
 KEY = "ui-security-key"
-INPUTS = [
-    "prompt",
-    "task",
-    "image",
-    "last_image",
-    "references",
-    "aspect",
-    "seconds",
-    "steps",
-    "seed",
-    "randomize",
-    "plan",
-    "window_prompts",
-    "window_frames",
-    "overlap_frames",
-    "quality",
-    "loras",
-    "preview_every",
-    "sparsity",
-    "dense_forwards",
-]
 
 
 @pytest.fixture(scope="module")
@@ -103,7 +83,7 @@ def generate_inputs(**overrides) -> list:
         dense_forwards=None,
     )  # the picker, empty
     values.update(overrides)
-    return [values[name] for name in INPUTS]
+    return [values[name] for name in GENERATE_INPUTS]
 
 
 def file_data(path: str) -> dict:

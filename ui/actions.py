@@ -2,8 +2,10 @@
 with the outputs its event updates; every problem is one message in Status, nothing is raised to Gradio (which would
 mark every output an error)."""
 
+import inspect
 import shutil
 import time
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 import gradio as gr
@@ -29,6 +31,37 @@ from h3gen.ui.views import (
 )
 
 POLL_SECONDS = 0.25
+LONG_CLIP_SECONDS = 15  # past this length a clip is made in windows: the per-window inputs show and count
+
+
+@dataclass(frozen=True)
+class GenerateForm:
+    """The Generate button's inputs, in the order the page hands them to `Actions.generate` (`build_ui` lists its
+    components by these names: `GENERATE_INPUTS`). Values are as Gradio hands them over: an empty number is None,
+    an upload is a file path."""
+
+    prompt: str | None
+    task: str
+    image: str | None  # fl2va's first frame
+    last_image: str | None  # fl2va's last frame
+    references: list[str] | None  # ref2va's pictures, videos and sounds
+    aspect: str | None  # "auto" or a ratio such as "16:9"
+    seconds: float
+    steps: float | None  # 0: 50 sigma points, or the recipe's
+    seed: float | None
+    randomize: bool
+    plan: bool
+    window_prompts: str | None = ""  # one prompt per line; the window inputs count past LONG_CLIP_SECONDS only
+    window_frames: float | None = None
+    overlap_frames: float | None = None
+    quality: str | None = None
+    loras: list | None = None  # the picker's rows: name, recipe, scale
+    preview_every: float | None = None
+    sparsity: str | None = ""  # see `sparsity_of_text`
+    dense_forwards: float | None = None
+
+
+GENERATE_INPUTS = tuple(field.name for field in fields(GenerateForm))
 
 
 def serves_demo_model(engine) -> bool:
@@ -123,88 +156,40 @@ class Actions:
         self.manager = manager
         self.upload_folder = Path(get_upload_folder())
 
-    def _request(
-        self,
-        prompt,
-        task,
-        aspect,
-        seconds,
-        steps,
-        seed,
-        randomize,
-        plan,
-        quality,
-        loras,
-        preview_every,
-        sparsity="",
-        dense_forwards=None,
-        **long,
-    ):
+    def _request(self, form: GenerateForm) -> GenerationBody:
+        long = {}
+        if float(form.seconds) > LONG_CLIP_SECONDS:
+            long = long_clip_fields(form.window_prompts, form.window_frames, form.overlap_frames)
         # Steps 0 is "auto": 50 sigma points, or the recipe of a few-step adapter.
-        fields = dict(
-            prompt=prompt or "",
-            task=task,
-            seconds=float(seconds),
-            num_inference_steps=int(steps) if steps else None,
-            aspect_ratio=None if aspect in (None, "auto") else aspect,
-            seed=None if randomize or seed is None else int(seed),
-            plan=bool(plan),
-            quality=quality or None,
-            loras=chosen_loras(loras) or None,
-            preview_every=None if preview_every in (None, "") else int(preview_every),
-            sparsity=sparsity_of_text(sparsity),
-            dense_forwards=None if dense_forwards in (None, "") else int(dense_forwards),
+        values = dict(
+            prompt=form.prompt or "",
+            task=form.task,
+            seconds=float(form.seconds),
+            num_inference_steps=int(form.steps) if form.steps else None,
+            aspect_ratio=None if form.aspect in (None, "auto") else form.aspect,
+            seed=None if form.randomize or form.seed is None else int(form.seed),
+            plan=bool(form.plan),
+            quality=form.quality or None,
+            loras=chosen_loras(form.loras) or None,
+            preview_every=None if form.preview_every in (None, "") else int(form.preview_every),
+            sparsity=sparsity_of_text(form.sparsity),
+            dense_forwards=None if form.dense_forwards in (None, "") else int(form.dense_forwards),
             **long,
         )
-        return GenerationBody.model_validate(fields)
+        return GenerationBody.model_validate(values)
 
-    def generate(
-        self,
-        prompt,
-        task,
-        image,
-        last_image,
-        references,
-        aspect,
-        seconds,
-        steps,
-        seed,
-        randomize,
-        plan,
-        window_prompts="",
-        window_frames=None,
-        overlap_frames=None,
-        quality=None,
-        loras=None,
-        preview_every=None,
-        sparsity="",
-        dense_forwards=None,
-    ):
-        """Validate and queue a job, then follow it: (status, progress bar, preview, player, job id, seed, planned
-        prompt) as it runs, every `POLL_SECONDS`."""
+    def generate(self, *values):
+        """Validate and queue a job from the Generate button's inputs (`values`, in `GenerateForm`'s order), then
+        follow it: (status, progress bar, preview, player, job id, seed, planned prompt) as it runs, every
+        `POLL_SECONDS`."""
         idle = (gr.update(),) * 4  # player, job, seed, planned prompt stay as they are
 
         def problem(message):
             return (_problem(message), progress_html(0, ""), "", *idle)
 
+        form = GenerateForm(*values)
         try:
-            long = long_clip_fields(window_prompts, window_frames, overlap_frames) if float(seconds) > 15 else {}
-            request = self._request(
-                prompt,
-                task,
-                aspect,
-                seconds,
-                steps,
-                seed,
-                randomize,
-                plan,
-                quality,
-                loras,
-                preview_every,
-                sparsity,
-                dense_forwards,
-                **long,
-            )
+            request = self._request(form)
         except RequestError as error:
             yield problem(str(error))
             return
@@ -214,9 +199,9 @@ class Actions:
         staging = self.manager.staging_dir()
         try:
             uploads = stage_uploads(
-                image if task == "fl2va" else None,
-                last_image if task == "fl2va" else None,
-                references if task == "ref2va" else None,
+                form.image if form.task == "fl2va" else None,
+                form.last_image if form.task == "fl2va" else None,
+                form.references if form.task == "ref2va" else None,
                 staging,
                 self.upload_folder,
             )
@@ -279,6 +264,14 @@ class Actions:
             seed_used,
             planned_prompt,
         )
+
+    # Gradio names the endpoint's parameters and their defaults from the signature: the form's fields.
+    generate.__signature__ = inspect.Signature(
+        [
+            inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD),
+            *inspect.signature(GenerateForm).parameters.values(),
+        ]
+    )
 
     def cancel(self, job_id):
         """Cancel the job shown (a finished one is deleted with its video): (status, player)."""

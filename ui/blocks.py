@@ -11,7 +11,14 @@ import gradio as gr
 
 from h3gen.options import TASKS
 from h3gen.pipelines.h3 import DEFAULT_OVERLAP_FRAMES, DEFAULT_WINDOW_FRAMES, MAX_SECONDS
-from h3gen.ui.actions import Actions, lora_rows, quality_choices, serves_demo_model
+from h3gen.ui.actions import (
+    GENERATE_INPUTS,
+    LONG_CLIP_SECONDS,
+    Actions,
+    lora_rows,
+    quality_choices,
+    serves_demo_model,
+)
 from h3gen.ui.views import HISTORY_COLUMNS, progress_html, recipe_note
 
 ASPECTS = ["auto", "16:9", "9:16", "1:1", "4:3", "3:4", "21:9", "4:1", "1:4"]
@@ -19,7 +26,6 @@ LORA_COLUMNS = ["LoRA", "recipe", "scale"]
 TASK_LABELS = {"t2va": "text", "fl2va": "keyframes", "ref2va": "references"}
 HISTORY_WIDTHS = ["24%", "9%", "27%", "7%", "13%", "20%"]
 HISTORY_REFRESH_SECONDS = 2.0  # how often the history's rows follow their jobs
-LONG_CLIP_SECONDS = 15  # past this length a clip is made in windows, and the per-window inputs show
 # Gradio's copies of uploads: swept every hour once a day old (a job keeps its own copy from the moment it is queued).
 UPLOAD_CACHE = (3600, 86400)
 # Ids whole on one line (monospace, never broken mid-id); a compact header; the preview sized to the column.
@@ -59,34 +65,35 @@ def build_ui(manager) -> gr.Blocks:
             visible=serves_demo_model(engine),
             elem_id="demo-model-note",
         )
+        form = {}  # the Generate button's inputs by name (`GENERATE_INPUTS`)
         job_state = gr.State(None)
         pages = gr.State([None])  # the history's page cursors (`after` ids), None for the first page
         with gr.Row(equal_height=False):
             with gr.Column(scale=3):
-                prompt = gr.Textbox(
+                form["prompt"] = gr.Textbox(
                     label="Prompt",
                     lines=3,
                     elem_id="prompt",
                     placeholder="a red fox runs through fresh snow, wind howling",
                 )
                 with gr.Row():
-                    task = gr.Radio(
+                    task = form["task"] = gr.Radio(
                         [(f"{name}: {TASK_LABELS.get(name, name)}", name) for name in TASKS],
                         value=TASKS[0],
                         label="Task",
                         elem_id="task",
                         scale=3,
                     )
-                    seconds = gr.Slider(
+                    seconds = form["seconds"] = gr.Slider(
                         5,
                         max_seconds,
                         value=5,
                         step=0.5,
                         elem_id="seconds",
-                        label=f"Seconds (5 to {max_seconds:g}; over 15: in windows)",
+                        label=f"Seconds (5 to {max_seconds:g}; over {LONG_CLIP_SECONDS}: in windows)",
                         scale=2,
                     )
-                    aspect = gr.Dropdown(ASPECTS, value="auto", label="Aspect ratio", elem_id="aspect", scale=1)
+                    form["aspect"] = gr.Dropdown(ASPECTS, value="auto", label="Aspect ratio", elem_id="aspect", scale=1)
                 with gr.Row():
                     run = gr.Button("Generate", variant="primary", elem_id="generate-btn", scale=3)
                     stop = gr.Button("Cancel", elem_id="cancel-btn", scale=1)
@@ -94,17 +101,17 @@ def build_ui(manager) -> gr.Blocks:
                     with gr.Row():
                         # image_mode=None: Gradio hands the file over as uploaded instead of decoding it to convert
                         # its mode, so the pixel count is checked from the header before anything decodes it.
-                        image = gr.Image(
+                        form["image"] = gr.Image(
                             type="filepath", image_mode=None, label="First frame (fl2va)", elem_id="image", height=200
                         )
-                        last_image = gr.Image(
+                        form["last_image"] = gr.Image(
                             type="filepath",
                             image_mode=None,
                             label="Last frame (fl2va)",
                             elem_id="last-image",
                             height=200,
                         )
-                references = gr.File(
+                references = form["references"] = gr.File(
                     file_count="multiple",
                     type="filepath",
                     elem_id="references",
@@ -113,25 +120,25 @@ def build_ui(manager) -> gr.Blocks:
                     label="References (ref2va): up to 9 images, 3 videos, 3 sounds, in this order",
                 )
                 with gr.Group(visible=False, elem_id="windows") as windows:
-                    window_prompts = gr.Textbox(
+                    form["window_prompts"] = gr.Textbox(
                         label="Prompts per window: one line per window, or one line for all; empty: the prompt above",
                         lines=2,
                         elem_id="window-prompts",
                     )
                     with gr.Row():
-                        window_frames = gr.Number(
+                        form["window_frames"] = gr.Number(
                             value=DEFAULT_WINDOW_FRAMES,
                             precision=0,
                             elem_id="window-frames",
                             label="Frames per window (17n+5, 124 to 345)",
                         )
-                        overlap_frames = gr.Number(
+                        form["overlap_frames"] = gr.Number(
                             value=DEFAULT_OVERLAP_FRAMES,
                             precision=0,
                             elem_id="overlap-frames",
                             label="Overlap frames (17n+5, shorter than the window)",
                         )
-                loras = gr.Dataframe(
+                loras = form["loras"] = gr.Dataframe(
                     value=lambda: lora_rows(engine),
                     headers=LORA_COLUMNS,
                     datatype=["str", "str", "number"],
@@ -142,7 +149,7 @@ def build_ui(manager) -> gr.Blocks:
                     elem_id="loras",
                     label="LoRA adapters (--lora-dir): set a scale to apply one; 0 leaves it out",
                 )
-                plan = gr.Checkbox(
+                form["plan"] = gr.Checkbox(
                     value=False,
                     visible=has_planner,
                     elem_id="plan",
@@ -151,7 +158,7 @@ def build_ui(manager) -> gr.Blocks:
                 with gr.Accordion("Advanced: sampling and quality", open=False, elem_id="advanced"):
                     recipe = gr.Markdown("", elem_id="recipe-note")
                     with gr.Row():
-                        steps = gr.Slider(
+                        form["steps"] = gr.Slider(
                             0,
                             100,
                             value=0,
@@ -159,12 +166,14 @@ def build_ui(manager) -> gr.Blocks:
                             elem_id="steps",
                             label="Steps: N sigma points, N − 1 forwards (0: 50, or the recipe's)",
                         )
-                        seed = gr.Number(value=0, precision=0, minimum=0, label="Seed", elem_id="seed")
-                        randomize = gr.Checkbox(value=True, label="Random seed", elem_id="randomize")
+                        seed = form["seed"] = gr.Number(value=0, precision=0, minimum=0, label="Seed", elem_id="seed")
+                        form["randomize"] = gr.Checkbox(value=True, label="Random seed", elem_id="randomize")
                     qualities, default_quality = quality_choices(engine)
                     with gr.Row():
-                        quality = gr.Dropdown(qualities, value=default_quality, label="Quality", elem_id="quality")
-                        preview_every = gr.Number(
+                        form["quality"] = gr.Dropdown(
+                            qualities, value=default_quality, label="Quality", elem_id="quality"
+                        )
+                        form["preview_every"] = gr.Number(
                             value=None,
                             precision=0,
                             minimum=0,
@@ -173,13 +182,13 @@ def build_ui(manager) -> gr.Blocks:
                             label="Preview every N forwards (empty: about a tenth of them; 0: no previews)",
                         )
                     with gr.Row():
-                        sparsity = gr.Textbox(
+                        form["sparsity"] = gr.Textbox(
                             value="",
                             elem_id="sparsity",
                             label="Sparse attention: video tiles dropped, 0 to 0.99, one per forward comma-separated, "
                             "or default (empty: the model's own)",
                         )
-                        dense_forwards = gr.Number(
+                        form["dense_forwards"] = gr.Number(
                             value=None, precision=0, minimum=0, elem_id="dense-forwards", label="First forwards dense"
                         )
             with gr.Column(scale=2):
@@ -216,27 +225,7 @@ def build_ui(manager) -> gr.Blocks:
         # that one ends, never dropped.
         run.click(
             actions.generate,
-            [
-                prompt,
-                task,
-                image,
-                last_image,
-                references,
-                aspect,
-                seconds,
-                steps,
-                seed,
-                randomize,
-                plan,
-                window_prompts,
-                window_frames,
-                overlap_frames,
-                quality,
-                loras,
-                preview_every,
-                sparsity,
-                dense_forwards,
-            ],
+            [form[name] for name in GENERATE_INPUTS],
             [status, progress, preview, video, job_state, seed, planned],
             concurrency_limit=None,
             show_progress="hidden",

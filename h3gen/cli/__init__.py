@@ -1,9 +1,9 @@
 """The `h3gen` command line. User errors print as one line and exit non-zero; no tracebacks.
 
-One module per subcommand (`env`, `generate`, `serve`, `plan`), each adding its parser and carrying it out; `parser`
-builds the whole parser, `arguments` holds the flags they share, `checks` the argument checks made before torch
-loads, `progress` the progress bars. Importing this package imports no torch: `h3gen --help` and refused arguments
-stay fast.
+One module per subcommand (`env`, `generate`, `serve`, `worker`, `plan`), each adding its parser and carrying it
+out; `parser` builds the whole parser, `arguments` holds the flags they share, `checks` the argument checks made
+before torch loads, `group` the start of `serve` and `worker` as a torchrun group, `progress` the progress bars.
+Importing this package imports no torch: `h3gen --help` and refused arguments stay fast.
 """
 
 import sys

@@ -11,6 +11,7 @@ from h3gen.cli.arguments import (
     run_option_arguments,
     run_options_of_args,
 )
+from h3gen.cli.group import check_group_degrees, start_serving_group
 from h3gen.cli.plan import planner_for
 from h3gen.cli.progress import quiet_libraries
 from h3gen.errors import RequestError
@@ -228,27 +229,20 @@ def run_serve(args: argparse.Namespace) -> int:
         "merge_loras": args.merge_loras,
     }
     in_process_group = args.tp * args.ulysses > 1 and args.workers == 1  # else the local workers are the groups
-    if args.tp * args.ulysses > 1:
-        from h3gen.parallel.state import check_degrees
-        from h3gen.pipelines.h3 import read_transformer_config
-        from h3gen.pipelines.h3.checkpoint import H3Checkpoint
-
-        heads = read_transformer_config(H3Checkpoint.open(args.model)).num_attention_heads
-        check_degrees(heads, args.tp, args.ulysses)
+    if args.tp * args.ulysses > 1 and not in_process_group:
+        check_group_degrees(args)  # before any local worker starts (an in-process group checks as it starts)
     if in_process_group:
-        from h3gen.parallel.launch import launched_by_torchrun, relaunch_with_torchrun, start_rank
+        from h3gen.parallel.launch import relaunch_with_torchrun
 
-        if not launched_by_torchrun():
-            return relaunch_with_torchrun(args.tp * args.ulysses, ["serve", *args.argv_rest, "--model", args.model])
-        parallel, device = start_rank(args.tp, args.ulysses, heads, args.device)
-        if torch.distributed.get_rank() != 0:
-            from h3gen.server.distributed import follow
-
-            follow(args.model, parallel=parallel, device=device, dtype=dtype, **serving)
-            return 0
+        command = ["serve", *args.argv_rest, "--model", args.model]
+        rank = start_serving_group(
+            args, lambda: relaunch_with_torchrun(args.tp * args.ulysses, command), serving, dtype
+        )
+        if rank.exit_code is not None:
+            return rank.exit_code
         from h3gen.server.distributed import DistributedEngine
 
-        engine = DistributedEngine(args.model, parallel=parallel, device=device, dtype=dtype, **serving)
+        engine = DistributedEngine(args.model, parallel=rank.parallel, device=rank.device, dtype=dtype, **serving)
     else:
         engine = H3Engine(args.model, device=args.device, dtype=dtype, **serving)
     if args.planner:

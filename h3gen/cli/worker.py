@@ -19,6 +19,7 @@ from h3gen.cli.arguments import (
     run_option_arguments,
     run_options_of_args,
 )
+from h3gen.cli.group import start_serving_group
 from h3gen.cli.progress import quiet_libraries
 from h3gen.errors import RequestError
 from h3gen.options import WORKFLOW_HELP, WORKFLOWS, describe
@@ -119,23 +120,10 @@ def run_worker(args: argparse.Namespace) -> int:
     }
     distributed = args.tp * args.ulysses > 1
     if distributed:
-        from h3gen.parallel.launch import launched_by_torchrun, start_rank
-        from h3gen.parallel.state import check_degrees
-        from h3gen.pipelines.h3 import read_transformer_config
-        from h3gen.pipelines.h3.checkpoint import H3Checkpoint
-
-        heads = read_transformer_config(H3Checkpoint.open(args.model)).num_attention_heads
-        if not launched_by_torchrun():
-            check_degrees(heads, args.tp, args.ulysses)
-            return _run_group(args)
-        parallel, device = start_rank(args.tp, args.ulysses, heads, args.device)
-        if torch.distributed.get_rank() != 0:
-            from h3gen.server.distributed import follow
-
-            for signum in (signal.SIGTERM, signal.SIGINT):  # rank 0 decides when the group stops
-                signal.signal(signum, signal.SIG_IGN)
-            follow(args.model, parallel=parallel, device=device, dtype=dtype, **serving)
-            return 0
+        rank = start_serving_group(args, lambda: _run_group(args), serving, dtype, followers_ignore_signals=True)
+        if rank.exit_code is not None:
+            return rank.exit_code
+        parallel, device = rank.parallel, rank.device
     files = JobFiles(args.results_dir)
     try:
         store = open_store(args.store, fleet=args.fleet)

@@ -5,8 +5,8 @@ or VSA-H3 over the unpadded rows), and a second all-to-all trades them back."""
 
 import torch
 import torch.distributed as dist
-import torch.nn as nn
 
+from h3gen.kernels.attention_core import AttentionCore
 from h3gen.kernels.vsa_h3 import SparseSwitch, attend
 from h3gen.parallel.state import ParallelState
 
@@ -32,19 +32,14 @@ def _all_to_all(x: torch.Tensor, group) -> torch.Tensor:
     return out
 
 
-class UlyssesAttention(nn.Module):
-    """Drop-in for `AttentionCore` under SP: q, k, v (and a gate) `(B, S_local, H, D)` -> `(B, S_local, H, D)`."""
+class UlyssesAttention(AttentionCore):
+    """`AttentionCore` under SP: q, k, v (and a gate) `(B, S_local, H, D)` -> `(B, S_local, H, D)`."""
 
     def __init__(
         self, state: ParallelState, shard: SequenceShard, backend: str | None = None, sparse: SparseSwitch | None = None
     ):
-        super().__init__()
-        self.state, self.shard, self.backend, self.sparse = state, shard, backend, sparse
-
-    @property
-    def plan(self):
-        """The running forward's `SparsePlan`, or None (dense)."""
-        return self.sparse.plan if self.sparse is not None else None
+        super().__init__(backend, sparse)
+        self.state, self.shard = state, shard
 
     def forward(
         self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, gate: torch.Tensor | None = None

@@ -1,8 +1,9 @@
 """What a job manager finds on start, left by the run before it (a restart, a crash, a lost database).
 
 - On one box (the manager owns the folder and its SQLite store), the jobs the last run left running lost their
-  worker with it: they go back to the queue in their place (`JobStore.requeue_expired`; a job lost a second time
-  fails, saying so). In a fleet the other workers' leases decide that.
+  worker with it: they go back to the queue in their place (`take_back_lost_jobs`; a job lost a second time
+  fails, saying so). In a fleet the other workers' leases decide that: each worker takes back the jobs whose lease
+  ran out the same way. Either way the lost attempt's preview goes, so that the next attempt's is the only one.
 - Queued and running jobs keep their uploads.
 - The latest succeeded jobs' run times seed the Retry-After estimate.
 - Half-written MP4s, and upload folders no queued job owns, are removed.
@@ -32,12 +33,22 @@ class Recovered:
     recent: list[float] = field(default_factory=list)  # run seconds of the latest succeeded jobs, oldest first
 
 
+def take_back_lost_jobs(store: JobStore, files: JobFiles, now: float | None = None) -> list[tuple[str, JobStatus]]:
+    """Take back the running jobs whose worker stopped renewing its lease before `now` (`JobStore.requeue_expired`:
+    re-queued, or cancelled or failed) and remove each one's preview from the results folder. Returns each job
+    taken back with its new status."""
+    taken = store.requeue_expired(now=now)
+    for job_id, _ in taken:
+        files.preview(job_id).unlink(missing_ok=True)
+    return taken
+
+
 def recover(store: JobStore, files: JobFiles, *, recent: int, owns_folder: bool = True) -> Recovered:
     """Put the store and the results folder back in order after a restart (see the module's docstring); `recent`
     is how many of the latest succeeded jobs' run times to return. `owns_folder`: this manager is the only one on
     the folder and the store (one box); partial files and orphans are then its to clean up."""
     if owns_folder:
-        for job_id, status in store.requeue_expired(now=math.inf):
+        for job_id, status in take_back_lost_jobs(store, files, now=math.inf):
             logger.warning("job %s was running when the server stopped: %s", job_id, status.value)
     found = Recovered(queued=[job.id for job in store.list(newest_first=False, statuses=(JobStatus.QUEUED,))])
     for job in store.list(limit=recent, statuses=(JobStatus.SUCCEEDED,))[::-1]:

@@ -2,8 +2,8 @@
 serve`, one worker) or a process of its own (`h3gen worker`, many per fleet).
 
 - It claims the oldest queued job it can serve (`capabilities`), holding a lease it renews on a heartbeat thread; a
-  worker that dies stops renewing, and the job is taken back (`JobStore.requeue_expired`: re-queued once, then
-  failed saying how often its worker was lost).
+  worker that dies stops renewing, and the job is taken back (`job_recovery.take_back_lost_jobs`: re-queued once,
+  then failed saying how often its worker was lost), without the lost attempt's preview.
 - Progress, the stage and its timings go to the store as the job runs (at most every `PROGRESS_SECONDS`, and at each
   stage change), so any API node answers for it; a cancellation asked for on any node is seen at the next progress
   point (each stage reports when it starts and at points inside it, at most a fraction of a second apart).
@@ -30,6 +30,7 @@ from h3gen.errors import RequestError
 from h3gen.options import TASKS
 from h3gen.pipelines.h3 import MAX_SECONDS_LIMIT
 from h3gen.server.job import DENOISE, PLAN, PREVIEW, WINDOW, Job, JobStatus, progress_of
+from h3gen.server.job_recovery import take_back_lost_jobs
 
 logger = logging.getLogger(__name__)
 
@@ -194,7 +195,7 @@ class JobWorker:
         self._beat.start()
         try:
             while not self._stopping.is_set():
-                self.store.requeue_expired()
+                take_back_lost_jobs(self.store, self.files)
                 if self.capabilities is not None:
                     job = self.store.claim(
                         self.worker_id, lambda needs: can_serve(self.capabilities, needs), self.lease_seconds
@@ -363,6 +364,8 @@ class JobWorker:
                 torch.cuda.empty_cache()  # a cancelled or failed job leaves no GPU memory behind
         if handed_back:
             result.unlink(missing_ok=True)
+            # Before the job goes back: every preview written after that is the next attempt's.
+            self.files.preview(job.id).unlink(missing_ok=True)
             self.store.hand_back(job.id, self.worker_id)
             return
         elapsed = time.perf_counter() - started

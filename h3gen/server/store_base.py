@@ -374,9 +374,9 @@ class JobStore(abc.ABC):
                 counted = ""
             else:
                 fields = {"status": JobStatus.QUEUED, "worker_id": None, "stage": None, "progress": 0.0, "timings": {}}
-                fields.update(preview=None, eta_seconds=None)
                 counted = ", attempts = attempts - 1"
-            names, values = self._assignments({**fields, "lease_expires": None})
+            fields.update(preview=None, eta_seconds=None, lease_expires=None)
+            names, values = self._assignments(fields)
             changed = run(
                 f"UPDATE jobs SET {names}{counted} {held} RETURNING id",
                 [*values, job_id, worker_id, JobStatus.RUNNING.value],
@@ -392,7 +392,8 @@ class JobStore(abc.ABC):
     def requeue_expired(self, now: float | None = None, max_attempts: int = 2) -> list[tuple[str, JobStatus]]:
         """Take back the running jobs whose lease ran out before `now` (default: the store's clock): one with fewer
         than `max_attempts` attempts goes back to the queue in its old place (same `seq`), its progress reset; one
-        whose cancellation was requested is cancelled; any other fails with `lost_worker_error`. Returns each job
+        whose cancellation was requested is cancelled; any other fails with `lost_worker_error`. Each loses its
+        preview (the results folder's file is the caller's: `job_recovery.take_back_lost_jobs`). Returns each job
         taken back with its new status, in submission order."""
         done = []
         with self._transaction() as run:
@@ -407,11 +408,13 @@ class JobStore(abc.ABC):
                     fields = {"status": JobStatus.CANCELLED, "finished_at": now, "stage": None}
                 elif attempts < max_attempts:
                     fields = {"status": JobStatus.QUEUED, "worker_id": None, "stage": None, "progress": 0.0}
-                    fields.update(timings={}, preview=None, eta_seconds=None)
+                    fields["timings"] = {}
                 else:
                     error = lost_worker_error(attempts, worker_id, expired_at)
                     fields = {"status": JobStatus.FAILED, "finished_at": now, "stage": None, "error": error}
-                names, values = self._assignments({**fields, "lease_expires": None})
+                # The lost attempt's preview and time left belong to no attempt that follows, nor to an outcome.
+                fields.update(preview=None, eta_seconds=None, lease_expires=None)
+                names, values = self._assignments(fields)
                 changed = run(  # unless a heartbeat renewed it since, or another node took it back first
                     f"UPDATE jobs SET {names} WHERE id = ? AND status = ? AND lease_expires < ? RETURNING id",
                     [*values, job_id, JobStatus.RUNNING.value, now],

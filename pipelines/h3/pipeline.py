@@ -286,6 +286,7 @@ class H3Pipeline:
                 options.attention, device, torch_dtype, read_transformer_config(checkpoint).attention_head_dim
             )
         adapter, merged = split_load_time_loras(loras)
+        added_bytes = {}
         if adapter is not None:
             if "transformer" not in partitions:
                 raise RequestError(
@@ -298,6 +299,7 @@ class H3Pipeline:
                     f"FastH3 adapter {adapter.name} is made for the base model, but this checkpoint is a FastH3 "
                     f"student already (it has {CONTRACT_FILE})."
                 )
+            added_bytes["transformer"] = adapter.created_bytes(read_transformer_config(checkpoint), torch_dtype)
         pipe = assemble(
             cls,
             checkpoint,
@@ -310,6 +312,7 @@ class H3Pipeline:
             max_cpu_loras=max_cpu_loras,
             lora_gpu_memory=lora_gpu_memory,
             fasth3_adapter=adapter,
+            added_bytes=added_bytes,
         )
         for path, scale in merged:
             pipe.load_lora(path, merge=True, scale=scale)

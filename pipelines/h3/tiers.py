@@ -17,6 +17,7 @@
 import torch
 
 from h3gen.kernels.attention import fa3_available, fp8_attention, takes_fp8_inputs
+from h3gen.kernels.attention_core import AttentionCore
 from h3gen.kernels.fp8_quant import quantize_heads, quantize_rows
 from h3gen.kernels.gated_residual import gated_residual, gated_residual_norm_modulate
 from h3gen.kernels.norm_modulate import rmsnorm_modulate
@@ -25,7 +26,6 @@ from h3gen.kernels.swiglu import swiglu
 from h3gen.linear import to_fp8
 from h3gen.lora import wide_input
 from h3gen.options import QUALITY_TIERS, base_tier, check_choice
-from h3gen.pipelines.h3.transformer_blocks import AttentionCore
 
 
 def fused_block_forward(

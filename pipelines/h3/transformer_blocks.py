@@ -1,7 +1,7 @@
 """The layers of the MiniMax-H3 transformer (`transformer.H3Transformer`): rotary and timestep embeddings,
-attention (through the replaceable `AttentionCore`), the SwiGLU feed-forward, the text refiner, the AdaLN
-projections and norms, and `H3TransformerBlock`, self-contained so that offload can move it as a unit. Every
-linear comes from a `LinearFactory` (`h3gen.linear`)."""
+attention (through the replaceable `AttentionCore` of `h3gen.kernels.attention_core`), the SwiGLU feed-forward, the
+text refiner, the AdaLN projections and norms, and `H3TransformerBlock`, self-contained so that offload can move it
+as a unit. Every linear comes from a `LinearFactory` (`h3gen.linear`)."""
 
 import math
 
@@ -9,7 +9,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from h3gen.kernels.vsa_h3 import SparseSwitch, attend
+from h3gen.kernels.attention_core import AttentionCore
+from h3gen.kernels.vsa_h3 import SparseSwitch
 from h3gen.linear import LinearFactory, LinearSpec
 from h3gen.pipelines.h3.transformer_config import NUM_MODALITIES, H3TransformerConfig
 
@@ -90,27 +91,6 @@ class H3TimestepEmbedding(nn.Module):
 
     def forward(self, sinusoids: torch.Tensor) -> torch.Tensor:
         return self.linear_2(F.silu(self.linear_1(sinusoids)))
-
-
-class AttentionCore(nn.Module):
-    """Parameter-free attention over `(B, S, heads, head_dim)` q/k/v: dense, or VSA-H3 while the model's
-    `SparseSwitch` (`sparse`, shared by the cores of one model; None in the text refiner) holds a plan. Sequence
-    parallel replaces this module with one that exchanges heads for rows around the same call."""
-
-    def __init__(self, backend: str | None = None, sparse: SparseSwitch | None = None):
-        super().__init__()
-        self.backend = backend
-        self.sparse = sparse
-
-    @property
-    def plan(self):
-        """The running forward's `SparsePlan`, or None (dense)."""
-        return self.sparse.plan if self.sparse is not None else None
-
-    def forward(
-        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, gate: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        return attend(query, key, value, gate, self.plan, backend=self.backend)
 
 
 class H3Attention(nn.Module):
