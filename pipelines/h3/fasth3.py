@@ -30,7 +30,6 @@ DMD_STEPS = (999, 749, 500, 250)  # the DMD rungs on the 1000-step training cloc
 VSA_SPARSITY = 0.9
 VSA_BACKEND = "VIDEO_SPARSE_ATTN_H3"
 VSA_TILE_ROWS = 64
-GATE_SUFFIX = ".attn.to_gate_compress.weight"  # a VSA student's gates: `transformer_blocks.{i}` + this
 
 
 @dataclass(frozen=True)
