@@ -248,6 +248,37 @@ def test_a_lost_workers_job_goes_back_without_its_preview(results):
         manager.stop()
 
 
+def test_a_worker_that_lost_its_job_leaves_the_new_attempts_row_and_files_alone(results):
+    """A worker that stalled past its lease finds, at its next progress write, that the job went to another worker:
+    it stops that attempt and writes nothing over the new one (row, preview, video)."""
+    results.mkdir(parents=True)
+    store, files = open_store(results), JobFiles(results)
+    job_id = "e" * 32
+    store.insert(Job(id=job_id, status=JobStatus.QUEUED, created_at=time.time(), request={"prompt": "x"}))
+    worker = JobWorker(store, ScriptedEngine(steps=3000), files, worker_id="stalled", lease_seconds=60)
+    worker.start()
+    try:
+        deadline = time.monotonic() + 30
+        while store.get(job_id).stage != "denoise" and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert store.get(job_id).worker_id == "stalled"
+        made = {"made_at": time.time(), "forward": 1, "forwards": 4, "window": None, "seconds": 0.1}
+        store.update(job_id, worker_id="taker", attempts=2, preview=made, progress=3.0)  # as a take-over does
+        files.write_preview(job_id, b"taker's preview")
+        files.result(job_id).write_bytes(b"taker's video")
+        deadline = time.monotonic() + 10
+        while worker.running is not None and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert worker.running is None  # the lost attempt stopped long before its 3,000 steps
+        job = store.get(job_id)
+        assert (job.status, job.worker_id, job.preview, job.progress) == ("running", "taker", made, 3.0)
+        assert files.preview(job_id).read_bytes() == b"taker's preview"
+        assert files.result(job_id).read_bytes() == b"taker's video"
+    finally:
+        worker.stop(drain=False)
+    assert store.get(job_id).worker_id == "taker" and files.preview(job_id).exists()
+
+
 # ---------------------------------------------------------------------- real servers
 
 

@@ -169,6 +169,9 @@ def test_finish_writes_only_while_the_worker_holds_the_job(store):
     assert (taken.id, taken.attempts, taken.worker_id) == ("a", 2, "w2")
     assert not store.finish("a", "w1", status=JobStatus.FAILED, error="stale")  # w1 lost it
     assert store.get("a").status == JobStatus.RUNNING and store.get("a").error is None
+    assert not store.update_held("a", "w1", progress=55.0, stage="decode")  # nor may it report progress
+    assert store.update_held("a", "w2", progress=12.5, stage="denoise")
+    assert (store.get("a").progress, store.get("a").stage) == (12.5, "denoise")
     finished_at = time.time()
     assert store.finish("a", "w2", status=JobStatus.SUCCEEDED, progress=100.0, finished_at=finished_at, stage=None)
     job = store.get("a")

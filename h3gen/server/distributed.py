@@ -25,7 +25,7 @@ import torch.distributed as dist
 from h3gen.pipelines.h3 import DEFAULT_MAX_SECONDS, STAGES
 from h3gen.server.engine import H3Engine, generation_request
 from h3gen.server.job import DENOISE
-from h3gen.server.job_worker import JobCancelled, WorkerStopping
+from h3gen.server.job_worker import JobCancelled, JobLost, WorkerStopping
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +51,7 @@ class StepAgreement:
         status, message = OK, ""
         try:
             local_check()
-        except (JobCancelled, WorkerStopping):  # a stop everywhere; rank 0's worker knows which of the two it was
+        except (JobCancelled, WorkerStopping, JobLost):  # a stop everywhere; rank 0's worker knows which it was
             status = CANCEL
         except Exception as error:  # reported to every rank below
             status, message = FAIL, f"rank {dist.get_rank()}: {type(error).__name__}: {error}"

@@ -53,6 +53,11 @@ class WorkerStopping(Exception):
     """Raised inside the progress callback when the worker must hand its job back (a drain past its deadline)."""
 
 
+class JobLost(Exception):
+    """Raised inside the progress callback when the job is no longer this worker's (it stalled past its lease and
+    the job was taken back): the attempt stops and touches neither the job's row nor its files."""
+
+
 def capabilities_of(engine) -> dict:
     """What `engine` (an `H3Engine`) can run: its tasks, the quality tiers its load serves, its quantization, the
     longest clip and the adapters its LoRA folder holds."""
@@ -281,23 +286,27 @@ class JobWorker:
             if changed or now - running.last_write >= PROGRESS_SECONDS:
                 running.last_write = now
                 window = None if running.window is None else list(running.window)
-                self.store.update(
+                held = self.store.update_held(
                     job_id,
+                    self.worker_id,
                     progress=round(running.progress, 2),
                     stage=stage,
                     timings=dict(running.timings),
                     current_window=window,
                     eta_seconds=self._time_left(running, stage, step, total, now),
                 )
+                if not held:
+                    raise JobLost()
 
         return report
 
     def _keep_preview(self, job_id: str, preview) -> None:
-        """Write a preview (`pipelines.h3.Preview`) where every node finds it, then say so in the job's row."""
+        """Say in the job's row that a preview (`pipelines.h3.Preview`) was made, then write it where every node finds
+        it; neither while the job is no longer this worker's."""
         try:
-            self.files.write_preview(job_id, preview.jpeg())
             made = {"made_at": time.time(), "seconds": round(preview.seconds, 4), **preview.describe()}
-            self.store.update(job_id, preview=made)
+            if self.store.update_held(job_id, self.worker_id, preview=made):
+                self.files.write_preview(job_id, preview.jpeg())
         except Exception:
             logger.exception("job %s: the preview could not be kept", job_id)
 
@@ -336,14 +345,17 @@ class JobWorker:
                 report(PLAN, 0, 1)
                 planned = self.engine.plan(request, uploads)
                 shown = request = request | {"planned_prompt": planned}
-                self.store.update(job.id, request=request)  # shown in the job's status from now on
+                self.store.update_held(job.id, self.worker_id, request=request)  # shown in the job's status from now on
                 report(PLAN, 1, 1)
                 request = request | {"prompt": planned}
             outcome = self.engine.run(request, uploads, result, report)  # written aside, renamed when verified
             if outcome:  # what the run reports (the step cache's cached_steps), shown with the request
-                self.store.update(job.id, request=shown | outcome)
+                self.store.update_held(job.id, self.worker_id, request=shown | outcome)
             if running.cancel.is_set():
                 raise JobCancelled()
+        except JobLost:
+            logger.warning("job %s was taken back from this worker (its lease ran out); this attempt stops", job.id)
+            return  # after `finally`: the GPU memory is freed as for any ending
         except WorkerStopping:
             handed_back = True
         except JobCancelled:
@@ -363,10 +375,12 @@ class JobWorker:
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()  # a cancelled or failed job leaves no GPU memory behind
         if handed_back:
-            result.unlink(missing_ok=True)
-            # Before the job goes back: every preview written after that is the next attempt's.
-            self.files.preview(job.id).unlink(missing_ok=True)
-            self.store.hand_back(job.id, self.worker_id)
+            # Before the job goes back (every preview written after that is the next attempt's), and only while it is
+            # still this worker's: clearing the row's preview is the check.
+            if self.store.update_held(job.id, self.worker_id, preview=None, eta_seconds=None):
+                result.unlink(missing_ok=True)
+                self.files.preview(job.id).unlink(missing_ok=True)
+                self.store.hand_back(job.id, self.worker_id)
             return
         elapsed = time.perf_counter() - started
         if self.metrics is not None:
@@ -379,17 +393,19 @@ class JobWorker:
             self.tail_seconds = sum(running.timings.get(stage, 0.0) for stage in AFTER_DENOISE) / windows
         fields = {"status": status, "finished_at": time.time(), "timings": running.timings, "stage": None}
         fields.update(preview=None, eta_seconds=None)
-        self.files.preview(job.id).unlink(missing_ok=True)  # the video replaces it
         if status == JobStatus.SUCCEEDED:
             fields.update(progress=100.0, result_path=str(result), result_bytes=result.stat().st_size)
         else:
             fields["progress"] = round(running.progress, 2)
             if status == JobStatus.FAILED:
                 fields["error"] = error
-            result.unlink(missing_ok=True)
         if not self.store.finish(job.id, self.worker_id, **fields):
+            # The files are the attempt's that took the job over: left as they are.
             logger.warning("job %s was taken over by another worker; this outcome is dropped", job.id)
             return
+        self.files.preview(job.id).unlink(missing_ok=True)  # the video replaces it
+        if status != JobStatus.SUCCEEDED:
+            result.unlink(missing_ok=True)
         if status == JobStatus.CANCELLED:
             self.files.remove(job, result=False, uploads=True)
         # Otherwise a finished job keeps its uploads until it is deleted (a remix reuses them).

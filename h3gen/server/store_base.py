@@ -259,6 +259,18 @@ class JobStore(abc.ABC):
         with self._transaction() as run:
             run(f"UPDATE jobs SET {names} WHERE id = ?", [*values, job_id])
 
+    def update_held(self, job_id: str, worker_id: str, **fields) -> bool:
+        """`update` for the worker running a job: written only while `worker_id` still holds it (running, its lease
+        not taken back); True if written. A worker that stalled past its lease and lost the job writes nothing over
+        the attempt that took it over."""
+        names, values = self._assignments(fields)
+        with self._transaction() as run:
+            rows = run(
+                f"UPDATE jobs SET {names} WHERE id = ? AND worker_id = ? AND status = ? RETURNING id",
+                [*values, job_id, worker_id, JobStatus.RUNNING.value],
+            )
+        return bool(rows)
+
     def get(self, job_id: str) -> Job | None:
         """The job of that id, or None."""
         with self._transaction(write=False) as run:
