@@ -30,13 +30,19 @@ def available_host_bytes() -> int | None:
     return available
 
 
-def check_host_memory(needed_bytes: int, what: str, available_bytes: int | None = None) -> None:
-    """Refuse, before loading, a plan whose host copies would not fit, saying how much is needed and free."""
+def check_host_memory(
+    needed_bytes: int,
+    what: str,
+    available_bytes: int | None = None,
+    advice: str = "free memory, use MXFP4 weights, or keep more on the GPU (a larger --gpu-memory)",
+) -> None:
+    """Refuse, before loading, a plan whose host copies would not fit, saying how much is needed and free, and what
+    to do (`advice`)."""
     available = available_host_bytes() if available_bytes is None else available_bytes
     if available is not None and needed_bytes > available:
         raise CheckpointError(
             f"{what} needs {needed_bytes / GiB:.1f} GiB of host memory but only {available / GiB:.1f} GiB is "
-            "available; free memory, use MXFP4 weights, or keep more on the GPU (a larger --gpu-memory)."
+            f"available; {advice}."
         )
 
 

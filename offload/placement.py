@@ -5,7 +5,7 @@
   moves them); the transformer loads onto the device.
 - "layerwise": as "stage", and the transformer loads on the host: its non-block weights move to the device and its
   blocks stream from pinned host memory within `gpu_memory` (partitions loaded side by side share it), `prefetch`
-  blocks ahead; the text encoder's decoder layers stream while it encodes. The host memory this takes (the
+  blocks ahead; the text encoder's decoder layers stream while it encodes. The host memory either mode takes (the
   components' files, and the tensors a component gains at load, such as a merged FastH3 adapter's gates) is checked
   before anything loads. Under Ulysses without tensor parallelism the machine's ranks share one host copy of the
   blocks (in /dev/shm), which only local rank 0 loads.
@@ -22,6 +22,7 @@ from h3gen.offload.apply import apply_layerwise_offload, stream_layers
 from h3gen.offload.shared_host import SharedHostStore, shared_store_for_ranks
 from h3gen.options import RunOptions
 
+STAGE_PARTS = ("text_encoder", "vae", "audio_vae")  # what stage offload keeps on the host between its stages
 BLOCK_PREFIX = "transformer_blocks."
 
 
@@ -93,14 +94,21 @@ def plan_placement(
     """The `Placement` of a pipeline whose components live in `folders` (every part it will load: the transformer
     partitions, the text encoder, the VAEs); `added_bytes` names the bytes a component gains over its files at load
     (the gates a merged FastH3 adapter creates in `transformer`). Raises `CheckpointError` before any loading when
-    layer-wise offload's host copies would not fit in host memory. On a CUDA device the allocator takes expandable
-    segments from here on (`h3gen.device_memory`), so the pipeline's requests of many sizes do not splinter the memory
-    they share."""
+    the host copies of stage or layer-wise offload would not fit in host memory. On a CUDA device the allocator takes
+    expandable segments from here on (`h3gen.device_memory`), so the pipeline's requests of many sizes do not
+    splinter the memory they share."""
     use_expandable_segments(device)
     placement = Placement(options, torch.device(device), dict(folders), partitions, parallel, dict(added_bytes or {}))
     if placement.layerwise:
         needed = sum(placement.host_bytes(name) for name in folders)
         host_memory.check_host_memory(
             needed, "layer-wise offload (host copies of the transformer, text encoder and VAEs)"
+        )
+    elif options.offload == "stage":
+        needed = sum(placement.host_bytes(name) for name in folders if name in STAGE_PARTS)
+        host_memory.check_host_memory(
+            needed,
+            "stage offload (host copies of the text encoder and VAEs)",
+            advice="free memory, or use layer-wise offload, which streams the text encoder's layers",
         )
     return placement

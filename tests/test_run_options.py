@@ -184,8 +184,15 @@ def test_placement_follows_the_offload_mode(tiny_dir, monkeypatch):
         assert placement.host_store("transformer") is None  # no Ulysses group
     assert where == {"none": ("cuda", "cuda"), "stage": ("cuda", "cpu"), "layerwise": ("cpu", "cpu")}
     monkeypatch.setattr(host_memory, "available_host_bytes", lambda: 1024)
-    plan_placement(RunOptions(offload="stage"), cuda, folders)  # no host copies: not checked
+    plan_placement(RunOptions(offload="none"), cuda, folders)  # no host copies: not checked
+    with pytest.raises(CheckpointError, match="stage offload .* needs .* of host memory.*layer-wise offload"):
+        plan_placement(RunOptions(offload="stage"), cuda, folders)
     with pytest.raises(CheckpointError, match="host memory"):
+        plan_placement(RunOptions(offload="layerwise", gpu_memory="1GiB"), cuda, folders)
+    stage_bytes = sum(host_memory.folder_bytes(folders[name]) for name in ("text_encoder", "vae", "audio_vae"))
+    monkeypatch.setattr(host_memory, "available_host_bytes", lambda: stage_bytes)
+    plan_placement(RunOptions(offload="stage"), cuda, folders)  # the transformer stays on the GPU: not counted
+    with pytest.raises(CheckpointError, match="layer-wise offload"):
         plan_placement(RunOptions(offload="layerwise", gpu_memory="1GiB"), cuda, folders)
 
 
