@@ -47,13 +47,26 @@ def ui_page(server, height: int = 1000, width: int = 1400):
 
 
 def set_steps(page, steps: int) -> None:
-    """Set Steps in the Advanced group (opened first when it is closed)."""
+    """Set Steps in the Advanced group (opened first when it is closed), and wait until the slider holds it: the
+    slider takes a typed number on its change event, which a click at once after can overtake (then the old value
+    would be sent)."""
     field = page.locator("#steps input[type=number]")
     if not field.is_visible():
         page.click("#advanced")
         field.wait_for(state="visible", timeout=10000)
-    field.fill(str(steps))
-    field.press("Enter")
+    from playwright.sync_api import TimeoutError as NotYet
+
+    held = f"() => document.querySelector('#steps input[type=range]').value === '{steps}'"
+    for _ in range(3):
+        field.fill(str(steps))
+        field.press("Enter")
+        field.press("Tab")  # leaving the box is a change event too
+        try:
+            page.wait_for_function(held, timeout=3000)
+            return
+        except NotYet:  # the typed value was not taken: type it again
+            continue
+    page.wait_for_function(held, timeout=3000)
 
 
 def wait_for_video(page, server, seconds: float) -> None:
