@@ -53,6 +53,13 @@ class ScriptedEngine:
         out_path.write_bytes(b"mp4")
 
 
+def _until(condition, seconds: float) -> None:
+    """Poll `condition` every 10 ms until it holds or `seconds` pass (the assertions after it say which)."""
+    deadline = time.monotonic() + seconds
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
 def _job(manager, **request):
     return manager.submit({"prompt": "x", **request})
 
@@ -90,9 +97,7 @@ def test_cancel_answers_with_the_state_after_the_engine_stopped(results):
     manager.start()
     try:
         job = _job(manager)
-        deadline = time.monotonic() + 30
-        while (manager.get(job["id"])["progress"] or 0) < 5 and time.monotonic() < deadline:
-            time.sleep(0.01)
+        _until(lambda: (manager.get(job["id"])["progress"] or 0) >= 5, 30)
         view = manager.cancel(job["id"])
         assert view["status"] == "cancelled" and view["stage"] is None and view["finished_at"]
         assert manager.worker.running is None  # the worker acknowledged before the answer
@@ -107,9 +112,7 @@ def test_stop_hands_the_running_job_back_to_the_queue_and_closes_the_store(resul
     manager.start()
     job = _job(manager)
     queued = _job(manager)
-    deadline = time.monotonic() + 30
-    while manager.get(job["id"])["status"] != "running" and time.monotonic() < deadline:
-        time.sleep(0.01)
+    _until(lambda: manager.get(job["id"])["status"] == "running", 30)
     manager.stop()
     with pytest.raises(sqlite3.ProgrammingError):
         manager.store.get(job["id"])
@@ -167,9 +170,7 @@ def test_retention_runs_on_a_timer_on_an_idle_server(results):
         job = _job(manager)
         assert manager.wait(job["id"], 30)["status"] == "succeeded"
         assert (results / f"{job['id']}.mp4").exists()
-        deadline = time.monotonic() + 5
-        while manager.get(job["id"]) is not None and time.monotonic() < deadline:
-            time.sleep(0.05)
+        _until(lambda: manager.get(job["id"]) is None, 5)
         assert manager.get(job["id"]) is None and not (results / f"{job['id']}.mp4").exists()
     finally:
         manager.stop()
@@ -226,9 +227,7 @@ def test_a_lost_workers_job_goes_back_without_its_preview(results):
     worker = JobWorker(store, ScriptedEngine(steps=2000), files, worker_id="taker", lease_seconds=5)
     worker.start()
     try:
-        deadline = time.monotonic() + 30
-        while store.get(lost).worker_id != "taker" and time.monotonic() < deadline:
-            time.sleep(0.05)
+        _until(lambda: store.get(lost).worker_id == "taker", 30)
         job = store.get(lost)
         assert (job.status, job.worker_id, job.attempts, job.preview) == ("running", "taker", 2, None)
         assert not files.preview(lost).exists()
@@ -258,17 +257,13 @@ def test_a_worker_that_lost_its_job_leaves_the_new_attempts_row_and_files_alone(
     worker = JobWorker(store, ScriptedEngine(steps=3000), files, worker_id="stalled", lease_seconds=60)
     worker.start()
     try:
-        deadline = time.monotonic() + 30
-        while store.get(job_id).stage != "denoise" and time.monotonic() < deadline:
-            time.sleep(0.02)
+        _until(lambda: store.get(job_id).stage == "denoise", 30)
         assert store.get(job_id).worker_id == "stalled"
         made = {"made_at": time.time(), "forward": 1, "forwards": 4, "window": None, "seconds": 0.1}
         store.update(job_id, worker_id="taker", attempts=2, preview=made, progress=3.0)  # as a take-over does
         files.write_preview(job_id, b"taker's preview")
         files.result(job_id).write_bytes(b"taker's video")
-        deadline = time.monotonic() + 10
-        while worker.running is not None and time.monotonic() < deadline:
-            time.sleep(0.02)
+        _until(lambda: worker.running is None, 10)
         assert worker.running is None  # the lost attempt stopped long before its 3,000 steps
         job = store.get(job_id)
         assert (job.status, job.worker_id, job.preview, job.progress) == ("running", "taker", made, 3.0)
