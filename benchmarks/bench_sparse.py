@@ -2,12 +2,12 @@
 t2va request: 128 text rows, 414 audio rows (207 latents per channel), video grid (37, 24, 42) = 37,296 rows,
 37,838 in all (the layout `bench_h3_block.py` builds), 56 heads of 128 in bf16.
 
-Section `op`: first the sparse op against its torch reference on a smaller shape, then at
-the full shape: dense attention through the dispatch ("auto": FlashAttention-3 where installed, else cuDNN or
-flash; the table names it), the tile selection alone, the op at `--sparsity` without and with the compression
-gate, and the block-sparse kernel alone under each launch setting of `triton.CONFIGS`. Prints a table, then the
-dense/sparse ratios. `--tiny` runs small shapes on the CPU (the kernel under the Triton interpreter), to show that
-the script works end to end.
+Section `op`: first the sparse op against its torch reference on a smaller shape, then at the full shape: dense
+attention through the dispatch ("auto": FlashAttention-3 where installed, else cuDNN or flash; the table names it),
+the tile selection alone, the op at `--sparsity` without and with the compression gate, the block-sparse kernel alone
+under each launch setting of `triton.CONFIGS`, then its reads and its math each alone (`sparse_floors.py`, on a GPU).
+Prints a table, then the dense/sparse ratios. `--tiny` runs small shapes on the CPU (the kernel under the Triton
+interpreter), to show that the script works end to end.
 
 Section `block`: one transformer block at released dims over the same rows, the base block dense and sparse and a
 VSA student's block (with its gate) sparse, in the lossless and fast tiers. Section `forward`: the whole 50-block
@@ -175,6 +175,14 @@ def bench_op(args, device, dtype, backend):
                 rows.append({"variant": f"{name}: not launched ({error})", "ms": "-", "TFLOP/s": "-", "relL2": "-"})
                 continue
             rows.append(_row(name, ms, video_flops, video_kv))
+        if device.type == "cuda":  # the halves of the kernel, each alone (sparse_floors.py): which one bounds it
+            import sparse_floors
+
+            config = vsa_triton.default_config(device, args.dim)
+            ms = time(lambda: sparse_floors.reads_only(*slots, selection, config), args.repeat)
+            rows.append(_row("its reads alone (no math)", ms, None, video_kv))
+            ms = time(lambda: sparse_floors.math_only(q, *slots, selection, geometry, out, config), args.repeat)
+            rows.append(_row("its math alone (one key tile, loaded once)", ms, video_flops))
     kept = kept_video_tiles(args.sparsity, geometry.num_video_tiles)
     summary = (
         f"{geometry.num_rows} rows, {args.heads} heads x {args.dim}, {dtype}; {geometry.num_prefix_tiles} prefix + "
