@@ -103,7 +103,10 @@ def test_adapter_merged_at_load_equals_the_full_student(student, tiny_dir):
     clip = merged("a fox in snow", **CLIP)
     assert clip.num_forwards == 4 and clip.sampling["forwards"] == 4
     assert clip.sampling["recipe"] == f"FastH3 4-step ({'VSA' if kind == 'vsa' else 'dense'})"
-    _same_clip(clip, reference("a fox in snow", **CLIP))
+    assert clip.loras == [(adapter.stem, 1.0)]  # the merged student's adapter is named like any merged LoRA
+    full_clip = reference("a fox in snow", **CLIP)
+    assert full_clip.loras == []
+    _same_clip(clip, full_clip)
     base = H3Transformer.from_pretrained(tiny_dir / "transformer", torch_dtype=torch.float32).state_dict()
     changed = [key for key, value in base.items() if not torch.equal(merged_state[key], value)]
     assert len(changed) == 52 // 2 + 11  # every low-rank target and every delta changed the base

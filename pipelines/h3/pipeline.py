@@ -500,7 +500,8 @@ class H3Pipeline:
             planned_prompt=planned,
             sampling=prepared.sampling.describe()
             | {"sparsity": list(prepared.sparsity) if prepared.sparsity is not None else None},
-            loras=self.adapters.applied(prepared.task, adapters),
+            loras=([(self.fasth3_adapter.name, 1.0)] if self.fasth3_adapter is not None else [])
+            + self.adapters.applied(prepared.task, adapters),
         )
         if prepared.continuation is not None:
             if cache is not None:
