@@ -5,10 +5,10 @@
   moves them); the transformer loads onto the device.
 - "layerwise": as "stage", and the transformer loads on the host: its non-block weights move to the device and its
   blocks stream from pinned host memory within `gpu_memory` (partitions loaded side by side share it), `prefetch`
-  blocks ahead; the text encoder's decoder layers stream while it encodes. The host memory either mode takes (the
-  components' files, and the tensors a component gains at load, such as a merged FastH3 adapter's gates) is checked
-  before anything loads. Under Ulysses without tensor parallelism the machine's ranks share one host copy of the
-  blocks (in /dev/shm), which only local rank 0 loads.
+  blocks ahead; the text encoder's decoder layers stream while it encodes. The host memory either mode takes (each
+  component's files, or the size its loader gives where the copy differs from them: MXFP4 at load, a merged FastH3
+  adapter's gates) is checked before anything loads. Under Ulysses without tensor parallelism the machine's ranks
+  share one host copy of the blocks (in /dev/shm), which only local rank 0 loads.
 """
 
 from dataclasses import dataclass, field
@@ -36,11 +36,13 @@ class Placement:
     folders: dict[str, Path]  # component name -> folder (sizes the host copies)
     partitions: int = 1  # transformer partitions loaded side by side
     parallel: object | None = None  # an h3gen.parallel.ParallelState, or None
-    added_bytes: dict[str, int] = field(default_factory=dict)  # component name -> bytes it gains over its files
+    loaded_bytes: dict[str, int] = field(default_factory=dict)  # component name -> its size once loaded, if known
 
     def host_bytes(self, name: str) -> int:
-        """Bytes of component `name`'s host copy: its folder's weight files and what it gains at load."""
-        return host_memory.folder_bytes(self.folders[name]) + self.added_bytes.get(name, 0)
+        """Bytes of component `name`'s host copy: its size once loaded where given, else its folder's weight files."""
+        if name in self.loaded_bytes:
+            return self.loaded_bytes[name]
+        return host_memory.folder_bytes(self.folders[name])
 
     @property
     def layerwise(self) -> bool:
@@ -89,16 +91,16 @@ def plan_placement(
     *,
     partitions: int = 1,
     parallel=None,
-    added_bytes: dict[str, int] | None = None,
+    loaded_bytes: dict[str, int] | None = None,
 ) -> Placement:
     """The `Placement` of a pipeline whose components live in `folders` (every part it will load: the transformer
-    partitions, the text encoder, the VAEs); `added_bytes` names the bytes a component gains over its files at load
-    (the gates a merged FastH3 adapter creates in `transformer`). Raises `CheckpointError` before any loading when
-    the host copies of stage or layer-wise offload would not fit in host memory. On a CUDA device the allocator takes
-    expandable segments from here on (`h3gen.device_memory`), so the pipeline's requests of many sizes do not
-    splinter the memory they share."""
+    partitions, the text encoder, the VAEs); `loaded_bytes` gives the size of a component once loaded where it is not
+    its files' (a transformer quantized to MXFP4 at load, or gaining a merged FastH3 adapter's gates). Raises
+    `CheckpointError` before any loading when the host copies of stage or layer-wise offload would not fit in host
+    memory. On a CUDA device the allocator takes expandable segments from here on (`h3gen.device_memory`), so the
+    pipeline's requests of many sizes do not splinter the memory they share."""
     use_expandable_segments(device)
-    placement = Placement(options, torch.device(device), dict(folders), partitions, parallel, dict(added_bytes or {}))
+    placement = Placement(options, torch.device(device), dict(folders), partitions, parallel, dict(loaded_bytes or {}))
     if placement.layerwise:
         needed = sum(placement.host_bytes(name) for name in folders)
         host_memory.check_host_memory(

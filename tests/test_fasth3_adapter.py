@@ -20,6 +20,7 @@ from h3gen.offload import host_memory
 from h3gen.pipelines.h3.checkpoint import H3Checkpoint
 from h3gen.pipelines.h3.fasth3 import CONTRACT_SCHEMA
 from h3gen.pipelines.h3.fasth3_adapter import merge_cost, read_fasth3_adapter
+from h3gen.pipelines.h3.loader import transformer_host_bytes
 from h3gen.pipelines.h3.pipeline import H3Pipeline
 from h3gen.pipelines.h3.request import read_transformer_config
 from h3gen.pipelines.h3.tiny_checkpoint import build_tiny_fasth3_adapter, build_tiny_student
@@ -124,34 +125,43 @@ def test_merged_student_under_layerwise_offload_equals_resident(student, tiny_di
     _same_clip(offloaded("a fox", **CLIP), resident("a fox", **CLIP))
 
 
-def test_created_bytes_are_the_gates_the_merge_creates(tiny_dir, tmp_path):
-    gated = read_fasth3_adapter(build_tiny_fasth3_adapter(tiny_dir, tmp_path / "vsa.safetensors", gates=True))
-    dense = read_fasth3_adapter(build_tiny_fasth3_adapter(tiny_dir, tmp_path / "dense.safetensors", gates=False))
-    released = H3TransformerConfig()
-    assert gated.created_bytes(released, torch.bfloat16) == 50 * (56 * 128) * 5376 * 2  # 3.85 GB
-    assert dense.created_bytes(released, torch.bfloat16) == 0
-    config = read_transformer_config(H3Checkpoint.open(tiny_dir))
+def _gate_bytes(config, itemsize) -> int:
+    """Bytes of the VSA gates of a model of `config`, counted on a meta-device build."""
     with meta_parameters():
         model = H3Transformer.from_config(config, gates=True)
     gates = [p for name, p in model.named_parameters() if ".attn.to_gate_compress." in name]
     assert len(gates) == config.num_layers
-    assert gated.created_bytes(config, torch.float32) == sum(p.numel() for p in gates) * 4
+    return sum(p.numel() for p in gates) * itemsize
+
+
+def test_released_gates_take_3_85_gb():
+    assert _gate_bytes(H3TransformerConfig(), 2) == 50 * (56 * 128) * 5376 * 2
+
+
+def test_the_host_copy_counts_the_gates_the_adapter_creates(tiny_dir, tmp_path):
+    gated = read_fasth3_adapter(build_tiny_fasth3_adapter(tiny_dir, tmp_path / "vsa.safetensors", gates=True))
+    dense = read_fasth3_adapter(build_tiny_fasth3_adapter(tiny_dir, tmp_path / "dense.safetensors", gates=False))
+    folder = tiny_dir / "transformer"
+    plain = transformer_host_bytes(H3Transformer, folder, torch.float32)
+    gates = _gate_bytes(read_transformer_config(H3Checkpoint.open(tiny_dir)), 4)
+    assert transformer_host_bytes(H3Transformer, folder, torch.float32, adapter=gated) == plain + gates
+    assert transformer_host_bytes(H3Transformer, folder, torch.float32, adapter=dense) == plain
 
 
 def test_layerwise_host_memory_check_counts_the_gates_the_adapter_creates(tiny_dir, tmp_path, monkeypatch):
     adapter = build_tiny_fasth3_adapter(tiny_dir, tmp_path / "fasth3.safetensors", gates=True)
     checkpoint = H3Checkpoint.open(tiny_dir)
-    files = sum(
-        host_memory.folder_bytes(checkpoint.folder(name))
-        for name in ("transformer", "text_encoder", "vae", "audio_vae")
+    others = sum(host_memory.folder_bytes(checkpoint.folder(name)) for name in ("text_encoder", "vae", "audio_vae"))
+    transformer = transformer_host_bytes(
+        H3Transformer, checkpoint.folder("transformer"), torch.float32, adapter=read_fasth3_adapter(adapter)
     )
-    gates = read_fasth3_adapter(adapter).created_bytes(read_transformer_config(checkpoint), torch.float32)
-    assert gates > 0
+    gates = _gate_bytes(read_transformer_config(checkpoint), 4)
     load = dict(device="cpu", torch_dtype=torch.float32, loras=[str(adapter)], offload="layerwise", gpu_memory="1GiB")
-    monkeypatch.setattr(host_memory, "available_host_bytes", lambda: files + gates - 1)  # the files alone fit
+    assert gates > 1  # the refusal below is within the gates: a check without them would let the load through
+    monkeypatch.setattr(host_memory, "available_host_bytes", lambda: others + transformer - 1)
     with pytest.raises(CheckpointError, match="layer-wise offload .* needs .* of host memory"):
         H3Pipeline.from_pretrained(tiny_dir, **load)
-    monkeypatch.setattr(host_memory, "available_host_bytes", lambda: files + gates)
+    monkeypatch.setattr(host_memory, "available_host_bytes", lambda: others + transformer)
     assert H3Pipeline.from_pretrained(tiny_dir, **load).transformer.gates
 
 

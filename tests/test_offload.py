@@ -105,6 +105,35 @@ def test_host_memory_refusal_is_clear(monkeypatch, tmp_path):
         )
 
 
+@pytest.mark.parametrize("torch_dtype", [torch.float32, torch.bfloat16])
+def test_layerwise_host_memory_check_sizes_the_transformer_as_loaded(tiny_dir, monkeypatch, torch_dtype):
+    """MXFP4 at load keeps the blocks packed on the host: the check counts that size, not the files', so a machine
+    with room for the packed copy loads; the estimate is the resident model's bytes."""
+    from h3gen.offload import host_memory
+    from h3gen.pipelines.h3.checkpoint import H3Checkpoint
+    from h3gen.pipelines.h3.loader import transformer_host_bytes
+    from h3gen.pipelines.h3.pipeline import H3Pipeline
+
+    checkpoint = H3Checkpoint.open(tiny_dir)
+    folder = checkpoint.folder("transformer")
+    others = sum(host_memory.folder_bytes(checkpoint.folder(name)) for name in ("text_encoder", "vae", "audio_vae"))
+    packed = transformer_host_bytes(H3Transformer, folder, torch_dtype, "mxfp4")
+    assert packed < transformer_host_bytes(H3Transformer, folder, torch_dtype) <= host_memory.folder_bytes(folder)
+    load = dict(device="cpu", torch_dtype=torch_dtype, offload="layerwise", gpu_memory="1GiB", quantization="mxfp4")
+    monkeypatch.setattr(host_memory, "available_host_bytes", lambda: others + packed - 1)
+    with pytest.raises(CheckpointError, match="layer-wise offload .* needs .* of host memory"):
+        H3Pipeline.from_pretrained(tiny_dir, **load)
+    monkeypatch.setattr(host_memory, "available_host_bytes", lambda: others + packed)
+    offloaded = H3Pipeline.from_pretrained(tiny_dir, **load).transformer
+    resident = H3Pipeline.from_pretrained(tiny_dir, device="cpu", torch_dtype=torch_dtype, quantization="mxfp4")
+
+    def nbytes(model):
+        return sum(t.numel() * t.element_size() for t in model.state_dict().values())
+
+    assert nbytes(resident.transformer) == packed
+    assert nbytes(offloaded) <= packed  # offload drops the AdaLN projections once their tables are built
+
+
 def test_pipeline_offload_modes_give_the_same_clip(tmp_path):
     from h3gen.pipelines.h3.pipeline import H3Pipeline
     from h3gen.pipelines.h3.tiny_checkpoint import tiny_checkpoint

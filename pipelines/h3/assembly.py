@@ -39,16 +39,16 @@ def assemble(
     max_cpu_loras: int = DEFAULT_MAX_CPU_LORAS,
     lora_gpu_memory=None,
     fasth3_adapter=None,
-    added_bytes: dict[str, int] | None = None,
+    loaded_bytes: dict[str, int] | None = None,
 ):
     """A `pipeline_class` (`H3Pipeline`) of `checkpoint`'s `partitions` and its text encoder and VAEs, placed as
     `options` say (under layer-wise offload the partitions share `gpu_memory`), split over `parallel`'s ranks when
     given; `fasth3_adapter` (merged into `transformer` by `builders`) gives the pipeline its contract, and
-    `added_bytes` the bytes a part gains over its files as it is built (the gates that merge creates). Raises
+    `loaded_bytes` the size of a part once built where it is not its files' (`plan_placement`). Raises
     `CheckpointError` before building anything when layer-wise offload's host copies would not fit."""
     folders = {name: checkpoint.folder(name) for name in (*partitions, "text_encoder", "vae", "audio_vae")}
     placement = plan_placement(
-        options, device, folders, partitions=len(partitions), parallel=parallel, added_bytes=added_bytes
+        options, device, folders, partitions=len(partitions), parallel=parallel, loaded_bytes=loaded_bytes
     )
     models = {}
     for name in partitions:

@@ -34,7 +34,6 @@ from safetensors import safe_open
 
 from h3gen.errors import CheckpointError, RequestError
 from h3gen.pipelines.h3.fasth3 import DMD_STEPS, VSA_SPARSITY, StudentContract, student_recipe
-from h3gen.pipelines.h3.transformer_config import H3TransformerConfig
 
 ADAPTER_FORMAT = "fastvideo-lora-v2"
 BASE_MODEL = "MiniMaxAI/MiniMax-H3"
@@ -121,15 +120,6 @@ class FastH3Adapter:
     @property
     def gates(self) -> list[str]:
         return sorted(target for target, patch in self.patches.items() if patch.assign is not None)
-
-    def created_bytes(self, config: H3TransformerConfig, dtype: torch.dtype) -> int:
-        """Bytes of the tensors merging the file creates in a transformer of `config` loaded in `dtype`: a VSA
-        student's gates, one bias-free [heads * head_dim, hidden] weight per block, never quantized; 0 for the dense
-        student. The checkpoint's files do not hold them, so sizing those files leaves them out."""
-        if not self.gated:
-            return 0
-        inner = config.num_attention_heads * config.attention_head_dim
-        return config.num_layers * inner * config.hidden_size * dtype.itemsize
 
     @property
     def finetuned_model(self) -> str:

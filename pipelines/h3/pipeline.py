@@ -32,6 +32,7 @@ from h3gen.pipelines.h3.decode_stages import ClipWriter, decode_frames, decode_s
 from h3gen.pipelines.h3.fasth3 import CONTRACT_FILE, read_student_contract
 from h3gen.pipelines.h3.fasth3_adapter import FastH3Adapter, split_load_time_loras
 from h3gen.pipelines.h3.generation import GenerationRequest
+from h3gen.pipelines.h3.loader import transformer_host_bytes
 from h3gen.pipelines.h3.long_video import largest_window, run_continuation
 from h3gen.pipelines.h3.lora_registry import DEFAULT_MAX_CPU_LORAS, activate
 from h3gen.pipelines.h3.output import H3Output
@@ -286,7 +287,6 @@ class H3Pipeline:
                 options.attention, device, torch_dtype, read_transformer_config(checkpoint).attention_head_dim
             )
         adapter, merged = split_load_time_loras(loras)
-        added_bytes = {}
         if adapter is not None:
             if "transformer" not in partitions:
                 raise RequestError(
@@ -299,7 +299,16 @@ class H3Pipeline:
                     f"FastH3 adapter {adapter.name} is made for the base model, but this checkpoint is a FastH3 "
                     f"student already (it has {CONTRACT_FILE})."
                 )
-            added_bytes["transformer"] = adapter.created_bytes(read_transformer_config(checkpoint), torch_dtype)
+        loaded_bytes = {}
+        if options.offload == "layerwise":  # the transformer's host copy, checked against host memory before loading
+            for name in partitions:
+                loaded_bytes[name] = transformer_host_bytes(
+                    H3Transformer,
+                    checkpoint.folder(name),
+                    torch_dtype,
+                    options.quantization,
+                    adapter if name == "transformer" else None,
+                )
         pipe = assemble(
             cls,
             checkpoint,
@@ -312,7 +321,7 @@ class H3Pipeline:
             max_cpu_loras=max_cpu_loras,
             lora_gpu_memory=lora_gpu_memory,
             fasth3_adapter=adapter,
-            added_bytes=added_bytes,
+            loaded_bytes=loaded_bytes,
         )
         for path, scale in merged:
             pipe.load_lora(path, merge=True, scale=scale)
