@@ -402,3 +402,41 @@ def test_benchmark_runs_tiny():
     )
     assert result.returncode == 0, result.stderr[-2000:]
     assert "dense/sparse" in result.stdout
+
+
+def test_the_benchmarks_kernel_halves_do_what_they_say():
+    """`benchmarks/sparse_floors.py` (the kernel's reads alone, its math alone): the reads reach every listed key and
+    value tile (their running maximum), the math is attention over each query tile's first listed tile (softmax over
+    copies of one tile is softmax over the tile)."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import sparse_floors
+
+    from h3gen.kernels.vsa_h3 import triton as vsa_triton
+    from h3gen.kernels.vsa_h3 import triton_tiles
+
+    geometry = build_tile_geometry((5, 0, 30), (3, 5, 9)).to(DEVICE)
+    g = _case(7)
+    q, k, v = (_rand(1, geometry.num_rows, 2, 32, dtype=torch.float16, generator=g) for _ in range(3))
+    k_slots, k_means = triton_tiles.tile_rows(k, geometry)
+    v_slots, _ = triton_tiles.tile_rows(v, geometry)
+    selection = triton_tiles.select_tiles(
+        tile_scores(triton_tiles.tile_rows(q, geometry, copy=False)[1], k_means), geometry, 0.5
+    )
+    config = vsa_triton.KernelConfig(4, 2)
+    sink = sparse_floors.reads_only(k_slots, v_slots, selection, config)
+    out = sparse_floors.math_only(q, k_slots, v_slots, selection, geometry, torch.zeros_like(q), config)
+    key_tiles, value_tiles = (x[0].view(-1, 64, 2, 32) for x in (k_slots, v_slots))
+    sizes, rows = geometry.tile_sizes.long().cpu(), geometry.slot_rows.long().cpu()
+    num_q_tiles = selection.q2k_idx.shape[2]
+    for head in range(2):
+        for t in range(num_q_tiles):
+            listed = selection.q2k_idx[0, head, t, : selection.q2k_num[0, head, t]].long()
+            reads = torch.maximum(key_tiles[listed, :, head], value_tiles[listed, :, head]).max()
+            assert sink[head * num_q_tiles + t] == reads.float()
+            first = int(listed[0])
+            tile = selection.first_q_tile + t
+            query_rows = rows[tile * 64 : tile * 64 + int(sizes[tile])]
+            keys = key_tiles[first, : sizes[first], head].float()
+            scores = q[0, query_rows, head].float() @ keys.T / math.sqrt(32)
+            expected = scores.softmax(-1) @ value_tiles[first, : sizes[first], head].float()
+            assert _err(out[0, query_rows, head], expected) < 2e-3
