@@ -25,6 +25,7 @@ import argparse
 import json
 import os
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -165,7 +166,8 @@ def bench_op(args, device, dtype, backend):
         slots = [triton_tiles.tile_rows(t, geometry)[0] for t in (k, v)]
         video_flops = sparse_flops - prefix_flops
         for config in vsa_triton.CONFIGS[:1] if args.tiny else vsa_triton.CONFIGS:
-            name = f"kernel alone, {config.num_warps} warps, {config.num_stages} stages"
+            how = "TMA" if config.tma else "pointers"
+            name = f"kernel alone, {config.num_warps} warps, {config.num_stages} stages, through {how}"
             try:
                 ms = time(
                     lambda c=config: vsa_triton.block_sparse_attention(q, *slots, selection, geometry, out, config=c),
@@ -179,8 +181,10 @@ def bench_op(args, device, dtype, backend):
             import sparse_floors
 
             config = vsa_triton.default_config(device, args.dim)
-            ms = time(lambda: sparse_floors.reads_only(*slots, selection, config), args.repeat)
-            rows.append(_row("its reads alone (no math)", ms, None, video_kv))
+            for reads in (replace(config, tma=False), config) if config.tma else (config,):
+                ms = time(lambda r=reads: sparse_floors.reads_only(*slots, selection, r), args.repeat)
+                how = "TMA" if reads.tma else "pointers"
+                rows.append(_row(f"its reads alone (no math), through {how}", ms, None, video_kv))
             ms = time(lambda: sparse_floors.math_only(q, *slots, selection, geometry, out, config), args.repeat)
             rows.append(_row("its math alone (one key tile, loaded once)", ms, video_flops))
     kept = kept_video_tiles(args.sparsity, geometry.num_video_tiles)

@@ -11,6 +11,7 @@ import math
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from h3gen.kernels.vsa_h3.geometry import TILE_ROWS
 
@@ -21,6 +22,8 @@ _LOG2E = 1.4426950408889634
 def _reads_only(
     k_ptr,
     v_ptr,
+    k_desc,
+    v_desc,
     sink_ptr,
     idx_ptr,
     num_ptr,
@@ -33,6 +36,7 @@ def _reads_only(
     HEAD_DIM: tl.constexpr,
     BLOCK: tl.constexpr,
     NUM_STAGES: tl.constexpr,
+    TMA: tl.constexpr,
 ):
     q_tile = tl.program_id(0)
     bh = tl.program_id(1)
@@ -40,6 +44,8 @@ def _reads_only(
     h = (bh % heads).to(tl.int64)
     slots = tl.arange(0, BLOCK)
     dims = tl.arange(0, HEAD_DIM)
+    desc_row = (bh // heads) * (stride_kb // stride_ks)
+    desc_col = (bh % heads) * HEAD_DIM
     kv_head = b * stride_kb + h * stride_kh
     tile_stride = BLOCK * stride_ks.to(tl.int64)
     offsets = slots[:, None] * stride_ks + dims[None, :]
@@ -49,9 +55,13 @@ def _reads_only(
     # A running exclusive-or of the bits keeps every load live at integer instructions (no conversions).
     acc = tl.zeros([BLOCK, HEAD_DIM], tl.int16)
     for j in tl.range(0, count, num_stages=NUM_STAGES):
-        kv_base = kv_head + tl.load(kv_list + j) * tile_stride
-        k = tl.load(k_ptr + kv_base + offsets)
-        v = tl.load(v_ptr + kv_base + offsets)
+        kv_tile = tl.load(kv_list + j)
+        if TMA:
+            k = k_desc.load([desc_row + kv_tile * BLOCK, desc_col])
+            v = v_desc.load([desc_row + kv_tile * BLOCK, desc_col])
+        else:
+            k = tl.load(k_ptr + kv_head + kv_tile * tile_stride + offsets)
+            v = tl.load(v_ptr + kv_head + kv_tile * tile_stride + offsets)
         acc = acc ^ k.to(tl.int16, bitcast=True) ^ v.to(tl.int16, bitcast=True)
     tl.store(sink_ptr + row, tl.max(tl.max(acc, 1), 0).to(tl.float32))
 
@@ -125,16 +135,22 @@ def _math_only(
 
 
 def reads_only(key_slots, value_slots, selection, config) -> torch.Tensor:
-    """The kernel's key/value reads alone over `selection`'s lists: `(B * H * V,)` float32, one value per program.
+    """The kernel's key/value reads alone over `selection`'s lists (through TMA when `config.tma`): `(B * H * V,)`
+    float32, one value per program.
 
     key_slots, value_slots: `(B, T * 64, H, D)` bf16/fp16 tiled keys and values of one layout."""
     idx, num = selection.q2k_idx.contiguous(), selection.q2k_num.contiguous()
     b, _, h, d = key_slots.shape
     num_q_tiles, max_kv = idx.shape[2], idx.shape[3]
     sink = torch.empty(b * h * num_q_tiles, device=key_slots.device, dtype=torch.float32)
+    descs = (key_slots, value_slots)  # unused without TMA
+    if config.tma:  # as the kernel reads them (`triton._launch`)
+        slots = key_slots.shape[1]
+        descs = [TensorDescriptor.from_tensor(x.view(b * slots, h * d), [TILE_ROWS, d]) for x in descs]
     _reads_only[(num_q_tiles, b * h)](
         key_slots,
         value_slots,
+        *descs,
         sink,
         idx,
         num,
@@ -145,6 +161,7 @@ def reads_only(key_slots, value_slots, selection, config) -> torch.Tensor:
         HEAD_DIM=d,
         BLOCK=TILE_ROWS,
         NUM_STAGES=config.num_stages,
+        TMA=config.tma,
         num_warps=config.num_warps,
     )
     return sink

@@ -4,8 +4,11 @@ One program per (query tile, batch x head). It loads its 64 query rows once, in 
 rows through the geometry's slot -> row index (`TileGeometry.slot_rows`, -1 at padding slots), then walks the key
 tiles its row of `q2k_idx` lists (prefix tiles first, then its video tiles, ascending) with an fp32 online softmax,
 masking key slots beyond each tile's valid rows. Keys and values are read from their tiled copy
-(`triton_tiles.tile_rows`): a key tile is then one base address plus offsets fixed for the whole loop, where reading
-the packed rows through the index made each step wait on two dependent index loads (2.3x slower on an H100). It
+(`triton_tiles.tile_rows`): a key tile is then one block at a known address, where reading the packed rows through
+the index made each step wait on two dependent index loads (2.3x slower on an H100). On Hopper and newer each tile
+comes through a tensor-memory-accelerator (TMA) descriptor over the copy, one bulk copy per tile (1.09-1.12x the
+kernel's speed with pointer loads on an H100 at the 5 s 768x1344 shape, same output bit for bit); elsewhere through
+pointers, a base address plus offsets fixed for the whole loop. It
 writes its valid rows straight to their rows of the output, adding `gate * compressed` there when gated (the
 compression branch folded into the epilogue). Programs of one head are adjacent in launch order, so the key tiles
 that head's query tiles share stay in L2. Head sizes are powers of two from 16 to 128.
@@ -19,6 +22,7 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from h3gen.kernels.vsa_h3.geometry import TILE_ROWS, TileGeometry
 from h3gen.kernels.vsa_h3.selection import TileSelection
@@ -29,32 +33,35 @@ _LOG2E = 1.4426950408889634
 
 @dataclass(frozen=True)
 class KernelConfig:
-    """How the op runs on the GPU: warps per program, software-pipeline depth of the key-tile loop, and whether the
-    (dense) prefix query tiles run through this kernel over every key tile instead of the dense attention dispatch."""
+    """How the op runs on the GPU: warps per program, software-pipeline depth of the key-tile loop, whether the
+    (dense) prefix query tiles run through this kernel over every key tile instead of the dense attention dispatch,
+    and whether key and value tiles are read through TMA descriptors (Hopper and newer) or pointers."""
 
     num_warps: int = 4
     num_stages: int = 3
     prefix_in_kernel: bool = False
+    tma: bool = False  # key and value tiles through TMA descriptors (contiguous tiled copies only)
 
 
 # What a benchmark sweeps. A 64-row query tile fills one Hopper warpgroup at 4 warps; on an H100 at the 5 s 768x1344
 # shape 8 warps ran 1.6-2.3x slower, and two key tiles per loop step (a 64 x 128 score block) 1.26x slower.
-CONFIGS = tuple(KernelConfig(4, stages) for stages in (2, 3, 4))
+CONFIGS = tuple(KernelConfig(4, stages, tma=tma) for tma in (False, True) for stages in (2, 3, 4))
 
 
 def default_config(device: torch.device, head_dim: int = 128) -> KernelConfig:
-    """A launch setting for `head_dim` heads on `device`: Hopper and newer pipeline the key-tile loop three deep (on
-    an H100 at the 5 s 768x1344 shape, sparsity 0.9, bf16: 14.8 ms at 3 or 4 stages, 15.2 at 2; `bench_sparse.py op`
-    sweeps `CONFIGS`); older GPUs and the interpreter two."""
+    """A launch setting for `head_dim` heads on `device`: Hopper and newer read key tiles through TMA and pipeline
+    the loop three deep (on an H100 at the 5 s 768x1344 shape, sparsity 0.9, bf16: 13.3-13.6 ms at 3 or 4 stages,
+    13.7 at 2, against 14.9 through pointers; `bench_sparse.py op` sweeps `CONFIGS`); older GPUs and the interpreter
+    read through pointers, two deep."""
     if device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9:
-        return KernelConfig(num_warps=4, num_stages=3)
+        return KernelConfig(num_warps=4, num_stages=3, tma=True)
     return KernelConfig(num_warps=4, num_stages=2)
 
 
 # The settings tried in turn when none is given and the device's default does not launch: a deep pipeline needs
 # shared memory a consumer GPU (about 100 KiB per block) or fp32 heads may not have. The first that launches is kept
 # per (device, dtype, head size).
-_FALLBACKS = (KernelConfig(4, 2), KernelConfig(4, 1))
+_FALLBACKS = (KernelConfig(4, 2, tma=True), KernelConfig(4, 2), KernelConfig(4, 1))
 _LAUNCHED: dict[tuple, KernelConfig] = {}
 
 
@@ -68,6 +75,8 @@ def _block_sparse_fwd(
     q_ptr,
     k_ptr,
     v_ptr,
+    k_desc,
+    v_desc,
     out_ptr,
     gate_ptr,
     comp_ptr,
@@ -98,6 +107,7 @@ def _block_sparse_fwd(
     GATED: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     NUM_STAGES: tl.constexpr,
+    TMA: tl.constexpr,
 ):
     q_tile = tl.program_id(0)
     bh = tl.program_id(1)
@@ -111,8 +121,11 @@ def _block_sparse_fwd(
     q_offsets = tl.where(q_valid, q_rows, 0).to(tl.int64)
     q = tl.load(q_ptr + b * stride_qb + h * stride_qh + q_offsets[:, None] * stride_qs + dims[None, :])
 
-    # Key and value slots share one layout: 64-bit scalar bases per tile, 32-bit offsets inside a tile.
+    # Key and value slots share one layout: 64-bit scalar bases per tile, 32-bit offsets inside a tile; through TMA,
+    # a tile is rows (b * slots + tile * 64 ..) and columns (h * D ..) of the copy seen as (B * slots, H * D).
     kv_head = b * stride_kb + h * stride_kh
+    desc_row = (bh // heads) * (stride_kb // stride_ks)
+    desc_col = (bh % heads) * HEAD_DIM
     tile_stride = BLOCK * stride_ks.to(tl.int64)
     k_offsets = slots[None, :] * stride_ks + dims[:, None]  # (dim, slot): k read transposed for q @ k
     v_offsets = slots[:, None] * stride_ks + dims[None, :]  # (slot, dim)
@@ -125,7 +138,10 @@ def _block_sparse_fwd(
     for j in tl.range(0, count, num_stages=NUM_STAGES):
         kv_tile = tl.load(kv_list + j)
         kv_base = kv_head + kv_tile * tile_stride
-        k = tl.load(k_ptr + kv_base + k_offsets)
+        if TMA:
+            k = tl.trans(k_desc.load([desc_row + kv_tile * BLOCK, desc_col]))
+        else:
+            k = tl.load(k_ptr + kv_base + k_offsets)
         s = tl.dot(q, k, input_precision=DOT_PRECISION)
         s = tl.where(slots[None, :] < tl.load(sizes_ptr + kv_tile), s, float("-inf"))
         # Scaled after the max (the scale is positive): one multiply-add per score for the exponent.
@@ -133,7 +149,10 @@ def _block_sparse_fwd(
         p = tl.math.exp2(s * qk_scale - m_new[:, None])
         alpha = tl.math.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_ptr + kv_base + v_offsets)
+        if TMA:
+            v = v_desc.load([desc_row + kv_tile * BLOCK, desc_col])
+        else:
+            v = tl.load(v_ptr + kv_base + v_offsets)
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
         m_i = m_new
 
@@ -224,10 +243,21 @@ def _launch(query, key_slots, value_slots, out, gate, compressed, idx, num, geom
     b, _, h, d = query.shape
     num_q_tiles, max_kv = idx.shape[2], idx.shape[3]
     gated = gate is not None
+    # TMA takes a contiguous copy whose base is 16-byte aligned (any tile_rows copy).
+    tma = config.tma and all(x.is_contiguous() and x.data_ptr() % 16 == 0 for x in (key_slots, value_slots))
+    if tma:
+        k_desc, v_desc = (
+            TensorDescriptor.from_tensor(x.view(b * geometry.num_slots, h * d), [TILE_ROWS, d])
+            for x in (key_slots, value_slots)
+        )
+    else:
+        k_desc, v_desc = key_slots, value_slots  # unused
     _block_sparse_fwd[(num_q_tiles, b * h)](
         query,
         key_slots,
         value_slots,
+        k_desc,
+        v_desc,
         out,
         gate if gated else out,
         compressed if gated else out,
@@ -250,5 +280,6 @@ def _launch(query, key_slots, value_slots, out, gate, compressed, idx, num, geom
         GATED=gated,
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
         NUM_STAGES=config.num_stages,
+        TMA=tma,
         num_warps=config.num_warps,
     )

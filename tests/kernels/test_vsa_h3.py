@@ -264,19 +264,41 @@ def test_prefix_rows_through_the_kernel_match_the_dense_dispatch(with_gate):
     assert _err(got[:, :75], expected[:, :75]) < 1e-5
 
 
+@pytest.mark.parametrize("tma", [False, True])
 @pytest.mark.parametrize("num_stages", [1, 2, 3])
-def test_kernel_settings_agree_on_views_of_one_buffer(num_stages):
-    """Every pipeline depth, on q/k/v that are strided views of one (B, S, 3, H, D) buffer."""
+def test_kernel_settings_agree_on_views_of_one_buffer(num_stages, tma):
+    """Every pipeline depth, key tiles through pointers and through TMA, on q/k/v that are strided views of one
+    (B, S, 3, H, D) buffer."""
     from h3gen.kernels.vsa_h3 import triton as vsa_triton
 
     geometry = build_tile_geometry((5, 0, 70), (5, 6, 9)).to(DEVICE)
     qkv = _rand(2, geometry.num_rows, 3, 2, 32, dtype=torch.float32, generator=_case(11))
     q, k, v = qkv.unbind(2)
     gate = _rand(2, geometry.num_rows, 2, 32, dtype=torch.float32, generator=_case(12))
-    config = vsa_triton.KernelConfig(num_warps=4, num_stages=num_stages)
+    config = vsa_triton.KernelConfig(num_warps=4, num_stages=num_stages, tma=tma)
     got = vsa_h3_attention(q, k, v, geometry, 0.7, gate, backend="triton", config=config)
     expected = vsa_ref.vsa_h3_attention(q.contiguous(), k.contiguous(), v.contiguous(), geometry, 0.7, gate)
     assert _err(got, expected) < 1e-5
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    "prefix, grid, dim, with_gate",
+    [((5, 0, 70), (5, 6, 9), 16, True), ((130,), (3, 5, 4), 64, False), ((0, 17, 64), (4, 8, 8), 32, True)],
+)
+def test_tma_and_pointer_reads_give_the_same_rows(prefix, grid, dim, with_gate, dtype):
+    """The kernel reading key tiles through TMA descriptors writes what it writes reading them through pointers, bit
+    for bit (the same tiles in the same order into the same arithmetic), partial tiles and the gate included."""
+    from h3gen.kernels.vsa_h3 import triton as vsa_triton
+
+    geometry, q, k, v, gate = _inputs(prefix, grid, 2, dim, dtype, seed=dim + 3, gate=with_gate)
+    got = {
+        tma: vsa_h3_attention(
+            q, k, v, geometry, 0.6, gate, backend="triton", config=vsa_triton.KernelConfig(4, 2, tma=tma)
+        )
+        for tma in (False, True)
+    }
+    assert torch.equal(got[True], got[False])
 
 
 def test_a_setting_beyond_shared_memory_falls_back_to_one_that_fits(monkeypatch):
@@ -424,6 +446,9 @@ def test_the_benchmarks_kernel_halves_do_what_they_say():
     )
     config = vsa_triton.KernelConfig(4, 2)
     sink = sparse_floors.reads_only(k_slots, v_slots, selection, config)
+    assert torch.equal(
+        sparse_floors.reads_only(k_slots, v_slots, selection, vsa_triton.KernelConfig(4, 2, tma=True)), sink
+    )
     out = sparse_floors.math_only(q, k_slots, v_slots, selection, geometry, torch.zeros_like(q), config)
     key_tiles, value_tiles = (x[0].view(-1, 64, 2, 32) for x in (k_slots, v_slots))
     sizes, rows = geometry.tile_sizes.long().cpu(), geometry.slot_rows.long().cpu()
