@@ -8,10 +8,10 @@ masking key slots beyond each tile's valid rows. Keys and values are read from t
 the index made each step wait on two dependent index loads (2.3x slower on an H100). On Hopper and newer each tile
 comes through a tensor-memory-accelerator (TMA) descriptor over the copy, one bulk copy per tile (1.09-1.12x the
 kernel's speed with pointer loads on an H100 at the 5 s 768x1344 shape, same output bit for bit); elsewhere through
-pointers, a base address plus offsets fixed for the whole loop. It
-writes its valid rows straight to their rows of the output, adding `gate * compressed` there when gated (the
-compression branch folded into the epilogue). Programs of one head are adjacent in launch order, so the key tiles
-that head's query tiles share stay in L2. Head sizes are powers of two from 16 to 128.
+pointers, a base address plus offsets fixed for the whole loop. It writes its valid rows straight to their rows of
+the output, adding `gate * compressed` there when gated (the compression branch folded into the epilogue). Programs
+of one head are adjacent in launch order, so the key tiles that head's query tiles share stay in L2. Head sizes are
+powers of two from 16 to 128.
 
 The launch settings (`KernelConfig`) are exposed for a GPU benchmark to sweep; `default_config` picks one per device.
 """
