@@ -11,9 +11,9 @@ import math
 import torch
 import triton
 import triton.language as tl
-from triton.tools.tensor_descriptor import TensorDescriptor
 
 from h3gen.kernels.vsa_h3.geometry import TILE_ROWS
+from h3gen.kernels.vsa_h3.triton import tile_descriptors
 
 _LOG2E = 1.4426950408889634
 
@@ -144,9 +144,8 @@ def reads_only(key_slots, value_slots, selection, config) -> torch.Tensor:
     num_q_tiles, max_kv = idx.shape[2], idx.shape[3]
     sink = torch.empty(b * h * num_q_tiles, device=key_slots.device, dtype=torch.float32)
     descs = (key_slots, value_slots)  # unused without TMA
-    if config.tma:  # as the kernel reads them (`triton._launch`)
-        slots = key_slots.shape[1]
-        descs = [TensorDescriptor.from_tensor(x.view(b * slots, h * d), [TILE_ROWS, d]) for x in descs]
+    if config.tma:  # as the kernel reads them
+        descs = tile_descriptors(key_slots, value_slots)
     _reads_only[(num_q_tiles, b * h)](
         key_slots,
         value_slots,

@@ -238,6 +238,17 @@ def block_sparse_attention(
     )
 
 
+def tile_descriptors(*slots: torch.Tensor) -> list[TensorDescriptor]:
+    """TMA descriptors over contiguous tiled copies `(B, T * 64, H, D)` (`triton_tiles.tile_rows`), each seen as
+    `(B * T * 64, H * D)` with one `(64, D)` box: the tile of batch b, head h, tile t is the box at rows
+    `(b * T + t) * 64`, columns `h * D`."""
+    descriptors = []
+    for x in slots:
+        b, num_slots, h, d = x.shape
+        descriptors.append(TensorDescriptor.from_tensor(x.view(b * num_slots, h * d), [TILE_ROWS, d]))
+    return descriptors
+
+
 def _launch(query, key_slots, value_slots, out, gate, compressed, idx, num, geometry, first_q_tile, config):
     """One launch of `_block_sparse_fwd` over the query tiles `idx` lists (see `block_sparse_attention`)."""
     b, _, h, d = query.shape
@@ -246,10 +257,7 @@ def _launch(query, key_slots, value_slots, out, gate, compressed, idx, num, geom
     # TMA takes a contiguous copy whose base is 16-byte aligned (any tile_rows copy).
     tma = config.tma and all(x.is_contiguous() and x.data_ptr() % 16 == 0 for x in (key_slots, value_slots))
     if tma:
-        k_desc, v_desc = (
-            TensorDescriptor.from_tensor(x.view(b * geometry.num_slots, h * d), [TILE_ROWS, d])
-            for x in (key_slots, value_slots)
-        )
+        k_desc, v_desc = tile_descriptors(key_slots, value_slots)
     else:
         k_desc, v_desc = key_slots, value_slots  # unused
     _block_sparse_fwd[(num_q_tiles, b * h)](
