@@ -37,7 +37,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import print_table, rel_l2, synchronize, timer
 
 from h3gen.kernels._dispatch import triton_available
-from h3gen.kernels.attention import attention, resolve_backend
+from h3gen.kernels.attention import attention, fa3_available, resolve_backend
+from h3gen.kernels.fp8_quant import head_descales
 from h3gen.kernels.vsa_h3 import (
     build_tile_geometry,
     kept_video_tiles,
@@ -80,18 +81,19 @@ def check_op(args, device, dtype, backend):
     heads = min(args.heads, 8)
     geometry, q, k, v, gate = _inputs(prefix, grid, heads, args.dim, dtype, device, seed=1)
     rows = []
-    for name, g in (("no gate", None), ("gate", gate)):
-        got = vsa_h3_attention(q, k, v, geometry, args.sparsity, g, backend=backend)
-        expected = vsa_reference.vsa_h3_attention(
-            q.float(), k.float(), v.float(), geometry, args.sparsity, None if g is None else g.float()
-        )
-        rows.append(
-            {
-                "variant": f"check {geometry.num_rows} rows x {heads} heads, {name}",
-                "ms": "-",
-                "relL2": f"{rel_l2(got, expected):.2e}",
-            }
-        )
+    for fp8 in (False, True) if backend == "triton" else (False,):
+        for name, g in (("no gate", None), ("gate", gate)):
+            got = vsa_h3_attention(q, k, v, geometry, args.sparsity, g, backend=backend, fp8=fp8)
+            expected = vsa_reference.vsa_h3_attention(
+                q.float(), k.float(), v.float(), geometry, args.sparsity, None if g is None else g.float()
+            )
+            rows.append(
+                {
+                    "variant": f"check {geometry.num_rows} rows x {heads} heads, {name}{', FP8' if fp8 else ''}",
+                    "ms": "-",
+                    "relL2": f"{rel_l2(got, expected):.2e}",
+                }
+            )
     return rows
 
 
@@ -164,19 +166,34 @@ def bench_op(args, device, dtype, backend):
 
         out = torch.empty_like(q)
         slots = [triton_tiles.tile_rows(t, geometry)[0] for t in (k, v)]
+        descales = torch.stack([head_descales(t) for t in (q, k, v)])
+        fp8_slots = [
+            triton_tiles.tile_rows(t, geometry, descale=d, transposed=t is v)[0]
+            for t, d in ((k, descales[1]), (v, descales[2]))
+        ]
         video_flops = sparse_flops - prefix_flops
         for config in vsa_triton.CONFIGS[:1] if args.tiny else vsa_triton.CONFIGS:
             how = "TMA" if config.tma else "pointers"
-            name = f"kernel alone, {config.num_warps} warps, {config.num_stages} stages, through {how}"
-            try:
-                ms = time(
-                    lambda c=config: vsa_triton.block_sparse_attention(q, *slots, selection, geometry, out, config=c),
-                    args.repeat,
-                )
-            except triton.runtime.errors.OutOfResources as error:  # a deep pipeline of wide steps: too much smem
-                rows.append({"variant": f"{name}: not launched ({error})", "ms": "-", "TFLOP/s": "-", "relL2": "-"})
-                continue
-            rows.append(_row(name, ms, video_flops, video_kv))
+            for fp8 in (False, True):
+                name = f"kernel alone{', FP8' if fp8 else ''}, {config.num_warps} warps, {config.num_stages} stages, "
+                name += f"through {how}"
+                try:
+                    ms = time(
+                        lambda c=config, fp8=fp8: vsa_triton.block_sparse_attention(
+                            q,
+                            *(fp8_slots if fp8 else slots),
+                            selection,
+                            geometry,
+                            out,
+                            config=c,
+                            descales=descales if fp8 else None,
+                        ),
+                        args.repeat,
+                    )
+                except triton.runtime.errors.OutOfResources as error:  # a deep pipeline of wide steps: too much smem
+                    rows.append({"variant": f"{name}: not launched ({error})", "ms": "-", "TFLOP/s": "-", "relL2": "-"})
+                    continue
+                rows.append(_row(name, ms, video_flops, video_kv // 2 if fp8 else video_kv))
         if device.type == "cuda":  # the halves of the kernel, each alone (sparse_floors.py): which one bounds it
             import sparse_floors
 
@@ -187,13 +204,30 @@ def bench_op(args, device, dtype, backend):
                 rows.append(_row(f"its reads alone (no math), through {how}", ms, None, video_kv))
             ms = time(lambda: sparse_floors.math_only(q, *slots, selection, geometry, out, config), args.repeat)
             rows.append(_row("its math alone (one key tile, loaded once)", ms, video_flops))
+    fp8_ratios = {}
+    if backend == "triton":  # the fast tier's: keys and values in e4m3, against FA3's FP8 dense attention
+        fp8_dense = "fa3-fp8" if fa3_available() else None
+        if fp8_dense:
+            fp8_dense_ms = time(lambda: attention(q, k, v, backend=fp8_dense), args.repeat)
+            rows.append(_row(f"dense attention, FP8 ({fp8_dense})", fp8_dense_ms, dense_flops, dense_kv // 2))
+        for name, g in (("no gate", None), ("gate", gate)):
+            ms = time(
+                lambda g=g: vsa_h3_attention(
+                    q, k, v, geometry, args.sparsity, g, backend=backend, dense_backend="auto", fp8=True
+                ),
+                args.repeat,
+            )
+            op_ms[f"FP8, {name}"] = ms
+            rows.append(_row(f"VSA-H3 op, triton, FP8, {name}", ms, sparse_flops))
+            if fp8_dense:
+                fp8_ratios[f"FP8 dense / FP8, {name}"] = fp8_dense_ms / ms
     kept = kept_video_tiles(args.sparsity, geometry.num_video_tiles)
     summary = (
         f"{geometry.num_rows} rows, {args.heads} heads x {args.dim}, {dtype}; {geometry.num_prefix_tiles} prefix + "
         f"{geometry.num_video_tiles} video tiles, k = {kept} at sparsity {args.sparsity}; "
         f"{sparse_flops / dense_flops:.1%} of the dense FLOPs"
     )
-    ratios = {name: dense_ms / ms for name, ms in op_ms.items()}
+    ratios = {name: dense_ms / ms for name, ms in op_ms.items()} | fp8_ratios
     return rows, summary, ratios
 
 

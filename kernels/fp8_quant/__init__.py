@@ -1,11 +1,12 @@
 """FP8 (e4m3) activation quantization: `quantize_rows(x)` -> `Fp8Rows` (values, per-row float32 scales) for FP8
-GEMMs, `quantize_heads(x)` -> (values, per-(batch, head) descales) for FP8 attention."""
+GEMMs, `quantize_heads(x)` -> (values, per-(batch, head) descales) for FP8 attention, `head_descales(x)` those
+descales alone."""
 
 from h3gen.kernels._dispatch import use_triton
 from h3gen.kernels.fp8_quant import reference
 from h3gen.kernels.fp8_quant.reference import FP8, FP8_MAX, Fp8Rows
 
-__all__ = ["FP8", "FP8_MAX", "Fp8Rows", "append_scaled_columns", "quantize_heads", "quantize_rows"]
+__all__ = ["FP8", "FP8_MAX", "Fp8Rows", "append_scaled_columns", "head_descales", "quantize_heads", "quantize_rows"]
 
 
 def quantize_rows(x, out=None):
@@ -38,3 +39,15 @@ def quantize_heads(x):
 
         return fast.quantize_heads(x)
     return reference.quantize_heads(x)
+
+
+def head_descales(x):
+    """`(B, S, H, D)` -> `(B, H)` float32 per-head descales (amax / 448), as `quantize_heads` computes them. Triton on
+    CUDA (one pass), the torch reference elsewhere."""
+    if use_triton(x):
+        from h3gen.kernels.fp8_quant import triton as fast  # on first use: see _dispatch
+
+        if x.stride(-1) != 1:
+            x = x.contiguous()
+        return fast.head_descales(x)
+    return reference.head_descales(x)

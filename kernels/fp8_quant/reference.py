@@ -40,10 +40,16 @@ def quantize_rows(x: torch.Tensor) -> Fp8Rows:
     return Fp8Rows(to_fp8(rows, scale).reshape(x.shape), scale)
 
 
+def head_descales(x: torch.Tensor) -> torch.Tensor:
+    """`(B, S, H, D)` -> `(B, H)` float32: each head's amax over its rows and channels / 448 (at least 1e-12 / 448),
+    the scale that maps the head onto e4m3's range."""
+    return x.abs().amax(dim=(1, 3)).float().clamp_min(1e-12) / FP8_MAX
+
+
 def quantize_heads(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """`(B, S, H, D)` -> e4m3 values of the same shape and `(B, H)` float32 descales, x ~= values * descale
-    (descale = amax over the head's rows and channels / 448): FlashAttention-3's FP8 input contract."""
-    scale = x.abs().amax(dim=(1, 3)).float().clamp_min(1e-12) / FP8_MAX
+    (`head_descales`): FlashAttention-3's FP8 input contract."""
+    scale = head_descales(x)
     return to_fp8(x, scale[:, None, :, None]), scale
 
 

@@ -3,6 +3,7 @@ e4m3 + scale) and per (batch, head) in two (partial amaxes, then the quantizing 
 quantizer the fused row kernels (norm + modulate, gated residual, SwiGLU) share."""
 
 import math
+import os
 
 import torch
 import triton
@@ -18,6 +19,24 @@ def fp8_row(y):
     scale amax / 448). The caller casts the first to e4m3 when storing."""
     scale = tl.maximum(tl.max(tl.abs(y), axis=0), 1e-12) / 448.0
     return tl.clamp(y / scale, -448.0, 448.0), scale
+
+
+def interpreted() -> bool:
+    """Whether kernels run under the Triton interpreter (`TRITON_INTERPRET=1`): `to_e4m3`'s `BY_HAND` for them."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@triton.jit
+def to_e4m3(x, BY_HAND: tl.constexpr):
+    """float32 `x` within +-448 -> e4m3, rounded to nearest (even). `BY_HAND` rounds onto the e4m3 grid in float32
+    first (3 mantissa bits; steps of 2^-9 below 2^-6) so that the cast itself is exact: the Triton interpreter's own
+    e4m3 cast drops the carry into the next power of two (7.9 -> 4 where 8 is right), a GPU's does not."""
+    if BY_HAND:
+        bits = x.to(tl.int32, bitcast=True)
+        normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & -0x100000).to(tl.float32, bitcast=True)
+        subnormal = ((x * 512.0 + 12582912.0) - 12582912.0) / 512.0  # 1.5 * 2^23: float32 rounds to integers
+        x = tl.where(tl.abs(x) < 0.015625, subnormal, normal)
+    return x.to(tl.float8e4nv)
 
 
 @triton.jit
@@ -176,6 +195,26 @@ def _head_quantize_kernel(
     tl.store(q_ptr + out_offsets, tl.clamp(x / scale, -448.0, 448.0).to(q_ptr.dtype.element_ty), mask=mask)
 
 
+def head_descales(x, block_s: int = 64):
+    """Same contract as `reference.head_descales`, in one pass of partial amaxes; `x` any `(B, S, H, D)` view with
+    unit channel stride."""
+    batch, seq_len, heads, head_dim = x.shape
+    grid = (batch, triton.cdiv(seq_len, block_s), heads)
+    partial = torch.empty((batch, grid[1], heads), dtype=torch.float32, device=x.device)
+    _head_amax_kernel[grid](
+        x,
+        partial,
+        seq_len,
+        heads,
+        head_dim,
+        *x.stride()[:3],
+        BLOCK_S=block_s,
+        BLOCK_D=next_power_of_2(head_dim),
+        num_warps=4,
+    )
+    return (partial.amax(dim=1).clamp_min(1e-12) / FP8_MAX).contiguous()
+
+
 def quantize_heads(x, block_s: int = 64):
     """Same contract as `reference.quantize_heads`; `x` may be any `(B, S, H, D)` view with unit channel stride,
     the values come back contiguous."""
@@ -183,15 +222,18 @@ def quantize_heads(x, block_s: int = 64):
         x = x.contiguous()
     batch, seq_len, heads, head_dim = x.shape
     grid = (batch, triton.cdiv(seq_len, block_s), heads)
-    strides = (x.stride(0), x.stride(1), x.stride(2))
-    dim_block = next_power_of_2(head_dim)
-    partial = torch.empty((batch, grid[1], heads), dtype=torch.float32, device=x.device)
-    _head_amax_kernel[grid](
-        x, partial, seq_len, heads, head_dim, *strides, BLOCK_S=block_s, BLOCK_D=dim_block, num_warps=4
-    )
-    scale = (partial.amax(dim=1).clamp_min(1e-12) / FP8_MAX).contiguous()
+    scale = head_descales(x, block_s)
     q = torch.empty(x.shape, dtype=FP8, device=x.device)
     _head_quantize_kernel[grid](
-        x, scale, q, seq_len, heads, head_dim, *strides, BLOCK_S=block_s, BLOCK_D=dim_block, num_warps=4
+        x,
+        scale,
+        q,
+        seq_len,
+        heads,
+        head_dim,
+        *x.stride()[:3],
+        BLOCK_S=block_s,
+        BLOCK_D=next_power_of_2(head_dim),
+        num_warps=4,
     )
     return q, scale

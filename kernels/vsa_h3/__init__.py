@@ -11,6 +11,10 @@ once per request shape. On CUDA the video query tiles run the Triton block-spars
 When every video tile is kept (sparsity 0, k equal to the video tile count, or no video at all) the sparse part is
 dense attention and the op calls `attention(query, key, value)` itself, so its output is that call's, bit for bit,
 plus the gated branch when a gate is given.
+
+With `fp8` (on by default under the `fast` tier's FP8 attention, "fa3-fp8") the kernel reads e4m3 key and value
+tiles with per-head scales and rounds its probabilities to e4m3 for p @ v, as FlashAttention-3's FP8 attention does:
+half the bytes per key tile. Tile scores, selection and the compression branch still come from the heads as given.
 """
 
 import os
@@ -19,7 +23,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from h3gen.kernels._dispatch import triton_available, use_triton
-from h3gen.kernels.attention import attention
+from h3gen.kernels.attention import attention, fa3_available, takes_fp8_inputs
+from h3gen.kernels.fp8_quant import head_descales
 from h3gen.kernels.vsa_h3 import reference
 from h3gen.kernels.vsa_h3.geometry import TILE_ROWS, VIDEO_TILE, TileGeometry, build_tile_geometry
 from h3gen.kernels.vsa_h3.plan import SparsePlan, SparseSwitch
@@ -74,6 +79,7 @@ def vsa_h3_attention(
     *,
     dense_backend: str | None = None,
     config: "KernelConfig | None" = None,
+    fp8: bool | None = None,
 ) -> torch.Tensor:
     """VSA-H3 attention of one packed sequence.
 
@@ -89,6 +95,11 @@ def vsa_h3_attention(
             tiles are kept).
         config: the Triton launch settings (`triton.KernelConfig`); when None the device's default, or a smaller
             setting where the default does not fit its shared memory.
+        fp8: the video query tiles attend over e4m3 queries, keys and values (per-head scales, as FlashAttention-3's
+            FP8 attention; the probabilities rounded to e4m3 for p @ v): half the bytes per key tile read. Tile
+            scores, selection and the compression branch come from the heads as given, and the prefix rows attend in
+            their dtype (through FA3 where `dense_backend` is "fa3-fp8"). None: when `dense_backend` takes FP8
+            inputs (the `fast` tier's attention).
     Returns:
         `(B, S, H, D)` in query's dtype.
     """
@@ -107,6 +118,8 @@ def vsa_h3_attention(
         )
     sparsity = check_sparsity(sparsity)
     name = resolve_backend(query, backend)
+    if fp8 is None:
+        fp8 = takes_fp8_inputs(dense_backend)
     if kept_video_tiles(sparsity, geometry.num_video_tiles) == geometry.num_video_tiles:
         out = attention(query, key, value, backend=dense_backend)
         if gate is None:
@@ -115,8 +128,12 @@ def vsa_h3_attention(
         compressed = compress(scores, pool_tiles(value, geometry, name))
         return add_compressed(out, gate, compressed, geometry.row_tile)
     if name == "reference":
-        return reference.vsa_h3_attention(query, key, value, geometry, sparsity, gate)
-    return _sparse_triton(query, key, value, geometry, sparsity, gate, dense_backend, config)
+        return reference.vsa_h3_attention(query, key, value, geometry, sparsity, gate, fp8=fp8)
+    if fp8 and config is not None and config.prefix_in_kernel:
+        raise ValueError("the FP8 kernel leaves the prefix rows to the dense attention: prefix_in_kernel is not taken.")
+    if fp8 and dense_backend == "fa3-fp8":  # the prefix rows in their dtype, as the reference has them
+        dense_backend = "fa3" if fa3_available() else "auto"
+    return _sparse_triton(query, key, value, geometry, sparsity, gate, dense_backend, config, fp8)
 
 
 def pool_tiles(x: torch.Tensor, geometry: TileGeometry, backend: str | None = None) -> torch.Tensor:
@@ -129,17 +146,20 @@ def pool_tiles(x: torch.Tensor, geometry: TileGeometry, backend: str | None = No
     return tile_means(geometry.tile(x), geometry)
 
 
-def _sparse_triton(query, key, value, geometry, sparsity, gate, dense_backend, config):
-    """Tile means, tiled keys and values, and the selection by the tile kernels; the video query tiles through the
-    block-sparse kernel, the prefix query rows through `attention` (or the kernel, per `config`)."""
+def _sparse_triton(query, key, value, geometry, sparsity, gate, dense_backend, config, fp8):
+    """Tile means, tiled keys and values (e4m3 with `fp8`), and the selection by the tile kernels; the video query
+    tiles through the block-sparse kernel, the prefix query rows through `attention` (or the kernel, per `config`)."""
     from h3gen.kernels.vsa_h3 import triton as fast  # on first use: see _dispatch
     from h3gen.kernels.vsa_h3 import triton_tiles
 
     if any(t.stride(3) != 1 for t in (query, key, value)):
         query, key, value = (t.contiguous() for t in (query, key, value))
+    descales = torch.stack([head_descales(t) for t in (query, key, value)]) if fp8 else None
     _, q_means = triton_tiles.tile_rows(query, geometry, copy=False)
-    k_slots, k_means = triton_tiles.tile_rows(key, geometry)
-    v_slots, v_means = triton_tiles.tile_rows(value, geometry)
+    k_slots, k_means = triton_tiles.tile_rows(key, geometry, descale=None if descales is None else descales[1])
+    v_slots, v_means = triton_tiles.tile_rows(
+        value, geometry, descale=None if descales is None else descales[2], transposed=fp8
+    )
     scores = tile_scores(q_means, k_means)
     selection = triton_tiles.select_tiles(scores, geometry, sparsity)
     compressed = None if gate is None else compress(scores, v_means)
@@ -158,7 +178,9 @@ def _sparse_triton(query, key, value, geometry, sparsity, gate, dense_backend, c
         if gate is not None:
             dense = add_compressed(dense, gate[:, :prefix], compressed, geometry.row_tile[:prefix])
         out[:, :prefix] = dense
-    return fast.block_sparse_attention(query, k_slots, v_slots, selection, geometry, out, gate, compressed, config)
+    return fast.block_sparse_attention(
+        query, k_slots, v_slots, selection, geometry, out, gate, compressed, config, descales
+    )
 
 
 def attend(

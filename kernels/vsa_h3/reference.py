@@ -4,6 +4,7 @@ branch on every row (FastVideo `video_sparse_attn_h3.py`; SGLang and xDiT add th
 import torch
 import torch.nn.functional as F
 
+from h3gen.kernels.fp8_quant import quantize_heads
 from h3gen.kernels.vsa_h3.geometry import TileGeometry
 from h3gen.kernels.vsa_h3.selection import compress, select_tiles, selection_map, tile_means, tile_scores
 
@@ -29,6 +30,7 @@ def vsa_h3_attention(
     geometry: TileGeometry,
     sparsity: float,
     gate: torch.Tensor | None = None,
+    fp8: bool = False,
 ) -> torch.Tensor:
     """VSA-H3 attention of one packed sequence.
 
@@ -38,6 +40,9 @@ def vsa_h3_attention(
         sparsity: the fraction of video key tiles each video query tile drops, in [0, 1).
         gate: `(B, S, H, D)` the compression gate (`to_gate_compress` of the block's input), or None to skip the
             branch.
+        fp8: the video query rows attend over q, k and v rounded to e4m3 per head (`fp8_quant.quantize_heads`,
+            dequantized); tile scores, selection, the compression branch and the (dense) prefix rows use the heads
+            as given. What the FP8 kernel computes, but for its probabilities, which it also rounds to e4m3.
     Returns:
         `(B, S, H, D)` in query's dtype.
     """
@@ -47,7 +52,18 @@ def vsa_h3_attention(
     token_mask = tile_map[:, :, geometry.row_tile][:, :, :, geometry.row_tile]  # (B, H, S, S)
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=token_mask).transpose(1, 2)
+    if fp8:
+        q8, k8, v8 = (_rounded_to_fp8(t).transpose(1, 2) for t in (query, key, value))
+        rounded = F.scaled_dot_product_attention(q8, k8, v8, attn_mask=token_mask).transpose(1, 2)
+        prefix = geometry.prefix_rows
+        out = torch.cat([out[:, :prefix], rounded[:, prefix:]], dim=1)
     if gate is None:
         return out
     compressed = compress(scores, tile_means(geometry.tile(value), geometry))
     return add_compressed(out, gate, compressed, geometry.row_tile)
+
+
+def _rounded_to_fp8(x: torch.Tensor) -> torch.Tensor:
+    """`x` rounded to e4m3 per head and scaled back, in x's dtype."""
+    values, descale = quantize_heads(x)
+    return (values.float() * descale[:, None, :, None]).to(x.dtype)

@@ -13,6 +13,11 @@ the output, adding `gate * compressed` there when gated (the compression branch 
 of one head are adjacent in launch order, so the key tiles that head's query tiles share stay in L2. Head sizes are
 powers of two from 16 to 128.
 
+The FP8 variant (`descales` given) quantizes its query rows with their head's descale, reads e4m3 key tiles and e4m3
+value tiles stored transposed (each tile's channels along its slots: Hopper's FP8 tensor-core MMA takes its second
+operand with the reduced dimension contiguous only), scales the scores by both descales and rounds p to e4m3 for
+p @ v; the values' descale is applied once, in the epilogue.
+
 The launch settings (`KernelConfig`) are exposed for a GPU benchmark to sweep; `default_config` picks one per device.
 """
 
@@ -24,6 +29,8 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from h3gen.kernels.fp8_quant import FP8
+from h3gen.kernels.fp8_quant.triton import interpreted, to_e4m3
 from h3gen.kernels.vsa_h3.geometry import TILE_ROWS, TileGeometry
 from h3gen.kernels.vsa_h3.selection import TileSelection
 from h3gen.kernels.vsa_h3.triton_tiles import HEAD_DIMS, check_heads
@@ -80,6 +87,7 @@ def _block_sparse_fwd(
     out_ptr,
     gate_ptr,
     comp_ptr,
+    descale_ptr,
     idx_ptr,
     num_ptr,
     sizes_ptr,
@@ -95,6 +103,10 @@ def _block_sparse_fwd(
     stride_kb,
     stride_ks,
     stride_kh,
+    stride_vb,
+    stride_vs,
+    stride_vh,
+    stride_vd,
     stride_ob,
     stride_os,
     stride_oh,
@@ -108,6 +120,8 @@ def _block_sparse_fwd(
     DOT_PRECISION: tl.constexpr,
     NUM_STAGES: tl.constexpr,
     TMA: tl.constexpr,
+    FP8: tl.constexpr,
+    E4M3_BY_HAND: tl.constexpr,
 ):
     q_tile = tl.program_id(0)
     bh = tl.program_id(1)
@@ -120,15 +134,22 @@ def _block_sparse_fwd(
     q_valid = q_rows >= 0
     q_offsets = tl.where(q_valid, q_rows, 0).to(tl.int64)
     q = tl.load(q_ptr + b * stride_qb + h * stride_qh + q_offsets[:, None] * stride_qs + dims[None, :])
+    if FP8:  # q quantized here with its head's descale; scores come out of the dots scaled by both descales
+        q_descale = tl.load(descale_ptr + bh)
+        qk_scale = qk_scale * q_descale * tl.load(descale_ptr + tl.num_programs(1) + bh)
+        q = to_e4m3(tl.clamp(q.to(tl.float32) / q_descale, -448.0, 448.0), E4M3_BY_HAND)
 
-    # Key and value slots share one layout: 64-bit scalar bases per tile, 32-bit offsets inside a tile; through TMA,
-    # a tile is rows (b * slots + tile * 64 ..) and columns (h * D ..) of the copy seen as (B * slots, H * D).
-    kv_head = b * stride_kb + h * stride_kh
+    # 64-bit scalar bases per tile, 32-bit offsets inside a tile. Through TMA a key tile is rows
+    # (b * slots + tile * 64 ..) and columns (h * D ..) of the copy seen as (B * slots, H * D); a value tile the same
+    # or, transposed (FP8), rows ((b * H + h) * D ..) and columns (tile * 64 ..) of the copy seen as (B * H * D, slots).
+    k_head = b * stride_kb + h * stride_kh
+    v_head = b * stride_vb + h * stride_vh
     desc_row = (bh // heads) * (stride_kb // stride_ks)
     desc_col = (bh % heads) * HEAD_DIM
-    tile_stride = BLOCK * stride_ks.to(tl.int64)
+    k_tile_stride = BLOCK * stride_ks.to(tl.int64)
+    v_tile_stride = BLOCK * stride_vs.to(tl.int64)
     k_offsets = slots[None, :] * stride_ks + dims[:, None]  # (dim, slot): k read transposed for q @ k
-    v_offsets = slots[:, None] * stride_ks + dims[None, :]  # (slot, dim)
+    v_offsets = slots[:, None] * stride_vs + dims[None, :] * stride_vd  # (slot, dim)
     m_i = tl.full([BLOCK], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK], tl.float32)
     acc = tl.zeros([BLOCK, HEAD_DIM], tl.float32)
@@ -137,11 +158,10 @@ def _block_sparse_fwd(
     kv_list = idx_ptr + row * max_kv
     for j in tl.range(0, count, num_stages=NUM_STAGES):
         kv_tile = tl.load(kv_list + j)
-        kv_base = kv_head + kv_tile * tile_stride
         if TMA:
             k = tl.trans(k_desc.load([desc_row + kv_tile * BLOCK, desc_col]))
         else:
-            k = tl.load(k_ptr + kv_base + k_offsets)
+            k = tl.load(k_ptr + k_head + kv_tile * k_tile_stride + k_offsets)
         s = tl.dot(q, k, input_precision=DOT_PRECISION)
         s = tl.where(slots[None, :] < tl.load(sizes_ptr + kv_tile), s, float("-inf"))
         # Scaled after the max (the scale is positive): one multiply-add per score for the exponent.
@@ -149,14 +169,20 @@ def _block_sparse_fwd(
         p = tl.math.exp2(s * qk_scale - m_new[:, None])
         alpha = tl.math.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
-        if TMA:
+        if TMA and FP8:
+            v = tl.trans(v_desc.load([bh * HEAD_DIM, kv_tile * BLOCK]))
+        elif TMA:
             v = v_desc.load([desc_row + kv_tile * BLOCK, desc_col])
         else:
-            v = tl.load(v_ptr + kv_base + v_offsets)
-        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
+            v = tl.load(v_ptr + v_head + kv_tile * v_tile_stride + v_offsets)
+        p = to_e4m3(p, E4M3_BY_HAND) if FP8 else p.to(v.dtype)
+        acc = tl.dot(p, v, acc * alpha[:, None], input_precision=DOT_PRECISION)
         m_i = m_new
 
-    out = acc / l_i[:, None]
+    if FP8:
+        out = acc * (tl.load(descale_ptr + 2 * tl.num_programs(1) + bh) / l_i[:, None])
+    else:
+        out = acc / l_i[:, None]
     if GATED:
         g = tl.load(
             gate_ptr + b * stride_gb + h * stride_gh + q_offsets[:, None] * stride_gs + dims[None, :],
@@ -182,20 +208,24 @@ def block_sparse_attention(
     gate: torch.Tensor | None = None,
     compressed: torch.Tensor | None = None,
     config: KernelConfig | None = None,
+    descales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of the selected query tiles over their selected key tiles, written into their rows of `out`.
 
     Args:
         query: `(B, S, H, D)` packed rows (fp32, fp16 or bf16, contiguous heads, D in `HEAD_DIMS`, any other strides).
-        key_slots, value_slots: `(B, T * 64, H, D)` of query's dtype, one layout, padding slots zero
-            (`triton_tiles.tile_rows` or `geometry.tile`).
+        key_slots, value_slots: `(B, T * 64, H, D)` padding slots zero (`triton_tiles.tile_rows` or `geometry.tile`):
+            in query's dtype, one layout with contiguous heads; or, the FP8 kernel, e4m3 keys with contiguous heads
+            and e4m3 values transposed (`tile_rows(..., transposed=True)`).
         selection: the key tiles of query tiles `first_q_tile ..` (`selection.select_tiles`).
         out: `(B, S, H, D)` the output rows; the rows of the selected query tiles are written, the others are left
             as they are.
         gate: `(B, S, H, D)` or None; with it, `compressed` `(B, H, T, D)` float32 and each written row gets
             `gate[row] * compressed[tile(row)]` added.
-        config: launch settings; when None the device's `default_config`, or the first smaller setting that fits
-            its shared memory.
+        config: launch settings; when None the device's default, or the first smaller setting that fits its shared
+            memory.
+        descales: with e4m3 slots, `(3, B, H)` float32: the per-head descales of query (quantized in the kernel),
+            keys and values (`fp8_quant.head_descales`).
     Returns:
         `out`.
     """
@@ -204,23 +234,19 @@ def block_sparse_attention(
         if x.shape != query.shape:
             raise ValueError(f"block_sparse_attention's {name} {tuple(x.shape)} is not query's {tuple(query.shape)}.")
     b, _, h, d = query.shape
-    slots_shape = (b, geometry.num_slots, h, d)
-    for x in (key_slots, value_slots):
-        if x.shape != slots_shape or x.dtype != query.dtype or x.stride() != key_slots.stride() or x.stride(3) != 1:
-            raise ValueError(
-                f"block_sparse_attention takes key and value slots of one layout, shape {slots_shape} and dtype "
-                f"{query.dtype} with contiguous heads, got {tuple(x.shape)} {x.dtype} with strides {x.stride()}."
-            )
+    _check_slots(key_slots, value_slots, (b, geometry.num_slots, h, d), query.dtype, descales)
     idx, num = selection.q2k_idx.contiguous(), selection.q2k_num.contiguous()
     if idx.shape[2] == 0:
         return out
     if gate is not None:
         compressed = compressed.contiguous()
-    args = (query, key_slots, value_slots, out, gate, compressed, idx, num, geometry, selection.first_q_tile)
+    if descales is not None:
+        descales = descales.float().contiguous()
+    args = (query, key_slots, value_slots, out, gate, compressed, descales, idx, num, geometry, selection.first_q_tile)
     if config is not None:
         _launch(*args, config)
         return out
-    chosen = (query.device, query.dtype, d)
+    chosen = (query.device, query.dtype, key_slots.dtype, d)
     if chosen in _LAUNCHED:
         _launch(*args, _LAUNCHED[chosen])
         return out
@@ -238,24 +264,66 @@ def block_sparse_attention(
     )
 
 
+def _check_slots(key_slots, value_slots, shape, dtype, descales) -> None:
+    """ValueError unless the slots are what `block_sparse_attention` takes (see there)."""
+    fp8 = key_slots.dtype == FP8
+    if fp8:
+        layouts_ok = key_slots.stride(3) == 1 and value_slots.stride(1) == 1 and value_slots.dtype == FP8
+        wanted = "e4m3 keys with contiguous heads and e4m3 values transposed (tile_rows(..., transposed=True))"
+    else:
+        layouts_ok = (
+            key_slots.dtype == value_slots.dtype == dtype
+            and key_slots.stride(3) == 1
+            and value_slots.stride() == key_slots.stride()
+        )
+        wanted = f"{dtype} with contiguous heads, one layout"
+    if not layouts_ok or key_slots.shape != shape or value_slots.shape != shape:
+        raise ValueError(
+            f"block_sparse_attention takes key and value slots of shape {shape}, {wanted}; got "
+            f"{tuple(key_slots.shape)} {key_slots.dtype} with strides {key_slots.stride()} and "
+            f"{tuple(value_slots.shape)} {value_slots.dtype} with strides {value_slots.stride()}."
+        )
+    if fp8 != (descales is not None) or (fp8 and descales.shape != (3, shape[0], shape[2])):
+        raise ValueError(
+            f"block_sparse_attention takes (3, B, H) = (3, {shape[0]}, {shape[2]}) descales with e4m3 slots and none "
+            f"otherwise, got {None if descales is None else tuple(descales.shape)} with {key_slots.dtype} slots."
+        )
+
+
 def tile_descriptors(*slots: torch.Tensor) -> list[TensorDescriptor]:
-    """TMA descriptors over contiguous tiled copies `(B, T * 64, H, D)` (`triton_tiles.tile_rows`), each seen as
-    `(B * T * 64, H * D)` with one `(64, D)` box: the tile of batch b, head h, tile t is the box at rows
-    `(b * T + t) * 64`, columns `h * D`."""
+    """TMA descriptors over contiguous tiled copies `(B, T * 64, H, D)` (`triton_tiles.tile_rows`), one `(64, D)`
+    box per tile: a copy with contiguous heads seen as `(B * T * 64, H * D)`, the tile of batch b, head h, tile t the
+    box at rows `(b * T + t) * 64`, columns `h * D`; a transposed copy (memory `(B, H, D, T * 64)`) seen as
+    `(B * H * D, T * 64)` with a `(D, 64)` box, the tile at rows `(b * H + h) * D`, columns `t * 64`."""
     descriptors = []
     for x in slots:
         b, num_slots, h, d = x.shape
-        descriptors.append(TensorDescriptor.from_tensor(x.view(b * num_slots, h * d), [TILE_ROWS, d]))
+        if _transposed(x):
+            descriptors.append(
+                TensorDescriptor.from_tensor(x.permute(0, 2, 3, 1).view(b * h * d, num_slots), [d, TILE_ROWS])
+            )
+        else:
+            descriptors.append(TensorDescriptor.from_tensor(x.view(b * num_slots, h * d), [TILE_ROWS, d]))
     return descriptors
 
 
-def _launch(query, key_slots, value_slots, out, gate, compressed, idx, num, geometry, first_q_tile, config):
+def _transposed(slots: torch.Tensor) -> bool:
+    return slots.stride(1) == 1 and slots.shape[1] > 1
+
+
+def _tma_ready(slots: torch.Tensor) -> bool:
+    """Whether TMA can read these slots: a contiguous copy (or a transposed one) whose base is 16-byte aligned."""
+    memory = slots.permute(0, 2, 3, 1) if _transposed(slots) else slots
+    return memory.is_contiguous() and slots.data_ptr() % 16 == 0
+
+
+def _launch(query, key_slots, value_slots, out, gate, compressed, descales, idx, num, geometry, first_q_tile, config):
     """One launch of `_block_sparse_fwd` over the query tiles `idx` lists (see `block_sparse_attention`)."""
     b, _, h, d = query.shape
     num_q_tiles, max_kv = idx.shape[2], idx.shape[3]
     gated = gate is not None
-    # TMA takes a contiguous copy whose base is 16-byte aligned (any tile_rows copy).
-    tma = config.tma and all(x.is_contiguous() and x.data_ptr() % 16 == 0 for x in (key_slots, value_slots))
+    fp8 = descales is not None
+    tma = config.tma and _tma_ready(key_slots) and _tma_ready(value_slots)
     if tma:
         k_desc, v_desc = tile_descriptors(key_slots, value_slots)
     else:
@@ -269,6 +337,7 @@ def _launch(query, key_slots, value_slots, out, gate, compressed, idx, num, geom
         out,
         gate if gated else out,
         compressed if gated else out,
+        descales if fp8 else out,
         idx,
         num,
         geometry.tile_sizes,
@@ -280,14 +349,17 @@ def _launch(query, key_slots, value_slots, out, gate, compressed, idx, num, geom
         max_kv,
         *query.stride()[:3],
         *key_slots.stride()[:3],
+        *value_slots.stride(),
         *out.stride()[:3],
         *(gate.stride()[:3] if gated else (0, 0, 0)),
         _LOG2E / math.sqrt(d),
         HEAD_DIM=d,
         BLOCK=TILE_ROWS,
         GATED=gated,
-        DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        DOT_PRECISION="ieee" if query.dtype == torch.float32 and not fp8 else "tf32",
         NUM_STAGES=config.num_stages,
         TMA=tma,
+        FP8=fp8,
+        E4M3_BY_HAND=interpreted(),
         num_warps=config.num_warps,
     )

@@ -3,16 +3,19 @@ the tiled copy of keys and values the block-sparse kernel reads made in the same
 
 `tile_rows`: one program per (batch x head, tile): the tile's valid rows loaded once, their fp32 sum over the valid
 count stored as the tile's mean and, when asked, the 64 slots written (padding slots zero), so keys and values are
-read once for both. `select_tiles`: a few (batch x head, video query tile) rows per program: each row's video key
-tile scores mapped to int32 in the same order, the k-th largest found by bisection over the int32 range (32 counting
-passes, no sort), and the tiles above it (then the first tiles equal to it, up to k) written in ascending order after
-the prefix tiles: what `selection.select_tiles` returns, without its top-k, sort and concat.
+read once for both; for the FP8 kernel the slots are written in e4m3 (divided by the head's descale), values with
+each tile's channels along its slots. `select_tiles`: a few (batch x head, video query tile) rows per program: each
+row's video key tile scores mapped to int32 in the same order, the k-th largest found by bisection over the int32
+range (32 counting passes, no sort), and the tiles above it (then the first tiles equal to it, up to k) written in
+ascending order after the prefix tiles: what `selection.select_tiles` returns, without its top-k, sort and concat.
 """
 
 import torch
 import triton
 import triton.language as tl
 
+from h3gen.kernels.fp8_quant import FP8
+from h3gen.kernels.fp8_quant.triton import interpreted, to_e4m3
 from h3gen.kernels.vsa_h3.geometry import TILE_ROWS, TileGeometry
 from h3gen.kernels.vsa_h3.selection import TileSelection, kept_video_tiles
 
@@ -26,6 +29,7 @@ def _tile_rows(
     means_ptr,
     rows_ptr,
     sizes_ptr,
+    descale_ptr,
     heads,
     num_tiles,
     stride_b,
@@ -34,9 +38,12 @@ def _tile_rows(
     slot_stride_b,
     slot_stride_s,
     slot_stride_h,
+    slot_stride_d,
     HEAD_DIM: tl.constexpr,
     BLOCK: tl.constexpr,
     WRITE_SLOTS: tl.constexpr,
+    FP8: tl.constexpr,
+    E4M3_BY_HAND: tl.constexpr,
 ):
     bh = tl.program_id(0)
     tile = tl.program_id(1)
@@ -54,7 +61,13 @@ def _tile_rows(
     )
     if WRITE_SLOTS:
         slot = (tile * BLOCK + slots).to(tl.int64)
-        tl.store(slots_ptr + b * slot_stride_b + h * slot_stride_h + slot[:, None] * slot_stride_s + dims[None, :], x)
+        to = slots_ptr + b * slot_stride_b + h * slot_stride_h + slot[:, None] * slot_stride_s
+        if FP8:
+            descale = tl.load(descale_ptr + bh)
+            scaled = tl.clamp(x.to(tl.float32) / descale, -448.0, 448.0)
+            tl.store(to + dims[None, :] * slot_stride_d, to_e4m3(scaled, E4M3_BY_HAND))
+        else:
+            tl.store(to + dims[None, :] * slot_stride_d, x)
     sums = tl.sum(x.to(tl.float32), 0)
     size = tl.load(sizes_ptr + tile).to(tl.float32)
     tl.store(means_ptr + (bh.to(tl.int64) * num_tiles + tile) * HEAD_DIM + dims, sums / size)
@@ -69,21 +82,40 @@ def check_heads(x: torch.Tensor, geometry: TileGeometry, what: str) -> None:
         )
 
 
-def tile_rows(x: torch.Tensor, geometry: TileGeometry, copy: bool = True) -> tuple[torch.Tensor | None, torch.Tensor]:
+def tile_rows(
+    x: torch.Tensor,
+    geometry: TileGeometry,
+    copy: bool = True,
+    *,
+    descale: torch.Tensor | None = None,
+    transposed: bool = False,
+) -> tuple[torch.Tensor | None, torch.Tensor]:
     """Tile means of packed rows and, with `copy`, their tiled copy, in one read of `x`.
 
     Args:
         x: `(B, S, H, D)` fp32/fp16/bf16 rows, contiguous heads, D in `HEAD_DIMS`.
         copy: also return the rows as tile slots.
+        descale: `(B, H)` float32 per-head descales (`fp8_quant.head_descales`): the slots are e4m3, each value
+            `x / descale` saturated to +-448.
+        transposed: the slots' memory is `(B, H, D, T * 64)` (a permuted view): each tile's channels run along its
+            slots, the layout of the FP8 kernel's values (Hopper's FP8 tensor-core MMA takes its second operand with
+            the reduced dimension contiguous only).
     Returns:
-        `(slots, means)`: slots `(B, T * 64, H, D)` in x's dtype, padding slots zero (`geometry.tile(x)`), or None
-        without `copy`; means `(B, H, T, D)` float32, each tile's fp32 sum over its valid rows divided by their count
-        (`selection.tile_means`).
+        `(slots, means)`: slots `(B, T * 64, H, D)` in x's dtype (e4m3 with `descale`), padding slots zero
+        (`geometry.tile(x)`), or None without `copy`; means `(B, H, T, D)` float32, each tile's fp32 sum over its
+        valid rows (before any quantization) divided by their count (`selection.tile_means`).
     """
     check_heads(x, geometry, "tile_rows")
     b, _, h, d = x.shape
     means = torch.empty(b, h, geometry.num_tiles, d, dtype=torch.float32, device=x.device)
-    slots = x.new_empty(b, geometry.num_slots, h, d) if copy else None
+    dtype = x.dtype if descale is None else FP8
+    slots = None
+    if copy and transposed:
+        slots = torch.empty(b, h, d, geometry.num_slots, dtype=dtype, device=x.device).permute(0, 3, 1, 2)
+    elif copy:
+        slots = torch.empty(b, geometry.num_slots, h, d, dtype=dtype, device=x.device)
+    if descale is not None and descale.shape != (b, h):
+        raise ValueError(f"tile_rows takes (B, H) = {(b, h)} descales, got {tuple(descale.shape)}.")
     if geometry.num_tiles:
         _tile_rows[(b * h, geometry.num_tiles)](
             x,
@@ -91,13 +123,16 @@ def tile_rows(x: torch.Tensor, geometry: TileGeometry, copy: bool = True) -> tup
             means,
             geometry.slot_rows,
             geometry.tile_sizes,
+            means if descale is None else descale.float().contiguous(),
             h,
             geometry.num_tiles,
             *x.stride()[:3],
-            *(slots.stride()[:3] if copy else (0, 0, 0)),
+            *(slots.stride() if copy else (0, 0, 0, 0)),
             HEAD_DIM=d,
             BLOCK=TILE_ROWS,
             WRITE_SLOTS=copy,
+            FP8=descale is not None,
+            E4M3_BY_HAND=interpreted(),
         )
     return slots, means
 

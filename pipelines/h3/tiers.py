@@ -5,7 +5,8 @@
   q/k norm + RoPE, SwiGLU, and the gated residual fused with the next norm; bf16-level differences only.
 - `fast`: `lossless` plus FP8 (e4m3) GEMMs for the block's q/k/v/out and SwiGLU projections, per-row activation and
   per-column weight scales (`h3gen.quant.fp8`, layers made by `h3gen.linear.to_fp8`), and FP8 attention where
-  FlashAttention-3 is installed; the fused row kernels write their results in e4m3 directly, so no activation is
+  FlashAttention-3 is installed (sparse attention too then: VSA-H3's kernel over e4m3 key and value tiles, see
+  `h3gen.kernels.vsa_h3`); the fused row kernels write their results in e4m3 directly, so no activation is
   quantized by a pass of its own except the attention output and v. An approximation with measured error; the
   weights are quantized in place, so a model set to `fast` cannot go back. Tensor-parallel blocks quantize each
   rank's shard (the collectives stay); blocks whose GEMMs are MXFP4 (`--quantization mxfp4`) keep them, so there
@@ -100,8 +101,8 @@ def fast_block_forward(
     key = attn.to_k(normed).unflatten(-1, (-1, attn.head_dim))
     value = attn.to_v(normed).unflatten(-1, (-1, attn.head_dim))
     rope_args = (attn.norm_q.weight, attn.norm_k.weight, *rotary_emb, attn.norm_q.eps)
-    # A sequence-parallel core exchanges bf16 heads between ranks, and VSA-H3 reads bf16 tiles: only the plain dense
-    # core takes e4m3 directly.
+    # A sequence-parallel core exchanges bf16 heads between ranks, and VSA-H3 selects its tiles from bf16 heads (and
+    # quantizes its own key and value tiles under "fa3-fp8"): only the plain dense core takes e4m3 directly.
     plain = type(attn.core) is AttentionCore and attn.core.plan is None
     if plain and takes_fp8_inputs(attn.core.backend):
         query, key = qk_norm_rope(query, key, *rope_args, fp8=True)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers.kernel_cases import DEVICE, DTYPES, ON_GPU
+from helpers.kernel_cases import DEVICE, DTYPES, ON_GPU, assert_same_fp8
 from helpers.kernel_cases import case as _case
 from helpers.kernel_cases import err as _err
 from helpers.kernel_cases import rand as _rand
@@ -329,6 +329,88 @@ def test_a_setting_beyond_shared_memory_falls_back_to_one_that_fits(monkeypatch)
     monkeypatch.setattr(vsa_triton, "_launch", lambda *args: launch(*args, fits=lambda config: False))
     with pytest.raises(ValueError, match="shared memory.*H3GEN_VSA_BACKEND=reference"):
         vsa_h3_attention(q, k, v, geometry, 0.7, gate, backend="triton")
+
+
+# -- the FP8 kernel (the fast tier's) ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+def test_fp8_tiles_are_the_heads_quantized_then_tiled(transposed):
+    """`tile_rows` with descales writes the e4m3 values `quantize_heads` makes, in tile order (transposed: each
+    tile's channels along its slots), padding zero; its means are those of the unquantized rows."""
+    from h3gen.kernels.fp8_quant import FP8, head_descales
+    from h3gen.kernels.fp8_quant import reference as quant_ref
+    from h3gen.kernels.vsa_h3 import triton_tiles
+
+    geometry, x, *_ = _inputs((5, 0, 70), (5, 6, 9), 3, 32, DTYPES[-1], seed=21, gate=False)
+    descale = head_descales(x)
+    slots, means = triton_tiles.tile_rows(x, geometry, descale=descale, transposed=transposed)
+    values, expected_descale = quant_ref.quantize_heads(x)
+    assert torch.allclose(descale, expected_descale, rtol=1e-6, atol=0)
+    assert slots.dtype == FP8 and slots.shape == (2, geometry.num_slots, 3, 32)
+    assert (slots.stride(1) == 1) == transposed and (slots.stride(3) == 1) != transposed
+    assert_same_fp8(slots, geometry.tile(values.float()).to(FP8))
+    assert torch.equal(means, triton_tiles.tile_rows(x, geometry, copy=False)[1])
+
+
+@pytest.mark.parametrize(
+    "prefix, grid, dim, sparsity, with_gate",
+    [((5, 0, 70), (5, 6, 9), 16, 0.6, True), ((130,), (3, 5, 4), 32, 0.5, False), ((64, 1), (2, 4, 9), 64, 0.75, True)],
+)
+def test_fp8_kernel_matches_the_fp8_reference(prefix, grid, dim, sparsity, with_gate):
+    """The FP8 kernel's video rows against the reference over e4m3-rounded q/k/v (the kernel also rounds its
+    probabilities: 1.2-2.1 % measured), and further from the unrounded reference (2.9-5.2 %); TMA and pointer reads
+    alike, bit for bit; its prefix rows are the dense attention's in the heads' dtype, as without FP8."""
+    from h3gen.kernels.vsa_h3 import triton as vsa_triton
+
+    geometry, q, k, v, gate = _inputs(prefix, grid, 3, dim, DTYPES[-1], seed=dim + 30, gate=with_gate)
+    got = {
+        tma: vsa_h3_attention(
+            q, k, v, geometry, sparsity, gate, backend="triton", config=vsa_triton.KernelConfig(4, 2, tma=tma), fp8=True
+        )
+        for tma in (False, True)
+    }
+    assert torch.equal(got[True], got[False]) and got[True].dtype == q.dtype
+    upcast = [t.float() for t in (q, k, v)]
+    gate32 = None if gate is None else gate.float()
+    rounded = vsa_ref.vsa_h3_attention(*upcast, geometry, sparsity, gate32, fp8=True)
+    exact = vsa_ref.vsa_h3_attention(*upcast, geometry, sparsity, gate32)
+    video = slice(geometry.prefix_rows, None)
+    near = _err(got[True][:, video], rounded[:, video])
+    assert near < 0.035 and _err(got[True][:, video], exact[:, video]) > 1.5 * near
+    plain = vsa_h3_attention(q, k, v, geometry, sparsity, gate, backend="triton")
+    assert torch.equal(got[True][:, : geometry.prefix_rows], plain[:, : geometry.prefix_rows])
+
+
+def test_fp8_follows_the_dense_backend_and_refuses_what_it_cannot_take():
+    """fp8=None: FP8 exactly when the dense attention is FP8 (the fast tier's "fa3-fp8"); the kernel takes e4m3
+    slots only with their descales and transposed values, and leaves prefix rows to the dense attention."""
+    from h3gen.kernels.vsa_h3 import triton as vsa_triton
+    from h3gen.kernels.vsa_h3 import triton_tiles
+
+    geometry, q, k, v, gate = _inputs((5, 0, 70), (3, 4, 9), 2, 16, torch.float32, seed=22)
+    fp8 = vsa_h3_attention(q, k, v, geometry, 0.6, gate, backend="reference", fp8=True)
+    assert torch.equal(
+        vsa_h3_attention(q, k, v, geometry, 0.6, gate, backend="reference", dense_backend="fa3-fp8"), fp8
+    )
+    assert not torch.equal(vsa_h3_attention(q, k, v, geometry, 0.6, gate, backend="reference"), fp8)
+
+    descales = torch.ones(3, 2, 2, device=DEVICE)
+    keys = triton_tiles.tile_rows(k, geometry, descale=descales[1])[0]
+    values = triton_tiles.tile_rows(v, geometry, descale=descales[2], transposed=True)[0]
+    selection = select_tiles(tile_scores(*(tile_means(geometry.tile(t), geometry) for t in (q, k))), geometry, 0.6)
+    out = torch.empty_like(q)
+    with pytest.raises(ValueError, match="descales"):
+        vsa_triton.block_sparse_attention(q, keys, values, selection, geometry, out)
+    with pytest.raises(ValueError, match="transposed"):
+        vsa_triton.block_sparse_attention(q, keys, keys, selection, geometry, out, descales=descales)
+    with pytest.raises(ValueError, match="descales"):
+        vsa_triton.block_sparse_attention(
+            q, geometry.tile(k), geometry.tile(v), selection, geometry, out, descales=descales
+        )
+    with pytest.raises(ValueError, match="prefix_in_kernel"):
+        config = vsa_triton.KernelConfig(prefix_in_kernel=True)
+        vsa_h3_attention(q, k, v, geometry, 0.6, backend="triton", config=config, fp8=True)
 
 
 @pytest.mark.parametrize("prefix, grid", SHAPES)
