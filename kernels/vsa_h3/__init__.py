@@ -44,6 +44,8 @@ if TYPE_CHECKING:
     from h3gen.kernels.vsa_h3.triton import KernelConfig
 
 BACKENDS = ("auto", "triton", "reference")
+# An FP8 tensor-core MMA reduces 32 channels at a time (Triton refuses a smaller e4m3 dot on NVIDIA GPUs).
+FP8_MIN_HEAD_DIM = 32
 
 
 def resolve_backend(query: torch.Tensor, backend: str | None = None) -> str:
@@ -99,7 +101,8 @@ def vsa_h3_attention(
             FP8 attention; the probabilities rounded to e4m3 for p @ v): half the bytes per key tile read. Tile
             scores, selection and the compression branch come from the heads as given, and the prefix rows attend in
             their dtype (through FA3 where `dense_backend` is "fa3-fp8"). None: when `dense_backend` takes FP8
-            inputs (the `fast` tier's attention).
+            inputs (the `fast` tier's attention). Heads of fewer than `FP8_MIN_HEAD_DIM` channels run in their
+            dtype either way.
     Returns:
         `(B, S, H, D)` in query's dtype.
     """
@@ -120,6 +123,7 @@ def vsa_h3_attention(
     name = resolve_backend(query, backend)
     if fp8 is None:
         fp8 = takes_fp8_inputs(dense_backend)
+    fp8 = fp8 and query.shape[-1] >= FP8_MIN_HEAD_DIM
     if kept_video_tiles(sparsity, geometry.num_video_tiles) == geometry.num_video_tiles:
         out = attention(query, key, value, backend=dense_backend)
         if gate is None:
@@ -211,6 +215,7 @@ def attend(
 
 __all__ = [
     "BACKENDS",
+    "FP8_MIN_HEAD_DIM",
     "SparsePlan",
     "SparseSwitch",
     "attend",
