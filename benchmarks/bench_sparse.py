@@ -5,15 +5,17 @@ t2va request: 128 text rows, 414 audio rows (207 latents per channel), video gri
 Section `op`: first the sparse op against its torch reference on a smaller shape, then at the full shape: dense
 attention through the dispatch ("auto": FlashAttention-3 where installed, else cuDNN or flash; the table names it),
 the tile selection alone, the op at `--sparsity` without and with the compression gate, the block-sparse kernel alone
-under each launch setting of `triton.CONFIGS`, then its reads and its math each alone (`sparse_floors.py`, on a GPU).
-Prints a table, then the dense/sparse ratios. `--tiny` runs small shapes on the CPU (the kernel under the Triton
+under each launch setting of `triton.CONFIGS` (over bf16 and over e4m3 key tiles), then its reads and its math each
+alone (`sparse_floors.py`, on a GPU), then the fast tier's: FA3's FP8 dense attention and the op over e4m3 key
+tiles. Prints a table, then the dense/sparse ratios. `--tiny` runs small shapes on the CPU (the kernel under the Triton
 interpreter), to show that the script works end to end.
 
 Section `block`: one transformer block at released dims over the same rows, the base block dense and sparse and a
-VSA student's block (with its gate) sparse, in the lossless and fast tiers. Section `forward`: the whole 50-block
-transformer (a student's, 70 GB in bf16) per forward: dense, the base model at 0.75, the student at `--sparsity`
-(lossless), and the student in the fast tier. A whole request end to end is `bench_pipeline.py` (`--profile fasth3`,
-and `--sparsity` for the base model).
+VSA student's block (with its gate) sparse, in the lossless and fast tiers (each with its tier's attention: FA3 where
+installed, FA3's FP8 and the FP8 sparse kernel in the fast tier; there the student also over bf16 key tiles).
+Section `forward`: the whole 50-block transformer (a student's, 70 GB in bf16) per forward: dense, the base model
+at 0.75, the student at `--sparsity` (lossless), and the student in the fast tier (FP8 key tiles, then bf16). A
+whole request end to end is `bench_pipeline.py` (`--profile fasth3`, and `--sparsity` for the base model).
 
     python benchmarks/bench_sparse.py
     python benchmarks/bench_sparse.py op --sparsity 0.9 --heads 56 --out sparse.json
@@ -274,12 +276,20 @@ def bench_block(args, device, dtype, backend):
                 continue  # FP8 GEMMs need a GPU
             quantize_block_linears(student)
         gate = student.attn.to_gate_compress
-        for name, plan, with_gate in (
-            ("dense", None, False),
-            (f"sparse {args.sparsity}", SparsePlan(geometry, args.sparsity), False),
-            (f"student, sparse {args.sparsity}", SparsePlan(geometry, args.sparsity), True),
-        ):
+        # The tier's attention as `set_quality` sets it; under FA3's FP8 the sparse kernel reads e4m3 key tiles, and
+        # the student once more over bf16 tiles ("auto") shows what that gains.
+        attention_backend = "fa3-fp8" if tier == "fast" and fa3_available() else "auto"
+        plan = SparsePlan(geometry, args.sparsity)
+        variants = [
+            ("dense", None, False, attention_backend),
+            (f"sparse {args.sparsity}", plan, False, attention_backend),
+            (f"student, sparse {args.sparsity}", plan, True, attention_backend),
+        ]
+        if attention_backend == "fa3-fp8":
+            variants.append((f"student, sparse {args.sparsity}, bf16 key tiles", plan, True, "auto"))
+        for name, plan, with_gate, attention_backend in variants:
             student.attn.to_gate_compress = gate if with_gate else None
+            student.attn.core.backend = attention_backend
             switch.plan = plan
             work = x.clone()
 
@@ -338,13 +348,21 @@ def bench_forward(args, device, dtype, backend):
         if tier == "fast" and args.tiny:
             continue
         set_quality(model, tier)
+        tier_backend = model.transformer_blocks[0].attn.core.backend
         tables = model.precompute_adaln([kwargs["timestep"]])
-        variants = [("student", args.sparsity, True)]
+        variants = [("student", args.sparsity, True, tier_backend)]
         if tier == "lossless":
-            variants = [("dense", None, False), ("base", DEFAULT_SPARSITY, False), *variants]
-        for name, sparsity, gated in variants:
+            variants = [
+                ("dense", None, False, tier_backend),
+                ("base", DEFAULT_SPARSITY, False, tier_backend),
+                *variants,
+            ]
+        elif tier_backend == "fa3-fp8":  # the sparse kernel over bf16 key tiles, for comparison
+            variants.append(("student, bf16 key tiles", args.sparsity, True, "auto"))
+        for name, sparsity, gated, attention_backend in variants:
             for block, gate in zip(model.transformer_blocks, gates, strict=True):
                 block.attn.to_gate_compress = gate if gated else None
+                block.attn.core.backend = attention_backend
             model.sparse.plan = None if sparsity is None else SparsePlan(geometry, sparsity)
             label = f"forward, {tier}, {name}" + ("" if sparsity is None else f", sparse {sparsity}")
             results[label] = time(lambda tables=tables: run_forward(tables), max(2, args.repeat // 3))
