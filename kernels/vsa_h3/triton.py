@@ -146,8 +146,6 @@ def _block_sparse_fwd(
     v_head = b * stride_vb + h * stride_vh
     desc_row = (bh // heads) * (stride_kb // stride_ks)
     desc_col = (bh % heads) * HEAD_DIM
-    k_tile_stride = BLOCK * stride_ks.to(tl.int64)
-    v_tile_stride = BLOCK * stride_vs.to(tl.int64)
     k_offsets = slots[None, :] * stride_ks + dims[:, None]  # (dim, slot): k read transposed for q @ k
     v_offsets = slots[:, None] * stride_vs + dims[None, :] * stride_vd  # (slot, dim)
     m_i = tl.full([BLOCK], float("-inf"), tl.float32)
@@ -161,7 +159,7 @@ def _block_sparse_fwd(
         if TMA:
             k = tl.trans(k_desc.load([desc_row + kv_tile * BLOCK, desc_col]))
         else:
-            k = tl.load(k_ptr + k_head + kv_tile * k_tile_stride + k_offsets)
+            k = tl.load(k_ptr + k_head + kv_tile.to(tl.int64) * (BLOCK * stride_ks) + k_offsets)
         s = tl.dot(q, k, input_precision=DOT_PRECISION)
         s = tl.where(slots[None, :] < tl.load(sizes_ptr + kv_tile), s, float("-inf"))
         # Scaled after the max (the scale is positive): one multiply-add per score for the exponent.
@@ -174,7 +172,7 @@ def _block_sparse_fwd(
         elif TMA:
             v = v_desc.load([desc_row + kv_tile * BLOCK, desc_col])
         else:
-            v = tl.load(v_ptr + v_head + kv_tile * v_tile_stride + v_offsets)
+            v = tl.load(v_ptr + v_head + kv_tile.to(tl.int64) * (BLOCK * stride_vs) + v_offsets)
         p = to_e4m3(p, E4M3_BY_HAND) if FP8 else p.to(v.dtype)
         acc = tl.dot(p, v, acc * alpha[:, None], input_precision=DOT_PRECISION)
         m_i = m_new
