@@ -359,11 +359,11 @@ def test_fp8_tiles_are_the_heads_quantized_then_tiled(transposed):
 )
 def test_fp8_kernel_matches_the_fp8_reference(prefix, grid, dim, sparsity, with_gate):
     """The FP8 kernel's video rows against the reference over e4m3-rounded q/k/v (the kernel also rounds its
-    probabilities: 1.3-2.2 % measured), and further from the unrounded reference (3.1-5.2 %); TMA and pointer reads
+    probabilities: 1.2-2.3 % measured), and further from the unrounded reference (2.9-5.5 %); TMA and pointer reads
     alike, bit for bit; its prefix rows are the dense attention's in the heads' dtype, as without FP8."""
     from h3gen.kernels.vsa_h3 import triton as vsa_triton
 
-    geometry, q, k, v, gate = _inputs(prefix, grid, 3, dim, DTYPES[-1], seed=len(prefix) + dim, gate=with_gate)
+    geometry, q, k, v, gate = _inputs(prefix, grid, 2, dim, DTYPES[-1], seed=len(prefix) + dim, batch=1, gate=with_gate)
     got = {
         tma: vsa_h3_attention(
             q, k, v, geometry, sparsity, gate, backend="triton", config=vsa_triton.KernelConfig(4, 2, tma=tma), fp8=True
