@@ -195,15 +195,14 @@ def _head_quantize_kernel(
     tl.store(q_ptr + out_offsets, tl.clamp(x / scale, -448.0, 448.0).to(q_ptr.dtype.element_ty), mask=mask)
 
 
-def head_descales(x, block_s: int = 64):
-    """Same contract as `reference.head_descales`, in one pass of partial amaxes; `x` any `(B, S, H, D)` view with
-    unit channel stride."""
+def _launch_per_head(kernel, x, buffers, block_s: int) -> None:
+    """`kernel` over `x` `(B, S, H, D)` (unit channel stride) with its `buffers` after `x`: one program per (batch,
+    block of `block_s` rows, head)."""
     batch, seq_len, heads, head_dim = x.shape
     grid = (batch, triton.cdiv(seq_len, block_s), heads)
-    partial = torch.empty((batch, grid[1], heads), dtype=torch.float32, device=x.device)
-    _head_amax_kernel[grid](
+    kernel[grid](
         x,
-        partial,
+        *buffers,
         seq_len,
         heads,
         head_dim,
@@ -212,6 +211,14 @@ def head_descales(x, block_s: int = 64):
         BLOCK_D=next_power_of_2(head_dim),
         num_warps=4,
     )
+
+
+def head_descales(x, block_s: int = 64):
+    """Same contract as `reference.head_descales`, in one pass of partial amaxes; `x` any `(B, S, H, D)` view with
+    unit channel stride."""
+    batch, seq_len, heads, _ = x.shape
+    partial = torch.empty((batch, triton.cdiv(seq_len, block_s), heads), dtype=torch.float32, device=x.device)
+    _launch_per_head(_head_amax_kernel, x, (partial,), block_s)
     return (partial.amax(dim=1).clamp_min(1e-12) / FP8_MAX).contiguous()
 
 
@@ -220,20 +227,7 @@ def quantize_heads(x, block_s: int = 64):
     the values come back contiguous."""
     if x.stride(-1) != 1:
         x = x.contiguous()
-    batch, seq_len, heads, head_dim = x.shape
-    grid = (batch, triton.cdiv(seq_len, block_s), heads)
     scale = head_descales(x, block_s)
     q = torch.empty(x.shape, dtype=FP8, device=x.device)
-    _head_quantize_kernel[grid](
-        x,
-        scale,
-        q,
-        seq_len,
-        heads,
-        head_dim,
-        *x.stride()[:3],
-        BLOCK_S=block_s,
-        BLOCK_D=next_power_of_2(head_dim),
-        num_warps=4,
-    )
+    _launch_per_head(_head_quantize_kernel, x, (scale, q), block_s)
     return q, scale

@@ -4,7 +4,7 @@ branch on every row (FastVideo `video_sparse_attn_h3.py`; SGLang and xDiT add th
 import torch
 import torch.nn.functional as F
 
-from h3gen.kernels.fp8_quant import quantize_heads
+from h3gen.kernels.fp8_quant.reference import quantize_heads
 from h3gen.kernels.vsa_h3.geometry import TileGeometry
 from h3gen.kernels.vsa_h3.selection import compress, select_tiles, selection_map, tile_means, tile_scores
 
